@@ -1,0 +1,1 @@
+"""Flax modules and attention_fn hooks for jax-flash (built by its own issue)."""

@@ -1,0 +1,49 @@
+"""The one place that knows about differences between JAX versions.
+
+CPU machines run JAX 0.10.2 and the H200 runs JAX 0.11.2. Keep every version
+check here so the kernels read the same on both.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import jax
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+# JAX 0.11 deprecates the Pallas Triton backend (it still works). Only this
+# exact warning is filtered; anything else stays visible.
+_TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+
+@contextlib.contextmanager
+def quiet_triton_deprecation():
+  """Silences JAX 0.11's deprecation warning for the Pallas Triton backend."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION)
+    yield
+
+
+def filter_known_warnings() -> None:
+  """Installs process-wide filters for the known, harmless deprecations."""
+  warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION)
+
+
+def has_gpu() -> bool:
+  """True when the default JAX backend is a CUDA GPU."""
+  try:
+    return jax.default_backend() == "gpu"
+  except RuntimeError:
+    return False
+
+
+def gpu_compute_capability() -> tuple[int, int] | None:
+  """(major, minor) of the first GPU, or None without one."""
+  if not has_gpu():
+    return None
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  if cc is None:
+    return None
+  major, _, minor = str(cc).partition(".")
+  return int(major), int(minor or 0)

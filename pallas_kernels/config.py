@@ -1,0 +1,99 @@
+"""Block sizes for the attention kernels, with measured defaults per device.
+
+`BlockSizes` is frozen and hashable so it can be a static argument of `jax.jit`
+and a non-differentiable argument of `jax.custom_vjp`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+# Triton's tl.dot needs every tile dimension to be at least 16.
+MIN_BLOCK = 16
+
+
+def _is_power_of_two(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def next_power_of_two(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes and launch settings of the three attention kernels.
+
+  Attributes:
+    block_q, block_k: query and key/value tile of the forward kernel.
+    block_q_dkv, block_kv_dkv: tiles of the dK/dV kernel (grid over K/V blocks).
+    block_q_dq, block_kv_dq: tiles of the dQ kernel (grid over Q blocks).
+    num_warps, num_stages: Triton launch settings of the forward kernel.
+    num_warps_bwd, num_stages_bwd: the same for both backward kernels.
+  """
+
+  block_q: int = 64
+  block_k: int = 64
+  block_q_dkv: int = 64
+  block_kv_dkv: int = 64
+  block_q_dq: int = 64
+  block_kv_dq: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  num_warps_bwd: int = 4
+  num_stages_bwd: int = 2
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"BlockSizes.{field.name} must be an int, got {value!r}")
+      if field.name.startswith("block_"):
+        if value < MIN_BLOCK or not _is_power_of_two(value):
+          raise ValueError(
+              f"BlockSizes.{field.name} must be a power of two >= {MIN_BLOCK},"
+              f" got {value}")
+      elif field.name.startswith("num_warps"):
+        if value not in (1, 2, 4, 8, 16):
+          raise ValueError(f"BlockSizes.{field.name} must be 1, 2, 4, 8 or 16,"
+                           f" got {value}")
+      elif value < 1:
+        raise ValueError(f"BlockSizes.{field.name} must be >= 1, got {value}")
+
+  @classmethod
+  def get_default(cls, head_dim: int, device_kind: str | None = None
+                  ) -> "BlockSizes":
+    """Measured defaults for `head_dim` on `device_kind` (default: device 0).
+
+    GPU values were chosen by `benchmarks/tune_blocks.py` on an H200
+    (`benchmarks/results/h200_block_sweep.json`). On the CPU (interpret mode)
+    large tiles mean fewer interpreted steps, which is all that matters there.
+    """
+    if device_kind is None:
+      device_kind = jax.devices()[0].device_kind
+    if "cpu" in device_kind.lower():
+      return cls(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64,
+                 block_q_dq=64, block_kv_dq=64)
+    return _GPU_DEFAULTS[_head_dim_class(head_dim)]
+
+
+def _head_dim_class(head_dim: int) -> int:
+  for limit in (64, 128):
+    if head_dim <= limit:
+      return limit
+  return 256
+
+
+# Sm80/sm90 defaults keyed by padded head dim; see `get_default`.
+_GPU_DEFAULTS = {
+    64: BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=128,
+                   block_q_dq=128, block_kv_dq=64, num_warps=4, num_stages=3,
+                   num_warps_bwd=8, num_stages_bwd=2),
+    128: BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=128,
+                    block_q_dq=128, block_kv_dq=64, num_warps=8, num_stages=3,
+                    num_warps_bwd=8, num_stages_bwd=2),
+    256: BlockSizes(block_q=64, block_k=32, block_q_dkv=32, block_kv_dkv=64,
+                    block_q_dq=64, block_kv_dq=32, num_warps=4, num_stages=2,
+                    num_warps_bwd=8, num_stages_bwd=1),
+}

@@ -1,0 +1,1 @@
+"""Pallas Mosaic GPU kernels for Hopper (sm90): not built yet."""

@@ -1,0 +1,127 @@
+"""Pieces shared by the forward, dK/dV and dQ Triton kernels."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+from jax_flash.masking import MaskSpec
+from pallas_kernels.config import MIN_BLOCK, next_power_of_two
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelDims:
+  """Static sizes a kernel body needs: true head dim and its padded tile width."""
+
+  head_dim: int
+  head_dim_padded: int
+
+  @classmethod
+  def for_head_dim(cls, head_dim: int) -> "KernelDims":
+    # tl.arange and tl.dot need power-of-two tiles of at least 16.
+    return cls(head_dim, max(MIN_BLOCK, next_power_of_two(head_dim)))
+
+  @property
+  def needs_column_mask(self) -> bool:
+    return self.head_dim != self.head_dim_padded
+
+
+def clamp_block(block: int, seq_len: int) -> int:
+  """Shrinks a tile to the sequence (a tile of 128 for q_len 1 is waste)."""
+  return min(block, max(MIN_BLOCK, next_power_of_two(seq_len)))
+
+
+def load_tile(ref, rows, dims: KernelDims, seq_len: int | None, other=0.0,
+              head=None):
+  """Loads a [len(rows), head_dim_padded] tile of a [seq, head_dim] ref.
+
+  Rows past `seq_len` (when given) and columns past `head_dim` read `other`;
+  pass `seq_len=None` when every row of the slice is in bounds. With `head`,
+  the ref is [seq, heads, head_dim] and the tile is taken from that head (one
+  indexer, as Triton's lowering needs).
+  """
+  index = (rows, slice(None)) if head is None else (rows, head, slice(None))
+  mask = None
+  if seq_len is not None:
+    row_idx = rows.start + jnp.arange(rows.size)
+    mask = (row_idx < seq_len)[:, None]
+  if dims.needs_column_mask:
+    col_mask = (jnp.arange(dims.head_dim_padded) < dims.head_dim)[None, :]
+    mask = col_mask if mask is None else jnp.logical_and(mask, col_mask)
+  if mask is None:
+    return ref[index]
+  return plgpu.load(ref.at[index], mask=mask, other=other)
+
+
+def store_tile(ref, rows, value, dims: KernelDims, seq_len: int):
+  """Stores a [len(rows), head_dim_padded] tile, skipping padding rows/columns."""
+  row_idx = rows.start + jnp.arange(rows.size)
+  mask = (row_idx < seq_len)[:, None]
+  if dims.needs_column_mask:
+    mask = jnp.logical_and(
+        mask, (jnp.arange(dims.head_dim_padded) < dims.head_dim)[None, :])
+  plgpu.store(ref.at[rows, :], value.astype(ref.dtype), mask=mask)
+
+
+def store_rows(ref, rows, value, seq_len):
+  """Stores a vector slice `ref[rows]`, skipping rows past `seq_len`."""
+  mask = rows.start + jnp.arange(rows.size) < seq_len
+  plgpu.store(ref.at[rows], value.astype(ref.dtype), mask=mask)
+
+
+def load_rows(ref, rows, seq_len: int | None, other, head=None):
+  """Loads a vector slice `ref[rows]` (or `ref[head, rows]`), reading `other`
+  past `seq_len`."""
+  index = rows if head is None else (head, rows)
+  if seq_len is None:
+    return ref[index]
+  mask = rows.start + jnp.arange(rows.size) < seq_len
+  return plgpu.load(ref.at[index], mask=mask, other=other)
+
+
+def matmul(a, b, *, transpose_b: bool = False):
+  """a @ b (or a @ b.T) on tensor cores with float32 accumulation.
+
+  float32 inputs run in IEEE float32 (Pallas Triton's default precision for
+  float32 dots), not TF32.
+  """
+  contract_b = 1 if transpose_b else 0
+  return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def matmul_t(a, b):
+  """a.T @ b with float32 accumulation."""
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def element_keep(spec: MaskSpec, q_start, kv_start, block_q: int, block_k: int):
+  """`spec.keep` on the [block_q, block_k] tile at (q_start, kv_start)."""
+  q_idx = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+  kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+  return spec.keep(q_idx, kv_idx)
+
+
+def run_block_loop(block_range, body, carry):
+  """Runs `body(j, carry, masked)` over the visited blocks of a block range.
+
+  `block_range` is `(lo, unmasked_lo, unmasked_hi, hi)` from `MaskSpec`. Full
+  blocks run the cheaper unmasked body; the two edges run the masked one.
+  """
+  lo, unmasked_lo, unmasked_hi, hi = block_range
+  masked = lambda j, c: body(j, c, True)
+  unmasked = lambda j, c: body(j, c, False)
+  carry = lax.fori_loop(lo, unmasked_lo, masked, carry)
+  carry = lax.fori_loop(unmasked_lo, unmasked_hi, unmasked, carry)
+  return lax.fori_loop(unmasked_hi, hi, masked, carry)
+
+
+def compiler_params(num_warps: int, num_stages: int):
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)

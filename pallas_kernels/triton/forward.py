@@ -1,0 +1,110 @@
+"""Forward kernel: tiled attention with online softmax (FlashAttention-2 Alg. 1).
+
+Grid (q block, batch, head). Each program keeps its Q tile resident, walks the
+K/V blocks that `MaskSpec.kv_block_range` says are non-empty, and keeps the
+output unnormalised (with running max `m` and sum `l`, in base 2) until the
+end. It stores O and the natural-log LSE; nothing of size N x N is written.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jax_flash.masking import MaskSpec
+from pallas_kernels.config import BlockSizes
+from pallas_kernels.triton import common
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float,
+                    spec: MaskSpec, dims: common.KernelDims, block_q: int,
+                    block_k: int):
+  """q_ref [block_q, Dp]; k_ref, v_ref [kv_len, Dp]; o_ref [block_q, Dp]; lse_ref [block_q]."""
+  q_start = pl.program_id(0) * block_q
+  tile = pl.ds(0, block_q)
+  # Rows of this tile that exist; None when every tile is full (no row mask).
+  q_rows_left = spec.q_len - q_start if spec.q_len % block_q else None
+  q = common.load_tile(q_ref, tile, dims, q_rows_left)
+  # exp2 instead of exp: log2(e) folded into the logit scale.
+  qk_scale = scale * common.LOG2_E
+
+  def body(j, carry, masked: bool):
+    acc, m, l = carry
+    kv_start = j * block_k
+    kv_rows = pl.ds(kv_start, block_k)
+    tail = spec.kv_len if masked else None
+    k = common.load_tile(k_ref, kv_rows, dims, tail)
+    s = common.matmul(q, k, transpose_b=True) * qk_scale
+    if masked:
+      keep = common.element_keep(spec, q_start, kv_start, block_q, block_k)
+      s = jnp.where(keep, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    if masked:
+      # A row with every key masked so far keeps m = -inf; shift by 0 instead
+      # so that exp2 gives 0, not NaN.
+      m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    else:
+      m_new_safe = m_new
+    correction = jnp.exp2(m - m_new_safe)
+    p = jnp.exp2(s - m_new_safe[:, None])
+    l = l * correction + jnp.sum(p, axis=1)
+    v = common.load_tile(v_ref, kv_rows, dims, tail)
+    acc = acc * correction[:, None] + common.matmul(p.astype(v.dtype), v)
+    return acc, m_new, l
+
+  carry = (jnp.zeros((block_q, dims.head_dim_padded), jnp.float32),
+           jnp.full((block_q,), -jnp.inf, jnp.float32),
+           jnp.zeros((block_q,), jnp.float32))
+  block_range = spec.kv_block_range(q_start, block_q, block_k)
+  acc, m, l = common.run_block_loop(block_range, body, carry)
+
+  empty = l == 0.0  # nothing to attend to: output 0, lse -inf
+  l_safe = jnp.where(empty, 1.0, l)
+  out = acc / l_safe[:, None]
+  lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * common.LN_2)
+  common.store_tile(o_ref, tile, out, dims, spec.q_len - q_start)
+  common.store_rows(lse_ref, tile, lse, spec.q_len - q_start)
+
+
+def flash_forward(query, key, value, *, scale: float, spec: MaskSpec,
+                  block_sizes: BlockSizes, interpret: bool):
+  """Attention forward.
+
+  Args:
+    query: [batch, q_len, num_heads, head_dim].
+    key, value: [batch, kv_len, num_kv_heads, head_dim].
+
+  Returns:
+    out [batch, q_len, num_heads, head_dim] (query.dtype) and
+    lse float32 [batch, num_heads, q_len] (natural log, -inf for empty rows).
+  """
+  batch, q_len, num_heads, head_dim = query.shape
+  num_kv_heads = key.shape[2]
+  group = num_heads // num_kv_heads
+  dims = common.KernelDims.for_head_dim(head_dim)
+  block_q = common.clamp_block(block_sizes.block_q, q_len)
+  block_k = common.clamp_block(block_sizes.block_k, spec.kv_len)
+  kv_padded = pl.cdiv(spec.kv_len, block_k) * block_k
+  dp = dims.head_dim_padded
+
+  kernel = functools.partial(_forward_kernel, scale=scale, spec=spec,
+                             dims=dims, block_q=block_q, block_k=block_k)
+  grid = (pl.cdiv(q_len, block_q), batch, num_heads)
+  q_spec = pl.BlockSpec((None, block_q, None, dp), lambda i, b, h: (b, i, h, 0))
+  kv_spec = pl.BlockSpec((None, kv_padded, None, dp),
+                         lambda i, b, h: (b, 0, h // group, 0))
+  lse_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
+  return pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=[q_spec, kv_spec, kv_spec],
+      out_specs=[q_spec, lse_spec],
+      out_shape=[jax.ShapeDtypeStruct(query.shape, query.dtype),
+                 jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)],
+      compiler_params=common.compiler_params(block_sizes.num_warps,
+                                             block_sizes.num_stages),
+      interpret=interpret,
+      name="flash_forward",
+  )(query, key, value)

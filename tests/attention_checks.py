@@ -1,0 +1,106 @@
+"""The checks every attention test uses: random inputs, reference, tolerance rule.
+
+Tolerance (FlashAttention's): for float16/bfloat16,
+`max|ours - ref_f32| <= 2 * max|ref_lowp - ref_f32| + eps`, where `ref_lowp`
+is the naive computation in the input dtype. For float32, a fixed bound
+relative to the magnitude of the reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash.masking import MaskSpec
+from jax_flash.reference import reference_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  batch: int
+  q_len: int
+  kv_len: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+
+  def __str__(self):
+    return (f"b{self.batch}-q{self.q_len}-k{self.kv_len}-h{self.num_heads}:"
+            f"{self.num_kv_heads}-d{self.head_dim}")
+
+
+def random_inputs(case: Case, dtype, seed: int):
+  """(q, k, v, d_out, d_lse): normal inputs and a random cotangent."""
+  keys = jax.random.split(jax.random.key(seed), 5)
+  b, tq, tk = case.batch, case.q_len, case.kv_len
+  q = jax.random.normal(keys[0], (b, tq, case.num_heads, case.head_dim), dtype)
+  k = jax.random.normal(keys[1], (b, tk, case.num_kv_heads, case.head_dim),
+                        dtype)
+  v = jax.random.normal(keys[2], (b, tk, case.num_kv_heads, case.head_dim),
+                        dtype)
+  d_out = jax.random.normal(keys[3], q.shape, dtype)
+  d_lse = jax.random.normal(keys[4], (b, tq, case.num_heads), jnp.float32)
+  return q, k, v, d_out, d_lse
+
+
+def forward_and_grads(attention, q, k, v, d_out, d_lse):
+  """Runs `attention(q, k, v) -> (out, lse)` and its VJP with both cotangents."""
+  (out, lse), vjp = jax.vjp(attention, q, k, v)
+  grads = vjp((d_out, d_lse))
+  return {"out": out, "lse": lse, "dq": grads[0], "dk": grads[1],
+          "dv": grads[2]}
+
+
+def _max_err(a, b):
+  a = np.asarray(jnp.asarray(a, jnp.float32))
+  b = np.asarray(jnp.asarray(b, jnp.float32))
+  finite = np.isfinite(b)
+  assert np.array_equal(np.isfinite(a), finite), "non-finite values differ"
+  if not finite.any():
+    return 0.0
+  return float(np.max(np.abs(a[finite] - b[finite])))
+
+
+def check_against_reference(attention, case: Case, dtype, *, is_causal: bool,
+                            scale: float | None = None, seed: int = 0,
+                            f32_tol: float = 2e-5):
+  """Asserts that `attention(q, k, v) -> (out, lse)` obeys the tolerance rule.
+
+  Checks the output, the LSE and dq, dk, dv under a random cotangent of both.
+  Returns the errors, for the caller to print.
+  """
+  scale = case.head_dim ** -0.5 if scale is None else scale
+  spec = MaskSpec(q_len=case.q_len, kv_len=case.kv_len, is_causal=is_causal)
+  q, k, v, d_out, d_lse = random_inputs(case, dtype, seed)
+
+  def reference_in(compute_dtype):
+    def run(q, k, v):
+      return reference_attention(q, k, v, scale=scale, spec=spec,
+                                 compute_dtype=compute_dtype)
+    return run
+
+  ours = forward_and_grads(attention, q, k, v, d_out, d_lse)
+  up = lambda x: x.astype(jnp.float32)
+  exact = forward_and_grads(reference_in(jnp.float32), up(q), up(k), up(v),
+                            up(d_out), d_lse)
+  errors = {}
+  if dtype == jnp.float32:
+    for name, ref in exact.items():
+      err = _max_err(ours[name], ref)
+      scale_of_ref = max(1.0, float(jnp.max(jnp.abs(jnp.where(
+          jnp.isfinite(ref), ref, 0.0)))))
+      errors[name] = err
+      assert ours[name].dtype == (jnp.float32), name
+      assert err <= f32_tol * scale_of_ref, (name, err, scale_of_ref)
+    return errors
+  naive = forward_and_grads(reference_in(dtype), q, k, v, d_out, d_lse)
+  for name, ref in exact.items():
+    err = _max_err(ours[name], ref)
+    yardstick = _max_err(naive[name], ref)
+    errors[name] = (err, yardstick)
+    # eps covers outputs that are exactly representable in both.
+    eps = 1e-5 if name == "lse" else 2e-3
+    assert err <= 2 * yardstick + eps, (name, err, yardstick)
+  return errors

@@ -1,0 +1,148 @@
+"""Forward, LSE and gradients of the Triton kernels against the reference."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import BlockSizes
+from tests.attention_checks import Case, check_against_reference, random_inputs
+
+# Small tiles in interpret mode so that every shape spans several blocks and
+# ends in a partial one.
+SMALL_BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16,
+                          block_kv_dkv=32, block_q_dq=32, block_kv_dq=16)
+
+CPU_CASES = [
+    Case(2, 97, 97, 4, 4, 40),      # tails on both axes, head dim padded 40->64
+    Case(1, 1, 257, 8, 2, 64),      # single query (decode), GQA 8:2
+    Case(1, 257, 33, 8, 1, 96),     # q_len > kv_len, MQA 8:1, d 96->128
+    Case(2, 64, 128, 2, 2, 16),     # smallest head dim, exact tiles
+    Case(1, 33, 70, 4, 2, 128),     # q_len != kv_len
+]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _triton(block_sizes, is_causal, interpret=True):
+  def attention(q, k, v):
+    return jax_flash.flash_attention(
+        q, k, v, is_causal=is_causal, return_residual=True,
+        implementation="triton", block_sizes=block_sizes, interpret=interpret)
+  return attention
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", CPU_CASES, ids=str)
+def test_matches_reference(case, is_causal, dtype):
+  check_against_reference(_triton(SMALL_BLOCKS, is_causal), case, dtype,
+                          is_causal=is_causal, seed=hash(str(case)) % 1000)
+
+
+def test_default_block_sizes_match_reference():
+  case = Case(1, 150, 150, 2, 1, 64)
+  check_against_reference(_triton(None, True), case, jnp.float32,
+                          is_causal=True, seed=3)
+
+
+def test_custom_scale():
+  case = Case(1, 40, 50, 2, 2, 32)
+  attention = lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, scale=0.37, return_residual=True, implementation="triton",
+      block_sizes=SMALL_BLOCKS)
+  check_against_reference(attention, case, jnp.float32, is_causal=False,
+                          scale=0.37)
+
+
+def test_matches_jax_nn_dot_product_attention():
+  """Called like jax.nn.dot_product_attention, the results are the same."""
+  q, k, v, _, _ = random_inputs(Case(2, 45, 45, 4, 2, 32), jnp.float32, 7)
+  for is_causal in (False, True):
+    ours, lse = jax_flash.flash_attention(q, k, v, is_causal=is_causal,
+                                          return_residual=True,
+                                          implementation="triton")
+    theirs, their_lse = jax.nn.dot_product_attention(
+        q, k, v, is_causal=is_causal, return_residual=True)
+    np.testing.assert_allclose(ours, theirs, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(lse, their_lse, atol=2e-6, rtol=0)
+
+
+def test_deterministic_bitwise():
+  case = Case(1, 70, 90, 4, 2, 40)
+  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 11)
+
+  @jax.jit
+  def run(q, k, v):
+    out, vjp = jax.vjp(_triton(SMALL_BLOCKS, True), q, k, v)
+    return out, vjp((d_out, jnp.zeros_like(out[1])))
+
+  first = jax.tree.leaves(run(q, k, v))
+  second = jax.tree.leaves(run(q, k, v))
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_jit_grad_vmap_checkpoint():
+  case = Case(2, 40, 40, 2, 2, 32)
+  q, k, v, d_out, _ = random_inputs(case, jnp.float32, 5)
+  attention = functools.partial(jax_flash.flash_attention, is_causal=True,
+                                implementation="triton",
+                                block_sizes=SMALL_BLOCKS)
+  reference = functools.partial(jax_flash.attention_reference, is_causal=True)
+
+  def loss(fn, q, k, v):
+    return jnp.sum(fn(q, k, v) * d_out)
+
+  expected = jax.grad(functools.partial(loss, reference), (0, 1, 2))(q, k, v)
+  for name, transform in {
+      "jit(grad)": lambda f: jax.jit(jax.grad(f, (0, 1, 2))),
+      "grad(checkpoint)": lambda f: jax.grad(jax.checkpoint(f), (0, 1, 2)),
+  }.items():
+    got = transform(functools.partial(loss, attention))(q, k, v)
+    for g, e in zip(got, expected):
+      np.testing.assert_allclose(g, e, atol=1e-4, err_msg=name)
+
+  # vmap over a leading axis (e.g. layers): batch of batches.
+  stacked = [jnp.stack([x, x[::-1]]) for x in (q, k, v)]
+  got = jax.vmap(attention)(*stacked)
+  want = jax.vmap(reference)(*stacked)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_decode_single_query_and_single_key():
+  q, k, v, _, _ = random_inputs(Case(1, 1, 1, 2, 1, 16), jnp.float32, 2)
+  out = jax_flash.flash_attention(q, k, v, implementation="triton")
+  # One key: softmax is 1, the output is that key's value.
+  np.testing.assert_allclose(out, jnp.repeat(v, 2, axis=2), atol=1e-6)
+
+
+def test_implementation_none_on_cpu_uses_xla_and_matches():
+  q, k, v, _, _ = random_inputs(Case(1, 20, 30, 2, 2, 16), jnp.float32, 4)
+  auto = jax_flash.flash_attention(q, k, v, is_causal=True)
+  triton = jax_flash.flash_attention(q, k, v, is_causal=True,
+                                     implementation="triton")
+  np.testing.assert_allclose(auto, triton, atol=2e-6)
+
+
+def test_large_head_dim_falls_back_to_xla():
+  q, k, v, _, _ = random_inputs(Case(1, 8, 8, 1, 1, 288), jnp.float32, 4)
+  out = jax_flash.flash_attention(q, k, v, interpret=True)
+  np.testing.assert_allclose(out, jax_flash.attention_reference(q, k, v),
+                             atol=1e-6)
+  with pytest.raises(NotImplementedError, match="head_dim up to 256"):
+    jax_flash.flash_attention(q, k, v, implementation="triton")
+
+
+def test_no_nan_for_extreme_logits():
+  case = Case(1, 50, 50, 2, 2, 32)
+  q, k, v, _, _ = random_inputs(case, jnp.float32, 9)
+  out = jax_flash.flash_attention(q * 300.0, k * 300.0, v, is_causal=True,
+                                  implementation="triton",
+                                  block_sizes=SMALL_BLOCKS)
+  assert bool(jnp.all(jnp.isfinite(out)))
+  ref = jax_flash.attention_reference(q * 300.0, k * 300.0, v, is_causal=True)
+  np.testing.assert_allclose(out, ref, atol=1e-4)
