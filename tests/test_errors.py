@@ -1,0 +1,86 @@
+"""Bad input gets a clear error naming the argument and the shapes."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+import jax_flash
+from jax_flash import BlockSizes
+
+
+def _qkv(q_shape=(2, 8, 4, 16), kv_shape=(2, 8, 2, 16), dtype=jnp.float32):
+  return (jnp.ones(q_shape, dtype), jnp.ones(kv_shape, dtype),
+          jnp.ones(kv_shape, dtype))
+
+
+@pytest.mark.parametrize("fn", [jax_flash.flash_attention,
+                                jax_flash.attention_reference])
+@pytest.mark.parametrize("q_shape, kv_shape, match", [
+    ((2, 8, 4, 16), (2, 8, 2, 32), r"same head_dim.*query \(2, 8, 4, 16\)"),
+    ((2, 8, 4, 16), (3, 8, 2, 16), r"same batch size"),
+    ((2, 8, 4, 16), (2, 8, 3, 16), r"num_heads \(4\) must be divisible by"
+                                   r" num_kv_heads \(3\)"),
+    ((8, 4, 16), (2, 8, 2, 16), r"query must have rank 4.*\(8, 4, 16\)"),
+    ((2, 8, 4, 16), (2, 8, 2, 16, 1), r"key must have rank 4"),
+])
+def test_shape_errors(fn, q_shape, kv_shape, match):
+  q, k, v = _qkv(q_shape, kv_shape)
+  with pytest.raises(ValueError, match=match):
+    fn(q, k, v)
+
+
+def test_key_value_mismatch():
+  q, k, _ = _qkv()
+  v = jnp.ones((2, 9, 2, 16))
+  with pytest.raises(ValueError, match=r"key and value must have the same shape"):
+    jax_flash.flash_attention(q, k, v)
+
+
+def test_integer_dtype():
+  q, k, v = _qkv(dtype=jnp.int32)
+  with pytest.raises(TypeError, match=r"query must be float16, bfloat16 or"
+                                      r" float32, got int32"):
+    jax_flash.flash_attention(q, k, v)
+
+
+def test_mixed_dtypes():
+  q, k, v = _qkv()
+  with pytest.raises(TypeError, match=r"same dtype.*bfloat16"):
+    jax_flash.flash_attention(q, k.astype(jnp.bfloat16), v)
+
+
+def test_bad_implementation_and_arguments():
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match=r"implementation must be one of"):
+    jax_flash.flash_attention(q, k, v, implementation="cuda")
+  with pytest.raises(TypeError, match=r"block_sizes must be a BlockSizes"):
+    jax_flash.flash_attention(q, k, v, block_sizes={"block_q": 64})
+  with pytest.raises(TypeError, match=r"is_causal must be a bool"):
+    jax_flash.flash_attention(q, k, v, is_causal="yes")
+  with pytest.raises(ValueError, match=r"scale must be finite"):
+    jax_flash.flash_attention(q, k, v, scale=float("inf"))
+
+
+def test_dropout_arguments():
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match=r"dropout_rate must be in \[0, 1\)"):
+    jax_flash.flash_attention(q, k, v, dropout_rate=1.5)
+  with pytest.raises(ValueError, match=r"needs a dropout_rng"):
+    jax_flash.flash_attention(q, k, v, dropout_rate=0.1)
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("block_q", 48, ValueError), ("block_k", 8, ValueError),
+    ("num_warps", 3, ValueError), ("num_stages", 0, ValueError),
+    ("block_q", 64.0, TypeError),
+])
+def test_block_sizes_validation(field, value, error):
+  with pytest.raises(error, match=field):
+    BlockSizes(**{field: value})
+
+
+def test_block_sizes_hashable_and_frozen():
+  a, b = BlockSizes(block_q=128), BlockSizes(block_q=128)
+  assert hash(a) == hash(b) and a == b
+  with pytest.raises(Exception):
+    a.block_q = 64  # type: ignore[misc]
