@@ -105,8 +105,10 @@ class MaskSpec:
                                  block_q)
     if self.kv_len % block_k:
       # The key block holding the tail is masked for every query block.
-      is_tail = kv_start + block_k > self.kv_len
-      unmasked_lo = jnp.where(is_tail, hi, unmasked_lo)
+      # (Arithmetic, not jnp.where: Pallas' Triton lowering types a select of
+      # two literals as i1.)
+      is_tail = jnp.asarray(kv_start + block_k > self.kv_len, jnp.int32)
+      unmasked_lo = jnp.maximum(unmasked_lo, is_tail * hi)
     lo = jnp.minimum(lo, hi)
     unmasked_lo = jnp.clip(unmasked_lo, lo, hi)
     unmasked_hi = jnp.clip(unmasked_hi, unmasked_lo, hi)

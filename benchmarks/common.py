@@ -1,0 +1,252 @@
+"""Timing, FLOP and memory helpers shared by every benchmark and `python -m jax_flash`.
+
+Protocol (DESIGN.md section 5): FlashAttention's FLOP count, random inputs
+(never zeros), warm-up calls, then the median of several timed samples.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("fwd", "fwd_bwd")
+# FlashAttention's convention: the backward does 5 matmuls to the forward's 2
+# (2.5x); the recomputation of P inside the backward is not counted.
+_MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+GIB = 1024 ** 3
+
+
+def attention_flops(batch: int, seq_q: int, seq_k: int, heads: int,
+                    head_dim: int, causal: bool, mode: str) -> float:
+  """FLOPs of attention by FlashAttention's count.
+
+  4·B·Tq·Tk·N·D for the forward's two matmuls (QK^T and PV), halved when
+  causal (half of the score matrix is skipped), x2.5 for "bwd" and x3.5 for
+  "fwd_bwd".
+  """
+  flops = 4.0 * batch * seq_q * seq_k * heads * head_dim * _MODE_FACTOR[mode]
+  return flops / 2 if causal else flops
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  """One point of a benchmark grid.
+
+  The attention inputs q, k, v (and the cotangent of the output) all have
+  shape [batch, seq_len, num_heads, head_dim].
+  """
+  mode: str
+  seq_len: int
+  head_dim: int
+  causal: bool
+  batch: int
+  num_heads: int
+  dtype: str = "bfloat16"
+
+  @classmethod
+  def standard(cls, mode: str, seq_len: int, head_dim: int, causal: bool, *,
+               tokens: int = 16384, hidden: int = 2048) -> "Cell":
+    """FlashAttention's grid: batch·seq = `tokens`, heads·head_dim = `hidden`."""
+    if tokens % seq_len or hidden % head_dim:
+      raise ValueError(f"seq_len {seq_len} must divide tokens {tokens} and "
+                       f"head_dim {head_dim} must divide hidden {hidden}")
+    return cls(mode=mode, seq_len=seq_len, head_dim=head_dim, causal=causal,
+               batch=tokens // seq_len, num_heads=hidden // head_dim)
+
+  @property
+  def shape(self) -> tuple[int, int, int, int]:
+    return (self.batch, self.seq_len, self.num_heads, self.head_dim)
+
+  @property
+  def flops(self) -> float:
+    return attention_flops(self.batch, self.seq_len, self.seq_len,
+                           self.num_heads, self.head_dim, self.causal,
+                           self.mode)
+
+  @property
+  def key(self) -> tuple:
+    """Identifies the cell in a results file (with the implementation name)."""
+    return (self.mode, self.seq_len, self.head_dim, self.causal)
+
+  def label(self) -> str:
+    return (f"{self.mode} s{self.seq_len} d{self.head_dim} "
+            f"{'causal' if self.causal else 'full'}")
+
+
+@dataclasses.dataclass
+class Record:
+  """One measured (implementation, cell): a row of a results JSON."""
+  impl: str
+  mode: str
+  seq_len: int
+  head_dim: int
+  causal: bool
+  dtype: str
+  batch: int
+  num_heads: int
+  ms: float
+  tflops: float
+  peak_gib: float | None
+
+  @classmethod
+  def measured(cls, impl: str, cell: Cell, ms: float,
+               peak_gib: float | None) -> "Record":
+    return cls(impl=impl, mode=cell.mode, seq_len=cell.seq_len,
+               head_dim=cell.head_dim, causal=cell.causal, dtype=cell.dtype,
+               batch=cell.batch, num_heads=cell.num_heads, ms=ms,
+               tflops=cell.flops / (ms * 1e-3) / 1e12, peak_gib=peak_gib)
+
+
+def skip_entry(impl: str, cell: Cell, reason: str) -> dict:
+  """A row of a results file's "skipped" list."""
+  return {"impl": impl, "mode": cell.mode, "seq_len": cell.seq_len,
+          "head_dim": cell.head_dim, "causal": cell.causal, "reason": reason}
+
+
+def entry_key(entry: dict) -> tuple:
+  """(impl, mode, seq_len, head_dim, causal) of a record or skip entry."""
+  return (entry["impl"], entry["mode"], entry["seq_len"], entry["head_dim"],
+          entry["causal"])
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def random_array(key, shape, dtype) -> jax.Array:
+  """Standard normal values: timings on zeros flatter hardware that skips work."""
+  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def attention_inputs(shape, dtype, seed: int = 0):
+  """(q, k, v, d_out), each random with `shape` [batch, seq, heads, head_dim]."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  return tuple(random_array(k, shape, dtype) for k in keys)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def time_fn(fn: Callable, *args, warmup: int = 2, reps: int = 10,
+            min_sample_ms: float = 2.0, max_inner: int = 64) -> float:
+  """Median wall time of `fn(*args)` in milliseconds.
+
+  `fn` should be jitted (or an AOT-compiled executable); the first warm-up
+  call compiles it. Each sample launches `inner` calls back to back and
+  waits for the last one, with `inner` chosen so that a sample lasts at least
+  `min_sample_ms`: a single short kernel would otherwise be dominated by the
+  host's dispatch and synchronisation latency.
+  """
+  for _ in range(max(1, warmup)):
+    jax.block_until_ready(fn(*args))
+  single = _sample_ms(fn, args, 1)
+  inner = int(min(max_inner, max(1, math.ceil(min_sample_ms / max(single,
+                                                                   1e-3)))))
+  samples = [_sample_ms(fn, args, inner) / inner for _ in range(max(1, reps))]
+  return statistics.median(samples)
+
+
+def _sample_ms(fn, args, inner: int) -> float:
+  start = time.perf_counter()
+  for _ in range(inner):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) * 1e3
+
+
+# ---------------------------------------------------------------- memory
+
+
+def compiled_peak_gib(compiled) -> float | None:
+  """Peak device memory of an AOT-compiled executable, from XLA's analysis.
+
+  Arguments + outputs + temporaries, less buffers aliased between arguments
+  and outputs; None where the backend gives no analysis. Memory inside a
+  kernel (shared memory, registers) is not device memory and not counted.
+  """
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return None
+  total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+           + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+  return total / GIB
+
+
+def peak_memory_gib(jitted_fn, *args) -> float | None:
+  """`compiled_peak_gib` of `jitted_fn` compiled for `args`."""
+  return compiled_peak_gib(jitted_fn.lower(*args).compile())
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+  ms: float
+  peak_gib: float | None
+
+
+def measure(jitted_fn, args, *, warmup: int = 2, reps: int = 10
+            ) -> Measurement:
+  """Compiles once, reads the memory analysis, then times the executable."""
+  compiled = jitted_fn.lower(*args).compile()
+  peak = compiled_peak_gib(compiled)
+  return Measurement(time_fn(compiled, *args, warmup=warmup, reps=reps), peak)
+
+
+def device_peak_gib() -> float | None:
+  """Peak bytes the allocator has handed out in this process (GPU only)."""
+  stats = jax.devices()[0].memory_stats()
+  if not stats or "peak_bytes_in_use" not in stats:
+    return None
+  return stats["peak_bytes_in_use"] / GIB
+
+
+# ---------------------------------------------------------------- errors
+
+
+def is_oom(error: BaseException) -> bool:
+  text = str(error)
+  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def describe_error(error: BaseException, limit: int = 300) -> str:
+  """One line for a results file: the type and the first line of the message."""
+  if is_oom(error):
+    return "oom"
+  first = next((line for line in str(error).splitlines() if line.strip()), "")
+  return f"{type(error).__name__}: {first}"[:limit]
+
+
+# ---------------------------------------------------------------- results
+
+
+def command_line() -> str:
+  """The exact command that started this process, interpreter included."""
+  return shlex.join(getattr(sys, "orig_argv", None)
+                    or [sys.executable, *sys.argv])
+
+
+def device_header() -> dict[str, str]:
+  """The device and JAX version (initialises the JAX backend)."""
+  return {"device": jax.devices()[0].device_kind,
+          "jax_version": jax.__version__}
+
+
+def run_header() -> dict[str, Any]:
+  """The device, JAX version and exact command line, for a results file."""
+  return {**device_header(), "command": command_line()}
+
+
+def write_json(path: str, data: dict) -> None:
+  """Writes atomically, so a run killed mid-write leaves the last good file."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(data, f, indent=1)
+  os.replace(tmp, path)

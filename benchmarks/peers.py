@@ -1,0 +1,184 @@
+"""The implementations a benchmark compares, each behind the same small interface.
+
+`PEERS[name](cell, interpret=...)` returns a `Benchmark`: a jitted callable and
+the inputs to call it with. For mode "fwd" the callable is `(q, k, v) -> out`;
+for "fwd_bwd" it is `(q, k, v, d_out) -> (dq, dk, dv)`, the gradient of
+`sum(out * d_out)` for a random cotangent `d_out` (never `.sum()` of out, which
+would make every row's cotangent the same). All arrays are
+[batch, seq, heads, head_dim]. A peer that cannot run here raises
+`Unavailable`; any other failure (OOM, compile error, NotImplementedError) is
+the caller's to record, never to crash on.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import jax_flash
+from benchmarks import common
+from pallas_kernels import compat
+
+
+class Unavailable(Exception):
+  """The peer cannot run on this machine (not installed, wrong device)."""
+
+
+class Benchmark(NamedTuple):
+  fn: Callable
+  args: tuple
+
+
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _benchmark(cell: common.Cell, attention: AttentionFn,
+               dtype=None) -> Benchmark:
+  """Wraps `attention(q, k, v) -> out` for `cell.mode`, with random inputs."""
+  q, k, v, d_out = common.attention_inputs(cell.shape, dtype or cell.dtype)
+  if cell.mode == "fwd":
+    return Benchmark(jax.jit(attention), (q, k, v))
+
+  def loss_grad(q, k, v, d_out):
+    _, vjp = jax.vjp(attention, q, k, v)
+    return vjp(d_out)
+
+  return Benchmark(jax.jit(loss_grad), (q, k, v, d_out))
+
+
+def _require_gpu(what: str, sm: tuple[int, int] = (8, 0)) -> None:
+  cc = compat.gpu_compute_capability()
+  if cc is None or cc < sm:
+    raise Unavailable(f"{what} needs an sm{sm[0]}{sm[1]}+ GPU (found {cc})")
+
+
+def jax_flash_triton(cell: common.Cell, *, interpret: bool = False,
+                     block_sizes=None) -> Benchmark:
+  """This project's Pallas Triton kernels (interpret mode on a CPU)."""
+  def attention(q, k, v):
+    return jax_flash.flash_attention(
+        q, k, v, is_causal=cell.causal, implementation="triton",
+        block_sizes=block_sizes, interpret=interpret)
+  return _benchmark(cell, attention)
+
+
+def xla(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
+  """`jax.nn.dot_product_attention`'s XLA path: materialises the scores."""
+  del interpret
+  def attention(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=cell.causal,
+                                        implementation="xla")
+  return _benchmark(cell, attention)
+
+
+def cudnn(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
+  """cuDNN's fused attention through `jax.nn.dot_product_attention`."""
+  del interpret
+  _require_gpu("cuDNN attention")
+  def attention(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=cell.causal,
+                                        implementation="cudnn")
+  return _benchmark(cell, attention)
+
+
+def pallas_triton_mha(cell: common.Cell, *, interpret: bool = False
+                      ) -> Benchmark:
+  """JAX's own Pallas Triton kernel (`pallas.ops.gpu.attention.mha`).
+
+  Its default tiles are 128 (forward) and 32 (backward); it needs seq_len
+  to be a multiple of the forward tile when longer than it.
+  """
+  if not interpret:
+    _require_gpu("pallas.ops.gpu.attention")
+  with warnings.catch_warnings():
+    # JAX 0.11 deprecates the module in favour of tokamax; it still works.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+  scale = cell.head_dim ** -0.5
+  def attention(q, k, v):
+    return pallas_attention.mha(q, k, v, None, sm_scale=scale,
+                                causal=cell.causal, interpret=interpret)
+  return _benchmark(cell, attention)
+
+
+def pallas_mgpu(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
+  """JAX's Mosaic GPU kernel (`pallas.ops.gpu.attention_mgpu`), Hopper only.
+
+  Float16 only (its shared-memory scratch is float16), no softmax scale (it is
+  folded into q), head_dim a multiple of 64, seq_len a multiple of 128, and
+  its backward has no causal case (NotImplementedError, recorded as skipped).
+  """
+  del interpret
+  _require_gpu("attention_mgpu", sm=(9, 0))
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
+  config = attention_mgpu.TuningConfig(
+      block_q=64, block_kv=128, max_concurrent_steps=2, causal=cell.causal,
+      block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+  scale = cell.head_dim ** -0.5
+  def attention(q, k, v):
+    return attention_mgpu.attention(q * jnp.asarray(scale, q.dtype), k, v,
+                                    config)
+  return _benchmark(cell, attention, dtype=jnp.float16)
+
+
+def _tokamax(cell: common.Cell, implementation: str) -> Benchmark:
+  _require_gpu(f"tokamax {implementation}")
+  try:
+    import tokamax
+  except Exception as e:  # ImportError, or a wheel built for another JAX
+    raise Unavailable(f"tokamax not importable ({common.describe_error(e)}); "
+                      "see benchmarks/README.md") from e
+  def attention(q, k, v):
+    return tokamax.dot_product_attention(q, k, v, is_causal=cell.causal,
+                                         implementation=implementation)
+  return _benchmark(cell, attention)
+
+
+def tokamax_mosaic(cell: common.Cell, *, interpret: bool = False
+                   ) -> Benchmark:
+  """tokamax's Mosaic GPU FlashAttention (sm90)."""
+  del interpret
+  return _tokamax(cell, "mosaic")
+
+
+def tokamax_triton(cell: common.Cell, *, interpret: bool = False
+                   ) -> Benchmark:
+  """tokamax's Pallas Triton FlashAttention."""
+  del interpret
+  return _tokamax(cell, "triton")
+
+
+def matmul(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
+  """The ceiling: one dense bf16 matmul with exactly the cell's FLOPs.
+
+  [batch·seq, hidden] @ [hidden, n], the shape of a projection in the same
+  model, with n = flops / (2·batch·seq·hidden) = 2·seq·(mode and causal
+  factor).
+  """
+  del interpret
+  m, k = cell.batch * cell.seq_len, cell.num_heads * cell.head_dim
+  n = round(cell.flops / (2 * m * k))
+  if 2 * m * k * n != cell.flops:
+    raise ValueError(f"no integer matmul width gives {cell.flops} FLOPs")
+  key_a, key_b = jax.random.split(jax.random.key(0))
+  a = common.random_array(key_a, (m, k), cell.dtype)
+  b = common.random_array(key_b, (k, n), cell.dtype)
+  return Benchmark(jax.jit(jnp.matmul), (a, b))
+
+
+PeerFn = Callable[..., Benchmark]
+PEERS: dict[str, PeerFn] = {
+    "jax_flash_triton": jax_flash_triton,
+    "xla": xla,
+    "cudnn": cudnn,
+    "pallas_triton_mha": pallas_triton_mha,
+    "pallas_mgpu": pallas_mgpu,
+    "tokamax_mosaic": tokamax_mosaic,
+    "tokamax_triton": tokamax_triton,
+    "matmul": matmul,
+}
+OURS = "jax_flash_triton"
+# Not a peer to beat but the hardware's ceiling for the same FLOPs.
+CEILING = "matmul"

@@ -1,0 +1,133 @@
+"""FlashAttention's benchmark grid, every implementation side by side.
+
+    python -m benchmarks.run_grid                      # full grid, all peers
+    python -m benchmarks.run_grid --impls jax_flash_triton cudnn --seqs 16384
+    python -m benchmarks.run_grid --smoke --out /tmp/smoke.json   # CPU, seconds
+
+Grid (DESIGN.md section 5): bf16, batch·seq = 16384, hidden 2048 (heads =
+2048 / head_dim), seq in {1k, 4k, 16k}, head_dim in {64, 128, 256}, causal
+or not, modes fwd and fwd_bwd. Each (cell, implementation) is compiled once,
+its memory read from XLA's analysis, then timed (median of `--reps`
+samples after `--warmup` calls). A failure is recorded under "skipped" with
+its reason and the grid goes on. The JSON is rewritten after every
+measurement, so a killed run keeps what it measured, and `--resume` measures
+only what is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import os
+import sys
+import time
+
+from tqdm import tqdm
+
+from benchmarks import common, peers, render
+from pallas_kernels import compat
+
+STANDARD = dict(tokens=16384, hidden=2048, seqs=[1024, 4096, 16384],
+                head_dims=[64, 128, 256], warmup=2, reps=7)
+# Tiny sizes for CPU tests: Pallas interpret mode, a few seconds in all.
+SMOKE = dict(tokens=128, hidden=64, seqs=[64], head_dims=[32], warmup=1,
+             reps=2)
+CAUSAL = {"full": False, "causal": True}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+  parser.add_argument("--impls", nargs="+", choices=list(peers.PEERS),
+                      default=list(peers.PEERS))
+  parser.add_argument("--seqs", nargs="+", type=int)
+  parser.add_argument("--head-dims", nargs="+", type=int)
+  parser.add_argument("--causal", nargs="+", choices=list(CAUSAL),
+                      default=list(CAUSAL))
+  parser.add_argument("--modes", nargs="+", choices=common.MODES,
+                      default=list(common.MODES))
+  parser.add_argument("--tokens", type=int, help="batch * seq_len")
+  parser.add_argument("--hidden", type=int, help="num_heads * head_dim")
+  parser.add_argument("--warmup", type=int)
+  parser.add_argument("--reps", type=int)
+  parser.add_argument("--out", default="benchmarks/results/h200.json")
+  parser.add_argument("--smoke", action="store_true",
+                      help="tiny sizes (interpret mode on a CPU), for tests")
+  parser.add_argument("--interpret", action=argparse.BooleanOptionalAction,
+                      default=None, help="Pallas interpret mode "
+                      "(default: when no GPU is present)")
+  parser.add_argument("--resume", action="store_true",
+                      help="keep the entries already in --out; measure the rest")
+  parser.add_argument("--time-budget", type=float, default=500.0,
+                      help="seconds after which no new measurement starts "
+                      "(the file stays valid; rerun with --resume)")
+  parser.add_argument("--no-render", action="store_true",
+                      help="skip writing the .md and .png next to --out")
+  args = parser.parse_args(argv)
+  for name, value in (SMOKE if args.smoke else STANDARD).items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
+  if args.interpret is None:
+    args.interpret = not compat.has_gpu()
+  return args
+
+
+def grid_cells(args) -> list[common.Cell]:
+  """Cells in a fixed order: mode, causal, head_dim, seq_len."""
+  return [common.Cell.standard(mode, seq, head_dim, CAUSAL[causal],
+                               tokens=args.tokens, hidden=args.hidden)
+          for mode, causal, head_dim, seq in itertools.product(
+              args.modes, args.causal, args.head_dims, args.seqs)]
+
+
+def measure_one(impl: str, cell: common.Cell, args) -> common.Record:
+  bench = peers.PEERS[impl](cell, interpret=args.interpret)
+  m = common.measure(bench.fn, bench.args, warmup=args.warmup, reps=args.reps)
+  return common.Record.measured(impl, cell, m.ms, m.peak_gib)
+
+
+def run(args) -> dict:
+  """Measures every (cell, impl) not already in the results; returns them."""
+  result = {**common.run_header(), "records": [], "skipped": []}
+  if args.resume and os.path.exists(args.out):
+    previous = render.load(args.out)
+    result["records"], result["skipped"] = (previous["records"],
+                                            previous["skipped"])
+  done = {common.entry_key(e) for e in result["records"] + result["skipped"]}
+  todo = [(cell, impl) for cell in grid_cells(args) for impl in args.impls
+          if (impl, *cell.key) not in done]
+  deadline = time.monotonic() + args.time_budget
+  with tqdm(todo, desc="grid", unit="run", dynamic_ncols=True) as bar:
+    for cell, impl in bar:
+      if time.monotonic() > deadline:
+        tqdm.write(f"time budget of {args.time_budget:.0f} s spent: "
+                   f"{len(todo) - bar.n} runs left; rerun with --resume")
+        break
+      bar.set_postfix_str(f"{impl} {cell.label()}")
+      try:
+        result["records"].append(vars(measure_one(impl, cell, args)))
+      except Exception as e:  # one peer's failure must not end the grid
+        result["skipped"].append(
+            common.skip_entry(impl, cell, common.describe_error(e)))
+      gc.collect()  # frees this run's inputs before the next allocates
+      common.write_json(args.out, result)
+  return result
+
+
+def main(argv=None) -> int:
+  compat.filter_known_warnings()
+  args = parse_args(argv)
+  result = run(args)
+  common.write_json(args.out, result)
+  print(render.markdown_table(*render.summary_table(result)))
+  if result["skipped"]:
+    print(f"\n{len(result['skipped'])} skipped:")
+    print(render.markdown_table(*render.skipped_table(result)))
+  if not args.no_render:
+    print("wrote", args.out, *render.render(args.out))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
