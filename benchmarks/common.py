@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from tqdm import tqdm
 
 MODES = ("fwd", "fwd_bwd")
 # FlashAttention's convention: the backward does 5 matmuls to the forward's 2
@@ -55,7 +56,7 @@ class Cell:
   @classmethod
   def standard(cls, mode: str, seq_len: int, head_dim: int, causal: bool, *,
                tokens: int = 16384, hidden: int = 2048) -> "Cell":
-    """FlashAttention's grid: batch·seq = `tokens`, heads·head_dim = `hidden`."""
+    """FlashAttention's grid: batch·seq = tokens, heads·head_dim = hidden."""
     if tokens % seq_len or hidden % head_dim:
       raise ValueError(f"seq_len {seq_len} must divide tokens {tokens} and "
                        f"head_dim {head_dim} must divide hidden {hidden}")
@@ -78,8 +79,12 @@ class Cell:
     return (self.mode, self.seq_len, self.head_dim, self.causal)
 
   def label(self) -> str:
-    return (f"{self.mode} s{self.seq_len} d{self.head_dim} "
-            f"{'causal' if self.causal else 'full'}")
+    return cell_label(self.mode, self.causal, self.head_dim, self.seq_len)
+
+
+def cell_label(mode: str, causal: bool, head_dim: int, seq_len: int) -> str:
+  """"fwd causal d128 s4096": how tables and progress bars name a cell."""
+  return f"{mode} {'causal' if causal else 'full'} d{head_dim} s{seq_len}"
 
 
 @dataclasses.dataclass
@@ -122,12 +127,12 @@ def entry_key(entry: dict) -> tuple:
 
 
 def random_array(key, shape, dtype) -> jax.Array:
-  """Standard normal values: timings on zeros flatter hardware that skips work."""
+  """Standard normal values (timings on zeros flatter the hardware)."""
   return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
 def attention_inputs(shape, dtype, seed: int = 0):
-  """(q, k, v, d_out), each random with `shape` [batch, seq, heads, head_dim]."""
+  """(q, k, v, d_out), random, each [batch, seq, heads, head_dim]."""
   keys = jax.random.split(jax.random.key(seed), 4)
   return tuple(random_array(k, shape, dtype) for k in keys)
 
@@ -180,23 +185,28 @@ def compiled_peak_gib(compiled) -> float | None:
   return total / GIB
 
 
-def peak_memory_gib(jitted_fn, *args) -> float | None:
-  """`compiled_peak_gib` of `jitted_fn` compiled for `args`."""
-  return compiled_peak_gib(jitted_fn.lower(*args).compile())
-
-
 @dataclasses.dataclass(frozen=True)
 class Measurement:
+  """Median milliseconds per call and the compiled peak memory in GiB."""
   ms: float
   peak_gib: float | None
 
 
+def measure_compiled(compiled, args, *, warmup: int = 2, reps: int = 10
+                     ) -> Measurement:
+  """Times an AOT-compiled executable and reads its memory analysis."""
+  return Measurement(time_fn(compiled, *args, warmup=warmup, reps=reps),
+                     compiled_peak_gib(compiled))
+
+
 def measure(jitted_fn, args, *, warmup: int = 2, reps: int = 10
             ) -> Measurement:
-  """Compiles once, reads the memory analysis, then times the executable."""
-  compiled = jitted_fn.lower(*args).compile()
-  peak = compiled_peak_gib(compiled)
-  return Measurement(time_fn(compiled, *args, warmup=warmup, reps=reps), peak)
+  """Compiles `jitted_fn` for `args` once, then `measure_compiled`.
+
+  (Timing the executable, not `jitted_fn`, avoids compiling twice.)
+  """
+  return measure_compiled(jitted_fn.lower(*args).compile(), args,
+                          warmup=warmup, reps=reps)
 
 
 def device_peak_gib() -> float | None:
@@ -207,18 +217,29 @@ def device_peak_gib() -> float | None:
   return stats["peak_bytes_in_use"] / GIB
 
 
+# ---------------------------------------------------------------- output
+
+
+def progress(iterable=None, **kwargs) -> tqdm:
+  """A tqdm bar; in a log (stderr not a terminal) redrawn every 10 s only."""
+  interactive = sys.stderr.isatty()
+  return tqdm(iterable, dynamic_ncols=interactive,
+              mininterval=0.1 if interactive else 10.0, **kwargs)
+
+
 # ---------------------------------------------------------------- errors
 
 
 def is_oom(error: BaseException) -> bool:
-  text = str(error)
-  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+  """Device memory ran out (not a kernel's shared memory, also "exhausted")."""
+  text = str(error).lower()
+  if "shared memory" in text:
+    return False
+  return "resource_exhausted" in text or "out of memory" in text
 
 
 def describe_error(error: BaseException, limit: int = 300) -> str:
   """One line for a results file: the type and the first line of the message."""
-  if is_oom(error):
-    return "oom"
   first = next((line for line in str(error).splitlines() if line.strip()), "")
   return f"{type(error).__name__}: {first}"[:limit]
 
@@ -226,8 +247,14 @@ def describe_error(error: BaseException, limit: int = 300) -> str:
 # ---------------------------------------------------------------- results
 
 
-def command_line() -> str:
-  """The exact command that started this process, interpreter included."""
+def command_line(module: str | None = None, argv=None) -> str:
+  """The exact command line of this run, interpreter included.
+
+  With `argv` (a script's `main(argv)` called in-process, as the tests do),
+  the equivalent `python -m module argv...` instead of the host process's.
+  """
+  if argv is not None:
+    return shlex.join([sys.executable, "-m", module, *argv])
   return shlex.join(getattr(sys, "orig_argv", None)
                     or [sys.executable, *sys.argv])
 
@@ -238,9 +265,9 @@ def device_header() -> dict[str, str]:
           "jax_version": jax.__version__}
 
 
-def run_header() -> dict[str, Any]:
+def run_header(module: str | None = None, argv=None) -> dict[str, Any]:
   """The device, JAX version and exact command line, for a results file."""
-  return {**device_header(), "command": command_line()}
+  return {**device_header(), "command": command_line(module, argv)}
 
 
 def write_json(path: str, data: dict) -> None:

@@ -1,6 +1,6 @@
 """Peak device memory of causal attention forward+backward against seq_len.
 
-    python -m benchmarks.memory        # -> benchmarks/results/h200_memory.{json,md,png}
+    python -m benchmarks.memory   # -> benchmarks/results/h200_memory.{json,md,png}
 
 Batch 1, 16 heads, head_dim 128, bf16, seq_len 1k..256k, the loss-grad
 callable of `peers` (inputs, cotangent, outputs and every temporary). Two
@@ -34,18 +34,20 @@ IMPLS = ("jax_flash_triton", "xla", "cudnn")
 SEQS = [1024 * 2 ** i for i in range(9)]  # 1k .. 256k
 STANDARD = dict(batch=1, num_heads=16, head_dim=128, seqs=SEQS)
 SMOKE = dict(batch=1, num_heads=2, head_dim=32, seqs=[64, 128])
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RESULT = "RESULT "  # prefix of the worker's stdout lines meant for the parent
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--impls", nargs="+", choices=list(peers.PEERS),
-                      default=list(IMPLS))
+                      default=list(IMPLS), metavar="IMPL",
+                      help=f"default: {' '.join(IMPLS)}")
   parser.add_argument("--seqs", nargs="+", type=int)
   parser.add_argument("--out", default="benchmarks/results/h200_memory.json")
   parser.add_argument("--smoke", action="store_true",
                       help="tiny sizes (interpret mode on a CPU), for tests")
-  parser.add_argument("--worker-timeout", type=float, default=240.0,
+  parser.add_argument("--worker-timeout", type=float, default=150.0,
                       help="seconds one implementation's process may take")
   parser.add_argument("--worker", choices=list(peers.PEERS),
                       help=argparse.SUPPRESS)  # internal: measure one impl
@@ -74,14 +76,15 @@ def worker(impl: str, seqs: list[int], shape: dict) -> None:
       compiled = bench.fn.lower(*bench.args).compile()
       entry["compiled_gib"] = common.compiled_peak_gib(compiled)
       if ran_out:  # a longer sequence needs more: do not try
-        entry["status"] = "oom"
+        entry["status"] = "oom (not run: a shorter one ran out)"
       else:
         jax.block_until_ready(compiled(*bench.args))
         entry["measured_gib"] = common.device_peak_gib()
         entry["status"] = "ok"
     except Exception as e:  # record and go on to the next length
-      entry["status"] = common.describe_error(e)
-      ran_out = ran_out or common.is_oom(e)
+      oom = common.is_oom(e)
+      ran_out = ran_out or oom
+      entry["status"] = "oom" if oom else common.describe_error(e)
     del bench, compiled
     gc.collect()
     print(_RESULT + json.dumps(entry), flush=True)
@@ -98,7 +101,7 @@ def run_worker(impl: str, args, bar: tqdm) -> tuple[dict, list[dict]]:
   header, entries = {}, []
   with tempfile.TemporaryFile("w+") as stderr:
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr,
-                            text=True, env=env)
+                            text=True, env=env, cwd=_ROOT)
     timer = threading.Timer(args.worker_timeout, proc.kill)
     timer.start()
     try:
@@ -182,13 +185,14 @@ def main(argv=None) -> int:
     worker(args.worker, args.seqs, args.shape)
     return 0
   # The parent never touches the device: each worker gets all its memory.
-  result = {"command": common.command_line(), "shape": args.shape,
+  result = {"command": common.command_line("benchmarks.memory", argv),
+            "shape": args.shape,
             "mode": "fwd_bwd", "causal": True, "dtype": "bfloat16",
             "records": []}
-  with tqdm(total=len(args.impls) * len(args.seqs), desc="memory",
-            unit="run") as bar:
+  with common.progress(total=len(args.impls) * len(args.seqs), desc="memory",
+                       unit="run") as bar:
     for impl in args.impls:
-      bar.set_postfix_str(impl)
+      bar.set_postfix_str(impl, refresh=False)
       header, entries = run_worker(impl, args, bar)
       result.update(header)
       result["records"] += entries

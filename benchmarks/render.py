@@ -14,6 +14,7 @@ import json
 import os
 from typing import Iterable, Sequence
 
+from benchmarks import common
 from benchmarks.peers import CEILING, OURS, PEERS
 
 Points = list[tuple[float, float]]
@@ -34,10 +35,6 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence]) -> str:
 
 def _cell_order(entry: dict) -> tuple:
   return (entry["mode"], entry["causal"], entry["head_dim"], entry["seq_len"])
-
-
-def _cell_label(mode: str, causal: bool, head_dim: int, seq_len: int) -> str:
-  return f"{mode} {'causal' if causal else 'full'} d{head_dim} s{seq_len}"
 
 
 def _impls(result: dict) -> list[str]:
@@ -84,7 +81,7 @@ def grid_table(result: dict) -> tuple[list[str], list[list]]:
   rows = []
   for cell, tflops in tflops_by_cell(result).items():
     best = best_peer(tflops)
-    rows.append([_cell_label(*cell),
+    rows.append([common.cell_label(*cell),
                  *(_fmt(tflops, n) for n in impls),
                  best[0] if best else "—", _ratio(tflops)])
   return headers, rows
@@ -96,9 +93,10 @@ def summary_table(result: dict) -> tuple[list[str], list[list]]:
   rows = []
   for cell, tflops in tflops_by_cell(result).items():
     best = best_peer(tflops)
-    rows.append([_cell_label(*cell), _fmt(tflops, OURS),
-                 best[0] if best else "—", _fmt(tflops, best[0]) if best else "—",
-                 _ratio(tflops), _fmt(tflops, CEILING)])
+    best_name = best[0] if best else "—"
+    rows.append([common.cell_label(*cell), _fmt(tflops, OURS), best_name,
+                 _fmt(tflops, best_name), _ratio(tflops),
+                 _fmt(tflops, CEILING)])
   return headers, rows
 
 
@@ -119,6 +117,11 @@ def plot_panels(path: str, panels: dict[str, dict[str, Points]], *,
   matplotlib.use("Agg")  # no display on the benchmark machines
   import matplotlib.pyplot as plt
 
+  # One colour per series across all panels, so a line is the same
+  # implementation everywhere.
+  labels = list(dict.fromkeys(l for series in panels.values() for l in series))
+  palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  colours = {l: palette[i % len(palette)] for i, l in enumerate(labels)}
   nrows = max(1, -(-len(panels) // ncols))
   fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows),
                            squeeze=False)
@@ -131,7 +134,8 @@ def plot_panels(path: str, panels: dict[str, dict[str, Points]], *,
         continue
       xs, ys = zip(*sorted(points))
       ticks.update(xs)
-      style = dict(color="grey", linestyle="--") if label == CEILING else {}
+      style = (dict(color="grey", linestyle="--") if label == CEILING
+               else dict(color=colours[label]))
       ax.plot(xs, ys, marker="o", label=label, **style)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(ticks), [_short(x) for x in sorted(ticks)])
@@ -147,6 +151,7 @@ def plot_panels(path: str, panels: dict[str, dict[str, Points]], *,
   for ax in axes.flat:
     for handle, label in zip(*ax.get_legend_handles_labels()):
       handles.setdefault(label, handle)
+  handles = {l: handles[l] for l in labels if l in handles}
   fig.legend(handles.values(), handles.keys(), loc="lower center",
              ncol=min(len(handles), 5), fontsize=9)
   fig.tight_layout(rect=(0, 0.06, 1, 1))
@@ -160,7 +165,7 @@ def _short(n: float) -> str:
 
 
 def grid_panels(result: dict) -> dict[str, dict[str, Points]]:
-  """{panel title: {impl: [(seq_len, TFLOP/s)]}}, a panel per (mode, causal, d)."""
+  """{title: {impl: [(seq_len, TFLOP/s)]}}, a panel per (mode, causal, d)."""
   panels = collections.defaultdict(lambda: collections.defaultdict(list))
   for (mode, causal, head_dim, seq), tflops in tflops_by_cell(result).items():
     title = f"{mode}, {'causal' if causal else 'full'}, head_dim {head_dim}"

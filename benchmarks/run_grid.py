@@ -6,20 +6,24 @@
 
 Grid (DESIGN.md section 5): bf16, batch·seq = 16384, hidden 2048 (heads =
 2048 / head_dim), seq in {1k, 4k, 16k}, head_dim in {64, 128, 256}, causal
-or not, modes fwd and fwd_bwd. Each (cell, implementation) is compiled once,
-its memory read from XLA's analysis, then timed (median of `--reps`
-samples after `--warmup` calls). A failure is recorded under "skipped" with
-its reason and the grid goes on. The JSON is rewritten after every
-measurement, so a killed run keeps what it measured, and `--resume` measures
-only what is missing.
+or not, modes fwd and fwd_bwd. Each (cell, implementation) is compiled once
+(a cell's implementations concurrently), its memory read from XLA's
+analysis, then timed alone (median of `--reps` samples after `--warmup`
+calls). A failure is recorded under "skipped" with its reason and the grid
+goes on. The JSON is rewritten after every cell, so a killed run keeps what
+it measured, and `--resume` measures only what is missing.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
 import gc
 import itertools
 import os
 import sys
+import threading
 import time
 
 from tqdm import tqdm
@@ -40,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       description=__doc__.splitlines()[0],
       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
   parser.add_argument("--impls", nargs="+", choices=list(peers.PEERS),
-                      default=list(peers.PEERS))
+                      default=list(peers.PEERS), metavar="IMPL",
+                      help=f"default: all of {', '.join(peers.PEERS)}")
   parser.add_argument("--seqs", nargs="+", type=int)
   parser.add_argument("--head-dims", nargs="+", type=int)
   parser.add_argument("--causal", nargs="+", choices=list(CAUSAL),
@@ -58,10 +63,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                       default=None, help="Pallas interpret mode "
                       "(default: when no GPU is present)")
   parser.add_argument("--resume", action="store_true",
-                      help="keep the entries already in --out; measure the rest")
+                      help="keep the entries in --out; measure the rest")
   parser.add_argument("--time-budget", type=float, default=500.0,
                       help="seconds after which no new measurement starts "
                       "(the file stays valid; rerun with --resume)")
+  parser.add_argument("--compile-workers", type=int, default=4,
+                      help="threads compiling one cell's implementations "
+                      "(1: one after another)")
   parser.add_argument("--no-render", action="store_true",
                       help="skip writing the .md and .png next to --out")
   args = parser.parse_args(argv)
@@ -81,36 +89,61 @@ def grid_cells(args) -> list[common.Cell]:
               args.modes, args.causal, args.head_dims, args.seqs)]
 
 
-def measure_one(impl: str, cell: common.Cell, args) -> common.Record:
-  bench = peers.PEERS[impl](cell, interpret=args.interpret)
-  m = common.measure(bench.fn, bench.args, warmup=args.warmup, reps=args.reps)
-  return common.Record.measured(impl, cell, m.ms, m.peak_gib)
+# Their compilation runs XLA's autotuner, which times candidate kernels on the
+# GPU: one at a time, or they would disturb each other's choice.
+AUTOTUNED = frozenset({"xla", "cudnn", "matmul"})
+_autotune_lock = threading.Lock()
 
 
-def run(args) -> dict:
-  """Measures every (cell, impl) not already in the results; returns them."""
-  result = {**common.run_header(), "records": [], "skipped": []}
+def compile_one(impl: str, cell: common.Cell, interpret: bool):
+  """(AOT-compiled executable, its inputs) of `impl` on `cell`."""
+  bench = peers.PEERS[impl](cell, interpret=interpret)
+  lowered = bench.fn.lower(*bench.args)
+  with _autotune_lock if impl in AUTOTUNED else contextlib.nullcontext():
+    return lowered.compile(), bench.args
+
+
+def run(args, header: dict) -> dict:
+  """Measures every (cell, impl) not already in the results; returns them.
+
+  A cell's implementations compile concurrently (compiling, not timing,
+  is most of the grid's time), then are timed one after another with
+  nothing else running.
+  """
+  result = {**header, "records": [], "skipped": []}
   if args.resume and os.path.exists(args.out):
     previous = render.load(args.out)
     result["records"], result["skipped"] = (previous["records"],
                                             previous["skipped"])
   done = {common.entry_key(e) for e in result["records"] + result["skipped"]}
-  todo = [(cell, impl) for cell in grid_cells(args) for impl in args.impls
-          if (impl, *cell.key) not in done]
+  todo = {cell: [i for i in args.impls if (i, *cell.key) not in done]
+          for cell in grid_cells(args)}
+  todo = {cell: impls for cell, impls in todo.items() if impls}
+  total = sum(map(len, todo.values()))
   deadline = time.monotonic() + args.time_budget
-  with tqdm(todo, desc="grid", unit="run", dynamic_ncols=True) as bar:
-    for cell, impl in bar:
+  with common.progress(total=total, desc="grid", unit="run") as bar, \
+      concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
+    for cell, impls in todo.items():
       if time.monotonic() > deadline:
         tqdm.write(f"time budget of {args.time_budget:.0f} s spent: "
-                   f"{len(todo) - bar.n} runs left; rerun with --resume")
+                   f"{total - bar.n} runs left; rerun with --resume")
         break
-      bar.set_postfix_str(f"{impl} {cell.label()}")
-      try:
-        result["records"].append(vars(measure_one(impl, cell, args)))
-      except Exception as e:  # one peer's failure must not end the grid
-        result["skipped"].append(
-            common.skip_entry(impl, cell, common.describe_error(e)))
-      gc.collect()  # frees this run's inputs before the next allocates
+      bar.set_postfix_str(cell.label(), refresh=False)
+      builds = {impl: pool.submit(compile_one, impl, cell, args.interpret)
+                for impl in impls}
+      for impl in impls:
+        try:
+          compiled, inputs = builds.pop(impl).result()
+          m = common.measure_compiled(compiled, inputs, warmup=args.warmup,
+                                      reps=args.reps)
+          result["records"].append(dataclasses.asdict(
+              common.Record.measured(impl, cell, m.ms, m.peak_gib)))
+        except Exception as e:  # one peer's failure must not end the grid
+          result["skipped"].append(
+              common.skip_entry(impl, cell, common.describe_error(e)))
+        compiled = inputs = None  # let gc free them with the cell
+        bar.update()
+      gc.collect()  # frees this cell's inputs before the next allocates
       common.write_json(args.out, result)
   return result
 
@@ -118,7 +151,7 @@ def run(args) -> dict:
 def main(argv=None) -> int:
   compat.filter_known_warnings()
   args = parse_args(argv)
-  result = run(args)
+  result = run(args, common.run_header("benchmarks.run_grid", argv))
   common.write_json(args.out, result)
   print(render.markdown_table(*render.summary_table(result)))
   if result["skipped"]:

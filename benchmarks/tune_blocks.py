@@ -1,6 +1,6 @@
 """Sweeps the Triton kernels' BlockSizes on this GPU; prints the best per head dim.
 
-    python -m benchmarks.tune_blocks   # -> benchmarks/results/h200_block_sweep.json
+    python -m benchmarks.tune_blocks   # -> results/h200_block_sweep.json
 
 At seq 4096, batch·seq = 16384, hidden 2048, bf16, for head_dim 64, 128, 256.
 Pruned to fit a time budget (compiling dominates, not timing):
@@ -9,8 +9,8 @@ Pruned to fit a time budget (compiling dominates, not timing):
    without mask, then the best `--finalists` again with the causal mask;
    the winner has the best geometric mean of the two TFLOP/s.
 2. backward, with that forward fixed, timing forward+backward: every tile pair
-   of `BWD_TILES` x `BWD_WARPS` at 2 stages, then the best of those with the
-   other stage counts, then finalists causal as above.
+   of `BWD_TILES` x `BWD_WARPS` at the default's stage count, then the best
+   of those with the other `BWD_STAGES`, then finalists causal as above.
 
 Candidates that fail (too much shared memory, say) are recorded with their
 error. When the budget runs out a phase keeps the best found so far
@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import math
 import sys
+import textwrap
 import time
 
 from tqdm import tqdm
@@ -40,7 +41,7 @@ FWD_SPACE = dict(block_q=(64, 128), block_k=(32, 64, 128), num_warps=(4, 8),
 # block_kv_dq), as in FlashAttention-2's backward.
 BWD_TILES = ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128))
 BWD_WARPS = (4, 8)
-BWD_STAGES = (2, 1, 3)  # the first is used while choosing tiles and warps
+BWD_STAGES = (1, 2, 3)
 STANDARD = dict(tokens=16384, hidden=2048, seq=4096, head_dims=[64, 128, 256],
                 fwd_space=FWD_SPACE, bwd_tiles=BWD_TILES, bwd_warps=BWD_WARPS,
                 bwd_stages=BWD_STAGES)
@@ -49,7 +50,7 @@ SMOKE = dict(tokens=256, hidden=64, seq=128, head_dims=[32],
              fwd_space=dict(block_q=(32, 64), block_k=(32,), num_warps=(4,),
                             num_stages=(2,)),
              bwd_tiles=((32, 16), (64, 32)), bwd_warps=(4,),
-             bwd_stages=(2, 1))
+             bwd_stages=(1, 2))
 
 
 @dataclasses.dataclass
@@ -58,6 +59,11 @@ class Sweep:
   args: argparse.Namespace
   bar: tqdm
   trials: list = dataclasses.field(default_factory=list)
+  seconds: list = dataclasses.field(default_factory=list)
+
+  def seconds_per_trial(self) -> float:
+    """Mean duration of a trial so far (compile + time); 2 s before any."""
+    return sum(self.seconds) / len(self.seconds) if self.seconds else 2.0
 
   def cell(self, mode: str, head_dim: int, causal: bool) -> common.Cell:
     return common.Cell.standard(mode, self.args.seq, head_dim, causal,
@@ -71,8 +77,9 @@ class Sweep:
     cell = self.cell(mode, head_dim, causal)
     entry = {"phase": phase, "head_dim": head_dim, "causal": causal,
              "block_sizes": dataclasses.asdict(blocks)}
-    self.bar.set_postfix_str(f"{phase} d{head_dim}"
-                             f"{' causal' if causal else ''}")
+    self.bar.set_postfix_str(
+        f"{phase} d{head_dim}{' causal' if causal else ''}", refresh=False)
+    start = time.monotonic()
     try:
       bench = peers.jax_flash_triton(cell, interpret=self.args.interpret,
                                      block_sizes=blocks)
@@ -82,16 +89,19 @@ class Sweep:
     except Exception as e:  # a candidate that does not compile is a result
       entry["error"] = common.describe_error(e)
     self.trials.append(entry)
+    self.seconds.append(time.monotonic() - start)
     self.bar.update()
     return entry.get("tflops")
 
 
 def fwd_candidates(default: BlockSizes, space: dict) -> list[BlockSizes]:
-  """Every forward setting of `space`, the default's own first."""
+  """Every forward setting of `space`, nearest to the default first.
+
+  Near the current default is where a budget cut should leave the search.
+  """
   combos = [dict(zip(space, values))
             for values in itertools.product(*space.values())]
-  own = {name: getattr(default, name) for name in space}
-  combos.sort(key=lambda c: c != own)
+  combos.sort(key=lambda c: sum(v != getattr(default, k) for k, v in c.items()))
   return [dataclasses.replace(default, **c) for c in combos]
 
 
@@ -125,7 +135,9 @@ def tune(sweep: Sweep, head_dim: int, phase: str, base: BlockSizes,
   def run_all(candidates) -> dict[BlockSizes, float]:
     scores = {}
     for blocks in candidates:
-      if time.monotonic() > deadline:
+      # Keep time for the causal finalists.
+      reserve = args.finalists * sweep.seconds_per_trial()
+      if time.monotonic() + reserve > deadline:
         break
       tflops = sweep.trial(phase, head_dim, False, blocks)
       if tflops is not None:
@@ -135,14 +147,18 @@ def tune(sweep: Sweep, head_dim: int, phase: str, base: BlockSizes,
   if phase == "fwd":
     scores = run_all(fwd_candidates(base, args.fwd_space))
   else:
-    stages, *other_stages = args.bwd_stages
-    scores = run_all(bwd_blocks(base, major, minor, warps, stages)
-                     for (major, minor), warps in itertools.product(
-                         args.bwd_tiles, args.bwd_warps) if minor <= major)
+    # Tiles and warps at the default's stage count (one that fits in shared
+    # memory for this head dim), then the other stage counts for the best.
+    stages = base.num_stages_bwd
+    candidates = [bwd_blocks(base, major, minor, warps, stages)
+                  for (major, minor), warps in itertools.product(
+                      args.bwd_tiles, args.bwd_warps)]
+    candidates.sort(key=lambda b: b != base)
+    scores = run_all(candidates)
     if scores:
       best = max(scores, key=scores.get)
       scores.update(run_all(dataclasses.replace(best, num_stages_bwd=s)
-                            for s in other_stages))
+                            for s in args.bwd_stages if s != stages))
   if not scores:
     return base
   return pick(sweep, phase, head_dim, scores, args.finalists, deadline)
@@ -154,7 +170,9 @@ def defaults_literal(best: dict[int, BlockSizes]) -> str:
   for head_dim, blocks in sorted(best.items()):
     fields = ", ".join(f"{k}={v}" for k, v in
                        dataclasses.asdict(blocks).items())
-    lines.append(f"    {head_dim}: BlockSizes({fields}),")
+    start = f"    {head_dim}: BlockSizes("
+    lines.append(textwrap.fill(fields + "),", width=80, initial_indent=start,
+                               subsequent_indent=" " * len(start)))
   return "\n".join(lines + ["}"])
 
 
@@ -184,15 +202,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
   compat.filter_known_warnings()
   args = parse_args(argv)
+  header = common.run_header("benchmarks.tune_blocks", argv)
   start = time.monotonic()
   phase_end = {"fwd": start + 0.4 * args.budget, "bwd": start + args.budget}
   per_head_dim = (math.prod(len(v) for v in args.fwd_space.values())
                   + len(args.bwd_tiles) * len(args.bwd_warps)
-                  + len(args.bwd_stages) - 1 + 2 * args.finalists)
+                  + len(args.bwd_stages) + 2 * args.finalists)
   best = {d: BlockSizes.get_default(d) for d in args.head_dims}
   chosen = {}  # (phase, head_dim) -> BlockSizes
-  with tqdm(total=len(args.head_dims) * per_head_dim, desc="sweep",
-            unit="trial") as bar:
+  with common.progress(total=len(args.head_dims) * per_head_dim,
+                       desc="sweep", unit="trial") as bar:
     sweep = Sweep(args, bar)
     for phase in ("fwd", "bwd"):
       for i, head_dim in enumerate(args.head_dims):
@@ -202,9 +221,8 @@ def main(argv=None) -> int:
         deadline = time.monotonic() + left / (len(args.head_dims) - i)
         best[head_dim] = chosen[phase, head_dim] = tune(
             sweep, head_dim, phase, best[head_dim], deadline)
-        common.write_json(args.out, {**common.run_header(),
-                                     "trials": sweep.trials})
-  result = {**common.run_header(), "seq_len": args.seq, "tokens": args.tokens,
+        common.write_json(args.out, {**header, "trials": sweep.trials})
+  result = {**header, "seq_len": args.seq, "tokens": args.tokens,
             "hidden": args.hidden, "trials": sweep.trials,
             "best": {d: dataclasses.asdict(b) for d, b in best.items()}}
   common.write_json(args.out, result)

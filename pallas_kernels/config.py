@@ -30,7 +30,8 @@ class BlockSizes:
     block_q_dkv, block_kv_dkv: tiles of the dK/dV kernel (grid over K/V blocks).
     block_q_dq, block_kv_dq: tiles of the dQ kernel (grid over Q blocks).
     num_warps, num_stages: Triton launch settings of the forward kernel.
-    num_warps_bwd, num_stages_bwd: the same for both backward kernels.
+    num_warps_dkdv, num_stages_dkdv: the same for the dK/dV kernel.
+    num_warps_dq, num_stages_dq: the same for the dQ kernel.
   """
 
   block_q: int = 64
@@ -41,8 +42,10 @@ class BlockSizes:
   block_kv_dq: int = 64
   num_warps: int = 4
   num_stages: int = 2
-  num_warps_bwd: int = 4
-  num_stages_bwd: int = 2
+  num_warps_dkdv: int = 4
+  num_stages_dkdv: int = 2
+  num_warps_dq: int = 4
+  num_stages_dq: int = 2
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -89,11 +92,14 @@ def _head_dim_class(head_dim: int) -> int:
 _GPU_DEFAULTS = {
     64: BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=128,
                    block_q_dq=128, block_kv_dq=64, num_warps=4, num_stages=3,
-                   num_warps_bwd=8, num_stages_bwd=2),
+                   num_warps_dkdv=8, num_stages_dkdv=2,
+                   num_warps_dq=8, num_stages_dq=2),
     128: BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=128,
                     block_q_dq=128, block_kv_dq=64, num_warps=8, num_stages=3,
-                    num_warps_bwd=8, num_stages_bwd=2),
+                    num_warps_dkdv=8, num_stages_dkdv=2,
+                   num_warps_dq=8, num_stages_dq=2),
     256: BlockSizes(block_q=64, block_k=32, block_q_dkv=32, block_kv_dkv=64,
                     block_q_dq=64, block_kv_dq=32, num_warps=4, num_stages=2,
-                    num_warps_bwd=8, num_stages_bwd=1),
+                    num_warps_dkdv=8, num_stages_dkdv=1,
+                   num_warps_dq=8, num_stages_dq=1),
 }

@@ -129,21 +129,28 @@ def flash_backward(query, key, value, out, lse, d_out, d_lse, *, scale: float,
   Returns:
     (dq, dk, dv) shaped like (query, key, value).
   """
-  batch, q_len, num_heads, head_dim = query.shape
-  kv_len, num_kv_heads = key.shape[1], key.shape[2]
-  group = num_heads // num_kv_heads
-  dims = common.KernelDims.for_head_dim(head_dim)
-  dp = dims.head_dim_padded
-  params = common.compiler_params(block_sizes.num_warps_bwd,
-                                  block_sizes.num_stages_bwd)
-
   # delta = rowsum(dO * O); an LSE cotangent enters the same way, because
   # d lse / d s = P, so dS = P * (dP - (delta - d_lse)).
   delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32),
                      out.astype(jnp.float32))
   if d_lse is not None:
     delta = delta - d_lse
+  args = (query, key, value, d_out, lse, delta)
+  options = dict(scale=scale, spec=spec, block_sizes=block_sizes,
+                 interpret=interpret)
+  dk, dv = backward_dkdv(*args, **options)
+  dq = backward_dq(*args, **options)
+  return dq, dk, dv
 
+
+def backward_dkdv(query, key, value, d_out, lse, delta, *, scale: float,
+                  spec: MaskSpec, block_sizes: BlockSizes, interpret: bool):
+  """dK, dV [batch, kv_len, num_kv_heads, head_dim]; lse, delta [B, N, Tq]."""
+  batch, q_len, num_heads, head_dim = query.shape
+  kv_len, num_kv_heads = key.shape[1], key.shape[2]
+  group = num_heads // num_kv_heads
+  dims = common.KernelDims.for_head_dim(head_dim)
+  dp = dims.head_dim_padded
   block_q = common.clamp_block(block_sizes.block_q_dkv, q_len)
   block_k = common.clamp_block(block_sizes.block_kv_dkv, kv_len)
   q_padded = pl.cdiv(q_len, block_q) * block_q
@@ -153,7 +160,7 @@ def flash_backward(query, key, value, out, lse, d_out, d_lse, *, scale: float,
                                 lambda j, b, h: (b, h, 0))
   kv_tile_spec = pl.BlockSpec((None, block_k, None, dp),
                               lambda j, b, h: (b, j, h, 0))
-  dk, dv = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_dkdv_kernel, scale=scale, spec=spec, dims=dims,
                         group=group, block_q=block_q, block_k=block_k),
       grid=(pl.cdiv(kv_len, block_k), batch, num_kv_heads),
@@ -162,11 +169,21 @@ def flash_backward(query, key, value, out, lse, d_out, d_lse, *, scale: float,
       out_specs=[kv_tile_spec, kv_tile_spec],
       out_shape=[jax.ShapeDtypeStruct(key.shape, key.dtype),
                  jax.ShapeDtypeStruct(value.shape, value.dtype)],
-      compiler_params=params,
+      compiler_params=common.compiler_params(block_sizes.num_warps_dkdv,
+                                             block_sizes.num_stages_dkdv),
       interpret=interpret,
       name="flash_backward_dkdv",
   )(query, key, value, d_out, lse, delta)
 
+
+def backward_dq(query, key, value, d_out, lse, delta, *, scale: float,
+                spec: MaskSpec, block_sizes: BlockSizes, interpret: bool):
+  """dQ [batch, q_len, num_heads, head_dim]; lse, delta [B, N, Tq]."""
+  batch, q_len, num_heads, head_dim = query.shape
+  kv_len, num_kv_heads = key.shape[1], key.shape[2]
+  group = num_heads // num_kv_heads
+  dims = common.KernelDims.for_head_dim(head_dim)
+  dp = dims.head_dim_padded
   block_q = common.clamp_block(block_sizes.block_q_dq, q_len)
   block_k = common.clamp_block(block_sizes.block_kv_dq, kv_len)
   kv_padded = pl.cdiv(kv_len, block_k) * block_k
@@ -175,7 +192,7 @@ def flash_backward(query, key, value, out, lse, d_out, d_lse, *, scale: float,
   kv_spec = pl.BlockSpec((None, kv_padded, None, dp),
                          lambda i, b, h: (b, 0, h // group, 0))
   row_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
-  dq = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_dq_kernel, scale=scale, spec=spec, dims=dims,
                         block_q=block_q, block_k=block_k),
       grid=(pl.cdiv(q_len, block_q), batch, num_heads),
@@ -183,8 +200,8 @@ def flash_backward(query, key, value, out, lse, d_out, d_lse, *, scale: float,
                 row_spec],
       out_specs=q_tile_spec,
       out_shape=jax.ShapeDtypeStruct(query.shape, query.dtype),
-      compiler_params=params,
+      compiler_params=common.compiler_params(block_sizes.num_warps_dq,
+                                             block_sizes.num_stages_dq),
       interpret=interpret,
       name="flash_backward_dq",
   )(query, key, value, d_out, lse, delta)
-  return dq, dk, dv

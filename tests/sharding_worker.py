@@ -1,0 +1,464 @@
+"""Multi-device checks of `jax_flash.sharding`, run in a subprocess.
+
+JAX fixes the number of CPU devices when it first initialises, and other test
+files initialise it with one. `tests/test_sharding.py` therefore runs this
+file as a script with `XLA_FLAGS=--xla_force_host_platform_device_count=8`;
+it prints one JSON line per check: {"name", "status": ok|fail|skip, "detail",
+"seconds"}.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+        python tests/sharding_worker.py [check names...]
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+import jax_flash
+from jax_flash import sharding
+from jax_flash.sharding import (ring_attention, sequence_parallel_attention,
+                                zigzag_indices)
+from tests.attention_checks import Case, check_against_reference
+
+CHECKS: dict[str, callable] = {}
+F32_TOL = 2e-5  # outputs and gradients, relative to the reference's magnitude
+
+
+class Skip(Exception):
+  """A check that cannot run here (the reason is reported)."""
+
+
+def _check(name):
+  def register(fn):
+    CHECKS[name] = fn
+    return fn
+  return register
+
+
+def _mesh(num_devices: int) -> Mesh:
+  return Mesh(np.array(jax.devices()[:num_devices]), ("sp",))
+
+
+def _summary(errors):
+  """JSON-able errors: float32 gives err, low precision (err, yardstick)."""
+  return {k: (float(v) if np.ndim(v) == 0 else [float(x) for x in v])
+          for k, v in errors.items()}
+
+
+def _sequence_parallel(num_devices, **kwargs):
+  """`(q, k, v) -> (out, lse)` on global arrays, jitted."""
+  mesh = _mesh(num_devices)
+  return jax.jit(lambda q, k, v: sequence_parallel_attention(
+      q, k, v, mesh=mesh, axis_name="sp", return_residual=True, **kwargs))
+
+
+# ---------------------------------------------------------------------------
+# Both strategies against the single-device reference: outputs, lse and all
+# gradients under a random cotangent of (out, lse), float32 and bfloat16.
+
+GQA = Case(batch=2, q_len=64, kv_len=64, num_heads=4, num_kv_heads=2,
+           head_dim=16)
+
+
+def _strategy_check(num_devices, strategy, is_causal, load_balance,
+                    dtype=jnp.float32, case=GQA, **kwargs):
+  attention = _sequence_parallel(num_devices, strategy=strategy,
+                                 is_causal=is_causal,
+                                 load_balance=load_balance,
+                                 implementation="xla", **kwargs)
+  return _summary(check_against_reference(attention, case, dtype,
+                                          is_causal=is_causal,
+                                          f32_tol=F32_TOL))
+
+
+for _p in (4, 8):
+  for _strategy in sharding.STRATEGIES:
+    for _causal, _balance in ((False, False), (True, False), (True, True)):
+      _name = (f"{_strategy}-p{_p}-{'causal' if _causal else 'full'}"
+               f"{'-zigzag' if _balance else ''}")
+      _check(_name)(functools.partial(_strategy_check, _p, _strategy,
+                                      _causal, _balance))
+
+_check("ring-p4-causal-zigzag-bf16")(functools.partial(
+    _strategy_check, 4, "ring", True, True, jnp.bfloat16))
+# Non-causal attention ignores load_balance (the layout stays contiguous).
+_check("ring-p4-full-load_balance-ignored")(functools.partial(
+    _strategy_check, 4, "ring", False, True))
+
+
+@_check("ring-p8-causal-zigzag-scale-mha")
+def _custom_scale():
+  attention = _sequence_parallel(8, strategy="ring", is_causal=True,
+                                 implementation="xla", scale=0.3)
+  return _summary(check_against_reference(
+      attention, Case(1, 32, 32, 2, 2, 32), jnp.float32, is_causal=True,
+      scale=0.3, f32_tol=F32_TOL))
+
+
+@_check("ring-p4-cross-attention")
+def _cross_attention():
+  """Non-causal, kv_len != q_len (different shard lengths)."""
+  return _strategy_check(4, "ring", False, False,
+                         case=Case(1, 32, 64, 4, 1, 16))
+
+
+@_check("ring-p4-causal-zigzag-triton")
+def _triton_ring():
+  """The Pallas kernel (interpret mode) in every pair, forward and backward."""
+  attention = _sequence_parallel(4, strategy="ring", is_causal=True,
+                                 load_balance=True, implementation="triton")
+  errors = check_against_reference(attention, Case(1, 128, 128, 2, 1, 16),
+                                   jnp.float32, is_causal=True,
+                                   f32_tol=F32_TOL)
+  return _summary(errors)
+
+
+@_check("all_gather-p4-full-triton")
+def _triton_all_gather():
+  attention = _sequence_parallel(4, strategy="all_gather", is_causal=False,
+                                 implementation="triton")
+  errors = check_against_reference(attention, Case(1, 64, 64, 2, 1, 16),
+                                   jnp.float32, is_causal=False,
+                                   f32_tol=F32_TOL)
+  return _summary(errors)
+
+
+@_check("explicit-mesh")
+def _explicit_mesh():
+  """A `jax.make_mesh` mesh (Explicit axes) takes unsharded inputs too."""
+  mesh = jax.make_mesh((4,), ("sp",), devices=jax.devices()[:4])
+  attention = jax.jit(lambda q, k, v: sequence_parallel_attention(
+      q, k, v, mesh=mesh, axis_name="sp", is_causal=True,
+      return_residual=True, implementation="xla"))
+  errors = check_against_reference(attention, GQA, jnp.float32,
+                                   is_causal=True, f32_tol=F32_TOL)
+  return _summary(errors)
+
+
+# ---------------------------------------------------------------------------
+# ring_attention inside a user's shard_map.
+
+
+def _user_shard_map(is_causal, load_balance):
+  mesh = _mesh(4)
+  spec = PartitionSpec(None, "sp", None, None)
+  lse_spec = PartitionSpec(None, "sp", None)
+
+  @jax.jit
+  def attention(q, k, v):
+    if load_balance:  # the user lays tokens out zig-zag, once
+      order = zigzag_indices(q.shape[1], 4)
+      q, k, v = q[:, order], k[:, order], v[:, order]
+    body = functools.partial(ring_attention, axis_name="sp",
+                             is_causal=is_causal, return_residual=True,
+                             implementation="xla", load_balance=load_balance)
+    # check_vma=True (the default): the ring's types must be right.
+    out, lse = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec),
+                             out_specs=(spec, lse_spec))(q, k, v)
+    if load_balance:
+      inverse = jnp.argsort(zigzag_indices(q.shape[1], 4))
+      out, lse = out[:, inverse], lse[:, inverse]
+    return out, lse
+
+  errors = check_against_reference(attention, GQA, jnp.float32,
+                                   is_causal=is_causal, f32_tol=F32_TOL)
+  return _summary(errors)
+
+
+_check("user-shard_map-causal")(functools.partial(_user_shard_map, True,
+                                                  False))
+_check("user-shard_map-causal-zigzag")(functools.partial(_user_shard_map,
+                                                         True, True))
+
+
+# ---------------------------------------------------------------------------
+# Variant arguments across shards. `sharding` adjusts them per pair (kv
+# segment ids travel, global lengths become per-shard prefixes, windows get a
+# per-pair q_offset). Checked first against a masked jnp attention patched in
+# for `flash_attention` (so the sharding logic is tested whatever the kernels
+# support), then with the real `flash_attention` where it has the argument.
+
+
+def _masked_attention(query, key, value, *, scale=None, is_causal=False,
+                      return_residual=False, segment_ids=None,
+                      query_seq_lengths=None, key_value_seq_lengths=None,
+                      local_window_size=None, logits_soft_cap=None,
+                      q_offset=None, implementation=None, block_sizes=None,
+                      interpret=None):
+  """Plain attention with `flash_attention`'s mask semantics (jax.nn's)."""
+  del implementation, block_sizes, interpret
+  b, tq, n, d = query.shape
+  tk, nk = key.shape[1], key.shape[2]
+  scale = d ** -0.5 if scale is None else scale
+  k = jnp.repeat(key, n // nk, axis=2)
+  v = jnp.repeat(value, n // nk, axis=2)
+  s = jnp.einsum("bqhd,bkhd->bhqk", query, k,
+                 precision=jax.lax.Precision.HIGHEST) * scale
+  if logits_soft_cap is not None:
+    s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+  offset = jnp.zeros((b,), jnp.int32) if q_offset is None else q_offset
+  q_pos = jnp.arange(tq)[None, :, None] + offset[:, None, None]  # [b, q, 1]
+  kv_pos = jnp.arange(tk)[None, None, :]
+  keep = jnp.ones((b, tq, tk), bool)
+  if is_causal:
+    keep &= kv_pos <= q_pos
+  if local_window_size is not None:
+    left, right = ((local_window_size, local_window_size)
+                   if isinstance(local_window_size, int)
+                   else local_window_size)
+    keep &= (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)
+  if segment_ids is not None:
+    q_ids, kv_ids = (segment_ids if isinstance(segment_ids, tuple)
+                     else (segment_ids, segment_ids))
+    keep &= q_ids[:, :, None] == kv_ids[:, None, :]
+  if query_seq_lengths is not None:
+    keep &= jnp.arange(tq)[None, :, None] < query_seq_lengths[:, None, None]
+  if key_value_seq_lengths is not None:
+    keep &= kv_pos < key_value_seq_lengths[:, None, None]
+  s = jnp.where(keep[:, None], s, -jnp.inf)
+  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  e = jnp.exp(s - m)
+  total = jnp.sum(e, axis=-1, keepdims=True)
+  empty = total == 0.0
+  p = e / jnp.where(empty, 1.0, total)
+  out = jnp.einsum("bhqk,bkhd->bqhd", p, v,
+                   precision=jax.lax.Precision.HIGHEST).astype(query.dtype)
+  lse = jnp.where(empty, -jnp.inf, jnp.log(jnp.where(empty, 1.0, total)) + m)
+  lse = jnp.transpose(lse[..., 0], (0, 2, 1))
+  return (out, lse) if return_residual else out
+
+
+def _variant_inputs(seed=0):
+  b, t, n, nk, d = 2, 64, 4, 2, 16
+  keys = jax.random.split(jax.random.key(seed), 6)
+  q = jax.random.normal(keys[0], (b, t, n, d))
+  k = jax.random.normal(keys[1], (b, t, nk, d))
+  v = jax.random.normal(keys[2], (b, t, nk, d))
+  d_out = jax.random.normal(keys[3], q.shape)
+  d_lse = jax.random.normal(keys[4], (b, t, n))
+  # Three segments of uneven length in row 0, two in row 1.
+  segments = jnp.stack([jnp.searchsorted(jnp.array([13, 40]), jnp.arange(t),
+                                         side="right"),
+                        jnp.searchsorted(jnp.array([29]), jnp.arange(t),
+                                         side="right")]).astype(jnp.int32)
+  return q, k, v, d_out, d_lse, segments
+
+
+VARIANTS = {
+    "segments": lambda seg: {"segment_ids": seg},
+    "segments-pair": lambda seg: {"segment_ids": (seg, seg[:, ::-1])},
+    "lengths": lambda seg: {"query_seq_lengths": jnp.array([64, 37]),
+                            "key_value_seq_lengths": jnp.array([50, 21])},
+    "window": lambda seg: {"local_window_size": (9, 3)},
+    "softcap": lambda seg: {"logits_soft_cap": 2.0},
+}
+
+
+def _variant_check(name, strategy, is_causal, attention_fn):
+  q, k, v, d_out, d_lse, seg = _variant_inputs()
+  kwargs = VARIANTS[name](seg)
+  if attention_fn is jax_flash.flash_attention:
+    try:  # does this build of flash_attention have the argument?
+      jax_flash.flash_attention(q[:, :8], k[:, :8], v[:, :8],
+                                **VARIANTS[name](seg[:, :8]))
+    except NotImplementedError as e:
+      raise Skip(f"flash_attention: {e}") from None
+  original = sharding.flash_attention
+  sharding.flash_attention = attention_fn
+  try:
+    run = _sequence_parallel(4, strategy=strategy, is_causal=is_causal,
+                             implementation="xla", **kwargs)
+    got_fwd, got_vjp = jax.vjp(run, q, k, v)
+    got = (*got_fwd, *got_vjp((d_out, d_lse)))
+  finally:
+    sharding.flash_attention = original
+  want_fwd, want_vjp = jax.vjp(
+      lambda q, k, v: _masked_attention(q, k, v, is_causal=is_causal,
+                                        return_residual=True, **kwargs),
+      q, k, v)
+  want = (*want_fwd, *want_vjp((d_out, d_lse)))
+  errors = {}
+  for label, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    a, b = np.asarray(a), np.asarray(b)
+    if not np.array_equal(np.isfinite(a), np.isfinite(b)):
+      raise AssertionError(f"{label}: non-finite entries differ")
+    finite = np.isfinite(b)
+    errors[label] = float(np.max(np.abs(a[finite] - b[finite]), initial=0))
+    assert errors[label] <= F32_TOL * max(1.0, np.max(np.abs(b[finite]))), (
+        label, errors[label])
+  return errors
+
+
+# Causal runs the zig-zag layout (sequence_parallel_attention's default), the
+# harder case for positions; the non-causal all-gather is a single call.
+_VARIANT_CASES = [
+    ("segments", "ring", True), ("segments", "all_gather", False),
+    ("segments-pair", "ring", False), ("segments-pair", "all_gather", True),
+    ("lengths", "ring", True), ("lengths", "all_gather", False),
+    ("window", "ring", True), ("window", "ring", False),
+    ("window", "all_gather", False), ("softcap", "ring", True),
+]
+for _variant, _strategy, _causal in _VARIANT_CASES:
+  _suffix = f"{_variant}-{_strategy}-{'causal' if _causal else 'full'}"
+  _check(f"variant-masked-{_suffix}")(functools.partial(
+      _variant_check, _variant, _strategy, _causal, _masked_attention))
+  _check(f"variant-flash-{_suffix}")(functools.partial(
+      _variant_check, _variant, _strategy, _causal,
+      jax_flash.flash_attention))
+
+
+# ---------------------------------------------------------------------------
+# Memory: the ring never holds the whole K/V on one device.
+
+
+def _temp_bytes(fn, *args) -> int:
+  return jax.jit(fn).lower(*args).compile().memory_analysis(
+      ).temp_size_in_bytes
+
+
+def _with_grads(fn):
+  def run(q, k, v):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return vjp(out)
+  return run
+
+
+@_check("memory")
+def _memory():
+  """Compiled temp bytes per device against an explicit budget.
+
+  Budget = one pair's own temp (`flash_attention` on a query shard and a
+  K/V shard, compiled alone) + the K/V shard in hand and the next one in
+  flight + 3 query shards (float32 accumulator, merged copy, kernel output)
+  + 15%; the backward adds the dK/dV accumulators in hand and in flight and
+  one more query shard (dQ). Positive control: the all-gather strategy, which
+  does hold the whole K/V, exceeds the size of the whole K/V.
+  """
+  b, t, n, d = 1, 512, 2, 64
+  full = jax.ShapeDtypeStruct((b, t, n, d), jnp.float32)
+  report = {}
+  temps = {}
+  for p in (4, 8):
+    shard = jax.ShapeDtypeStruct((b, t // p, n, d), jnp.float32)
+    shard_bytes = shard.size * 4
+    kv_pair = 2 * shard_bytes  # one K shard and one V shard
+    pair = lambda q, k, v: jax_flash.flash_attention(q, k, v,
+                                                     implementation="xla")
+    budget = {
+        "fwd": 1.15 * (_temp_bytes(pair, shard, shard, shard)
+                       + 2 * kv_pair + 3 * shard_bytes),
+        "fwd+bwd": 1.15 * (_temp_bytes(_with_grads(pair), shard, shard, shard)
+                           + 4 * kv_pair + 4 * shard_bytes),
+    }
+    for causal in (False, True):
+      for strategy in sharding.STRATEGIES:
+        ring = lambda q, k, v: sequence_parallel_attention(
+            q, k, v, mesh=_mesh(p), axis_name="sp", strategy=strategy,
+            is_causal=causal, implementation="xla")
+        for mode, fn in (("fwd", ring), ("fwd+bwd", _with_grads(ring))):
+          key = f"{strategy}-p{p}-{'causal' if causal else 'full'}-{mode}"
+          temps[key] = _temp_bytes(fn, full, full, full)
+          report[key] = f"{temps[key]} (budget {int(budget[mode])})"
+          if strategy == "ring":
+            assert temps[key] <= budget[mode], (key, temps[key], budget[mode])
+  whole_kv = 2 * full.size * 4
+  for causal in ("full", "causal"):
+    # At P = 8 the whole K/V (16 shards) exceeds everything the ring needs
+    # in the forward; the all-gather holds it at any P.
+    for p in (4, 8):
+      gather_fwd = temps[f"all_gather-p{p}-{causal}-fwd"]
+      assert gather_fwd >= whole_kv, ("positive control", p, gather_fwd)
+    ring_fwd = temps[f"ring-p8-{causal}-fwd"]
+    assert ring_fwd < whole_kv, (causal, ring_fwd, whole_kv)
+  for causal in ("full", "causal"):
+    for mode in ("fwd", "fwd+bwd"):
+      ratio = temps[f"ring-p8-{causal}-{mode}"] / temps[
+          f"ring-p4-{causal}-{mode}"]
+      report[f"ring p8/p4 {causal} {mode}"] = round(ratio, 3)
+      assert ratio <= 0.6, (causal, mode, ratio)  # falls as 1/P
+  return report
+
+
+# ---------------------------------------------------------------------------
+# flash_attention inside a pmap training step.
+
+
+@_check("pmap-training-step")
+def _pmap_training_step():
+  """One SGD step of a tiny attention model, data-parallel over 4 devices
+  with `jax.pmap` (Pallas kernel in interpret mode), equals the same step
+  computed on one device."""
+  devices, t, e, n, d = 4, 32, 16, 2, 16
+  keys = jax.random.split(jax.random.key(7), 6)
+  params = {
+      "qkv": jax.random.normal(keys[0], (e, 3 * n * d)) * e ** -0.5,
+      "out": jax.random.normal(keys[1], (n * d, e)) * (n * d) ** -0.5,
+  }
+  x = jax.random.normal(keys[2], (devices, 1, t, e))
+  y = jax.random.normal(keys[3], (devices, 1, t, e))
+
+  def loss_fn(params, x, y, implementation):
+    qkv = (x @ params["qkv"]).reshape(x.shape[0], t, 3, n, d)
+    h = jax_flash.flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2],
+                                  is_causal=True,
+                                  implementation=implementation)
+    pred = h.reshape(x.shape[0], t, n * d) @ params["out"]
+    return jnp.mean((pred - y) ** 2)
+
+  def sgd(params, grads):
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+  @functools.partial(jax.pmap, axis_name="batch")
+  def step(params, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y, "triton")
+    grads = jax.lax.pmean(grads, "batch")
+    return sgd(params, grads), jax.lax.pmean(loss, "batch")
+
+  replicated = jax.tree.map(lambda p: jnp.stack([p] * devices), params)
+  new_params, loss = step(replicated, x, y)
+  want_loss, want_grads = jax.value_and_grad(loss_fn)(
+      params, x.reshape(devices, t, e), y.reshape(devices, t, e), "xla")
+  want = sgd(params, want_grads)
+  errors = {"loss": float(jnp.abs(loss[0] - want_loss))}
+  for name in params:
+    got = new_params[name]
+    assert all(np.array_equal(got[0], got[i]) for i in range(devices))
+    errors[name] = float(jnp.max(jnp.abs(got[0] - want[name])))
+    assert errors[name] <= 1e-5, (name, errors[name])
+  assert errors["loss"] <= 1e-5, errors
+  return errors
+
+
+def main(names):
+  assert jax.device_count() >= 8, (
+      f"needs 8 devices, got {jax.device_count()}: set XLA_FLAGS="
+      "--xla_force_host_platform_device_count=8")
+  for name in names or CHECKS:
+    start = time.perf_counter()
+    try:
+      status, detail = "ok", CHECKS[name]()
+    except Skip as e:
+      status, detail = "skip", str(e)
+    except Exception:  # reported to the pytest side, which fails the test
+      status, detail = "fail", traceback.format_exc()
+    print(json.dumps({"name": name, "status": status, "detail": detail,
+                      "seconds": round(time.perf_counter() - start, 2)}),
+          flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,102 @@
+"""The benchmark scripts at smoke size and `python -m jax_flash`, on the CPU."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import common, memory, render, run_grid, tune_blocks
+from pallas_kernels import compat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD_FIELDS = {"impl", "mode", "seq_len", "head_dim", "causal", "dtype",
+                 "batch", "num_heads", "ms", "tflops", "peak_gib"}
+GRID_IMPLS = ["jax_flash_triton", "xla", "cudnn", "matmul"]
+
+
+def test_attention_flops_is_flash_attentions_count():
+  # 4 * B * T * T * N * D = 4 * 2 * 1024 * 1024 * 16 * 64 = 2**33.
+  assert common.attention_flops(2, 1024, 1024, 16, 64, False, "fwd") == 2 ** 33
+  assert common.attention_flops(2, 1024, 1024, 16, 64, True, "fwd") == 2 ** 32
+  assert common.attention_flops(2, 1024, 1024, 16, 64, True, "bwd") == (
+      2.5 * 2 ** 32)
+  assert common.attention_flops(2, 1024, 1024, 16, 64, False, "fwd_bwd") == (
+      3.5 * 2 ** 33)
+  # The standard grid: batch * seq = 16384, heads * head_dim = 2048.
+  cell = common.Cell.standard("fwd", 4096, 128, False)
+  assert (cell.batch, cell.num_heads) == (4, 16)
+  assert cell.flops == 4 * 16384 * 4096 * 2048
+
+
+@pytest.fixture(scope="module")
+def grid_json(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("grid") / "smoke.json")
+  argv = ["--smoke", "--out", out, "--impls", *GRID_IMPLS, "--no-render"]
+  assert run_grid.main(argv) == 0
+  return out
+
+
+def test_run_grid_smoke_writes_every_cell(grid_json):
+  with open(grid_json) as f:
+    result = json.load(f)
+  assert {"device", "jax_version", "command", "records", "skipped"} <= set(
+      result)
+  assert "benchmarks.run_grid --smoke" in result["command"]
+  cells = {(m, c) for m in common.MODES for c in (False, True)}
+  measured = {common.entry_key(e) for e in result["records"]}
+  skipped = {common.entry_key(e) for e in result["skipped"]}
+  assert not measured & skipped
+  assert len(measured | skipped) == len(cells) * len(GRID_IMPLS)
+  for record in result["records"]:
+    assert set(record) == RECORD_FIELDS
+    assert record["ms"] > 0 and record["tflops"] > 0
+  for impl in ("jax_flash_triton", "xla", "matmul"):
+    assert {(r["mode"], r["causal"]) for r in result["records"]
+            if r["impl"] == impl} == cells, impl
+  if not compat.has_gpu():
+    assert all(s["impl"] == "cudnn" and "GPU" in s["reason"]
+               for s in result["skipped"])
+
+
+def test_render_writes_table_and_plot(grid_json):
+  md, png = render.render(grid_json)
+  assert os.path.getsize(png) > 0
+  with open(md) as f:
+    text = f.read()
+  for impl in ("jax_flash_triton", "xla", "matmul", "best peer"):
+    assert impl in text
+  headers, rows = render.grid_table(render.load(grid_json))
+  assert len(rows) == 4 and len(rows[0]) == len(headers)
+  # The best peer is never ours nor the matmul ceiling.
+  assert {row[headers.index("best peer")] for row in rows} == {"xla"}
+
+
+def test_memory_and_tune_blocks_smoke(tmp_path):
+  mem_out = str(tmp_path / "memory.json")
+  assert memory.main(["--smoke", "--impls", "jax_flash_triton",
+                      "--out", mem_out]) == 0
+  with open(mem_out) as f:
+    entries = json.load(f)["records"]
+  assert [(e["seq_len"], e["status"]) for e in entries] == [(64, "ok"),
+                                                            (128, "ok")]
+  assert entries[0]["compiled_gib"] < entries[1]["compiled_gib"]
+  assert os.path.exists(str(tmp_path / "memory.png"))
+
+  sweep_out = str(tmp_path / "sweep.json")
+  assert tune_blocks.main(["--smoke", "--finalists", "1",
+                           "--out", sweep_out]) == 0
+  with open(sweep_out) as f:
+    sweep = json.load(f)
+  assert {t["phase"] for t in sweep["trials"]} == {"fwd", "bwd"}
+  assert all("tflops" in t for t in sweep["trials"])
+
+
+def test_python_m_jax_flash_passes_and_prints_the_table():
+  proc = subprocess.run([sys.executable, "-m", "jax_flash"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=240)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  for text in ("triton", "xla", "err/bound", "PASS"):
+    assert text in proc.stdout
