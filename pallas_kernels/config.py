@@ -69,7 +69,7 @@ class BlockSizes:
                   ) -> "BlockSizes":
     """Measured defaults for `head_dim` on `device_kind` (default: device 0).
 
-    GPU values were chosen by `benchmarks/tune_blocks.py` on an H200
+    GPU values were chosen by the block sweep on an H200
     (`benchmarks/results/h200_block_sweep.json`). On the CPU (interpret mode)
     large tiles mean fewer interpreted steps, which is all that matters there.
     """
@@ -88,18 +88,19 @@ def _head_dim_class(head_dim: int) -> int:
   return 256
 
 
-# Sm80/sm90 defaults keyed by padded head dim; see `get_default`.
+# Defaults keyed by padded head dim, measured on an H200 at seq 4096, bf16
+# (benchmarks/results/h200_block_sweep.json): each kernel's fastest setting.
 _GPU_DEFAULTS = {
-    64: BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=128,
-                   block_q_dq=128, block_kv_dq=64, num_warps=4, num_stages=3,
-                   num_warps_dkdv=8, num_stages_dkdv=2,
-                   num_warps_dq=8, num_stages_dq=2),
-    128: BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=128,
-                    block_q_dq=128, block_kv_dq=64, num_warps=8, num_stages=3,
-                    num_warps_dkdv=8, num_stages_dkdv=2,
-                   num_warps_dq=8, num_stages_dq=2),
-    256: BlockSizes(block_q=64, block_k=32, block_q_dkv=32, block_kv_dkv=64,
-                    block_q_dq=64, block_kv_dq=32, num_warps=4, num_stages=2,
-                    num_warps_dkdv=8, num_stages_dkdv=1,
-                   num_warps_dq=8, num_stages_dq=1),
+    64: BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=3,
+                   block_q_dkv=64, block_kv_dkv=64, num_warps_dkdv=4,
+                   num_stages_dkdv=3, block_q_dq=128, block_kv_dq=64,
+                   num_warps_dq=4, num_stages_dq=3),
+    128: BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=3,
+                    block_q_dkv=64, block_kv_dkv=64, num_warps_dkdv=4,
+                    num_stages_dkdv=3, block_q_dq=128, block_kv_dq=64,
+                    num_warps_dq=8, num_stages_dq=3),
+    256: BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=2,
+                    block_q_dkv=64, block_kv_dkv=64, num_warps_dkdv=8,
+                    num_stages_dkdv=2, block_q_dq=128, block_kv_dq=32,
+                    num_warps_dq=8, num_stages_dq=2),
 }

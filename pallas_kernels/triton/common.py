@@ -85,20 +85,25 @@ def load_rows(ref, rows, seq_len: int | None, other, head=None):
   return plgpu.load(ref.at[index], mask=mask, other=other)
 
 
-def matmul(a, b, *, transpose_b: bool = False):
-  """a @ b (or a @ b.T) on tensor cores with float32 accumulation.
+def _precision(a):
+  # Pallas Triton lowers a float32 dot at DEFAULT precision to TF32 on the GPU
+  # (but exactly in interpret mode); HIGHEST keeps float32 inputs in IEEE
+  # float32 everywhere. 16-bit inputs are unaffected.
+  return lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
 
-  float32 inputs run in IEEE float32 (Pallas Triton's default precision for
-  float32 dots), not TF32.
-  """
+
+def matmul(a, b, *, transpose_b: bool = False):
+  """a @ b (or a @ b.T) on tensor cores with float32 accumulation."""
   contract_b = 1 if transpose_b else 0
   return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
+                         precision=_precision(a),
                          preferred_element_type=jnp.float32)
 
 
 def matmul_t(a, b):
   """a.T @ b with float32 accumulation."""
   return lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                         precision=_precision(a),
                          preferred_element_type=jnp.float32)
 
 
