@@ -5,6 +5,7 @@ Protocol (DESIGN.md section 5): FlashAttention's FLOP count, random inputs
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -12,6 +13,7 @@ import os
 import shlex
 import statistics
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -192,21 +194,34 @@ class Measurement:
   peak_gib: float | None
 
 
-def measure_compiled(compiled, args, *, warmup: int = 2, reps: int = 10
-                     ) -> Measurement:
-  """Times an AOT-compiled executable and reads its memory analysis."""
+# XLA's autotuner times candidate kernels on the GPU while it compiles: two
+# such compilations at once would disturb each other's choice.
+_autotune_lock = threading.Lock()
+
+
+def compile_benchmark(build: Callable[[], tuple[Callable, tuple]], *,
+                      autotuned: bool = False):
+  """(AOT-compiled executable, its inputs) of `build() -> (jitted_fn, args)`.
+
+  Safe to call from several threads: compiling is most of a benchmark's time
+  and parallelises, while timing must run alone (`measure`).
+  `autotuned`: the computation has XLA ops that XLA autotunes (dots, cuDNN
+  fusions), so it compiles under a lock, one at a time.
+  """
+  fn, args = build()
+  lowered = fn.lower(*args)
+  with _autotune_lock if autotuned else contextlib.nullcontext():
+    return lowered.compile(), args
+
+
+def measure(compiled, args, *, warmup: int = 2, reps: int = 10
+            ) -> Measurement:
+  """Times an AOT-compiled executable and reads its memory analysis.
+
+  (Timing the executable, not the jitted function, avoids compiling twice.)
+  """
   return Measurement(time_fn(compiled, *args, warmup=warmup, reps=reps),
                      compiled_peak_gib(compiled))
-
-
-def measure(jitted_fn, args, *, warmup: int = 2, reps: int = 10
-            ) -> Measurement:
-  """Compiles `jitted_fn` for `args` once, then `measure_compiled`.
-
-  (Timing the executable, not `jitted_fn`, avoids compiling twice.)
-  """
-  return measure_compiled(jitted_fn.lower(*args).compile(), args,
-                          warmup=warmup, reps=reps)
 
 
 def device_peak_gib() -> float | None:

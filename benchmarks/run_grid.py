@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import os
 import sys
-import threading
 import time
 
 from tqdm import tqdm
@@ -89,18 +88,8 @@ def grid_cells(args) -> list[common.Cell]:
               args.modes, args.causal, args.head_dims, args.seqs)]
 
 
-# Their compilation runs XLA's autotuner, which times candidate kernels on the
-# GPU: one at a time, or they would disturb each other's choice.
+# Peers whose compilation runs XLA's autotuner (`common.compile_benchmark`).
 AUTOTUNED = frozenset({"xla", "cudnn", "matmul"})
-_autotune_lock = threading.Lock()
-
-
-def compile_one(impl: str, cell: common.Cell, interpret: bool):
-  """(AOT-compiled executable, its inputs) of `impl` on `cell`."""
-  bench = peers.PEERS[impl](cell, interpret=interpret)
-  lowered = bench.fn.lower(*bench.args)
-  with _autotune_lock if impl in AUTOTUNED else contextlib.nullcontext():
-    return lowered.compile(), bench.args
 
 
 def run(args, header: dict) -> dict:
@@ -129,13 +118,15 @@ def run(args, header: dict) -> dict:
                    f"{total - bar.n} runs left; rerun with --resume")
         break
       bar.set_postfix_str(cell.label(), refresh=False)
-      builds = {impl: pool.submit(compile_one, impl, cell, args.interpret)
-                for impl in impls}
+      builds = {impl: pool.submit(
+          common.compile_benchmark,
+          functools.partial(peers.PEERS[impl], cell, interpret=args.interpret),
+          autotuned=impl in AUTOTUNED) for impl in impls}
       for impl in impls:
         try:
           compiled, inputs = builds.pop(impl).result()
-          m = common.measure_compiled(compiled, inputs, warmup=args.warmup,
-                                      reps=args.reps)
+          m = common.measure(compiled, inputs, warmup=args.warmup,
+                             reps=args.reps)
           result["records"].append(dataclasses.asdict(
               common.Record.measured(impl, cell, m.ms, m.peak_gib)))
         except Exception as e:  # one peer's failure must not end the grid

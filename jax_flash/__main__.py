@@ -111,8 +111,9 @@ def _reference(case: Case, compute_dtype):
 
 
 def _max_abs(a, b) -> float:
+  """max |a - b|; inf if either has a NaN or inf (so it can never pass)."""
   diff = np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))
-  return float(diff.max())
+  return float(diff.max()) if np.isfinite(diff).all() else float("inf")
 
 
 def check(case: Case, interpret: bool, reps: int) -> list[dict]:

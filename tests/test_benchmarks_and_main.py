@@ -90,7 +90,7 @@ def test_memory_and_tune_blocks_smoke(tmp_path):
                            "--out", sweep_out]) == 0
   with open(sweep_out) as f:
     sweep = json.load(f)
-  assert {t["phase"] for t in sweep["trials"]} == {"fwd", "bwd"}
+  assert {t["phase"] for t in sweep["trials"]} == {"fwd", "dkdv", "dq"}
   assert all("tflops" in t for t in sweep["trials"])
 
 
