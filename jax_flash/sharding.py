@@ -5,47 +5,54 @@ a mesh axis of P devices. Two strategies, both on JAX's own machinery
 (`jax.sharding.Mesh`, `shard_map`, `lax.ppermute`, `lax.all_gather`; several
 hosts work through `jax.distributed` like any other collective):
 
-* ring (`ring_attention`, the default of `sequence_parallel_attention`): each
+* ring (`ring_attention`; the default of `sequence_parallel_attention`): each
   device keeps its query shard and passes its K/V shard round the ring with
   `lax.ppermute`. At every step it runs `flash_attention(...,
   return_residual=True)` on the (query shard, K/V shard) pair it holds and
   merges the partial output into a running one by the log-sum-exp (`_merge`).
   The transfer of the next K/V shard is issued before the kernels of the
-  current one, so the two overlap. Memory per device: its own shards, two K/V
-  shards in flight and the float32 output accumulator; never the whole K/V,
-  never an N x N array. The backward (`jax.custom_vjp`) is a ring too: it
-  recomputes each pair and sends the float32 dK/dV accumulators round the ring
-  with K/V, so that each arrives summed at its owner.
-* all_gather: K/V gathered once (`lax.all_gather`) and the kernel run against
-  the local query shard. Less latency per layer on short rings and cheap with
-  GQA (few K/V heads), but every device holds the whole K/V.
+  current one, so the two overlap. Memory per device: its own shards, the K/V
+  shard in hand and the next one in flight, a float32 output accumulator;
+  never the whole K/V, never an N x N array. The backward (`jax.custom_vjp`)
+  is a ring too: it recomputes each pair from the saved final (out, lse) and
+  sends float32 dK/dV sums round the ring with K/V, so that each shard's sum
+  reaches its owner. Cost: `flash_attention` only differentiates its own
+  forward, so each pair other than the local one runs the forward kernel once
+  more in the backward (about 1 + 3.5 instead of 2.5 forward-equivalents per
+  pair; a kernel entry point taking the global (out, lse) would remove it).
+  The local pair keeps its forward residuals, so on one device the ring
+  costs what `flash_attention` costs, plus a few elementwise passes.
+* all_gather: K/V gathered once per call (`lax.all_gather`) and the kernel
+  run against the local query shard; the backward gathers again and
+  reduce-scatters float32 dK/dV. Fewer, larger transfers: better on short
+  rings and with few K/V heads (GQA), but every device holds the whole K/V.
 
 Causal attention with contiguous shards: a K/V shard after the query shard is
-skipped (`lax.cond`), the shard itself is plain `is_causal=True` (equal shard
-lengths), earlier shards are full attention. Device P-1 then works P times
-as much as device 0; `load_balance=True` lays the sequence out zig-zag
-(device i holds chunks i and 2P-1-i of 2P) so that every device and every ring
-step does the same work (see `sequence_parallel_attention`).
+skipped (`lax.cond`), the device's own shard is plain `is_causal=True` (equal
+shard lengths) and earlier shards are full attention. Device P-1 then does
+2P-1 times the work of device 0 and every ring step waits for it;
+`load_balance=True` lays the sequence out zig-zag (device i holds chunks i and
+2P-1-i of 2P), so that every device does half a pair's work at every step
+(see `sequence_parallel_attention`).
 
-Overlap on GPU. The ring issues the `ppermute` of the next shard before the
-kernels of the current one; XLA overlaps the two only when its latency hiding
-scheduler is on and collectives are asynchronous::
+Overlap on GPU. XLA overlaps the `ppermute`s with the kernels only when its
+latency hiding scheduler is on::
 
     XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true"
 
-(collective-permutes are asynchronous by default: do not list
-`collectivepermute` in `--xla_gpu_disable_async_collectives`). See JAX's "GPU
-performance tips" and NVIDIA JAX-Toolbox's GPU performance page for the rest
-(for example `--xla_gpu_enable_command_buffer=` while profiling). Flag names
-move between XLA versions; check `xla/debug_options_flags.cc` of the jaxlib in
-use.
+Collective-permutes are asynchronous by default; do not list
+`collectivepermute` in `--xla_gpu_disable_async_collectives`. Profile-guided
+latency estimation (`JAX_ENABLE_PGLE=yes`) gives the scheduler measured
+costs. See JAX's "GPU performance tips" and NVIDIA JAX-Toolbox's GPU
+performance page; flag names move between XLA versions (check
+`xla/debug_options_flags.cc` of the jaxlib in use).
 
 Variant arguments across shards: `segment_ids` (the K/V side travels with
 K/V), `query_seq_lengths` and `key_value_seq_lengths` (global lengths, turned
 into the valid prefix of each shard), `local_window_size` (positions passed as
 `q_offset` per pair) and `logits_soft_cap` are forwarded to `flash_attention`;
 `bias`, `mask`, `alibi_slopes`, `mask_fn`, `score_fn`, dropout and a user
-`q_offset` are refused (they need the global positions inside the kernel).
+`q_offset` are refused (they would need global positions inside the kernel).
 """
 from __future__ import annotations
 
@@ -245,7 +252,9 @@ def _attend(plan: _Plan, is_causal: bool, kwargs, query, key, value):
 
 
 def _each_call(plan: _Plan, kind: str, q, extras, kv, me, source):
-  """Yields (q rows, kv rows, is_causal, pair function, its q, k, v)."""
+  """Yields, per kernel call of the pair, (q rows, kv rows, fn, q, k, v):
+  `fn(q, k, v) -> (out, lse)` is `flash_attention` with the call's mask
+  arguments, applied to the call's slices of the shards."""
   q_len, kv_len = q.shape[1], kv["key"].shape[1]
   n = plan.chunks_per_shard
   q_all, kv_all = plan.chunk_starts(me, q_len), plan.chunk_starts(source,
@@ -303,39 +312,7 @@ def _sweep(plan: _Plan, me, kv_local, carry, step):
   p = plan.num_shards
   source_at = lambda s: lax.rem(me - s + p, p)
   if plan.strategy == "all_gather":
-    gathered = jax.tree.map(
-        lambda x: lax.all_gather(x, plan.axis_name, axis=1, tiled=True),
-        kv_local)
-    shard_of = lambda src: jax.tree.map(
-        lambda x: lax.dynamic_slice_in_dim(x, src * x.shape[1] // p,
-                                           x.shape[1] // p, axis=1), gathered)
-    carry, back, aux = step(0, me, kv_local, carry)
-    if back is not None:
-      # Contributions to every shard go into a gathered buffer, reduced and
-      # scattered to the owners once at the end (the transpose of the gather).
-      full = jax.tree.map(
-          lambda b: jnp.zeros(b.shape[:1] + (b.shape[1] * p,) + b.shape[2:],
-                              b.dtype), back)
-      back = jax.tree.map(lambda f, b: lax.dynamic_update_slice_in_dim(
-          f, b, me * b.shape[1], axis=1), full, back)
-
-    def gathered_step(s, state):
-      carry, back = state
-      src = source_at(s)
-      carry, contribution, _ = step(s, src, shard_of(src), carry)
-      if back is not None:
-        back = jax.tree.map(
-            lambda f, b: lax.dynamic_update_slice_in_dim(
-                f, lax.dynamic_slice_in_dim(f, src * b.shape[1], b.shape[1], 1)
-                + b, src * b.shape[1], axis=1), back, contribution)
-      return carry, back
-
-    carry, back = lax.fori_loop(1, p, gathered_step, (carry, back))
-    if back is not None:
-      back = jax.tree.map(
-          lambda b: lax.psum_scatter(b, plan.axis_name, scatter_dimension=1,
-                                     tiled=True), back)
-    return carry, back, aux
+    return _gathered_sweep(plan, me, kv_local, carry, step, source_at)
 
   pairs = [(j, (j + 1) % p) for j in range(p)]
   send = lambda x: lax.ppermute(x, plan.axis_name, pairs)
@@ -344,21 +321,65 @@ def _sweep(plan: _Plan, me, kv_local, carry, step):
   carry, back, aux = step(0, me, kv_local, carry)
   if p == 1:
     return carry, back, aux
-  if back is not None:
-    back = send(back)
 
   def ring_step(s, state, *, last=False):
     kv, carry, back = state
-    kv_next = None if last else send(kv)  # overlaps this step's kernels
+    # Both transfers are independent of this step's kernels and overlap them:
+    # the next K/V shard, and the partial dK/dV sums of the shard held now
+    # (accumulated by the previous devices of the ring).
+    kv_next = None if last else send(kv)
+    if back is not None:
+      back = send(back)
     carry, contribution, _ = step(s, source_at(s), kv, carry)
     if back is not None:
-      # After this send the sum sits on the device that holds the same K/V
-      # shard at step s + 1; after the last step it reaches its owner.
-      back = send(_tree_add(back, contribution))
+      back = _tree_add(back, contribution)
     return kv_next, carry, back
 
   state = lax.fori_loop(1, p - 1, ring_step, (kv_next, carry, back))
   _, carry, back = ring_step(p - 1, state, last=True)
+  if back is not None:
+    back = send(back)  # the complete sums, to the shard's owner
+  return carry, back, aux
+
+
+def _gathered_sweep(plan: _Plan, me, kv_local, carry, step, source_at):
+  """`_sweep` over K/V gathered once; `back` sums go through a gathered
+  buffer, reduce-scattered to the owners at the end (the gather's
+  transpose)."""
+  p = plan.num_shards
+  gathered = jax.tree.map(
+      lambda x: lax.all_gather(x, plan.axis_name, axis=1, tiled=True),
+      kv_local)
+  shard_of = lambda src: jax.tree.map(
+      lambda x: lax.dynamic_slice_in_dim(x, src * (x.shape[1] // p),
+                                         x.shape[1] // p, axis=1), gathered)
+
+  def add_at(buffers, src, parts):
+    def add(buffer, part):
+      n = part.shape[1]
+      old = lax.dynamic_slice_in_dim(buffer, src * n, n, axis=1)
+      return lax.dynamic_update_slice_in_dim(buffer, old + part, src * n,
+                                             axis=1)
+    return jax.tree.map(add, buffers, parts)
+
+  carry, back, aux = step(0, me, kv_local, carry)
+  if back is not None:
+    back = add_at(jax.tree.map(lambda x: jnp.zeros(
+        x.shape[:1] + (x.shape[1] * p,) + x.shape[2:], x.dtype), back),
+                  me, back)
+
+  def gathered_step(s, state):
+    carry, back = state
+    src = source_at(s)
+    carry, contribution, _ = step(s, src, shard_of(src), carry)
+    if back is not None:
+      back = add_at(back, src, contribution)
+    return carry, back
+
+  carry, back = lax.fori_loop(1, p, gathered_step, (carry, back))
+  if back is not None:
+    back = jax.tree.map(lambda x: lax.psum_scatter(
+        x, plan.axis_name, scatter_dimension=1, tiled=True), back)
   return carry, back, aux
 
 
@@ -656,9 +677,8 @@ def _place(x, mesh, spec):
   Explicit mesh's inputs already carry `in_specs`.
   """
   axes = [a for a in spec if a is not None]
-  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-  types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
-  if axes and all(types.get(a) == explicit for a in axes):
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if axes and all(types[a] == jax.sharding.AxisType.Explicit for a in axes):
     return jax.sharding.reshard(x, NamedSharding(mesh, spec))
   return x
 
@@ -755,7 +775,8 @@ def sequence_parallel_attention(query, key, value, *, mesh, axis_name,
     return result
 
   out_specs = (heads, rows) if return_residual else heads
-  # Unchecked: the Pallas kernels' outputs carry no varying-axes type, which
-  # check_vma=True insists on; every output here varies along `axis_name`.
+  # Unchecked: the Pallas kernels' out_shape carries no varying-manual-axes
+  # type, which check_vma=True insists on (every value here varies along
+  # `axis_name` anyway).
   return _shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=out_specs,
                     **_UNCHECKED)(inputs)

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import traceback
+from typing import Callable
 
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
@@ -33,7 +34,7 @@ from jax_flash.sharding import (ring_attention, sequence_parallel_attention,
                                 zigzag_indices)
 from tests.attention_checks import Case, check_against_reference
 
-CHECKS: dict[str, callable] = {}
+CHECKS: dict[str, Callable[[], dict]] = {}
 F32_TOL = 2e-5  # outputs and gradients, relative to the reference's magnitude
 
 
@@ -92,6 +93,8 @@ for _p in (4, 8):
       _check(_name)(functools.partial(_strategy_check, _p, _strategy,
                                       _causal, _balance))
 
+_check("ring-p2-causal-zigzag")(functools.partial(
+    _strategy_check, 2, "ring", True, True))
 _check("ring-p4-causal-zigzag-bf16")(functools.partial(
     _strategy_check, 4, "ring", True, True, jnp.bfloat16))
 # Non-causal attention ignores load_balance (the layout stays contiguous).
@@ -350,46 +353,49 @@ def _memory():
   """
   b, t, n, d = 1, 512, 2, 64
   full = jax.ShapeDtypeStruct((b, t, n, d), jnp.float32)
-  report = {}
-  temps = {}
+  whole_kv = 2 * full.size * 4
+  pair = lambda q, k, v: jax_flash.flash_attention(q, k, v,
+                                                   implementation="xla")
+  budget = {}
   for p in (4, 8):
     shard = jax.ShapeDtypeStruct((b, t // p, n, d), jnp.float32)
     shard_bytes = shard.size * 4
-    kv_pair = 2 * shard_bytes  # one K shard and one V shard
-    pair = lambda q, k, v: jax_flash.flash_attention(q, k, v,
-                                                     implementation="xla")
-    budget = {
-        "fwd": 1.15 * (_temp_bytes(pair, shard, shard, shard)
-                       + 2 * kv_pair + 3 * shard_bytes),
-        "fwd+bwd": 1.15 * (_temp_bytes(_with_grads(pair), shard, shard, shard)
-                           + 4 * kv_pair + 4 * shard_bytes),
-    }
-    for causal in (False, True):
-      for strategy in sharding.STRATEGIES:
-        ring = lambda q, k, v: sequence_parallel_attention(
-            q, k, v, mesh=_mesh(p), axis_name="sp", strategy=strategy,
-            is_causal=causal, implementation="xla")
-        for mode, fn in (("fwd", ring), ("fwd+bwd", _with_grads(ring))):
-          key = f"{strategy}-p{p}-{'causal' if causal else 'full'}-{mode}"
-          temps[key] = _temp_bytes(fn, full, full, full)
-          report[key] = f"{temps[key]} (budget {int(budget[mode])})"
-          if strategy == "ring":
-            assert temps[key] <= budget[mode], (key, temps[key], budget[mode])
-  whole_kv = 2 * full.size * 4
-  for causal in ("full", "causal"):
-    # At P = 8 the whole K/V (16 shards) exceeds everything the ring needs
-    # in the forward; the all-gather holds it at any P.
-    for p in (4, 8):
-      gather_fwd = temps[f"all_gather-p{p}-{causal}-fwd"]
-      assert gather_fwd >= whole_kv, ("positive control", p, gather_fwd)
-    ring_fwd = temps[f"ring-p8-{causal}-fwd"]
-    assert ring_fwd < whole_kv, (causal, ring_fwd, whole_kv)
-  for causal in ("full", "causal"):
+    kv_shard = 2 * shard_bytes  # one K shard and one V shard
+    budget[p, "fwd"] = 1.15 * (_temp_bytes(pair, shard, shard, shard)
+                               + 2 * kv_shard + 3 * shard_bytes)
+    budget[p, "fwd+bwd"] = 1.15 * (
+        _temp_bytes(_with_grads(pair), shard, shard, shard)
+        + 4 * kv_shard + 4 * shard_bytes)
+
+  def temp(p, strategy, causal, mode):
+    fn = lambda q, k, v: sequence_parallel_attention(
+        q, k, v, mesh=_mesh(p), axis_name="sp", strategy=strategy,
+        is_causal=causal, implementation="xla")
+    return _temp_bytes(fn if mode == "fwd" else _with_grads(fn), full, full,
+                       full)
+
+  report = {}
+  for p, causal in ((4, True), (8, True), (8, False)):
     for mode in ("fwd", "fwd+bwd"):
-      ratio = temps[f"ring-p8-{causal}-{mode}"] / temps[
-          f"ring-p4-{causal}-{mode}"]
-      report[f"ring p8/p4 {causal} {mode}"] = round(ratio, 3)
-      assert ratio <= 0.6, (causal, mode, ratio)  # falls as 1/P
+      key = f"ring-p{p}-{'causal' if causal else 'full'}-{mode}"
+      report[key] = temp(p, "ring", causal, mode)
+      assert report[key] <= budget[p, mode], (key, report[key],
+                                              budget[p, mode])
+    # At P = 8 the whole K/V (16 shards) exceeds all the ring needs in the
+    # forward.
+    if p == 8:
+      assert report[f"ring-p8-{'causal' if causal else 'full'}-fwd"] < whole_kv
+  for p in (4, 8):  # positive control: the all-gather holds the whole K/V
+    report[f"all_gather-p{p}-causal-fwd"] = gathered = temp(
+        p, "all_gather", True, "fwd")
+    assert gathered >= whole_kv, (p, gathered, whole_kv)
+  for mode in ("fwd", "fwd+bwd"):  # falls as 1/P
+    ratio = report[f"ring-p8-causal-{mode}"] / report[f"ring-p4-causal-{mode}"]
+    report[f"ring p8/p4 causal {mode}"] = round(ratio, 3)
+    assert ratio <= 0.6, (mode, ratio)
+  report["budgets"] = {f"p{p}-{mode}": int(v)
+                       for (p, mode), v in budget.items()}
+  report["whole K/V"] = whole_kv
   return report
 
 
