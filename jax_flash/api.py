@@ -6,8 +6,8 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from jax_flash import reference, validation
-from jax_flash.masking import MaskSpec
+from jax_flash import masking, reference, validation
+from jax_flash.validation import AttentionCall
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.triton import flash_attention_triton
@@ -21,24 +21,53 @@ def flash_attention(
     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
     segment_ids=None, q_offset=None, logits_soft_cap=None, alibi_slopes=None,
     mask_fn=None, score_fn=None, dropout_rate=0.0, dropout_rng=None,
-    return_residual=False, implementation: Implementation | None = None,
+    sinks=None, return_residual=False,
+    implementation: Implementation | None = None,
     block_sizes: BlockSizes | None = None, interpret: bool | None = None):
   """Exact softmax attention, tiled so the N x N scores never reach HBM.
 
   A drop-in superset of `jax.nn.dot_product_attention` (same layout, same
-  results; rows with nothing to attend to give 0, not the mean of V).
+  results; rows with nothing to attend to give 0, not the mean of V). Every
+  mask and score change below is computed inside the kernels, forward and
+  backward, and tiles that the masks empty are skipped.
 
   Args:
     query: [batch, q_len, num_heads, head_dim], float16, bfloat16 or float32.
     key, value: [batch, kv_len, num_kv_heads, head_dim]; num_heads must be a
       multiple of num_kv_heads (GQA/MQA without repeating K/V).
+    bias: float, rank 4, broadcastable to [batch, num_heads, q_len, kv_len];
+      added to the logits. Differentiable (dbias only when asked for).
+    mask: bool (or float 0/1), broadcastable like bias; True attends.
     scale: multiplies q·k; default 1/sqrt(head_dim).
-    is_causal: query i attends to keys j <= i (top-left aligned, as jax.nn)::
+    is_causal: query i attends to keys j <= i + q_offset. Top-left aligned
+      by default, as jax.nn; `q_offset = kv_len - q_len` aligns bottom-right::
 
-        q_len=2, kv_len=4:   k0 k1 k2 k3
-                         q0   1  0  0  0
-                         q1   1  1  0  0
+        q_len=2, kv_len=4:   k0 k1 k2 k3      with q_offset=2:  k0 k1 k2 k3
+                         q0   1  0  0  0                    q0   1  1  1  0
+                         q1   1  1  0  0                    q1   1  1  1  1
 
+    query_seq_lengths, key_value_seq_lengths: int32 [batch]; rows / keys at
+      or past the length are padding (right padding, as jax.nn).
+    local_window_size: int or (left, right): keys within
+      [q_pos - left, q_pos + right] (sliding window; combine with is_causal).
+    segment_ids: int32 [batch, q_len] (self-attention) or a pair
+      (q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len]): tokens
+      attend within their segment (packed documents).
+    q_offset: int or int32 [batch]: position of query 0 on the key axis
+      (chunked prefill, decoding against a cache).
+    logits_soft_cap: logits = cap * tanh(logits / cap) (Gemma 2).
+    alibi_slopes: float32 [num_heads] or [batch, num_heads]; adds
+      -slope * |q_pos - kv_idx| to the logits. Not differentiated.
+    mask_fn: (b, h, q_idx, kv_idx) -> bool, jnp ops traced into the kernels.
+      Its block sparsity is computed once per call; pass a `BlockMask`
+      (`BlockMask.from_mask_fn`) instead to compute it once for many calls.
+      Fully masked tiles are skipped (block-sparse attention).
+    score_fn: (score, b, h, q_idx, kv_idx) -> score, elementwise in score,
+      traced into the kernels (its derivative by jax.jvp in the backward).
+    dropout_rate, dropout_rng: dropout of the attention weights, from a
+      counter-based hash of (seed, b, h, q_idx, kv_idx) in the kernels.
+    sinks: float32 [num_heads]: a learnable logit per head that joins every
+      row's softmax denominator (attention sinks, GPT-OSS). Differentiable.
     return_residual: also return the logsumexp of the logits, float32
       [batch, q_len, num_heads], natural log (-inf for empty rows).
     implementation: None picks the best available (mosaic -> triton -> xla on
@@ -49,24 +78,19 @@ def flash_attention(
     block_sizes: kernel tiles (`pallas_kernels.config.BlockSizes`); default
       tuned per head dim and device.
     interpret: run Pallas kernels in interpret mode; default: when no GPU.
-    bias, mask, query_seq_lengths, key_value_seq_lengths, local_window_size,
-    segment_ids, q_offset, logits_soft_cap, alibi_slopes, mask_fn, score_fn,
-    dropout_rate, dropout_rng: reserved for the masks and score
-      modifications (not implemented yet: a non-default value raises
-      NotImplementedError).
 
   Returns:
     out [batch, q_len, num_heads, head_dim] in query's dtype, or (out, lse)
     with `return_residual=True`.
   """
-  shape, scale, spec = validation.normalise_call(
-      query, key, value, scale=scale, is_causal=is_causal,
-      dropout_rate=dropout_rate, dropout_rng=dropout_rng, bias=bias, mask=mask,
-      query_seq_lengths=query_seq_lengths,
+  call = validation.normalise_call(
+      query, key, value, bias=bias, mask=mask, scale=scale,
+      is_causal=is_causal, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
       q_offset=q_offset, logits_soft_cap=logits_soft_cap,
-      alibi_slopes=alibi_slopes, mask_fn=mask_fn, score_fn=score_fn)
+      alibi_slopes=alibi_slopes, mask_fn=mask_fn, score_fn=score_fn,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng, sinks=sinks)
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
   on_gpu = compat.has_gpu()
@@ -77,9 +101,9 @@ def flash_attention(
   errors = []
   for name in candidates:
     try:
-      out, lse = _IMPLEMENTATIONS[name](
-          query, key, value, scale=scale, spec=spec, head_dim=shape.head_dim,
-          block_sizes=block_sizes, interpret=interpret)
+      out, lse = _IMPLEMENTATIONS[name](call, query, key, value,
+                                        block_sizes=block_sizes,
+                                        interpret=interpret)
     except NotImplementedError as e:
       if implementation is not None:
         raise
@@ -101,13 +125,14 @@ def _candidates(implementation, *, on_gpu: bool, interpret: bool):
   return ("xla",)
 
 
-def _run_xla(query, key, value, *, scale, spec: MaskSpec, **_):
-  return reference.reference_attention(query, key, value, scale=scale,
-                                       spec=spec)
+def _run_xla(call: AttentionCall, query, key, value, **_):
+  return reference.reference_attention(call, query, key, value, call.bias,
+                                       call.sinks)
 
 
-def _run_triton(query, key, value, *, scale, spec: MaskSpec, head_dim,
-                block_sizes, interpret):
+def _run_triton(call: AttentionCall, query, key, value, *, block_sizes,
+                interpret):
+  head_dim = call.shape.head_dim
   if head_dim > 256:
     raise NotImplementedError(
         f"the Triton kernels support head_dim up to 256, got {head_dim}")
@@ -118,9 +143,19 @@ def _run_triton(query, key, value, *, scale, spec: MaskSpec, head_dim,
           f"the Triton kernels need an sm80+ GPU or interpret=True (got {cc})")
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(head_dim)
-  out, lse = flash_attention_triton(query, key, value, scale, spec,
-                                    block_sizes, interpret)
-  return out, jnp.swapaxes(lse, 1, 2)
+  operands = call.operands
+  if call.spec.mask_fn is not None and operands.block_mask is None:
+    shape = call.shape
+    operands = operands._replace(block_mask=masking.BlockMask.from_mask_fn(
+        call.spec.mask_fn, batch=shape.batch, num_heads=shape.num_heads,
+        q_len=shape.q_len, kv_len=shape.kv_len))
+  out, lse = flash_attention_triton(query, key, value, operands, call.bias,
+                                    call.scale, call.spec, block_sizes,
+                                    interpret)
+  lse = jnp.swapaxes(lse, 1, 2)
+  if call.sinks is not None:
+    out, lse = masking.apply_sinks(out, lse, call.sinks)
+  return out, lse
 
 
 def _run_mosaic(*args, **kwargs):
@@ -129,4 +164,3 @@ def _run_mosaic(*args, **kwargs):
 
 _IMPLEMENTATIONS = {"mosaic": _run_mosaic, "triton": _run_triton,
                     "xla": _run_xla}
-

@@ -5,18 +5,17 @@ Every error names the argument and shows the shapes it saw.
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jax_flash import masking
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
-# Arguments of the public signature that later issues fill in; until then a
-# value other than the default is refused by name rather than ignored.
-RESERVED_ARGUMENTS = (
-    "bias", "mask", "query_seq_lengths", "key_value_seq_lengths",
-    "local_window_size", "segment_ids", "q_offset", "logits_soft_cap",
-    "alibi_slopes", "mask_fn", "score_fn", "dropout_rng",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,42 +80,207 @@ def check_scale(scale, head_dim: int) -> float:
     scale = float(scale)
   except TypeError as e:
     raise TypeError(f"scale must be a Python number, got {scale!r}") from e
-  if not jnp.isfinite(scale):
+  if not math.isfinite(scale):
     raise ValueError(f"scale must be finite, got {scale}")
   return scale
 
 
-def check_reserved(**values) -> None:
-  """Refuses variant arguments that this version does not implement yet."""
-  for name, value in values.items():
-    if value is not None:
-      raise NotImplementedError(
-          f"{name} is not implemented yet in jax_flash (got {type(value).__name__})")
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
 
 
-def check_dropout(dropout_rate, dropout_rng) -> None:
-  if not 0.0 <= float(dropout_rate) < 1.0:
-    raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
-  if dropout_rate and dropout_rng is None:
+def _check_int_array(name: str, x, shape: tuple[int, ...]):
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got {x.dtype}")
+  if x.shape != shape:
+    raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+  return x.astype(jnp.int32)
+
+
+def _check_lengths(name: str, lengths, batch: int, limit: int):
+  if lengths is None:
+    return None
+  lengths = _check_int_array(name, lengths, (batch,))
+  if _is_concrete(lengths):
+    values = np.asarray(lengths)
+    if values.min() < 0 or values.max() > limit:
+      raise ValueError(f"{name} must lie in [0, {limit}], got {values}")
+  return lengths
+
+
+def _check_window(local_window_size):
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, (int, np.integer)):
+    window = (int(local_window_size), int(local_window_size))
+  else:
+    try:
+      left, right = local_window_size
+    except (TypeError, ValueError) as e:
+      raise TypeError("local_window_size must be an int or a (left, right) "
+                      f"pair, got {local_window_size!r}") from e
+    window = tuple(None if w is None else int(w) for w in (left, right))
+  if any(w is not None and w < 0 for w in window):
+    raise ValueError(f"local_window_size must be >= 0, got {local_window_size}")
+  return window
+
+
+def _check_broadcastable(name: str, x, shape: AttentionShape):
+  full = (shape.batch, shape.num_heads, shape.q_len, shape.kv_len)
+  if x.ndim != 4 or any(d not in (1, f) for d, f in zip(x.shape, full)):
+    raise ValueError(f"{name} must be rank 4 and broadcastable to [batch, "
+                     f"num_heads, q_len, kv_len] = {full}, got {x.shape}")
+
+
+def _check_segments(segment_ids, shape: AttentionShape):
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError("segment_ids must be an array or a (q_ids, kv_ids) "
+                       f"pair, got {len(segment_ids)} items")
+    q_ids, kv_ids = segment_ids
+  else:
+    if shape.q_len != shape.kv_len:
+      raise ValueError(
+          "a single segment_ids array needs q_len == kv_len (self-attention);"
+          f" got q_len {shape.q_len}, kv_len {shape.kv_len}: pass "
+          "(q_segment_ids, kv_segment_ids)")
+    q_ids = kv_ids = segment_ids
+  return (_check_int_array("segment_ids (query)", q_ids,
+                           (shape.batch, shape.q_len)),
+          _check_int_array("segment_ids (key/value)", kv_ids,
+                           (shape.batch, shape.kv_len)))
+
+
+def _check_per_batch_offset(q_offset, batch: int):
+  if q_offset is None:
+    return None
+  if isinstance(q_offset, (int, np.integer)):
+    return jnp.full((batch,), int(q_offset), jnp.int32)
+  return _check_int_array("q_offset", q_offset, (batch,))
+
+
+def _check_alibi(alibi_slopes, shape: AttentionShape):
+  if alibi_slopes is None:
+    return None
+  slopes = jnp.asarray(alibi_slopes)
+  if not jnp.issubdtype(slopes.dtype, jnp.floating):
+    raise TypeError(f"alibi_slopes must be float, got {slopes.dtype}")
+  if slopes.shape == (shape.num_heads,):
+    slopes = jnp.broadcast_to(slopes, (shape.batch, shape.num_heads))
+  if slopes.shape != (shape.batch, shape.num_heads):
+    raise ValueError(
+        f"alibi_slopes must have shape [num_heads] = ({shape.num_heads},) or"
+        f" [batch, num_heads] = ({shape.batch}, {shape.num_heads}), got "
+        f"{slopes.shape}")
+  return slopes.astype(jnp.float32)
+
+
+def _dropout_seed(dropout_rate, dropout_rng):
+  if not isinstance(dropout_rate, (int, float)) or not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"dropout_rate must be a number in [0, 1), got "
+                     f"{dropout_rate!r}")
+  if not dropout_rate:
+    return None
+  if dropout_rng is None:
     raise ValueError("dropout_rate > 0 needs a dropout_rng key")
-  if dropout_rate:
-    raise NotImplementedError("dropout is not implemented yet in jax_flash")
+  if not jnp.issubdtype(jnp.asarray(dropout_rng).dtype, jax.dtypes.prng_key):
+    dropout_rng = jax.random.wrap_key_data(jnp.asarray(dropout_rng, jnp.uint32))
+  bits = jax.random.bits(dropout_rng, (), jnp.uint32)
+  return jax.lax.bitcast_convert_type(bits, jnp.int32)
 
 
-def normalise_call(query, key, value, *, scale, is_causal, dropout_rate=0.0,
-                   dropout_rng=None, **variants):
-  """Validates one call and returns `(shape, scale, mask_spec)`.
+class Operands(NamedTuple):
+  """The traced, non-differentiable inputs of the masks (None when absent).
 
-  `variants` are the mask/score arguments of the public signature; those that
-  this version does not implement must be None.
+  q_offset, q_lengths, kv_lengths: int32 [batch]; q_segments int32
+  [batch, q_len]; kv_segments int32 [batch, kv_len]; dense_mask bool,
+  broadcastable to [batch, heads, q_len, kv_len]; alibi_slopes float32
+  [batch, heads]; dropout_seed int32 []; block_mask a `masking.BlockMask`.
   """
-  from jax_flash.masking import MaskSpec  # masking has no dependencies back
 
+  q_offset: Any = None
+  q_lengths: Any = None
+  kv_lengths: Any = None
+  q_segments: Any = None
+  kv_segments: Any = None
+  dense_mask: Any = None
+  alibi_slopes: Any = None
+  dropout_seed: Any = None
+  block_mask: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+  """One validated call: static spec, scale, traced mask operands, and the
+  differentiable extras (bias, sinks)."""
+
+  shape: AttentionShape
+  scale: float
+  spec: masking.MaskSpec
+  operands: Operands
+  bias: Any = None
+  sinks: Any = None
+
+
+def normalise_call(query, key, value, *, bias=None, mask=None, scale=None,
+                   is_causal=False, query_seq_lengths=None,
+                   key_value_seq_lengths=None, local_window_size=None,
+                   segment_ids=None, q_offset=None, logits_soft_cap=None,
+                   alibi_slopes=None, mask_fn=None, score_fn=None,
+                   dropout_rate=0.0, dropout_rng=None, sinks=None
+                   ) -> AttentionCall:
+  """Validates every argument of one call and puts it in canonical form."""
   shape = check_qkv(query, key, value)
   scale = check_scale(scale, shape.head_dim)
-  if not isinstance(is_causal, bool):
+  if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-  check_dropout(dropout_rate, dropout_rng)
-  check_reserved(**variants)
-  spec = MaskSpec(q_len=shape.q_len, kv_len=shape.kv_len, is_causal=is_causal)
-  return shape, scale, spec
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+      raise TypeError(f"bias must be a float array, got {bias.dtype}")
+    _check_broadcastable("bias", bias, shape)
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    _check_broadcastable("mask", mask, shape)
+    # Flax's make_causal_mask gives float 0/1 masks: nonzero attends.
+    mask = mask if mask.dtype == jnp.bool_ else mask != 0
+  if logits_soft_cap is not None:
+    logits_soft_cap = float(logits_soft_cap)
+    if not logits_soft_cap > 0:
+      raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
+  for name, fn in (("mask_fn", mask_fn), ("score_fn", score_fn)):
+    if fn is not None and not callable(fn):
+      raise TypeError(f"{name} must be callable, got {fn!r}")
+  block_mask = None
+  if isinstance(mask_fn, masking.BlockMask):
+    block_mask, mask_fn = mask_fn, mask_fn.mask_fn
+  if sinks is not None:
+    sinks = jnp.asarray(sinks)
+    if sinks.shape != (shape.num_heads,):
+      raise ValueError(f"sinks must have shape [num_heads] = "
+                       f"({shape.num_heads},), got {sinks.shape}")
+  q_segments, kv_segments = _check_segments(segment_ids, shape)
+  operands = Operands(
+      q_offset=_check_per_batch_offset(q_offset, shape.batch),
+      q_lengths=_check_lengths("query_seq_lengths", query_seq_lengths,
+                               shape.batch, shape.q_len),
+      kv_lengths=_check_lengths("key_value_seq_lengths", key_value_seq_lengths,
+                                shape.batch, shape.kv_len),
+      q_segments=q_segments, kv_segments=kv_segments, dense_mask=mask,
+      alibi_slopes=_check_alibi(alibi_slopes, shape),
+      dropout_seed=_dropout_seed(dropout_rate, dropout_rng),
+      block_mask=block_mask)
+  spec = masking.MaskSpec(
+      q_len=shape.q_len, kv_len=shape.kv_len, is_causal=bool(is_causal),
+      window=_check_window(local_window_size),
+      has_q_offset=operands.q_offset is not None,
+      has_q_lengths=operands.q_lengths is not None,
+      has_kv_lengths=operands.kv_lengths is not None,
+      has_segments=q_segments is not None, has_dense_mask=mask is not None,
+      mask_fn=mask_fn, score_fn=score_fn, logits_soft_cap=logits_soft_cap,
+      has_alibi=operands.alibi_slopes is not None, has_bias=bias is not None,
+      dropout_rate=float(dropout_rate))
+  return AttentionCall(shape, scale, spec, operands, bias, sinks)

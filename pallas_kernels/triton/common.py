@@ -4,10 +4,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
+from jax_flash import masking
 from jax_flash.masking import MaskSpec
 from pallas_kernels.config import MIN_BLOCK, next_power_of_two
 
@@ -107,21 +109,22 @@ def matmul_t(a, b):
                          preferred_element_type=jnp.float32)
 
 
-def element_keep(spec: MaskSpec, q_start, kv_start, block_q: int, block_k: int):
-  """`spec.keep` on the [block_q, block_k] tile at (q_start, kv_start)."""
-  q_idx = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
-  kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-  return spec.keep(q_idx, kv_idx)
-
-
-def run_block_loop(block_range, body, carry):
+def run_block_loop(block_range, body, carry, block_state=None):
   """Runs `body(j, carry, masked)` over the visited blocks of a block range.
 
-  `block_range` is `(lo, unmasked_lo, unmasked_hi, hi)` from `MaskSpec`. Full
-  blocks run the cheaper unmasked body; the two edges run the masked one.
+  `block_range` is `(lo, unmasked_lo, unmasked_hi, hi)` (see
+  `jax_flash.masking.block_ranges`). Full blocks run the cheaper unmasked
+  body; the edges run the masked one. With `block_state(j)` (block-sparse
+  masks), empty blocks inside the edges are skipped too.
   """
   lo, unmasked_lo, unmasked_hi, hi = block_range
-  masked = lambda j, c: body(j, c, True)
+
+  def masked(j, c):
+    if block_state is None:
+      return body(j, c, True)
+    return lax.cond(block_state(j) == masking.EMPTY, lambda: c,
+                    lambda: body(j, c, True))
+
   unmasked = lambda j, c: body(j, c, False)
   carry = lax.fori_loop(lo, unmasked_lo, masked, carry)
   carry = lax.fori_loop(unmasked_lo, unmasked_hi, unmasked, carry)
@@ -130,3 +133,48 @@ def run_block_loop(block_range, body, carry):
 
 def compiler_params(num_warps: int, num_stages: int):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def tile_indices(q_start, kv_start, block_q: int, block_k: int):
+  """Global [block_q, 1] query and [1, block_k] key indices of a tile."""
+  q_idx = q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+  kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+  return q_idx, kv_idx
+
+
+def logits_base2(spec: MaskSpec, qk, scale: float, q_idx, kv_idx, values,
+                 masked: bool):
+  """Final logits in base 2 (ready for exp2) from raw q·k, [block_q, block_k].
+
+  Without score changes, log2(e) is folded into the scale: one multiply.
+  """
+  if spec.modifies_scores:
+    s = masking.modify_scores(spec, qk * scale, q_idx, kv_idx,
+                              values) * LOG2_E
+  else:
+    s = qk * (scale * LOG2_E)
+  if masked:
+    s = jnp.where(masking.keep(spec, q_idx, kv_idx, values), s, -jnp.inf)
+  return s
+
+
+def score_grad(spec: MaskSpec, qk, scale: float, q_idx, kv_idx, values, ds):
+  """Maps dL/d(final logit) to dL/d(scale * q·k) through `modify_scores`.
+
+  The modification is elementwise, so its derivative is one `jax.jvp` of the
+  same function with a tangent of ones. Also the gradient of the bias, which
+  is added first.
+  """
+  if not spec.modifies_scores:
+    return ds
+  modify = lambda s: masking.modify_scores(spec, s, q_idx, kv_idx, values)
+  _, slope = jax.jvp(modify, (qk * scale,), (jnp.ones_like(qk),))
+  return ds * slope
+
+
+def dropout_keep(spec: MaskSpec, reader, q_idx, kv_idx, batch, head):
+  """The dropout mask of a tile (None without dropout)."""
+  if not spec.dropout_rate:
+    return None
+  return masking.dropout_keep(reader.dropout_seed(), batch, head, q_idx, kv_idx,
+                              spec.dropout_rate)

@@ -1,7 +1,7 @@
 """Forward kernel: tiled attention with online softmax (FlashAttention-2 Alg. 1).
 
 Grid (q block, batch, head). Each program keeps its Q tile resident, walks the
-K/V blocks that `MaskSpec.kv_block_range` says are non-empty, and keeps the
+K/V blocks that the call's block ranges say are non-empty, and keeps the
 output unnormalised (with running max `m` and sum `l`, in base 2) until the
 end. It stores O and the natural-log LSE; nothing of size N x N is written.
 """
@@ -15,20 +15,23 @@ from jax.experimental import pallas as pl
 
 from jax_flash.masking import MaskSpec
 from pallas_kernels.config import BlockSizes
-from pallas_kernels.triton import common
+from pallas_kernels.triton import common, operands
+from pallas_kernels.triton.operands import Tiling
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float,
-                    spec: MaskSpec, dims: common.KernelDims, block_q: int,
-                    block_k: int):
-  """q_ref [block_q, Dp]; k_ref, v_ref [kv_len, Dp]; o_ref [block_q, Dp]; lse_ref [block_q]."""
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale: float, spec: MaskSpec,
+                    dims: common.KernelDims, tiling: Tiling, layouts):
+  """q_ref [block_q, Dp]; k_ref, v_ref [kv_len, Dp]; then the optional inputs
+  of `layouts`; outputs o_ref [block_q, Dp] and lse_ref [block_q]."""
+  *inputs, o_ref, lse_ref = refs
+  block_q, block_k = tiling.block_q, tiling.block_k
+  batch, head = pl.program_id(1), pl.program_id(2)
+  reader = operands.TileReader(inputs, layouts, spec, tiling, batch, head)
   q_start = pl.program_id(0) * block_q
   tile = pl.ds(0, block_q)
   # Rows of this tile that exist; None when every tile is full (no row mask).
   q_rows_left = spec.q_len - q_start if spec.q_len % block_q else None
   q = common.load_tile(q_ref, tile, dims, q_rows_left)
-  # exp2 instead of exp: log2(e) folded into the logit scale.
-  qk_scale = scale * common.LOG2_E
 
   def body(j, carry, masked: bool):
     acc, m, l = carry
@@ -36,10 +39,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float,
     kv_rows = pl.ds(kv_start, block_k)
     tail = spec.kv_len if masked else None
     k = common.load_tile(k_ref, kv_rows, dims, tail)
-    s = common.matmul(q, k, transpose_b=True) * qk_scale
-    if masked:
-      keep = common.element_keep(spec, q_start, kv_start, block_q, block_k)
-      s = jnp.where(keep, s, -jnp.inf)
+    q_idx, kv_idx = common.tile_indices(q_start, kv_start, block_q, block_k)
+    values = reader.values(q_start, kv_start)
+    s = common.logits_base2(spec, common.matmul(q, k, transpose_b=True),
+                            scale, q_idx, kv_idx, values, masked)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     if masked:
       # A row with every key masked so far keeps m = -inf; shift by 0 instead
@@ -50,6 +53,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float,
     correction = jnp.exp2(m - m_new_safe)
     p = jnp.exp2(s - m_new_safe[:, None])
     l = l * correction + jnp.sum(p, axis=1)
+    kept = common.dropout_keep(spec, reader, q_idx, kv_idx, batch, head)
+    if kept is not None:
+      # The softmax sum uses every weight; only the output sees dropout.
+      p = jnp.where(kept, p * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
     v = common.load_tile(v_ref, kv_rows, dims, tail)
     acc = acc * correction[:, None] + common.matmul(p.astype(v.dtype), v)
     return acc, m_new, l
@@ -57,8 +64,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float,
   carry = (jnp.zeros((block_q, dims.head_dim_padded), jnp.float32),
            jnp.full((block_q,), -jnp.inf, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
-  block_range = spec.kv_block_range(q_start, block_q, block_k)
-  acc, m, l = common.run_block_loop(block_range, body, carry)
+  block_state = reader.block_state if spec.needs_block_map else None
+  acc, m, l = common.run_block_loop(reader.ranges(), body, carry, block_state)
 
   empty = l == 0.0  # nothing to attend to: output 0, lse -inf
   l_safe = jnp.where(empty, 1.0, l)
@@ -68,13 +75,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float,
   common.store_rows(lse_ref, tile, lse, spec.q_len - q_start)
 
 
-def flash_forward(query, key, value, *, scale: float, spec: MaskSpec,
-                  block_sizes: BlockSizes, interpret: bool):
+def flash_forward(query, key, value, call_operands, bias, *, scale: float,
+                  spec: MaskSpec, block_sizes: BlockSizes, interpret: bool):
   """Attention forward.
 
   Args:
     query: [batch, q_len, num_heads, head_dim].
     key, value: [batch, kv_len, num_kv_heads, head_dim].
+    call_operands: `validation.Operands` (the masks' traced inputs).
+    bias: broadcastable [batch|1, heads|1, q_len|1, kv_len|1] or None.
 
   Returns:
     out [batch, q_len, num_heads, head_dim] (query.dtype) and
@@ -84,22 +93,28 @@ def flash_forward(query, key, value, *, scale: float, spec: MaskSpec,
   num_kv_heads = key.shape[2]
   group = num_heads // num_kv_heads
   dims = common.KernelDims.for_head_dim(head_dim)
-  block_q = common.clamp_block(block_sizes.block_q, q_len)
-  block_k = common.clamp_block(block_sizes.block_k, spec.kv_len)
-  kv_padded = pl.cdiv(spec.kv_len, block_k) * block_k
+  tiling = Tiling(kv_tiled=False,
+                  block_q=common.clamp_block(block_sizes.block_q, q_len),
+                  block_k=common.clamp_block(block_sizes.block_k, spec.kv_len),
+                  num_heads=num_heads, group=group)
+  extra, extra_specs, layouts = operands.prepare(
+      spec, call_operands, tiling, batch=batch, bias=bias)
+  kv_padded = pl.cdiv(spec.kv_len, tiling.block_k) * tiling.block_k
   dp = dims.head_dim_padded
 
   kernel = functools.partial(_forward_kernel, scale=scale, spec=spec,
-                             dims=dims, block_q=block_q, block_k=block_k)
-  grid = (pl.cdiv(q_len, block_q), batch, num_heads)
-  q_spec = pl.BlockSpec((None, block_q, None, dp), lambda i, b, h: (b, i, h, 0))
+                             dims=dims, tiling=tiling, layouts=layouts)
+  grid = (pl.cdiv(q_len, tiling.block_q), batch, num_heads)
+  q_spec = pl.BlockSpec((None, tiling.block_q, None, dp),
+                        lambda i, b, h: (b, i, h, 0))
   kv_spec = pl.BlockSpec((None, kv_padded, None, dp),
                          lambda i, b, h: (b, 0, h // group, 0))
-  lse_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
+  lse_spec = pl.BlockSpec((None, None, tiling.block_q),
+                          lambda i, b, h: (b, h, i))
   return pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=[q_spec, kv_spec, kv_spec],
+      in_specs=[q_spec, kv_spec, kv_spec, *extra_specs],
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct(query.shape, query.dtype),
                  jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)],
@@ -107,4 +122,4 @@ def flash_forward(query, key, value, *, scale: float, spec: MaskSpec,
                                              block_sizes.num_stages),
       interpret=interpret,
       name="flash_forward",
-  )(query, key, value)
+  )(query, key, value, *extra)
