@@ -29,8 +29,7 @@ from rich.table import Table
 
 import jax_flash
 from benchmarks import common
-from jax_flash.masking import MaskSpec
-from jax_flash.reference import reference_attention
+from jax_flash.reference import naive_attention
 from pallas_kernels import compat
 
 OUTPUTS = ("out", "dq", "dk", "dv")
@@ -102,11 +101,9 @@ def _implementations(case: Case, interpret: bool) -> dict:
 
 
 def _reference(case: Case, compute_dtype):
-  spec = MaskSpec(q_len=case.seq, kv_len=case.seq, is_causal=case.causal)
-
   def attention(q, k, v):
-    return reference_attention(q, k, v, scale=case.head_dim ** -0.5,
-                               spec=spec, compute_dtype=compute_dtype)[0]
+    return naive_attention(q, k, v, is_causal=case.causal,
+                           compute_dtype=compute_dtype)[0]
   return attention
 
 

@@ -92,14 +92,26 @@ def attention_reference(
   for signature compatibility and ignored.
   """
   del implementation, block_sizes, interpret
-  call = validation.normalise_call(
-      query, key, value, bias=bias, mask=mask, scale=scale,
-      is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+  out, lse = naive_attention(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
       q_offset=q_offset, logits_soft_cap=logits_soft_cap,
       alibi_slopes=alibi_slopes, mask_fn=mask_fn, score_fn=score_fn,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng, sinks=sinks)
-  out, lse = reference_attention(call, query, key, value, call.bias,
-                                 call.sinks)
   return (out, lse) if return_residual else out
+
+
+def naive_attention(query, key, value, bias=None, mask=None, *,
+                    compute_dtype=jnp.float32, **variants):
+  """`attention_reference`'s (out, lse) with the arithmetic in `compute_dtype`.
+
+  With the input dtype, this is the "naive low-precision" yardstick of the
+  FlashAttention tolerance rule. `variants` are `flash_attention`'s mask and
+  score keyword arguments.
+  """
+  call = validation.normalise_call(query, key, value, bias=bias, mask=mask,
+                                   **variants)
+  return reference_attention(call, query, key, value, call.bias, call.sinks,
+                             compute_dtype=compute_dtype)

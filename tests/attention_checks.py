@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash.masking import MaskSpec
-from jax_flash.reference import reference_attention
+from jax_flash.reference import naive_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,22 +62,20 @@ def _max_err(a, b):
   return float(np.max(np.abs(a[finite] - b[finite])))
 
 
-def check_against_reference(attention, case: Case, dtype, *, is_causal: bool,
-                            scale: float | None = None, seed: int = 0,
-                            f32_tol: float = 2e-5):
+def check_against_reference(attention, case: Case, dtype, *, seed: int = 0,
+                            f32_tol: float = 2e-5, **variants):
   """Asserts that `attention(q, k, v) -> (out, lse)` obeys the tolerance rule.
 
+  `variants` are the `flash_attention` keyword arguments (is_causal, masks,
+  score changes) that `attention` applies; the reference applies the same.
   Checks the output, the LSE and dq, dk, dv under a random cotangent of both.
   Returns the errors, for the caller to print.
   """
-  scale = case.head_dim ** -0.5 if scale is None else scale
-  spec = MaskSpec(q_len=case.q_len, kv_len=case.kv_len, is_causal=is_causal)
   q, k, v, d_out, d_lse = random_inputs(case, dtype, seed)
 
   def reference_in(compute_dtype):
     def run(q, k, v):
-      return reference_attention(q, k, v, scale=scale, spec=spec,
-                                 compute_dtype=compute_dtype)
+      return naive_attention(q, k, v, compute_dtype=compute_dtype, **variants)
     return run
 
   ours = forward_and_grads(attention, q, k, v, d_out, d_lse)

@@ -27,11 +27,12 @@ CPU_CASES = [
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
-def _triton(block_sizes, is_causal, interpret=True):
+def _triton(block_sizes, is_causal=False, interpret=True, **variants):
   def attention(q, k, v):
     return jax_flash.flash_attention(
         q, k, v, is_causal=is_causal, return_residual=True,
-        implementation="triton", block_sizes=block_sizes, interpret=interpret)
+        implementation="triton", block_sizes=block_sizes, interpret=interpret,
+        **variants)
   return attention
 
 
@@ -51,11 +52,8 @@ def test_default_block_sizes_match_reference():
 
 def test_custom_scale():
   case = Case(1, 40, 50, 2, 2, 32)
-  attention = lambda q, k, v: jax_flash.flash_attention(
-      q, k, v, scale=0.37, return_residual=True, implementation="triton",
-      block_sizes=SMALL_BLOCKS)
-  check_against_reference(attention, case, jnp.float32, is_causal=False,
-                          scale=0.37)
+  check_against_reference(_triton(SMALL_BLOCKS, scale=0.37), case,
+                          jnp.float32, scale=0.37)
 
 
 def test_matches_jax_nn_dot_product_attention():

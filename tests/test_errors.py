@@ -63,7 +63,7 @@ def test_bad_implementation_and_arguments():
 
 def test_dropout_arguments():
   q, k, v = _qkv()
-  with pytest.raises(ValueError, match=r"dropout_rate must be in \[0, 1\)"):
+  with pytest.raises(ValueError, match=r"dropout_rate must be a number in \[0, 1\)"):
     jax_flash.flash_attention(q, k, v, dropout_rate=1.5)
   with pytest.raises(ValueError, match=r"needs a dropout_rng"):
     jax_flash.flash_attention(q, k, v, dropout_rate=0.1)

@@ -10,7 +10,7 @@ import pytest
 
 from jax._src.pallas.triton import lowering as triton_lowering
 
-from jax_flash.masking import MaskSpec
+from jax_flash import masking, validation
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.triton import flash_attention_triton
 
@@ -36,23 +36,64 @@ def verified_triton_modules(monkeypatch):
   return verified
 
 
+def _lower_grad(q_len, kv_len, head_dim, verified, bias_shape=None,
+                dtype=jnp.bfloat16, **variants):
+  """Lowers forward + backward of the Triton path for CUDA; returns HLO text."""
+  q = jax.ShapeDtypeStruct((2, q_len, 8, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((2, kv_len, 2, head_dim), dtype)
+  bias = None if bias_shape is None else jax.ShapeDtypeStruct(bias_shape,
+                                                               jnp.float32)
+  blocks = BlockSizes.get_default(head_dim, device_kind="NVIDIA H200")
+
+  def loss(q, k, v, bias):
+    call = validation.normalise_call(q, k, v, bias=bias, **variants)
+    operands = call.operands
+    if call.spec.mask_fn is not None:
+      operands = operands._replace(block_mask=masking.BlockMask.from_mask_fn(
+          call.spec.mask_fn, batch=2, num_heads=8, q_len=q_len,
+          kv_len=kv_len))
+    out, lse = flash_attention_triton(q, k, v, operands, call.bias,
+                                      call.scale, call.spec, blocks, False)
+    return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(lse)
+
+  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+  lowered = jax.jit(jax.grad(loss, argnums)).trace(q, kv, kv, bias).lower(
+      lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  for name in ("flash_forward", "flash_backward_dkdv", "flash_backward_dq"):
+    assert name in text, name
+  assert len(verified) == 3
+  return text
+
+
 @pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("q_len, kv_len", [(300, 200), (256, 512)])
 def test_triton_kernels_lower_for_cuda(head_dim, is_causal, q_len, kv_len,
                                        verified_triton_modules):
-  q = jax.ShapeDtypeStruct((2, q_len, 8, head_dim), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, kv_len, 2, head_dim), jnp.bfloat16)
-  spec = MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=is_causal)
-  blocks = BlockSizes.get_default(head_dim, device_kind="NVIDIA H200")
+  _lower_grad(q_len, kv_len, head_dim, verified_triton_modules,
+              is_causal=is_causal)
 
-  def loss(q, k, v):
-    out, lse = flash_attention_triton(q, k, v, 0.1, spec, blocks, False)
-    return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(lse)
 
-  lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv).lower(
-      lowering_platforms=("cuda",))
-  text = lowered.as_text()
-  for name in ("flash_forward", "flash_backward_dkdv", "flash_backward_dq"):
-    assert name in text, name
-  assert len(verified_triton_modules) == 3
+_SEGMENTS = jnp.repeat(jnp.arange(4), 75)[None].repeat(2, 0)
+
+VARIANTS = {
+    "window+lengths+offset": dict(
+        is_causal=True, local_window_size=(64, 0), q_offset=jnp.array([0, 7]),
+        query_seq_lengths=jnp.array([300, 100]),
+        key_value_seq_lengths=jnp.array([300, 250])),
+    "segments": dict(segment_ids=_SEGMENTS),
+    "bias-grad": dict(bias_shape=(2, 8, 300, 300)),
+    "bias-broadcast": dict(bias_shape=(1, 8, 1, 300)),
+    "dense-mask": dict(mask=jnp.ones((2, 1, 300, 300), bool)),
+    "mask_fn": dict(mask_fn=lambda b, h, i, j: (i - j) % 3 != 1),
+    "scores": dict(logits_soft_cap=30.0, alibi_slopes=jnp.ones((8,)),
+                   score_fn=lambda s, b, h, i, j: s + 0.1 * h),
+    "dropout": dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+    "float32": dict(dtype=jnp.float32, is_causal=True),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variants_lower_for_cuda(name, verified_triton_modules):
+  _lower_grad(300, 300, 96, verified_triton_modules, **VARIANTS[name])

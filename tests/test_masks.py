@@ -1,0 +1,249 @@
+"""Masks and score changes in the Triton kernels against the reference.
+
+Every variant alone and in the combinations users need, forward, LSE and all
+gradients (dbias and dsinks too), in interpret mode on awkward shapes.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jax_flash
+from jax_flash import BlockMask, BlockSizes
+from tests.attention_checks import Case, check_against_reference, random_inputs
+
+BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_kv_dkv=32,
+                    block_q_dq=32, block_kv_dq=16)
+CASE = Case(2, 70, 90, 4, 2, 40)        # GQA 4:2, tails, padded head dim
+SELF = Case(2, 83, 83, 4, 1, 32)        # self-attention, MQA
+
+
+def _segments(lengths, total):
+  """int32 [batch, total]: consecutive runs of the given lengths per row."""
+  rows = []
+  for row in lengths:
+    ids = np.repeat(np.arange(len(row)), row)[:total]
+    rows.append(np.pad(ids, (0, total - len(ids)), constant_values=len(row)))
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def _triton(**variants):
+  def attention(q, k, v):
+    return jax_flash.flash_attention(q, k, v, return_residual=True,
+                                     implementation="triton",
+                                     block_sizes=BLOCKS, **variants)
+  return attention
+
+
+def _check(case, dtype=jnp.float32, **variants):
+  check_against_reference(_triton(**variants), case, dtype, seed=7,
+                          **variants)
+
+
+SEG_Q = _segments([[10, 25, 35], [70]], 70)
+SEG_K = _segments([[12, 30, 48], [40, 50]], 90)
+SEG_SELF = _segments([[20, 30, 33], [5, 40, 38]], 83)
+
+VARIANTS = {
+    "window": (CASE, dict(local_window_size=(9, 4))),
+    "window-int": (SELF, dict(local_window_size=6)),
+    "causal+window+segments": (SELF, dict(is_causal=True,
+                                          local_window_size=(20, 0),
+                                          segment_ids=SEG_SELF)),
+    "bottom-right-causal": (CASE, dict(is_causal=True, q_offset=20)),
+    "q_offset-per-batch": (CASE, dict(is_causal=True,
+                                      q_offset=jnp.array([0, 33]))),
+    "lengths+gqa": (CASE, dict(query_seq_lengths=jnp.array([70, 31]),
+                               key_value_seq_lengths=jnp.array([17, 90]))),
+    "zero-length-rows": (CASE, dict(key_value_seq_lengths=jnp.array([0, 50]))),
+    "segments-cross": (CASE, dict(segment_ids=(SEG_Q, SEG_K))),
+    "softcap+causal": (SELF, dict(is_causal=True, logits_soft_cap=1.5)),
+    "alibi": (CASE, dict(alibi_slopes=jnp.array([0.5, 0.25, 0.125, 0.0625]))),
+    "alibi-per-batch": (SELF, dict(is_causal=True,
+                                   alibi_slopes=jnp.arange(8.0).reshape(2, 4)
+                                   / 8)),
+    "dense-mask": (CASE, dict(mask=jax.random.bernoulli(
+        jax.random.key(1), 0.6, (2, 1, 70, 90)))),
+    "float-mask": (SELF, dict(mask=jnp.tril(jnp.ones((1, 1, 83, 83))))),
+    "mask_fn+score_fn": (CASE, dict(
+        mask_fn=lambda b, h, i, j: ((i // 16 + j // 16 + h) % 3) != 0,
+        score_fn=lambda s, b, h, i, j: s * (1.0 + 0.25 * h) - 0.01 * (i - j))),
+    "dropout": (CASE, dict(dropout_rate=0.3,
+                           dropout_rng=jax.random.key(42))),
+    "dropout+causal+gqa": (SELF, dict(is_causal=True, dropout_rate=0.1,
+                                      dropout_rng=jax.random.key(3))),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_matches_reference(name):
+  case, variants = VARIANTS[name]
+  _check(case, **variants)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16],
+                         ids=lambda d: jnp.dtype(d).name)
+def test_half_precision_variants(dtype):
+  _check(SELF, dtype, is_causal=True, local_window_size=(16, 0),
+         segment_ids=SEG_SELF, logits_soft_cap=5.0)
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 4, 70, 90), (1, 4, 1, 90),
+                                        (2, 1, 70, 1)],
+                         ids=["full", "per-key", "per-query"])
+def test_bias_and_its_gradient(bias_shape):
+  q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 5)
+  bias = jax.random.normal(jax.random.key(9), bias_shape)
+
+  def loss(fn, q, k, v, bias, **kw):
+    return jnp.sum(fn(q, k, v, bias, is_causal=True, **kw) * d_out)
+
+  got = jax.grad(loss, (1, 2, 3, 4))(jax_flash.flash_attention, q, k, v,
+                                     bias, implementation="triton",
+                                     block_sizes=BLOCKS)
+  want = jax.grad(loss, (1, 2, 3, 4))(jax_flash.attention_reference, q, k, v,
+                                      bias)
+  for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
+    assert g.shape == w.shape, name
+    np.testing.assert_allclose(g, w, atol=2e-5 * max(1, np.abs(w).max()),
+                               err_msg=name)
+
+
+def test_sinks_and_their_gradient():
+  q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 6)
+  sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
+
+  def loss(fn, q, sinks, **kw):
+    return jnp.sum(fn(q, k, v, sinks=sinks, is_causal=True, **kw) * d_out)
+
+  got = jax.grad(loss, (1, 2))(jax_flash.flash_attention, q, sinks,
+                               implementation="triton", block_sizes=BLOCKS)
+  want = jax.grad(loss, (1, 2))(jax_flash.attention_reference, q, sinks)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=2e-5)
+
+
+def test_fully_masked_rows_are_zero_with_zero_gradients():
+  q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 8)
+  variants = dict(key_value_seq_lengths=jnp.array([0, 90]),
+                  segment_ids=(SEG_Q, jnp.full((2, 90), 99, jnp.int32)))
+
+  def attention(q, k, v):
+    return jax_flash.flash_attention(q, k, v, implementation="triton",
+                                     block_sizes=BLOCKS, return_residual=True,
+                                     **variants)
+
+  (out, lse), vjp = jax.vjp(attention, q, k, v)
+  grads = vjp((d_out, jnp.ones_like(lse)))
+  assert not np.any(out) and np.all(lse == -np.inf)
+  for g in grads:
+    assert np.all(np.isfinite(g)) and not np.any(g)
+
+
+def test_dropout_is_deterministic_and_keeps_the_expected_fraction():
+  kept = jax_flash.masking.dropout_keep(
+      jnp.int32(123), jnp.arange(2)[:, None, None, None],
+      jnp.arange(3)[None, :, None, None], jnp.arange(64)[None, None, :, None],
+      jnp.arange(64)[None, None, None, :], 0.25)
+  assert abs(float(kept.mean()) - 0.75) < 0.01
+  q, k, v, _, _ = random_inputs(CASE, jnp.float32, 2)
+  run = lambda key: jax_flash.flash_attention(
+      q, k, v, dropout_rate=0.5, dropout_rng=key, implementation="triton",
+      block_sizes=BLOCKS)
+  a, b, c = run(jax.random.key(1)), run(jax.random.key(1)), run(
+      jax.random.key(2))
+  np.testing.assert_array_equal(a, b)
+  assert not np.allclose(a, c)
+
+
+def test_block_mask_is_reusable_and_skips_empty_tiles():
+  mask_fn = lambda b, h, i, j: (i // 32) == (j // 32)   # block diagonal
+  block_mask = BlockMask.from_mask_fn(mask_fn, batch=1, num_heads=1,
+                                      q_len=128, kv_len=128, per_batch=False,
+                                      per_head=False)
+  states = np.asarray(block_mask.coarsen(32, 32))[0, 0]
+  np.testing.assert_array_equal(states, 2 * np.eye(4, dtype=int))
+  q, k, v, _, _ = random_inputs(Case(1, 128, 128, 2, 2, 16), jnp.float32, 3)
+  got = jax_flash.flash_attention(q, k, v, mask_fn=block_mask,
+                                  implementation="triton", block_sizes=BLOCKS)
+  want = jax_flash.attention_reference(q, k, v, mask_fn=mask_fn)
+  np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+def test_variants_under_jit_and_vmap():
+  q, k, v, _, _ = random_inputs(SELF, jnp.float32, 4)
+  variants = dict(is_causal=True, segment_ids=SEG_SELF,
+                  query_seq_lengths=jnp.array([83, 40]))
+  run = jax.jit(lambda q, k, v, seg: jax_flash.flash_attention(
+      q, k, v, implementation="triton", block_sizes=BLOCKS, is_causal=True,
+      segment_ids=seg))
+  np.testing.assert_allclose(
+      run(q, k, v, SEG_SELF),
+      jax_flash.attention_reference(q, k, v, is_causal=True,
+                                    segment_ids=SEG_SELF), atol=2e-6)
+  stacked = [jnp.stack([x, x * 0.5]) for x in (q, k, v)]
+  got = jax.vmap(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, implementation="triton", block_sizes=BLOCKS, **variants))(
+          *stacked)
+  want = jax.vmap(lambda q, k, v: jax_flash.attention_reference(
+      q, k, v, **variants))(*stacked)
+  np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(local_window_size=-1), ValueError, "local_window_size must be >= 0"),
+    (dict(local_window_size=(1, 2, 3)), TypeError, "local_window_size"),
+    (dict(alibi_slopes=jnp.ones(3)), ValueError, r"alibi_slopes must have"),
+    (dict(segment_ids=jnp.zeros((2, 7), jnp.int32)), ValueError,
+     r"q_len == kv_len"),
+    (dict(segment_ids=(jnp.zeros((2, 9), jnp.int32),
+                       jnp.zeros((2, 12), jnp.int32))), ValueError,
+     r"segment_ids \(query\) must have shape \(2, 8\)"),
+    (dict(segment_ids=(jnp.zeros((2, 8)), jnp.zeros((2, 12)))), TypeError,
+     "integer"),
+    (dict(dropout_rate=0.1), ValueError, "needs a dropout_rng"),
+    (dict(dropout_rate=-0.1), ValueError, r"dropout_rate must be"),
+    (dict(query_seq_lengths=jnp.array([9, 1])), ValueError,
+     r"query_seq_lengths must lie in \[0, 8\]"),
+    (dict(key_value_seq_lengths=jnp.array([1])), ValueError,
+     r"key_value_seq_lengths must have shape \(2,\)"),
+    (dict(q_offset=jnp.array([1.0, 2.0])), TypeError, "q_offset"),
+    (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be > 0"),
+    (dict(bias=jnp.ones((2, 3, 8, 12))), ValueError, "bias must be rank 4"),
+    (dict(mask=jnp.ones((8, 12), bool)), ValueError, "mask must be rank 4"),
+    (dict(mask_fn=3), TypeError, "mask_fn must be callable"),
+    (dict(sinks=jnp.ones(3)), ValueError, r"sinks must have shape"),
+])
+def test_bad_variant_arguments(kwargs, error, match):
+  q = jnp.ones((2, 8, 4, 16))
+  kv = jnp.ones((2, 12, 2, 16))
+  for fn in (jax_flash.flash_attention, jax_flash.attention_reference):
+    with pytest.raises(error, match=match):
+      fn(q, kv, kv, **kwargs)
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_random_variant_combinations(data):
+  """Hypothesis picks a shape and a set of variants; kernel == reference."""
+  q_len = data.draw(st.integers(1, 60), "q_len")
+  kv_len = data.draw(st.integers(1, 60), "kv_len")
+  case = Case(2, q_len, kv_len, 2, data.draw(st.sampled_from([1, 2])), 16)
+  variants = {}
+  if data.draw(st.booleans(), "causal"):
+    variants["is_causal"] = True
+  if data.draw(st.booleans(), "window"):
+    variants["local_window_size"] = (data.draw(st.integers(0, 20)),
+                                     data.draw(st.integers(0, 20)))
+  if data.draw(st.booleans(), "offset"):
+    variants["q_offset"] = jnp.asarray(
+        data.draw(st.lists(st.integers(-5, 30), min_size=2, max_size=2)))
+  if data.draw(st.booleans(), "lengths"):
+    variants["key_value_seq_lengths"] = jnp.asarray(data.draw(
+        st.lists(st.integers(0, kv_len), min_size=2, max_size=2)))
+  if data.draw(st.booleans(), "softcap"):
+    variants["logits_soft_cap"] = data.draw(st.floats(0.5, 10.0))
+  _check(case, **variants)
