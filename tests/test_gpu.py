@@ -61,3 +61,49 @@ def test_implementation_none_uses_kernels_on_gpu():
   text = jax.jit(lambda q, k, v: jax_flash.flash_attention(q, k, v)).lower(
       q, k, v).as_text()
   assert "flash_forward" in text
+
+
+_DOCS = jnp.repeat(jnp.arange(8, dtype=jnp.int32), 256)[None].repeat(2, 0)
+GPU_VARIANTS = {
+    "causal+window": dict(is_causal=True, local_window_size=(300, 0)),
+    "segments": dict(segment_ids=_DOCS),
+    "lengths+bottom-right": dict(is_causal=True, q_offset=jnp.array([0, 500]),
+                                 key_value_seq_lengths=jnp.array([2048,
+                                                                  1700])),
+    "softcap+alibi": dict(logits_soft_cap=20.0,
+                          alibi_slopes=jnp.linspace(0.01, 0.5, 8)),
+    "dropout": dict(dropout_rate=0.2, dropout_rng=jax.random.key(0)),
+    "mask_fn+score_fn": dict(mask_fn=lambda b, h, i, j: (i // 128) % 2 ==
+                             (j // 128) % 2,
+                             score_fn=lambda s, b, h, i, j: s * 0.9),
+    "sinks+mask": dict(sinks=jnp.linspace(-1, 1, 8),
+                       mask=jnp.ones((2, 1, 2048, 2048), bool).at[
+                           :, :, :, 1000:1100].set(False)),
+}
+
+
+@pytest.mark.parametrize("name", list(GPU_VARIANTS))
+def test_variants_on_gpu(name):
+  variants = GPU_VARIANTS[name]
+
+  @jax.jit
+  def attention(q, k, v):
+    return jax_flash.flash_attention(q, k, v, return_residual=True,
+                                     implementation="triton", **variants)
+  check_against_reference(attention, Case(2, 2048, 2048, 8, 2, 128),
+                          jnp.bfloat16, seed=2, **variants)
+
+
+def test_bias_gradient_on_gpu():
+  q, k, v, d_out, _ = random_inputs(Case(1, 1024, 1536, 8, 8, 64),
+                                    jnp.bfloat16, 4)
+  bias = jax.random.normal(jax.random.key(1), (1, 8, 1024, 1536))
+
+  def loss(fn, bias, **kw):
+    out = fn(q, k, v, bias, is_causal=True, **kw)
+    return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+  got = jax.jit(jax.grad(lambda b: loss(jax_flash.flash_attention, b,
+                                        implementation="triton")))(bias)
+  want = jax.grad(lambda b: loss(jax_flash.attention_reference, b))(bias)
+  np.testing.assert_allclose(got, want, atol=0.02 * float(jnp.abs(want).max()))
