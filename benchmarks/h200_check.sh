@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU session's checks, in the order that matters if time runs out:
+# GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
+# Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
+# STEPs: tests grid128 masks memory grid
+set -u
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+if [ -d .whl ]; then  # peers' wheels (tokamax), see benchmarks/README.md
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+for step in "$@"; do
+  case $step in
+    tests)
+      timeout 150 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests/test_gpu.py \
+        2>&1 | tail -40 > "$OUT/pytest_gpu.log"; tail -15 "$OUT/pytest_gpu.log" ;;
+    grid128)
+      timeout 130 python3 -m benchmarks.run_grid --head-dims 128 --seqs 4096 16384 \
+        --impls jax_flash_triton pallas_triton_mha cudnn tokamax_mosaic xla matmul \
+        --time-budget 95 --no-render > "$OUT/grid128.log" 2>&1
+      cp benchmarks/results/h200.json "$OUT/"; tail -25 "$OUT/grid128.log" ;;
+    masks)
+      timeout 100 python3 -m benchmarks.masks > "$OUT/masks.log" 2>&1
+      cp benchmarks/results/h200_masks.* "$OUT/"; tail -18 "$OUT/masks.log" ;;
+    memory)
+      timeout 110 python3 -m benchmarks.memory --impls jax_flash_triton xla \
+        --worker-timeout 50 > "$OUT/memory.log" 2>&1
+      cp benchmarks/results/h200_memory.* "$OUT/"; tail -15 "$OUT/memory.log" ;;
+    grid)
+      timeout 130 python3 -m benchmarks.run_grid --resume --time-budget 100 \
+        > "$OUT/grid.log" 2>&1
+      cp benchmarks/results/h200.* "$OUT/"; tail -45 "$OUT/grid.log" ;;
+  esac
+done
