@@ -120,23 +120,23 @@ def keep(spec: MaskSpec, q_idx, kv_idx, values: MaskValues):
   q_pos = q_idx + values.q_offset
   result = kv_idx < spec.kv_len
   if spec.is_causal:
-    result &= q_pos >= kv_idx
+    result = result & (q_pos >= kv_idx)
   if spec.window is not None:
     left, right = spec.window
     if left is not None:
-      result &= kv_idx >= q_pos - left
+      result = result & (kv_idx >= q_pos - left)
     if right is not None:
-      result &= kv_idx <= q_pos + right
+      result = result & (kv_idx <= q_pos + right)
   if spec.has_q_lengths:
-    result &= q_idx < values.q_lengths
+    result = result & (q_idx < values.q_lengths)
   if spec.has_kv_lengths:
-    result &= kv_idx < values.kv_lengths
+    result = result & (kv_idx < values.kv_lengths)
   if spec.has_segments:
-    result &= values.q_segments == values.kv_segments
+    result = result & (values.q_segments == values.kv_segments)
   if spec.has_dense_mask:
-    result &= values.dense_mask
+    result = result & values.dense_mask
   if spec.mask_fn is not None:
-    result &= spec.mask_fn(values.batch, values.head, q_idx, kv_idx)
+    result = result & (spec.mask_fn(values.batch, values.head, q_idx, kv_idx))
   return result
 
 

@@ -1,86 +1,136 @@
-"""Block ranges of `MaskSpec` against brute force over every element.
+"""Block classification and loop ranges against brute force over every element.
 
-The kernels trust these ranges to skip blocks and to drop the element mask, so
-a wrong range means silently wrong attention.
+The kernels trust these to skip tiles and to drop the element mask, so a wrong
+state means silently wrong attention.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from jax_flash.masking import MaskSpec
+from jax_flash import masking
+from jax_flash.masking import EMPTY, FULL, BlockMask, MaskSpec, MaskValues
 
 
-def _keep_matrix(spec: MaskSpec, q_pad: int, kv_pad: int):
-  q = np.arange(q_pad)[:, None]
-  kv = np.arange(kv_pad)[None, :]
-  return np.asarray(spec.keep(q, kv)) & (q < spec.q_len)
+def _keep_matrix(spec: MaskSpec, q_pad: int, kv_pad: int, values):
+  """[batch, q_pad, kv_pad] bools; rows past q_len count as attending nothing."""
+  q = np.arange(q_pad)[None, :, None]
+  kv = np.arange(kv_pad)[None, None, :]
+  keep = np.asarray(masking.keep(spec, q, kv, values)) & (q < spec.q_len)
+  return np.broadcast_to(keep, (2, q_pad, kv_pad))
 
 
-def _classify(block):
-  if not block.any():
-    return "empty"
-  return "full" if block.all() else "partial"
+@st.composite
+def _calls(draw):
+  q_len, kv_len = draw(st.integers(1, 200)), draw(st.integers(1, 200))
+  flags = dict(is_causal=draw(st.booleans()),
+               has_q_offset=draw(st.booleans()),
+               has_kv_lengths=draw(st.booleans()),
+               has_q_lengths=draw(st.booleans()),
+               has_segments=draw(st.booleans()))
+  if draw(st.booleans()):
+    flags["window"] = (draw(st.one_of(st.none(), st.integers(0, 80))),
+                       draw(st.one_of(st.none(), st.integers(0, 80))))
+  spec = MaskSpec(q_len=q_len, kv_len=kv_len, **flags)
+  ints = lambda lo, hi, n: jnp.asarray(draw(
+      st.lists(st.integers(lo, hi), min_size=n, max_size=n)), jnp.int32)
+  ops = dict(q_offset=ints(-20, 60, 2) if spec.has_q_offset else None,
+             q_lengths=ints(0, q_len, 2) if spec.has_q_lengths else None,
+             kv_lengths=ints(0, kv_len, 2) if spec.has_kv_lengths else None)
+  if spec.has_segments:
+    # Sorted ids (packed documents) in one row, arbitrary ids in the other.
+    q_seg = jnp.stack([jnp.sort(ints(0, 4, q_len)), ints(0, 4, q_len)])
+    kv_seg = jnp.stack([jnp.sort(ints(0, 4, kv_len)), ints(0, 4, kv_len)])
+    ops.update(q_segments=q_seg, kv_segments=kv_seg)
+  return spec, ops
 
 
-specs = st.builds(
-    MaskSpec,
-    q_len=st.integers(1, 300), kv_len=st.integers(1, 300),
-    is_causal=st.booleans(), q_offset=st.integers(0, 64))
-blocks = st.sampled_from([16, 32, 64])
+def _values(ops):
+  per_batch = lambda x: None if x is None else np.asarray(x)[:, None, None]
+  return MaskValues(
+      q_offset=0 if ops.get("q_offset") is None else per_batch(ops["q_offset"]),
+      q_lengths=per_batch(ops.get("q_lengths")),
+      kv_lengths=per_batch(ops.get("kv_lengths")),
+      q_segments=None if "q_segments" not in ops
+      else np.asarray(ops["q_segments"])[:, :, None],
+      kv_segments=None if "kv_segments" not in ops
+      else np.asarray(ops["kv_segments"])[:, None, :])
 
 
-@settings(max_examples=150, deadline=None)
-@given(spec=specs, block_q=blocks, block_k=blocks)
-def test_kv_block_range_is_exact_for_forward_and_dq(spec, block_q, block_k):
-  nq, nk = -(-spec.q_len // block_q), -(-spec.kv_len // block_k)
-  keep = _keep_matrix(spec, nq * block_q, nk * block_k)
-  for i in range(nq):
-    lo, ulo, uhi, hi = (int(x) for x in spec.kv_block_range(
-        i * block_q, block_q, block_k))
-    assert 0 <= lo <= ulo <= uhi <= hi <= nk
-    for j in range(nk):
-      tile = keep[i * block_q:(i + 1) * block_q, j * block_k:(j + 1) * block_k]
-      rows = tile[: max(0, min(block_q, spec.q_len - i * block_q))]
-      kind = _classify(rows)
-      if not lo <= j < hi:
-        assert kind == "empty", (i, j)
-      elif ulo <= j < uhi:
-        # Unmasked blocks must be full for every existing row.
-        assert kind == "full", (i, j)
-      # Rows past q_len are never stored, so they may be anything.
+def _padded_values(spec, ops, q_pad, kv_pad):
+  ops = dict(ops)
+  if "q_segments" in ops:
+    ops["q_segments"] = jnp.pad(ops["q_segments"],
+                                ((0, 0), (0, q_pad - spec.q_len)))
+    ops["kv_segments"] = jnp.pad(ops["kv_segments"],
+                                 ((0, 0), (0, kv_pad - spec.kv_len)),
+                                 constant_values=-1)
+  return _values(ops)
 
 
-@settings(max_examples=150, deadline=None)
-@given(spec=specs, block_q=blocks, block_k=blocks)
-def test_q_block_range_is_exact_for_dkdv(spec, block_q, block_k):
-  nq, nk = -(-spec.q_len // block_q), -(-spec.kv_len // block_k)
-  keep = _keep_matrix(spec, nq * block_q, nk * block_k)
-  for j in range(nk):
-    lo, ulo, uhi, hi = (int(x) for x in spec.q_block_range(
-        j * block_k, block_q, block_k))
-    assert 0 <= lo <= ulo <= uhi <= hi <= nq
+@settings(max_examples=60, deadline=None)
+@given(call=_calls(), block_q=st.sampled_from([16, 32, 64]),
+       block_k=st.sampled_from([16, 32, 64]))
+def test_block_states_are_sound(call, block_q, block_k):
+  """EMPTY tiles hold no kept pair; FULL tiles keep every pair and lie wholly
+  inside both sequences."""
+  spec, ops = call
+  states = np.asarray(masking.classify_blocks(spec, block_q, block_k, **ops))
+  nq, nk = states.shape[-2:]
+  keep = _keep_matrix(spec, nq * block_q, nk * block_k,
+                      _padded_values(spec, ops, nq * block_q, nk * block_k))
+  for b in range(2):
+    state = states[min(b, states.shape[0] - 1), 0]
     for i in range(nq):
-      tile = keep[i * block_q:(i + 1) * block_q, j * block_k:(j + 1) * block_k]
-      kind = _classify(tile)
-      if not lo <= i < hi:
-        assert kind == "empty", (i, j)
-      elif ulo <= i < uhi:
-        # Unmasked in dK/dV also means every row and key exists.
-        assert tile.shape == (block_q, block_k) and kind == "full", (i, j)
-        assert (i + 1) * block_q <= spec.q_len
-        assert (j + 1) * block_k <= spec.kv_len
+      for j in range(nk):
+        tile = keep[b, i * block_q:(i + 1) * block_q,
+                    j * block_k:(j + 1) * block_k]
+        if state[i, j] == EMPTY:
+          assert not tile.any(), (b, i, j)
+        if state[i, j] == FULL:
+          assert tile.all(), (b, i, j)
+          assert (i + 1) * block_q <= spec.q_len
+          assert (j + 1) * block_k <= spec.kv_len
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.lists(st.sampled_from([0, 1, 2]), min_size=1,
+                              max_size=12), min_size=1, max_size=6).filter(
+                                  lambda r: len({len(x) for x in r}) == 1))
+def test_block_ranges_cover_every_nonempty_block(rows):
+  states = jnp.asarray(rows, jnp.int32)
+  ranges = np.asarray(masking.block_ranges(states))
+  for row, (lo, ulo, uhi, hi) in zip(rows, ranges):
+    assert 0 <= lo <= ulo <= uhi <= hi <= len(row)
+    for j, state in enumerate(row):
+      if state != EMPTY:
+        assert lo <= j < hi
+      if ulo <= j < uhi:
+        assert state == FULL
 
 
 def test_causal_skips_blocks_above_the_diagonal():
   spec = MaskSpec(q_len=256, kv_len=256, is_causal=True)
-  ranges = [tuple(int(x) for x in spec.kv_block_range(i * 64, 64, 64))
-            for i in range(4)]
+  ranges = np.asarray(masking.block_ranges(
+      masking.classify_blocks(spec, 64, 64)))[0, 0]
   # Query block i visits key blocks 0..i; only the diagonal one is masked.
-  assert ranges == [(0, 0, 0, 1), (0, 0, 1, 2), (0, 0, 2, 3), (0, 0, 3, 4)]
+  np.testing.assert_array_equal(
+      ranges, [(0, 0, 0, 1), (0, 0, 1, 2), (0, 0, 2, 3), (0, 0, 3, 4)])
 
 
 def test_bottom_right_alignment_with_q_offset():
-  spec = MaskSpec(q_len=2, kv_len=5, is_causal=True, q_offset=3)
-  keep = np.asarray(spec.keep(np.arange(2)[:, None], np.arange(5)[None, :]))
+  spec = MaskSpec(q_len=2, kv_len=5, is_causal=True, has_q_offset=True)
+  keep = masking.keep(spec, np.arange(2)[:, None], np.arange(5)[None, :],
+                      MaskValues(q_offset=3))
   np.testing.assert_array_equal(keep, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+
+
+def test_block_mask_coarsening():
+  mask_fn = lambda b, h, i, j: (i // 16) % 2 == (j // 16) % 2   # checkerboard
+  fine = BlockMask.from_mask_fn(mask_fn, batch=1, num_heads=1, q_len=64,
+                                kv_len=64, per_batch=False, per_head=False)
+  np.testing.assert_array_equal(
+      np.asarray(fine.states)[0, 0], 2 * (np.indices((4, 4)).sum(0) % 2 == 0))
+  # 32 x 32 tiles mix kept and dropped 16 x 16 blocks: all partial.
+  assert (np.asarray(fine.coarsen(32, 32)) == masking.PARTIAL).all()
