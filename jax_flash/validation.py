@@ -85,8 +85,13 @@ def check_scale(scale, head_dim: int) -> float:
   return scale
 
 
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
+def _concrete_values(x):
+  """x as a numpy array, or None under a transformation (traced values)."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError,
+          jax.errors.ConcretizationTypeError):
+    return None
 
 
 def _check_int_array(name: str, x, shape: tuple[int, ...]):
@@ -102,8 +107,8 @@ def _check_lengths(name: str, lengths, batch: int, limit: int):
   if lengths is None:
     return None
   lengths = _check_int_array(name, lengths, (batch,))
-  if _is_concrete(lengths):
-    values = np.asarray(lengths)
+  values = _concrete_values(lengths)
+  if values is not None:
     if values.min() < 0 or values.max() > limit:
       raise ValueError(f"{name} must lie in [0, {limit}], got {values}")
   return lengths
