@@ -192,17 +192,12 @@ def backward_dkdv(query, key, value, d_out, lse, delta, call_operands, bias,
                   *, scale: float, spec: MaskSpec, block_sizes: BlockSizes,
                   interpret: bool):
   """dK, dV [batch, kv_len, num_kv_heads, head_dim]; lse, delta [B, N, Tq]."""
-  batch, q_len, num_heads, head_dim = query.shape
+  batch, q_len, _, _ = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
-  group = num_heads // num_kv_heads
-  dims = common.KernelDims.for_head_dim(head_dim)
-  dp = dims.head_dim_padded
-  tiling = Tiling(kv_tiled=True,
-                  block_q=common.clamp_block(block_sizes.block_q_dkv, q_len),
-                  block_k=common.clamp_block(block_sizes.block_kv_dkv, kv_len),
-                  num_heads=num_heads, group=group)
-  extra, extra_specs, layouts = operands.prepare(
-      spec, call_operands, tiling, batch=batch, bias=bias)
+  dims, tiling, extra, extra_specs, layouts = operands.setup_launch(
+      query, key, spec, call_operands, bias, kv_tiled=True,
+      block_q=block_sizes.block_q_dkv, block_k=block_sizes.block_kv_dkv)
+  group, dp = tiling.group, dims.head_dim_padded
   q_padded = pl.cdiv(q_len, tiling.block_q) * tiling.block_q
   group_q_spec = pl.BlockSpec((None, q_padded, group, dp),
                               lambda j, b, h: (b, 0, h, 0))
@@ -231,17 +226,12 @@ def backward_dq(query, key, value, d_out, lse, delta, call_operands, bias, *,
                 block_sizes: BlockSizes, interpret: bool):
   """dQ [batch, q_len, num_heads, head_dim] and, with `bias_grad`, the
   unreduced float32 dbias [batch, num_heads, q_len, kv_len] (else None)."""
-  batch, q_len, num_heads, head_dim = query.shape
-  kv_len, num_kv_heads = key.shape[1], key.shape[2]
-  group = num_heads // num_kv_heads
-  dims = common.KernelDims.for_head_dim(head_dim)
-  dp = dims.head_dim_padded
-  tiling = Tiling(kv_tiled=False,
-                  block_q=common.clamp_block(block_sizes.block_q_dq, q_len),
-                  block_k=common.clamp_block(block_sizes.block_kv_dq, kv_len),
-                  num_heads=num_heads, group=group)
-  extra, extra_specs, layouts = operands.prepare(
-      spec, call_operands, tiling, batch=batch, bias=bias)
+  batch, q_len, num_heads, _ = query.shape
+  kv_len = key.shape[1]
+  dims, tiling, extra, extra_specs, layouts = operands.setup_launch(
+      query, key, spec, call_operands, bias, kv_tiled=False,
+      block_q=block_sizes.block_q_dq, block_k=block_sizes.block_kv_dq)
+  group, dp = tiling.group, dims.head_dim_padded
   kv_padded = pl.cdiv(kv_len, tiling.block_k) * tiling.block_k
   q_tile_spec = pl.BlockSpec((None, tiling.block_q, None, dp),
                              lambda i, b, h: (b, i, h, 0))

@@ -89,16 +89,11 @@ def flash_forward(query, key, value, call_operands, bias, *, scale: float,
     out [batch, q_len, num_heads, head_dim] (query.dtype) and
     lse float32 [batch, num_heads, q_len] (natural log, -inf for empty rows).
   """
-  batch, q_len, num_heads, head_dim = query.shape
-  num_kv_heads = key.shape[2]
-  group = num_heads // num_kv_heads
-  dims = common.KernelDims.for_head_dim(head_dim)
-  tiling = Tiling(kv_tiled=False,
-                  block_q=common.clamp_block(block_sizes.block_q, q_len),
-                  block_k=common.clamp_block(block_sizes.block_k, spec.kv_len),
-                  num_heads=num_heads, group=group)
-  extra, extra_specs, layouts = operands.prepare(
-      spec, call_operands, tiling, batch=batch, bias=bias)
+  batch, q_len, num_heads, _ = query.shape
+  group = num_heads // key.shape[2]
+  dims, tiling, extra, extra_specs, layouts = operands.setup_launch(
+      query, key, spec, call_operands, bias, kv_tiled=False,
+      block_q=block_sizes.block_q, block_k=block_sizes.block_k)
   kv_padded = pl.cdiv(spec.kv_len, tiling.block_k) * tiling.block_k
   dp = dims.head_dim_padded
 

@@ -13,7 +13,7 @@ tile (read at offset 0) or to its whole axis (read at the walking offset).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -21,6 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_flash import masking
 from jax_flash.masking import MaskSpec
+from pallas_kernels.triton import common
 
 # Per-batch int32 scalars, packed into one [batch, 4] array.
 _SCALARS = ("q_offset", "q_lengths", "kv_lengths", "dropout_seed")
@@ -57,6 +58,34 @@ class Layout:
   per_head: bool = False
   q_axis: bool = False
   kv_axis: bool = False
+
+
+class Launch(NamedTuple):
+  """What every kernel launch derives from its inputs and tile sizes."""
+
+  dims: common.KernelDims
+  tiling: Tiling
+  arrays: list       # the optional inputs ...
+  block_specs: list  # ... their BlockSpecs ...
+  layouts: tuple     # ... and their static layouts, in one order
+
+
+def setup_launch(query, key, spec: MaskSpec, call_operands, bias, *,
+                 kv_tiled: bool, block_q: int, block_k: int) -> Launch:
+  """Tile sizes clamped to the sequences, and the optional inputs' blocks.
+
+  query: [batch, q_len, num_heads, head_dim]; key: [batch, kv_len,
+  num_kv_heads, head_dim].
+  """
+  batch, q_len, num_heads, head_dim = query.shape
+  tiling = Tiling(kv_tiled=kv_tiled,
+                  block_q=common.clamp_block(block_q, q_len),
+                  block_k=common.clamp_block(block_k, spec.kv_len),
+                  num_heads=num_heads, group=num_heads // key.shape[2])
+  arrays, specs, layouts = prepare(spec, call_operands, tiling, batch=batch,
+                                   bias=bias)
+  return Launch(common.KernelDims.for_head_dim(head_dim), tiling, arrays,
+                specs, layouts)
 
 
 def _broadcast_flags(x, spec: MaskSpec):

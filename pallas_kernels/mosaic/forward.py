@@ -1,0 +1,442 @@
+"""FlashAttention-3 forward for Hopper (sm90) in Pallas Mosaic GPU.
+
+One CTA computes a tile of `2 * block_q` query rows of one (batch, head) with
+three warpgroups (FlashAttention-3, Shah et al. 2024, §3.1):
+
+  warpgroup 0, 1  consumers: each owns `block_q` rows; Q in shared memory,
+                  S = Q Kᵀ and O += P V by `wgmma`, the online softmax in
+                  registers.
+  warpgroup 2     producer: streams K and V tiles by TMA into a ring of
+                  `max_concurrent_steps` shared-memory slots.
+
+Barriers per ring slot:
+
+  k_arrived[s], v_arrived[s]        TMA completion (producer -> consumers)
+  k_consumed[w, s], v_consumed[w, s] consumer w is done reading (-> producer);
+                                    stored flat, at w * num_stages + s
+
+The consumed barriers are per consumer so that, under causal masking, the
+warpgroup with fewer K/V blocks simply stops arriving and the producer stops
+waiting for it: no flush loop is needed.
+
+Ping-pong (§3.1): a two-party rendezvous barrier makes the two consumers take
+turns on the tensor cores, so one warpgroup's softmax runs under the other's
+GEMMs. Warpgroup 1 starts one turn late; under causal masking warpgroup 1 may
+have more K/V blocks than warpgroup 0 and runs those alone, without turns.
+
+Softmax (§3.1, and FlashAttention-2 §3.1): exp2 with log2(e) folded into the
+scale, the running max m kept in that base-2 domain, O unnormalised until the
+end. The natural-log LSE is `(m + log2 l) * ln 2 = m ln 2 + ln l`.
+
+Causal (top-left aligned, as `jax.nn.dot_product_attention`): query i attends
+keys j <= i. The K/V loop stops at the last block a row tile can see, and the
+blocks that straddle the diagonal run in a second loop that applies the mask,
+so the blocks before the diagonal pay nothing for it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mosaic import compat
+
+_NUM_CONSUMERS = 2
+_PRODUCER = _NUM_CONSUMERS  # warpgroup index of the TMA producer
+# wgmma works on 64-row slabs (m64nNk16) and a 128-byte swizzle is 64 16-bit
+# elements, so every tile dimension is a multiple of 64.
+_TILE_MULTIPLE = 64
+# Register reallocation (§3.1, setmaxnreg): 2 * 232 + 40 = 504 registers of
+# a 512-per-thread-slot budget (64K registers / 128 threads). The producer
+# only issues TMA; the consumers hold O (block_q x head_dim f32) and S.
+_CONSUMER_REGISTERS = 232
+_PRODUCER_REGISTERS = 40
+# Dynamic shared memory per CTA on sm90 (227 KiB), less a little for barriers.
+_SMEM_LIMIT_BYTES = 227 * 1024 - 1024
+_SWIZZLE_BYTES = 128
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def default_block_kv(head_dim: int) -> int:
+  """K/V tile that fits two pipeline stages in shared memory at this head dim.
+
+  At head_dim 256, Q (2 x 64 rows) and two stages of 128-row K and V tiles
+  would need 320 KiB; 64-row K/V tiles need 192 KiB.
+  """
+  return 64 if head_dim > 128 else 128
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything the kernel body needs that is known at trace time."""
+  block_q: int
+  block_kv: int
+  num_stages: int
+  num_kv_blocks: int
+  head_dim: int
+  group: int             # query heads per K/V head (GQA)
+  scale_log2: float      # scale * log2(e): scores enter exp2 directly
+  is_causal: bool
+  dtype: jnp.dtype
+
+
+def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
+                   block_q: int = 64, block_kv: int | None = None,
+                   max_concurrent_steps: int = 2):
+  """FlashAttention-3 forward on sm90.
+
+  Args:
+    query: [batch, q_len, num_heads, head_dim], bfloat16 or float16.
+    key, value: [batch, kv_len, num_kv_heads, head_dim], same dtype;
+      num_heads % num_kv_heads == 0 (query head h reads K/V head
+      h // (num_heads // num_kv_heads)).
+    scale: multiplies q·k; must be positive (it is folded into exp2).
+    is_causal: top-left aligned, query i attends keys j <= i::
+
+        q_len 4, kv_len 6        q_len 6, kv_len 4
+        1 0 0 0 0 0              1 0 0 0
+        1 1 0 0 0 0              1 1 0 0
+        1 1 1 0 0 0              1 1 1 0
+        1 1 1 1 0 0              1 1 1 1
+                                 1 1 1 1
+                                 1 1 1 1
+
+    block_q: query rows per consumer warpgroup; the CTA tile is 2 * block_q.
+    block_kv: K/V rows per pipeline stage; None picks `default_block_kv`.
+    max_concurrent_steps: depth of the K/V ring (TMA stages in flight).
+
+  Returns:
+    out: [batch, q_len, num_heads, head_dim], the dtype of query.
+    lse: float32 [batch, num_heads, q_len], natural-log logsumexp of the
+      scaled scores; -inf (and out 0) for a row that attends to nothing.
+
+  Raises:
+    NotImplementedError: for calls this kernel does not cover yet (dtype,
+      head dim, lengths not multiples of the tiles, non-positive scale, tiles
+      that do not fit in shared memory), so that a dispatcher falls back.
+  """
+  if block_kv is None:
+    block_kv = default_block_kv(query.shape[-1])
+  static = _check_supported(query, key, value, scale=scale,
+                            is_causal=is_causal, block_q=block_q,
+                            block_kv=block_kv,
+                            max_concurrent_steps=max_concurrent_steps)
+  batch, q_len, num_heads, head_dim = query.shape
+  num_q_tiles = q_len // (_NUM_CONSUMERS * block_q)
+
+  # 128-byte swizzle with 8-row tiles: the shared-memory layout that both TMA
+  # writes and wgmma reads without bank conflicts.
+  swizzle_elems = _SWIZZLE_BYTES // static.dtype.itemsize
+  transforms = (plgpu.TilingTransform((8, swizzle_elems)),
+                plgpu.SwizzleTransform(_SWIZZLE_BYTES))
+  stages = static.num_stages
+  scratch = (
+      plgpu.SMEM((_NUM_CONSUMERS, block_q, head_dim), static.dtype,
+                 transforms=transforms),  # Q, then O on the way out
+      plgpu.SMEM((stages, block_kv, head_dim), static.dtype,
+                 transforms=transforms),
+      plgpu.SMEM((stages, block_kv, head_dim), static.dtype,
+                 transforms=transforms),
+      plgpu.SMEM((_NUM_CONSUMERS, block_q), jnp.float32),  # LSE
+      plgpu.Barrier(num_barriers=_NUM_CONSUMERS),          # q_arrived
+      plgpu.Barrier(num_barriers=stages),                  # k_arrived
+      plgpu.Barrier(num_barriers=stages),                  # v_arrived
+      # k_consumed and v_consumed: [consumer * stages + slot]; flat, since
+      # the GPU interpreter allocates only 1-D barrier arrays.
+      plgpu.Barrier(num_barriers=_NUM_CONSUMERS * stages),
+      plgpu.Barrier(num_barriers=_NUM_CONSUMERS * stages),
+      plgpu.Barrier(num_arrivals=_NUM_CONSUMERS, num_barriers=1),  # ping-pong
+  )
+  out_type = (
+      jax.ShapeDtypeStruct(query.shape, query.dtype),
+      # Sequence minor, so that each consumer stores its LSE rows with one
+      # contiguous 1-D TMA.
+      jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
+  )
+  return plgpu.kernel(
+      functools.partial(_forward_kernel, static=static),
+      out_type=out_type,
+      scratch_types=scratch,
+      # q_tile fastest: neighbouring CTAs read the same K/V from L2.
+      grid=(num_q_tiles, num_heads, batch),
+      grid_names=("q_tile", "head", "batch"),
+      num_threads=_NUM_CONSUMERS + 1,
+      thread_name="wg",
+      kernel_name="mosaic_flash_forward",
+      compiler_params=compat.compiler_params(approx_math=True),
+  )(query, key, value)
+
+
+def _check_supported(query, key, value, *, scale, is_causal, block_q,
+                     block_kv, max_concurrent_steps) -> _Static:
+  """Validates the call; anything this kernel lacks is NotImplementedError."""
+  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+    raise ValueError("query, key and value must be [batch, len, heads, dim]; "
+                     f"got {query.shape}, {key.shape}, {value.shape}")
+  batch, q_len, num_heads, head_dim = query.shape
+  kv_shape = (batch, key.shape[1], key.shape[2], head_dim)
+  if key.shape != kv_shape or value.shape != kv_shape:
+    raise ValueError(f"key and value must both be {kv_shape} for query "
+                     f"{query.shape}; got {key.shape}, {value.shape}")
+  kv_len, num_kv_heads = key.shape[1], key.shape[2]
+  if num_heads % num_kv_heads:
+    raise ValueError(f"num_heads {num_heads} is not a multiple of "
+                     f"num_kv_heads {num_kv_heads}")
+  dtype = jnp.dtype(query.dtype)
+  if dtype != key.dtype or dtype != value.dtype:
+    raise TypeError("query, key and value must share a dtype; got "
+                    f"{query.dtype}, {key.dtype}, {value.dtype}")
+  if dtype not in _SUPPORTED_DTYPES:
+    raise NotImplementedError(
+        f"mosaic_forward supports bfloat16 and float16, got {dtype}")
+  if head_dim not in _SUPPORTED_HEAD_DIMS:
+    raise NotImplementedError(f"mosaic_forward supports head_dim in "
+                              f"{_SUPPORTED_HEAD_DIMS}, got {head_dim}")
+  if block_q % _TILE_MULTIPLE or block_kv % _TILE_MULTIPLE:
+    raise NotImplementedError(f"block_q {block_q} and block_kv {block_kv} "
+                              f"must be multiples of {_TILE_MULTIPLE}")
+  if q_len % (_NUM_CONSUMERS * block_q):
+    raise NotImplementedError(
+        f"q_len {q_len} must be a multiple of 2 * block_q = "
+        f"{_NUM_CONSUMERS * block_q} (tails are not masked yet)")
+  if kv_len % block_kv:
+    raise NotImplementedError(f"kv_len {kv_len} must be a multiple of "
+                              f"block_kv {block_kv} (tails are not masked yet)")
+  if not scale > 0:
+    raise NotImplementedError(
+        f"scale must be positive (it is folded into exp2), got {scale}")
+  if max_concurrent_steps < 1:
+    raise ValueError(
+        f"max_concurrent_steps must be >= 1, got {max_concurrent_steps}")
+  num_kv_blocks = kv_len // block_kv
+  num_stages = min(max_concurrent_steps, num_kv_blocks)
+  smem_bytes = (
+      (_NUM_CONSUMERS * block_q + 2 * num_stages * block_kv) * head_dim
+      * dtype.itemsize + _NUM_CONSUMERS * block_q * 4)
+  if smem_bytes > _SMEM_LIMIT_BYTES:
+    raise NotImplementedError(
+        f"block_q {block_q}, block_kv {block_kv}, {num_stages} stages at "
+        f"head_dim {head_dim} need {smem_bytes} bytes of shared memory; "
+        f"sm90 has {_SMEM_LIMIT_BYTES}")
+  return _Static(block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+                 num_kv_blocks=num_kv_blocks, head_dim=head_dim,
+                 group=num_heads // num_kv_heads,
+                 scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
+                 dtype=dtype)
+
+
+def _num_kv_steps(q_start, static: _Static):
+  """K/V blocks that rows [q_start, q_start + block_q) attend to."""
+  if not static.is_causal:
+    return static.num_kv_blocks
+  last_row = q_start + static.block_q
+  return jnp.minimum(pl.cdiv(last_row, static.block_kv), static.num_kv_blocks)
+
+
+def _num_unmasked_steps(q_start, num_steps, static: _Static):
+  """Leading K/V blocks that lie wholly at or below the diagonal.
+
+  Block j needs no mask when its last key, (j + 1) * block_kv - 1, is at most
+  the first query row, q_start.
+  """
+  if not static.is_causal:
+    return num_steps
+  return jnp.minimum((q_start + 1) // static.block_kv, num_steps)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref,
+                    q_smem, k_smem, v_smem, lse_smem,
+                    q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
+                    pingpong, *, static: _Static):
+  """Kernel body; refs as laid out in `mosaic_forward`'s scratch list."""
+  batch = lax.axis_index("batch")
+  head = lax.axis_index("head")
+  wg = lax.axis_index("wg")
+  tile_start = lax.axis_index("q_tile") * (_NUM_CONSUMERS * static.block_q)
+
+  @pl.when(wg < _NUM_CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
+             lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
+             k_consumed, v_consumed, pingpong.at[0],
+             batch=batch, head=head, wg=wg, tile_start=tile_start,
+             static=static)
+
+  @pl.when(wg == _PRODUCER)
+  def _producer():
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
+             v_consumed, batch=batch, kv_head=head // static.group,
+             tile_start=tile_start, static=static)
+
+
+def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
+             v_consumed, *, batch, kv_head, tile_start, static: _Static):
+  """Producer warpgroup: TMA K/V block j into ring slot j % num_stages."""
+  stages = static.num_stages
+  # Consumer w reads blocks [0, steps[w]); warpgroup 1's rows come later, so
+  # it reads at least as many blocks as warpgroup 0.
+  steps = [_num_kv_steps(tile_start + w * static.block_q, static)
+           for w in range(_NUM_CONSUMERS)]
+  total = steps[-1]
+
+  def load(step, slot, ref, smem, arrived):
+    rows = pl.ds(step * static.block_kv, static.block_kv)
+    plgpu.copy_gmem_to_smem(ref.at[batch, rows, kv_head], smem.at[slot],
+                            arrived.at[slot])
+
+  def wait_consumed(consumed, step, slot):
+    # The slot held block step - stages; wait for every consumer that read it.
+    for w in range(_NUM_CONSUMERS):
+      if static.is_causal:
+        pl.when(step - stages < steps[w])(
+            functools.partial(plgpu.barrier_wait,
+                              consumed.at[w * stages + slot]))
+      else:
+        plgpu.barrier_wait(consumed.at[w * stages + slot])
+
+  # Fill the ring. Under causal masking an early tile may need fewer blocks
+  # than there are stages.
+  for step in range(stages):
+    def fill(step=step):
+      load(step, step, k_ref, k_smem, k_arrived)
+      load(step, step, v_ref, v_smem, v_arrived)
+    if static.is_causal:
+      pl.when(step < total)(fill)
+    else:
+      fill()
+
+  @pl.loop(stages, total)
+  def _refill(step):
+    slot = lax.rem(step, stages)
+    # K before V: consumers need K_j first (S = Q K_jᵀ) and release it first.
+    wait_consumed(k_consumed, step, slot)
+    load(step, slot, k_ref, k_smem, k_arrived)
+    wait_consumed(v_consumed, step, slot)
+    load(step, slot, v_ref, v_smem, v_arrived)
+
+
+def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
+             q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
+             pingpong, *, batch, head, wg, tile_start, static: _Static):
+  """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile."""
+  block_q, block_kv = static.block_q, static.block_kv
+  q_start = tile_start + wg * block_q
+  q_rows = pl.ds(q_start, block_q)
+  num_steps = _num_kv_steps(q_start, static)
+  num_unmasked = _num_unmasked_steps(q_start, num_steps, static)
+  # Steps in which both consumers run and so take turns: all of warpgroup
+  # 0's (it never has more blocks than warpgroup 1).
+  num_shared = _num_kv_steps(tile_start, static)
+  consumed_base = wg * static.num_stages
+
+  plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_smem, q_arrived)
+  plgpu.barrier_wait(q_arrived)
+
+  def rendezvous():
+    plgpu.barrier_arrive(pingpong)
+    plgpu.barrier_wait(pingpong)
+
+  def take_turn(step):
+    """Hands the tensor cores to the other consumer (§3.1 ping-pong)."""
+    if static.is_causal:
+      pl.when(step < num_shared)(rendezvous)
+    else:
+      rendezvous()
+
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
+                        row_layout)
+  l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
+  acc = plgpu.layout_cast(jnp.zeros((block_q, static.head_dim), jnp.float32),
+                          plgpu.Layout.WGMMA)
+
+  @pl.when(num_steps > 0)
+  def _():
+    plgpu.barrier_wait(k_arrived.at[0])
+
+  # Warpgroup 1 starts one turn behind, so that its first S = Q Kᵀ runs
+  # while warpgroup 0 does its first softmax.
+  pl.when(wg == 1)(rendezvous)
+
+  def step_body(step, carry, *, masked: bool):
+    acc, m, l = carry
+    slot = lax.rem(step, static.num_stages)
+
+    def scores(s_ref):
+      plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+      take_turn(step)
+      return s_ref[...]
+
+    s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+    plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
+    if masked:
+      s = jnp.where(_causal_mask(q_start, step, static), s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=1) * static.scale_log2)
+    # A row that has seen only masked keys keeps m = -inf; exponentiate
+    # against 0 there so that it stays at p = 0, l = 0 instead of NaN.
+    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_ref)
+    # One FMA per score: s * (scale log2 e) - m (§3.1, exp2 on the MUFU).
+    p = jnp.exp2(s * static.scale_log2 - _rows(m_ref, s.shape))
+    acc = acc * _rows(alpha, acc.shape)
+    l = l * alpha + p.sum(axis=1)
+    p = p.astype(static.dtype)
+    take_turn(step)
+    plgpu.barrier_wait(v_arrived.at[slot])
+
+    def accumulate(o_ref):
+      plgpu.wgmma(o_ref, p, v_smem.at[slot])
+      # Wait for K_{j+1} while P V_j runs on the tensor cores.
+      next_step = step + 1
+      @pl.when(next_step < num_steps)
+      def _():
+        plgpu.barrier_wait(k_arrived.at[lax.rem(next_step, static.num_stages)])
+
+    acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
+    return acc, m_new, l
+
+  carry = (acc, m, l)
+  carry = lax.fori_loop(0, num_unmasked,
+                        functools.partial(step_body, masked=False), carry)
+  if static.is_causal:
+    carry = lax.fori_loop(num_unmasked, num_steps,
+                          functools.partial(step_body, masked=True), carry)
+  acc, m, l = carry
+  # Pairs with warpgroup 1's late start: both make the same number of turns.
+  pl.when(wg == 0)(rendezvous)
+
+  # Epilogue: normalise, and write O through the Q buffer (Q is dead now).
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  acc = acc * _rows(1.0 / l_safe, acc.shape)
+  q_smem[...] = acc.astype(static.dtype)
+  lse_smem[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(l_safe))
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, q_rows, head])
+  plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, q_rows])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _rows(x, shape):
+  """Broadcasts a per-row vector [rows] over the columns of `shape`."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _causal_mask(q_start, step, static: _Static):
+  """True where query q_start + r may attend key step * block_kv + c."""
+  shape = (static.block_q, static.block_kv)
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  return rows + q_start >= cols + step * static.block_kv
