@@ -1,24 +1,24 @@
-"""The one place that knows how Mosaic GPU differs between JAX 0.10.2 and 0.11.2.
+"""The one place that knows how Mosaic GPU differs in JAX 0.10.2 and 0.11.2.
 
-The kernels in this package use only the part of `jax.experimental.pallas.
-mosaic_gpu` whose spelling is the same in both versions (checked against both
-sources):
+The kernels use only the part of `jax.experimental.pallas.mosaic_gpu` that is
+spelled the same in both (checked against both sources). What differs:
 
-| what                        | 0.10.2                           | 0.11.2                          |
-|-----------------------------|----------------------------------|---------------------------------|
-| default lowering_semantics  | Lane                             | Warpgroup                       |
-| transpose an SMEM ref       | ref.transpose(perm) or           | ref.transpose(perm);            |
-|                             | plgpu.transpose_ref              | plgpu.transpose_ref deprecated  |
-| plgpu.Barrier() shape       | num_barriers defaults to (1,)    | defaults to () (a scalar ref)   |
-| plgpu.kernel outputs/scratch| out_type=, scratch_types=        | the same; out_shape=/scratch_   |
-|                             | (out_shape=/scratch_shapes= warn)| shapes= removed                 |
-| plgpu.load(ref, idx)        | idx positional, required         | idx deprecated: load(ref.at[i]) |
-| copy_gmem_to_smem barrier   | required                         | optional; predicate= added      |
-| barrier_arrive predicate=   | absent                           | added                           |
-
-So the kernels always give `num_barriers` and index `.at[i]`, transpose with
-`ref.transpose`, pass `out_type=`/`scratch_types=`, and set the lowering
-semantics here, explicitly, rather than inheriting a default that changed.
+- Default `CompilerParams.lowering_semantics`: Lane in 0.10.2, Warpgroup in
+  0.11.2. Set here, explicitly.
+- Transposing an SMEM ref: `plgpu.transpose_ref` is deprecated in 0.11.2;
+  `ref.transpose(perm)` works in both.
+- `plgpu.Barrier()` without `num_barriers`: shape (1,) in 0.10.2, a scalar
+  ref in 0.11.2. The kernels always pass `num_barriers` and index `.at[i]`.
+- `plgpu.kernel`: `out_type=`/`scratch_types=` in both; the old
+  `out_shape=`/`scratch_shapes=` warn in 0.10.2 and are gone in 0.11.2.
+- `plgpu.load(ref, idx)`: idx required in 0.10.2, deprecated in 0.11.2
+  (`load(ref.at[idx])`). Not used by the forward.
+- `copy_gmem_to_smem`: the barrier is optional and `predicate=` exists only
+  in 0.11.2; `barrier_arrive(predicate=)` likewise. Not used.
+- GPU interpret mode (`InterpretGPUParams`): public in 0.11.2, private in
+  0.10.2 (`jax._src.pallas.mosaic_gpu.interpret.params`); 0.10.2's
+  interpreter has no `pl.run_state`, no transposed wgmma operand and no
+  register-held wgmma LHS, so the forward does not run under it unpatched.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 # Warpgroup semantics: arrays are warpgroup-wide values and Mosaic infers
 # their register layouts, guided by the hints the kernels give
 # (`plgpu.layout_cast`, `broadcasted_iota(..., layout=)`). It is 0.11's default
-# and what JAX 0.11.2's own Hopper kernels run under on the H200. The kernels
+# and what JAX 0.11.2's own Hopper kernels (ops/gpu/*_mgpu.py) use. The kernels
 # also lower under Lane semantics (0.10's default, layouts taken exactly from
 # the hints); tests/test_mosaic_lowering.py lowers both, so switching is this
 # one line.

@@ -361,9 +361,9 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   acc = plgpu.layout_cast(jnp.zeros((block_q, static.head_dim), jnp.float32),
                           plgpu.Layout.WGMMA)
 
-  @pl.when(num_steps > 0)
-  def _():
-    plgpu.barrier_wait(k_arrived.at[0])
+  # Every row tile sees block 0 (top-left causal), so num_steps >= 1. Later
+  # K tiles are awaited under the previous P V (see `accumulate`).
+  plgpu.barrier_wait(k_arrived.at[0])
 
   # Warpgroup 1 starts one turn behind, so that its first S = Q Kᵀ runs
   # while warpgroup 0 does its first softmax.
