@@ -171,8 +171,10 @@ def flash_backward(query, key, value, out, lse, d_out, d_lse, call_operands,
   """
   # delta = rowsum(dO * O); an LSE cotangent enters the same way, because
   # d lse / d s = P, so dS = P * (dP - (delta - d_lse)).
-  delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32),
-                     out.astype(jnp.float32))
+  # (A product and a sum, not an einsum: XLA would turn the einsum into a
+  # batched matmul, which runs in TF32 for float32 on a GPU.)
+  delta = jnp.swapaxes(jnp.sum(d_out.astype(jnp.float32)
+                               * out.astype(jnp.float32), axis=-1), 1, 2)
   if d_lse is not None:
     delta = delta - d_lse
   args = (query, key, value, d_out, lse, delta, call_operands, bias)
