@@ -94,9 +94,12 @@ def flash_attention(
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
   on_gpu = compat.has_gpu()
+  # Without a GPU the kernels can only be interpreted (slow): None picks them
+  # only when interpret=True was asked for; otherwise XLA.
+  candidates = _candidates(implementation, on_gpu=on_gpu,
+                           interpret=interpret is True)
   if interpret is None:
     interpret = not on_gpu
-  candidates = _candidates(implementation, on_gpu=on_gpu, interpret=interpret)
 
   errors = []
   for name in candidates:

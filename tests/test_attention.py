@@ -118,8 +118,12 @@ def test_decode_single_query_and_single_key():
   np.testing.assert_allclose(out, jnp.repeat(v, 2, axis=2), atol=1e-6)
 
 
-def test_implementation_none_on_cpu_uses_xla_and_matches():
+def test_implementation_none_on_cpu_uses_xla_unless_interpret():
   q, k, v, _, _ = random_inputs(Case(1, 20, 30, 2, 2, 16), jnp.float32, 4)
+  traced = lambda **kw: str(jax.make_jaxpr(functools.partial(
+      jax_flash.flash_attention, is_causal=True, **kw))(q, k, v))
+  assert "pallas_call" not in traced()
+  assert "pallas_call" in traced(interpret=True)
   auto = jax_flash.flash_attention(q, k, v, is_causal=True)
   triton = jax_flash.flash_attention(q, k, v, is_causal=True,
                                      implementation="triton")
