@@ -25,6 +25,7 @@ def train(tmp_path, *args, devices: int = 1) -> dict[str, float]:
   result = subprocess.run(
       [sys.executable, str(REPO / "examples" / "train_lm.py"), "--preset",
        "tiny", "--steps", "12", "--attention", "both", "--log-every", "4",
+       "--implementation", "triton",  # the kernel (interpret mode), not XLA
        "--plot", str(plot), *args],
       env=env, capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
