@@ -2,7 +2,9 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: tests grid128 masks memory grid
+# STEPs: tests grid128 masks memory grid ring flax example
+# Never time while tests run: an outer `timeout` on pytest-xdist orphans its
+# workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -13,9 +15,20 @@ if [ -d .whl ]; then  # peers' wheels (tokamax), see benchmarks/README.md
 fi
 for step in "$@"; do
   case $step in
-    tests)
-      timeout 150 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider tests/test_gpu.py \
-        2>&1 | tail -40 > "$OUT/pytest_gpu.log"; tail -15 "$OUT/pytest_gpu.log" ;;
+    tests)  # per-test limit instead of an outer kill (see above)
+      python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
+        -p no:benchmark tests/test_gpu.py tests/test_mosaic_lowering.py > "$OUT/pytest_gpu.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu.log" | tail -15 ;;
+    flax)
+      python3 -m pytest -m gpu -n 4 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
+        -p no:benchmark tests/test_flax_layers.py > "$OUT/pytest_flax.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_flax.log" | tail -8 ;;
+    ring)
+      timeout 120 python3 -m benchmarks.ring_overhead > "$OUT/ring.log" 2>&1
+      cp benchmarks/results/h200_ring_overhead.* "$OUT/"; tail -15 "$OUT/ring.log" ;;
+    example)
+      timeout 300 python3 examples/train_lm.py --attention both --steps 600 \
+        --plot "$OUT/loss_curve_h200.png" > "$OUT/example.log" 2>&1; tail -6 "$OUT/example.log" ;;
     grid128)
       timeout 130 python3 -m benchmarks.run_grid --head-dims 128 --seqs 4096 16384 \
         --impls jax_flash_triton pallas_triton_mha cudnn tokamax_mosaic xla matmul \
