@@ -26,14 +26,16 @@ from tests import sharding_worker
 from tests.attention_checks import Case, check_against_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NUM_WORKERS = 2
+# Two subprocesses in a plain run; one under pytest-xdist, whose other
+# process already keeps the second core (and memory) busy.
+NUM_WORKERS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
 
 @pytest.fixture(scope="module")
 def worker_results():
   """Runs every multi-device check in subprocesses; {name: result}."""
   names = list(sharding_worker.CHECKS)
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1",
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
                         + " --xla_force_host_platform_device_count=8"))
   workers = [
@@ -51,7 +53,8 @@ def worker_results():
         result = json.loads(line)
         results[result["name"]] = result
     if worker.returncode:
-      errors.append(stderr[-4000:])
+      errors.append(f"worker exited with {worker.returncode}:\n"
+                    + stderr[-4000:])
   return results, "\n".join(errors)
 
 
