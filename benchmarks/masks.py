@@ -80,13 +80,10 @@ def main(argv=None) -> int:
                          speedup_vs_full=base_ms / ms))
         bar.update()
   result = {**common.run_header("benchmarks.masks", argv), "records": rows}
-  common.write_json(args.out, result)
-  header = ["variant", "mode", "ms", "dense TFLOP/s", "x full"]
-  body = [[r["variant"], r["mode"], f"{r['ms']:.3f}", f"{r['tflops_dense']:.0f}",
-           f"{r['speedup_vs_full']:.2f}"] for r in rows]
-  text = render.markdown_table(header, body)
-  with open(args.out.removesuffix(".json") + ".md", "w") as f:
-    f.write(f"`{result['command']}` on {result['device']}\n\n{text}\n")
+  text = render.write_results(
+      args.out, result, ["variant", "mode", "ms", "dense TFLOP/s", "x full"],
+      [[r["variant"], r["mode"], f"{r['ms']:.3f}", f"{r['tflops_dense']:.0f}",
+        f"{r['speedup_vs_full']:.2f}"] for r in rows])
   print(text)
   return 0
 

@@ -25,6 +25,17 @@ def load(path: str) -> dict:
     return json.load(f)
 
 
+def write_results(path: str, result: dict, headers: Sequence[str],
+                  rows: Iterable[Sequence]) -> str:
+  """Writes `result` to `path` (JSON) and a table of `rows` next to it (.md,
+  headed by the command and device); returns the table."""
+  common.write_json(path, result)
+  text = markdown_table(headers, rows)
+  with open(path.removesuffix(".json") + ".md", "w") as f:
+    f.write(f"`{result['command']}` on {result['device']}\n\n{text}\n")
+  return text
+
+
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence]) -> str:
   """A GitHub markdown table; also readable as plain text in a terminal."""
   lines = ["| " + " | ".join(map(str, headers)) + " |",

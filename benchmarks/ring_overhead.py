@@ -58,13 +58,10 @@ def main(argv=None) -> int:
                          seq_len=args.seq, ms=ms, overhead=ms / base - 1))
   result = {**common.run_header("benchmarks.ring_overhead", argv),
             "records": rows}
-  common.write_json(args.out, result)
-  text = render.markdown_table(
-      ["impl", "mode", "causal", "ms", "overhead"],
+  text = render.write_results(
+      args.out, result, ["impl", "mode", "causal", "ms", "overhead"],
       [[r["impl"], r["mode"], r["causal"], f"{r['ms']:.3f}",
         f"{100 * r['overhead']:+.1f}%"] for r in rows])
-  with open(args.out.removesuffix(".json") + ".md", "w") as f:
-    f.write(f"`{result['command']}` on {result['device']}\n\n{text}\n")
   print(text)
   return 0
 
