@@ -23,6 +23,7 @@ from flax import linen, nnx
 from jax import lax
 
 import jax_flash
+from jax_flash import masking
 
 _FUSED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
@@ -210,17 +211,22 @@ def dense_mask(q_len: int, kv_len: int, *, is_causal=False, q_offset=None,
   Returns:
     bool [batch or 1, 1, q_len, kv_len], or None.
   """
-  keep = None
-  if is_causal:
-    offset = jnp.asarray(0 if q_offset is None else q_offset, jnp.int32)
-    offset = jnp.reshape(offset, (-1, 1, 1, 1))
-    q_pos = jnp.arange(q_len, dtype=jnp.int32)[:, None] + offset
-    keep = q_pos >= jnp.arange(kv_len, dtype=jnp.int32)[None, :]
+  if not is_causal and segment_ids is None:
+    return None
+  # The semantics are jax_flash.masking's: this only lays the inputs out.
+  q_ids = kv_ids = None
   if segment_ids is not None:
     q_ids, kv_ids = (segment_ids if isinstance(segment_ids, (tuple, list))
                      else (segment_ids, segment_ids))
-    keep = _and(keep, q_ids[:, None, :, None] == kv_ids[:, None, None, :])
-  return keep
+    q_ids, kv_ids = q_ids[:, None, :, None], kv_ids[:, None, None, :]
+  spec = masking.MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=is_causal,
+                          has_q_offset=q_offset is not None,
+                          has_segments=segment_ids is not None)
+  offset = jnp.asarray(0 if q_offset is None else q_offset, jnp.int32)
+  values = masking.MaskValues(q_offset=jnp.reshape(offset, (-1, 1, 1, 1)),
+                              q_segments=q_ids, kv_segments=kv_ids)
+  return masking.keep(spec, jnp.arange(q_len)[None, None, :, None],
+                      jnp.arange(kv_len)[None, None, None, :], values)
 
 
 def _and(a, b):
