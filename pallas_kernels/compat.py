@@ -47,3 +47,17 @@ def gpu_compute_capability() -> tuple[int, int] | None:
     return None
   major, _, minor = str(cc).partition(".")
   return int(major), int(minor or 0)
+
+
+def output_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+  """`ShapeDtypeStruct` of a kernel output that varies like its inputs.
+
+  Inside `shard_map(check_vma=True)` Pallas needs each output's manual-axis
+  type: an attention output varies along every mesh axis any input varies
+  along. (JAX 0.10.2 and 0.11.2 both call it `manual_axis_type`, read from an
+  aval's `.mat`.)
+  """
+  types = [jax.typeof(x).mat for x in inputs]
+  varying = frozenset().union(*(t.varying for t in types))
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              manual_axis_type=types[0].update(varying=varying))

@@ -148,3 +148,30 @@ def test_no_nan_for_extreme_logits():
   assert bool(jnp.all(jnp.isfinite(out)))
   ref = jax_flash.attention_reference(q * 300.0, k * 300.0, v, is_causal=True)
   np.testing.assert_allclose(out, ref, atol=1e-4)
+
+
+def test_inside_shard_map():
+  """Forward under check_vma (outputs declare how they vary) and gradients
+  (no custom_vjp feature that shard_map lacks), on a one-device mesh.
+
+  Tile-aligned shapes: JAX's interpreter pads partial tiles with an op that
+  check_vma rejects (interpret mode only).
+  """
+  q, k, v, d_out, _ = random_inputs(Case(1, 64, 64, 2, 1, 16), jnp.float32, 3)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+  spec = jax.sharding.PartitionSpec(None, "seq")
+
+  def sharded(check_vma):
+    return jax.shard_map(
+        lambda q, k, v: jax_flash.flash_attention(
+            q, k, v, is_causal=True, implementation="triton",
+            block_sizes=SMALL_BLOCKS), mesh=mesh, in_specs=(spec,) * 3,
+        out_specs=spec, check_vma=check_vma)
+
+  want = jax_flash.attention_reference(q, k, v, is_causal=True)
+  np.testing.assert_allclose(sharded(True)(q, k, v), want, atol=2e-6)
+  loss = lambda fn: lambda q: jnp.sum(fn(q, k, v) * d_out)
+  np.testing.assert_allclose(
+      jax.grad(loss(sharded(False)))(q),
+      jax.grad(loss(functools.partial(jax_flash.attention_reference,
+                                      is_causal=True)))(q), atol=1e-5)

@@ -2,7 +2,9 @@
 
 Residuals are (q, k, v, o, lse) plus the masks' small operands and the bias:
 O(N) memory beyond what the caller passed, never an N x N array. dbias (the
-one O(N^2) gradient) is computed only when the bias is differentiated.
+one O(N^2) gradient) has a launch of its own, which XLA removes under jit
+when the bias gradient is unused. (Not `symbolic_zeros`, which would say so
+directly: JAX does not support it under shard_map.)
 """
 from __future__ import annotations
 
@@ -34,34 +36,19 @@ def flash_attention_triton(query, key, value, call_operands, bias,
 
 def _fwd(query, key, value, call_operands, bias, scale, spec, block_sizes,
          interpret):
-  # symbolic_zeros: each primal comes wrapped with whether it is perturbed,
-  # which tells us whether anyone wants dbias.
-  unwrap = lambda x: jax.tree.map(lambda p: p.value, x,
-                                  is_leaf=lambda p: hasattr(p, "perturbed"))
-  bias_grad = bias is not None and bool(bias.perturbed)
-  query, key, value, call_operands, bias = (
-      unwrap(query), unwrap(key), unwrap(value), unwrap(call_operands),
-      unwrap(bias))
   out, lse = flash_attention_triton(query, key, value, call_operands, bias,
                                     scale, spec, block_sizes, interpret)
-  # The bias-gradient flag rides in the residuals' structure (static).
-  flag = () if bias_grad else None
-  return (out, lse), (query, key, value, out, lse, call_operands, bias, flag)
+  return (out, lse), (query, key, value, out, lse, call_operands, bias)
 
 
 def _bwd(scale, spec, block_sizes, interpret, residuals, cotangents):
-  query, key, value, out, lse, call_operands, bias, flag = residuals
+  query, key, value, out, lse, call_operands, bias = residuals
   d_out, d_lse = cotangents
-  if isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
-    d_lse = None
-  if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
-    d_out = jax.numpy.zeros(d_out.shape, d_out.dtype)
   with compat.quiet_triton_deprecation():
     dq, dk, dv, dbias = flash_backward(
         query, key, value, out, lse, d_out, d_lse, call_operands, bias,
-        bias_grad=flag is not None, scale=scale, spec=spec,
-        block_sizes=block_sizes, interpret=interpret)
+        scale=scale, spec=spec, block_sizes=block_sizes, interpret=interpret)
   return dq, dk, dv, None, dbias
 
 
-flash_attention_triton.defvjp(_fwd, _bwd, symbolic_zeros=True)
+flash_attention_triton.defvjp(_fwd, _bwd)

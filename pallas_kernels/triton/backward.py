@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_flash.masking import MaskSpec
+from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.triton import common, operands
 from pallas_kernels.triton.operands import Tiling
@@ -153,7 +153,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
 
 
 def flash_backward(query, key, value, out, lse, d_out, d_lse, call_operands,
-                   bias, *, bias_grad: bool, scale: float, spec: MaskSpec,
+                   bias, *, scale: float, spec: MaskSpec,
                    block_sizes: BlockSizes, interpret: bool):
   """Gradients of attention with respect to query, key, value (and bias).
 
@@ -163,11 +163,11 @@ def flash_backward(query, key, value, out, lse, d_out, d_lse, call_operands,
     lse: float32 [batch, num_heads, q_len] from the forward.
     d_lse: cotangent of lse (same shape) or None.
     call_operands: `validation.Operands`; bias: as in `flash_forward`.
-    bias_grad: also return dbias (the one O(N^2) output; only when asked).
 
   Returns:
     (dq, dk, dv, dbias) shaped like (query, key, value, bias); dbias is None
-    unless `bias_grad`.
+    without a bias. dbias (the one O(N^2) output) comes from a launch of its
+    own, so that under jit XLA drops it when nothing uses the bias gradient.
   """
   # delta = rowsum(dO * O); an LSE cotangent enters the same way, because
   # d lse / d s = P, so dS = P * (dP - (delta - d_lse)).
@@ -181,10 +181,12 @@ def flash_backward(query, key, value, out, lse, d_out, d_lse, call_operands,
   options = dict(scale=scale, spec=spec, block_sizes=block_sizes,
                  interpret=interpret)
   dk, dv = backward_dkdv(*args, **options)
-  dq, dbias_full = backward_dq(*args, bias_grad=bias_grad, **options)
+  dq, _ = backward_dq(*args, **options)
   dbias = None
-  if bias_grad:
-    # Sum over the axes along which bias was broadcast.
+  if bias is not None:
+    # The dQ kernel again, writing dS tiles (its dQ is discarded): paid only
+    # when dbias is used. Then sum over the axes bias was broadcast along.
+    _, dbias_full = backward_dq(*args, bias_grad=True, **options)
     axes = tuple(i for i, n in enumerate(bias.shape) if n == 1)
     dbias = dbias_full.sum(axes, keepdims=True).astype(bias.dtype)
   return dq, dk, dv, dbias
@@ -207,6 +209,7 @@ def backward_dkdv(query, key, value, d_out, lse, delta, call_operands, bias,
                                 lambda j, b, h: (b, h, 0))
   kv_tile_spec = pl.BlockSpec((None, tiling.block_k, None, dp),
                               lambda j, b, h: (b, j, h, 0))
+  inputs = (query, key, value, d_out, lse, delta, *extra)
   return pl.pallas_call(
       functools.partial(_dkdv_kernel, scale=scale, spec=spec, dims=dims,
                         tiling=tiling, layouts=layouts),
@@ -214,13 +217,13 @@ def backward_dkdv(query, key, value, d_out, lse, delta, call_operands, bias,
       in_specs=[group_q_spec, kv_tile_spec, kv_tile_spec, group_q_spec,
                 group_row_spec, group_row_spec, *extra_specs],
       out_specs=[kv_tile_spec, kv_tile_spec],
-      out_shape=[jax.ShapeDtypeStruct(key.shape, key.dtype),
-                 jax.ShapeDtypeStruct(value.shape, value.dtype)],
+      out_shape=[compat.output_struct(key.shape, key.dtype, *inputs),
+                 compat.output_struct(value.shape, value.dtype, *inputs)],
       compiler_params=common.compiler_params(block_sizes.num_warps_dkdv,
                                              block_sizes.num_stages_dkdv),
       interpret=interpret,
       name="flash_backward_dkdv",
-  )(query, key, value, d_out, lse, delta, *extra)
+  )(*inputs)
 
 
 def backward_dq(query, key, value, d_out, lse, delta, call_operands, bias, *,
@@ -245,7 +248,7 @@ def backward_dq(query, key, value, d_out, lse, delta, call_operands, bias, *,
               *extra_specs]
   inputs = [query, key, value, d_out, lse, delta, *extra]
   out_specs = [q_tile_spec]
-  out_shape = [jax.ShapeDtypeStruct(query.shape, query.dtype)]
+  out_shape = [compat.output_struct(query.shape, query.dtype, *inputs)]
   aliases = {}
   if bias_grad:
     # Skipped tiles are never written, so dbias starts as zeros (aliased).
@@ -256,7 +259,7 @@ def backward_dq(query, key, value, d_out, lse, delta, call_operands, bias, *,
     inputs.append(jnp.zeros(dbias_shape, jnp.float32))
     in_specs.append(dbias_spec)
     out_specs.append(dbias_spec)
-    out_shape.append(jax.ShapeDtypeStruct(dbias_shape, jnp.float32))
+    out_shape.append(compat.output_struct(dbias_shape, jnp.float32, *inputs))
   results = pl.pallas_call(
       functools.partial(_dq_kernel, scale=scale, spec=spec, dims=dims,
                         tiling=tiling, layouts=layouts, bias_grad=bias_grad),

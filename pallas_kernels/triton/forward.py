@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jax_flash.masking import MaskSpec
+from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.triton import common, operands
 from pallas_kernels.triton.operands import Tiling
@@ -97,6 +97,7 @@ def flash_forward(query, key, value, call_operands, bias, *, scale: float,
   kv_padded = pl.cdiv(spec.kv_len, tiling.block_k) * tiling.block_k
   dp = dims.head_dim_padded
 
+  inputs = (query, key, value, *extra)
   kernel = functools.partial(_forward_kernel, scale=scale, spec=spec,
                              dims=dims, tiling=tiling, layouts=layouts)
   grid = (pl.cdiv(q_len, tiling.block_q), batch, num_heads)
@@ -111,10 +112,11 @@ def flash_forward(query, key, value, call_operands, bias, *, scale: float,
       grid=grid,
       in_specs=[q_spec, kv_spec, kv_spec, *extra_specs],
       out_specs=[q_spec, lse_spec],
-      out_shape=[jax.ShapeDtypeStruct(query.shape, query.dtype),
-                 jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)],
+      out_shape=[compat.output_struct(query.shape, query.dtype, *inputs),
+                 compat.output_struct((batch, num_heads, q_len), jnp.float32,
+                                      *inputs)],
       compiler_params=common.compiler_params(block_sizes.num_warps,
                                              block_sizes.num_stages),
       interpret=interpret,
       name="flash_forward",
-  )(query, key, value, *extra)
+  )(*inputs)
