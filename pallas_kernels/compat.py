@@ -10,7 +10,6 @@ import warnings
 
 import jax
 
-JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
 # JAX 0.11 deprecates the Pallas Triton backend (it still works). Only this
 # exact warning is filtered; anything else stays visible.

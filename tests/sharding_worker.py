@@ -38,10 +38,6 @@ CHECKS: dict[str, Callable[[], dict]] = {}
 F32_TOL = 2e-5  # outputs and gradients, relative to the reference's magnitude
 
 
-class Skip(Exception):
-  """A check that cannot run here (the reason is reported)."""
-
-
 def _check(name):
   def register(fn):
     CHECKS[name] = fn
@@ -190,59 +186,8 @@ _check("user-shard_map-causal-zigzag")(functools.partial(_user_shard_map,
 # ---------------------------------------------------------------------------
 # Variant arguments across shards. `sharding` adjusts them per pair (kv
 # segment ids travel, global lengths become per-shard prefixes, windows get a
-# per-pair q_offset). Checked first against a masked jnp attention patched in
-# for `flash_attention` (so the sharding logic is tested whatever the kernels
-# support), then with the real `flash_attention` where it has the argument.
-
-
-def _masked_attention(query, key, value, *, scale=None, is_causal=False,
-                      return_residual=False, segment_ids=None,
-                      query_seq_lengths=None, key_value_seq_lengths=None,
-                      local_window_size=None, logits_soft_cap=None,
-                      q_offset=None, implementation=None, block_sizes=None,
-                      interpret=None):
-  """Plain attention with `flash_attention`'s mask semantics (jax.nn's)."""
-  del implementation, block_sizes, interpret
-  b, tq, n, d = query.shape
-  tk, nk = key.shape[1], key.shape[2]
-  scale = d ** -0.5 if scale is None else scale
-  k = jnp.repeat(key, n // nk, axis=2)
-  v = jnp.repeat(value, n // nk, axis=2)
-  s = jnp.einsum("bqhd,bkhd->bhqk", query, k,
-                 precision=jax.lax.Precision.HIGHEST) * scale
-  if logits_soft_cap is not None:
-    s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-  offset = jnp.zeros((b,), jnp.int32) if q_offset is None else q_offset
-  q_pos = jnp.arange(tq)[None, :, None] + offset[:, None, None]  # [b, q, 1]
-  kv_pos = jnp.arange(tk)[None, None, :]
-  keep = jnp.ones((b, tq, tk), bool)
-  if is_causal:
-    keep &= kv_pos <= q_pos
-  if local_window_size is not None:
-    left, right = ((local_window_size, local_window_size)
-                   if isinstance(local_window_size, int)
-                   else local_window_size)
-    keep &= (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)
-  if segment_ids is not None:
-    q_ids, kv_ids = (segment_ids if isinstance(segment_ids, tuple)
-                     else (segment_ids, segment_ids))
-    keep &= q_ids[:, :, None] == kv_ids[:, None, :]
-  if query_seq_lengths is not None:
-    keep &= jnp.arange(tq)[None, :, None] < query_seq_lengths[:, None, None]
-  if key_value_seq_lengths is not None:
-    keep &= kv_pos < key_value_seq_lengths[:, None, None]
-  s = jnp.where(keep[:, None], s, -jnp.inf)
-  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  e = jnp.exp(s - m)
-  total = jnp.sum(e, axis=-1, keepdims=True)
-  empty = total == 0.0
-  p = e / jnp.where(empty, 1.0, total)
-  out = jnp.einsum("bhqk,bkhd->bqhd", p, v,
-                   precision=jax.lax.Precision.HIGHEST).astype(query.dtype)
-  lse = jnp.where(empty, -jnp.inf, jnp.log(jnp.where(empty, 1.0, total)) + m)
-  lse = jnp.transpose(lse[..., 0], (0, 2, 1))
-  return (out, lse) if return_residual else out
+# per-pair q_offset); the result must equal one-device attention with the
+# same arguments.
 
 
 def _variant_inputs(seed=0):
@@ -271,26 +216,16 @@ VARIANTS = {
 }
 
 
-def _variant_check(name, strategy, is_causal, attention_fn):
+def _variant_check(name, strategy, is_causal):
   q, k, v, d_out, d_lse, seg = _variant_inputs()
   kwargs = VARIANTS[name](seg)
-  if attention_fn is jax_flash.flash_attention:
-    try:  # does this build of flash_attention have the argument?
-      jax_flash.flash_attention(q, k, v, implementation="xla", **kwargs)
-    except NotImplementedError as e:
-      raise Skip(f"flash_attention: {e}") from None
-  original = sharding.flash_attention
-  sharding.flash_attention = attention_fn
-  try:
-    run = _sequence_parallel(4, strategy=strategy, is_causal=is_causal,
-                             implementation="xla", **kwargs)
-    got_fwd, got_vjp = jax.vjp(run, q, k, v)
-    got = (*got_fwd, *got_vjp((d_out, d_lse)))
-  finally:
-    sharding.flash_attention = original
+  run = _sequence_parallel(4, strategy=strategy, is_causal=is_causal,
+                           implementation="xla", **kwargs)
+  got_fwd, got_vjp = jax.vjp(run, q, k, v)
+  got = (*got_fwd, *got_vjp((d_out, d_lse)))
   want_fwd, want_vjp = jax.vjp(
-      lambda q, k, v: _masked_attention(q, k, v, is_causal=is_causal,
-                                        return_residual=True, **kwargs),
+      lambda q, k, v: jax_flash.attention_reference(
+          q, k, v, is_causal=is_causal, return_residual=True, **kwargs),
       q, k, v)
   want = (*want_fwd, *want_vjp((d_out, d_lse)))
   errors = {}
@@ -316,11 +251,8 @@ _VARIANT_CASES = [
 ]
 for _variant, _strategy, _causal in _VARIANT_CASES:
   _suffix = f"{_variant}-{_strategy}-{'causal' if _causal else 'full'}"
-  _check(f"variant-masked-{_suffix}")(functools.partial(
-      _variant_check, _variant, _strategy, _causal, _masked_attention))
-  _check(f"variant-flash-{_suffix}")(functools.partial(
-      _variant_check, _variant, _strategy, _causal,
-      jax_flash.flash_attention))
+  _check(f"variant-{_suffix}")(functools.partial(
+      _variant_check, _variant, _strategy, _causal))
 
 
 # ---------------------------------------------------------------------------
@@ -456,8 +388,6 @@ def main(names):
     start = time.perf_counter()
     try:
       status, detail = "ok", CHECKS[name]()
-    except Skip as e:
-      status, detail = "skip", str(e)
     except Exception:  # reported to the pytest side, which fails the test
       status, detail = "fail", traceback.format_exc()
     print(json.dumps({"name": name, "status": status, "detail": detail,

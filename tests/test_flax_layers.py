@@ -18,51 +18,19 @@ import pytest
 from flax import linen, nnx
 
 import flax_layers
-import jax_flash
 from flax_layers import FlashFallbackWarning, flash_attention_fn
 
 IMPLEMENTATIONS = [pytest.param("xla", id="xla"),
                    pytest.param("triton", id="triton")]
 
-# One tiny call per jax_flash argument that flax_layers can use fused.
-_PROBES = {
-    "mask": lambda: dict(mask=jnp.ones((1, 1, 2, 2), bool)),
-    "q_offset": lambda: dict(is_causal=True, q_offset=1),
-    "segment_ids": lambda: dict(segment_ids=jnp.zeros((1, 2), jnp.int32)),
-    "dropout": lambda: dict(dropout_rate=0.5, dropout_rng=jax.random.key(0)),
-}
-
-
-@functools.cache
-def supported(feature: str, implementation=None) -> bool:
-  """Whether jax_flash implements `feature` (NotImplementedError: not yet)."""
-  x = jnp.ones((1, 2, 1, 16), jnp.float32)
-  try:
-    jax_flash.flash_attention(x, x, x, implementation=implementation,
-                              **_PROBES[feature]())
-  except NotImplementedError:
-    return False
-  return True
-
-
-def requires(feature: str, implementation=None) -> None:
-  if not supported(feature, implementation):
-    pytest.skip(f"jax_flash (implementation={implementation}) raises "
-                f"NotImplementedError for {feature}; this test runs once it "
-                "is implemented")
-
-
 @contextlib.contextmanager
-def fused_if_supported(implementation, *features):
-  """No FlashFallbackWarning may leave the block once jax_flash's
-  `implementation` does every one of `features`; until then the (exact)
-  fallback is allowed."""
+def fused():
+  """No FlashFallbackWarning may leave the block: the call ran fused."""
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always", FlashFallbackWarning)
     yield
   fallbacks = [w for w in caught if w.category is FlashFallbackWarning]
-  if all(supported(f, implementation) for f in features):
-    assert not fallbacks, str(fallbacks[0].message)
+  assert not fallbacks, str(fallbacks[0].message)
 
 
 def assert_close(actual, expected, tol=2e-5):
@@ -139,8 +107,7 @@ def test_attention_fn_matches_flax(case, implementation):
   is_causal = case.get("is_causal", False)
   expected = jit(nnx.dot_product_attention, is_causal=is_causal)(
       q, k, v, mask=mask)
-  features = ("mask",) if mask is not None else ()
-  with fused_if_supported(implementation, *features):
+  with fused():
     out = jit(flash_attention_fn, is_causal=is_causal,
               implementation=implementation)(q, k, v, mask=mask)
   assert_close(out, expected)
@@ -152,7 +119,7 @@ def test_attention_fn_takes_flax_batch_dims(batch_shape):
   k = normal(1, batch_shape + (6, 2, 8))
   mask = random_mask(2, (5, 6))[None]  # [heads=1, q_len, kv_len]
   expected = jit(nnx.dot_product_attention)(q, k, k, mask=mask)
-  with fused_if_supported(None, "mask"):
+  with fused():
     out = jit(flash_attention_fn)(q, k, k, mask=mask)
   assert out.shape == q.shape
   assert_close(out, expected)
@@ -184,7 +151,7 @@ def test_flax_modules_take_flash_attention_fn():
   ours = linen.MultiHeadDotProductAttention(num_heads=4,
                                             attention_fn=flash_attention_fn)
   variables = theirs.init(jax.random.key(0), x)
-  with fused_if_supported(None, "mask"):
+  with fused():
     out = jit(ours.apply)(variables, x, mask=mask)
   assert_close(out, jit(theirs.apply)(variables, x, mask=mask))
 
@@ -192,7 +159,7 @@ def test_flax_modules_take_flash_attention_fn():
   theirs = nnx.MultiHeadAttention(rngs=nnx.Rngs(0), **kwargs)
   ours = nnx.MultiHeadAttention(rngs=nnx.Rngs(0),
                                 attention_fn=flash_attention_fn, **kwargs)
-  with fused_if_supported(None):
+  with fused():
     out = run(ours, x, is_causal=True)
   assert_close(out, run(theirs, x, is_causal=True))
 
@@ -232,8 +199,7 @@ def test_nnx_module_matches_flax(case, implementation):
   options = dict(case.get("call", {}))
   if case.get("mask"):
     options["mask"] = random_mask(2, (2, 1, 7, case["kv_len"]))
-  features = ("mask",) if "mask" in options else ()
-  with fused_if_supported(implementation, *features):
+  with fused():
     out = run(ours, x, kv, **options)
   assert_close(out, run(theirs, x, kv, **options))
 
@@ -283,7 +249,6 @@ def test_broadcast_dropout_falls_back_to_flax_exactly():
 
 
 def test_fused_dropout():
-  requires("dropout")
   theirs, ours = nnx_pair(None, num_heads=2, in_features=8, dropout_rate=0.3,
                           broadcast_dropout=False, deterministic=False)
   x = normal(0, (2, 6, 8))
@@ -311,7 +276,7 @@ def test_nnx_decode_reproduces_causal_forward(implementation):
 
   for module in (ours, theirs):
     module.init_cache((batch, length, 16))
-  with fused_if_supported(implementation, "q_offset"):
+  with fused():
     ours_steps = [run(ours, x[:, t:t + 1], decode=True)
                   for t in range(length)]
   theirs_steps = [run(theirs, x[:, t:t + 1], decode=True)
@@ -320,7 +285,7 @@ def test_nnx_decode_reproduces_causal_forward(implementation):
   assert_close(jnp.concatenate(theirs_steps, axis=1), full)
 
   ours.init_cache((batch, length, 16))
-  with fused_if_supported(implementation, "q_offset"):
+  with fused():
     chunks = [run(ours, x[:, :4], decode=True),
               run(ours, x[:, 4:5], decode=True),
               run(ours, x[:, 5:], decode=True)]
@@ -338,7 +303,7 @@ def test_decode_with_flax_attention_fn_matches_flash():
   x = normal(0, (1, 5, 8))
   for module in (ours, dense):
     module.init_cache(x.shape)
-  with fused_if_supported(None, "q_offset"):
+  with fused():
     expected = run(ours, x[:, :3], decode=True)
   assert_close(run(dense, x[:, :3], decode=True), expected)
   assert_close(run(dense, x, is_causal=True), run(ours, x, is_causal=True))
@@ -350,7 +315,7 @@ def test_segment_ids_match_separate_sequences(implementation):
   _, ours = nnx_pair(implementation, num_heads=2, in_features=8)
   x = normal(0, (1, 9, 8))
   segment_ids = jnp.array([[0] * 4 + [1] * 5], jnp.int32)
-  with fused_if_supported(implementation, "segment_ids"):
+  with fused():
     packed = run(ours, x, is_causal=True, segment_ids=segment_ids)
   apart = jnp.concatenate([run(ours, x[:, :4], is_causal=True),
                            run(ours, x[:, 4:], is_causal=True)], axis=1)
@@ -388,7 +353,6 @@ def test_causal_builds_no_square_mask():
 
 
 def test_decode_attends_through_q_offset():
-  requires("q_offset", "triton")
   _, ours = nnx_pair("triton", num_heads=2, in_features=8)
   max_len = 24
   ours.init_cache((1, max_len, 8))
@@ -423,8 +387,7 @@ def test_linen_module_matches_flax(case, implementation):
   assert (jax.tree.structure(ours.init(jax.random.key(1), x))
           == jax.tree.structure(variables))
   mask = random_mask(1, (2, 1, 7, 7)) if case.get("mask") else None
-  features = ("mask",) if mask is not None else ()
-  with fused_if_supported(implementation, *features):
+  with fused():
     out = jit(ours.apply)(variables, x, mask=mask)
   assert_close(out, jit(theirs.apply)(variables, x, mask=mask))
 
@@ -436,7 +399,7 @@ def test_linen_causal_matches_flax_causal_mask(implementation):
       num_heads=4, attention_fn=flash(implementation))
   x = normal(0, (2, 7, 16))
   variables = theirs.init(jax.random.key(0), x)
-  with fused_if_supported(implementation):
+  with fused():
     out = jit(ours.apply, is_causal=True)(variables, x)
   expected = jit(theirs.apply)(variables, x,
                                mask=linen.make_causal_mask(jnp.ones((2, 7))))
@@ -476,7 +439,7 @@ def test_linen_decode_reproduces_causal_forward(implementation):
   cache = decoder.init(jax.random.key(0), x)["cache"]
   step = jit(decoder.apply, mutable=["cache"])
   steps = []
-  with fused_if_supported(implementation, "q_offset"):
+  with fused():
     for t in range(length):
       out, mutated = step({**variables, "cache": cache}, x[:, t:t + 1])
       cache = mutated["cache"]
