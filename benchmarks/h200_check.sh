@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: tests grid128 masks memory grid ring flax example
+# STEPs: tests mosaic grid128 masks memory grid ring flax example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
 set -u
@@ -12,6 +12,12 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 if [ -d .whl ]; then  # peers' wheels (tokamax), see benchmarks/README.md
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
+  # The xprof wheel lacks xprof.cli, which tokamax imports for its own
+  # benchmarking helpers only; a stub lets `import tokamax` succeed.
+  if [ ! -e /tmp/site/xprof/cli ]; then
+    mkdir -p /tmp/site/xprof/cli && touch /tmp/site/xprof/cli/__init__.py \
+      && echo "get_kernel_stats_tool = None" > /tmp/site/xprof/cli/tools.py
+  fi
 fi
 for step in "$@"; do
   case $step in
@@ -19,6 +25,11 @@ for step in "$@"; do
       python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
         -p no:benchmark tests/test_gpu.py tests/test_mosaic_lowering.py > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu.log" | tail -15 ;;
+    mosaic)  # the Hopper path against cuDNN and tokamax, seq 16k
+      timeout 200 python3 -m benchmarks.run_grid --seqs 16384 \
+        --impls jax_flash_mosaic jax_flash_triton cudnn tokamax_mosaic \
+        --time-budget 160 --out "$OUT/h200_mosaic.json" > "$OUT/mosaic.log" 2>&1
+      tail -30 "$OUT/mosaic.log" ;;
     flax)
       python3 -m pytest -m gpu -n 4 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
         -p no:benchmark tests/test_flax_layers.py > "$OUT/pytest_flax.log" 2>&1

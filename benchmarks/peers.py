@@ -64,6 +64,17 @@ def jax_flash_triton(cell: common.Cell, *, interpret: bool = False,
   return _benchmark(cell, attention)
 
 
+def jax_flash_mosaic(cell: common.Cell, *, interpret: bool = False
+                     ) -> Benchmark:
+  """This project's Mosaic GPU forward (sm90), with the Triton backward."""
+  del interpret
+  _require_gpu("the Mosaic GPU kernels", sm=(9, 0))
+  def attention(q, k, v):
+    return jax_flash.flash_attention(q, k, v, is_causal=cell.causal,
+                                     implementation="mosaic")
+  return _benchmark(cell, attention)
+
+
 def xla(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
   """`jax.nn.dot_product_attention`'s XLA path: materialises the scores."""
   del interpret
@@ -171,6 +182,7 @@ def matmul(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
 PeerFn = Callable[..., Benchmark]
 PEERS: dict[str, PeerFn] = {
     "jax_flash_triton": jax_flash_triton,
+    "jax_flash_mosaic": jax_flash_mosaic,
     "xla": xla,
     "cudnn": cudnn,
     "pallas_triton_mha": pallas_triton_mha,

@@ -161,8 +161,33 @@ def _run_triton(call: AttentionCall, query, key, value, *, block_sizes,
   return out, lse
 
 
-def _run_mosaic(*args, **kwargs):
-  raise NotImplementedError("the Mosaic GPU kernels are not built yet")
+def _run_mosaic(call: AttentionCall, query, key, value, *, block_sizes,
+                interpret):
+  """The sm90 kernels: plain or causal attention (sinks applied outside)."""
+  if interpret:
+    raise NotImplementedError("the Mosaic GPU kernels have no interpret mode")
+  cc = compat.gpu_compute_capability()
+  if cc is None or cc[0] != 9:
+    raise NotImplementedError(
+        f"the Mosaic GPU kernels need an sm90 GPU (got {cc})")
+  plain = masking.MaskSpec(q_len=call.spec.q_len, kv_len=call.spec.kv_len,
+                           is_causal=call.spec.is_causal)
+  if call.spec != plain:
+    raise NotImplementedError(
+        "the Mosaic GPU kernels support is_causal only; masks and score "
+        f"changes run on the Triton kernels (got {call.spec})")
+  if block_sizes is None:
+    block_sizes = BlockSizes.get_default(call.shape.head_dim)
+  try:  # Imported here: Mosaic GPU is absent from some jaxlib builds.
+    from pallas_kernels.mosaic import flash_attention_mosaic
+  except ImportError as e:
+    raise NotImplementedError(f"Mosaic GPU is not importable: {e}") from e
+  out, lse = flash_attention_mosaic(query, key, value, call.scale,
+                                    call.spec.is_causal, block_sizes)
+  lse = jnp.swapaxes(lse, 1, 2)
+  if call.sinks is not None:
+    out, lse = masking.apply_sinks(out, lse, call.sinks)
+  return out, lse
 
 
 _IMPLEMENTATIONS = {"mosaic": _run_mosaic, "triton": _run_triton,
