@@ -8,6 +8,9 @@
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# Benchmark logs stay here (their tails are printed); at most 8 files come
+# back from $OUT, so it holds only results and the pytest logs.
+LOGS=/tmp/h200_logs; mkdir -p "$LOGS"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 if [ -d .whl ]; then  # peers' wheels (tokamax), see benchmarks/README.md
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
@@ -23,38 +26,41 @@ for step in "$@"; do
   case $step in
     tests)  # per-test limit instead of an outer kill (see above)
       python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
-        -p no:benchmark tests/test_gpu.py tests/test_mosaic_lowering.py > "$OUT/pytest_gpu.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu.log" | tail -15 ;;
+        --durations=15 -p no:benchmark ${GPU_TESTS:-tests/test_gpu.py tests/test_mosaic_lowering.py} > "$OUT/pytest_gpu.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;
     mosaic)  # the Hopper path against cuDNN and tokamax, seq 16k
       timeout 200 python3 -m benchmarks.run_grid --seqs 16384 \
         --impls jax_flash_mosaic jax_flash_triton cudnn tokamax_mosaic \
-        --time-budget 160 --out "$OUT/h200_mosaic.json" > "$OUT/mosaic.log" 2>&1
-      tail -30 "$OUT/mosaic.log" ;;
+        --time-budget 160 --out "$OUT/h200_mosaic.json" > "$LOGS/mosaic.log" 2>&1
+      tail -30 "$LOGS/mosaic.log" ;;
     flax)
       python3 -m pytest -m gpu -n 4 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
-        -p no:benchmark tests/test_flax_layers.py > "$OUT/pytest_flax.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_flax.log" | tail -8 ;;
+        --durations=10 -p no:benchmark tests/test_flax_layers.py > "$OUT/pytest_flax.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_flax.log" | tail -20 ;;
     ring)
-      timeout 120 python3 -m benchmarks.ring_overhead > "$OUT/ring.log" 2>&1
-      cp benchmarks/results/h200_ring_overhead.* "$OUT/"; tail -15 "$OUT/ring.log" ;;
+      timeout 120 python3 -m benchmarks.ring_overhead > "$LOGS/ring.log" 2>&1
+      cp benchmarks/results/h200_ring_overhead.* "$OUT/"; tail -15 "$LOGS/ring.log" ;;
     example)
       timeout 300 python3 examples/train_lm.py --attention both --steps 600 \
-        --plot "$OUT/loss_curve_h200.png" > "$OUT/example.log" 2>&1; tail -6 "$OUT/example.log" ;;
+        --plot "$OUT/loss_curve_h200.png" > "$LOGS/example.log" 2>&1; tail -6 "$LOGS/example.log" ;;
     grid128)
       timeout 130 python3 -m benchmarks.run_grid --head-dims 128 --seqs 4096 16384 \
         --impls jax_flash_triton pallas_triton_mha cudnn tokamax_mosaic xla matmul \
-        --time-budget 95 --no-render > "$OUT/grid128.log" 2>&1
-      cp benchmarks/results/h200.json "$OUT/"; tail -25 "$OUT/grid128.log" ;;
+        --time-budget 95 --no-render > "$LOGS/grid128.log" 2>&1
+      cp benchmarks/results/h200.json "$OUT/"; tail -25 "$LOGS/grid128.log" ;;
     masks)
-      timeout 100 python3 -m benchmarks.masks > "$OUT/masks.log" 2>&1
-      cp benchmarks/results/h200_masks.* "$OUT/"; tail -18 "$OUT/masks.log" ;;
+      timeout 100 python3 -m benchmarks.masks > "$LOGS/masks.log" 2>&1
+      cp benchmarks/results/h200_masks.* "$OUT/"; tail -18 "$LOGS/masks.log" ;;
     memory)
       timeout 110 python3 -m benchmarks.memory --impls jax_flash_triton xla \
-        --worker-timeout 50 > "$OUT/memory.log" 2>&1
-      cp benchmarks/results/h200_memory.* "$OUT/"; tail -15 "$OUT/memory.log" ;;
+        --worker-timeout 50 > "$LOGS/memory.log" 2>&1
+      cp benchmarks/results/h200_memory.* "$OUT/"; tail -15 "$LOGS/memory.log" ;;
     grid)
-      timeout 130 python3 -m benchmarks.run_grid --resume --time-budget 100 \
-        > "$OUT/grid.log" 2>&1
-      cp benchmarks/results/h200.* "$OUT/"; tail -45 "$OUT/grid.log" ;;
+      # GRID_ARGS: e.g. "--resume"; GRID_BUDGET: seconds of measuring.
+      timeout $((${GRID_BUDGET:-100} + 40)) python3 -m benchmarks.run_grid \
+        ${GRID_ARGS:---resume} --time-budget ${GRID_BUDGET:-100} \
+        --impls jax_flash_triton jax_flash_mosaic cudnn pallas_triton_mha \
+        pallas_mgpu tokamax_mosaic xla matmul > "$LOGS/grid.log" 2>&1
+      cp benchmarks/results/h200.* "$OUT/"; tail -45 "$LOGS/grid.log" ;;
   esac
 done

@@ -102,8 +102,10 @@ def run(args, header: dict) -> dict:
   result = {**header, "records": [], "skipped": []}
   if args.resume and os.path.exists(args.out):
     previous = render.load(args.out)
-    result["records"], result["skipped"] = (previous["records"],
-                                            previous["skipped"])
+    # A peer that was unavailable then (a wheel missing) is tried again.
+    result["records"] = previous["records"]
+    result["skipped"] = [e for e in previous["skipped"]
+                         if not e["reason"].startswith("Unavailable")]
   done = {common.entry_key(e) for e in result["records"] + result["skipped"]}
   todo = {cell: [i for i in args.impls if (i, *cell.key) not in done]
           for cell in grid_cells(args)}

@@ -209,6 +209,15 @@ def backward_dkdv(query, key, value, d_out, lse, delta, call_operands, bias,
                                 lambda j, b, h: (b, h, 0))
   kv_tile_spec = pl.BlockSpec((None, tiling.block_k, None, dp),
                               lambda j, b, h: (b, j, h, 0))
+  itemsize = jnp.dtype(query.dtype).itemsize
+  # Resident: the K and V tiles (the dK, dV accumulators live in registers).
+  # Per step: a Q and a dO tile, and the streamed mask / bias tiles.
+  stages = common.fit_stages(
+      block_sizes.num_stages_dkdv,
+      resident_bytes=2 * tiling.block_k * dp * itemsize,
+      per_step_bytes=2 * tiling.block_q * dp * itemsize
+      + common.streamed_tile_bytes(call_operands, bias, tiling.block_q,
+                                   tiling.block_k))
   inputs = (query, key, value, d_out, lse, delta, *extra)
   return pl.pallas_call(
       functools.partial(_dkdv_kernel, scale=scale, spec=spec, dims=dims,
@@ -220,7 +229,7 @@ def backward_dkdv(query, key, value, d_out, lse, delta, call_operands, bias,
       out_shape=[compat.output_struct(key.shape, key.dtype, *inputs),
                  compat.output_struct(value.shape, value.dtype, *inputs)],
       compiler_params=common.compiler_params(block_sizes.num_warps_dkdv,
-                                             block_sizes.num_stages_dkdv),
+                                             stages),
       interpret=interpret,
       name="flash_backward_dkdv",
   )(*inputs)
@@ -246,6 +255,16 @@ def backward_dq(query, key, value, d_out, lse, delta, call_operands, bias, *,
                           lambda i, b, h: (b, h, i))
   in_specs = [q_tile_spec, kv_spec, kv_spec, q_tile_spec, row_spec, row_spec,
               *extra_specs]
+  itemsize = jnp.dtype(query.dtype).itemsize
+  # Resident: the Q and dO tiles; per step: a K and a V tile, the streamed
+  # mask / bias tiles and, with `bias_grad`, the dbias tile written out.
+  stages = common.fit_stages(
+      block_sizes.num_stages_dq,
+      resident_bytes=2 * tiling.block_q * dp * itemsize,
+      per_step_bytes=2 * tiling.block_k * dp * itemsize
+      + common.streamed_tile_bytes(call_operands, bias, tiling.block_q,
+                                   tiling.block_k)
+      + (tiling.block_q * tiling.block_k * 4 if bias_grad else 0))
   inputs = [query, key, value, d_out, lse, delta, *extra]
   out_specs = [q_tile_spec]
   out_shape = [compat.output_struct(query.shape, query.dtype, *inputs)]
@@ -269,7 +288,7 @@ def backward_dq(query, key, value, d_out, lse, delta, call_operands, bias, *,
       out_shape=out_shape,
       input_output_aliases=aliases,
       compiler_params=common.compiler_params(block_sizes.num_warps_dq,
-                                             block_sizes.num_stages_dq),
+                                             stages),
       interpret=interpret,
       name="flash_backward_dq",
   )(*inputs)

@@ -131,8 +131,41 @@ def run_block_loop(block_range, body, carry, block_state=None):
   return lax.fori_loop(unmasked_hi, hi, masked, carry)
 
 
+# Shared memory a CTA may use on sm90 (the H200 reports 232448 bytes; sm80
+# has less, where Triton itself then lowers its pipelining).
+SHARED_MEMORY_BYTES = 232448
+
+
 def compiler_params(num_warps: int, num_stages: int):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def fit_stages(num_stages: int, *, resident_bytes: int,
+               per_step_bytes: int) -> int:
+  """Pipeline depth that keeps Triton's shared-memory buffers within sm90's.
+
+  Triton keeps `num_stages` copies of every tile loaded in the K/V (or Q)
+  loop in shared memory. A streamed mask or bias tile adds to the tuned
+  K/V tiles' footprint (a 128 x 128 float32 bias tile is 64 KiB), so a depth
+  tuned without them can exceed the limit; fewer stages always compile.
+
+  Args:
+    num_stages: the tuned depth.
+    resident_bytes: tiles held across the loop (the owned Q or K/V tile).
+    per_step_bytes: tiles loaded in each loop step.
+  """
+  fitting = (SHARED_MEMORY_BYTES - resident_bytes) // max(per_step_bytes, 1)
+  return max(1, min(num_stages, fitting))
+
+
+def streamed_tile_bytes(call_operands, bias, block_q: int,
+                        block_k: int) -> int:
+  """Bytes of the [block_q, block_k] mask and bias tiles of one loop step."""
+  total = 0
+  for array in (call_operands.dense_mask, bias):
+    if array is not None:
+      total += block_q * block_k * jnp.dtype(array.dtype).itemsize
+  return total
 
 
 def tile_indices(q_start, kv_start, block_q: int, block_k: int):

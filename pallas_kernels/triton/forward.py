@@ -97,6 +97,13 @@ def flash_forward(query, key, value, call_operands, bias, *, scale: float,
   kv_padded = pl.cdiv(spec.kv_len, tiling.block_k) * tiling.block_k
   dp = dims.head_dim_padded
 
+  itemsize = jnp.dtype(query.dtype).itemsize
+  stages = common.fit_stages(
+      block_sizes.num_stages,
+      resident_bytes=tiling.block_q * dp * itemsize,
+      per_step_bytes=2 * tiling.block_k * dp * itemsize
+      + common.streamed_tile_bytes(call_operands, bias, tiling.block_q,
+                                   tiling.block_k))
   inputs = (query, key, value, *extra)
   kernel = functools.partial(_forward_kernel, scale=scale, spec=spec,
                              dims=dims, tiling=tiling, layouts=layouts)
@@ -115,8 +122,7 @@ def flash_forward(query, key, value, call_operands, bias, *, scale: float,
       out_shape=[compat.output_struct(query.shape, query.dtype, *inputs),
                  compat.output_struct((batch, num_heads, q_len), jnp.float32,
                                       *inputs)],
-      compiler_params=common.compiler_params(block_sizes.num_warps,
-                                             block_sizes.num_stages),
+      compiler_params=common.compiler_params(block_sizes.num_warps, stages),
       interpret=interpret,
       name="flash_forward",
   )(*inputs)
