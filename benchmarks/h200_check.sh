@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: tests mosaic grid128 masks memory grid ring flax example
+# STEPs: tests mosaic grid128 masks memory grid ring flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
 set -u
@@ -34,14 +34,17 @@ for step in "$@"; do
         --time-budget 160 --out "$OUT/h200_mosaic.json" > "$LOGS/mosaic.log" 2>&1
       tail -30 "$LOGS/mosaic.log" ;;
     flax)
-      python3 -m pytest -m gpu -n 4 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
-        --durations=10 -p no:benchmark tests/test_flax_layers.py > "$OUT/pytest_flax.log" 2>&1
+      python3 -m pytest -m gpu -n 3 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
+        --durations=10 -p no:benchmark tests/test_flax_layers.py ${FLAX_EXTRA_TESTS:-} > "$OUT/pytest_flax.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_flax.log" | tail -20 ;;
     ring)
       timeout 120 python3 -m benchmarks.ring_overhead > "$LOGS/ring.log" 2>&1
       cp benchmarks/results/h200_ring_overhead.* "$OUT/"; tail -15 "$LOGS/ring.log" ;;
+    notebook)  # the committed notebook carries the GPU's outputs
+      JAX_FLASH_NOTEBOOK_SIZE=${NOTEBOOK_SIZE:-full} timeout 150 python3 -m \
+        benchmarks.run_notebook notebooks/numerics.ipynb "$OUT/numerics.ipynb" ;;
     example)
-      timeout 300 python3 examples/train_lm.py --attention both --steps 600 \
+      timeout 120 python3 examples/train_lm.py --attention both --steps ${EXAMPLE_STEPS:-600} \
         --plot "$OUT/loss_curve_h200.png" > "$LOGS/example.log" 2>&1; tail -6 "$LOGS/example.log" ;;
     grid128)
       timeout 130 python3 -m benchmarks.run_grid --head-dims 128 --seqs 4096 16384 \

@@ -26,6 +26,20 @@ class Unavailable(Exception):
   """The peer cannot run on this machine (not installed, wrong device)."""
 
 
+class TooLarge(Exception):
+  """The peer would need more device memory than is sensible to ask for.
+
+  Asking anyway is not harmless: an out-of-memory failure during XLA's
+  command-buffer capture poisons the CUDA context, and every later
+  benchmark in the process fails with "stream capture invalidated".
+  """
+
+
+# XLA attention materialises float32 logits [batch, heads, q_len, kv_len];
+# fwd+bwd holds about 2.5 such arrays. Beyond this it is skipped.
+_XLA_MAX_BYTES = 64 * 2**30
+
+
 class Benchmark(NamedTuple):
   fn: Callable
   args: tuple
@@ -78,6 +92,11 @@ def jax_flash_mosaic(cell: common.Cell, *, interpret: bool = False
 def xla(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
   """`jax.nn.dot_product_attention`'s XLA path: materialises the scores."""
   del interpret
+  logits = cell.batch * cell.num_heads * cell.seq_len**2 * 4
+  needed = logits * (2.5 if cell.mode == "fwd_bwd" else 1.0)
+  if needed > _XLA_MAX_BYTES and compat.has_gpu():
+    raise TooLarge(f"XLA attention would need about {needed / 2**30:.0f} GiB "
+                   f"of logits (limit {_XLA_MAX_BYTES / 2**30:.0f} GiB)")
   def attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=cell.causal,
                                         implementation="xla")
