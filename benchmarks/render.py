@@ -64,7 +64,7 @@ def tflops_by_cell(result: dict) -> dict[tuple, dict[str, float]]:
 
 def best_peer(tflops: dict[str, float]) -> tuple[str, float] | None:
   """The fastest implementation that is neither ours nor the matmul ceiling."""
-  peers = {n: t for n, t in tflops.items() if n not in (OURS, CEILING)}
+  peers = {n: t for n, t in tflops.items() if n not in (*OURS, CEILING)}
   if not peers:
     return None
   name = max(peers, key=peers.get)
@@ -78,17 +78,26 @@ def _fmt(tflops: dict[str, float], name: str) -> str:
   return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
+def best_ours(tflops: dict[str, float]) -> tuple[str, float] | None:
+  """The fastest of this project's implementations in the cell."""
+  ours = {n: t for n, t in tflops.items() if n in OURS}
+  if not ours:
+    return None
+  name = max(ours, key=ours.get)
+  return name, ours[name]
+
+
 def _ratio(tflops: dict[str, float]) -> str:
-  best = best_peer(tflops)
-  if best is None or OURS not in tflops:
+  best, ours = best_peer(tflops), best_ours(tflops)
+  if best is None or ours is None:
     return "—"
-  return f"{tflops[OURS] / best[1]:.2f}"
+  return f"{ours[1] / best[1]:.2f}"
 
 
 def grid_table(result: dict) -> tuple[list[str], list[list]]:
   """Every implementation's TFLOP/s per cell, the best peer and our ratio."""
   impls = _impls(result)
-  headers = ["cell", *impls, "best peer", f"{OURS} / best"]
+  headers = ["cell", *impls, "best peer", "ours / best"]
   rows = []
   for cell, tflops in tflops_by_cell(result).items():
     best = best_peer(tflops)
@@ -100,12 +109,15 @@ def grid_table(result: dict) -> tuple[list[str], list[list]]:
 
 def summary_table(result: dict) -> tuple[list[str], list[list]]:
   """The compact version for a terminal: ours, the best peer, the ratio."""
-  headers = ["cell", OURS, "best peer", "TFLOP/s", "ratio", CEILING]
+  headers = ["cell", "ours", "TFLOP/s", "best peer", "TFLOP/s", "ratio",
+             CEILING]
   rows = []
   for cell, tflops in tflops_by_cell(result).items():
-    best = best_peer(tflops)
+    best, ours = best_peer(tflops), best_ours(tflops)
     best_name = best[0] if best else "—"
-    rows.append([common.cell_label(*cell), _fmt(tflops, OURS), best_name,
+    ours_name = ours[0] if ours else "—"
+    rows.append([common.cell_label(*cell), ours_name, _fmt(tflops, ours_name),
+                 best_name,
                  _fmt(tflops, best_name), _ratio(tflops),
                  _fmt(tflops, CEILING)])
   return headers, rows
@@ -186,9 +198,13 @@ def grid_panels(result: dict) -> dict[str, dict[str, Points]]:
 
 
 def header_lines(result: dict, title: str) -> list[str]:
-  return [f"# {title}", "",
-          f"Device: {result['device']}; JAX {result['jax_version']}.", "",
-          f"Command: `{result['command']}`", ""]
+  """Title, device, command and, where the run has one, its caveat."""
+  lines = [f"# {title}", "",
+           f"Device: {result['device']}; JAX {result['jax_version']}.", "",
+           f"Command: `{result['command']}`", ""]
+  if result.get("note"):
+    lines += [f"**Note:** {result['note']}", ""]
+  return lines
 
 
 def render(path: str) -> tuple[str, str]:
@@ -198,7 +214,8 @@ def render(path: str) -> tuple[str, str]:
   lines = header_lines(result, "Attention throughput (TFLOP/s)")
   lines += ["FLOPs: 4·B·T²·N·D, halved for causal, x3.5 for fwd_bwd; "
             "median of timed samples after warm-up. "
-            f"Ratio: {OURS} over the fastest peer ({CEILING} excluded: it is "
+            f"Ratio: the faster of ours ({', '.join(OURS)}) over the fastest "
+            f"peer ({CEILING} excluded: it is "
             "the ceiling, a dense bf16 matmul of the same FLOPs).", "",
             markdown_table(*grid_table(result)), ""]
   if result.get("skipped"):

@@ -96,8 +96,8 @@ def run(args, header: dict) -> dict:
   """Measures every (cell, impl) not already in the results; returns them.
 
   A cell's implementations compile concurrently (compiling, not timing,
-  is most of the grid's time), then are timed one after another with
-  nothing else running.
+  is most of the grid's time); once all have compiled they are timed one
+  after another with nothing else running.
   """
   result = {**header, "records": [], "skipped": []}
   if args.resume and os.path.exists(args.out):
@@ -124,6 +124,10 @@ def run(args, header: dict) -> dict:
           common.compile_benchmark,
           functools.partial(peers.PEERS[impl], cell, interpret=args.interpret),
           autotuned=impl in AUTOTUNED) for impl in impls}
+      # Every build of the cell finishes before any timing starts: XLA and
+      # tokamax autotune on the GPU while they compile, and a kernel timed
+      # beside that reads 2-10x slow (seen on the H200, 2026-11-29).
+      concurrent.futures.wait(builds.values())
       for impl in impls:
         try:
           compiled, inputs = builds.pop(impl).result()

@@ -106,6 +106,7 @@ class Sweep:
       builds = [self.pool.submit(common.compile_benchmark, functools.partial(
           peers.jax_flash_triton, cell, interpret=self.args.interpret,
           block_sizes=blocks)) for blocks in batch]
+      concurrent.futures.wait(builds)  # nothing compiles while timing
       for blocks, build in zip(batch, builds):
         entry = {"phase": phase, "head_dim": head_dim, "causal": causal,
                  "block_sizes": dataclasses.asdict(blocks)}
