@@ -57,10 +57,22 @@ def test_deterministic_on_gpu():
 
 
 def test_implementation_none_uses_kernels_on_gpu():
-  q, k, v, _, _ = random_inputs(Case(1, 512, 512, 4, 4, 64), jnp.bfloat16, 0)
-  text = jax.jit(lambda q, k, v: jax_flash.flash_attention(q, k, v)).lower(
-      q, k, v).as_text()
-  assert "flash_forward" in text
+  """Mosaic on sm90 where it covers the call, else the Triton kernels."""
+  from pallas_kernels import compat
+  on_hopper = (compat.gpu_compute_capability() or (0, 0))[0] == 9
+
+  def lowered(dtype, q_len):
+    q, k, v, _, _ = random_inputs(Case(1, q_len, q_len, 4, 4, 64), dtype, 0)
+    return jax.jit(lambda q, k, v: jax_flash.flash_attention(q, k, v)).lower(
+        q, k, v).as_text()
+
+  covered = lowered(jnp.bfloat16, 512)
+  assert ("mosaic_flash_forward" in covered) == on_hopper
+  assert "flash_forward" in covered
+  # float32 and a ragged length: not Mosaic's; Triton takes them.
+  for text in (lowered(jnp.float32, 512), lowered(jnp.bfloat16, 500)):
+    assert "mosaic_flash_forward" not in text
+    assert "flash_forward" in text
 
 
 _DOCS = jnp.repeat(jnp.arange(8, dtype=jnp.int32), 256)[None].repeat(2, 0)
