@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: tests mosaic grid128 masks memory grid ring flax notebook example
+# STEPs: tests mosaic_tests mosaic fp8 grid128 masks memory grid ring flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
 set -u
@@ -26,13 +26,22 @@ for step in "$@"; do
   case $step in
     tests)  # per-test limit instead of an outer kill (see above)
       python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
-        --durations=15 -p no:benchmark ${GPU_TESTS:-tests/test_gpu.py tests/test_mosaic_lowering.py} > "$OUT/pytest_gpu.log" 2>&1
+        --durations=15 -p no:benchmark ${GPU_TESTS:-tests/test_gpu.py tests/test_mosaic_lowering.py tests/test_mosaic_backward.py tests/test_mosaic_fp8.py} > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;
+    mosaic_tests)  # the Mosaic kernels alone (backward and FP8 are new)
+      python3 -m pytest -m gpu -n 4 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
+        --durations=10 -p no:benchmark tests/test_mosaic_lowering.py \
+        tests/test_mosaic_backward.py tests/test_mosaic_fp8.py > "$OUT/pytest_mosaic.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_mosaic.log" | tail -30 ;;
     mosaic)  # the Hopper path against cuDNN and tokamax, seq 16k
       timeout 200 python3 -m benchmarks.run_grid --seqs 16384 \
-        --impls jax_flash_mosaic jax_flash_triton cudnn tokamax_mosaic \
+        --impls jax_flash_mosaic jax_flash_all_mosaic jax_flash_mosaic_fp8 \
+        jax_flash_triton cudnn tokamax_mosaic \
         --time-budget 160 --out "$OUT/h200_mosaic.json" > "$LOGS/mosaic.log" 2>&1
       tail -30 "$LOGS/mosaic.log" ;;
+    fp8)  # FP8 error against bf16's
+      timeout 120 python3 -m benchmarks.fp8_accuracy --out "$OUT/h200_fp8_accuracy.json" \
+        > "$LOGS/fp8.log" 2>&1; tail -16 "$LOGS/fp8.log" ;;
     flax)
       python3 -m pytest -m gpu -n 3 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
         --durations=10 -p no:benchmark tests/test_flax_layers.py ${FLAX_EXTRA_TESTS:-} > "$OUT/pytest_flax.log" 2>&1
@@ -62,7 +71,7 @@ for step in "$@"; do
       # GRID_ARGS: e.g. "--resume"; GRID_BUDGET: seconds of measuring.
       timeout $((${GRID_BUDGET:-100} + 40)) python3 -m benchmarks.run_grid \
         ${GRID_ARGS:---resume} --time-budget ${GRID_BUDGET:-100} \
-        --impls jax_flash_triton jax_flash_mosaic cudnn pallas_triton_mha \
+        --impls jax_flash_triton jax_flash_mosaic jax_flash_all_mosaic cudnn pallas_triton_mha \
         pallas_mgpu tokamax_mosaic xla matmul > "$LOGS/grid.log" 2>&1
       cp benchmarks/results/h200.* "$OUT/"; tail -45 "$LOGS/grid.log" ;;
   esac

@@ -89,6 +89,42 @@ def jax_flash_mosaic(cell: common.Cell, *, interpret: bool = False
   return _benchmark(cell, attention)
 
 
+def jax_flash_all_mosaic(cell: common.Cell, *, interpret: bool = False
+                         ) -> Benchmark:
+  """The Mosaic forward with the Mosaic backward (not yet the default)."""
+  del interpret
+  _require_gpu("the Mosaic GPU kernels", sm=(9, 0))
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import flash_attention_mosaic
+
+  def attention(q, k, v):
+    out, _ = flash_attention_mosaic(q, k, v, cell.head_dim**-0.5, cell.causal,
+                                    BlockSizes.get_default(cell.head_dim),
+                                    "mosaic")
+    return out
+  return _benchmark(cell, attention)
+
+
+def jax_flash_mosaic_fp8(cell: common.Cell, *, interpret: bool = False
+                         ) -> Benchmark:
+  """The FP8 (e4m3) Mosaic forward on inputs quantised beforehand (untimed:
+  per-tensor scales, bf16 output). Forward only."""
+  del interpret
+  _require_gpu("the FP8 Mosaic forward", sm=(9, 0))
+  if cell.mode != "fwd":
+    raise NotImplementedError("the FP8 kernel is forward only")
+  from pallas_kernels.mosaic.forward import mosaic_forward_fp8, quantize_fp8
+  q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
+  (q8, qs), (k8, ks), (v8, vs) = map(quantize_fp8, (q, k, v))
+
+  def attention(q8, k8, v8, qs, ks, vs):
+    out, _ = mosaic_forward_fp8(q8, k8, v8, q_descale=qs, k_descale=ks,
+                                v_descale=vs, scale=cell.head_dim**-0.5,
+                                is_causal=cell.causal)
+    return out
+  return Benchmark(jax.jit(attention), (q8, k8, v8, qs, ks, vs))
+
+
 def xla(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
   """`jax.nn.dot_product_attention`'s XLA path: materialises the scores."""
   del interpret
@@ -202,6 +238,8 @@ PeerFn = Callable[..., Benchmark]
 PEERS: dict[str, PeerFn] = {
     "jax_flash_triton": jax_flash_triton,
     "jax_flash_mosaic": jax_flash_mosaic,
+    "jax_flash_all_mosaic": jax_flash_all_mosaic,
+    "jax_flash_mosaic_fp8": jax_flash_mosaic_fp8,
     "xla": xla,
     "cudnn": cudnn,
     "pallas_triton_mha": pallas_triton_mha,
@@ -211,6 +249,8 @@ PEERS: dict[str, PeerFn] = {
     "matmul": matmul,
 }
 # This project's implementations; tables compare the faster of them.
-OURS = ("jax_flash_mosaic", "jax_flash_triton")
+OURS = ("jax_flash_mosaic", "jax_flash_all_mosaic", "jax_flash_triton")
+# Shown, but neither ours nor a peer in the ratios: another precision.
+OTHER_PRECISION = ("jax_flash_mosaic_fp8",)
 # Not a peer to beat but the hardware's ceiling for the same FLOPs.
 CEILING = "matmul"

@@ -15,7 +15,7 @@ import os
 from typing import Iterable, Sequence
 
 from benchmarks import common
-from benchmarks.peers import CEILING, OURS, PEERS
+from benchmarks.peers import CEILING, OTHER_PRECISION, OURS, PEERS
 
 Points = list[tuple[float, float]]
 
@@ -64,7 +64,8 @@ def tflops_by_cell(result: dict) -> dict[tuple, dict[str, float]]:
 
 def best_peer(tflops: dict[str, float]) -> tuple[str, float] | None:
   """The fastest implementation that is neither ours nor the matmul ceiling."""
-  peers = {n: t for n, t in tflops.items() if n not in (*OURS, CEILING)}
+  peers = {n: t for n, t in tflops.items()
+           if n not in (*OURS, *OTHER_PRECISION, CEILING)}
   if not peers:
     return None
   name = max(peers, key=peers.get)

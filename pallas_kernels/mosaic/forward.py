@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -63,6 +64,9 @@ _SWIZZLE_BYTES = 128
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
+# Largest finite e4m3 value: quantisation maps a block's amax onto it.
+FP8_MAX = 448.0
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
@@ -87,6 +91,13 @@ class _Static:
   scale_log2: float      # scale * log2(e): scores enter exp2 directly
   is_causal: bool
   dtype: jnp.dtype
+  # FP8 (e4m3) inputs (`mosaic_forward_fp8`): V arrives transposed, since
+  # wgmma reads 8-bit B operands only K-major ([head_dim, block_kv] tiles);
+  # per-block descale factors come in one float32 row per (batch, head):
+  # [Q blocks | K/V blocks | V | padding], see `_descale_rows`.
+  fp8: bool = False
+  out_dtype: jnp.dtype | None = None
+  num_q_blocks: int = 0
 
 
 def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
@@ -130,22 +141,145 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                             is_causal=is_causal, block_q=block_q,
                             block_kv=block_kv,
                             max_concurrent_steps=max_concurrent_steps)
-  batch, q_len, num_heads, head_dim = query.shape
-  num_q_tiles = q_len // (_NUM_CONSUMERS * block_q)
+  return _launch(static, query, key, value)
 
-  # 128-byte swizzle with 8-row tiles: the shared-memory layout that both TMA
-  # writes and wgmma reads without bank conflicts.
-  swizzle_elems = _SWIZZLE_BYTES // static.dtype.itemsize
-  transforms = (plgpu.TilingTransform((8, swizzle_elems)),
-                plgpu.SwizzleTransform(_SWIZZLE_BYTES))
+
+def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
+                       scale: float, is_causal: bool,
+                       out_dtype=jnp.bfloat16, block_q: int = 64,
+                       block_kv: int | None = None,
+                       max_concurrent_steps: int = 2):
+  """FlashAttention-3 forward on float8_e4m3fn inputs (FA3 §3.3).
+
+  Q·Kᵀ and P·V run as FP8 wgmma with float32 accumulation; P is rounded to
+  e4m3 before P·V. True inputs are `query * q_descale` etc. (see
+  `quantize_fp8`), so the kernel multiplies each S tile by its Q and K
+  blocks' factors and the output by V's.
+
+  Args:
+    query: float8_e4m3fn [batch, q_len, num_heads, head_dim].
+    key, value: float8_e4m3fn [batch, kv_len, num_kv_heads, head_dim].
+    q_descale: float32 [batch, num_heads] (per tensor and head) or
+      [batch, num_heads, q_len // block_q] (per block of `block_q` rows).
+    k_descale: float32 [batch, num_kv_heads] or
+      [batch, num_kv_heads, kv_len // block_kv].
+    v_descale: float32 [batch, num_kv_heads]: per tensor and head only; a
+      per-block V factor would rescale the accumulator at every step.
+    scale, is_causal, block_q, block_kv, max_concurrent_steps: as
+      `mosaic_forward` (block_kv: None picks `default_block_kv`).
+    out_dtype: dtype of the output (bfloat16 or float16).
+
+  Returns:
+    out [batch, q_len, num_heads, head_dim] in `out_dtype`, lse float32
+    [batch, num_heads, q_len], as `mosaic_forward`.
+  """
+  if block_kv is None:
+    block_kv = default_block_kv(query.shape[-1])
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype not in _SUPPORTED_DTYPES:
+    raise NotImplementedError(
+        f"out_dtype must be bfloat16 or float16, got {out_dtype}")
+  static = _check_supported(query, key, value, scale=scale,
+                            is_causal=is_causal, block_q=block_q,
+                            block_kv=block_kv,
+                            max_concurrent_steps=max_concurrent_steps,
+                            fp8_out_dtype=out_dtype)
+  descale = _descale_rows(query.shape, key.shape, q_descale, k_descale,
+                          v_descale, static)
+  # [batch, kv_heads, head_dim, kv_len]: an XLA transpose, one pass over V
+  # in FP8 (FA3 transposes in the kernel instead).
+  value_t = jnp.transpose(value, (0, 2, 3, 1))
+  return _launch(static, query, key, value_t, descale)
+
+
+def quantize_fp8(x, *, block_rows: int | None = None):
+  """Per-tensor-and-head or per-block e4m3 quantisation for the FP8 forward.
+
+  Args:
+    x: [batch, seq, heads, head_dim], any float dtype.
+    block_rows: None for one factor per (batch, head); else one per block of
+      `block_rows` sequence rows (seq must be a multiple).
+
+  Returns:
+    (x_fp8, descale): float8_e4m3fn like x, and float32 [batch, heads] or
+    [batch, heads, seq // block_rows] with x ≈ x_fp8 * descale.
+  """
+  batch, seq, heads, dim = x.shape
+  x32 = x.astype(jnp.float32)
+  if block_rows is None:
+    amax = jnp.max(jnp.abs(x32), axis=(1, 3))                  # [B, H]
+    expand = amax[:, None, :, None]
+  else:
+    if seq % block_rows:
+      raise ValueError(f"seq {seq} is not a multiple of block_rows "
+                       f"{block_rows}")
+    blocks = x32.reshape(batch, seq // block_rows, block_rows, heads, dim)
+    amax = jnp.moveaxis(jnp.max(jnp.abs(blocks), axis=(2, 4)), 1, 2)
+    expand = jnp.repeat(jnp.moveaxis(amax, 2, 1), block_rows,
+                        axis=1)[..., None]                     # [B, T, H, 1]
+  # An all-zero block keeps descale 1 (anything but 0 would do).
+  descale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+  step = jnp.where(expand > 0, expand / FP8_MAX, 1.0)
+  return (x32 / step).astype(_FP8), descale
+
+
+def _descale_rows(q_shape, k_shape, q_descale, k_descale, v_descale,
+                  static: _Static):
+  """float32 [batch, num_heads, n]: [Q blocks | K/V blocks | V | padding].
+
+  One row per query head (K/V factors gathered for its K/V head), padded to
+  a multiple of 32 floats: Mosaic copies multiples of 128 bytes (one per
+  thread of the warpgroup).
+  """
+  batch, _, num_heads, _ = q_shape
+  num_kv_heads = k_shape[2]
+
+  def per_block(x, heads, blocks, name):
+    x = jnp.asarray(x, jnp.float32)
+    if x.shape == (batch, heads):
+      x = x[:, :, None]
+    if x.shape not in ((batch, heads, 1), (batch, heads, blocks)):
+      raise ValueError(f"{name} must be [batch, heads] = {(batch, heads)} or "
+                       f"[batch, heads, blocks] = {(batch, heads, blocks)}; "
+                       f"got {x.shape}")
+    return jnp.broadcast_to(x, (batch, heads, blocks))
+
+  q = per_block(q_descale, num_heads, static.num_q_blocks, "q_descale")
+  k = per_block(k_descale, num_kv_heads, static.num_kv_blocks, "k_descale")
+  v = per_block(v_descale, num_kv_heads, 1, "v_descale")
+  kv = jnp.repeat(jnp.concatenate([k, v], axis=2), static.group, axis=1)
+  rows = jnp.concatenate([q, kv], axis=2)
+  pad = -rows.shape[2] % 32
+  return jnp.pad(rows, ((0, 0), (0, 0), (0, pad)), constant_values=1.0)
+
+
+def _smem_transforms(rows_bytes: int, itemsize: int):
+  """8-row tiles with the widest swizzle (up to 128 B) a tile row fills: the
+  shared-memory layout that both TMA writes and wgmma reads without bank
+  conflicts."""
+  swizzle = min(_SWIZZLE_BYTES, rows_bytes)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def _launch(static: _Static, query, key, value, descale=None):
+  """Builds and calls the kernel; `value` is [B, Hkv, D, T] in FP8."""
+  batch, q_len, num_heads, head_dim = query.shape
+  block_q, block_kv = static.block_q, static.block_kv
+  num_q_tiles = q_len // (_NUM_CONSUMERS * block_q)
+  itemsize = static.dtype.itemsize
+  transforms = _smem_transforms(head_dim * itemsize, itemsize)
   stages = static.num_stages
+  v_tile = (head_dim, block_kv) if static.fp8 else (block_kv, head_dim)
+  v_transforms = (_smem_transforms(block_kv, itemsize) if static.fp8
+                  else transforms)
   scratch = (
+      # Q, then (bfloat16 / float16) O on the way out.
       plgpu.SMEM((_NUM_CONSUMERS, block_q, head_dim), static.dtype,
-                 transforms=transforms),  # Q, then O on the way out
-      plgpu.SMEM((stages, block_kv, head_dim), static.dtype,
                  transforms=transforms),
       plgpu.SMEM((stages, block_kv, head_dim), static.dtype,
                  transforms=transforms),
+      plgpu.SMEM((stages, *v_tile), static.dtype, transforms=v_transforms),
       plgpu.SMEM((_NUM_CONSUMERS, block_q), jnp.float32),  # LSE
       plgpu.Barrier(num_barriers=_NUM_CONSUMERS),          # q_arrived
       plgpu.Barrier(num_barriers=stages),                  # k_arrived
@@ -156,8 +290,23 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       plgpu.Barrier(num_barriers=_NUM_CONSUMERS * stages),
       plgpu.Barrier(num_arrivals=_NUM_CONSUMERS, num_barriers=1),  # ping-pong
   )
+  inputs = (query, key, value)
+  out_dtype = query.dtype
+  if static.fp8:
+    out_dtype = static.out_dtype
+    scratch += (
+        # O: an FP8 Q buffer is too small for it.
+        plgpu.SMEM((_NUM_CONSUMERS, block_q, head_dim), out_dtype,
+                   transforms=_smem_transforms(head_dim * out_dtype.itemsize,
+                                               out_dtype.itemsize)),
+        plgpu.SMEM((_NUM_CONSUMERS, descale.shape[-1]), jnp.float32),
+        plgpu.Barrier(num_barriers=_NUM_CONSUMERS),        # descale_arrived
+        plgpu.SMEM((_NUM_CONSUMERS, block_q, block_kv), static.dtype,
+                   transforms=_smem_transforms(block_kv, itemsize)),  # P
+    )
+    inputs += (descale,)
   out_type = (
-      jax.ShapeDtypeStruct(query.shape, query.dtype),
+      jax.ShapeDtypeStruct(query.shape, out_dtype),
       # Sequence minor, so that each consumer stores its LSE rows with one
       # contiguous 1-D TMA.
       jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
@@ -173,12 +322,16 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       thread_name="wg",
       kernel_name="mosaic_flash_forward",
       compiler_params=compat.compiler_params(approx_math=True),
-  )(query, key, value)
+  )(*inputs)
 
 
 def _check_supported(query, key, value, *, scale, is_causal, block_q,
-                     block_kv, max_concurrent_steps) -> _Static:
-  """Validates the call; anything this kernel lacks is NotImplementedError."""
+                     block_kv, max_concurrent_steps,
+                     fp8_out_dtype=None) -> _Static:
+  """Validates the call; anything this kernel lacks is NotImplementedError.
+
+  `fp8_out_dtype` is given for the FP8 kernel (inputs float8_e4m3fn).
+  """
   if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
     raise ValueError("query, key and value must be [batch, len, heads, dim]; "
                      f"got {query.shape}, {key.shape}, {value.shape}")
@@ -195,7 +348,11 @@ def _check_supported(query, key, value, *, scale, is_causal, block_q,
   if dtype != key.dtype or dtype != value.dtype:
     raise TypeError("query, key and value must share a dtype; got "
                     f"{query.dtype}, {key.dtype}, {value.dtype}")
-  if dtype not in _SUPPORTED_DTYPES:
+  fp8 = fp8_out_dtype is not None
+  if fp8 and dtype != _FP8:
+    raise TypeError(f"mosaic_forward_fp8 takes float8_e4m3fn inputs (see "
+                    f"quantize_fp8), got {dtype}")
+  if not fp8 and dtype not in _SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_forward supports bfloat16 and float16, got {dtype}")
   if head_dim not in _SUPPORTED_HEAD_DIMS:
@@ -222,6 +379,11 @@ def _check_supported(query, key, value, *, scale, is_causal, block_q,
   smem_bytes = (
       (_NUM_CONSUMERS * block_q + 2 * num_stages * block_kv) * head_dim
       * dtype.itemsize + _NUM_CONSUMERS * block_q * 4)
+  num_q_blocks = q_len // block_q
+  if fp8:  # the O buffer, and the descale rows
+    smem_bytes += _NUM_CONSUMERS * (
+        block_q * head_dim * fp8_out_dtype.itemsize + block_q * block_kv
+        + 4 * (num_q_blocks + num_kv_blocks + 32))
   if smem_bytes > _SMEM_LIMIT_BYTES:
     raise NotImplementedError(
         f"block_q {block_q}, block_kv {block_kv}, {num_stages} stages at "
@@ -231,7 +393,8 @@ def _check_supported(query, key, value, *, scale, is_causal, block_q,
                  num_kv_blocks=num_kv_blocks, head_dim=head_dim,
                  group=num_heads // num_kv_heads,
                  scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
-                 dtype=dtype)
+                 dtype=dtype, fp8=fp8, out_dtype=fp8_out_dtype,
+                 num_q_blocks=num_q_blocks if fp8 else 0)
 
 
 def _num_kv_steps(q_start, static: _Static):
@@ -253,11 +416,27 @@ def _num_unmasked_steps(q_start, num_steps, static: _Static):
   return jnp.minimum((q_start + 1) // static.block_kv, num_steps)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref,
-                    q_smem, k_smem, v_smem, lse_smem,
-                    q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
-                    pingpong, *, static: _Static):
-  """Kernel body; refs as laid out in `mosaic_forward`'s scratch list."""
+class _Fp8Refs(NamedTuple):
+  """One consumer's extra refs in the FP8 kernel."""
+  descale_gmem: Any    # float32 [n]: this (batch, head)'s descale row
+  descale_smem: Any    # float32 [n]
+  descale_arrived: Any
+  o_smem: Any          # [block_q, head_dim] in the output dtype
+  p_smem: Any          # [block_q, block_kv] FP8: P, the LHS of P V
+
+
+def _forward_kernel(*refs, static: _Static):
+  """Kernel body; refs: `_launch`'s inputs, outputs and scratch, in order."""
+  fp8_refs = None
+  if static.fp8:
+    (q_ref, k_ref, v_ref, descale_ref, out_ref, lse_ref,
+     q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
+     k_consumed, v_consumed, pingpong,
+     o_smem, descale_smem, descale_arrived, p_smem) = refs
+  else:
+    (q_ref, k_ref, v_ref, out_ref, lse_ref,
+     q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
+     k_consumed, v_consumed, pingpong) = refs
   batch = lax.axis_index("batch")
   head = lax.axis_index("head")
   wg = lax.axis_index("wg")
@@ -266,11 +445,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref,
   @pl.when(wg < _NUM_CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    if static.fp8:
+      fp8 = _Fp8Refs(descale_ref.at[batch, head], descale_smem.at[wg],
+                     descale_arrived.at[wg], o_smem.at[wg], p_smem.at[wg])
+    else:
+      fp8 = None
     _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
              lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
              k_consumed, v_consumed, pingpong.at[0],
              batch=batch, head=head, wg=wg, tile_start=tile_start,
-             static=static)
+             static=static, fp8=fp8)
 
   @pl.when(wg == _PRODUCER)
   def _producer():
@@ -292,8 +476,11 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
 
   def load(step, slot, ref, smem, arrived):
     rows = pl.ds(step * static.block_kv, static.block_kv)
-    plgpu.copy_gmem_to_smem(ref.at[batch, rows, kv_head], smem.at[slot],
-                            arrived.at[slot])
+    if static.fp8 and ref is v_ref:  # V transposed: [B, Hkv, D, T]
+      block = ref.at[batch, kv_head, :, rows]
+    else:
+      block = ref.at[batch, rows, kv_head]
+    plgpu.copy_gmem_to_smem(block, smem.at[slot], arrived.at[slot])
 
   def wait_consumed(consumed, step, slot):
     # The slot held block step - stages; wait for every consumer that read it.
@@ -328,7 +515,8 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
 
 def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
              q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
-             pingpong, *, batch, head, wg, tile_start, static: _Static):
+             pingpong, *, batch, head, wg, tile_start, static: _Static,
+             fp8: _Fp8Refs | None):
   """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile."""
   block_q, block_kv = static.block_q, static.block_kv
   q_start = tile_start + wg * block_q
@@ -340,7 +528,14 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   num_shared = _num_kv_steps(tile_start, static)
   consumed_base = wg * static.num_stages
 
+  if fp8 is not None:
+    plgpu.copy_gmem_to_smem(fp8.descale_gmem, fp8.descale_smem,
+                            fp8.descale_arrived)
   plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_smem, q_arrived)
+  if fp8 is not None:
+    plgpu.barrier_wait(fp8.descale_arrived)
+    q_factor = fp8.descale_smem[q_start // block_q]
+    v_factor = fp8.descale_smem[static.num_q_blocks + static.num_kv_blocks]
   plgpu.barrier_wait(q_arrived)
 
   def rendezvous():
@@ -382,21 +577,34 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
     if masked:
       s = jnp.where(_causal_mask(q_start, step, static), s, -jnp.inf)
-    m_new = jnp.maximum(m, s.max(axis=1) * static.scale_log2)
+    scale_log2 = static.scale_log2
+    if fp8 is not None:  # the true scores: S times the Q and K factors
+      k_factor = fp8.descale_smem[static.num_q_blocks + step]
+      scale_log2 = scale_log2 * (q_factor * k_factor)
+    m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
     # A row that has seen only masked keys keeps m = -inf; exponentiate
     # against 0 there so that it stays at p = 0, l = 0 instead of NaN.
     m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_ref)
     # One FMA per score: s * (scale log2 e) - m (§3.1, exp2 on the MUFU).
-    p = jnp.exp2(s * static.scale_log2 - _rows(m_ref, s.shape))
+    p = jnp.exp2(s * scale_log2 - _rows(m_ref, s.shape))
     acc = acc * _rows(alpha, acc.shape)
     l = l * alpha + p.sum(axis=1)
     p = p.astype(static.dtype)
+    if fp8 is not None:
+      # An 8-bit wgmma LHS in registers needs a layout that this JAX cannot
+      # convert the accumulator's into, so P goes through shared memory.
+      fp8.p_smem[...] = p
+      plgpu.commit_smem()
+      p = fp8.p_smem
     take_turn(step)
     plgpu.barrier_wait(v_arrived.at[slot])
 
     def accumulate(o_ref):
-      plgpu.wgmma(o_ref, p, v_smem.at[slot])
+      v_tile = v_smem.at[slot]
+      if fp8 is not None:  # stored [head_dim, block_kv]: K-major for wgmma
+        v_tile = v_tile.transpose((1, 0))
+      plgpu.wgmma(o_ref, p, v_tile)
       # Wait for K_{j+1} while P V_j runs on the tensor cores.
       next_step = step + 1
       @pl.when(next_step < num_steps)
@@ -417,14 +625,20 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   # Pairs with warpgroup 1's late start: both make the same number of turns.
   pl.when(wg == 0)(rendezvous)
 
-  # Epilogue: normalise, and write O through the Q buffer (Q is dead now).
+  # Epilogue: normalise, and write O through the Q buffer (Q is dead now;
+  # in FP8 through a buffer of its own, in the output dtype).
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
-  acc = acc * _rows(1.0 / l_safe, acc.shape)
-  q_smem[...] = acc.astype(static.dtype)
+  o_smem, out_dtype = q_smem, static.dtype
+  if fp8 is None:
+    acc = acc * _rows(1.0 / l_safe, acc.shape)
+  else:
+    acc = acc * _rows(v_factor / l_safe, acc.shape)
+    o_smem, out_dtype = fp8.o_smem, static.out_dtype
+  o_smem[...] = acc.astype(out_dtype)
   lse_smem[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(l_safe))
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, q_rows, head])
+  plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, q_rows, head])
   plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, q_rows])
   plgpu.wait_smem_to_gmem(0)
 

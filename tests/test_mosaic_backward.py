@@ -1,0 +1,221 @@
+"""The Mosaic GPU (sm90) backward: cross-lowered for CUDA on CPU, checked on a GPU.
+
+As in test_mosaic_lowering.py, lowering runs Pallas -> Mosaic GPU -> NVVM in
+Python and so catches most kernel errors without a GPU; PTX generation and
+the numerics need the `-m gpu` test.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import compat as versions
+from tests.attention_checks import Case, check_against_reference, random_inputs
+
+try:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from pallas_kernels.mosaic import compat
+  from pallas_kernels.mosaic.backward import mosaic_backward
+  from pallas_kernels.mosaic.forward import mosaic_forward
+except ImportError as e:  # a jaxlib built without Mosaic GPU
+  pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
+
+_CUSTOM_CALL = "mosaic_gpu_v2"
+_KERNEL_NAME = re.compile(r"mosaic_flash_backward_(dkdv|dk|dv|dq)(?![a-z])")
+
+
+@pytest.fixture(scope="module")
+def cuda_lowering():
+  """Skips, with JAX's own message, where Mosaic GPU cannot lower for CUDA."""
+  x = jax.ShapeDtypeStruct((128,), jnp.float32)
+
+  def copy(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+  probe = plgpu.kernel(copy, out_type=x,
+                       compiler_params=compat.compiler_params())
+  try:
+    jax.jit(probe).trace(x).lower(lowering_platforms=("cuda",))
+  except NotImplementedError as e:  # no "cuda" lowering rule registered
+    pytest.skip(f"this JAX cannot lower Mosaic GPU for CUDA here: {e}")
+
+
+def _structs(*, batch=2, q_len=256, kv_len=384, num_heads=4, num_kv_heads=2,
+             head_dim=64, dtype=jnp.bfloat16):
+  """Abstract (q, k, v, out, lse, d_out) of a call."""
+  q = jax.ShapeDtypeStruct((batch, q_len, num_heads, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((batch, kv_len, num_kv_heads, head_dim), dtype)
+  lse = jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)
+  return q, kv, kv, q, lse, q
+
+
+def _kernels(text):
+  """Which backward kernels (dq, dkdv, dk, dv) a lowered module contains."""
+  return set(_KERNEL_NAME.findall(text))
+
+
+def _lower(head_dim, is_causal, **shape_and_blocks):
+  blocks = {name: shape_and_blocks.pop(name)
+            for name in ("block_q", "block_kv", "max_concurrent_steps")
+            if name in shape_and_blocks}
+  args = _structs(head_dim=head_dim, **shape_and_blocks)
+
+  def backward(*args):
+    return mosaic_backward(*args, scale=head_dim**-0.5, is_causal=is_causal,
+                           **blocks)
+
+  lowered = jax.jit(backward).trace(*args).lower(lowering_platforms=("cuda",))
+  for grad, primal in zip(lowered.out_info, args[:3]):
+    assert grad.shape == primal.shape and grad.dtype == primal.dtype
+  return lowered.as_text()
+
+
+@pytest.mark.parametrize("semantics", ["Warpgroup", "Lane"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_backward_lowers_for_cuda(head_dim, is_causal, semantics,
+                                  cuda_lowering, monkeypatch):
+  # GQA 4:2 and q_len 256 != kv_len 384; both semantics, so that the
+  # one-line switch in compat stays available.
+  monkeypatch.setattr(compat, "LOWERING_SEMANTICS",
+                      getattr(plgpu.LoweringSemantics, semantics))
+  text = _lower(head_dim, is_causal)
+  assert _CUSTOM_CALL in text
+  # At head_dim 256 two 64 x 256 f32 accumulators do not fit one
+  # warpgroup's registers: dK and dV come from one pass each.
+  expected = {"dq", "dk", "dv"} if head_dim == 256 else {"dq", "dkdv"}
+  assert _kernels(text) == expected
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", [
+    dict(q_len=512, kv_len=128),                    # causal: rows past kv_len
+    dict(q_len=128, kv_len=512),                    # causal: keys never seen
+    dict(q_len=192, kv_len=320, num_heads=4, num_kv_heads=1),  # MQA, 1 consumer
+    dict(q_len=256, kv_len=256, block_q=128, max_concurrent_steps=3),
+    dict(q_len=256, kv_len=256, dtype=jnp.float16),
+], ids=str)
+def test_backward_lowers_other_shapes(shape, is_causal, cuda_lowering):
+  assert _kernels(_lower(64, is_causal, **shape)) == {"dq", "dkdv"}
+
+
+def test_d_lse_lowers(cuda_lowering):
+  q, k, v, out, lse, d_out = _structs()
+
+  def backward(q, k, v, out, lse, d_out, d_lse):
+    return mosaic_backward(q, k, v, out, lse, d_out, d_lse, scale=0.125,
+                           is_causal=True)
+
+  text = jax.jit(backward).trace(q, k, v, out, lse, d_out, lse).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert _kernels(text) == {"dq", "dkdv"}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(q_len=200), "q_len 200"),
+    (dict(kv_len=200), "kv_len 200"),
+    (dict(head_dim=96), "head_dim"),
+    (dict(dtype=jnp.float32), "bfloat16 and float16"),
+    (dict(block_q=96), "multiples of 64"),
+    (dict(head_dim=256, block_kv=128), "registers"),
+    (dict(head_dim=128, block_q=256), "registers"),
+    (dict(head_dim=256, max_concurrent_steps=4), "shared memory"),
+])
+def test_unsupported_calls_raise_not_implemented(kwargs, match):
+  """These make a dispatcher fall back to the Triton backward."""
+  shape = {name: kwargs.pop(name) for name in ("q_len", "kv_len", "head_dim",
+                                               "dtype") if name in kwargs}
+  args = _structs(batch=1, **{"q_len": 256, "kv_len": 256, **shape})
+  with pytest.raises(NotImplementedError, match=match):
+    mosaic_backward(*args, scale=0.125, is_causal=False, **kwargs)
+
+
+@pytest.mark.parametrize("change, error", [
+    (dict(lse=jax.ShapeDtypeStruct((1, 256, 2), jnp.float32)), ValueError),
+    (dict(out=jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float16)), TypeError),
+    (dict(d_out=jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)),
+     ValueError),
+])
+def test_bad_residuals_raise(change, error):
+  q, k, v, out, lse, d_out = _structs(batch=1, q_len=256, kv_len=256,
+                                      num_heads=2, num_kv_heads=1)
+  args = {"out": out, "lse": lse, "d_out": d_out, **change}
+  with pytest.raises(error):
+    mosaic_backward(q, k, v, args["out"], args["lse"], args["d_out"],
+                    scale=0.125, is_causal=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _mosaic_attention(q, k, v, is_causal):
+  """(out, lse [B, Tq, N]): the Mosaic forward with the Mosaic backward."""
+  out, lse = mosaic_forward(q, k, v, scale=q.shape[-1]**-0.5,
+                            is_causal=is_causal)
+  return out, jnp.transpose(lse, (0, 2, 1))
+
+
+def _mosaic_attention_fwd(q, k, v, is_causal):
+  out, lse = mosaic_forward(q, k, v, scale=q.shape[-1]**-0.5,
+                            is_causal=is_causal)
+  return (out, jnp.transpose(lse, (0, 2, 1))), (q, k, v, out, lse)
+
+
+def _mosaic_attention_bwd(is_causal, residuals, cotangents):
+  q, k, v, out, lse = residuals
+  d_out, d_lse = cotangents
+  return mosaic_backward(q, k, v, out, lse, d_out,
+                         jnp.transpose(d_lse, (0, 2, 1)),
+                         scale=q.shape[-1]**-0.5, is_causal=is_causal)
+
+
+_mosaic_attention.defvjp(_mosaic_attention_fwd, _mosaic_attention_bwd)
+
+
+def _require_sm90():
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic backward needs sm90 (wgmma, TMA, setmaxnreg)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("case", [
+    Case(2, 1024, 1024, 8, 8, 64),
+    Case(2, 512, 1024, 8, 2, 128),    # GQA 4:1, kv_len > q_len
+    Case(1, 1024, 512, 4, 1, 256),    # MQA, q_len > kv_len
+    Case(1, 384, 640, 4, 2, 128),     # odd tile counts
+    Case(1, 2048, 2048, 4, 4, 128),
+], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_mosaic_backward_matches_reference_on_gpu(case, is_causal, dtype):
+  """Mosaic forward and backward against jax.vjp of the reference, with
+  random cotangents of both the output and the LSE."""
+  _require_sm90()
+  attention = jax.jit(functools.partial(_mosaic_attention,
+                                        is_causal=is_causal))
+  check_against_reference(attention, case, dtype, is_causal=is_causal)
+
+
+@pytest.mark.gpu
+def test_mosaic_backward_deterministic_and_empty_rows_on_gpu():
+  """Bitwise repeatable, and a row with lse = -inf gets zero gradients."""
+  _require_sm90()
+  case = Case(1, 512, 512, 8, 2, 128)
+  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 5)
+  out, lse = mosaic_forward(q, k, v, scale=0.125, is_causal=True)
+  # Row 0 of every head treated as empty: out 0 and lse -inf, as the
+  # forward reports a row that attends to nothing.
+  out = out.at[:, 0].set(0)
+  lse = lse.at[:, :, 0].set(-jnp.inf)
+  run = jax.jit(functools.partial(mosaic_backward, scale=0.125,
+                                  is_causal=True))
+  first = run(q, k, v, out, lse, d_out)
+  for grad in first:
+    assert np.isfinite(np.asarray(grad, np.float32)).all()
+  np.testing.assert_array_equal(np.asarray(first[0][:, 0], np.float32), 0.0)
+  for _ in range(2):
+    for a, b in zip(first, run(q, k, v, out, lse, d_out)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
