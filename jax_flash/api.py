@@ -179,11 +179,12 @@ def _run_mosaic(call: AttentionCall, query, key, value, *, block_sizes,
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(call.shape.head_dim)
   try:  # Imported here: Mosaic GPU is absent from some jaxlib builds.
-    from pallas_kernels.mosaic import flash_attention_mosaic
+    from pallas_kernels.mosaic import mosaic_attention
   except ImportError as e:
     raise NotImplementedError(f"Mosaic GPU is not importable: {e}") from e
-  out, lse = flash_attention_mosaic(query, key, value, call.scale,
-                                    call.spec.is_causal, block_sizes)
+  out, lse = mosaic_attention(query, key, value, scale=call.scale,
+                              is_causal=call.spec.is_causal,
+                              backward_blocks=block_sizes)
   lse = jnp.swapaxes(lse, 1, 2)
   if call.sinks is not None:
     out, lse = masking.apply_sinks(out, lse, call.sinks)

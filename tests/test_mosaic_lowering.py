@@ -79,6 +79,24 @@ def test_forward_lowers_deeper_pipeline(is_causal, cuda_lowering):
   assert _CUSTOM_CALL in text
 
 
+def test_padded_head_dim_lowers_with_gradients(cuda_lowering):
+  """Head dim 96 runs the 128 kernels on zero-padded inputs."""
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import mosaic_attention
+  x = jax.ShapeDtypeStruct((1, 256, 2, 96), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out, lse = mosaic_attention(q, k, v, scale=96**-0.5, is_causal=True,
+                                backward_blocks=BlockSizes.get_default(
+                                    96, "NVIDIA H200"))
+    return out.astype(jnp.float32).sum() + lse.sum()
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
+      lowering_platforms=("cuda",))
+  assert [g.shape for g in lowered.out_info] == [x.shape] * 3
+  assert _KERNEL_NAME in lowered.as_text()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(q_len=200), "q_len 200"),
     (dict(kv_len=200), "kv_len 200"),
@@ -106,6 +124,7 @@ def test_unsupported_calls_raise_not_implemented(kwargs, match):
     Case(2, 512, 1024, 8, 2, 128),    # GQA 4:1, kv_len > q_len
     Case(1, 1024, 512, 4, 1, 256),    # MQA, q_len > kv_len
     Case(1, 4096, 4096, 4, 4, 128),
+    Case(1, 1024, 768, 4, 2, 96),     # padded to 128 outside the kernel
 ], ids=str)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):

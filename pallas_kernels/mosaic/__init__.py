@@ -1,9 +1,11 @@
 """Pallas Mosaic GPU kernels for Hopper (sm90): wgmma, TMA, warp specialisation.
 
-`mosaic_forward` is the FlashAttention-3 forward; `flash_attention_mosaic`
-wires it with the Triton family's backward by `jax.custom_vjp`.
+`mosaic_forward` is the FlashAttention-3 forward (`mosaic_forward_fp8` its
+FP8 form), `mosaic_backward` the recomputing backward; `flash_attention_mosaic`
+wires them by `jax.custom_vjp`, and `mosaic_attention` pads head dims.
 """
-from pallas_kernels.mosaic.attention import flash_attention_mosaic
+from pallas_kernels.mosaic.attention import (flash_attention_mosaic,
+                                             mosaic_attention)
 from pallas_kernels.mosaic.forward import mosaic_forward
 
-__all__ = ["flash_attention_mosaic", "mosaic_forward"]
+__all__ = ["flash_attention_mosaic", "mosaic_attention", "mosaic_forward"]

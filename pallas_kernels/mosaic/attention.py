@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from jax_flash.masking import MaskSpec
 from jax_flash.validation import Operands
@@ -23,6 +24,32 @@ from pallas_kernels.triton.backward import flash_backward
 
 
 BACKWARDS = ("triton", "mosaic")
+# Head dims the kernels take natively; others are zero-padded up to one.
+NATIVE_HEAD_DIMS = (64, 128, 256)
+
+
+def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
+                     backward_blocks: BlockSizes, backward: str = "triton"):
+  """`flash_attention_mosaic` for any head dim up to 256.
+
+  A head dim that is not native is zero-padded to the next native one
+  (zero columns add nothing to q·k, and the padded output columns are
+  dropped), as the Triton kernels pad inside theirs; the padding's
+  gradient is the slice, by autodiff.
+
+  Returns (out [B, Tq, N, D], lse float32 [B, N, Tq]).
+  """
+  head_dim = query.shape[-1]
+  native = next((d for d in NATIVE_HEAD_DIMS if d >= head_dim), None)
+  if native is None:
+    raise NotImplementedError(
+        f"the Mosaic kernels support head_dim up to 256, got {head_dim}")
+  if native != head_dim:
+    pad = [(0, 0)] * 3 + [(0, native - head_dim)]
+    query, key, value = (jnp.pad(x, pad) for x in (query, key, value))
+  out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
+                                    backward_blocks, backward)
+  return out[..., :head_dim], lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
