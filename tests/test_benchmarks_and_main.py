@@ -100,3 +100,17 @@ def test_python_m_jax_flash_passes_and_prints_the_table():
   assert proc.returncode == 0, proc.stdout + proc.stderr
   for text in ("triton", "xla", "err/bound", "PASS"):
     assert text in proc.stdout
+
+
+def test_mosaic_sweep_picks_the_best_geometric_mean():
+  from benchmarks.tune_mosaic import best_lines
+  trial = lambda causal, tflops, block_kv: dict(
+      kernel="forward", head_dim=128, causal=causal, block_q=64,
+      block_kv=block_kv, max_concurrent_steps=2, tflops=tflops)
+  # 128 is faster without the mask, 64 with it; 64 wins on the geomean;
+  # a candidate measured only once (the sweep was cut) is not ranked.
+  trials = [trial(False, 600, 128), trial(True, 300, 128),
+            trial(False, 550, 64), trial(True, 450, 64),
+            trial(False, 900, 192)]
+  [line] = best_lines(trials)
+  assert "'block_kv': 64" in line and line.startswith("forward d128")

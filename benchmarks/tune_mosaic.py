@@ -1,0 +1,128 @@
+"""Sweeps the Mosaic GPU kernels' tiles and pipeline depth; prints the best.
+
+    python -m benchmarks.tune_mosaic   # -> results/h200_mosaic_sweep.json
+
+At seq 4096 (`--seq`), batch·seq = 16384, hidden 2048, bf16, for head_dim
+64, 128 and 256, causal and not: every (block_q, block_kv,
+max_concurrent_steps) of `FORWARD_SPACE` for `mosaic_forward` (timing the
+forward) and of `BACKWARD_SPACE` for `mosaic_backward` (timing the backward
+alone, on residuals from one forward). A candidate the kernel refuses (too
+much shared memory or too many registers: NotImplementedError) is recorded
+with its reason. One candidate at a time, compiled then timed, so nothing
+else runs on the GPU while it is timed. The best per (kernel, head_dim) is
+the best geometric mean of its causal and non-causal TFLOP/s.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+import time
+
+import jax
+
+from benchmarks import common
+from pallas_kernels import compat
+
+FORWARD_SPACE = dict(block_q=(64, 128), block_kv=(64, 128, 192),
+                     max_concurrent_steps=(2, 3, 4))
+BACKWARD_SPACE = dict(block_q=(64, 128), block_kv=(64, 128),
+                      max_concurrent_steps=(2, 3))
+
+
+def candidates(space: dict) -> list[dict]:
+  return [dict(zip(space, values))
+          for values in itertools.product(*space.values())]
+
+
+def forward_benchmark(cell: common.Cell, blocks: dict):
+  from pallas_kernels.mosaic.forward import mosaic_forward
+  q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
+  fn = jax.jit(lambda q, k, v: mosaic_forward(
+      q, k, v, scale=cell.head_dim**-0.5, is_causal=cell.causal, **blocks))
+  return fn, (q, k, v)
+
+
+def backward_benchmark(cell: common.Cell, blocks: dict):
+  from pallas_kernels.mosaic.backward import mosaic_backward
+  from pallas_kernels.mosaic.forward import mosaic_forward
+  q, k, v, d_out = common.attention_inputs(cell.shape, cell.dtype)
+  scale = cell.head_dim**-0.5
+  out, lse = jax.jit(lambda q, k, v: mosaic_forward(
+      q, k, v, scale=scale, is_causal=cell.causal))(q, k, v)
+  fn = jax.jit(lambda *a: mosaic_backward(
+      *a, scale=scale, is_causal=cell.causal, **blocks))
+  return fn, (q, k, v, out, lse, d_out)
+
+
+KERNELS = {"forward": (forward_benchmark, FORWARD_SPACE, 1.0),
+           # FlashAttention's count: the backward is 2.5x the forward.
+           "backward": (backward_benchmark, BACKWARD_SPACE, 2.5)}
+
+
+def main(argv=None) -> int:
+  compat.filter_known_warnings()
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0], epilog=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--seq", type=int, default=4096)
+  parser.add_argument("--head-dims", nargs="+", type=int,
+                      default=[64, 128, 256])
+  parser.add_argument("--kernels", nargs="+", choices=list(KERNELS),
+                      default=list(KERNELS))
+  parser.add_argument("--budget", type=float, default=400.0,
+                      help="seconds; the JSON keeps what was measured")
+  parser.add_argument("--out",
+                      default="benchmarks/results/h200_mosaic_sweep.json")
+  args = parser.parse_args(argv)
+  result = {**common.run_header("benchmarks.tune_mosaic", argv),
+            "seq_len": args.seq, "trials": []}
+  deadline = time.monotonic() + args.budget
+  jobs = [(kernel, head_dim, causal, blocks)
+          for kernel in args.kernels for head_dim in args.head_dims
+          for causal in (False, True)
+          for blocks in candidates(KERNELS[kernel][1])]
+  for kernel, head_dim, causal, blocks in common.progress(jobs, desc="sweep"):
+    if time.monotonic() > deadline:
+      break
+    build, _, flops_factor = KERNELS[kernel]
+    cell = common.Cell.standard("fwd", args.seq, head_dim, causal)
+    trial = {"kernel": kernel, "head_dim": head_dim, "causal": causal,
+             **blocks}
+    try:
+      fn, inputs = build(cell, blocks)
+      ms = common.time_fn(fn, *inputs)
+      trial.update(ms=ms, tflops=flops_factor * cell.flops / (ms * 1e-3)
+                   / 1e12)
+    except Exception as e:  # refused or failed: recorded, the sweep goes on
+      trial["error"] = common.describe_error(e)
+    result["trials"].append(trial)
+    common.write_json(args.out, result)
+  for line in best_lines(result["trials"]):
+    print(line)
+  return 0
+
+
+def best_lines(trials: list[dict]) -> list[str]:
+  """The best blocks per (kernel, head_dim): geometric mean over causal."""
+  lines = []
+  groups = {}
+  for t in trials:
+    if "tflops" in t:
+      key = (t["kernel"], t["head_dim"])
+      blocks = tuple((n, t[n]) for n in ("block_q", "block_kv",
+                                         "max_concurrent_steps"))
+      groups.setdefault(key, {}).setdefault(blocks, []).append(t["tflops"])
+  for (kernel, head_dim), by_blocks in sorted(groups.items()):
+    scored = {b: math.prod(v) ** (1 / len(v)) for b, v in by_blocks.items()
+              if len(v) == 2}
+    if scored:
+      best = max(scored, key=scored.get)
+      lines.append(f"{kernel} d{head_dim}: {dict(best)} "
+                   f"{scored[best]:.0f} TFLOP/s (geomean full/causal)")
+  return lines
+
+
+if __name__ == "__main__":
+  sys.exit(main())
