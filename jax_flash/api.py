@@ -163,19 +163,14 @@ def _run_triton(call: AttentionCall, query, key, value, *, block_sizes,
 
 def _run_mosaic(call: AttentionCall, query, key, value, *, block_sizes,
                 interpret):
-  """The sm90 kernels: plain or causal attention (sinks applied outside)."""
+  """The sm90 kernels (sinks applied outside); masks beyond `is_causal`
+  raise NotImplementedError unless the masked kernel is enabled."""
   if interpret:
     raise NotImplementedError("the Mosaic GPU kernels have no interpret mode")
   cc = compat.gpu_compute_capability()
   if cc is None or cc[0] != 9:
     raise NotImplementedError(
         f"the Mosaic GPU kernels need an sm90 GPU (got {cc})")
-  plain = masking.MaskSpec(q_len=call.spec.q_len, kv_len=call.spec.kv_len,
-                           is_causal=call.spec.is_causal)
-  if call.spec != plain:
-    raise NotImplementedError(
-        "the Mosaic GPU kernels support is_causal only; masks and score "
-        f"changes run on the Triton kernels (got {call.spec})")
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(call.shape.head_dim)
   try:  # Imported here: Mosaic GPU is absent from some jaxlib builds.
@@ -184,7 +179,8 @@ def _run_mosaic(call: AttentionCall, query, key, value, *, block_sizes,
     raise NotImplementedError(f"Mosaic GPU is not importable: {e}") from e
   out, lse = mosaic_attention(query, key, value, scale=call.scale,
                               is_causal=call.spec.is_causal,
-                              backward_blocks=block_sizes)
+                              backward_blocks=block_sizes, spec=call.spec,
+                              operands=call.operands)
   lse = jnp.swapaxes(lse, 1, 2)
   if call.sinks is not None:
     out, lse = masking.apply_sinks(out, lse, call.sinks)

@@ -8,6 +8,7 @@ relative to the magnitude of the reference.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -76,12 +77,13 @@ def check_against_reference(attention, case: Case, dtype, *, seed: int = 0,
   def reference_in(compute_dtype):
     def run(q, k, v):
       return naive_attention(q, k, v, compute_dtype=compute_dtype, **variants)
-    return run
+    # Jitted: op by op, each of the reference's many small ops would be
+    # compiled on its own (minutes on a GPU for the whole suite).
+    return jax.jit(functools.partial(forward_and_grads, run))
 
   ours = forward_and_grads(attention, q, k, v, d_out, d_lse)
   up = lambda x: x.astype(jnp.float32)
-  exact = forward_and_grads(reference_in(jnp.float32), up(q), up(k), up(v),
-                            up(d_out), d_lse)
+  exact = reference_in(jnp.float32)(up(q), up(k), up(v), up(d_out), d_lse)
   errors = {}
   if dtype == jnp.float32:
     for name, ref in exact.items():
@@ -92,7 +94,7 @@ def check_against_reference(attention, case: Case, dtype, *, seed: int = 0,
       assert ours[name].dtype == (jnp.float32), name
       assert err <= f32_tol * scale_of_ref, (name, err, scale_of_ref)
     return errors
-  naive = forward_and_grads(reference_in(dtype), q, k, v, d_out, d_lse)
+  naive = reference_in(dtype)(q, k, v, d_out, d_lse)
   for name, ref in exact.items():
     err = _max_err(ours[name], ref)
     yardstick = _max_err(naive[name], ref)

@@ -6,6 +6,11 @@ family (it needs only the forward's q, k, v, o, lse), or "mosaic",
 `mosaic_backward` (falling back to "triton" for calls it does not cover).
 `jax_flash` uses "triton" until the Mosaic backward has passed the GPU
 tests (`tests/test_mosaic_backward.py -m gpu`); the benchmarks time both.
+
+`flash_attention_mosaic_masked`: the masked forward (`mosaic_forward_masked`:
+window, q_offset, lengths, soft cap, any lengths) with the Triton backward
+for the same `MaskSpec`. `mosaic_attention` routes calls to it only when
+`MASKED_KERNEL_ENABLED`, which stays False until its GPU tests have passed.
 """
 from __future__ import annotations
 
@@ -19,18 +24,28 @@ from jax_flash.validation import Operands
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.mosaic.backward import mosaic_backward
-from pallas_kernels.mosaic.forward import mosaic_forward
+from pallas_kernels.mosaic.forward import (default_block_kv, mosaic_forward,
+                                           mosaic_forward_masked)
 from pallas_kernels.triton.backward import flash_backward
 
 
 BACKWARDS = ("triton", "mosaic")
+# The masked forward lowers on the CPU but has not yet run on a GPU.
+MASKED_KERNEL_ENABLED = False
 # Head dims the kernels take natively; others are zero-padded up to one.
 NATIVE_HEAD_DIMS = (64, 128, 256)
 
 
 def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
-                     backward_blocks: BlockSizes, backward: str = "triton"):
-  """`flash_attention_mosaic` for any head dim up to 256.
+                     backward_blocks: BlockSizes, backward: str = "triton",
+                     spec: MaskSpec | None = None,
+                     operands: Operands | None = None):
+  """`flash_attention_mosaic` (or, for masks, the masked kernel) for any
+  head dim up to 256.
+
+  `spec` and `operands` (`validation.Operands`) describe masks beyond
+  `is_causal`; without `MASKED_KERNEL_ENABLED` they raise
+  NotImplementedError (the caller falls back to the Triton kernels).
 
   A head dim that is not native is zero-padded to the next native one
   (zero columns add nothing to q·k, and the padded output columns are
@@ -47,9 +62,27 @@ def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
   if native != head_dim:
     pad = [(0, 0)] * 3 + [(0, native - head_dim)]
     query, key, value = (jnp.pad(x, pad) for x in (query, key, value))
-  out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
-                                    backward_blocks, backward)
+  plain = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
+                   is_causal=is_causal)
+  if (spec is None or spec == plain) and (
+      _tile_aligned(query, key) or not MASKED_KERNEL_ENABLED):
+    out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
+                                      backward_blocks, backward)
+  elif not MASKED_KERNEL_ENABLED:
+    raise NotImplementedError(
+        "the masked Mosaic kernel is not enabled yet (GPU tests pending); "
+        f"masks run on the Triton kernels (got {spec})")
+  else:
+    out, lse = flash_attention_mosaic_masked(query, key, value,
+                                             operands or Operands(), scale,
+                                             spec, backward_blocks)
   return out[..., :head_dim], lse
+
+
+def _tile_aligned(query, key) -> bool:
+  """Whether the plain kernel's tiles divide the lengths (else: masked)."""
+  return (query.shape[1] % (2 * 64) == 0
+          and key.shape[1] % default_block_kv(query.shape[-1]) == 0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -91,3 +124,37 @@ def _bwd(scale, is_causal, backward_blocks, backward, residuals, cotangents):
 
 
 flash_attention_mosaic.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def flash_attention_mosaic_masked(query, key, value, operands: Operands,
+                                  scale: float, spec: MaskSpec,
+                                  backward_blocks: BlockSizes):
+  """`mosaic_forward_masked` with the Triton backward for the same `spec`.
+
+  `operands` carries q_offset, q_lengths and kv_lengths (int32 [batch]);
+  returns (out [B, Tq, N, D], lse float32 [B, N, Tq]).
+  """
+  return mosaic_forward_masked(query, key, value, scale=scale, spec=spec,
+                               q_offset=operands.q_offset,
+                               q_lengths=operands.q_lengths,
+                               kv_lengths=operands.kv_lengths)
+
+
+def _masked_fwd(query, key, value, operands, scale, spec, backward_blocks):
+  out, lse = flash_attention_mosaic_masked(query, key, value, operands, scale,
+                                           spec, backward_blocks)
+  return (out, lse), (query, key, value, out, lse, operands)
+
+
+def _masked_bwd(scale, spec, backward_blocks, residuals, cotangents):
+  query, key, value, out, lse, operands = residuals
+  d_out, d_lse = cotangents
+  with compat.quiet_triton_deprecation():
+    dq, dk, dv, _ = flash_backward(
+        query, key, value, out, lse, d_out, d_lse, operands, None,
+        scale=scale, spec=spec, block_sizes=backward_blocks, interpret=False)
+  return dq, dk, dv, None
+
+
+flash_attention_mosaic_masked.defvjp(_masked_fwd, _masked_bwd)

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_flash import masking
 from pallas_kernels.mosaic import compat
 
 _NUM_CONSUMERS = 2
@@ -98,6 +99,15 @@ class _Static:
   fp8: bool = False
   out_dtype: jnp.dtype | None = None
   num_q_blocks: int = 0
+  # Masked ("ranged") kernel (`mosaic_forward_masked`): the static mask spec,
+  # the softmax scale, and loop ranges read per tile from a plan row (see
+  # `_plan_rows`) instead of computed from causal geometry.
+  spec: Any = None
+  scale: float = 0.0
+
+  @property
+  def ranged(self) -> bool:
+    return self.spec is not None
 
 
 def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
@@ -142,6 +152,118 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                             block_kv=block_kv,
                             max_concurrent_steps=max_concurrent_steps)
   return _launch(static, query, key, value)
+
+
+# What the masked kernel covers; the rest stays with the Triton kernels.
+_RANGED_FEATURES = ("is_causal", "window", "has_q_offset", "has_q_lengths",
+                    "has_kv_lengths", "logits_soft_cap")
+# int32 plan row per (batch, q tile): [lo, unmasked_lo, unmasked_hi, hi] of
+# consumer 0 and of consumer 1, the union [lo, hi) the producer loads, then
+# q_offset, q_length, kv_length; padded to 32 (128 bytes, one copy).
+_PLAN_WIDTH = 32
+_PLAN_UNION, _PLAN_SCALARS = 8, 10
+
+
+def mosaic_forward_masked(query, key, value, *, scale: float,
+                          spec: masking.MaskSpec, q_offset=None,
+                          q_lengths=None, kv_lengths=None, block_q: int = 64,
+                          block_kv: int | None = None,
+                          max_concurrent_steps: int = 2):
+  """`mosaic_forward` with masks, score capping and any sequence lengths.
+
+  The masks are `jax_flash.masking`'s (the one definition): `spec` may use
+  is_causal, window, q_offset, q/kv lengths and logits_soft_cap. The K/V
+  tiles each 64-row query block visits, and which of them need the mask,
+  come from `masking.classify_blocks` (tiles that the masks empty are
+  skipped, the unmasked run pays nothing for the mask). Lengths that are not
+  multiples of the tiles are handled by TMA: reads past the end fill zeros
+  (masked as keys past kv_len), writes past the end are dropped.
+
+  Args:
+    query, key, value, scale, block_q, block_kv, max_concurrent_steps: as
+      `mosaic_forward`; lengths may be anything.
+    spec: `masking.MaskSpec` for (q_len, kv_len).
+    q_offset, q_lengths, kv_lengths: int32 [batch] or None, as the spec says.
+
+  Returns:
+    (out [batch, q_len, num_heads, head_dim], lse float32
+    [batch, num_heads, q_len]), as `mosaic_forward`.
+
+  Raises:
+    NotImplementedError: for features outside `_RANGED_FEATURES` (segment
+      ids, bias, dropout, ...) and what `mosaic_forward` refuses.
+  """
+  unsupported = [f.name for f in dataclasses.fields(spec)
+                 if f.name not in ("q_len", "kv_len", *_RANGED_FEATURES)
+                 and getattr(spec, f.name) != f.default]
+  if unsupported:
+    raise NotImplementedError(
+        f"the masked Mosaic forward does not support {unsupported}")
+  if spec.logits_soft_cap is not None and not scale > 0:
+    raise NotImplementedError("scale must be positive")
+  if block_kv is None:
+    block_kv = default_block_kv(query.shape[-1])
+  static = _check_supported(query, key, value, scale=scale,
+                            is_causal=spec.is_causal, block_q=block_q,
+                            block_kv=block_kv,
+                            max_concurrent_steps=max_concurrent_steps,
+                            spec=spec)
+  plan = _plan_rows(static, query.shape[0], q_offset=q_offset,
+                    q_lengths=q_lengths, kv_lengths=kv_lengths)
+  # TMA reads a [rows, head_dim] tile through 8-row tiling, which this JAX
+  # applies to the whole sequence axis: lengths are padded to a multiple of
+  # 8 (a copy, only for such lengths; the pad rows are masked or dropped).
+  q_len = query.shape[1]
+  query, key, value = (_pad_rows(x, _TMA_ROW_TILE)
+                       for x in (query, key, value))
+  out, lse = _launch(static, query, key, value, plan=plan)
+  return out[:, :q_len], lse[..., :q_len]
+
+
+_TMA_ROW_TILE = 8
+
+
+def _pad_rows(x, multiple: int):
+  """Zero-pads axis 1 of [batch, len, heads, dim] to a multiple."""
+  pad = -x.shape[1] % multiple
+  return x if not pad else jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+
+
+def _plan_rows(static: _Static, batch: int, *, q_offset, q_lengths,
+               kv_lengths):
+  """int32 [batch, num_q_tiles, _PLAN_WIDTH]: each tile's loop ranges.
+
+  A consumer whose rows attend to nothing gets the empty range at the
+  union's start, so that it walks the union's steps as skips.
+  """
+  spec = static.spec
+  states = masking.classify_blocks(spec, static.block_q, static.block_kv,
+                                   q_offset=q_offset, q_lengths=q_lengths,
+                                   kv_lengths=kv_lengths)
+  ranges = masking.block_ranges(states)[:, 0]          # [B|1, nq, 4]
+  num_q_blocks = ranges.shape[1]
+  num_tiles = -(-num_q_blocks // _NUM_CONSUMERS)
+  ranges = jnp.pad(jnp.broadcast_to(ranges, (batch, num_q_blocks, 4)),
+                   ((0, 0), (0, num_tiles * _NUM_CONSUMERS - num_q_blocks),
+                    (0, 0)))
+  ranges = ranges.reshape(batch, num_tiles, _NUM_CONSUMERS, 4)
+  lo, hi = ranges[..., 0], ranges[..., 3]
+  nonempty = hi > lo
+  union_lo = jnp.min(jnp.where(nonempty, lo, static.num_kv_blocks), -1)
+  union_hi = jnp.max(jnp.where(nonempty, hi, 0), -1)
+  union_lo = jnp.where(nonempty.any(-1), union_lo, 0)
+  ranges = jnp.where(nonempty[..., None], ranges, union_lo[..., None, None])
+  per_batch = lambda x, default: jnp.broadcast_to(
+      jnp.asarray(default if x is None else x, jnp.int32), (batch,))
+  scalars = jnp.stack([per_batch(q_offset, 0),
+                       per_batch(q_lengths, spec.q_len),
+                       per_batch(kv_lengths, spec.kv_len)], -1)
+  row = jnp.concatenate([
+      ranges.reshape(batch, num_tiles, 4 * _NUM_CONSUMERS),
+      union_lo[..., None], union_hi[..., None],
+      jnp.broadcast_to(scalars[:, None], (batch, num_tiles, 3))], -1)
+  return jnp.pad(row.astype(jnp.int32),
+                 ((0, 0), (0, 0), (0, _PLAN_WIDTH - row.shape[-1])))
 
 
 def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
@@ -262,11 +384,15 @@ def _smem_transforms(rows_bytes: int, itemsize: int):
           plgpu.SwizzleTransform(swizzle))
 
 
-def _launch(static: _Static, query, key, value, descale=None):
-  """Builds and calls the kernel; `value` is [B, Hkv, D, T] in FP8."""
+def _launch(static: _Static, query, key, value, descale=None, plan=None):
+  """Builds and calls the kernel; `value` is [B, Hkv, D, T] in FP8.
+
+  In the ranged kernel the LSE is returned padded to whole tiles (its rows
+  are TMA'd whole, and TMA needs 16-byte strides), for the caller to slice.
+  """
   batch, q_len, num_heads, head_dim = query.shape
   block_q, block_kv = static.block_q, static.block_kv
-  num_q_tiles = q_len // (_NUM_CONSUMERS * block_q)
+  num_q_tiles = pl.cdiv(q_len, _NUM_CONSUMERS * block_q)
   itemsize = static.dtype.itemsize
   transforms = _smem_transforms(head_dim * itemsize, itemsize)
   stages = static.num_stages
@@ -305,11 +431,20 @@ def _launch(static: _Static, query, key, value, descale=None):
                    transforms=_smem_transforms(block_kv, itemsize)),  # P
     )
     inputs += (descale,)
+  lse_len = q_len
+  if static.ranged:
+    scratch += (
+        # One plan row per consumer and one for the producer.
+        plgpu.SMEM((_NUM_CONSUMERS + 1, _PLAN_WIDTH), jnp.int32),
+        plgpu.Barrier(num_barriers=_NUM_CONSUMERS + 1),    # plan_arrived
+    )
+    inputs += (plan,)
+    lse_len = num_q_tiles * _NUM_CONSUMERS * block_q
   out_type = (
       jax.ShapeDtypeStruct(query.shape, out_dtype),
       # Sequence minor, so that each consumer stores its LSE rows with one
       # contiguous 1-D TMA.
-      jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
+      jax.ShapeDtypeStruct((batch, num_heads, lse_len), jnp.float32),
   )
   return plgpu.kernel(
       functools.partial(_forward_kernel, static=static),
@@ -327,10 +462,11 @@ def _launch(static: _Static, query, key, value, descale=None):
 
 def _check_supported(query, key, value, *, scale, is_causal, block_q,
                      block_kv, max_concurrent_steps,
-                     fp8_out_dtype=None) -> _Static:
+                     fp8_out_dtype=None, spec=None) -> _Static:
   """Validates the call; anything this kernel lacks is NotImplementedError.
 
-  `fp8_out_dtype` is given for the FP8 kernel (inputs float8_e4m3fn).
+  `fp8_out_dtype` is given for the FP8 kernel (inputs float8_e4m3fn), `spec`
+  for the ranged (masked) one, which takes any lengths.
   """
   if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
     raise ValueError("query, key and value must be [batch, len, heads, dim]; "
@@ -361,11 +497,13 @@ def _check_supported(query, key, value, *, scale, is_causal, block_q,
   if block_q % _TILE_MULTIPLE or block_kv % _TILE_MULTIPLE:
     raise NotImplementedError(f"block_q {block_q} and block_kv {block_kv} "
                               f"must be multiples of {_TILE_MULTIPLE}")
-  if q_len % (_NUM_CONSUMERS * block_q):
+  if spec is not None and fp8_out_dtype is not None:
+    raise NotImplementedError("the FP8 kernel has no masks yet")
+  if spec is None and q_len % (_NUM_CONSUMERS * block_q):
     raise NotImplementedError(
         f"q_len {q_len} must be a multiple of 2 * block_q = "
         f"{_NUM_CONSUMERS * block_q} (tails are not masked yet)")
-  if kv_len % block_kv:
+  if spec is None and kv_len % block_kv:
     raise NotImplementedError(f"kv_len {kv_len} must be a multiple of "
                               f"block_kv {block_kv} (tails are not masked yet)")
   if not scale > 0:
@@ -374,7 +512,7 @@ def _check_supported(query, key, value, *, scale, is_causal, block_q,
   if max_concurrent_steps < 1:
     raise ValueError(
         f"max_concurrent_steps must be >= 1, got {max_concurrent_steps}")
-  num_kv_blocks = kv_len // block_kv
+  num_kv_blocks = pl.cdiv(kv_len, block_kv)
   num_stages = min(max_concurrent_steps, num_kv_blocks)
   smem_bytes = (
       (_NUM_CONSUMERS * block_q + 2 * num_stages * block_kv) * head_dim
@@ -394,7 +532,8 @@ def _check_supported(query, key, value, *, scale, is_causal, block_q,
                  group=num_heads // num_kv_heads,
                  scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
                  dtype=dtype, fp8=fp8, out_dtype=fp8_out_dtype,
-                 num_q_blocks=num_q_blocks if fp8 else 0)
+                 num_q_blocks=num_q_blocks if fp8 else 0, spec=spec,
+                 scale=float(scale))
 
 
 def _num_kv_steps(q_start, static: _Static):
@@ -425,22 +564,35 @@ class _Fp8Refs(NamedTuple):
   p_smem: Any          # [block_q, block_kv] FP8: P, the LHS of P V
 
 
+class _Plan(NamedTuple):
+  """The ranged kernel's plan row of one tile (see `_plan_rows`)."""
+  gmem: Any       # int32 [_PLAN_WIDTH] of this (batch, q tile)
+  smem: Any       # int32 [consumers + 1, _PLAN_WIDTH]: one slot per warpgroup
+  arrived: Any    # barriers [consumers + 1]
+
+
 def _forward_kernel(*refs, static: _Static):
-  """Kernel body; refs: `_launch`'s inputs, outputs and scratch, in order."""
-  fp8_refs = None
+  """Kernel body; refs: `_launch`'s inputs, outputs and scratch, in order:
+
+  q, k, v, [descale (FP8)], [plan (ranged)], out, lse, the 10 common scratch
+  refs, [FP8's 4], [ranged's 2].
+  """
+  num_inputs = 3 + static.fp8 + static.ranged
+  inputs, scratch = refs[:num_inputs], refs[num_inputs + 2:]
+  q_ref, k_ref, v_ref = inputs[:3]
+  out_ref, lse_ref = refs[num_inputs:num_inputs + 2]
+  (q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
+   k_consumed, v_consumed, pingpong) = scratch[:10]
   if static.fp8:
-    (q_ref, k_ref, v_ref, descale_ref, out_ref, lse_ref,
-     q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
-     k_consumed, v_consumed, pingpong,
-     o_smem, descale_smem, descale_arrived, p_smem) = refs
-  else:
-    (q_ref, k_ref, v_ref, out_ref, lse_ref,
-     q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
-     k_consumed, v_consumed, pingpong) = refs
+    descale_ref = inputs[3]
+    o_smem, descale_smem, descale_arrived, p_smem = scratch[10:14]
   batch = lax.axis_index("batch")
   head = lax.axis_index("head")
   wg = lax.axis_index("wg")
   tile_start = lax.axis_index("q_tile") * (_NUM_CONSUMERS * static.block_q)
+  plan = None
+  if static.ranged:
+    plan = _Plan(inputs[-1].at[batch, lax.axis_index("q_tile")], *scratch[-2:])
 
   @pl.when(wg < _NUM_CONSUMERS)
   def _consumer():
@@ -454,25 +606,43 @@ def _forward_kernel(*refs, static: _Static):
              lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
              k_consumed, v_consumed, pingpong.at[0],
              batch=batch, head=head, wg=wg, tile_start=tile_start,
-             static=static, fp8=fp8)
+             static=static, fp8=fp8, plan=plan)
 
   @pl.when(wg == _PRODUCER)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
     _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
              v_consumed, batch=batch, kv_head=head // static.group,
-             tile_start=tile_start, static=static)
+             tile_start=tile_start, static=static, plan=plan)
+
+
+def _read_plan(plan: _Plan, slot):
+  """Copies the tile's plan row into `slot`; returns a scalar reader."""
+  row = plan.smem.at[slot]
+  plgpu.copy_gmem_to_smem(plan.gmem, row, plan.arrived.at[slot])
+  plgpu.barrier_wait(plan.arrived.at[slot])
+  return lambda i: row[i]
 
 
 def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
-             v_consumed, *, batch, kv_head, tile_start, static: _Static):
-  """Producer warpgroup: TMA K/V block j into ring slot j % num_stages."""
+             v_consumed, *, batch, kv_head, tile_start, static: _Static,
+             plan: _Plan | None):
+  """Producer warpgroup: TMA K/V block j into ring slot j % num_stages.
+
+  Ranged kernel: blocks [first, total) of the plan's union, block j into
+  slot (j - first) % num_stages; every consumer walks all of them.
+  """
   stages = static.num_stages
   # Consumer w reads blocks [0, steps[w]); warpgroup 1's rows come later, so
   # it reads at least as many blocks as warpgroup 0.
-  steps = [_num_kv_steps(tile_start + w * static.block_q, static)
-           for w in range(_NUM_CONSUMERS)]
-  total = steps[-1]
+  first = 0
+  if plan is None:
+    steps = [_num_kv_steps(tile_start + w * static.block_q, static)
+             for w in range(_NUM_CONSUMERS)]
+    total = steps[-1]
+  else:
+    read = _read_plan(plan, _PRODUCER)
+    first, total = read(_PLAN_UNION), read(_PLAN_UNION + 1)
 
   def load(step, slot, ref, smem, arrived):
     rows = pl.ds(step * static.block_kv, static.block_kv)
@@ -485,7 +655,7 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
   def wait_consumed(consumed, step, slot):
     # The slot held block step - stages; wait for every consumer that read it.
     for w in range(_NUM_CONSUMERS):
-      if static.is_causal:
+      if static.is_causal and plan is None:
         pl.when(step - stages < steps[w])(
             functools.partial(plgpu.barrier_wait,
                               consumed.at[w * stages + slot]))
@@ -494,18 +664,18 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
 
   # Fill the ring. Under causal masking an early tile may need fewer blocks
   # than there are stages.
-  for step in range(stages):
-    def fill(step=step):
-      load(step, step, k_ref, k_smem, k_arrived)
-      load(step, step, v_ref, v_smem, v_arrived)
-    if static.is_causal:
-      pl.when(step < total)(fill)
+  for i in range(stages):
+    def fill(i=i):
+      load(first + i, i, k_ref, k_smem, k_arrived)
+      load(first + i, i, v_ref, v_smem, v_arrived)
+    if static.is_causal or plan is not None:
+      pl.when(first + i < total)(fill)
     else:
       fill()
 
-  @pl.loop(stages, total)
+  @pl.loop(first + stages, total)
   def _refill(step):
-    slot = lax.rem(step, stages)
+    slot = lax.rem(step if plan is None else step - first, stages)
     # K before V: consumers need K_j first (S = Q K_jᵀ) and release it first.
     wait_consumed(k_consumed, step, slot)
     load(step, slot, k_ref, k_smem, k_arrived)
@@ -516,16 +686,33 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
 def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
              q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
              pingpong, *, batch, head, wg, tile_start, static: _Static,
-             fp8: _Fp8Refs | None):
-  """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile."""
+             fp8: _Fp8Refs | None, plan: _Plan | None):
+  """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile.
+
+  Ranged kernel: both consumers walk every block of the plan's union (a
+  block outside its own range is a skip: its barriers, no math), so that
+  each barrier's phase advances alike in every thread, and take turns at
+  every step.
+  """
   block_q, block_kv = static.block_q, static.block_kv
   q_start = tile_start + wg * block_q
   q_rows = pl.ds(q_start, block_q)
-  num_steps = _num_kv_steps(q_start, static)
-  num_unmasked = _num_unmasked_steps(q_start, num_steps, static)
-  # Steps in which both consumers run and so take turns: all of warpgroup
-  # 0's (it never has more blocks than warpgroup 1).
-  num_shared = _num_kv_steps(tile_start, static)
+  if plan is None:
+    first = 0
+    num_steps = _num_kv_steps(q_start, static)
+    num_unmasked = _num_unmasked_steps(q_start, num_steps, static)
+    # Steps in which both consumers run and so take turns: all of
+    # warpgroup 0's (it never has more blocks than warpgroup 1).
+    num_shared = _num_kv_steps(tile_start, static)
+    slot_of = lambda step: lax.rem(step, static.num_stages)
+  else:
+    read = _read_plan(plan, wg)
+    lo, unmasked_lo, unmasked_hi, hi = (read(wg * 4 + i) for i in range(4))
+    first, num_steps = read(_PLAN_UNION), read(_PLAN_UNION + 1)
+    values = masking.MaskValues(q_offset=read(_PLAN_SCALARS),
+                                q_lengths=read(_PLAN_SCALARS + 1),
+                                kv_lengths=read(_PLAN_SCALARS + 2))
+    slot_of = lambda step: lax.rem(step - first, static.num_stages)
   consumed_base = wg * static.num_stages
 
   if fp8 is not None:
@@ -544,7 +731,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
 
   def take_turn(step):
     """Hands the tensor cores to the other consumer (§3.1 ping-pong)."""
-    if static.is_causal:
+    if static.is_causal and plan is None:
       pl.when(step < num_shared)(rendezvous)
     else:
       rendezvous()
@@ -558,7 +745,17 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
 
   # Every row tile sees block 0 (top-left causal), so num_steps >= 1. Later
   # K tiles are awaited under the previous P V (see `accumulate`).
-  plgpu.barrier_wait(k_arrived.at[0])
+  if plan is None:
+    plgpu.barrier_wait(k_arrived.at[0])
+  else:  # an empty union loads nothing
+    pl.when(first < num_steps)(
+        functools.partial(plgpu.barrier_wait, k_arrived.at[0]))
+
+  def wait_next_k(step):
+    next_step = step + 1
+    @pl.when(next_step < num_steps)
+    def _():
+      plgpu.barrier_wait(k_arrived.at[slot_of(next_step)])
 
   # Warpgroup 1 starts one turn behind, so that its first S = Q Kᵀ runs
   # while warpgroup 0 does its first softmax.
@@ -566,7 +763,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
 
   def step_body(step, carry, *, masked: bool):
     acc, m, l = carry
-    slot = lax.rem(step, static.num_stages)
+    slot = slot_of(step)
 
     def scores(s_ref):
       plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -575,9 +772,17 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
 
     s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
     plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
-    if masked:
-      s = jnp.where(_causal_mask(q_start, step, static), s, -jnp.inf)
     scale_log2 = static.scale_log2
+    if plan is not None and static.spec.modifies_scores:
+      # Scores change before the masks (DESIGN's order): scale first, then
+      # exp2 takes the bare log2(e).
+      s = masking.modify_scores(static.spec, s * static.scale, None, None,
+                                values)
+      scale_log2 = _LOG2E
+    if masked and plan is None:
+      s = jnp.where(_causal_mask(q_start, step, static), s, -jnp.inf)
+    elif masked:
+      s = jnp.where(_variant_mask(q_start, step, static, values), s, -jnp.inf)
     if fp8 is not None:  # the true scores: S times the Q and K factors
       k_factor = fp8.descale_smem[static.num_q_blocks + step]
       scale_log2 = scale_log2 * (q_factor * k_factor)
@@ -606,21 +811,37 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
         v_tile = v_tile.transpose((1, 0))
       plgpu.wgmma(o_ref, p, v_tile)
       # Wait for K_{j+1} while P V_j runs on the tensor cores.
-      next_step = step + 1
-      @pl.when(next_step < num_steps)
-      def _():
-        plgpu.barrier_wait(k_arrived.at[lax.rem(next_step, static.num_stages)])
+      wait_next_k(step)
 
     acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
     plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
     return acc, m_new, l
 
+  def skip_body(step, carry):
+    """A block of the union outside this consumer's range: barriers only."""
+    slot = slot_of(step)
+    plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
+    take_turn(step)
+    take_turn(step)
+    plgpu.barrier_wait(v_arrived.at[slot])
+    wait_next_k(step)
+    plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
+    return carry
+
   carry = (acc, m, l)
-  carry = lax.fori_loop(0, num_unmasked,
-                        functools.partial(step_body, masked=False), carry)
-  if static.is_causal:
-    carry = lax.fori_loop(num_unmasked, num_steps,
-                          functools.partial(step_body, masked=True), carry)
+  masked_body = functools.partial(step_body, masked=True)
+  if plan is None:
+    carry = lax.fori_loop(0, num_unmasked,
+                          functools.partial(step_body, masked=False), carry)
+    if static.is_causal:
+      carry = lax.fori_loop(num_unmasked, num_steps, masked_body, carry)
+  else:
+    for start, stop, body in (
+        (first, lo, skip_body), (lo, unmasked_lo, masked_body),
+        (unmasked_lo, unmasked_hi, functools.partial(step_body,
+                                                     masked=False)),
+        (unmasked_hi, hi, masked_body), (hi, num_steps, skip_body)):
+      carry = lax.fori_loop(start, stop, body, carry)
   acc, m, l = carry
   # Pairs with warpgroup 1's late start: both make the same number of turns.
   pl.when(wg == 0)(rendezvous)
@@ -646,6 +867,15 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
 def _rows(x, shape):
   """Broadcasts a per-row vector [rows] over the columns of `shape`."""
   return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _variant_mask(q_start, step, static: _Static, values):
+  """`masking.keep` on the [block_q, block_kv] tile at (q_start, step)."""
+  shape = (static.block_q, static.block_kv)
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  return masking.keep(static.spec, rows + q_start,
+                      cols + step * static.block_kv, values)
 
 
 def _causal_mask(q_start, step, static: _Static):

@@ -1,0 +1,152 @@
+"""The masked Mosaic forward (window, q_offset, lengths, soft cap, any
+lengths): cross-lowered for CUDA on the CPU, checked against the reference on
+a GPU. `implementation=None` routes calls to it only once
+`MASKED_KERNEL_ENABLED` is set, after the GPU tests here have passed.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_flash
+from jax_flash import masking
+from jax_flash.validation import Operands
+from pallas_kernels import compat as versions
+from pallas_kernels.config import BlockSizes
+from tests.attention_checks import Case, check_against_reference
+
+try:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from pallas_kernels.mosaic import attention as mosaic_attention_module
+  from pallas_kernels.mosaic import compat
+  from pallas_kernels.mosaic.forward import mosaic_forward_masked
+except ImportError as e:  # a jaxlib built without Mosaic GPU
+  pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
+
+from tests.test_mosaic_lowering import cuda_lowering  # noqa: F401 (fixture)
+
+# name: (q_len, kv_len, MaskSpec fields, operands)
+VARIANTS = {
+    "ragged causal": (200, 333, dict(is_causal=True), {}),
+    "bottom-right causal": (256, 512, dict(is_causal=True, has_q_offset=True),
+                            dict(q_offset=[256, 100])),
+    "causal window": (384, 384, dict(is_causal=True, window=(100, 0)), {}),
+    "lengths": (256, 256, dict(has_q_lengths=True, has_kv_lengths=True),
+                dict(q_lengths=[100, 256], kv_lengths=[256, 0])),
+    "soft cap": (97, 300, dict(is_causal=True, logits_soft_cap=20.0), {}),
+}
+
+
+def _operands(values: dict) -> Operands:
+  return Operands(**{k: jnp.asarray(v, jnp.int32) for k, v in values.items()})
+
+
+@pytest.mark.parametrize("semantics", ["Warpgroup", "Lane"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_masked_forward_lowers_for_cuda(head_dim, name, semantics,
+                                        cuda_lowering, monkeypatch):
+  monkeypatch.setattr(compat, "LOWERING_SEMANTICS",
+                      getattr(plgpu.LoweringSemantics, semantics))
+  q_len, kv_len, fields, values = VARIANTS[name]
+  spec = masking.MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
+  q = jax.ShapeDtypeStruct((2, q_len, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, kv_len, 2, head_dim), jnp.bfloat16)
+  operands = _operands(values)
+
+  def forward(q, k, v):
+    return mosaic_forward_masked(q, k, v, scale=head_dim**-0.5, spec=spec,
+                                 q_offset=operands.q_offset,
+                                 q_lengths=operands.q_lengths,
+                                 kv_lengths=operands.kv_lengths)
+
+  lowered = jax.jit(forward).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",))
+  out, lse = lowered.out_info
+  assert out.shape == q.shape and lse.shape == (2, 4, q_len)
+  assert "mosaic_flash_forward" in lowered.as_text()
+
+
+def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,
+                                                     monkeypatch):
+  """Head dim 96, ragged lengths, window and lengths, through `jax.grad`."""
+  monkeypatch.setattr(mosaic_attention_module, "MASKED_KERNEL_ENABLED", True)
+  spec = masking.MaskSpec(q_len=200, kv_len=333, is_causal=True,
+                          window=(50, None), has_kv_lengths=True)
+  q = jax.ShapeDtypeStruct((2, 200, 4, 96), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 333, 2, 96), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out, lse = mosaic_attention_module.mosaic_attention(
+        q, k, v, scale=0.1, is_causal=True, spec=spec,
+        operands=_operands(dict(kv_lengths=[333, 100])),
+        backward_blocks=BlockSizes.get_default(96, "NVIDIA H200"))
+    return out.astype(jnp.float32).sum() + lse.sum()
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",))
+  assert [g.shape for g in lowered.out_info] == [q.shape, kv.shape, kv.shape]
+  assert "mosaic_flash_forward" in lowered.as_text()
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(has_segments=True), "has_segments"),
+    (dict(has_bias=True), "has_bias"),
+    (dict(dropout_rate=0.1), "dropout_rate"),
+])
+def test_masked_forward_refuses_other_features(fields, match):
+  spec = masking.MaskSpec(q_len=128, kv_len=128, **fields)
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match=match):
+    jax.eval_shape(lambda q: mosaic_forward_masked(q, q, q, scale=0.125,
+                                                   spec=spec), q)
+
+
+def test_masks_fall_back_while_the_masked_kernel_is_disabled():
+  assert not mosaic_attention_module.MASKED_KERNEL_ENABLED
+  spec = masking.MaskSpec(q_len=128, kv_len=128, window=(8, 8))
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="not enabled"):
+    jax.eval_shape(lambda q: mosaic_attention_module.mosaic_attention(
+        q, q, q, scale=0.125, is_causal=False, spec=spec,
+        backward_blocks=BlockSizes()), q)
+
+
+_GPU_VARIANTS = {
+    "ragged causal": (Case(2, 1000, 1537, 8, 2, 128), dict(is_causal=True)),
+    "bottom-right causal": (Case(2, 512, 2048, 8, 2, 128),
+                            dict(is_causal=True,
+                                 q_offset=jnp.array([1536, 100]))),
+    "causal window": (Case(1, 2048, 2048, 4, 4, 64),
+                      dict(is_causal=True, local_window_size=(300, 0))),
+    "lengths": (Case(2, 1024, 1024, 4, 1, 256),
+                dict(query_seq_lengths=jnp.array([1000, 0]),
+                     key_value_seq_lengths=jnp.array([700, 1024]))),
+    "soft cap, d=96": (Case(1, 777, 1100, 8, 2, 96),
+                       dict(is_causal=True, logits_soft_cap=20.0)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", list(_GPU_VARIANTS))
+def test_masked_kernel_matches_reference_on_gpu(name, dtype, monkeypatch):
+  """Forward by the masked Mosaic kernel, gradients by the Triton backward."""
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic forward needs sm90")
+  monkeypatch.setattr(mosaic_attention_module, "MASKED_KERNEL_ENABLED", True)
+  case, variants = _GPU_VARIANTS[name]
+
+  @jax.jit
+  def attention(q, k, v):
+    return jax_flash.flash_attention(q, k, v, return_residual=True,
+                                     implementation="mosaic", **variants)
+
+  assert "mosaic_flash_forward" in attention.lower(
+      *(jax.ShapeDtypeStruct(s, dtype) for s in (
+          (case.batch, case.q_len, case.num_heads, case.head_dim),
+          (case.batch, case.kv_len, case.num_kv_heads, case.head_dim),
+          (case.batch, case.kv_len, case.num_kv_heads, case.head_dim)))
+  ).as_text()
+  check_against_reference(attention, case, dtype, seed=3, **variants)
