@@ -1,5 +1,5 @@
-"""The masked Mosaic forward (window, q_offset, lengths, soft cap, any
-lengths): cross-lowered for CUDA on the CPU, checked against the reference on
+"""The masked Mosaic forward (window, q_offset, lengths, segment ids, soft
+cap, any lengths): cross-lowered for CUDA on the CPU, checked against the reference on
 a GPU. `implementation=None` routes calls to it only once
 `MASKED_KERNEL_ENABLED` is set, after the GPU tests here have passed.
 """
@@ -35,6 +35,9 @@ VARIANTS = {
     "lengths": (256, 256, dict(has_q_lengths=True, has_kv_lengths=True),
                 dict(q_lengths=[100, 256], kv_lengths=[256, 0])),
     "soft cap": (97, 300, dict(is_causal=True, logits_soft_cap=20.0), {}),
+    "segments": (256, 200, dict(has_segments=True),
+                 dict(q_segments=[[0] * 100 + [1] * 156] * 2,
+                      kv_segments=[[0] * 60 + [1] * 140] * 2)),
 }
 
 
@@ -59,7 +62,9 @@ def test_masked_forward_lowers_for_cuda(head_dim, name, semantics,
     return mosaic_forward_masked(q, k, v, scale=head_dim**-0.5, spec=spec,
                                  q_offset=operands.q_offset,
                                  q_lengths=operands.q_lengths,
-                                 kv_lengths=operands.kv_lengths)
+                                 kv_lengths=operands.kv_lengths,
+                                 q_segments=operands.q_segments,
+                                 kv_segments=operands.kv_segments)
 
   lowered = jax.jit(forward).trace(q, kv, kv).lower(
       lowering_platforms=("cuda",))
@@ -91,7 +96,7 @@ def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(has_segments=True), "has_segments"),
+    (dict(has_dense_mask=True), "has_dense_mask"),
     (dict(has_bias=True), "has_bias"),
     (dict(dropout_rate=0.1), "dropout_rate"),
 ])
@@ -125,6 +130,10 @@ _GPU_VARIANTS = {
                      key_value_seq_lengths=jnp.array([700, 1024]))),
     "soft cap, d=96": (Case(1, 777, 1100, 8, 2, 96),
                        dict(is_causal=True, logits_soft_cap=20.0)),
+    "packed documents": (Case(2, 2048, 2048, 4, 2, 128),
+                         dict(is_causal=True, segment_ids=jnp.repeat(
+                             jnp.arange(8, dtype=jnp.int32), 256)[None]
+                             .repeat(2, 0))),
 }
 
 

@@ -8,7 +8,7 @@ family (it needs only the forward's q, k, v, o, lse), or "mosaic",
 tests (`tests/test_mosaic_backward.py -m gpu`); the benchmarks time both.
 
 `flash_attention_mosaic_masked`: the masked forward (`mosaic_forward_masked`:
-window, q_offset, lengths, soft cap, any lengths) with the Triton backward
+window, q_offset, lengths, segment ids, soft cap, any lengths) with the Triton backward
 for the same `MaskSpec`. `mosaic_attention` routes calls to it only when
 `MASKED_KERNEL_ENABLED`, which stays False until its GPU tests have passed.
 """
@@ -132,13 +132,16 @@ def flash_attention_mosaic_masked(query, key, value, operands: Operands,
                                   backward_blocks: BlockSizes):
   """`mosaic_forward_masked` with the Triton backward for the same `spec`.
 
-  `operands` carries q_offset, q_lengths and kv_lengths (int32 [batch]);
+  `operands` carries q_offset, q_lengths, kv_lengths (int32 [batch]) and
+  the segment ids;
   returns (out [B, Tq, N, D], lse float32 [B, N, Tq]).
   """
   return mosaic_forward_masked(query, key, value, scale=scale, spec=spec,
                                q_offset=operands.q_offset,
                                q_lengths=operands.q_lengths,
-                               kv_lengths=operands.kv_lengths)
+                               kv_lengths=operands.kv_lengths,
+                               q_segments=operands.q_segments,
+                               kv_segments=operands.kv_segments)
 
 
 def _masked_fwd(query, key, value, operands, scale, spec, backward_blocks):

@@ -156,7 +156,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
 
 # What the masked kernel covers; the rest stays with the Triton kernels.
 _RANGED_FEATURES = ("is_causal", "window", "has_q_offset", "has_q_lengths",
-                    "has_kv_lengths", "logits_soft_cap")
+                    "has_kv_lengths", "has_segments", "logits_soft_cap")
 # int32 plan row per (batch, q tile): [lo, unmasked_lo, unmasked_hi, hi] of
 # consumer 0 and of consumer 1, the union [lo, hi) the producer loads, then
 # q_offset, q_length, kv_length; padded to 32 (128 bytes, one copy).
@@ -166,13 +166,15 @@ _PLAN_UNION, _PLAN_SCALARS = 8, 10
 
 def mosaic_forward_masked(query, key, value, *, scale: float,
                           spec: masking.MaskSpec, q_offset=None,
-                          q_lengths=None, kv_lengths=None, block_q: int = 64,
+                          q_lengths=None, kv_lengths=None, q_segments=None,
+                          kv_segments=None, block_q: int = 64,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2):
   """`mosaic_forward` with masks, score capping and any sequence lengths.
 
   The masks are `jax_flash.masking`'s (the one definition): `spec` may use
-  is_causal, window, q_offset, q/kv lengths and logits_soft_cap. The K/V
+  is_causal, window, q_offset, q/kv lengths, segment ids and
+  logits_soft_cap. The K/V
   tiles each 64-row query block visits, and which of them need the mask,
   come from `masking.classify_blocks` (tiles that the masks empty are
   skipped, the unmasked run pays nothing for the mask). Lengths that are not
@@ -184,14 +186,15 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       `mosaic_forward`; lengths may be anything.
     spec: `masking.MaskSpec` for (q_len, kv_len).
     q_offset, q_lengths, kv_lengths: int32 [batch] or None, as the spec says.
+    q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
 
   Returns:
     (out [batch, q_len, num_heads, head_dim], lse float32
     [batch, num_heads, q_len]), as `mosaic_forward`.
 
   Raises:
-    NotImplementedError: for features outside `_RANGED_FEATURES` (segment
-      ids, bias, dropout, ...) and what `mosaic_forward` refuses.
+    NotImplementedError: for features outside `_RANGED_FEATURES` (bias,
+      dense masks, dropout, ...) and what `mosaic_forward` refuses.
   """
   unsupported = [f.name for f in dataclasses.fields(spec)
                  if f.name not in ("q_len", "kv_len", *_RANGED_FEATURES)
@@ -209,14 +212,21 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                             max_concurrent_steps=max_concurrent_steps,
                             spec=spec)
   plan = _plan_rows(static, query.shape[0], q_offset=q_offset,
-                    q_lengths=q_lengths, kv_lengths=kv_lengths)
+                    q_lengths=q_lengths, kv_lengths=kv_lengths,
+                    q_segments=q_segments, kv_segments=kv_segments)
   # TMA reads a [rows, head_dim] tile through 8-row tiling, which this JAX
   # applies to the whole sequence axis: lengths are padded to a multiple of
   # 8 (a copy, only for such lengths; the pad rows are masked or dropped).
   q_len = query.shape[1]
   query, key, value = (_pad_rows(x, _TMA_ROW_TILE)
                        for x in (query, key, value))
-  out, lse = _launch(static, query, key, value, plan=plan)
+  segments = None
+  if spec.has_segments:  # padded like the rows they label
+    segments = tuple(
+        jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, x.shape[1] - n)))
+        for ids, x, n in ((q_segments, query, q_len),
+                          (kv_segments, key, spec.kv_len)))
+  out, lse = _launch(static, query, key, value, plan=plan, segments=segments)
   return out[:, :q_len], lse[..., :q_len]
 
 
@@ -230,7 +240,7 @@ def _pad_rows(x, multiple: int):
 
 
 def _plan_rows(static: _Static, batch: int, *, q_offset, q_lengths,
-               kv_lengths):
+               kv_lengths, q_segments, kv_segments):
   """int32 [batch, num_q_tiles, _PLAN_WIDTH]: each tile's loop ranges.
 
   A consumer whose rows attend to nothing gets the empty range at the
@@ -239,7 +249,9 @@ def _plan_rows(static: _Static, batch: int, *, q_offset, q_lengths,
   spec = static.spec
   states = masking.classify_blocks(spec, static.block_q, static.block_kv,
                                    q_offset=q_offset, q_lengths=q_lengths,
-                                   kv_lengths=kv_lengths)
+                                   kv_lengths=kv_lengths,
+                                   q_segments=q_segments,
+                                   kv_segments=kv_segments)
   ranges = masking.block_ranges(states)[:, 0]          # [B|1, nq, 4]
   num_q_blocks = ranges.shape[1]
   num_tiles = -(-num_q_blocks // _NUM_CONSUMERS)
@@ -384,7 +396,8 @@ def _smem_transforms(rows_bytes: int, itemsize: int):
           plgpu.SwizzleTransform(swizzle))
 
 
-def _launch(static: _Static, query, key, value, descale=None, plan=None):
+def _launch(static: _Static, query, key, value, descale=None, plan=None,
+            segments=None):
   """Builds and calls the kernel; `value` is [B, Hkv, D, T] in FP8.
 
   In the ranged kernel the LSE is returned padded to whole tiles (its rows
@@ -440,6 +453,15 @@ def _launch(static: _Static, query, key, value, descale=None, plan=None):
     )
     inputs += (plan,)
     lse_len = num_q_tiles * _NUM_CONSUMERS * block_q
+  if segments is not None:
+    scratch += (
+        plgpu.SMEM((_NUM_CONSUMERS, block_q), jnp.int32),  # query ids
+        plgpu.Barrier(num_barriers=_NUM_CONSUMERS),
+        # Key ids stream with K, one ring slot per stage.
+        plgpu.SMEM((stages, block_kv), jnp.int32),
+        plgpu.Barrier(num_barriers=stages),
+    )
+    inputs += segments
   out_type = (
       jax.ShapeDtypeStruct(query.shape, out_dtype),
       # Sequence minor, so that each consumer stores its LSE rows with one
@@ -564,6 +586,16 @@ class _Fp8Refs(NamedTuple):
   p_smem: Any          # [block_q, block_kv] FP8: P, the LHS of P V
 
 
+class _SegmentRefs(NamedTuple):
+  """The ranged kernel's segment ids (`spec.has_segments`)."""
+  q_gmem: Any        # int32 [q_len] of this batch
+  kv_gmem: Any       # int32 [kv_len] of this batch
+  q_smem: Any        # int32 [consumers, block_q]
+  q_arrived: Any     # barriers [consumers]
+  kv_smem: Any       # int32 [stages, block_kv]: streamed with K
+  kv_arrived: Any    # barriers [stages]
+
+
 class _Plan(NamedTuple):
   """The ranged kernel's plan row of one tile (see `_plan_rows`)."""
   gmem: Any       # int32 [_PLAN_WIDTH] of this (batch, q tile)
@@ -577,7 +609,8 @@ def _forward_kernel(*refs, static: _Static):
   q, k, v, [descale (FP8)], [plan (ranged)], out, lse, the 10 common scratch
   refs, [FP8's 4], [ranged's 2].
   """
-  num_inputs = 3 + static.fp8 + static.ranged
+  segmented = static.ranged and static.spec.has_segments
+  num_inputs = 3 + static.fp8 + static.ranged + 2 * segmented
   inputs, scratch = refs[:num_inputs], refs[num_inputs + 2:]
   q_ref, k_ref, v_ref = inputs[:3]
   out_ref, lse_ref = refs[num_inputs:num_inputs + 2]
@@ -590,9 +623,13 @@ def _forward_kernel(*refs, static: _Static):
   head = lax.axis_index("head")
   wg = lax.axis_index("wg")
   tile_start = lax.axis_index("q_tile") * (_NUM_CONSUMERS * static.block_q)
-  plan = None
+  plan = segment_refs = None
   if static.ranged:
-    plan = _Plan(inputs[-1].at[batch, lax.axis_index("q_tile")], *scratch[-2:])
+    plan = _Plan(inputs[3].at[batch, lax.axis_index("q_tile")],
+                 *scratch[10:12])
+  if segmented:
+    segment_refs = _SegmentRefs(inputs[4].at[batch], inputs[5].at[batch],
+                                *scratch[12:16])
 
   @pl.when(wg < _NUM_CONSUMERS)
   def _consumer():
@@ -606,14 +643,15 @@ def _forward_kernel(*refs, static: _Static):
              lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
              k_consumed, v_consumed, pingpong.at[0],
              batch=batch, head=head, wg=wg, tile_start=tile_start,
-             static=static, fp8=fp8, plan=plan)
+             static=static, fp8=fp8, plan=plan, segments=segment_refs)
 
   @pl.when(wg == _PRODUCER)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
     _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
              v_consumed, batch=batch, kv_head=head // static.group,
-             tile_start=tile_start, static=static, plan=plan)
+             tile_start=tile_start, static=static, plan=plan,
+             segments=segment_refs)
 
 
 def _read_plan(plan: _Plan, slot):
@@ -626,7 +664,7 @@ def _read_plan(plan: _Plan, slot):
 
 def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
              v_consumed, *, batch, kv_head, tile_start, static: _Static,
-             plan: _Plan | None):
+             plan: _Plan | None, segments: _SegmentRefs | None):
   """Producer warpgroup: TMA K/V block j into ring slot j % num_stages.
 
   Ranged kernel: blocks [first, total) of the plan's union, block j into
@@ -651,6 +689,10 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
     else:
       block = ref.at[batch, rows, kv_head]
     plgpu.copy_gmem_to_smem(block, smem.at[slot], arrived.at[slot])
+    if segments is not None and ref is k_ref:  # key ids travel with K
+      plgpu.copy_gmem_to_smem(segments.kv_gmem.at[rows],
+                              segments.kv_smem.at[slot],
+                              segments.kv_arrived.at[slot])
 
   def wait_consumed(consumed, step, slot):
     # The slot held block step - stages; wait for every consumer that read it.
@@ -686,7 +728,8 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
 def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
              q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
              pingpong, *, batch, head, wg, tile_start, static: _Static,
-             fp8: _Fp8Refs | None, plan: _Plan | None):
+             fp8: _Fp8Refs | None, plan: _Plan | None,
+             segments: _SegmentRefs | None = None):
   """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile.
 
   Ranged kernel: both consumers walk every block of the plan's union (a
@@ -713,7 +756,28 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                                 q_lengths=read(_PLAN_SCALARS + 1),
                                 kv_lengths=read(_PLAN_SCALARS + 2))
     slot_of = lambda step: lax.rem(step - first, static.num_stages)
+    if segments is not None:
+      q_ids_smem = segments.q_smem.at[wg]
+      plgpu.copy_gmem_to_smem(segments.q_gmem.at[q_rows], q_ids_smem,
+                              segments.q_arrived.at[wg])
+      plgpu.barrier_wait(segments.q_arrived.at[wg])
+      q_ids = plgpu.layout_cast(q_ids_smem[...],
+                                plgpu.Layout.WGMMA.reduce(1))
   consumed_base = wg * static.num_stages
+
+  def wait_key_ids(slot):
+    """Every step waits for its key ids (each barrier phase, every thread)."""
+    if segments is not None:
+      plgpu.barrier_wait(segments.kv_arrived.at[slot])
+
+  def with_key_ids(values, slot, shape):
+    """`values` with this step's [block_q, block_kv] segment id tiles."""
+    if segments is None:
+      return values
+    kv_ids = plgpu.layout_cast(segments.kv_smem[slot],
+                               plgpu.Layout.WGMMA.reduce(0))
+    return values._replace(q_segments=_rows(q_ids, shape),
+                           kv_segments=_cols(kv_ids, shape))
 
   if fp8 is not None:
     plgpu.copy_gmem_to_smem(fp8.descale_gmem, fp8.descale_smem,
@@ -764,6 +828,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   def step_body(step, carry, *, masked: bool):
     acc, m, l = carry
     slot = slot_of(step)
+    if plan is not None:
+      wait_key_ids(slot)
 
     def scores(s_ref):
       plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -771,6 +837,9 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       return s_ref[...]
 
     s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+    if masked and plan is not None:
+      # Read before the slot is released: the key ids share it with K.
+      step_values = with_key_ids(values, slot, s.shape)
     plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
     scale_log2 = static.scale_log2
     if plan is not None and static.spec.modifies_scores:
@@ -782,7 +851,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     if masked and plan is None:
       s = jnp.where(_causal_mask(q_start, step, static), s, -jnp.inf)
     elif masked:
-      s = jnp.where(_variant_mask(q_start, step, static, values), s, -jnp.inf)
+      s = jnp.where(_variant_mask(q_start, step, static, step_values), s,
+                    -jnp.inf)
     if fp8 is not None:  # the true scores: S times the Q and K factors
       k_factor = fp8.descale_smem[static.num_q_blocks + step]
       scale_log2 = scale_log2 * (q_factor * k_factor)
@@ -820,6 +890,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   def skip_body(step, carry):
     """A block of the union outside this consumer's range: barriers only."""
     slot = slot_of(step)
+    wait_key_ids(slot)
     plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
     take_turn(step)
     take_turn(step)
@@ -867,6 +938,11 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
 def _rows(x, shape):
   """Broadcasts a per-row vector [rows] over the columns of `shape`."""
   return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _cols(x, shape):
+  """Broadcasts a per-column vector [cols] over the rows of `shape`."""
+  return lax.broadcast_in_dim(x, shape, [1])
 
 
 def _variant_mask(q_start, step, static: _Static, values):
