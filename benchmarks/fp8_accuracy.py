@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from benchmarks import common, render
 from jax_flash import attention_reference
-from pallas_kernels.mosaic.forward import mosaic_forward_fp8, quantize_fp8
+from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8, quantize_fp8
 
 
 def quantized_forward(q, k, v, *, is_causal: bool, per_block: bool):

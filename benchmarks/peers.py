@@ -113,7 +113,7 @@ def jax_flash_mosaic_fp8(cell: common.Cell, *, interpret: bool = False
   _require_gpu("the FP8 Mosaic forward", sm=(9, 0))
   if cell.mode != "fwd":
     raise NotImplementedError("the FP8 kernel is forward only")
-  from pallas_kernels.mosaic.forward import mosaic_forward_fp8, quantize_fp8
+  from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8, quantize_fp8
   q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
   (q8, qs), (k8, ks), (v8, vs) = map(quantize_fp8, (q, k, v))
 

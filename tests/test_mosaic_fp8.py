@@ -16,8 +16,8 @@ from pallas_kernels import compat as versions
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from pallas_kernels.mosaic import compat
-  from pallas_kernels.mosaic.forward import (FP8_MAX, mosaic_forward_fp8,
-                                             quantize_fp8)
+  from pallas_kernels.mosaic.fp8 import (FP8_MAX, mosaic_forward_fp8,
+                                         quantize_fp8)
 except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
 

@@ -20,7 +20,7 @@ try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from pallas_kernels.mosaic import attention as mosaic_attention_module
   from pallas_kernels.mosaic import compat
-  from pallas_kernels.mosaic.forward import mosaic_forward_masked
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
 except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
 

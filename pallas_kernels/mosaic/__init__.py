@@ -7,5 +7,8 @@ wires them by `jax.custom_vjp`, and `mosaic_attention` pads head dims.
 from pallas_kernels.mosaic.attention import (flash_attention_mosaic,
                                              mosaic_attention)
 from pallas_kernels.mosaic.forward import mosaic_forward
+from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8, quantize_fp8
+from pallas_kernels.mosaic.masked import mosaic_forward_masked
 
-__all__ = ["flash_attention_mosaic", "mosaic_attention", "mosaic_forward"]
+__all__ = ["flash_attention_mosaic", "mosaic_attention", "mosaic_forward",
+           "mosaic_forward_fp8", "mosaic_forward_masked", "quantize_fp8"]

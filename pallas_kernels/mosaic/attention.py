@@ -24,8 +24,8 @@ from jax_flash.validation import Operands
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.mosaic.backward import mosaic_backward
-from pallas_kernels.mosaic.forward import (default_block_kv, mosaic_forward,
-                                           mosaic_forward_masked)
+from pallas_kernels.mosaic.forward import default_block_kv, mosaic_forward
+from pallas_kernels.mosaic.masked import mosaic_forward_masked
 from pallas_kernels.triton.backward import flash_backward
 
 

@@ -49,8 +49,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_flash import masking
 from pallas_kernels.mosaic import compat
 
-_NUM_CONSUMERS = 2
-_PRODUCER = _NUM_CONSUMERS  # warpgroup index of the TMA producer
+NUM_CONSUMERS = 2
+_PRODUCER = NUM_CONSUMERS  # warpgroup index of the TMA producer
 # wgmma works on 64-row slabs (m64nNk16) and a 128-byte swizzle is 64 16-bit
 # elements, so every tile dimension is a multiple of 64.
 _TILE_MULTIPLE = 64
@@ -69,6 +69,12 @@ _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # Largest finite e4m3 value: quantisation maps a block's amax onto it.
 FP8_MAX = 448.0
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# The ranged kernel's int32 plan row per (batch, q tile), built by
+# `masked.plan_rows`: [lo, unmasked_lo, unmasked_hi, hi] of consumer 0 and
+# of consumer 1, the union [lo, hi) the producer loads, then q_offset,
+# q_length, kv_length; padded to 32 (128 bytes, one copy).
+PLAN_WIDTH = 32
+_PLAN_UNION, _PLAN_SCALARS = 8, 10
 
 
 def default_block_kv(head_dim: int) -> int:
@@ -81,7 +87,7 @@ def default_block_kv(head_dim: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class KernelStatic:
   """Everything the kernel body needs that is known at trace time."""
   block_q: int
   block_kv: int
@@ -95,13 +101,13 @@ class _Static:
   # FP8 (e4m3) inputs (`mosaic_forward_fp8`): V arrives transposed, since
   # wgmma reads 8-bit B operands only K-major ([head_dim, block_kv] tiles);
   # per-block descale factors come in one float32 row per (batch, head):
-  # [Q blocks | K/V blocks | V | padding], see `_descale_rows`.
+  # [Q blocks | K/V blocks | V | padding], see `fp8.descale_rows`.
   fp8: bool = False
   out_dtype: jnp.dtype | None = None
   num_q_blocks: int = 0
   # Masked ("ranged") kernel (`mosaic_forward_masked`): the static mask spec,
   # the softmax scale, and loop ranges read per tile from a plan row (see
-  # `_plan_rows`) instead of computed from causal geometry.
+  # `masked.plan_rows`) instead of computed from causal geometry.
   spec: Any = None
   scale: float = 0.0
 
@@ -147,244 +153,11 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   """
   if block_kv is None:
     block_kv = default_block_kv(query.shape[-1])
-  static = _check_supported(query, key, value, scale=scale,
+  static = check_supported(query, key, value, scale=scale,
                             is_causal=is_causal, block_q=block_q,
                             block_kv=block_kv,
                             max_concurrent_steps=max_concurrent_steps)
-  return _launch(static, query, key, value)
-
-
-# What the masked kernel covers; the rest stays with the Triton kernels.
-_RANGED_FEATURES = ("is_causal", "window", "has_q_offset", "has_q_lengths",
-                    "has_kv_lengths", "has_segments", "logits_soft_cap")
-# int32 plan row per (batch, q tile): [lo, unmasked_lo, unmasked_hi, hi] of
-# consumer 0 and of consumer 1, the union [lo, hi) the producer loads, then
-# q_offset, q_length, kv_length; padded to 32 (128 bytes, one copy).
-_PLAN_WIDTH = 32
-_PLAN_UNION, _PLAN_SCALARS = 8, 10
-
-
-def mosaic_forward_masked(query, key, value, *, scale: float,
-                          spec: masking.MaskSpec, q_offset=None,
-                          q_lengths=None, kv_lengths=None, q_segments=None,
-                          kv_segments=None, block_q: int = 64,
-                          block_kv: int | None = None,
-                          max_concurrent_steps: int = 2):
-  """`mosaic_forward` with masks, score capping and any sequence lengths.
-
-  The masks are `jax_flash.masking`'s (the one definition): `spec` may use
-  is_causal, window, q_offset, q/kv lengths, segment ids and
-  logits_soft_cap. The K/V
-  tiles each 64-row query block visits, and which of them need the mask,
-  come from `masking.classify_blocks` (tiles that the masks empty are
-  skipped, the unmasked run pays nothing for the mask). Lengths that are not
-  multiples of the tiles are handled by TMA: reads past the end fill zeros
-  (masked as keys past kv_len), writes past the end are dropped.
-
-  Args:
-    query, key, value, scale, block_q, block_kv, max_concurrent_steps: as
-      `mosaic_forward`; lengths may be anything.
-    spec: `masking.MaskSpec` for (q_len, kv_len).
-    q_offset, q_lengths, kv_lengths: int32 [batch] or None, as the spec says.
-    q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
-
-  Returns:
-    (out [batch, q_len, num_heads, head_dim], lse float32
-    [batch, num_heads, q_len]), as `mosaic_forward`.
-
-  Raises:
-    NotImplementedError: for features outside `_RANGED_FEATURES` (bias,
-      dense masks, dropout, ...) and what `mosaic_forward` refuses.
-  """
-  unsupported = [f.name for f in dataclasses.fields(spec)
-                 if f.name not in ("q_len", "kv_len", *_RANGED_FEATURES)
-                 and getattr(spec, f.name) != f.default]
-  if unsupported:
-    raise NotImplementedError(
-        f"the masked Mosaic forward does not support {unsupported}")
-  if spec.logits_soft_cap is not None and not scale > 0:
-    raise NotImplementedError("scale must be positive")
-  if block_kv is None:
-    block_kv = default_block_kv(query.shape[-1])
-  static = _check_supported(query, key, value, scale=scale,
-                            is_causal=spec.is_causal, block_q=block_q,
-                            block_kv=block_kv,
-                            max_concurrent_steps=max_concurrent_steps,
-                            spec=spec)
-  plan = _plan_rows(static, query.shape[0], q_offset=q_offset,
-                    q_lengths=q_lengths, kv_lengths=kv_lengths,
-                    q_segments=q_segments, kv_segments=kv_segments)
-  # TMA reads a [rows, head_dim] tile through 8-row tiling, which this JAX
-  # applies to the whole sequence axis: lengths are padded to a multiple of
-  # 8 (a copy, only for such lengths; the pad rows are masked or dropped).
-  q_len = query.shape[1]
-  query, key, value = (_pad_rows(x, _TMA_ROW_TILE)
-                       for x in (query, key, value))
-  segments = None
-  if spec.has_segments:  # padded like the rows they label
-    segments = tuple(
-        jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, x.shape[1] - n)))
-        for ids, x, n in ((q_segments, query, q_len),
-                          (kv_segments, key, spec.kv_len)))
-  out, lse = _launch(static, query, key, value, plan=plan, segments=segments)
-  return out[:, :q_len], lse[..., :q_len]
-
-
-_TMA_ROW_TILE = 8
-
-
-def _pad_rows(x, multiple: int):
-  """Zero-pads axis 1 of [batch, len, heads, dim] to a multiple."""
-  pad = -x.shape[1] % multiple
-  return x if not pad else jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
-
-
-def _plan_rows(static: _Static, batch: int, *, q_offset, q_lengths,
-               kv_lengths, q_segments, kv_segments):
-  """int32 [batch, num_q_tiles, _PLAN_WIDTH]: each tile's loop ranges.
-
-  A consumer whose rows attend to nothing gets the empty range at the
-  union's start, so that it walks the union's steps as skips.
-  """
-  spec = static.spec
-  states = masking.classify_blocks(spec, static.block_q, static.block_kv,
-                                   q_offset=q_offset, q_lengths=q_lengths,
-                                   kv_lengths=kv_lengths,
-                                   q_segments=q_segments,
-                                   kv_segments=kv_segments)
-  ranges = masking.block_ranges(states)[:, 0]          # [B|1, nq, 4]
-  num_q_blocks = ranges.shape[1]
-  num_tiles = -(-num_q_blocks // _NUM_CONSUMERS)
-  ranges = jnp.pad(jnp.broadcast_to(ranges, (batch, num_q_blocks, 4)),
-                   ((0, 0), (0, num_tiles * _NUM_CONSUMERS - num_q_blocks),
-                    (0, 0)))
-  ranges = ranges.reshape(batch, num_tiles, _NUM_CONSUMERS, 4)
-  lo, hi = ranges[..., 0], ranges[..., 3]
-  nonempty = hi > lo
-  union_lo = jnp.min(jnp.where(nonempty, lo, static.num_kv_blocks), -1)
-  union_hi = jnp.max(jnp.where(nonempty, hi, 0), -1)
-  union_lo = jnp.where(nonempty.any(-1), union_lo, 0)
-  ranges = jnp.where(nonempty[..., None], ranges, union_lo[..., None, None])
-  per_batch = lambda x, default: jnp.broadcast_to(
-      jnp.asarray(default if x is None else x, jnp.int32), (batch,))
-  scalars = jnp.stack([per_batch(q_offset, 0),
-                       per_batch(q_lengths, spec.q_len),
-                       per_batch(kv_lengths, spec.kv_len)], -1)
-  row = jnp.concatenate([
-      ranges.reshape(batch, num_tiles, 4 * _NUM_CONSUMERS),
-      union_lo[..., None], union_hi[..., None],
-      jnp.broadcast_to(scalars[:, None], (batch, num_tiles, 3))], -1)
-  return jnp.pad(row.astype(jnp.int32),
-                 ((0, 0), (0, 0), (0, _PLAN_WIDTH - row.shape[-1])))
-
-
-def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
-                       scale: float, is_causal: bool,
-                       out_dtype=jnp.bfloat16, block_q: int = 64,
-                       block_kv: int | None = None,
-                       max_concurrent_steps: int = 2):
-  """FlashAttention-3 forward on float8_e4m3fn inputs (FA3 §3.3).
-
-  Q·Kᵀ and P·V run as FP8 wgmma with float32 accumulation; P is rounded to
-  e4m3 before P·V. True inputs are `query * q_descale` etc. (see
-  `quantize_fp8`), so the kernel multiplies each S tile by its Q and K
-  blocks' factors and the output by V's.
-
-  Args:
-    query: float8_e4m3fn [batch, q_len, num_heads, head_dim].
-    key, value: float8_e4m3fn [batch, kv_len, num_kv_heads, head_dim].
-    q_descale: float32 [batch, num_heads] (per tensor and head) or
-      [batch, num_heads, q_len // block_q] (per block of `block_q` rows).
-    k_descale: float32 [batch, num_kv_heads] or
-      [batch, num_kv_heads, kv_len // block_kv].
-    v_descale: float32 [batch, num_kv_heads]: per tensor and head only; a
-      per-block V factor would rescale the accumulator at every step.
-    scale, is_causal, block_q, block_kv, max_concurrent_steps: as
-      `mosaic_forward` (block_kv: None picks `default_block_kv`).
-    out_dtype: dtype of the output (bfloat16 or float16).
-
-  Returns:
-    out [batch, q_len, num_heads, head_dim] in `out_dtype`, lse float32
-    [batch, num_heads, q_len], as `mosaic_forward`.
-  """
-  if block_kv is None:
-    block_kv = default_block_kv(query.shape[-1])
-  out_dtype = jnp.dtype(out_dtype)
-  if out_dtype not in _SUPPORTED_DTYPES:
-    raise NotImplementedError(
-        f"out_dtype must be bfloat16 or float16, got {out_dtype}")
-  static = _check_supported(query, key, value, scale=scale,
-                            is_causal=is_causal, block_q=block_q,
-                            block_kv=block_kv,
-                            max_concurrent_steps=max_concurrent_steps,
-                            fp8_out_dtype=out_dtype)
-  descale = _descale_rows(query.shape, key.shape, q_descale, k_descale,
-                          v_descale, static)
-  # [batch, kv_heads, head_dim, kv_len]: an XLA transpose, one pass over V
-  # in FP8 (FA3 transposes in the kernel instead).
-  value_t = jnp.transpose(value, (0, 2, 3, 1))
-  return _launch(static, query, key, value_t, descale)
-
-
-def quantize_fp8(x, *, block_rows: int | None = None):
-  """Per-tensor-and-head or per-block e4m3 quantisation for the FP8 forward.
-
-  Args:
-    x: [batch, seq, heads, head_dim], any float dtype.
-    block_rows: None for one factor per (batch, head); else one per block of
-      `block_rows` sequence rows (seq must be a multiple).
-
-  Returns:
-    (x_fp8, descale): float8_e4m3fn like x, and float32 [batch, heads] or
-    [batch, heads, seq // block_rows] with x ≈ x_fp8 * descale.
-  """
-  batch, seq, heads, dim = x.shape
-  x32 = x.astype(jnp.float32)
-  if block_rows is None:
-    amax = jnp.max(jnp.abs(x32), axis=(1, 3))                  # [B, H]
-    expand = amax[:, None, :, None]
-  else:
-    if seq % block_rows:
-      raise ValueError(f"seq {seq} is not a multiple of block_rows "
-                       f"{block_rows}")
-    blocks = x32.reshape(batch, seq // block_rows, block_rows, heads, dim)
-    amax = jnp.moveaxis(jnp.max(jnp.abs(blocks), axis=(2, 4)), 1, 2)
-    expand = jnp.repeat(jnp.moveaxis(amax, 2, 1), block_rows,
-                        axis=1)[..., None]                     # [B, T, H, 1]
-  # An all-zero block keeps descale 1 (anything but 0 would do).
-  descale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-  step = jnp.where(expand > 0, expand / FP8_MAX, 1.0)
-  return (x32 / step).astype(_FP8), descale
-
-
-def _descale_rows(q_shape, k_shape, q_descale, k_descale, v_descale,
-                  static: _Static):
-  """float32 [batch, num_heads, n]: [Q blocks | K/V blocks | V | padding].
-
-  One row per query head (K/V factors gathered for its K/V head), padded to
-  a multiple of 32 floats: Mosaic copies multiples of 128 bytes (one per
-  thread of the warpgroup).
-  """
-  batch, _, num_heads, _ = q_shape
-  num_kv_heads = k_shape[2]
-
-  def per_block(x, heads, blocks, name):
-    x = jnp.asarray(x, jnp.float32)
-    if x.shape == (batch, heads):
-      x = x[:, :, None]
-    if x.shape not in ((batch, heads, 1), (batch, heads, blocks)):
-      raise ValueError(f"{name} must be [batch, heads] = {(batch, heads)} or "
-                       f"[batch, heads, blocks] = {(batch, heads, blocks)}; "
-                       f"got {x.shape}")
-    return jnp.broadcast_to(x, (batch, heads, blocks))
-
-  q = per_block(q_descale, num_heads, static.num_q_blocks, "q_descale")
-  k = per_block(k_descale, num_kv_heads, static.num_kv_blocks, "k_descale")
-  v = per_block(v_descale, num_kv_heads, 1, "v_descale")
-  kv = jnp.repeat(jnp.concatenate([k, v], axis=2), static.group, axis=1)
-  rows = jnp.concatenate([q, kv], axis=2)
-  pad = -rows.shape[2] % 32
-  return jnp.pad(rows, ((0, 0), (0, 0), (0, pad)), constant_values=1.0)
+  return launch(static, query, key, value)
 
 
 def _smem_transforms(rows_bytes: int, itemsize: int):
@@ -396,7 +169,7 @@ def _smem_transforms(rows_bytes: int, itemsize: int):
           plgpu.SwizzleTransform(swizzle))
 
 
-def _launch(static: _Static, query, key, value, descale=None, plan=None,
+def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
             segments=None):
   """Builds and calls the kernel; `value` is [B, Hkv, D, T] in FP8.
 
@@ -405,7 +178,7 @@ def _launch(static: _Static, query, key, value, descale=None, plan=None,
   """
   batch, q_len, num_heads, head_dim = query.shape
   block_q, block_kv = static.block_q, static.block_kv
-  num_q_tiles = pl.cdiv(q_len, _NUM_CONSUMERS * block_q)
+  num_q_tiles = pl.cdiv(q_len, NUM_CONSUMERS * block_q)
   itemsize = static.dtype.itemsize
   transforms = _smem_transforms(head_dim * itemsize, itemsize)
   stages = static.num_stages
@@ -414,20 +187,20 @@ def _launch(static: _Static, query, key, value, descale=None, plan=None,
                   else transforms)
   scratch = (
       # Q, then (bfloat16 / float16) O on the way out.
-      plgpu.SMEM((_NUM_CONSUMERS, block_q, head_dim), static.dtype,
+      plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), static.dtype,
                  transforms=transforms),
       plgpu.SMEM((stages, block_kv, head_dim), static.dtype,
                  transforms=transforms),
       plgpu.SMEM((stages, *v_tile), static.dtype, transforms=v_transforms),
-      plgpu.SMEM((_NUM_CONSUMERS, block_q), jnp.float32),  # LSE
-      plgpu.Barrier(num_barriers=_NUM_CONSUMERS),          # q_arrived
+      plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32),  # LSE
+      plgpu.Barrier(num_barriers=NUM_CONSUMERS),          # q_arrived
       plgpu.Barrier(num_barriers=stages),                  # k_arrived
       plgpu.Barrier(num_barriers=stages),                  # v_arrived
       # k_consumed and v_consumed: [consumer * stages + slot]; flat, since
       # the GPU interpreter allocates only 1-D barrier arrays.
-      plgpu.Barrier(num_barriers=_NUM_CONSUMERS * stages),
-      plgpu.Barrier(num_barriers=_NUM_CONSUMERS * stages),
-      plgpu.Barrier(num_arrivals=_NUM_CONSUMERS, num_barriers=1),  # ping-pong
+      plgpu.Barrier(num_barriers=NUM_CONSUMERS * stages),
+      plgpu.Barrier(num_barriers=NUM_CONSUMERS * stages),
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1),  # ping-pong
   )
   inputs = (query, key, value)
   out_dtype = query.dtype
@@ -435,12 +208,12 @@ def _launch(static: _Static, query, key, value, descale=None, plan=None,
     out_dtype = static.out_dtype
     scratch += (
         # O: an FP8 Q buffer is too small for it.
-        plgpu.SMEM((_NUM_CONSUMERS, block_q, head_dim), out_dtype,
+        plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), out_dtype,
                    transforms=_smem_transforms(head_dim * out_dtype.itemsize,
                                                out_dtype.itemsize)),
-        plgpu.SMEM((_NUM_CONSUMERS, descale.shape[-1]), jnp.float32),
-        plgpu.Barrier(num_barriers=_NUM_CONSUMERS),        # descale_arrived
-        plgpu.SMEM((_NUM_CONSUMERS, block_q, block_kv), static.dtype,
+        plgpu.SMEM((NUM_CONSUMERS, descale.shape[-1]), jnp.float32),
+        plgpu.Barrier(num_barriers=NUM_CONSUMERS),        # descale_arrived
+        plgpu.SMEM((NUM_CONSUMERS, block_q, block_kv), static.dtype,
                    transforms=_smem_transforms(block_kv, itemsize)),  # P
     )
     inputs += (descale,)
@@ -448,15 +221,15 @@ def _launch(static: _Static, query, key, value, descale=None, plan=None,
   if static.ranged:
     scratch += (
         # One plan row per consumer and one for the producer.
-        plgpu.SMEM((_NUM_CONSUMERS + 1, _PLAN_WIDTH), jnp.int32),
-        plgpu.Barrier(num_barriers=_NUM_CONSUMERS + 1),    # plan_arrived
+        plgpu.SMEM((NUM_CONSUMERS + 1, PLAN_WIDTH), jnp.int32),
+        plgpu.Barrier(num_barriers=NUM_CONSUMERS + 1),    # plan_arrived
     )
     inputs += (plan,)
-    lse_len = num_q_tiles * _NUM_CONSUMERS * block_q
+    lse_len = num_q_tiles * NUM_CONSUMERS * block_q
   if segments is not None:
     scratch += (
-        plgpu.SMEM((_NUM_CONSUMERS, block_q), jnp.int32),  # query ids
-        plgpu.Barrier(num_barriers=_NUM_CONSUMERS),
+        plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.int32),  # query ids
+        plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         # Key ids stream with K, one ring slot per stage.
         plgpu.SMEM((stages, block_kv), jnp.int32),
         plgpu.Barrier(num_barriers=stages),
@@ -475,16 +248,16 @@ def _launch(static: _Static, query, key, value, descale=None, plan=None,
       # q_tile fastest: neighbouring CTAs read the same K/V from L2.
       grid=(num_q_tiles, num_heads, batch),
       grid_names=("q_tile", "head", "batch"),
-      num_threads=_NUM_CONSUMERS + 1,
+      num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       kernel_name="mosaic_flash_forward",
       compiler_params=compat.compiler_params(approx_math=True),
   )(*inputs)
 
 
-def _check_supported(query, key, value, *, scale, is_causal, block_q,
+def check_supported(query, key, value, *, scale, is_causal, block_q,
                      block_kv, max_concurrent_steps,
-                     fp8_out_dtype=None, spec=None) -> _Static:
+                     fp8_out_dtype=None, spec=None) -> KernelStatic:
   """Validates the call; anything this kernel lacks is NotImplementedError.
 
   `fp8_out_dtype` is given for the FP8 kernel (inputs float8_e4m3fn), `spec`
@@ -521,10 +294,10 @@ def _check_supported(query, key, value, *, scale, is_causal, block_q,
                               f"must be multiples of {_TILE_MULTIPLE}")
   if spec is not None and fp8_out_dtype is not None:
     raise NotImplementedError("the FP8 kernel has no masks yet")
-  if spec is None and q_len % (_NUM_CONSUMERS * block_q):
+  if spec is None and q_len % (NUM_CONSUMERS * block_q):
     raise NotImplementedError(
         f"q_len {q_len} must be a multiple of 2 * block_q = "
-        f"{_NUM_CONSUMERS * block_q} (tails are not masked yet)")
+        f"{NUM_CONSUMERS * block_q} (tails are not masked yet)")
   if spec is None and kv_len % block_kv:
     raise NotImplementedError(f"kv_len {kv_len} must be a multiple of "
                               f"block_kv {block_kv} (tails are not masked yet)")
@@ -537,11 +310,11 @@ def _check_supported(query, key, value, *, scale, is_causal, block_q,
   num_kv_blocks = pl.cdiv(kv_len, block_kv)
   num_stages = min(max_concurrent_steps, num_kv_blocks)
   smem_bytes = (
-      (_NUM_CONSUMERS * block_q + 2 * num_stages * block_kv) * head_dim
-      * dtype.itemsize + _NUM_CONSUMERS * block_q * 4)
+      (NUM_CONSUMERS * block_q + 2 * num_stages * block_kv) * head_dim
+      * dtype.itemsize + NUM_CONSUMERS * block_q * 4)
   num_q_blocks = q_len // block_q
   if fp8:  # the O buffer, and the descale rows
-    smem_bytes += _NUM_CONSUMERS * (
+    smem_bytes += NUM_CONSUMERS * (
         block_q * head_dim * fp8_out_dtype.itemsize + block_q * block_kv
         + 4 * (num_q_blocks + num_kv_blocks + 32))
   if smem_bytes > _SMEM_LIMIT_BYTES:
@@ -549,7 +322,7 @@ def _check_supported(query, key, value, *, scale, is_causal, block_q,
         f"block_q {block_q}, block_kv {block_kv}, {num_stages} stages at "
         f"head_dim {head_dim} need {smem_bytes} bytes of shared memory; "
         f"sm90 has {_SMEM_LIMIT_BYTES}")
-  return _Static(block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+  return KernelStatic(block_q=block_q, block_kv=block_kv, num_stages=num_stages,
                  num_kv_blocks=num_kv_blocks, head_dim=head_dim,
                  group=num_heads // num_kv_heads,
                  scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
@@ -558,7 +331,7 @@ def _check_supported(query, key, value, *, scale, is_causal, block_q,
                  scale=float(scale))
 
 
-def _num_kv_steps(q_start, static: _Static):
+def _num_kv_steps(q_start, static: KernelStatic):
   """K/V blocks that rows [q_start, q_start + block_q) attend to."""
   if not static.is_causal:
     return static.num_kv_blocks
@@ -566,7 +339,7 @@ def _num_kv_steps(q_start, static: _Static):
   return jnp.minimum(pl.cdiv(last_row, static.block_kv), static.num_kv_blocks)
 
 
-def _num_unmasked_steps(q_start, num_steps, static: _Static):
+def _num_unmasked_steps(q_start, num_steps, static: KernelStatic):
   """Leading K/V blocks that lie wholly at or below the diagonal.
 
   Block j needs no mask when its last key, (j + 1) * block_kv - 1, is at most
@@ -597,13 +370,13 @@ class _SegmentRefs(NamedTuple):
 
 
 class _Plan(NamedTuple):
-  """The ranged kernel's plan row of one tile (see `_plan_rows`)."""
-  gmem: Any       # int32 [_PLAN_WIDTH] of this (batch, q tile)
-  smem: Any       # int32 [consumers + 1, _PLAN_WIDTH]: one slot per warpgroup
+  """The ranged kernel's plan row of one tile (see `masked.plan_rows`)."""
+  gmem: Any       # int32 [PLAN_WIDTH] of this (batch, q tile)
+  smem: Any       # int32 [consumers + 1, PLAN_WIDTH]: one slot per warpgroup
   arrived: Any    # barriers [consumers + 1]
 
 
-def _forward_kernel(*refs, static: _Static):
+def _forward_kernel(*refs, static: KernelStatic):
   """Kernel body; refs: `_launch`'s inputs, outputs and scratch, in order:
 
   q, k, v, [descale (FP8)], [plan (ranged)], out, lse, the 10 common scratch
@@ -622,7 +395,7 @@ def _forward_kernel(*refs, static: _Static):
   batch = lax.axis_index("batch")
   head = lax.axis_index("head")
   wg = lax.axis_index("wg")
-  tile_start = lax.axis_index("q_tile") * (_NUM_CONSUMERS * static.block_q)
+  tile_start = lax.axis_index("q_tile") * (NUM_CONSUMERS * static.block_q)
   plan = segment_refs = None
   if static.ranged:
     plan = _Plan(inputs[3].at[batch, lax.axis_index("q_tile")],
@@ -631,7 +404,7 @@ def _forward_kernel(*refs, static: _Static):
     segment_refs = _SegmentRefs(inputs[4].at[batch], inputs[5].at[batch],
                                 *scratch[12:16])
 
-  @pl.when(wg < _NUM_CONSUMERS)
+  @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
     if static.fp8:
@@ -663,7 +436,7 @@ def _read_plan(plan: _Plan, slot):
 
 
 def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
-             v_consumed, *, batch, kv_head, tile_start, static: _Static,
+             v_consumed, *, batch, kv_head, tile_start, static: KernelStatic,
              plan: _Plan | None, segments: _SegmentRefs | None):
   """Producer warpgroup: TMA K/V block j into ring slot j % num_stages.
 
@@ -676,7 +449,7 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
   first = 0
   if plan is None:
     steps = [_num_kv_steps(tile_start + w * static.block_q, static)
-             for w in range(_NUM_CONSUMERS)]
+             for w in range(NUM_CONSUMERS)]
     total = steps[-1]
   else:
     read = _read_plan(plan, _PRODUCER)
@@ -696,7 +469,7 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
 
   def wait_consumed(consumed, step, slot):
     # The slot held block step - stages; wait for every consumer that read it.
-    for w in range(_NUM_CONSUMERS):
+    for w in range(NUM_CONSUMERS):
       if static.is_causal and plan is None:
         pl.when(step - stages < steps[w])(
             functools.partial(plgpu.barrier_wait,
@@ -727,7 +500,7 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
 
 def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
              q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
-             pingpong, *, batch, head, wg, tile_start, static: _Static,
+             pingpong, *, batch, head, wg, tile_start, static: KernelStatic,
              fp8: _Fp8Refs | None, plan: _Plan | None,
              segments: _SegmentRefs | None = None):
   """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile.
@@ -945,7 +718,7 @@ def _cols(x, shape):
   return lax.broadcast_in_dim(x, shape, [1])
 
 
-def _variant_mask(q_start, step, static: _Static, values):
+def _variant_mask(q_start, step, static: KernelStatic, values):
   """`masking.keep` on the [block_q, block_kv] tile at (q_start, step)."""
   shape = (static.block_q, static.block_kv)
   rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
@@ -954,7 +727,7 @@ def _variant_mask(q_start, step, static: _Static, values):
                       cols + step * static.block_kv, values)
 
 
-def _causal_mask(q_start, step, static: _Static):
+def _causal_mask(q_start, step, static: KernelStatic):
   """True where query q_start + r may attend key step * block_kv + c."""
   shape = (static.block_q, static.block_kv)
   rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)

@@ -1,0 +1,121 @@
+"""`mosaic_forward_fp8`: the Mosaic forward on float8_e4m3fn inputs.
+
+The kernel is `forward.py`'s with `static.fp8` set (FP8 wgmma, V transposed,
+P through shared memory, descale factors read per block); this module
+quantises and lays out the inputs and descale rows.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.mosaic import forward
+from pallas_kernels.mosaic.forward import FP8_MAX  # noqa: F401 (re-export)
+
+
+def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
+                       scale: float, is_causal: bool,
+                       out_dtype=jnp.bfloat16, block_q: int = 64,
+                       block_kv: int | None = None,
+                       max_concurrent_steps: int = 2):
+  """FlashAttention-3 forward on float8_e4m3fn inputs (FA3 §3.3).
+
+  Q·Kᵀ and P·V run as FP8 wgmma with float32 accumulation; P is rounded to
+  e4m3 before P·V. True inputs are `query * q_descale` etc. (see
+  `quantize_fp8`), so the kernel multiplies each S tile by its Q and K
+  blocks' factors and the output by V's.
+
+  Args:
+    query: float8_e4m3fn [batch, q_len, num_heads, head_dim].
+    key, value: float8_e4m3fn [batch, kv_len, num_kv_heads, head_dim].
+    q_descale: float32 [batch, num_heads] (per tensor and head) or
+      [batch, num_heads, q_len // block_q] (per block of `block_q` rows).
+    k_descale: float32 [batch, num_kv_heads] or
+      [batch, num_kv_heads, kv_len // block_kv].
+    v_descale: float32 [batch, num_kv_heads]: per tensor and head only; a
+      per-block V factor would rescale the accumulator at every step.
+    scale, is_causal, block_q, block_kv, max_concurrent_steps: as
+      `forward.mosaic_forward` (block_kv: None picks `default_block_kv`).
+    out_dtype: dtype of the output (bfloat16 or float16).
+
+  Returns:
+    out [batch, q_len, num_heads, head_dim] in `out_dtype`, lse float32
+    [batch, num_heads, q_len], as `forward.mosaic_forward`.
+  """
+  if block_kv is None:
+    block_kv = forward.default_block_kv(query.shape[-1])
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype not in forward._SUPPORTED_DTYPES:
+    raise NotImplementedError(
+        f"out_dtype must be bfloat16 or float16, got {out_dtype}")
+  static = forward.check_supported(query, key, value, scale=scale,
+                            is_causal=is_causal, block_q=block_q,
+                            block_kv=block_kv,
+                            max_concurrent_steps=max_concurrent_steps,
+                            fp8_out_dtype=out_dtype)
+  descale = descale_rows(query.shape, key.shape, q_descale, k_descale,
+                          v_descale, static)
+  # [batch, kv_heads, head_dim, kv_len]: an XLA transpose, one pass over V
+  # in FP8 (FA3 transposes in the kernel instead).
+  value_t = jnp.transpose(value, (0, 2, 3, 1))
+  return forward.launch(static, query, key, value_t, descale)
+
+
+def quantize_fp8(x, *, block_rows: int | None = None):
+  """Per-tensor-and-head or per-block e4m3 quantisation for the FP8 forward.
+
+  Args:
+    x: [batch, seq, heads, head_dim], any float dtype.
+    block_rows: None for one factor per (batch, head); else one per block of
+      `block_rows` sequence rows (seq must be a multiple).
+
+  Returns:
+    (x_fp8, descale): float8_e4m3fn like x, and float32 [batch, heads] or
+    [batch, heads, seq // block_rows] with x ≈ x_fp8 * descale.
+  """
+  batch, seq, heads, dim = x.shape
+  x32 = x.astype(jnp.float32)
+  if block_rows is None:
+    amax = jnp.max(jnp.abs(x32), axis=(1, 3))                  # [B, H]
+    expand = amax[:, None, :, None]
+  else:
+    if seq % block_rows:
+      raise ValueError(f"seq {seq} is not a multiple of block_rows "
+                       f"{block_rows}")
+    blocks = x32.reshape(batch, seq // block_rows, block_rows, heads, dim)
+    amax = jnp.moveaxis(jnp.max(jnp.abs(blocks), axis=(2, 4)), 1, 2)
+    expand = jnp.repeat(jnp.moveaxis(amax, 2, 1), block_rows,
+                        axis=1)[..., None]                     # [B, T, H, 1]
+  # An all-zero block keeps descale 1 (anything but 0 would do).
+  descale = jnp.where(amax > 0, amax / forward.FP8_MAX, 1.0)
+  step = jnp.where(expand > 0, expand / forward.FP8_MAX, 1.0)
+  return (x32 / step).astype(forward._FP8), descale
+
+
+def descale_rows(q_shape, k_shape, q_descale, k_descale, v_descale,
+                  static: forward.KernelStatic):
+  """float32 [batch, num_heads, n]: [Q blocks | K/V blocks | V | padding].
+
+  One row per query head (K/V factors gathered for its K/V head), padded to
+  a multiple of 32 floats: Mosaic copies multiples of 128 bytes (one per
+  thread of the warpgroup).
+  """
+  batch, _, num_heads, _ = q_shape
+  num_kv_heads = k_shape[2]
+
+  def per_block(x, heads, blocks, name):
+    x = jnp.asarray(x, jnp.float32)
+    if x.shape == (batch, heads):
+      x = x[:, :, None]
+    if x.shape not in ((batch, heads, 1), (batch, heads, blocks)):
+      raise ValueError(f"{name} must be [batch, heads] = {(batch, heads)} or "
+                       f"[batch, heads, blocks] = {(batch, heads, blocks)}; "
+                       f"got {x.shape}")
+    return jnp.broadcast_to(x, (batch, heads, blocks))
+
+  q = per_block(q_descale, num_heads, static.num_q_blocks, "q_descale")
+  k = per_block(k_descale, num_kv_heads, static.num_kv_blocks, "k_descale")
+  v = per_block(v_descale, num_kv_heads, 1, "v_descale")
+  kv = jnp.repeat(jnp.concatenate([k, v], axis=2), static.group, axis=1)
+  rows = jnp.concatenate([q, kv], axis=2)
+  pad = -rows.shape[2] % 32
+  return jnp.pad(rows, ((0, 0), (0, 0), (0, pad)), constant_values=1.0)

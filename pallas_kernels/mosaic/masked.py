@@ -1,0 +1,135 @@
+"""`mosaic_forward_masked`: the Mosaic forward with masks and any lengths.
+
+The kernel is `forward.py`'s in its "ranged" form: each 64-row query block
+reads its K/V loop ranges from a plan row built here, in XLA, by
+`jax_flash.masking` (the one definition of the masks), and applies
+`masking.keep` / `masking.modify_scores` on the tiles that need them.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jax_flash import masking
+from pallas_kernels.mosaic import forward
+
+
+# What the masked kernel covers; the rest stays with the Triton kernels.
+_RANGED_FEATURES = ("is_causal", "window", "has_q_offset", "has_q_lengths",
+                    "has_kv_lengths", "has_segments", "logits_soft_cap")
+
+
+def mosaic_forward_masked(query, key, value, *, scale: float,
+                          spec: masking.MaskSpec, q_offset=None,
+                          q_lengths=None, kv_lengths=None, q_segments=None,
+                          kv_segments=None, block_q: int = 64,
+                          block_kv: int | None = None,
+                          max_concurrent_steps: int = 2):
+  """`forward.mosaic_forward` with masks, score capping and any lengths.
+
+  The masks are `jax_flash.masking`'s (the one definition): `spec` may use
+  is_causal, window, q_offset, q/kv lengths, segment ids and
+  logits_soft_cap. The K/V
+  tiles each 64-row query block visits, and which of them need the mask,
+  come from `masking.classify_blocks` (tiles that the masks empty are
+  skipped, the unmasked run pays nothing for the mask). Lengths that are not
+  multiples of the tiles are handled by TMA: reads past the end fill zeros
+  (masked as keys past kv_len), writes past the end are dropped.
+
+  Args:
+    query, key, value, scale, block_q, block_kv, max_concurrent_steps: as
+      `forward.mosaic_forward`; lengths may be anything.
+    spec: `masking.MaskSpec` for (q_len, kv_len).
+    q_offset, q_lengths, kv_lengths: int32 [batch] or None, as the spec says.
+    q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
+
+  Returns:
+    (out [batch, q_len, num_heads, head_dim], lse float32
+    [batch, num_heads, q_len]), as `forward.mosaic_forward`.
+
+  Raises:
+    NotImplementedError: for features outside `_RANGED_FEATURES` (bias,
+      dense masks, dropout, ...) and what `forward.mosaic_forward` refuses.
+  """
+  unsupported = [f.name for f in dataclasses.fields(spec)
+                 if f.name not in ("q_len", "kv_len", *_RANGED_FEATURES)
+                 and getattr(spec, f.name) != f.default]
+  if unsupported:
+    raise NotImplementedError(
+        f"the masked Mosaic forward does not support {unsupported}")
+  if spec.logits_soft_cap is not None and not scale > 0:
+    raise NotImplementedError("scale must be positive")
+  if block_kv is None:
+    block_kv = forward.default_block_kv(query.shape[-1])
+  static = forward.check_supported(query, key, value, scale=scale,
+                            is_causal=spec.is_causal, block_q=block_q,
+                            block_kv=block_kv,
+                            max_concurrent_steps=max_concurrent_steps,
+                            spec=spec)
+  plan = plan_rows(static, query.shape[0], q_offset=q_offset,
+                    q_lengths=q_lengths, kv_lengths=kv_lengths,
+                    q_segments=q_segments, kv_segments=kv_segments)
+  # TMA reads a [rows, head_dim] tile through 8-row tiling, which this JAX
+  # applies to the whole sequence axis: lengths are padded to a multiple of
+  # 8 (a copy, only for such lengths; the pad rows are masked or dropped).
+  q_len = query.shape[1]
+  query, key, value = (_pad_rows(x, _TMA_ROW_TILE)
+                       for x in (query, key, value))
+  segments = None
+  if spec.has_segments:  # padded like the rows they label
+    segments = tuple(
+        jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, x.shape[1] - n)))
+        for ids, x, n in ((q_segments, query, q_len),
+                          (kv_segments, key, spec.kv_len)))
+  out, lse = forward.launch(static, query, key, value, plan=plan,
+                            segments=segments)
+  return out[:, :q_len], lse[..., :q_len]
+
+
+_TMA_ROW_TILE = 8
+
+
+def _pad_rows(x, multiple: int):
+  """Zero-pads axis 1 of [batch, len, heads, dim] to a multiple."""
+  pad = -x.shape[1] % multiple
+  return x if not pad else jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+
+
+def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset, q_lengths,
+               kv_lengths, q_segments, kv_segments):
+  """int32 [batch, num_q_tiles, forward.PLAN_WIDTH]: each tile's loop ranges.
+
+  A consumer whose rows attend to nothing gets the empty range at the
+  union's start, so that it walks the union's steps as skips.
+  """
+  spec = static.spec
+  states = masking.classify_blocks(spec, static.block_q, static.block_kv,
+                                   q_offset=q_offset, q_lengths=q_lengths,
+                                   kv_lengths=kv_lengths,
+                                   q_segments=q_segments,
+                                   kv_segments=kv_segments)
+  ranges = masking.block_ranges(states)[:, 0]          # [B|1, nq, 4]
+  num_q_blocks = ranges.shape[1]
+  num_tiles = -(-num_q_blocks // forward.NUM_CONSUMERS)
+  missing = num_tiles * forward.NUM_CONSUMERS - num_q_blocks
+  ranges = jnp.pad(jnp.broadcast_to(ranges, (batch, num_q_blocks, 4)),
+                   ((0, 0), (0, missing), (0, 0)))
+  ranges = ranges.reshape(batch, num_tiles, forward.NUM_CONSUMERS, 4)
+  lo, hi = ranges[..., 0], ranges[..., 3]
+  nonempty = hi > lo
+  union_lo = jnp.min(jnp.where(nonempty, lo, static.num_kv_blocks), -1)
+  union_hi = jnp.max(jnp.where(nonempty, hi, 0), -1)
+  union_lo = jnp.where(nonempty.any(-1), union_lo, 0)
+  ranges = jnp.where(nonempty[..., None], ranges, union_lo[..., None, None])
+  per_batch = lambda x, default: jnp.broadcast_to(
+      jnp.asarray(default if x is None else x, jnp.int32), (batch,))
+  scalars = jnp.stack([per_batch(q_offset, 0),
+                       per_batch(q_lengths, spec.q_len),
+                       per_batch(kv_lengths, spec.kv_len)], -1)
+  row = jnp.concatenate([
+      ranges.reshape(batch, num_tiles, 4 * forward.NUM_CONSUMERS),
+      union_lo[..., None], union_hi[..., None],
+      jnp.broadcast_to(scalars[:, None], (batch, num_tiles, 3))], -1)
+  return jnp.pad(row.astype(jnp.int32),
+                 ((0, 0), (0, 0), (0, forward.PLAN_WIDTH - row.shape[-1])))
