@@ -32,6 +32,17 @@ Causal (top-left aligned, as `jax.nn.dot_product_attention`): query i attends
 keys j <= i. The K/V loop stops at the last block a row tile can see, and the
 blocks that straddle the diagonal run in a second loop that applies the mask,
 so the blocks before the diagonal pay nothing for it.
+
+Two more forms of the same kernel, chosen by `KernelStatic` at trace time
+(the plain form's code is untouched by them):
+
+  ranged  (`masked.mosaic_forward_masked`) loop ranges per 64-row block from
+          a plan row; both consumers walk the union of their ranges (a block
+          outside one's own range is a skip: barriers, no math), so every
+          barrier phase advances alike in every thread; masks by
+          `jax_flash.masking.keep`, segment ids streamed with K.
+  fp8     (`fp8.mosaic_forward_fp8`) e4m3 operands, V transposed, P through
+          shared memory, per-block descale factors.
 """
 from __future__ import annotations
 
