@@ -60,7 +60,8 @@ for step in "$@"; do
       # xla then flash, 300 steps each: ~45 s apiece with compilation (seen
       # 2026-11-29; 120 s in all cut off the plot).
       timeout 240 python3 examples/train_lm.py --attention both --steps ${EXAMPLE_STEPS:-300} \
-        --plot "$OUT/loss_curve_h200.png" > "$LOGS/example.log" 2>&1; tail -6 "$LOGS/example.log" ;;
+        --plot "$OUT/loss_curve_h200.png" > "$LOGS/example.log" 2>&1
+      grep -E "final|wrote" "$LOGS/example.log" ;;
     grid128)
       timeout 130 python3 -m benchmarks.run_grid --head-dims 128 --seqs 4096 16384 \
         --impls jax_flash_triton pallas_triton_mha cudnn tokamax_mosaic xla matmul \
