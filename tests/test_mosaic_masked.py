@@ -108,8 +108,8 @@ def test_masked_forward_refuses_other_features(fields, match):
                                                    spec=spec), q)
 
 
-def test_masks_fall_back_while_the_masked_kernel_is_disabled():
-  assert not mosaic_attention_module.MASKED_KERNEL_ENABLED
+def test_masks_fall_back_while_the_masked_kernel_is_disabled(monkeypatch):
+  monkeypatch.setattr(mosaic_attention_module, "MASKED_KERNEL_ENABLED", False)
   spec = masking.MaskSpec(q_len=128, kv_len=128, window=(8, 8))
   q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="not enabled"):
