@@ -33,7 +33,9 @@ from jax_flash.reference import naive_attention
 from pallas_kernels import compat
 
 OUTPUTS = ("out", "dq", "dk", "dv")
-OURS = "triton"  # the row the exit status depends on
+# The rows the exit status depends on: the Triton kernels everywhere, the
+# Mosaic ones (`implementation="mosaic"`) on an sm90 GPU.
+OURS = ("triton", "mosaic")
 # Absolute slack for values that bf16 represents exactly in both computations
 # (the same as the test suite's).
 EPS = 2e-3
@@ -89,15 +91,20 @@ def _forward_backward(attention):
 
 
 def _implementations(case: Case, interpret: bool) -> dict:
-  def ours(q, k, v):
-    return jax_flash.flash_attention(q, k, v, is_causal=case.causal,
-                                     implementation="triton",
-                                     interpret=interpret)
+  def ours(implementation):
+    def attention(q, k, v):
+      return jax_flash.flash_attention(q, k, v, is_causal=case.causal,
+                                       implementation=implementation,
+                                       interpret=interpret)
+    return attention
 
   def xla(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=case.causal,
                                         implementation="xla")
-  return {OURS: ours, "xla": xla}
+  implementations = {"triton": ours("triton")}
+  if not interpret and (compat.gpu_compute_capability() or (0, 0))[0] == 9:
+    implementations["mosaic"] = ours("mosaic")
+  return {**implementations, "xla": xla}
 
 
 def _reference(case: Case, compute_dtype):
@@ -142,7 +149,7 @@ def _table(rows: list[dict], title: str) -> Table:
     table.add_column(column, justify="left" if column in ("shape", "mask",
                                                           "impl") else "right")
   for row in rows:
-    if row["impl"] == OURS:
+    if row["impl"] in OURS:
       status = "[green]ok" if row["worst"] <= 1 else "[red]FAIL"
     else:
       status = "[dim]ref."
@@ -168,7 +175,7 @@ def main() -> int:
     rows += check(case, interpret=not on_gpu, reps=reps)
   console.print(_table(rows, f"jax_flash vs float32 reference, bf16, {device}"
                              f" ({mode}), JAX {jax.__version__}"))
-  failed = [r for r in rows if r["impl"] == OURS and r["worst"] > 1]
+  failed = [r for r in rows if r["impl"] in OURS and r["worst"] > 1]
   if failed:
     console.print(f"[red]FAIL: {len(failed)} case(s) exceed 2 x naive bf16 "
                   f"error + {EPS}")
