@@ -96,6 +96,14 @@ def jax_flash_all_mosaic(cell: common.Cell, *, interpret: bool = False
   _require_gpu("the Mosaic GPU kernels", sm=(9, 0))
   from pallas_kernels.config import BlockSizes
   from pallas_kernels.mosaic import flash_attention_mosaic
+  from pallas_kernels.mosaic.backward import mosaic_backward
+  # `backward="mosaic"` falls back to the Triton backward for calls it does
+  # not cover; here that must be a skip, not a mislabelled timing.
+  x = jax.ShapeDtypeStruct(cell.shape, cell.dtype)
+  lse = jax.ShapeDtypeStruct((cell.batch, cell.num_heads, cell.seq_len),
+                             jnp.float32)
+  jax.eval_shape(lambda: mosaic_backward(
+      x, x, x, x, lse, x, scale=cell.head_dim**-0.5, is_causal=cell.causal))
 
   def attention(q, k, v):
     out, _ = flash_attention_mosaic(q, k, v, cell.head_dim**-0.5, cell.causal,
