@@ -102,8 +102,9 @@ def jax_flash_all_mosaic(cell: common.Cell, *, interpret: bool = False
   x = jax.ShapeDtypeStruct(cell.shape, cell.dtype)
   lse = jax.ShapeDtypeStruct((cell.batch, cell.num_heads, cell.seq_len),
                              jnp.float32)
-  jax.eval_shape(lambda: mosaic_backward(
-      x, x, x, x, lse, x, scale=cell.head_dim**-0.5, is_causal=cell.causal))
+  jax.eval_shape(lambda *a: mosaic_backward(
+      *a, scale=cell.head_dim**-0.5, is_causal=cell.causal),
+      x, x, x, x, lse, x)
 
   def attention(q, k, v):
     out, _ = flash_attention_mosaic(q, k, v, cell.head_dim**-0.5, cell.causal,
