@@ -114,3 +114,12 @@ def test_mosaic_sweep_picks_the_best_geometric_mean():
             trial(False, 900, 192)]
   [line] = best_lines(trials)
   assert "'block_kv': 64" in line and line.startswith("forward d128")
+
+
+def test_roofline_counts_each_tensor_once():
+  from benchmarks.roofline import cell_bytes
+  tensor = 2 * 1024 * 16 * 128 * 2  # one bf16 [2, 1024, 16, 128]
+  rows = 2 * 1024 * 16 * 4
+  assert cell_bytes(2, 1024, 16, 128, "fwd") == 4 * tensor + rows
+  # fwd+bwd: the forward, then Q K V O dO + LSE, delta in, dQ dK dV out.
+  assert cell_bytes(2, 1024, 16, 128, "fwd_bwd") == 12 * tensor + 3 * rows
