@@ -165,9 +165,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if block_kv is None:
     block_kv = default_block_kv(query.shape[-1])
   static = check_supported(query, key, value, scale=scale,
-                            is_causal=is_causal, block_q=block_q,
-                            block_kv=block_kv,
-                            max_concurrent_steps=max_concurrent_steps)
+                           is_causal=is_causal, block_q=block_q,
+                           block_kv=block_kv,
+                           max_concurrent_steps=max_concurrent_steps)
   return launch(static, query, key, value)
 
 

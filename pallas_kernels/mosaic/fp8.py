@@ -48,10 +48,10 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
     raise NotImplementedError(
         f"out_dtype must be bfloat16 or float16, got {out_dtype}")
   static = forward.check_supported(query, key, value, scale=scale,
-                            is_causal=is_causal, block_q=block_q,
-                            block_kv=block_kv,
-                            max_concurrent_steps=max_concurrent_steps,
-                            fp8_out_dtype=out_dtype)
+                                   is_causal=is_causal, block_q=block_q,
+                                   block_kv=block_kv,
+                                   max_concurrent_steps=max_concurrent_steps,
+                                   fp8_out_dtype=out_dtype)
   descale = descale_rows(query.shape, key.shape, q_descale, k_descale,
                           v_descale, static)
   # [batch, kv_heads, head_dim, kv_len]: an XLA transpose, one pass over V

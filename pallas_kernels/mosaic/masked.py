@@ -63,13 +63,13 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   if block_kv is None:
     block_kv = forward.default_block_kv(query.shape[-1])
   static = forward.check_supported(query, key, value, scale=scale,
-                            is_causal=spec.is_causal, block_q=block_q,
-                            block_kv=block_kv,
-                            max_concurrent_steps=max_concurrent_steps,
-                            spec=spec)
+                                   is_causal=spec.is_causal, block_q=block_q,
+                                   block_kv=block_kv,
+                                   max_concurrent_steps=max_concurrent_steps,
+                                   spec=spec)
   plan = plan_rows(static, query.shape[0], q_offset=q_offset,
-                    q_lengths=q_lengths, kv_lengths=kv_lengths,
-                    q_segments=q_segments, kv_segments=kv_segments)
+                   q_lengths=q_lengths, kv_lengths=kv_lengths,
+                   q_segments=q_segments, kv_segments=kv_segments)
   # TMA reads a [rows, head_dim] tile through 8-row tiling, which this JAX
   # applies to the whole sequence axis: lengths are padded to a multiple of
   # 8 (a copy, only for such lengths; the pad rows are masked or dropped).
@@ -96,8 +96,8 @@ def _pad_rows(x, multiple: int):
   return x if not pad else jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
 
 
-def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset, q_lengths,
-               kv_lengths, q_segments, kv_segments):
+def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset,
+              q_lengths, kv_lengths, q_segments, kv_segments):
   """int32 [batch, num_q_tiles, forward.PLAN_WIDTH]: each tile's loop ranges.
 
   A consumer whose rows attend to nothing gets the empty range at the
