@@ -2,7 +2,8 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: tests mosaic_tests mosaic tune_mosaic fp8 grid128 masks memory grid ring flax notebook example
+# STEPs: tests mosaic_tests mosaic tune_mosaic fp8 grid128 masks memory grid ring
+#        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
 set -u
@@ -46,6 +47,10 @@ for step in "$@"; do
     fp8)  # FP8 error against bf16's
       timeout 120 python3 -m benchmarks.fp8_accuracy --out "$OUT/h200_fp8_accuracy.json" \
         > "$LOGS/fp8.log" 2>&1; tail -16 "$LOGS/fp8.log" ;;
+    sequence_parallel)  # issue 7, on a machine of several GPUs
+      NCCL_NVLS_ENABLE=0 XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
+        timeout 540 python3 -m benchmarks.sequence_parallel --out "$OUT/sequence_parallel.json" \
+        > "$LOGS/sequence_parallel.log" 2>&1; tail -30 "$LOGS/sequence_parallel.log" ;;
     flax)
       python3 -m pytest -m gpu -n 3 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
         --durations=10 -p no:benchmark tests/test_flax_layers.py ${FLAX_EXTRA_TESTS:-} > "$OUT/pytest_flax.log" 2>&1

@@ -123,3 +123,31 @@ def test_roofline_counts_each_tensor_once():
   assert cell_bytes(2, 1024, 16, 128, "fwd") == 4 * tensor + rows
   # fwd+bwd: the forward, then Q K V O dO + LSE, delta in, dQ dK dV out.
   assert cell_bytes(2, 1024, 16, 128, "fwd_bwd") == 12 * tensor + 3 * rows
+
+
+def test_sequence_parallel_smoke_on_four_host_devices(tmp_path):
+  """Issue 7's script end to end on CPU host devices (tiny sizes)."""
+  out = tmp_path / "sp.json"
+  env = {**os.environ,
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks.sequence_parallel", "--smoke",
+       "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+      text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  records = json.loads(out.read_text())["records"]
+  checks = [r for r in records if r["experiment"] == "correctness"]
+  assert len(checks) == 6 and all(r["ok"] for r in checks)
+  weak = [r for r in records if r["experiment"] == "weak"]
+  assert {r["devices"] for r in weak} == {1, 2, 4}
+  assert all(r["efficiency"] > 0 for r in weak)
+  [longest] = [r for r in records if r["experiment"] == "longest"]
+  assert longest["seq_len"] >= 256
+  assert (tmp_path / "sp.png").exists() and (tmp_path / "sp.md").exists()
+
+
+def test_device_counts_double_up_to_all():
+  from benchmarks.sequence_parallel import device_counts
+  assert device_counts(1) == [1]
+  assert device_counts(8) == [1, 2, 4, 8]
+  assert device_counts(6) == [1, 2, 4, 6]
