@@ -155,6 +155,12 @@ def _run_triton(call: AttentionCall, query, key, value, *, block_sizes,
   out, lse = flash_attention_triton(query, key, value, operands, call.bias,
                                     call.scale, call.spec, block_sizes,
                                     interpret)
+  return _kernel_result(call, out, lse)
+
+
+def _kernel_result(call: AttentionCall, out, lse):
+  """A kernel's (out, lse [B, N, Tq]) as the API returns them: lse
+  [B, Tq, N], and the sinks (applied outside the kernels) folded in."""
   lse = jnp.swapaxes(lse, 1, 2)
   if call.sinks is not None:
     out, lse = masking.apply_sinks(out, lse, call.sinks)
@@ -181,10 +187,7 @@ def _run_mosaic(call: AttentionCall, query, key, value, *, block_sizes,
                               is_causal=call.spec.is_causal,
                               backward_blocks=block_sizes, spec=call.spec,
                               operands=call.operands)
-  lse = jnp.swapaxes(lse, 1, 2)
-  if call.sinks is not None:
-    out, lse = masking.apply_sinks(out, lse, call.sinks)
-  return out, lse
+  return _kernel_result(call, out, lse)
 
 
 _IMPLEMENTATIONS = {"mosaic": _run_mosaic, "triton": _run_triton,

@@ -19,3 +19,26 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def cuda_lowering():
+  """Skips, with JAX's own message, where Mosaic GPU cannot lower for CUDA
+  (or is absent from this jaxlib); the Mosaic tests' cross-lowering needs it.
+  """
+  try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from pallas_kernels.mosaic import compat as mosaic_compat
+  except ImportError as e:
+    pytest.skip(f"Mosaic GPU is not importable: {e}")
+  x = jax.ShapeDtypeStruct((128,), jax.numpy.float32)
+
+  def copy(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+  probe = plgpu.kernel(copy, out_type=x,
+                       compiler_params=mosaic_compat.compiler_params())
+  try:
+    jax.jit(probe).trace(x).lower(lowering_platforms=("cuda",))
+  except NotImplementedError as e:  # no "cuda" lowering rule registered
+    pytest.skip(f"this JAX cannot lower Mosaic GPU for CUDA here: {e}")

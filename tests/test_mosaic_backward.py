@@ -29,21 +29,6 @@ _CUSTOM_CALL = "mosaic_gpu_v2"
 _KERNEL_NAME = re.compile(r"mosaic_flash_backward_(dkdv|dk|dv|dq)(?![a-z])")
 
 
-@pytest.fixture(scope="module")
-def cuda_lowering():
-  """Skips, with JAX's own message, where Mosaic GPU cannot lower for CUDA."""
-  x = jax.ShapeDtypeStruct((128,), jnp.float32)
-
-  def copy(x_ref, o_ref):
-    o_ref[...] = x_ref[...]
-
-  probe = plgpu.kernel(copy, out_type=x,
-                       compiler_params=compat.compiler_params())
-  try:
-    jax.jit(probe).trace(x).lower(lowering_platforms=("cuda",))
-  except NotImplementedError as e:  # no "cuda" lowering rule registered
-    pytest.skip(f"this JAX cannot lower Mosaic GPU for CUDA here: {e}")
-
 
 def _structs(*, batch=2, q_len=256, kv_len=384, num_heads=4, num_kv_heads=2,
              head_dim=64, dtype=jnp.bfloat16):

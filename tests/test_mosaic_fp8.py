@@ -22,7 +22,6 @@ except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
 
 from benchmarks.fp8_accuracy import errors, quantized_forward, random_qkv
-from tests.test_mosaic_lowering import cuda_lowering  # noqa: F401 (fixture)
 
 FP8 = jnp.float8_e4m3fn
 

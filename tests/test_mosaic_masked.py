@@ -24,7 +24,6 @@ try:
 except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
 
-from tests.test_mosaic_lowering import cuda_lowering  # noqa: F401 (fixture)
 
 # name: (q_len, kv_len, MaskSpec fields, operands)
 VARIANTS = {

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 from jax import lax
@@ -55,8 +54,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.forward import (
     _CONSUMER_REGISTERS, _PRODUCER_REGISTERS, _SMEM_LIMIT_BYTES,
-    _SUPPORTED_DTYPES, _SUPPORTED_HEAD_DIMS, _SWIZZLE_BYTES, _TILE_MULTIPLE,
-    _rows)
+    _LOG2E, _SUPPORTED_DTYPES, _SUPPORTED_HEAD_DIMS, _SWIZZLE_BYTES,
+    _TILE_MULTIPLE, _causal_mask, _cols, _rows)
 
 _MAX_CONSUMERS = 2
 # f32 registers per consumer thread that the wgmma accumulators (the
@@ -66,7 +65,6 @@ _MAX_CONSUMERS = 2
 # warpgroup is m * n / 128 registers per thread.
 _ACCUMULATOR_REGISTERS = 192
 _THREADS_PER_WARPGROUP = 128
-_LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,15 +103,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     d_lse: the cotangent of lse, like lse, or None (zero). Since
       d lse / d s = P, it only shifts delta: dS = P ∘ (dP - delta + d_lse).
     scale: multiplies q·k in the forward.
-    is_causal: top-left aligned, query i attends keys j <= i::
-
-        q_len 4, kv_len 6        q_len 6, kv_len 4
-        1 0 0 0 0 0              1 0 0 0
-        1 1 0 0 0 0              1 1 0 0
-        1 1 1 0 0 0              1 1 1 0
-        1 1 1 1 0 0              1 1 1 1
-                                 1 1 1 1
-                                 1 1 1 1
+    is_causal: top-left aligned, query i attends keys j <= i (as
+      `forward.mosaic_forward`, whose docstring draws it).
 
     block_q: Q rows per tile: per consumer warpgroup in the dQ kernel, per
       streamed step in the dK/dV kernel.
@@ -689,19 +680,6 @@ def _num_unmasked_kv_blocks(q_start, num_blocks, static: _Static):
   return jnp.minimum((q_start + 1) // static.block_kv, num_blocks)
 
 
-def _causal_mask(q_start, kv_block, static: _Static):
-  """[block_q, block_kv]: True where query q_start + r attends key
-  kv_block * block_kv + c."""
-  shape = (static.block_q, static.block_kv)
-  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-  return rows + q_start >= cols + kv_block * static.block_kv
-
-
-# ---------------------------------------------------------------------------
-# Shared by both kernels.
-
-
 def _produce(streams, consumed, num_steps, static: _Static):
   """Producer warpgroup: TMA step t's tiles into ring slot t % num_stages.
 
@@ -757,8 +735,3 @@ def _wgmma_accumulate(accs, products):
       plgpu.wgmma(acc_ref, a, b)
 
   return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
-
-
-def _cols(x, shape):
-  """Broadcasts a per-column vector [cols] over the rows of `shape`."""
-  return lax.broadcast_in_dim(x, shape, [1])

@@ -77,8 +77,6 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
-# Largest finite e4m3 value: quantisation maps a block's amax onto it.
-FP8_MAX = 448.0
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # The ranged kernel's int32 plan row per (batch, q tile), built by
 # `masked.plan_rows`: [lo, unmasked_lo, unmasked_hi, hi] of consumer 0 and
