@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: tests mosaic_tests mosaic tune_mosaic fp8 grid128 masks memory grid ring
+# STEPs: tests mosaic_tests mosaic tune_mosaic fp8 grid128 masks masks_mosaic memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -30,9 +30,10 @@ for step in "$@"; do
         --durations=15 -p no:benchmark ${GPU_TESTS:-tests/test_gpu.py tests/test_mosaic_lowering.py tests/test_mosaic_backward.py tests/test_mosaic_fp8.py} > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;
     mosaic_tests)  # the Mosaic kernels alone (backward and FP8 are new)
-      python3 -m pytest -m gpu -n 4 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
+      python3 -m pytest -m gpu -n 4 -q -rf --tb=short --timeout 150 -p no:cacheprovider \
         --durations=10 -p no:benchmark tests/test_mosaic_lowering.py \
-        tests/test_mosaic_backward.py tests/test_mosaic_fp8.py > "$OUT/pytest_mosaic.log" 2>&1
+        tests/test_mosaic_backward.py tests/test_mosaic_fp8.py tests/test_mosaic_masked.py \
+        > "$OUT/pytest_mosaic.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_mosaic.log" | tail -30 ;;
     mosaic)  # the Hopper path against cuDNN and tokamax, seq 16k
       timeout 200 python3 -m benchmarks.run_grid --seqs 16384 \
@@ -45,7 +46,7 @@ for step in "$@"; do
         --budget ${TUNE_BUDGET:-200} --out "$OUT/h200_mosaic_sweep.json" \
         > "$LOGS/tune_mosaic.log" 2>&1; tail -8 "$LOGS/tune_mosaic.log" ;;
     fp8)  # FP8 error against bf16's
-      timeout 120 python3 -m benchmarks.fp8_accuracy --out "$OUT/h200_fp8_accuracy.json" \
+      timeout 120 python3 -m benchmarks.fp8_accuracy --seq ${FP8_SEQ:-4096} --out "$OUT/h200_fp8_accuracy.json" \
         > "$LOGS/fp8.log" 2>&1; tail -16 "$LOGS/fp8.log" ;;
     sequence_parallel)  # issue 7, on a machine of several GPUs
       NCCL_NVLS_ENABLE=0 XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
@@ -75,6 +76,9 @@ for step in "$@"; do
     masks)
       timeout 100 python3 -m benchmarks.masks > "$LOGS/masks.log" 2>&1
       cp benchmarks/results/h200_masks.* "$OUT/"; tail -18 "$LOGS/masks.log" ;;
+    masks_mosaic)  # the masked Mosaic forward (Triton backward)
+      timeout 100 python3 -m benchmarks.masks --implementation mosaic > "$LOGS/masks_mosaic.log" 2>&1
+      cp benchmarks/results/h200_masks_mosaic.* "$OUT/"; tail -18 "$LOGS/masks_mosaic.log" ;;
     memory)
       timeout 110 python3 -m benchmarks.memory --impls jax_flash_triton xla \
         --worker-timeout 50 > "$LOGS/memory.log" 2>&1

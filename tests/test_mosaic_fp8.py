@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_flash import attention_reference
 from pallas_kernels import compat as versions
 
 try:
@@ -21,7 +22,8 @@ try:
 except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
 
-from benchmarks.fp8_accuracy import errors, quantized_forward, random_qkv
+from benchmarks.fp8_accuracy import (errors, naive_fp8, quantized_forward,
+                                     random_qkv)
 
 FP8 = jnp.float8_e4m3fn
 
@@ -94,17 +96,36 @@ def test_fp8_forward_rejects(kwargs, error, match):
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fp8_forward_accuracy_on_gpu(head_dim, is_causal, per_block):
-  """Error against float32 within a small multiple of the bf16 error.
+  """Error against float32 within 2x that of the naive FP8 computation.
 
-  e4m3 keeps 3 mantissa bits (a relative step of 2^-4 against bf16's
-  2^-8), so FP8 is expected to be roughly 16x less accurate than bf16;
-  FlashAttention-3 reports a 2.6x smaller error than a per-tensor FP8
-  baseline with its block quantisation, not bf16 parity.
+  FlashAttention's rule with FP8 as the precision: the yardstick is float32
+  attention on the dequantised inputs with P rounded to e4m3
+  (`fp8_accuracy.naive_fp8`). Measured on the H200 before this yardstick:
+  the kernel's max error at d=128 was 0.032 where the naive FP8 one is
+  0.035, and 33x bf16's, so a multiple of bf16's error is the wrong scale.
   """
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the FP8 forward needs sm90 (FP8 wgmma)")
   q, k, v = random_qkv(1024, head_dim)
   e = errors(q, k, v, is_causal=is_causal, per_block=per_block)
   assert np.isfinite(e["fp8_max"]), e
-  assert e["fp8_max"] <= 32 * e["bf16_max"] + 1e-3, e
+  assert e["fp8_max"] <= 2 * e["naive_fp8_max"] + 1e-3, e
+  assert e["fp8_mean"] <= 2 * e["naive_fp8_mean"], e
   assert e["fp8_lse_max"] <= 0.1, e
+
+
+def test_naive_fp8_yardstick():
+  """The yardstick itself: an FP8-sized error (0.5% to 20% of the mean
+  output), far above bf16's, and per-block Q scales reduce it."""
+  q, k, v = random_qkv(256, 64)
+  exact = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)),
+                              is_causal=True)
+  mean_error = lambda x: float(jnp.abs(x - exact).mean())
+  per_tensor = mean_error(naive_fp8(q, k, v, is_causal=True, per_block=False))
+  per_block = mean_error(naive_fp8(q, k, v, is_causal=True, per_block=True))
+  bf16 = mean_error(attention_reference(q, k, v, is_causal=True)
+                    .astype(jnp.float32))
+  size = float(jnp.abs(exact).mean())
+  assert 0.005 * size < per_tensor < 0.2 * size, (per_tensor, size)
+  assert per_tensor > 8 * bf16, (per_tensor, bf16)
+  assert per_block < per_tensor, (per_block, per_tensor)

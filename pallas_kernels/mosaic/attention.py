@@ -9,8 +9,8 @@ tests (`tests/test_mosaic_backward.py -m gpu`); the benchmarks time both.
 
 `flash_attention_mosaic_masked`: the masked forward (`mosaic_forward_masked`:
 window, q_offset, lengths, segment ids, soft cap, any lengths) with the Triton backward
-for the same `MaskSpec`. `mosaic_attention` routes calls to it only when
-`MASKED_KERNEL_ENABLED`, which stays False until its GPU tests have passed.
+for the same `MaskSpec`. `mosaic_attention` routes calls to it while
+`MASKED_KERNEL_ENABLED` (on since its GPU tests passed).
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ from pallas_kernels.triton.backward import flash_backward
 
 
 BACKWARDS = ("triton", "mosaic")
-# The masked forward lowers on the CPU but has not yet run on a GPU.
-MASKED_KERNEL_ENABLED = False
+# The masked forward passed its GPU tests on the H200 (2026-11-29); the
+# switch stays so that a regression can route masks back to Triton.
+MASKED_KERNEL_ENABLED = True
 # Head dims the kernels take natively; others are zero-padded up to one.
 NATIVE_HEAD_DIMS = (64, 128, 256)
 
