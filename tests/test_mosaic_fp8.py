@@ -73,6 +73,16 @@ def test_fp8_forward_lowers_for_cuda(head_dim, is_causal, semantics,
   assert "mosaic_flash_forward" in lowered.as_text()
 
 
+def test_fp8_forward_lowers_at_long_sequences(cuda_lowering):
+  """32k rows: 512 Q + 256 K/V descale factors, more than one TMA copy
+  takes along a dimension (failed on the H200 before the [n / 32, 32] rows)."""
+  q = jax.ShapeDtypeStruct((1, 32768, 2, 128), jnp.bfloat16)
+  call = lambda q, k, v: quantized_forward(q, k, v, is_causal=True,
+                                           per_block=True)
+  lowered = jax.jit(call).trace(q, q, q).lower(lowering_platforms=("cuda",))
+  assert "mosaic_flash_forward" in lowered.as_text()
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(dtype=jnp.bfloat16), TypeError, "float8_e4m3fn"),
     (dict(out_dtype=jnp.float32), NotImplementedError, "out_dtype"),

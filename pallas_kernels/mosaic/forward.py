@@ -77,6 +77,10 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
+# The FP8 descale row is copied as [n / 32, 32] floats: a TMA copies at most
+# 256 elements along each dimension (1-D it would cap seq near 8k), and a
+# row of 32 floats is 128 bytes, a whole number of the warpgroup's copies.
+_DESCALE_WIDTH = 32
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # The ranged kernel's int32 plan row per (batch, q tile), built by
 # `masked.plan_rows`: [lo, unmasked_lo, unmasked_hi, hi] of consumer 0 and
@@ -220,7 +224,7 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
         plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), out_dtype,
                    transforms=_smem_transforms(head_dim * out_dtype.itemsize,
                                                out_dtype.itemsize)),
-        plgpu.SMEM((NUM_CONSUMERS, descale.shape[-1]), jnp.float32),
+        plgpu.SMEM((NUM_CONSUMERS, *descale.shape[-2:]), jnp.float32),
         plgpu.Barrier(num_barriers=NUM_CONSUMERS),        # descale_arrived
         plgpu.SMEM((NUM_CONSUMERS, block_q, block_kv), static.dtype,
                    transforms=_smem_transforms(block_kv, itemsize)),  # P
@@ -361,8 +365,8 @@ def _num_unmasked_steps(q_start, num_steps, static: KernelStatic):
 
 class _Fp8Refs(NamedTuple):
   """One consumer's extra refs in the FP8 kernel."""
-  descale_gmem: Any    # float32 [n]: this (batch, head)'s descale row
-  descale_smem: Any    # float32 [n]
+  descale_gmem: Any    # float32 [n / 32, 32]: this (batch, head)'s factors
+  descale_smem: Any    # float32 [n / 32, 32]
   descale_arrived: Any
   o_smem: Any          # [block_q, head_dim] in the output dtype
   p_smem: Any          # [block_q, block_kv] FP8: P, the LHS of P V
@@ -567,8 +571,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_smem, q_arrived)
   if fp8 is not None:
     plgpu.barrier_wait(fp8.descale_arrived)
-    q_factor = fp8.descale_smem[q_start // block_q]
-    v_factor = fp8.descale_smem[static.num_q_blocks + static.num_kv_blocks]
+    q_factor = _descale(fp8, q_start // block_q)
+    v_factor = _descale(fp8, static.num_q_blocks + static.num_kv_blocks)
   plgpu.barrier_wait(q_arrived)
 
   def rendezvous():
@@ -636,7 +640,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       s = jnp.where(_variant_mask(q_start, step, static, step_values), s,
                     -jnp.inf)
     if fp8 is not None:  # the true scores: S times the Q and K factors
-      k_factor = fp8.descale_smem[static.num_q_blocks + step]
+      k_factor = _descale(fp8, static.num_q_blocks + step)
       scale_log2 = scale_log2 * (q_factor * k_factor)
     m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
     # A row that has seen only masked keys keeps m = -inf; exponentiate
@@ -715,6 +719,12 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, q_rows, head])
   plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, q_rows])
   plgpu.wait_smem_to_gmem(0)
+
+
+def _descale(fp8: _Fp8Refs, i):
+  """Factor i of the FP8 descale row, stored [n / 32, 32] (see
+  `fp8.descale_rows`)."""
+  return fp8.descale_smem[i // _DESCALE_WIDTH, i % _DESCALE_WIDTH]
 
 
 def _rows(x, shape):

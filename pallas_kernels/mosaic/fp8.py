@@ -95,11 +95,12 @@ def quantize_fp8(x, *, block_rows: int | None = None):
 
 def descale_rows(q_shape, k_shape, q_descale, k_descale, v_descale,
                   static: forward.KernelStatic):
-  """float32 [batch, num_heads, n]: [Q blocks | K/V blocks | V | padding].
+  """float32 [batch, num_heads, n / 32, 32]: [Q blocks | K/V blocks | V |
+  padding], one row per query head (K/V factors gathered for its K/V head).
 
-  One row per query head (K/V factors gathered for its K/V head), padded to
-  a multiple of 32 floats: Mosaic copies multiples of 128 bytes (one per
-  thread of the warpgroup).
+  Padded to a multiple of 32 floats (Mosaic copies multiples of 128 bytes,
+  one per thread of the warpgroup) and folded into rows of 32, since a TMA
+  copies at most 256 elements along a dimension (`forward._descale`).
   """
   batch, _, num_heads, _ = q_shape
   num_kv_heads = k_shape[2]
@@ -119,5 +120,7 @@ def descale_rows(q_shape, k_shape, q_descale, k_descale, v_descale,
   v = per_block(v_descale, num_kv_heads, 1, "v_descale")
   kv = jnp.repeat(jnp.concatenate([k, v], axis=2), static.group, axis=1)
   rows = jnp.concatenate([q, kv], axis=2)
-  pad = -rows.shape[2] % 32
-  return jnp.pad(rows, ((0, 0), (0, 0), (0, pad)), constant_values=1.0)
+  width = forward._DESCALE_WIDTH
+  pad = -rows.shape[2] % width
+  rows = jnp.pad(rows, ((0, 0), (0, 0), (0, pad)), constant_values=1.0)
+  return rows.reshape(batch, num_heads, -1, width)
