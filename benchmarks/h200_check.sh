@@ -60,7 +60,7 @@ for step in "$@"; do
       timeout 120 python3 -m benchmarks.ring_overhead > "$LOGS/ring.log" 2>&1
       cp benchmarks/results/h200_ring_overhead.* "$OUT/"; tail -15 "$LOGS/ring.log" ;;
     notebook)  # the committed notebook carries the GPU's outputs
-      JAX_FLASH_NOTEBOOK_SIZE=${NOTEBOOK_SIZE:-full} timeout 240 python3 -m \
+      JAX_FLASH_NOTEBOOK_SIZE=${NOTEBOOK_SIZE:-full} timeout ${NOTEBOOK_TIMEOUT:-240} python3 -m \
         benchmarks.run_notebook notebooks/numerics.ipynb "$OUT/numerics.ipynb" ;;
     example)
       # xla then flash, 300 steps each: ~45 s apiece with compilation (seen

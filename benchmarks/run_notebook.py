@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import sys
+import time
 import traceback
 
 import matplotlib
@@ -35,11 +36,16 @@ def _figures_as_outputs() -> list[dict]:
   return outputs
 
 
-def execute(notebook: dict) -> bool:
-  """Runs every code cell, replacing its outputs; False if one raised."""
+def execute(notebook: dict, after_cell=None) -> bool:
+  """Runs every code cell, replacing its outputs; False if one raised.
+
+  `after_cell(notebook)`, if given, runs after each cell (to save progress
+  where the run may be cut off).
+  """
   namespace: dict = {"__name__": "__main__"}
   plt.show = lambda *args, **kwargs: None  # figures are collected per cell
   count = 0
+  start = time.perf_counter()
   for cell in notebook["cells"]:
     if cell["cell_type"] != "code":
       continue
@@ -59,7 +65,10 @@ def execute(notebook: dict) -> bool:
                         "text": stream.getvalue().splitlines(keepends=True)})
     outputs.extend(_figures_as_outputs())
     cell["outputs"], cell["execution_count"] = outputs, count
-    print(f"cell {count}: {'FAILED' if failed else 'ok'}", flush=True)
+    print(f"cell {count}: {'FAILED' if failed else 'ok'} after "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+    if after_cell:
+      after_cell(notebook)
     if failed:
       print(stderr.getvalue()[-2000:], file=sys.stderr)
       return False
@@ -70,10 +79,13 @@ def main(argv=None) -> int:
   source, target = (argv or sys.argv[1:])[:2]
   with open(source) as f:
     notebook = json.load(f)
-  ok = execute(notebook)
-  with open(target, "w") as f:
-    json.dump(notebook, f, indent=1)
-    f.write("\n")
+
+  def save(notebook):
+    with open(target, "w") as f:
+      json.dump(notebook, f, indent=1)
+      f.write("\n")
+
+  ok = execute(notebook, after_cell=save)
   return 0 if ok else 1
 
 

@@ -194,11 +194,17 @@ def measure(attention: Callable, case: Case, *, seed: int = 0,
 
 
 def _forward_and_vjp(attention, is_causal, q, k, v, d_out):
-  # Not under jit: JAX 0.10's CPU backend cannot compile jax.nn's float16
-  # attention (an F16_F16_F32 dot), while op by op it runs.
-  out, pullback = jax.vjp(
-      lambda q, k, v: attention(q, k, v, is_causal=is_causal), q, k, v)
-  return out, pullback(d_out)
+  def forward_and_vjp(q, k, v, d_out):
+    out, pullback = jax.vjp(
+        lambda q, k, v: attention(q, k, v, is_causal=is_causal), q, k, v)
+    return out, pullback(d_out)
+
+  # Jitted on a GPU, where op-by-op dispatch compiles every small op of
+  # the wrappers separately; not on the CPU, where JAX 0.10 cannot compile
+  # jax.nn's float16 attention (an F16_F16_F32 dot) but runs it op by op.
+  if jax.default_backend() == "gpu":
+    forward_and_vjp = jax.jit(forward_and_vjp)
+  return forward_and_vjp(q, k, v, d_out)
 
 
 def sweep(implementations: Mapping[str, Callable], cases: Iterable[Case], *,
