@@ -121,7 +121,7 @@ def test_fp8_forward_accuracy_on_gpu(head_dim, is_causal, per_block):
   assert np.isfinite(e["fp8_max"]), e
   assert e["fp8_max"] <= 2 * e["naive_fp8_max"] + 1e-3, e
   assert e["fp8_mean"] <= 2 * e["naive_fp8_mean"], e
-  assert e["fp8_lse_max"] <= 0.1, e
+  assert e["fp8_lse_max"] <= 2 * e["naive_fp8_lse_max"] + 1e-3, e
 
 
 def test_naive_fp8_yardstick():
@@ -131,8 +131,10 @@ def test_naive_fp8_yardstick():
   exact = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)),
                               is_causal=True)
   mean_error = lambda x: float(jnp.abs(x - exact).mean())
-  per_tensor = mean_error(naive_fp8(q, k, v, is_causal=True, per_block=False))
-  per_block = mean_error(naive_fp8(q, k, v, is_causal=True, per_block=True))
+  per_tensor = mean_error(naive_fp8(q, k, v, is_causal=True,
+                                    per_block=False)[0])
+  per_block = mean_error(naive_fp8(q, k, v, is_causal=True,
+                                   per_block=True)[0])
   bf16 = mean_error(attention_reference(q, k, v, is_causal=True)
                     .astype(jnp.float32))
   size = float(jnp.abs(exact).mean())
