@@ -36,6 +36,20 @@ def _figures_as_outputs() -> list[dict]:
   return outputs
 
 
+class _Tee(io.StringIO):
+  """Captures a cell's stream and echoes it live, so that a run cut off by
+  a timeout still shows how far it got (progress bars go to stderr)."""
+
+  def __init__(self, echo):
+    super().__init__()
+    self._echo = echo
+
+  def write(self, text):
+    self._echo.write(text)
+    self._echo.flush()
+    return super().write(text)
+
+
 def execute(notebook: dict, after_cell=None) -> bool:
   """Runs every code cell, replacing its outputs; False if one raised.
 
@@ -51,7 +65,7 @@ def execute(notebook: dict, after_cell=None) -> bool:
       continue
     count += 1
     source = "".join(cell["source"])
-    stdout, stderr = io.StringIO(), io.StringIO()
+    stdout, stderr = io.StringIO(), _Tee(sys.stderr)
     outputs, failed = [], False
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
       try:

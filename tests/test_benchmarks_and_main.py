@@ -151,3 +151,30 @@ def test_device_counts_double_up_to_all():
   assert device_counts(1) == [1]
   assert device_counts(8) == [1, 2, 4, 8]
   assert device_counts(6) == [1, 2, 4, 6]
+
+
+def test_run_notebook_records_outputs_and_stops_at_a_failure(tmp_path, capsys):
+  """The Jupyter-less runner used on the GPU machine: streams, figures,
+  saving after each cell, and the first failing cell ends the run."""
+  from benchmarks import run_notebook
+  code = lambda source: {"cell_type": "code", "source": source,
+                         "outputs": [], "metadata": {}}
+  notebook = {"cells": [
+      code("x = 2\nprint('x is', x)"),
+      {"cell_type": "markdown", "source": "text", "metadata": {}},
+      code("import sys, matplotlib.pyplot as plt\n"
+           "print('progress', file=sys.stderr)\nplt.plot([x, 3])"),
+      code("raise RuntimeError('stop here')"),
+      code("print('never')")]}
+  saved = []
+  assert not run_notebook.execute(notebook, after_cell=lambda nb: saved.append(
+      [len(c.get("outputs", [])) for c in nb["cells"]]))
+  first, _, second, third, fourth = notebook["cells"]
+  assert first["outputs"][0]["text"] == ["x is 2\n"]
+  kinds = [o["output_type"] for o in second["outputs"]]
+  assert kinds == ["stream", "display_data"]
+  assert "image/png" in second["outputs"][1]["data"]
+  assert "stop here" in "".join(third["outputs"][0]["text"])
+  assert fourth["outputs"] == [] and "execution_count" not in fourth
+  assert len(saved) == 3          # after each code cell that ran
+  assert "progress" in capsys.readouterr().err   # echoed live
