@@ -29,6 +29,9 @@ FORWARD_SPACE = dict(block_q=(64, 128), block_kv=(64, 128, 192),
                      max_concurrent_steps=(2, 3, 4))
 BACKWARD_SPACE = dict(block_q=(64, 128), block_kv=(64, 128),
                       max_concurrent_steps=(2, 3))
+# Causal launch order (`forward.tile_index`), default tiles: an A/B in one
+# process, since the predicted gain (a few %) is run-to-run noise otherwise.
+ORDER_SPACE = dict(heavy_first=(False, True))
 
 
 def candidates(space: dict) -> list[dict]:
@@ -56,9 +59,12 @@ def backward_benchmark(cell: common.Cell, blocks: dict):
   return fn, (q, k, v, out, lse, d_out)
 
 
-KERNELS = {"forward": (forward_benchmark, FORWARD_SPACE, 1.0),
+# kernel -> (build, space, FLOPs relative to the forward, causal values).
+KERNELS = {"forward": (forward_benchmark, FORWARD_SPACE, 1.0, (False, True)),
            # FlashAttention's count: the backward is 2.5x the forward.
-           "backward": (backward_benchmark, BACKWARD_SPACE, 2.5)}
+           "backward": (backward_benchmark, BACKWARD_SPACE, 2.5, (False, True)),
+           "forward_order": (forward_benchmark, ORDER_SPACE, 1.0, (True,)),
+           "backward_order": (backward_benchmark, ORDER_SPACE, 2.5, (True,))}
 
 
 def main(argv=None) -> int:
@@ -70,7 +76,7 @@ def main(argv=None) -> int:
   parser.add_argument("--head-dims", nargs="+", type=int,
                       default=[64, 128, 256])
   parser.add_argument("--kernels", nargs="+", choices=list(KERNELS),
-                      default=list(KERNELS))
+                      default=["forward", "backward"])
   parser.add_argument("--budget", type=float, default=400.0,
                       help="seconds; the JSON keeps what was measured")
   parser.add_argument("--out",
@@ -81,12 +87,12 @@ def main(argv=None) -> int:
   deadline = time.monotonic() + args.budget
   jobs = [(kernel, head_dim, causal, blocks)
           for kernel in args.kernels for head_dim in args.head_dims
-          for causal in (False, True)
+          for causal in KERNELS[kernel][3]
           for blocks in candidates(KERNELS[kernel][1])]
   for kernel, head_dim, causal, blocks in common.progress(jobs, desc="sweep"):
     if time.monotonic() > deadline:
       break
-    build, _, flops_factor = KERNELS[kernel]
+    build, _, flops_factor, _ = KERNELS[kernel]
     cell = common.Cell.standard("fwd", args.seq, head_dim, causal)
     trial = {"kernel": kernel, "head_dim": head_dim, "causal": causal,
              **blocks}
@@ -105,22 +111,26 @@ def main(argv=None) -> int:
 
 
 def best_lines(trials: list[dict]) -> list[str]:
-  """The best blocks per (kernel, head_dim): geometric mean over causal."""
+  """The best candidate per (kernel, head_dim): geometric mean over the
+  kernel's causal values (candidates measured for all of them only)."""
   lines = []
   groups = {}
   for t in trials:
     if "tflops" in t:
       key = (t["kernel"], t["head_dim"])
-      blocks = tuple((n, t[n]) for n in ("block_q", "block_kv",
-                                         "max_concurrent_steps"))
+      blocks = tuple((n, t[n]) for n in KERNELS[t["kernel"]][1])
       groups.setdefault(key, {}).setdefault(blocks, []).append(t["tflops"])
   for (kernel, head_dim), by_blocks in sorted(groups.items()):
+    causal_values = KERNELS[kernel][3]
     scored = {b: math.prod(v) ** (1 / len(v)) for b, v in by_blocks.items()
-              if len(v) == 2}
+              if len(v) == len(causal_values)}
     if scored:
       best = max(scored, key=scored.get)
+      others = ", ".join(f"{dict(b)} {v:.0f}" for b, v in scored.items()
+                         if b != best)
       lines.append(f"{kernel} d{head_dim}: {dict(best)} "
-                   f"{scored[best]:.0f} TFLOP/s (geomean full/causal)")
+                   f"{scored[best]:.0f} TFLOP/s (geomean over causal "
+                   f"{list(causal_values)}; others: {others})")
   return lines
 
 

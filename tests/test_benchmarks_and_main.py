@@ -113,7 +113,14 @@ def test_mosaic_sweep_picks_the_best_geometric_mean():
             trial(False, 550, 64), trial(True, 450, 64),
             trial(False, 900, 192)]
   [line] = best_lines(trials)
-  assert "'block_kv': 64" in line and line.startswith("forward d128")
+  assert line.startswith("forward d128: {'block_q': 64, 'block_kv': 64,")
+  # The causal-only launch-order A/B ranks on its one causal value.
+  order = lambda heavy_first, tflops: dict(
+      kernel="forward_order", head_dim=64, causal=True,
+      heavy_first=heavy_first, tflops=tflops)
+  [line] = best_lines([order(False, 400), order(True, 430)])
+  assert line.startswith("forward_order d64: {'heavy_first': True} 430")
+  assert "{'heavy_first': False} 400" in line
 
 
 def test_roofline_counts_each_tensor_once():

@@ -56,6 +56,15 @@ def test_forward_lowers_for_cuda(head_dim, is_causal, semantics, cuda_lowering,
   assert _KERNEL_NAME in text
 
 
+def test_causal_launch_order_changes_only_causal_kernels(cuda_lowering):
+  """`heavy_first` reorders causal tiles (`forward.tile_index`); without a
+  mask every tile costs the same, and the kernel is left as it was."""
+  text = lambda causal, heavy_first: _lower(128, causal,
+                                          heavy_first=heavy_first)
+  assert text(True, True) != text(True, False)
+  assert text(False, True) == text(False, False)
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_forward_lowers_deeper_pipeline(is_causal, cuda_lowering):
   # q_len > kv_len: under causal masking the last row tiles see every block.

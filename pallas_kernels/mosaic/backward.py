@@ -55,7 +55,7 @@ from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.forward import (
     _CONSUMER_REGISTERS, _PRODUCER_REGISTERS, _SMEM_LIMIT_BYTES,
     _LOG2E, _SUPPORTED_DTYPES, _SUPPORTED_HEAD_DIMS, _SWIZZLE_BYTES,
-    _TILE_MULTIPLE, _causal_mask, _cols, _rows)
+    _TILE_MULTIPLE, _causal_mask, _cols, _rows, tile_index)
 
 _MAX_CONSUMERS = 2
 # f32 registers per consumer thread that the wgmma accumulators (the
@@ -83,11 +83,16 @@ class _Static:
   is_causal: bool
   dtype: jnp.dtype
   outputs: tuple[str, ...]  # dK/dV kernel: ("dk", "dv"), ("dk",) or ("dv",)
+  # dQ kernel, causal: launch the tiles with the most K/V blocks first
+  # (`forward.tile_index`). The dK/dV kernel's K/V tile j reads the Q blocks
+  # from j on, so its grid order is heaviest first already.
+  heavy_first: bool = True
 
 
 def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     scale: float, is_causal: bool, block_q: int = 64,
-                    block_kv: int = 64, max_concurrent_steps: int = 2):
+                    block_kv: int = 64, max_concurrent_steps: int = 2,
+                    heavy_first: bool = True):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -111,6 +116,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     block_kv: K/V rows per tile: per consumer warpgroup in the dK/dV kernel,
       per streamed step in the dQ kernel.
     max_concurrent_steps: depth of the TMA ring of both kernels.
+    heavy_first: under causal masking, launch the dQ kernel's query tiles
+      with the most K/V blocks first; False launches them in order.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -126,7 +133,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   tiles = dict(scale=scale, is_causal=is_causal, block_q=block_q,
                block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
   # Planning raises for tiles that do not fit, before any work is traced.
-  dq_plan = _plan_dq(query, key, **tiles)
+  dq_plan = dataclasses.replace(_plan_dq(query, key, **tiles),
+                                heavy_first=bool(heavy_first))
   dkdv_plans = _plan_dkdv(query, key, **tiles)
   stats = _row_statistics(out, lse, d_out, d_lse)
   dq = _dq_call(query, key, value, d_out, stats, dq_plan)
@@ -576,8 +584,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref,
   batch = lax.axis_index("batch")
   head = lax.axis_index("head")
   wg = lax.axis_index("wg")
-  tile_start = lax.axis_index("q_tile") * (
-      static.num_consumers * static.block_q)
+  rows_per_tile = static.num_consumers * static.block_q
+  q_tile = tile_index(
+      "q_tile", static.num_q_blocks * static.block_q // rows_per_tile,
+      reverse=static.heavy_first and static.is_causal)
+  tile_start = q_tile * rows_per_tile
   # The last consumer's rows come last, so it sees the most K/V tiles.
   last_start = tile_start + (static.num_consumers - 1) * static.block_q
   num_steps = _num_kv_blocks_seen(last_start, static)
