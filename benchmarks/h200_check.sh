@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: tests mosaic_tests mosaic tune_mosaic order fp8 grid128 masks masks_mosaic memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order fp8 grid128 masks masks_mosaic memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -63,6 +63,9 @@ for step in "$@"; do
     ring)
       timeout 120 python3 -m benchmarks.ring_overhead > "$LOGS/ring.log" 2>&1
       cp benchmarks/results/h200_ring_overhead.* "$OUT/"; tail -15 "$LOGS/ring.log" ;;
+    probe)  # compile and run time per shape; a hang dumps its traceback
+      timeout ${PROBE_TIMEOUT:-240} python3 -m benchmarks.compile_probe --hang-after 90 \
+        > "$LOGS/probe.log" 2>&1; tail -60 "$LOGS/probe.log" ;;
     notebook)  # the committed notebook carries the GPU's outputs
       JAX_FLASH_NOTEBOOK_SIZE=${NOTEBOOK_SIZE:-full} timeout ${NOTEBOOK_TIMEOUT:-240} python3 -m \
         benchmarks.run_notebook notebooks/numerics.ipynb "$OUT/numerics.ipynb" ;;

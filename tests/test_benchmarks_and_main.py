@@ -185,3 +185,12 @@ def test_run_notebook_records_outputs_and_stops_at_a_failure(tmp_path, capsys):
   assert fourth["outputs"] == [] and "execution_count" not in fourth
   assert len(saved) == 3          # after each code cell that ran
   assert "progress" in capsys.readouterr().err   # echoed live
+
+
+def test_compile_probe_reports_both_steps(capsys):
+  from benchmarks import compile_probe
+  assert compile_probe.main(["--shapes", "1", "--dtypes", "float32"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 3    # the device, then causal False and True
+  for line in lines[1:]:
+    assert "fwd compile s" in line and "fwd+vjp first run s" in line, line
