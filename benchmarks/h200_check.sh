@@ -27,12 +27,12 @@ for step in "$@"; do
   case $step in
     tests)  # per-test limit instead of an outer kill (see above)
       python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
-        --durations=15 -p no:benchmark ${GPU_TESTS:-tests/test_gpu.py tests/test_mosaic_lowering.py tests/test_mosaic_backward.py tests/test_mosaic_fp8.py} > "$OUT/pytest_gpu.log" 2>&1
+        --durations=15 -p no:benchmark ${GPU_TESTS:-tests/test_gpu.py tests/test_mosaic_*.py} > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;
     mosaic_tests)  # the Mosaic kernels alone (backward and FP8 are new)
       python3 -m pytest -m gpu -n 4 -q -rf --tb=short --timeout 150 -p no:cacheprovider \
         --durations=10 -p no:benchmark tests/test_mosaic_lowering.py \
-        tests/test_mosaic_backward.py tests/test_mosaic_fp8.py tests/test_mosaic_masked.py \
+        tests/test_mosaic_backward.py tests/test_mosaic_fp8.py tests/test_mosaic_masked*.py \
         > "$OUT/pytest_mosaic.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_mosaic.log" | tail -30 ;;
     mosaic)  # the Hopper path against cuDNN and tokamax, seq 16k
