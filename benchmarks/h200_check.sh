@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order fp8 grid128 masks masks_mosaic memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -86,6 +86,10 @@ for step in "$@"; do
     masks_mosaic)  # the masked Mosaic forward (Triton backward)
       timeout 100 python3 -m benchmarks.masks --implementation mosaic > "$LOGS/masks_mosaic.log" 2>&1
       cp benchmarks/results/h200_masks_mosaic.* "$OUT/"; tail -18 "$LOGS/masks_mosaic.log" ;;
+    masks_mosaic_bwd)  # and the masked Mosaic backward (gated until tested)
+      timeout 100 python3 -m benchmarks.masks --implementation mosaic --mosaic-masked-backward \
+        > "$LOGS/masks_mosaic_bwd.log" 2>&1
+      cp benchmarks/results/h200_masks_mosaic_masked_backward.* "$OUT/"; tail -18 "$LOGS/masks_mosaic_bwd.log" ;;
     memory)
       timeout 110 python3 -m benchmarks.memory --impls jax_flash_triton xla \
         --worker-timeout 50 > "$LOGS/memory.log" 2>&1

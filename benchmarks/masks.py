@@ -64,10 +64,18 @@ def main(argv=None) -> int:
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--implementation", choices=("triton", "mosaic"),
                       default="triton")
+  parser.add_argument("--mosaic-masked-backward", action="store_true",
+                      help="with --implementation mosaic: masks' gradients "
+                      "by the masked Mosaic backward (off by default until "
+                      "its GPU tests pass) instead of the Triton one")
   parser.add_argument("--out", default=None,
                       help="default benchmarks/results/h200_masks[_mosaic].json")
   args = parser.parse_args(argv)
   suffix = "" if args.implementation == "triton" else "_" + args.implementation
+  if args.mosaic_masked_backward:
+    from pallas_kernels.mosaic import attention as mosaic_attention
+    mosaic_attention.MASKED_BACKWARD_ENABLED = True
+    suffix += "_masked_backward"
   out_path = args.out or f"benchmarks/results/h200_masks{suffix}.json"
   interpret = not compat.has_gpu()
   shape = (1, args.seq, args.heads, args.head_dim)
@@ -94,7 +102,9 @@ def main(argv=None) -> int:
                          speedup_vs_full=base_ms / ms))
         bar.update()
   result = {**common.run_header("benchmarks.masks", argv),
-            "implementation": args.implementation, "records": rows}
+            "implementation": args.implementation,
+            "mosaic_masked_backward": args.mosaic_masked_backward,
+            "records": rows}
   text = render.write_results(
       out_path, result, ["variant", "mode", "ms", "dense TFLOP/s", "x full"],
       [[r["variant"], r["mode"], f"{r['ms']:.3f}", f"{r['tflops_dense']:.0f}",

@@ -194,3 +194,21 @@ def test_compile_probe_reports_both_steps(capsys):
   assert len(lines) == 3    # the device, then causal False and True
   for line in lines[1:]:
     assert "fwd compile s" in line and "fwd+vjp first run s" in line, line
+
+
+def test_masks_benchmark_skips_what_a_backend_lacks(tmp_path, monkeypatch):
+  """On the CPU the Mosaic kernels refuse every call (no interpret mode):
+  each row is skipped and recorded as absent, not a crash or a timing."""
+  from benchmarks import masks
+  from pallas_kernels.mosaic import attention as mosaic_attention
+  monkeypatch.setattr(mosaic_attention, "MASKED_BACKWARD_ENABLED", False)
+  out = tmp_path / "masks.json"
+  assert masks.main(["--implementation", "mosaic", "--mosaic-masked-backward",
+                     "--seq", "32", "--heads", "2", "--head-dim", "32",
+                     "--reps", "1", "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert result["implementation"] == "mosaic"
+  assert result["mosaic_masked_backward"] is True
+  assert mosaic_attention.MASKED_BACKWARD_ENABLED      # the option's effect
+  if not compat.has_gpu():
+    assert result["records"] == []

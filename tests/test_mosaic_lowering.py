@@ -122,7 +122,8 @@ def test_unsupported_calls_raise_not_implemented(kwargs, match):
 ], ids=str)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
-  """Forward by Mosaic, gradients by the shared (Triton) backward."""
+  """Forward and gradients by the Mosaic kernels, through `flash_attention`
+  (the Mosaic backward is the Mosaic path's default since 2026-11-29)."""
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90 (wgmma, TMA, setmaxnreg)")
 

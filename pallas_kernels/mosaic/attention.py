@@ -11,7 +11,10 @@ fwd+bwd at seq 16k 1.07-1.26x faster than with the Triton backward
 `flash_attention_mosaic_masked`: the masked forward (`mosaic_forward_masked`:
 window, q_offset, lengths, segment ids, soft cap, any lengths) with the Triton backward
 for the same `MaskSpec`. `mosaic_attention` routes calls to it while
-`MASKED_KERNEL_ENABLED` (on since its GPU tests passed).
+`MASKED_KERNEL_ENABLED` (on since its GPU tests passed). With
+`MASKED_BACKWARD_ENABLED`, its gradients come from the masked Mosaic backward
+(`mosaic_backward_masked`, falling back to Triton for calls it does not
+cover).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from pallas_kernels.config import BlockSizes
 from pallas_kernels.mosaic.backward import mosaic_backward
 from pallas_kernels.mosaic.forward import default_block_kv, mosaic_forward
 from pallas_kernels.mosaic.masked import mosaic_forward_masked
+from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
 from pallas_kernels.triton.backward import flash_backward
 
 
@@ -34,6 +38,10 @@ BACKWARDS = ("triton", "mosaic")
 # The masked forward passed its GPU tests on the H200 (2026-11-29); the
 # switch stays so that a regression can route masks back to Triton.
 MASKED_KERNEL_ENABLED = True
+# The masked Mosaic backward cross-lowers on the CPU; it stays off (masked
+# gradients by the Triton backward) until tests/test_mosaic_masked_backward.py
+# passes on an sm90 GPU.
+MASKED_BACKWARD_ENABLED = False
 # Head dims the kernels take natively; others are zero-padded up to one.
 NATIVE_HEAD_DIMS = (64, 128, 256)
 
@@ -132,7 +140,9 @@ flash_attention_mosaic.defvjp(_fwd, _bwd)
 def flash_attention_mosaic_masked(query, key, value, operands: Operands,
                                   scale: float, spec: MaskSpec,
                                   backward_blocks: BlockSizes):
-  """`mosaic_forward_masked` with the Triton backward for the same `spec`.
+  """`mosaic_forward_masked`; gradients by `mosaic_backward_masked` while
+  `MASKED_BACKWARD_ENABLED`, else (or where it raises NotImplementedError)
+  by the Triton backward for the same `spec`.
 
   `operands` carries q_offset, q_lengths, kv_lengths (int32 [batch]) and
   the segment ids;
@@ -155,6 +165,16 @@ def _masked_fwd(query, key, value, operands, scale, spec, backward_blocks):
 def _masked_bwd(scale, spec, backward_blocks, residuals, cotangents):
   query, key, value, out, lse, operands = residuals
   d_out, d_lse = cotangents
+  if MASKED_BACKWARD_ENABLED:
+    try:
+      dq, dk, dv = mosaic_backward_masked(
+          query, key, value, out, lse, d_out, d_lse, scale=scale, spec=spec,
+          q_offset=operands.q_offset, q_lengths=operands.q_lengths,
+          kv_lengths=operands.kv_lengths, q_segments=operands.q_segments,
+          kv_segments=operands.kv_segments)
+      return dq, dk, dv, None
+    except NotImplementedError:
+      pass  # a call the masked Mosaic backward does not cover: Triton's
   with compat.quiet_triton_deprecation():
     dq, dk, dv, _ = flash_backward(
         query, key, value, out, lse, d_out, d_lse, operands, None,

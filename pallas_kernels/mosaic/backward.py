@@ -39,11 +39,26 @@ dK/dV kernel runs twice, once per output; the dV pass then skips dPᵀ.
 Causal (top-left aligned, as `jax.nn.dot_product_attention`): query i
 attends keys j <= i. Tiles wholly above the diagonal are left out of the
 loop bounds; only tiles that straddle it are masked.
+
+Ranged form (`masked_backward.mosaic_backward_masked`: window, q_offset,
+lengths, segment ids, soft cap, any lengths), chosen by `_Static.spec` at
+trace time as in the forward (the plain form's code is untouched by it).
+Each CTA reads a plan row built in XLA from `masking.classify_blocks` (the
+one definition of the masks; see `masked.tile_plans`): per consumer the
+range [lo, hi) of streamed blocks it computes and the run
+[unmasked_lo, unmasked_hi) of them that need no mask, and the union
+[first, total) that the producer streams. Every consumer walks every step
+of the union, as in the plain form: the steps outside its range are skips.
+Masked steps apply `masking.keep`, and score changes (the soft cap) enter
+through `masking.modify_scores` and its derivative. Segment ids: those of a
+consumer's own rows are resident; those of the streamed tiles travel in a
+ring of their own, one more stream of the producer.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -51,11 +66,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_flash import masking
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.forward import (
-    _CONSUMER_REGISTERS, _PRODUCER_REGISTERS, _SMEM_LIMIT_BYTES,
-    _LOG2E, _SUPPORTED_DTYPES, _SUPPORTED_HEAD_DIMS, _SWIZZLE_BYTES,
-    _TILE_MULTIPLE, _causal_mask, _cols, _rows, tile_index)
+    _CONSUMER_REGISTERS, _PLAN_SCALARS, _PLAN_UNION, _PRODUCER_REGISTERS,
+    _SMEM_LIMIT_BYTES, _LOG2E, _SUPPORTED_DTYPES, _SUPPORTED_HEAD_DIMS,
+    _SWIZZLE_BYTES, _TILE_MULTIPLE, PLAN_WIDTH, _Plan, _causal_mask, _cols,
+    _read_plan, _rows, _variant_mask, tile_index)
 
 _MAX_CONSUMERS = 2
 # f32 registers per consumer thread that the wgmma accumulators (the
@@ -65,6 +82,8 @@ _MAX_CONSUMERS = 2
 # warpgroup is m * n / 128 registers per thread.
 _ACCUMULATOR_REGISTERS = 192
 _THREADS_PER_WARPGROUP = 128
+# How a consumer treats a run of streamed steps (see `_walk_runs`).
+_SKIP, _MASKED, _UNMASKED = "skip", "masked", "unmasked"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +106,17 @@ class _Static:
   # (`forward.tile_index`). The dK/dV kernel's K/V tile j reads the Q blocks
   # from j on, so its grid order is heaviest first already.
   heavy_first: bool = True
+  # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
+  # ranges come from a plan row per CTA instead of causal geometry.
+  spec: Any = None
+
+  @property
+  def ranged(self) -> bool:
+    return self.spec is not None
+
+  @property
+  def segmented(self) -> bool:
+    return self.ranged and self.spec.has_segments
 
 
 def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
@@ -127,27 +157,50 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       dim, lengths not multiples of the tiles, tiles that do not fit in
       shared memory or registers), so that a dispatcher falls back.
   """
-  _check_supported(query, key, value, out, lse, d_out, d_lse,
-                   block_q=block_q, block_kv=block_kv,
-                   max_concurrent_steps=max_concurrent_steps)
+  check_supported(query, key, value, out, lse, d_out, d_lse,
+                  block_q=block_q, block_kv=block_kv,
+                  max_concurrent_steps=max_concurrent_steps)
   tiles = dict(scale=scale, is_causal=is_causal, block_q=block_q,
                block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
-  # Planning raises for tiles that do not fit, before any work is traced.
-  dq_plan = dataclasses.replace(_plan_dq(query, key, **tiles),
-                                heavy_first=bool(heavy_first))
-  dkdv_plans = _plan_dkdv(query, key, **tiles)
-  stats = _row_statistics(out, lse, d_out, d_lse)
-  dq = _dq_call(query, key, value, d_out, stats, dq_plan)
+  # Configuring raises for tiles that do not fit, before any work is traced.
+  dq_config = dataclasses.replace(dq_static(query, key, **tiles),
+                                  heavy_first=bool(heavy_first))
+  dkdv_configs = dkdv_statics(query, key, **tiles)
+  stats = row_statistics(out, lse, d_out, d_lse)
+  return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
+
+
+def gradients(query, key, value, d_out, stats, dq_config: _Static,
+              dkdv_configs: list[_Static], *, dq_plan=None, dkdv_plan=None,
+              segments=None):
+  """(dq, dk, dv) by the dQ kernel and the dK/dV pass(es).
+
+  Args:
+    query, key, value, d_out: as `mosaic_backward`'s.
+    stats: `row_statistics`, float32 [batch, num_heads, 2, rows].
+    dq_config, dkdv_configs: from `dq_static` and `dkdv_statics`.
+    dq_plan, dkdv_plan: the ranged kernels' plan rows, int32
+      [batch, num_tiles, PLAN_WIDTH] (see `masked.tile_plans`), or None.
+    segments: the ranged kernels' (q ids [batch, q_len], kv ids
+      [batch, kv_len]) when the spec has segment ids, else None.
+  """
+  dq = launch_dq(query, key, value, d_out, stats, dq_config, plan=dq_plan,
+                 segments=segments)
   grads = {}
-  for static in dkdv_plans:
+  for static in dkdv_configs:
     grads.update(zip(static.outputs,
-                     _dkdv_call(query, key, value, d_out, stats, static)))
+                     launch_dkdv(query, key, value, d_out, stats, static,
+                                 plan=dkdv_plan, segments=segments)))
   return dq, grads["dk"], grads["dv"]
 
 
-def _check_supported(query, key, value, out, lse, d_out, d_lse, *, block_q,
-                     block_kv, max_concurrent_steps):
-  """Validates shapes (ValueError/TypeError) and coverage (NotImplemented)."""
+def check_supported(query, key, value, out, lse, d_out, d_lse, *, block_q,
+                    block_kv, max_concurrent_steps,
+                    any_lengths: bool = False):
+  """Validates shapes (ValueError/TypeError) and coverage (NotImplemented).
+
+  `any_lengths`: the ranged kernels mask the tails of both sequences.
+  """
   if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
     raise ValueError("query, key and value must be [batch, len, heads, dim]; "
                      f"got {query.shape}, {key.shape}, {value.shape}")
@@ -184,10 +237,10 @@ def _check_supported(query, key, value, out, lse, d_out, d_lse, *, block_q,
   if block_q % _TILE_MULTIPLE or block_kv % _TILE_MULTIPLE:
     raise NotImplementedError(f"block_q {block_q} and block_kv {block_kv} "
                               f"must be multiples of {_TILE_MULTIPLE}")
-  if q_len % block_q:
+  if not any_lengths and q_len % block_q:
     raise NotImplementedError(f"q_len {q_len} must be a multiple of block_q "
                               f"{block_q} (tails are not masked yet)")
-  if kv_len % block_kv:
+  if not any_lengths and kv_len % block_kv:
     raise NotImplementedError(f"kv_len {kv_len} must be a multiple of "
                               f"block_kv {block_kv} (tails are not masked yet)")
   if max_concurrent_steps < 1:
@@ -195,7 +248,7 @@ def _check_supported(query, key, value, out, lse, d_out, d_lse, *, block_q,
         f"max_concurrent_steps must be >= 1, got {max_concurrent_steps}")
 
 
-def _row_statistics(out, lse, d_out, d_lse):
+def row_statistics(out, lse, d_out, d_lse):
   """float32 [batch, num_heads, 2, q_len]: (lse in base 2, delta) per row.
 
   delta = rowsum(dO ∘ O) - d_lse (FlashAttention-2 §3.2), the product and
@@ -232,6 +285,29 @@ def _smem_bytes(*, num_consumers, num_stages, resident_rows, streamed_rows,
   return tiles + stats
 
 
+def _ranged_smem_bytes(spec, *, num_consumers, num_stages, resident_rows,
+                       streamed_rows) -> int:
+  """The ranged kernels' extra shared memory (0 for the plain ones): a plan
+  row per warpgroup and, with segment ids, the int32 ids of each consumer's
+  rows and of each ring slot."""
+  if spec is None:
+    return 0
+  plan = (num_consumers + 1) * PLAN_WIDTH * 4
+  if not spec.has_segments:
+    return plan
+  return plan + (num_consumers * resident_rows
+                 + num_stages * streamed_rows) * 4
+
+
+def _tiled_length(length: int, block: int, spec) -> int:
+  """The length the grid's CTA tiles must divide: the plain kernels need
+  whole tiles; the ranged ones mask a tail, so any length counts as padded
+  to whole tiles of `_MAX_CONSUMERS` consumers."""
+  if spec is None:
+    return length
+  return pl.cdiv(length, _MAX_CONSUMERS * block) * _MAX_CONSUMERS * block
+
+
 def _num_consumers(length, block, smem_of) -> int:
   """Two consumer warpgroups if the length splits and shared memory allows.
 
@@ -247,8 +323,9 @@ def _num_consumers(length, block, smem_of) -> int:
       f"with one consumer; sm90 has {_SMEM_LIMIT_BYTES}")
 
 
-def _plan_dq(query, key, *, scale, is_causal, block_q, block_kv,
-             max_concurrent_steps) -> _Static:
+def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
+              max_concurrent_steps, spec=None) -> _Static:
+  """The dQ kernel's configuration (`spec`: the ranged form's mask spec)."""
   _, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   registers = _accumulator_registers((block_q, head_dim),
@@ -258,25 +335,28 @@ def _plan_dq(query, key, *, scale, is_causal, block_q, block_kv,
         f"dQ with block_q {block_q}, block_kv {block_kv} at head_dim "
         f"{head_dim} needs {registers} accumulator registers per thread; "
         f"at most {_ACCUMULATOR_REGISTERS} fit")
-  num_kv_blocks = kv_len // block_kv
+  num_kv_blocks = pl.cdiv(kv_len, block_kv)
   stages = min(max_concurrent_steps, num_kv_blocks)
   smem_of = lambda consumers: _smem_bytes(
       num_consumers=consumers, num_stages=stages, resident_rows=block_q,
       streamed_rows=block_kv, head_dim=head_dim,
       itemsize=jnp.dtype(query.dtype).itemsize, resident_stats=block_q,
-      streamed_stats=0)
+      streamed_stats=0) + _ranged_smem_bytes(
+          spec, num_consumers=consumers, num_stages=stages,
+          resident_rows=block_q, streamed_rows=block_kv)
   return _Static(
       block_q=block_q, block_kv=block_kv,
-      num_consumers=_num_consumers(q_len, block_q, smem_of),
-      num_stages=stages, num_q_blocks=q_len // block_q,
+      num_consumers=_num_consumers(_tiled_length(q_len, block_q, spec),
+                                   block_q, smem_of),
+      num_stages=stages, num_q_blocks=pl.cdiv(q_len, block_q),
       num_kv_blocks=num_kv_blocks, head_dim=head_dim,
       group=num_heads // num_kv_heads, scale=float(scale),
       scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
-      dtype=jnp.dtype(query.dtype), outputs=("dq",))
+      dtype=jnp.dtype(query.dtype), outputs=("dq",), spec=spec)
 
 
-def _plan_dkdv(query, key, *, scale, is_causal, block_q, block_kv,
-               max_concurrent_steps) -> list[_Static]:
+def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
+                 max_concurrent_steps, spec=None) -> list[_Static]:
   """One pass computing dK and dV, or one pass each if registers demand."""
   _, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
@@ -294,21 +374,24 @@ def _plan_dkdv(query, key, *, scale, is_causal, block_q, block_kv,
           f"even one output at a time; at most {_ACCUMULATOR_REGISTERS} fit")
     passes = [("dk",), ("dv",)]
   group = num_heads // num_kv_heads
-  num_q_blocks = q_len // block_q
+  num_q_blocks = pl.cdiv(q_len, block_q)
   stages = min(max_concurrent_steps, group * num_q_blocks)
   smem_of = lambda consumers: _smem_bytes(
       num_consumers=consumers, num_stages=stages, resident_rows=block_kv,
       streamed_rows=block_q, head_dim=head_dim,
       itemsize=jnp.dtype(query.dtype).itemsize, resident_stats=0,
-      streamed_stats=block_q)
-  consumers = _num_consumers(kv_len, block_kv, smem_of)
+      streamed_stats=block_q) + _ranged_smem_bytes(
+          spec, num_consumers=consumers, num_stages=stages,
+          resident_rows=block_kv, streamed_rows=block_q)
+  consumers = _num_consumers(_tiled_length(kv_len, block_kv, spec), block_kv,
+                             smem_of)
   return [
       _Static(block_q=block_q, block_kv=block_kv, num_consumers=consumers,
               num_stages=stages, num_q_blocks=num_q_blocks,
-              num_kv_blocks=kv_len // block_kv, head_dim=head_dim,
+              num_kv_blocks=pl.cdiv(kv_len, block_kv), head_dim=head_dim,
               group=group, scale=float(scale),
               scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
-              dtype=jnp.dtype(query.dtype), outputs=outputs)
+              dtype=jnp.dtype(query.dtype), outputs=outputs, spec=spec)
       for outputs in passes]
 
 
@@ -324,8 +407,13 @@ def _tile_transforms(dtype):
 # dK/dV kernel.
 
 
-def _dkdv_call(query, key, value, d_out, stats, static: _Static):
-  """Launches the dK/dV kernel for `static.outputs`; returns them in order."""
+def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
+                plan=None, segments=None):
+  """Launches the dK/dV kernel for `static.outputs`; returns them in order.
+
+  Ranged: `plan` int32 [batch, num_kv_tiles, PLAN_WIDTH]; `segments` as
+  `gradients` takes them.
+  """
   batch, kv_len, num_kv_heads, head_dim = key.shape
   consumers, stages = static.num_consumers, static.num_stages
   transforms = _tile_transforms(static.dtype)
@@ -346,6 +434,11 @@ def _dkdv_call(query, key, value, d_out, stats, static: _Static):
       plgpu.Barrier(num_barriers=stages),                 # stats_arrived
       plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # consumed
   )
+  inputs = (query, key, value, d_out, stats)
+  if static.ranged:
+    scratch += _ranged_scratch(static, resident_rows=static.block_kv,
+                               streamed_rows=static.block_q)
+    inputs += (plan, *(segments or ()))
   out_type = tuple(jax.ShapeDtypeStruct(key.shape, key.dtype)
                    for _ in static.outputs)
   results = plgpu.kernel(
@@ -353,34 +446,43 @@ def _dkdv_call(query, key, value, d_out, stats, static: _Static):
       out_type=out_type,
       scratch_types=scratch,
       # kv_tile fastest: neighbouring CTAs stream the same Q tiles from L2.
-      grid=(kv_len // (consumers * static.block_kv), num_kv_heads, batch),
+      grid=(pl.cdiv(kv_len, consumers * static.block_kv), num_kv_heads,
+            batch),
       grid_names=("kv_tile", "kv_head", "batch"),
       num_threads=consumers + 1,
       thread_name="wg",
-      kernel_name="mosaic_flash_backward_" + "".join(static.outputs),
+      kernel_name=_kernel_name(static, "".join(static.outputs)),
       compiler_params=compat.compiler_params(approx_math=True),
-  )(query, key, value, d_out, stats)
+  )(*inputs)
   return tuple(results)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs,
-                 static: _Static):
-  """Kernel body; `refs` are the outputs then `_dkdv_call`'s scratch list."""
+def _dkdv_kernel(*refs, static: _Static):
+  """Kernel body; refs: `launch_dkdv`'s inputs (q, k, v, dO, stats, then
+  the ranged kernel's plan, q ids, kv ids), the outputs, its scratch list.
+  """
+  num_inputs = 5 + static.ranged + 2 * static.segmented
   num_out = len(static.outputs)
-  out_refs = dict(zip(static.outputs, refs[:num_out]))
+  inputs = refs[:num_inputs]
+  q_ref, k_ref, v_ref, do_ref, stats_ref = inputs[:5]
+  out_refs = dict(zip(static.outputs, refs[num_inputs:num_inputs + num_out]))
+  scratch = refs[num_inputs + num_out:]
   (k_smem, v_smem, q_ring, do_ring, stats_ring, k_arrived, v_arrived,
-   q_arrived, do_arrived, stats_arrived, consumed) = refs[num_out:]
+   q_arrived, do_arrived, stats_arrived, consumed) = scratch[:11]
   batch = lax.axis_index("batch")
   kv_head = lax.axis_index("kv_head")
   wg = lax.axis_index("wg")
-  tile_start = lax.axis_index("kv_tile") * (
-      static.num_consumers * static.block_kv)
-  # The union of the consumers' Q tiles, per query head of the group:
-  # [first, num_q_blocks), where first is consumer 0's (it sees the most).
-  first = _first_q_block(tile_start, static)
-  per_head = static.num_q_blocks - first
-  num_steps = static.group * per_head
-  arrived = (q_arrived, do_arrived, stats_arrived)
+  kv_tile = lax.axis_index("kv_tile")
+  tile_start = kv_tile * (static.num_consumers * static.block_kv)
+  plan, ids = _ranged_refs(static, inputs[5:], scratch[11:], batch=batch,
+                           tile=kv_tile, own_is_query=False)
+  if plan is None:
+    # The union of the consumers' Q tiles, per query head of the group:
+    # [first, num_q_blocks), where first is consumer 0's (it sees the most).
+    first = _first_q_block(tile_start, static)
+    per_head = static.num_q_blocks - first
+    num_steps = static.group * per_head
+  arrived = (q_arrived, do_arrived, stats_arrived) + _ids_arrived(ids)
 
   @pl.when(wg < static.num_consumers)
   def _consumer():
@@ -395,9 +497,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs,
                               v_arrived.at[wg])
       plgpu.barrier_wait(v_arrived.at[wg])
     plgpu.barrier_wait(k_arrived.at[wg])
+    if plan is None:
+      walk = _Walk(first, per_head, _dkdv_causal_runs(kv_start, first, static),
+                   None)
+      tile_mask = lambda i, slot: _causal_mask_t(kv_start, i, static)
+    else:
+      walk = _ranged_walk(plan, wg)
+      own_ids = _own_ids(ids, kv_rows, wg)
+      shape = (static.block_kv, static.block_q)
+      tile_mask = lambda i, slot: _variant_mask_t(
+          kv_start, i, static, _tile_values(walk.values, own_ids, ids, slot,
+                                            shape, own_is_query=False))
     grads = _dkdv_consume(own_k, own_v, q_ring, do_ring, stats_ring, arrived,
-                          consumed, kv_start=kv_start, first=first,
-                          per_head=per_head, static=static)
+                          consumed, walk=walk, tile_mask=tile_mask,
+                          static=static)
     # K and V are dead: write the gradients through their buffers.
     staged = {"dk": own_k, "dv": own_v}
     for name, grad in zip(static.outputs, grads):
@@ -411,14 +524,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs,
   @pl.when(wg == static.num_consumers)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    if plan is None:
+      union_first, union_per_head, union_steps = first, per_head, num_steps
+    else:
+      walk = _ranged_walk(plan, static.num_consumers, consumer=False)
+      union_first, union_per_head = walk.first, walk.num_blocks
+      union_steps = static.group * union_per_head
 
     def q_rows_of(step):
       # Step -> (query head of the group, Q tile); per_head > 0 whenever
       # there is a step.
-      divisor = jnp.maximum(per_head, 1)
+      divisor = jnp.maximum(union_per_head, 1)
       g, i = lax.div(step, divisor), lax.rem(step, divisor)
-      return kv_head * static.group + g, pl.ds((first + i) * static.block_q,
-                                                static.block_q)
+      return kv_head * static.group + g, pl.ds(
+          (union_first + i) * static.block_q, static.block_q)
 
     def tile(ref):
       def source(step):
@@ -430,22 +549,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs,
       head, rows = q_rows_of(step)
       return stats_ref.at[batch, head, :, rows]
 
-    _produce([(tile(q_ref), q_ring, q_arrived),
-              (tile(do_ref), do_ring, do_arrived),
-              (stats_tile, stats_ring, stats_arrived)],
-             consumed, num_steps, static)
+    streams = [(tile(q_ref), q_ring, q_arrived),
+               (tile(do_ref), do_ring, do_arrived),
+               (stats_tile, stats_ring, stats_arrived)]
+    if ids is not None:  # query ids travel with their Q tiles
+      streams.append((lambda step: ids.streamed_gmem.at[q_rows_of(step)[1]],
+                      ids.ring, ids.ring_arrived))
+    _produce(streams, consumed, union_steps, static)
 
 
 def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
-                  consumed, *, kv_start, first, per_head, static: _Static):
-  """Consumer: dK, dV (f32, unscaled dK) of K/V rows [kv_start, +block_kv).
+                  consumed, *, walk: _Walk, tile_mask, static: _Static):
+  """Consumer: dK, dV (f32, unscaled dK) of its `block_kv` K/V rows.
 
   Walks the producer's steps: for each query head of the group, Q tiles
-  [first, num_q_blocks); of these it skips those wholly above the diagonal
-  for its rows, masks those that straddle it.
+  [walk.first, walk.first + walk.num_blocks), treated as `walk.runs` say
+  (skipped, masked by `tile_mask(q_block, slot)`, or unmasked).
   """
-  own_first = _first_q_block(kv_start, static)
-  own_unmasked = _first_unmasked_q_block(kv_start, static)
   zeros = plgpu.layout_cast(
       jnp.zeros((static.block_kv, static.head_dim), jnp.float32),
       plgpu.Layout.WGMMA)
@@ -463,9 +583,9 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     s_t, *dp_t = _wgmma_fresh((static.block_kv, static.block_q), products)
     lse_log2 = plgpu.layout_cast(stats_ring[slot, 0],
                                  plgpu.Layout.WGMMA.reduce(0))
-    p_t = jnp.exp2(s_t * static.scale_log2 - _cols(lse_log2, s_t.shape))
+    p_t, slope = _probabilities(s_t, lse_log2, _cols, walk.values, static)
     if masked:
-      p_t = jnp.where(_causal_mask_t(kv_start, i, static), p_t, 0.0)
+      p_t = jnp.where(tile_mask(i, slot), p_t, 0.0)
     updates = []
     for name in static.outputs:
       if name == "dv":
@@ -473,7 +593,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       else:
         delta = plgpu.layout_cast(stats_ring[slot, 1],
                                   plgpu.Layout.WGMMA.reduce(0))
-        ds_t = p_t * (dp_t[0] - _cols(delta, s_t.shape))
+        ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, s_t.shape), slope)
         updates.append((ds_t.astype(static.dtype), q_tile))  # dK += dSᵀ Q
     grads = _wgmma_accumulate(grads, updates)
     plgpu.barrier_arrive(consumed.at[slot])
@@ -485,23 +605,29 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
 
   def head_body(g, grads):
     # Step of Q tile i of query head g is head_base + i.
-    head_base = g * per_head - first
-    body = functools.partial(step_body, head_base=head_base)
-    if static.is_causal:
-      grads = lax.fori_loop(first, own_first,
-                            functools.partial(skip_body, head_base=head_base),
-                            grads)
-      grads = lax.fori_loop(own_first, own_unmasked,
-                            functools.partial(body, masked=True), grads)
-      start = own_unmasked
-    else:
-      start = 0
-    return lax.fori_loop(start, static.num_q_blocks,
-                         functools.partial(body, masked=False), grads)
+    head_base = g * walk.num_blocks - walk.first
+    return _walk_runs(walk.runs, {
+        _SKIP: functools.partial(skip_body, head_base=head_base),
+        _MASKED: functools.partial(step_body, head_base=head_base,
+                                   masked=True),
+        _UNMASKED: functools.partial(step_body, head_base=head_base,
+                                     masked=False)}, grads)
 
   grads = lax.fori_loop(0, static.group, head_body, grads)
   return tuple(grad * static.scale if name == "dk" else grad
                for name, grad in zip(static.outputs, grads))
+
+
+def _dkdv_causal_runs(kv_start, first, static: _Static):
+  """The plain kernel's runs over Q tiles [first, num_q_blocks) for K/V rows
+  from kv_start: causal, skip the tiles wholly above the diagonal for these
+  rows and mask those that straddle it."""
+  if not static.is_causal:
+    return ((0, static.num_q_blocks, _UNMASKED),)
+  own_first = _first_q_block(kv_start, static)
+  own_unmasked = _first_unmasked_q_block(kv_start, static)
+  return ((first, own_first, _SKIP), (own_first, own_unmasked, _MASKED),
+          (own_unmasked, static.num_q_blocks, _UNMASKED))
 
 
 def _first_q_block(kv_start, static: _Static):
@@ -526,22 +652,40 @@ def _first_unmasked_q_block(kv_start, static: _Static):
                      static.num_q_blocks)
 
 
-def _causal_mask_t(kv_start, q_block, static: _Static):
-  """[block_kv, block_q]: True where key kv_start + r is seen by query
-  q_block * block_q + c (the transposed layout of Sᵀ)."""
+def _tile_indices_t(kv_start, q_block, static: _Static):
+  """(query, key) indices of the [block_kv, block_q] Sᵀ tile of keys
+  kv_start + r and queries q_block * block_q + c."""
   shape = (static.block_kv, static.block_q)
   keys = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
   queries = plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                    layout=plgpu.Layout.WGMMA)
-  return queries + q_block * static.block_q >= keys + kv_start
+  return queries + q_block * static.block_q, keys + kv_start
+
+
+def _causal_mask_t(kv_start, q_block, static: _Static):
+  """[block_kv, block_q]: True where key kv_start + r is seen by query
+  q_block * block_q + c (the transposed layout of Sᵀ)."""
+  queries, keys = _tile_indices_t(kv_start, q_block, static)
+  return queries >= keys
+
+
+def _variant_mask_t(kv_start, q_block, static: _Static, values):
+  """`masking.keep` on the Sᵀ tile of `_tile_indices_t`."""
+  return masking.keep(static.spec, *_tile_indices_t(kv_start, q_block, static),
+                      values)
 
 
 # ---------------------------------------------------------------------------
 # dQ kernel.
 
 
-def _dq_call(query, key, value, d_out, stats, static: _Static):
-  """Launches the dQ kernel; returns dq like query."""
+def launch_dq(query, key, value, d_out, stats, static: _Static, *, plan=None,
+              segments=None):
+  """Launches the dQ kernel; returns dq like query.
+
+  Ranged: `plan` int32 [batch, num_q_tiles, PLAN_WIDTH]; `segments` as
+  `gradients` takes them.
+  """
   batch, q_len, num_heads, head_dim = query.shape
   consumers, stages = static.num_consumers, static.num_stages
   transforms = _tile_transforms(static.dtype)
@@ -562,37 +706,50 @@ def _dq_call(query, key, value, d_out, stats, static: _Static):
       plgpu.Barrier(num_barriers=stages),                 # v_arrived
       plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # consumed
   )
+  inputs = (query, key, value, d_out, stats)
+  if static.ranged:
+    scratch += _ranged_scratch(static, resident_rows=static.block_q,
+                               streamed_rows=static.block_kv)
+    inputs += (plan, *(segments or ()))
   return plgpu.kernel(
       functools.partial(_dq_kernel, static=static),
       out_type=jax.ShapeDtypeStruct(query.shape, query.dtype),
       scratch_types=scratch,
       # q_tile fastest: neighbouring CTAs stream the same K/V from L2.
-      grid=(q_len // (consumers * static.block_q), num_heads, batch),
+      grid=(pl.cdiv(q_len, consumers * static.block_q), num_heads, batch),
       grid_names=("q_tile", "head", "batch"),
       num_threads=consumers + 1,
       thread_name="wg",
-      kernel_name="mosaic_flash_backward_dq",
+      kernel_name=_kernel_name(static, "dq"),
       compiler_params=compat.compiler_params(approx_math=True),
-  )(query, key, value, d_out, stats)
+  )(*inputs)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref,
-               q_smem, do_smem, stats_smem, k_ring, v_ring,
-               q_arrived, do_arrived, stats_arrived, k_arrived, v_arrived,
-               consumed, *, static: _Static):
-  """Kernel body; refs as laid out in `_dq_call`'s scratch list."""
+def _dq_kernel(*refs, static: _Static):
+  """Kernel body; refs: `launch_dq`'s inputs (q, k, v, dO, stats, then the
+  ranged kernel's plan, q ids, kv ids), dq, its scratch list."""
+  num_inputs = 5 + static.ranged + 2 * static.segmented
+  inputs, dq_ref, scratch = (refs[:num_inputs], refs[num_inputs],
+                             refs[num_inputs + 1:])
+  q_ref, k_ref, v_ref, do_ref, stats_ref = inputs[:5]
+  (q_smem, do_smem, stats_smem, k_ring, v_ring, q_arrived, do_arrived,
+   stats_arrived, k_arrived, v_arrived, consumed) = scratch[:11]
   batch = lax.axis_index("batch")
   head = lax.axis_index("head")
   wg = lax.axis_index("wg")
   rows_per_tile = static.num_consumers * static.block_q
+  # A ranged tile's cost is the plan's, not causal geometry: launched in order.
   q_tile = tile_index(
-      "q_tile", static.num_q_blocks * static.block_q // rows_per_tile,
-      reverse=static.heavy_first and static.is_causal)
+      "q_tile", pl.cdiv(static.num_q_blocks, static.num_consumers),
+      reverse=static.heavy_first and static.is_causal and not static.ranged)
   tile_start = q_tile * rows_per_tile
-  # The last consumer's rows come last, so it sees the most K/V tiles.
-  last_start = tile_start + (static.num_consumers - 1) * static.block_q
-  num_steps = _num_kv_blocks_seen(last_start, static)
-  arrived = (k_arrived, v_arrived)
+  plan, ids = _ranged_refs(static, inputs[5:], scratch[11:], batch=batch,
+                           tile=q_tile, own_is_query=True)
+  if plan is None:
+    # The last consumer's rows come last, so it sees the most K/V tiles.
+    last_start = tile_start + (static.num_consumers - 1) * static.block_q
+    num_steps = _num_kv_blocks_seen(last_start, static)
+  arrived = (k_arrived, v_arrived) + _ids_arrived(ids)
 
   @pl.when(wg < static.num_consumers)
   def _consumer():
@@ -608,9 +765,22 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref,
                             stats_arrived.at[wg])
     for barrier in (q_arrived, do_arrived, stats_arrived):
       plgpu.barrier_wait(barrier.at[wg])
-    dq = _dq_consume(own_q, own_do, own_stats, k_ring, v_ring, arrived,
-                     consumed, q_start=q_start, num_steps=num_steps,
-                     static=static)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    lse_log2 = plgpu.layout_cast(own_stats[0], row_layout)
+    delta = plgpu.layout_cast(own_stats[1], row_layout)
+    if plan is None:
+      walk = _Walk(0, num_steps, _dq_causal_runs(q_start, num_steps, static),
+                   None)
+      tile_mask = lambda step, slot: _causal_mask(q_start, step, static)
+    else:
+      walk = _ranged_walk(plan, wg)
+      own_ids = _own_ids(ids, q_rows, wg)
+      shape = (static.block_q, static.block_kv)
+      tile_mask = lambda step, slot: _variant_mask(
+          q_start, step, static, _tile_values(walk.values, own_ids, ids, slot,
+                                              shape, own_is_query=True))
+    dq = _dq_consume(own_q, own_do, lse_log2, delta, k_ring, v_ring, arrived,
+                     consumed, walk=walk, tile_mask=tile_mask, static=static)
     own_q[...] = dq.astype(static.dtype)  # Q is dead: dQ goes out through it
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(own_q, dq_ref.at[batch, q_rows, head])
@@ -620,32 +790,49 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref,
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
     kv_head = head // static.group
+    if plan is None:
+      union_first, union_steps = None, num_steps
+    else:
+      walk = _ranged_walk(plan, static.num_consumers, consumer=False)
+      union_first, union_steps = walk.first, walk.num_blocks
+
+    def kv_rows_of(step):
+      block = step if union_first is None else union_first + step
+      return pl.ds(block * static.block_kv, static.block_kv)
 
     def tile(ref):
       def source(step):
-        return ref.at[batch, pl.ds(step * static.block_kv, static.block_kv),
-                      kv_head]
+        return ref.at[batch, kv_rows_of(step), kv_head]
       return source
 
-    _produce([(tile(k_ref), k_ring, k_arrived),
-              (tile(v_ref), v_ring, v_arrived)],
-             consumed, num_steps, static)
+    streams = [(tile(k_ref), k_ring, k_arrived),
+               (tile(v_ref), v_ring, v_arrived)]
+    if ids is not None:  # key ids travel with their K/V tiles
+      streams.append((lambda step: ids.streamed_gmem.at[kv_rows_of(step)],
+                      ids.ring, ids.ring_arrived))
+    _produce(streams, consumed, union_steps, static)
 
 
-def _dq_consume(q_smem, do_smem, stats_smem, k_ring, v_ring, arrived,
-                consumed, *, q_start, num_steps, static: _Static):
-  """Consumer: dQ (f32, scaled) of rows [q_start, q_start + block_q)."""
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  lse_log2 = plgpu.layout_cast(stats_smem[0], row_layout)
-  delta = plgpu.layout_cast(stats_smem[1], row_layout)
-  own_steps = _num_kv_blocks_seen(q_start, static)
-  own_unmasked = _num_unmasked_kv_blocks(q_start, own_steps, static)
+def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
+                consumed, *, walk: _Walk, tile_mask, static: _Static):
+  """Consumer: dQ (f32, scaled) of its `block_q` rows.
+
+  `lse_log2` and `delta` are the rows' statistics. Walks the producer's
+  steps, K/V tiles [walk.first, walk.first + walk.num_blocks), treated as
+  `walk.runs` say (skipped, masked by `tile_mask(kv_block, slot)`, or
+  unmasked).
+  """
   dq = plgpu.layout_cast(
       jnp.zeros((static.block_q, static.head_dim), jnp.float32),
       plgpu.Layout.WGMMA)
 
+  def slot_of(step):
+    # Ranged: the producer's step 0 is K/V block walk.first.
+    return lax.rem(step - walk.first if static.ranged else step,
+                   static.num_stages)
+
   def step_body(step, dq, *, masked):
-    slot = lax.rem(step, static.num_stages)
+    slot = slot_of(step)
     for barrier in arrived:
       plgpu.barrier_wait(barrier.at[slot])
     k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
@@ -653,26 +840,34 @@ def _dq_consume(q_smem, do_smem, stats_smem, k_ring, v_ring, arrived,
         (q_smem, k_tile.transpose((1, 0))),     # S = Q Kᵀ
         (do_smem, v_tile.transpose((1, 0))),    # dP = dO Vᵀ
     ])
-    p = jnp.exp2(s * static.scale_log2 - _rows(lse_log2, s.shape))
+    p, slope = _probabilities(s, lse_log2, _rows, walk.values, static)
     if masked:
-      p = jnp.where(_causal_mask(q_start, step, static), p, 0.0)
-    ds = p * (dp - _rows(delta, s.shape))
+      p = jnp.where(tile_mask(step, slot), p, 0.0)
+    ds = _score_gradient(p, dp, _rows(delta, s.shape), slope)
     (dq,) = _wgmma_accumulate((dq,), [(ds.astype(static.dtype), k_tile)])
     plgpu.barrier_arrive(consumed.at[slot])
     return dq
 
   def skip_body(step, dq):
-    _skip_step(arrived, consumed, lax.rem(step, static.num_stages))
+    _skip_step(arrived, consumed, slot_of(step))
     return dq
 
-  dq = lax.fori_loop(0, own_unmasked,
-                     functools.partial(step_body, masked=False), dq)
-  if static.is_causal:
-    dq = lax.fori_loop(own_unmasked, own_steps,
-                       functools.partial(step_body, masked=True), dq)
-    # Tiles that only the other consumer's (later) rows see.
-    dq = lax.fori_loop(own_steps, num_steps, skip_body, dq)
+  dq = _walk_runs(walk.runs, {
+      _SKIP: skip_body, _UNMASKED: functools.partial(step_body, masked=False),
+      _MASKED: functools.partial(step_body, masked=True)}, dq)
   return dq * static.scale
+
+
+def _dq_causal_runs(q_start, num_steps, static: _Static):
+  """The plain kernel's runs over K/V tiles [0, num_steps) for rows from
+  q_start: causal, mask the tiles that straddle the diagonal and skip those
+  that only the other consumer's (later) rows see."""
+  own_steps = _num_kv_blocks_seen(q_start, static)
+  own_unmasked = _num_unmasked_kv_blocks(q_start, own_steps, static)
+  runs = ((0, own_unmasked, _UNMASKED),)
+  if static.is_causal:
+    runs += ((own_unmasked, own_steps, _MASKED), (own_steps, num_steps, _SKIP))
+  return runs
 
 
 def _num_kv_blocks_seen(q_start, static: _Static):
@@ -691,6 +886,156 @@ def _num_unmasked_kv_blocks(q_start, num_blocks, static: _Static):
   return jnp.minimum((q_start + 1) // static.block_kv, num_blocks)
 
 
+# ---------------------------------------------------------------------------
+# Shared by both kernels.
+
+
+class _Walk(NamedTuple):
+  """A warpgroup's walk over the steps its CTA streams.
+
+  The streamed blocks are [first, first + num_blocks) (per query head of
+  the group in the dK/dV kernel); `runs` are (start, stop, kind) block
+  ranges that cover them in order, kind one of _SKIP, _MASKED, _UNMASKED;
+  `values` are the ranged kernels' `masking.MaskValues` (None in the plain
+  ones).
+  """
+  first: Any
+  num_blocks: Any
+  runs: tuple
+  values: Any
+
+
+def _walk_runs(runs, bodies, carry):
+  """Runs `bodies[kind]` over each (start, stop, kind) run, in order."""
+  for start, stop, kind in runs:
+    carry = lax.fori_loop(start, stop, bodies[kind], carry)
+  return carry
+
+
+def _ranged_walk(plan: _Plan, slot, *, consumer: bool = True) -> _Walk:
+  """Reads the CTA's plan row (see `masked.tile_plans`) into `slot`.
+
+  A consumer (`slot` = its warpgroup) walks the union [first, total) in five
+  runs: skips before its range [lo, hi), the masked edge up to the run of
+  full tiles [unmasked_lo, unmasked_hi), that run, the other masked edge,
+  skips after. All of them, in every consumer, so that every ring barrier
+  goes through the same phases in every thread. The producer (`consumer`
+  False) needs only the union.
+  """
+  read = _read_plan(plan, slot)
+  first, total = read(_PLAN_UNION), read(_PLAN_UNION + 1)
+  if not consumer:
+    return _Walk(first, total - first, (), None)
+  lo, unmasked_lo, unmasked_hi, hi = (read(slot * 4 + i) for i in range(4))
+  runs = ((first, lo, _SKIP), (lo, unmasked_lo, _MASKED),
+          (unmasked_lo, unmasked_hi, _UNMASKED), (unmasked_hi, hi, _MASKED),
+          (hi, total, _SKIP))
+  values = masking.MaskValues(q_offset=read(_PLAN_SCALARS),
+                              q_lengths=read(_PLAN_SCALARS + 1),
+                              kv_lengths=read(_PLAN_SCALARS + 2))
+  return _Walk(first, total - first, runs, values)
+
+
+class _SegmentIds(NamedTuple):
+  """A ranged kernel's segment ids (`spec.has_segments`), by role. The dQ
+  kernel owns query rows and streams K/V tiles; the dK/dV kernel owns K/V
+  rows and streams Q tiles."""
+  own_gmem: Any        # int32 [len] of this batch, along the resident axis
+  streamed_gmem: Any   # int32 [len] of this batch, along the streamed axis
+  own_smem: Any        # int32 [consumers, rows]
+  own_arrived: Any     # barriers [consumers]
+  ring: Any            # int32 [stages, rows]: filled with each ring slot
+  ring_arrived: Any    # barriers [stages]
+
+
+def _ranged_scratch(static: _Static, *, resident_rows, streamed_rows):
+  """The ranged kernels' scratch after the common list: plan rows (one per
+  warpgroup) and, with segment ids, `_SegmentIds`' shared memory."""
+  consumers, stages = static.num_consumers, static.num_stages
+  scratch = (plgpu.SMEM((consumers + 1, PLAN_WIDTH), jnp.int32),
+             plgpu.Barrier(num_barriers=consumers + 1))   # plan_arrived
+  if static.segmented:
+    scratch += (plgpu.SMEM((consumers, resident_rows), jnp.int32),
+                plgpu.Barrier(num_barriers=consumers),
+                plgpu.SMEM((stages, streamed_rows), jnp.int32),
+                plgpu.Barrier(num_barriers=stages))
+  return scratch
+
+
+def _ranged_refs(static: _Static, inputs, scratch, *, batch, tile,
+                 own_is_query: bool):
+  """(`_Plan`, `_SegmentIds` or None) of a ranged kernel, or (None, None).
+
+  `inputs` are the kernel's inputs after the common five (plan, q ids,
+  kv ids), `scratch` its scratch after the common list.
+  """
+  if not static.ranged:
+    return None, None
+  plan = _Plan(inputs[0].at[batch, tile], *scratch[:2])
+  if not static.segmented:
+    return plan, None
+  q_ids, kv_ids = inputs[1].at[batch], inputs[2].at[batch]
+  own, streamed = (q_ids, kv_ids) if own_is_query else (kv_ids, q_ids)
+  return plan, _SegmentIds(own, streamed, *scratch[2:6])
+
+
+def _ids_arrived(ids: _SegmentIds | None):
+  """The ids ring's barrier, awaited with the other streams' each step."""
+  return () if ids is None else (ids.ring_arrived,)
+
+
+def _own_ids(ids: _SegmentIds | None, rows, wg):
+  """Segment ids of consumer `wg`'s own rows, [rows] in the layout of a
+  tile's rows; None without segment ids."""
+  if ids is None:
+    return None
+  own = ids.own_smem.at[wg]
+  plgpu.copy_gmem_to_smem(ids.own_gmem.at[rows], own, ids.own_arrived.at[wg])
+  plgpu.barrier_wait(ids.own_arrived.at[wg])
+  return plgpu.layout_cast(own[...], plgpu.Layout.WGMMA.reduce(1))
+
+
+def _tile_values(values, own_ids, ids: _SegmentIds | None, slot, shape, *,
+                 own_is_query: bool):
+  """`values` with the segment id tiles of the step in ring `slot`: the own
+  rows' ids down the rows, the streamed ones' across the columns (read
+  before the step releases the slot)."""
+  if ids is None:
+    return values
+  streamed = plgpu.layout_cast(ids.ring[slot], plgpu.Layout.WGMMA.reduce(0))
+  rows, cols = _rows(own_ids, shape), _cols(streamed, shape)
+  if own_is_query:
+    return values._replace(q_segments=rows, kv_segments=cols)
+  return values._replace(q_segments=cols, kv_segments=rows)
+
+
+def _probabilities(s, lse_log2, broadcast, values, static: _Static):
+  """P = exp(final logit - lse) of a tile of raw q·k, and the slope of the
+  final logit in scale·q·k (None without score changes).
+
+  `broadcast` spreads the per-row `lse_log2` over `s`: `_rows` for S tiles,
+  `_cols` for Sᵀ. Score changes (the soft cap) follow `modify_scores`, the
+  one definition, and its derivative is that function's `jax.jvp`.
+  """
+  if not (static.ranged and static.spec.modifies_scores):
+    return jnp.exp2(s * static.scale_log2 - broadcast(lse_log2, s.shape)), None
+  modify = lambda x: masking.modify_scores(static.spec, x, None, None, values)
+  logits, slope = jax.jvp(modify, (s * static.scale,), (jnp.ones_like(s),))
+  return jnp.exp2(logits * _LOG2E - broadcast(lse_log2, s.shape)), slope
+
+
+def _score_gradient(p, dp, delta, slope):
+  """dS = P ∘ (dP - delta), times the score changes' slope when there is
+  one; dS is then dL / d(scale·q·k), scaled once at the end."""
+  ds = p * (dp - delta)
+  return ds if slope is None else ds * slope
+
+
+def _kernel_name(static: _Static, outputs: str) -> str:
+  return ("mosaic_flash_backward_" + ("masked_" if static.ranged else "")
+          + outputs)
+
+
 def _produce(streams, consumed, num_steps, static: _Static):
   """Producer warpgroup: TMA step t's tiles into ring slot t % num_stages.
 
@@ -703,11 +1048,11 @@ def _produce(streams, consumed, num_steps, static: _Static):
     for source, ring, arrived in streams:
       plgpu.copy_gmem_to_smem(source(step), ring.at[slot], arrived.at[slot])
 
-  # Fill the ring. Under causal masking a tile may have fewer steps than
-  # there are stages (or none).
+  # Fill the ring. Under causal masking, or any plan, a tile may have fewer
+  # steps than there are stages (or none).
   for step in range(stages):
     fill = functools.partial(load, step, step)
-    if static.is_causal:
+    if static.is_causal or static.ranged:
       pl.when(step < num_steps)(fill)
     else:
       fill()

@@ -52,12 +52,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     NotImplementedError: for features outside `_RANGED_FEATURES` (bias,
       dense masks, dropout, ...) and what `forward.mosaic_forward` refuses.
   """
-  unsupported = [f.name for f in dataclasses.fields(spec)
-                 if f.name not in ("q_len", "kv_len", *_RANGED_FEATURES)
-                 and getattr(spec, f.name) != f.default]
-  if unsupported:
-    raise NotImplementedError(
-        f"the masked Mosaic forward does not support {unsupported}")
+  check_ranged_features(spec, "the masked Mosaic forward")
   if spec.logits_soft_cap is not None and not scale > 0:
     raise NotImplementedError("scale must be positive")
   if block_kv is None:
@@ -70,39 +65,49 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   plan = plan_rows(static, query.shape[0], q_offset=q_offset,
                    q_lengths=q_lengths, kv_lengths=kv_lengths,
                    q_segments=q_segments, kv_segments=kv_segments)
-  # TMA reads a [rows, head_dim] tile through 8-row tiling, which this JAX
-  # applies to the whole sequence axis: lengths are padded to a multiple of
-  # 8 (a copy, only for such lengths; the pad rows are masked or dropped).
   q_len = query.shape[1]
-  query, key, value = (_pad_rows(x, _TMA_ROW_TILE)
-                       for x in (query, key, value))
+  query, key, value = (pad_rows(x) for x in (query, key, value))
   segments = None
   if spec.has_segments:  # padded like the rows they label
-    segments = tuple(
-        jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, x.shape[1] - n)))
-        for ids, x, n in ((q_segments, query, q_len),
-                          (kv_segments, key, spec.kv_len)))
+    segments = (pad_ids(q_segments, query.shape[1]),
+                pad_ids(kv_segments, key.shape[1]))
   out, lse = forward.launch(static, query, key, value, plan=plan,
                             segments=segments)
   return out[:, :q_len], lse[..., :q_len]
 
 
-_TMA_ROW_TILE = 8
+# TMA reads a [rows, head_dim] tile through 8-row tiling, which this JAX
+# applies to the whole sequence axis.
+TMA_ROW_TILE = 8
 
 
-def _pad_rows(x, multiple: int):
-  """Zero-pads axis 1 of [batch, len, heads, dim] to a multiple."""
+def pad_rows(x, multiple: int = TMA_ROW_TILE):
+  """Zero-pads axis 1 of [batch, len, heads, dim] to a multiple (of the TMA
+  row tiling: a copy, only for such lengths; the kernels mask the pad rows
+  or drop what they write there)."""
   pad = -x.shape[1] % multiple
   return x if not pad else jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
 
 
+def pad_ids(ids, length: int):
+  """int32 segment ids [batch, n] zero-padded to [batch, length]."""
+  return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, length - ids.shape[1])))
+
+
+def check_ranged_features(spec: masking.MaskSpec, kernel: str):
+  """Raises NotImplementedError naming the features of `spec` outside
+  `_RANGED_FEATURES` (the caller falls back to the Triton kernels)."""
+  unsupported = [f.name for f in dataclasses.fields(spec)
+                 if f.name not in ("q_len", "kv_len", *_RANGED_FEATURES)
+                 and getattr(spec, f.name) != f.default]
+  if unsupported:
+    raise NotImplementedError(f"{kernel} does not support {unsupported}")
+
+
 def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset,
               q_lengths, kv_lengths, q_segments, kv_segments):
-  """int32 [batch, num_q_tiles, forward.PLAN_WIDTH]: each tile's loop ranges.
-
-  A consumer whose rows attend to nothing gets the empty range at the
-  union's start, so that it walks the union's steps as skips.
-  """
+  """int32 [batch, num_q_tiles, forward.PLAN_WIDTH]: each tile's loop ranges
+  over K/V blocks (`tile_plans`)."""
   spec = static.spec
   states = masking.classify_blocks(spec, static.block_q, static.block_kv,
                                    q_offset=q_offset, q_lengths=q_lengths,
@@ -110,15 +115,42 @@ def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset,
                                    q_segments=q_segments,
                                    kv_segments=kv_segments)
   ranges = masking.block_ranges(states)[:, 0]          # [B|1, nq, 4]
-  num_q_blocks = ranges.shape[1]
-  num_tiles = -(-num_q_blocks // forward.NUM_CONSUMERS)
-  missing = num_tiles * forward.NUM_CONSUMERS - num_q_blocks
-  ranges = jnp.pad(jnp.broadcast_to(ranges, (batch, num_q_blocks, 4)),
+  return tile_plans(ranges, spec=spec, batch=batch,
+                    num_consumers=forward.NUM_CONSUMERS,
+                    num_cols=static.num_kv_blocks, q_offset=q_offset,
+                    q_lengths=q_lengths, kv_lengths=kv_lengths)
+
+
+def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,
+               num_consumers: int, num_cols: int, q_offset, q_lengths,
+               kv_lengths):
+  """int32 [batch, num_tiles, forward.PLAN_WIDTH]: the plan row of each CTA.
+
+  A CTA tile is `num_consumers` (1 or 2) consecutive blocks of the grid's
+  axis, one per consumer warpgroup. Its row (the layout `forward` reads):
+  [lo, unmasked_lo, unmasked_hi, hi] of each consumer (zeros for a missing
+  second one), the union [first, total) that the producer streams, then
+  q_offset, q_length and kv_length; zero-padded to PLAN_WIDTH.
+
+  A consumer whose rows attend to nothing (or a block past the end) gets
+  the empty range at the union's start, so that it walks the union's steps
+  as skips.
+
+  Args:
+    ranges: int32 [batch | 1, num_blocks, 4], `masking.block_ranges` of each
+      block's row of the classification, over `num_cols` blocks.
+    q_offset, q_lengths, kv_lengths: int32 [batch] or None (the defaults:
+      0, spec.q_len, spec.kv_len).
+  """
+  num_blocks = ranges.shape[1]
+  num_tiles = -(-num_blocks // num_consumers)
+  missing = num_tiles * num_consumers - num_blocks
+  ranges = jnp.pad(jnp.broadcast_to(ranges, (batch, num_blocks, 4)),
                    ((0, 0), (0, missing), (0, 0)))
-  ranges = ranges.reshape(batch, num_tiles, forward.NUM_CONSUMERS, 4)
+  ranges = ranges.reshape(batch, num_tiles, num_consumers, 4)
   lo, hi = ranges[..., 0], ranges[..., 3]
   nonempty = hi > lo
-  union_lo = jnp.min(jnp.where(nonempty, lo, static.num_kv_blocks), -1)
+  union_lo = jnp.min(jnp.where(nonempty, lo, num_cols), -1)
   union_hi = jnp.max(jnp.where(nonempty, hi, 0), -1)
   union_lo = jnp.where(nonempty.any(-1), union_lo, 0)
   ranges = jnp.where(nonempty[..., None], ranges, union_lo[..., None, None])
@@ -127,8 +159,15 @@ def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset,
   scalars = jnp.stack([per_batch(q_offset, 0),
                        per_batch(q_lengths, spec.q_len),
                        per_batch(kv_lengths, spec.kv_len)], -1)
+  # A missing second consumer's range is zeros: the union stays at
+  # forward._PLAN_UNION whatever the number of consumers.
+  absent = []
+  if num_consumers < forward.NUM_CONSUMERS:
+    absent.append(jnp.zeros(
+        (batch, num_tiles, 4 * (forward.NUM_CONSUMERS - num_consumers)),
+        jnp.int32))
   row = jnp.concatenate([
-      ranges.reshape(batch, num_tiles, 4 * forward.NUM_CONSUMERS),
+      ranges.reshape(batch, num_tiles, 4 * num_consumers), *absent,
       union_lo[..., None], union_hi[..., None],
       jnp.broadcast_to(scalars[:, None], (batch, num_tiles, 3))], -1)
   return jnp.pad(row.astype(jnp.int32),

@@ -1,0 +1,145 @@
+"""`mosaic_backward_masked`: the Mosaic backward with masks and any lengths.
+
+The kernels are `backward.py`'s in their ranged form, as `masked.py` is the
+forward's. Both read their loop ranges from plan rows built here, in XLA,
+from ONE `masking.classify_blocks` map of [block_q, block_kv] tiles (the one
+definition of the masks):
+
+  dQ     grid over Q tiles: each 64-row Q block's row of the map, the K/V
+         blocks it visits (the forward's plan, `masked.tile_plans`).
+  dK/dV  grid over K/V tiles: each K/V block's column of the map (a row of
+         its transpose), the Q blocks that visit it; the same for every
+         query head of the GQA group (no ranged mask depends on the head).
+
+    map (1 = visited)          dQ plan rows          dK/dV plan rows
+         k0 k1 k2              q0: [k0, k1)          k0: [q0, q2)
+    q0    1  0  0              q1: [k0, k2)          k1: [q1, q3)
+    q1    1  1  0              q2: [k1, k3)          k2: [q2, q3)
+    q2    0  1  1
+
+Any lengths: rows are zero-padded to the TMA row tiling (8), TMA reads past
+the end fill zeros and writes past the end are dropped; keys past kv_len are
+masked (`masking.keep`), and query rows past q_len get lse = +inf and
+delta = 0 (P = 0, as for a row that attends to nothing), so that padding
+contributes nothing to any gradient.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_flash import masking
+from pallas_kernels.mosaic import backward, masked
+
+
+def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
+                           scale: float, spec: masking.MaskSpec,
+                           q_offset=None, q_lengths=None, kv_lengths=None,
+                           q_segments=None, kv_segments=None,
+                           block_q: int = 64, block_kv: int = 64,
+                           max_concurrent_steps: int = 2):
+  """Gradients of `masked.mosaic_forward_masked`'s output for q, k and v.
+
+  Args:
+    query: [batch, q_len, num_heads, head_dim], bfloat16 or float16;
+      head_dim 64, 128 or 256; any q_len.
+    key, value: [batch, kv_len, num_kv_heads, head_dim], same dtype; any
+      kv_len; num_heads % num_kv_heads == 0.
+    out: the forward's output, like query.
+    lse: float32 [batch, num_heads, q_len], the forward's natural-log
+      logsumexp as `mosaic_forward_masked` returns it; -inf marks a row that
+      attends to nothing (its gradients are zero).
+    d_out: the cotangent of out, like query.
+    d_lse: the cotangent of lse, like lse, or None (zero).
+    scale: multiplies q·k in the forward.
+    spec: `masking.MaskSpec` for (q_len, kv_len): is_causal, window,
+      q_offset, q/kv lengths, segment ids, logits_soft_cap.
+    q_offset, q_lengths, kv_lengths: int32 [batch] or None, as spec says.
+    q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
+    block_q, block_kv, max_concurrent_steps: as `backward.mosaic_backward`.
+
+  Returns:
+    (dq, dk, dv), shaped and typed like (query, key, value).
+
+  Raises:
+    NotImplementedError: for features outside `masked._RANGED_FEATURES`
+      (bias, dense masks, dropout, ...) and for what the kernels do not
+      cover (dtype, head dim, tiles that do not fit), so that the caller
+      falls back to the Triton backward.
+  """
+  masked.check_ranged_features(spec, "the masked Mosaic backward")
+  backward.check_supported(query, key, value, out, lse, d_out, d_lse,
+                           block_q=block_q, block_kv=block_kv,
+                           max_concurrent_steps=max_concurrent_steps,
+                           any_lengths=True)
+  q_len, kv_len = query.shape[1], key.shape[1]
+  if (q_len, kv_len) != (spec.q_len, spec.kv_len):
+    raise ValueError(f"spec is for q_len {spec.q_len}, kv_len {spec.kv_len}; "
+                     f"got query {query.shape}, key {key.shape}")
+  tiles = dict(scale=scale, is_causal=spec.is_causal, block_q=block_q,
+               block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
+               spec=spec)
+  # Configuring raises for tiles that do not fit, before any work is traced.
+  dq_config = backward.dq_static(query, key, **tiles)
+  dkdv_configs = backward.dkdv_statics(query, key, **tiles)
+  dq_plan, dkdv_plan = plan_rows(
+      spec, query.shape[0], block_q=block_q, block_kv=block_kv,
+      dq_consumers=dq_config.num_consumers,
+      dkdv_consumers=dkdv_configs[0].num_consumers, q_offset=q_offset,
+      q_lengths=q_lengths, kv_lengths=kv_lengths, q_segments=q_segments,
+      kv_segments=kv_segments)
+  # The dQ grid's last tile reaches furthest down the query rows.
+  rows_per_tile = dq_config.num_consumers * block_q
+  stats = padded_statistics(out, lse, d_out, d_lse,
+                            rows=-(-q_len // rows_per_tile) * rows_per_tile)
+  query, key, value, d_out = (masked.pad_rows(x)
+                              for x in (query, key, value, d_out))
+  segments = None
+  if spec.has_segments:  # padded like the rows they label
+    segments = (masked.pad_ids(q_segments, query.shape[1]),
+                masked.pad_ids(kv_segments, key.shape[1]))
+  dq, dk, dv = backward.gradients(query, key, value, d_out, stats, dq_config,
+                                  dkdv_configs, dq_plan=dq_plan,
+                                  dkdv_plan=dkdv_plan, segments=segments)
+  return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
+
+
+def plan_rows(spec: masking.MaskSpec, batch: int, *, block_q: int,
+              block_kv: int, dq_consumers: int, dkdv_consumers: int,
+              q_offset=None, q_lengths=None, kv_lengths=None,
+              q_segments=None, kv_segments=None):
+  """The two kernels' plan rows, from one classification of the tiles.
+
+  Returns:
+    (dq_plan int32 [batch, num_q_tiles, PLAN_WIDTH], ranges over K/V blocks;
+    dkdv_plan int32 [batch, num_kv_tiles, PLAN_WIDTH], ranges over Q
+    blocks), in `masked.tile_plans`' layout; a tile is `dq_consumers` Q
+    blocks or `dkdv_consumers` K/V blocks.
+  """
+  states = masking.classify_blocks(spec, block_q, block_kv, q_offset=q_offset,
+                                   q_lengths=q_lengths, kv_lengths=kv_lengths,
+                                   q_segments=q_segments,
+                                   kv_segments=kv_segments)[:, 0]
+  num_q_blocks, num_kv_blocks = states.shape[-2:]      # [B|1, nq, nk]
+  scalars = dict(spec=spec, batch=batch, q_offset=q_offset,
+                 q_lengths=q_lengths, kv_lengths=kv_lengths)
+  dq_plan = masked.tile_plans(masking.block_ranges(states),
+                              num_consumers=dq_consumers,
+                              num_cols=num_kv_blocks, **scalars)
+  dkdv_plan = masked.tile_plans(
+      masking.block_ranges(jnp.swapaxes(states, -1, -2)),
+      num_consumers=dkdv_consumers, num_cols=num_q_blocks, **scalars)
+  return dq_plan, dkdv_plan
+
+
+def padded_statistics(out, lse, d_out, d_lse, *, rows: int):
+  """float32 [batch, num_heads, 2, rows]: `backward.row_statistics`, with the
+  rows past q_len given lse +inf (P = exp2(s - lse) = 0) and delta 0.
+
+  Every Q tile the kernels stream is then whole, and a padded row adds
+  nothing to dK or dV whatever its (zero-filled) Q and dO rows hold.
+  """
+  stats = backward.row_statistics(out, lse, d_out, d_lse)
+  batch, num_heads, _, q_len = stats.shape
+  fill = jnp.broadcast_to(jnp.array([[jnp.inf], [0.0]], jnp.float32),
+                          (batch, num_heads, 2, rows - q_len))
+  return jnp.concatenate([stats, fill], axis=-1)

@@ -1,0 +1,708 @@
+"""The masked Mosaic backward (window, q_offset, lengths, segment ids, soft
+cap, any lengths).
+
+On the CPU: the plan rows are checked against a brute-force `masking.keep`
+per tile, the kernels' algorithm (plans, walks, padded statistics, step
+math) is run in plain jnp against the reference's gradients, and the
+kernels are cross-lowered for CUDA. On an sm90 GPU: gradients against the
+reference. `attention.MASKED_BACKWARD_ENABLED` routes masked gradients to
+these kernels once the GPU tests here pass.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import masking
+from jax_flash.reference import naive_attention
+from jax_flash.validation import Operands
+from pallas_kernels import compat as versions
+from pallas_kernels.config import BlockSizes
+from tests.attention_checks import Case, check_against_reference, random_inputs
+
+try:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from pallas_kernels.mosaic import attention as mosaic_attention_module
+  from pallas_kernels.mosaic import backward, compat, forward
+  from pallas_kernels.mosaic.masked_backward import (
+      mosaic_backward_masked, padded_statistics, plan_rows)
+except ImportError as e:  # a jaxlib built without Mosaic GPU
+  pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
+
+_KERNEL_NAME = re.compile(
+    r"mosaic_flash_backward_masked_(dkdv|dk|dv|dq)(?![a-z])")
+# The Triton backward's kernels (the fallback), not the Mosaic ones.
+_TRITON_BACKWARD = re.compile(r"(?<!mosaic_)flash_backward_(dkdv|dq)")
+
+
+def _ids(lengths_and_ids, batch):
+  """int32 [batch, sum of lengths]: runs of segment ids, the same per batch."""
+  return np.repeat(np.concatenate([np.full(n, i) for n, i in lengths_and_ids]
+                                  )[None], batch, 0).astype(np.int32)
+
+
+# name: (q_len, kv_len, MaskSpec fields, operands); batch 2.
+VARIANTS = {
+    "causal window": (384, 384, dict(is_causal=True, window=(100, 0)), {}),
+    "bottom-right causal": (256, 512, dict(is_causal=True, has_q_offset=True),
+                            dict(q_offset=[256, 100])),
+    "ragged lengths": (200, 333, dict(has_q_lengths=True,
+                                      has_kv_lengths=True),
+                       dict(q_lengths=[100, 200], kv_lengths=[333, 0])),
+    "segments": (256, 200, dict(has_segments=True),
+                 dict(q_segments=_ids([(100, 0), (156, 1)], 2),
+                      kv_segments=_ids([(60, 0), (140, 1)], 2))),
+    "soft cap": (97, 300, dict(is_causal=True, logits_soft_cap=20.0), {}),
+    "combined": (300, 450, dict(is_causal=True, window=(128, None),
+                                has_q_offset=True, has_kv_lengths=True,
+                                has_segments=True, logits_soft_cap=30.0),
+                 dict(q_offset=[150, 0], kv_lengths=[450, 201],
+                      q_segments=_ids([(70, 3), (230, 4)], 2),
+                      kv_segments=_ids([(200, 3), (250, 4)], 2))),
+}
+
+
+def _spec_and_operands(name):
+  q_len, kv_len, fields, values = VARIANTS[name]
+  spec = masking.MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
+  operands = Operands(**{k: jnp.asarray(v, jnp.int32)
+                         for k, v in values.items()})
+  return spec, operands
+
+
+def _operand_kwargs(operands: Operands) -> dict:
+  return dict(q_offset=operands.q_offset, q_lengths=operands.q_lengths,
+              kv_lengths=operands.kv_lengths, q_segments=operands.q_segments,
+              kv_segments=operands.kv_segments)
+
+
+def _plans(spec, batch, operands: Operands, **tiles):
+  """`plan_rows` under jit (op by op, its many small ops compile one by
+  one), as numpy arrays."""
+  plans = jax.jit(lambda operands: plan_rows(spec, batch, **tiles,
+                                             **operands))(
+      _operand_kwargs(operands))
+  return tuple(np.asarray(plan) for plan in plans)
+
+
+# ---------------------------------------------------------------------------
+# Plan rows against a brute-force evaluation of the masks.
+
+
+def _kept_tiles(spec, operands: Operands, batch, block_q, block_kv):
+  """(any, all) kept pairs per [block_q, block_kv] tile, bool [batch, nq, nk],
+  by `masking.keep` on every pair of the padded tiles.
+
+  Keys past kv_len are never kept (`keep` says so). Query rows past q_len
+  count as rows for `any`, as in `classify_blocks` (the kernels give them
+  P = 0), and make a tile not `all` kept (its rows need the masked path).
+  """
+  nq, nk = -(-spec.q_len // block_q), -(-spec.kv_len // block_kv)
+  q_idx = np.arange(nq * block_q)[None, :, None]
+  kv_idx = np.arange(nk * block_kv)[None, None, :]
+  per_batch = lambda x: None if x is None else np.asarray(x)[:, None, None]
+  padded = lambda ids, n: None if ids is None else np.pad(
+      np.asarray(ids), ((0, 0), (0, n - ids.shape[1])))
+  values = masking.MaskValues(
+      q_offset=0 if operands.q_offset is None else per_batch(
+          operands.q_offset),
+      q_lengths=per_batch(operands.q_lengths),
+      kv_lengths=per_batch(operands.kv_lengths),
+      q_segments=None if operands.q_segments is None
+      else padded(operands.q_segments, nq * block_q)[:, :, None],
+      kv_segments=None if operands.kv_segments is None
+      else padded(operands.kv_segments, nk * block_kv)[:, None, :])
+  kept = np.broadcast_to(np.asarray(masking.keep(spec, q_idx, kv_idx, values)),
+                         (batch, nq * block_q, nk * block_kv))
+  tiles = lambda x: x.reshape(batch, nq, block_q, nk, block_kv)
+  return (tiles(kept).any((2, 4)),
+          tiles(kept & (q_idx < spec.q_len)).all((2, 4)))
+
+
+def _check_plan(plan, kept_any, kept_all, *, consumers, scalars, exact):
+  """What the kernels rely on, for every CTA row of `plan`.
+
+  plan: int32 [batch, tiles, PLAN_WIDTH] over the blocks of the grid's axis
+  (the rows of kept_any / kept_all [batch, rows, cols]).
+  """
+  plan = np.asarray(plan)
+  batch, num_rows, num_cols = kept_any.shape
+  assert plan.shape == (batch, -(-num_rows // consumers), forward.PLAN_WIDTH)
+  union = forward._PLAN_UNION
+  for b in range(batch):
+    for t in range(plan.shape[1]):
+      row = plan[b, t]
+      first, total = row[union], row[union + 1]
+      assert 0 <= first <= total <= num_cols, row
+      np.testing.assert_array_equal(row[forward._PLAN_SCALARS:][:3],
+                                    scalars[b])
+      nonempty = []
+      for c in range(consumers):
+        lo, unmasked_lo, unmasked_hi, hi = row[4 * c:4 * c + 4]
+        # The five runs tile the union in order: every consumer walks each
+        # of the producer's steps exactly once (the barrier phases).
+        assert first <= lo <= unmasked_lo <= unmasked_hi <= hi <= total, row
+        block = t * consumers + c
+        if hi > lo:
+          nonempty.append((lo, hi))
+        if block >= num_rows:
+          assert lo == hi, row  # a padding block visits nothing
+          continue
+        visited = np.zeros(num_cols, bool)
+        visited[lo:hi] = True
+        # Sound: no kept pair lies in a skipped tile, and the unmasked run
+        # needs no mask.
+        assert not (kept_any[b, block] & ~visited).any(), (b, block, row)
+        assert kept_all[b, block, unmasked_lo:unmasked_hi].all(), (b, row)
+        if exact:  # interval masks: the range is exactly the kept tiles
+          cols = np.flatnonzero(kept_any[b, block])
+          expected = (cols[0], cols[-1] + 1) if cols.size else (first, first)
+          assert (lo, hi) == expected, (b, block, row)
+      # The second slot of a one-consumer plan is zeros.
+      assert not row[4 * consumers:union].any(), row
+      if nonempty:
+        assert (first, total) == (min(nonempty)[0],
+                                  max(hi for _, hi in nonempty)), row
+      else:
+        assert first == total == 0, row
+
+
+_PLAN_CASES = {
+    # name: (spec fields, operands, block_q, block_kv, exact)
+    "causal q > kv": (dict(q_len=300, kv_len=200, is_causal=True), {},
+                      64, 64, True),
+    "bottom-right causal": (dict(q_len=150, kv_len=400, is_causal=True,
+                                 has_q_offset=True),
+                            dict(q_offset=[250, 37]), 64, 64, True),
+    "window": (dict(q_len=250, kv_len=260, window=(64, 30)), {}, 64, 128,
+               True),
+    "lengths": (dict(q_len=250, kv_len=250, has_q_lengths=True,
+                     has_kv_lengths=True),
+                dict(q_lengths=[0, 130], kv_lengths=[77, 250]), 64, 64, True),
+    "segments": (dict(q_len=256, kv_len=200, has_segments=True),
+                 dict(q_segments=_ids([(100, 0), (90, 1), (66, 2)], 2),
+                      kv_segments=_ids([(60, 0), (10, 1), (130, 2)], 2)),
+                 64, 64, True),
+    "combined": (dict(q_len=300, kv_len=450, is_causal=True,
+                      window=(128, None), has_q_offset=True,
+                      has_kv_lengths=True, has_segments=True),
+                 dict(q_offset=[150, 0], kv_lengths=[450, 201],
+                      q_segments=_ids([(70, 3), (230, 4)], 2),
+                      kv_segments=_ids([(200, 3), (250, 4)], 2)),
+                 64, 128, False),
+}
+
+
+@pytest.mark.parametrize("consumers", [(2, 2), (1, 2), (2, 1)], ids=str)
+@pytest.mark.parametrize("name", list(_PLAN_CASES))
+def test_plans_cover_exactly_the_kept_tiles(name, consumers):
+  """dQ plans (over K/V blocks) and dK/dV plans (over Q blocks, the
+  transpose) against `masking.keep` evaluated on every pair."""
+  fields, values, block_q, block_kv, exact = _PLAN_CASES[name]
+  spec = masking.MaskSpec(**fields)
+  operands = Operands(**{k: jnp.asarray(v, jnp.int32)
+                         for k, v in values.items()})
+  batch = 2
+  dq_consumers, dkdv_consumers = consumers
+  dq_plan, dkdv_plan = _plans(spec, batch, operands, block_q=block_q,
+                              block_kv=block_kv, dq_consumers=dq_consumers,
+                              dkdv_consumers=dkdv_consumers)
+  kept_any, kept_all = _kept_tiles(spec, operands, batch, block_q, block_kv)
+  per_batch = lambda x, default: np.broadcast_to(
+      default if x is None else np.asarray(x), (batch,))
+  scalars = np.stack([per_batch(operands.q_offset, 0),
+                      per_batch(operands.q_lengths, spec.q_len),
+                      per_batch(operands.kv_lengths, spec.kv_len)], -1)
+  _check_plan(dq_plan, kept_any, kept_all, consumers=dq_consumers,
+              scalars=scalars, exact=exact)
+  _check_plan(dkdv_plan, kept_any.transpose(0, 2, 1),
+              kept_all.transpose(0, 2, 1), consumers=dkdv_consumers,
+              scalars=scalars, exact=exact)
+
+
+def test_padded_statistics_make_padding_rows_empty():
+  out = jnp.ones((1, 5, 2, 8), jnp.bfloat16)
+  lse = jnp.zeros((1, 2, 5), jnp.float32).at[0, 1, 2].set(-jnp.inf)
+  stats = np.asarray(padded_statistics(out, lse, out, None, rows=128))
+  assert stats.shape == (1, 2, 2, 128)
+  assert (stats[:, :, 0, 5:] == np.inf).all() and stats[0, 1, 0, 2] == np.inf
+  np.testing.assert_array_equal(stats[:, :, 1, 5:], 0.0)
+  np.testing.assert_array_equal(stats[:, :, 1, :5], 8.0)
+
+
+# ---------------------------------------------------------------------------
+# The kernels' algorithm in plain jnp, against the reference's gradients.
+
+
+def _runs(row, consumer):
+  """A consumer's (start, stop, kind) runs over its CTA's union, in the
+  order `backward._ranged_walk` walks them."""
+  lo, unmasked_lo, unmasked_hi, hi = row[4 * consumer:4 * consumer + 4]
+  first, total = row[forward._PLAN_UNION:forward._PLAN_UNION + 2]
+  return ((first, lo, "skip"), (lo, unmasked_lo, "masked"),
+          (unmasked_lo, unmasked_hi, "unmasked"), (unmasked_hi, hi, "masked"),
+          (hi, total, "skip"))
+
+
+def _computed_steps(plan, consumers: int):
+  """int32 [steps, 7]: (batch, own block, streamed block, masked, q_offset,
+  q_length, kv_length) of every step a consumer computes, walking the plan
+  rows as the kernels do.
+
+  Asserts the barrier invariant: each consumer walks every step of its
+  CTA's union exactly once.
+  """
+  steps = []
+  scalars = slice(forward._PLAN_SCALARS, forward._PLAN_SCALARS + 3)
+  for b, rows in enumerate(np.asarray(plan)):
+    for t, row in enumerate(rows):
+      first, total = row[forward._PLAN_UNION:forward._PLAN_UNION + 2]
+      for c in range(consumers):
+        walked = 0
+        for start, stop, kind in _runs(row, c):
+          walked += max(0, stop - start)
+          steps += [(b, t * consumers + c, j, kind == "masked", *row[scalars])
+                    for j in range(start, stop) if kind != "skip"]
+        assert walked == total - first, row
+  return np.array(steps, np.int32).reshape(-1, 7)
+
+
+def _step_gradients(step, head, tensors, *, spec, config, transposed: bool):
+  """The kernels' step math on one tile (`backward._probabilities`,
+  `backward._score_gradient`, `masking.keep` on masked steps only).
+
+  step: a `_computed_steps` row (own block: Q in dQ, K/V in dK/dV).
+  Returns dS K (dQ's update) or, transposed, (dSᵀ Q, Pᵀ dO).
+  """
+  q, k, v, d_out, stats, q_ids, kv_ids = tensors
+  b, own, streamed, masked = step[0], step[1], step[2], step[3] > 0
+  q_block, kv_block = (streamed, own) if transposed else (own, streamed)
+  block_q, block_kv, group = config.block_q, config.block_kv, config.group
+  qs, ks = q_block * block_q, kv_block * block_kv
+
+  def rows(x, start, n, h):
+    return jax.lax.dynamic_slice(x[b], (start, h, 0), (n, 1, x.shape[-1]))[:, 0]
+
+  q_t, do_t = rows(q, qs, block_q, head), rows(d_out, qs, block_q, head)
+  k_t, v_t = (rows(x, ks, block_kv, head // group) for x in (k, v))
+  lse_log2, delta = jax.lax.dynamic_slice(stats[b, head], (0, qs),
+                                          (2, block_q))
+  # Query vectors run down S's rows (across Sᵀ's columns), keys the other way.
+  as_q, as_kv = (lambda x: x[:, None]), (lambda x: x[None, :])
+  if transposed:
+    as_q, as_kv = as_kv, as_q
+  values = masking.MaskValues(q_offset=step[4], q_lengths=step[5],
+                              kv_lengths=step[6])
+  if q_ids is not None:
+    values = values._replace(
+        q_segments=as_q(jax.lax.dynamic_slice(q_ids[b], (qs,), (block_q,))),
+        kv_segments=as_kv(jax.lax.dynamic_slice(kv_ids[b], (ks,),
+                                                (block_kv,))))
+  if transposed:
+    s, dp, broadcast = k_t @ q_t.T, v_t @ do_t.T, forward._cols
+  else:
+    s, dp, broadcast = q_t @ k_t.T, do_t @ v_t.T, forward._rows
+  p, slope = backward._probabilities(s, lse_log2, broadcast, values, config)
+  kept = masking.keep(spec, as_q(qs + jnp.arange(block_q)),
+                      as_kv(ks + jnp.arange(block_kv)), values)
+  p = jnp.where(kept | ~masked, p, 0.0)
+  ds = backward._score_gradient(p, dp, broadcast(delta, s.shape), slope)
+  return (ds @ q_t, p @ do_t) if transposed else ds @ k_t
+
+
+def _emulated_backward(q, k, v, out, lse, d_out, d_lse, *, scale, spec,
+                       operands: Operands, block_q=64, block_kv=64):
+  """(dq, dk, dv) float32 by the masked kernels' algorithm: their plan
+  rows, walks (skipped, masked and unmasked steps), padded statistics,
+  zero-filled tails and step math; only TMA, the rings and wgmma are left
+  out (and the order of the sums).
+  """
+  batch, q_len, num_heads, head_dim = q.shape
+  kv_len, num_kv_heads = k.shape[1], k.shape[2]
+  shapes = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in (q, k)]
+  tiles = dict(scale=scale, is_causal=spec.is_causal, block_q=block_q,
+               block_kv=block_kv, max_concurrent_steps=2, spec=spec)
+  dq_config = backward.dq_static(*shapes, **tiles)
+  dkdv_config = backward.dkdv_statics(*shapes, **tiles)[0]
+  dq_plan, dkdv_plan = _plans(spec, batch, operands, block_q=block_q,
+                              block_kv=block_kv,
+                              dq_consumers=dq_config.num_consumers,
+                              dkdv_consumers=dkdv_config.num_consumers)
+  q_rows = dq_plan.shape[1] * dq_config.num_consumers * block_q
+  kv_rows = dkdv_plan.shape[1] * dkdv_config.num_consumers * block_kv
+  pad = lambda x, n: None if x is None else jnp.pad(
+      x, ((0, 0), (0, n - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+  # Zero-filled tails, as TMA reads them.
+  stats = jax.jit(functools.partial(padded_statistics, rows=q_rows))(
+      out, lse, d_out, d_lse)
+  tensors = (pad(q, q_rows), pad(k, kv_rows), pad(v, kv_rows),
+             pad(d_out, q_rows), stats, pad(operands.q_segments, q_rows),
+             pad(operands.kv_segments, kv_rows))
+
+  def gradients(config, plan, *, transposed):
+    steps = _computed_steps(plan, config.num_consumers)
+    heads = np.arange(num_heads)
+    step_of = np.repeat(steps, num_heads, 0)          # every query head
+    head_of = np.tile(heads, len(steps))
+    step_fn = functools.partial(_step_gradients, spec=spec, config=config,
+                                transposed=transposed)
+    updates = jax.jit(jax.vmap(step_fn, in_axes=(0, 0, None)))(
+        step_of, head_of, tensors)
+    return step_of, head_of, updates
+
+  step_of, head_of, dq_updates = gradients(dq_config, dq_plan,
+                                           transposed=False)
+  rows = step_of[:, 1:2] * block_q + np.arange(block_q)
+  dq = jnp.zeros((batch, q_rows, num_heads, head_dim)).at[
+      step_of[:, :1], rows, head_of[:, None]].add(dq_updates)
+  step_of, head_of, (dk_updates, dv_updates) = gradients(
+      dkdv_config, dkdv_plan, transposed=True)
+  rows = step_of[:, 1:2] * block_kv + np.arange(block_kv)
+  kv_heads = head_of[:, None] // (num_heads // num_kv_heads)
+  zeros = jnp.zeros((batch, kv_rows, num_kv_heads, head_dim))
+  dk = zeros.at[step_of[:, :1], rows, kv_heads].add(dk_updates)
+  dv = zeros.at[step_of[:, :1], rows, kv_heads].add(dv_updates)
+  return dq[:, :q_len] * scale, dk[:, :kv_len] * scale, dv[:, :kv_len]
+
+
+def _api_variants(spec, operands: Operands) -> dict:
+  """`flash_attention` keyword arguments for a spec and its operands."""
+  variants = dict(is_causal=spec.is_causal)
+  if spec.window is not None:
+    variants["local_window_size"] = spec.window
+  if spec.logits_soft_cap is not None:
+    variants["logits_soft_cap"] = spec.logits_soft_cap
+  for name, arg in (("q_offset", "q_offset"), ("q_lengths",
+                                                "query_seq_lengths"),
+                    ("kv_lengths", "key_value_seq_lengths")):
+    if getattr(operands, name) is not None:
+      variants[arg] = getattr(operands, name)
+  if operands.q_segments is not None:
+    variants["segment_ids"] = (operands.q_segments, operands.kv_segments)
+  return variants
+
+
+_EMULATED = {
+    # name: (q_len, kv_len, heads, kv heads, head_dim, spec fields, operands)
+    "combined, GQA 2:1": (
+        150, 220, 2, 1, 64,
+        dict(is_causal=True, window=(90, None), has_q_offset=True,
+             has_kv_lengths=True, has_segments=True, logits_soft_cap=5.0),
+        dict(q_offset=[70, 0], kv_lengths=[220, 100],
+             q_segments=_ids([(40, 1), (110, 2)], 2),
+             kv_segments=_ids([(100, 1), (120, 2)], 2))),
+    "lengths with empty rows, d=256": (
+        100, 130, 2, 2, 256, dict(has_q_lengths=True, has_kv_lengths=True),
+        dict(q_lengths=[70, 100], kv_lengths=[130, 0])),
+}
+
+
+@pytest.mark.parametrize("name", list(_EMULATED))
+def test_kernel_algorithm_matches_reference_gradients(name):
+  """Plans, walks, tails and step math in plain jnp (f32) against jax.vjp
+  of the reference, with random cotangents of out and lse."""
+  q_len, kv_len, heads, kv_heads, head_dim, fields, values = _EMULATED[name]
+  spec = masking.MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
+  operands = Operands(**{k: jnp.asarray(v, jnp.int32)
+                         for k, v in values.items()})
+  case = Case(2, q_len, kv_len, heads, kv_heads, head_dim)
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.float32, seed=1)
+  scale = head_dim ** -0.5
+  reference = functools.partial(naive_attention, scale=scale,
+                                **_api_variants(spec, operands))
+
+  @jax.jit
+  def forward_and_vjp(q, k, v, d_out, d_lse):
+    (out, lse), vjp = jax.vjp(reference, q, k, v)
+    return out, lse, vjp((d_out, d_lse))
+
+  out, lse, expected = forward_and_vjp(q, k, v, d_out, d_lse)
+  got = _emulated_backward(q, k, v, out, jnp.swapaxes(lse, 1, 2), d_out,
+                           jnp.swapaxes(d_lse, 1, 2), scale=scale, spec=spec,
+                           operands=operands)
+  for name_, ours, ref in zip(("dq", "dk", "dv"), got, expected):
+    assert np.isfinite(np.asarray(ours)).all(), name_
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), atol=2e-4,
+                               rtol=2e-4, err_msg=name_)
+
+
+# ---------------------------------------------------------------------------
+# Cross-lowering for CUDA.
+
+
+def _kernels(text):
+  """Which masked backward kernels (dq, dkdv, dk, dv) a module contains."""
+  return set(_KERNEL_NAME.findall(text))
+
+
+def _lower(name, head_dim, *, with_d_lse=True, num_heads=4, num_kv_heads=2,
+           **blocks):
+  spec, operands = _spec_and_operands(name)
+  q = jax.ShapeDtypeStruct((2, spec.q_len, num_heads, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, spec.kv_len, num_kv_heads, head_dim),
+                            jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((2, num_heads, spec.q_len), jnp.float32)
+  args = (q, kv, kv, q, lse, q) + ((lse,) if with_d_lse else ())
+
+  def backward_fn(*args):
+    return mosaic_backward_masked(*args, scale=head_dim**-0.5, spec=spec,
+                                  **_operand_kwargs(operands), **blocks)
+
+  lowered = jax.jit(backward_fn).trace(*args).lower(
+      lowering_platforms=("cuda",))
+  for grad, primal in zip(lowered.out_info, args[:3]):
+    assert grad.shape == primal.shape and grad.dtype == primal.dtype
+  return lowered.as_text()
+
+
+def _expected_kernels(head_dim):
+  # At head_dim 256 dK and dV come from one pass each (registers).
+  return {"dq", "dk", "dv"} if head_dim == 256 else {"dq", "dkdv"}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_masked_backward_lowers_for_cuda(head_dim, name, cuda_lowering,
+                                         monkeypatch):
+  monkeypatch.setattr(compat, "LOWERING_SEMANTICS",
+                      plgpu.LoweringSemantics.Warpgroup)
+  assert _kernels(_lower(name, head_dim)) == _expected_kernels(head_dim)
+
+
+@pytest.mark.parametrize("name, head_dim", [("combined", 64),
+                                            ("segments", 128),
+                                            ("soft cap", 256)])
+def test_masked_backward_lowers_in_lane_semantics(name, head_dim,
+                                                  cuda_lowering, monkeypatch):
+  """The one-line switch in compat stays available for the masked form."""
+  monkeypatch.setattr(compat, "LOWERING_SEMANTICS",
+                      plgpu.LoweringSemantics.Lane)
+  assert _kernels(_lower(name, head_dim)) == _expected_kernels(head_dim)
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("ragged lengths", dict(with_d_lse=False)),
+    ("combined", dict(num_heads=4, num_kv_heads=1, block_q=128,
+                      max_concurrent_steps=3)),   # MQA, deeper ring
+    # dK/dV tiles of 128 keys: dK and dV one pass each (registers).
+    ("soft cap", dict(block_kv=128)),
+], ids=str)
+def test_masked_backward_lowers_other_calls(name, kwargs, cuda_lowering):
+  expected = {"dq", "dk", "dv"} if "block_kv" in kwargs else {"dq", "dkdv"}
+  assert _kernels(_lower(name, 64, **kwargs)) == expected
+
+
+def test_masked_backward_lowers_for_length_one(cuda_lowering):
+  spec = masking.MaskSpec(q_len=1, kv_len=7, is_causal=True,
+                          has_q_offset=True)
+  q = jax.ShapeDtypeStruct((1, 1, 2, 128), jnp.float16)
+  kv = jax.ShapeDtypeStruct((1, 7, 1, 128), jnp.float16)
+  lse = jax.ShapeDtypeStruct((1, 2, 1), jnp.float32)
+  text = jax.jit(lambda *a: mosaic_backward_masked(
+      *a, scale=0.1, spec=spec, q_offset=jnp.array([6], jnp.int32))).trace(
+          q, kv, kv, q, lse, q).lower(lowering_platforms=("cuda",)).as_text()
+  assert _kernels(text) == {"dq", "dkdv"}
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_masked_gradients_route_by_the_flag(enabled, cuda_lowering,
+                                            monkeypatch):
+  """Through `jax.grad` of `mosaic_attention` (head dim 96, padded): the
+  masked Mosaic backward when enabled, else the Triton one."""
+  monkeypatch.setattr(mosaic_attention_module, "MASKED_BACKWARD_ENABLED",
+                      enabled)
+  text = _lower_masked_gradients()
+  assert bool(_kernels(text)) == enabled
+  assert bool(_TRITON_BACKWARD.search(text)) == (not enabled)
+
+
+def test_masked_gradients_fall_back_to_triton(cuda_lowering, monkeypatch):
+  def refuse(*args, **kwargs):
+    raise NotImplementedError("not covered")
+
+  monkeypatch.setattr(mosaic_attention_module, "MASKED_BACKWARD_ENABLED",
+                      True)
+  monkeypatch.setattr(mosaic_attention_module, "mosaic_backward_masked",
+                      refuse)
+  text = _lower_masked_gradients()
+  assert not _kernels(text) and _TRITON_BACKWARD.search(text)
+
+
+def _lower_masked_gradients():
+  spec, operands = _spec_and_operands("combined")
+  q = jax.ShapeDtypeStruct((2, spec.q_len, 4, 96), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, spec.kv_len, 2, 96), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out, lse = mosaic_attention_module.mosaic_attention(
+        q, k, v, scale=0.1, is_causal=spec.is_causal, spec=spec,
+        operands=operands,
+        backward_blocks=BlockSizes.get_default(96, "NVIDIA H200"))
+    return out.astype(jnp.float32).sum() + lse.sum()
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",))
+  assert [g.shape for g in lowered.out_info] == [q.shape, kv.shape, kv.shape]
+  return lowered.as_text()
+
+
+# ---------------------------------------------------------------------------
+# Refusals: the caller falls back to the Triton backward.
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(has_dense_mask=True), "has_dense_mask"),
+    (dict(has_bias=True), "has_bias"),
+    (dict(has_alibi=True), "has_alibi"),
+    (dict(dropout_rate=0.1), "dropout_rate"),
+    (dict(score_fn=lambda s, b, h, q, k: s), "score_fn"),
+    (dict(mask_fn=lambda b, h, q, k: q >= k), "mask_fn"),
+])
+def test_masked_backward_refuses_other_features(fields, match):
+  spec = masking.MaskSpec(q_len=128, kv_len=128, **fields)
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((1, 2, 128), jnp.float32)
+  with pytest.raises(NotImplementedError, match=match):
+    jax.eval_shape(lambda q, lse: mosaic_backward_masked(
+        q, q, q, q, lse, q, scale=0.125, spec=spec), q, lse)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(head_dim=96), "head_dim"),
+    (dict(dtype=jnp.float32), "bfloat16 and float16"),
+    (dict(block_q=96), "multiples of 64"),
+    (dict(head_dim=256, block_kv=128), "registers"),
+    (dict(head_dim=256, max_concurrent_steps=4), "shared memory"),
+])
+def test_masked_backward_refuses_what_the_kernels_lack(kwargs, match):
+  head_dim = kwargs.pop("head_dim", 64)
+  dtype = kwargs.pop("dtype", jnp.bfloat16)
+  spec = masking.MaskSpec(q_len=200, kv_len=100, is_causal=True)
+  q = jax.ShapeDtypeStruct((1, 200, 2, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((1, 100, 1, head_dim), dtype)
+  lse = jax.ShapeDtypeStruct((1, 2, 200), jnp.float32)
+  with pytest.raises(NotImplementedError, match=match):
+    mosaic_backward_masked(q, kv, kv, q, lse, q, scale=0.125, spec=spec,
+                           **kwargs)
+
+
+def test_masked_backward_checks_the_spec_lengths():
+  spec = masking.MaskSpec(q_len=128, kv_len=100)
+  q = jax.ShapeDtypeStruct((1, 200, 2, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 100, 1, 64), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((1, 2, 200), jnp.float32)
+  with pytest.raises(ValueError, match="q_len 128"):
+    mosaic_backward_masked(q, kv, kv, q, lse, q, scale=0.125, spec=spec)
+
+
+# ---------------------------------------------------------------------------
+# On an sm90 GPU: gradients against the reference.
+
+
+def _require_sm90():
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic backward needs sm90 (wgmma, TMA, setmaxnreg)")
+
+
+def _document_ids(batch, length, document):
+  return jnp.repeat(jnp.arange(-(-length // document), dtype=jnp.int32),
+                    document)[None, :length].repeat(batch, 0)
+
+
+_GPU_VARIANTS = {
+    "causal window": (Case(2, 1000, 1000, 4, 2, 128),
+                      dict(is_causal=True, local_window_size=(300, 0))),
+    "bottom-right causal": (Case(2, 500, 2047, 8, 2, 64),
+                            dict(is_causal=True,
+                                 q_offset=jnp.array([1547, 100]))),
+    "ragged lengths": (Case(2, 777, 1100, 4, 1, 256),
+                       dict(query_seq_lengths=jnp.array([700, 0]),
+                            key_value_seq_lengths=jnp.array([1100, 333]))),
+    "segments": (Case(2, 1024, 1000, 4, 2, 128),
+                 dict(segment_ids=(_document_ids(2, 1024, 300),
+                                   _document_ids(2, 1000, 250)))),
+    "soft cap, d=96": (Case(1, 777, 1100, 8, 2, 96),
+                       dict(is_causal=True, logits_soft_cap=20.0)),
+    "combined": (Case(2, 1500, 1537, 4, 2, 128),
+                 dict(is_causal=True, local_window_size=(512, 0),
+                      q_offset=jnp.array([37, 0]),
+                      key_value_seq_lengths=jnp.array([1537, 1000]),
+                      segment_ids=(_document_ids(2, 1500, 700),
+                                   _document_ids(2, 1537, 700)),
+                      logits_soft_cap=30.0)),
+}
+
+
+def _masked_attention(**variants):
+  @jax.jit
+  def attention(q, k, v):
+    return jax_flash.flash_attention(q, k, v, return_residual=True,
+                                     implementation="mosaic", **variants)
+  return attention
+
+
+def _assert_uses_masked_backward(attention, case: Case, dtype):
+  shapes = [jax.ShapeDtypeStruct(s, dtype) for s in (
+      (case.batch, case.q_len, case.num_heads, case.head_dim),
+      (case.batch, case.kv_len, case.num_kv_heads, case.head_dim),
+      (case.batch, case.kv_len, case.num_kv_heads, case.head_dim))]
+
+  def vjp(q, k, v):
+    (out, lse), pullback = jax.vjp(attention, q, k, v)
+    return pullback((out, lse))
+
+  text = jax.jit(vjp).lower(*shapes).as_text()
+  assert _kernels(text) and not _TRITON_BACKWARD.search(text)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", list(_GPU_VARIANTS))
+def test_masked_backward_matches_reference_on_gpu(name, dtype, monkeypatch):
+  """dq, dk, dv by the masked Mosaic backward under random cotangents of
+  out and lse, by FlashAttention's tolerance rule."""
+  _require_sm90()
+  monkeypatch.setattr(mosaic_attention_module, "MASKED_KERNEL_ENABLED", True)
+  monkeypatch.setattr(mosaic_attention_module, "MASKED_BACKWARD_ENABLED",
+                      True)
+  case, variants = _GPU_VARIANTS[name]
+  attention = _masked_attention(**variants)
+  _assert_uses_masked_backward(attention, case, dtype)
+  check_against_reference(attention, case, dtype, seed=7, **variants)
+
+
+@pytest.mark.gpu
+def test_masked_backward_deterministic_and_empty_rows_on_gpu(monkeypatch):
+  """Bitwise repeatable; rows and a batch with nothing to attend to get
+  zero gradients, and nothing is NaN."""
+  _require_sm90()
+  monkeypatch.setattr(mosaic_attention_module, "MASKED_KERNEL_ENABLED", True)
+  monkeypatch.setattr(mosaic_attention_module, "MASKED_BACKWARD_ENABLED",
+                      True)
+  case = Case(2, 333, 517, 8, 2, 128)
+  # Batch 0: rows from 300 on are padding; batch 1: no keys at all.
+  variants = dict(is_causal=True, q_offset=jnp.array([184, 184]),
+                  query_seq_lengths=jnp.array([300, 333]),
+                  key_value_seq_lengths=jnp.array([517, 0]))
+  attention = _masked_attention(**variants)
+  _assert_uses_masked_backward(attention, case, jnp.bfloat16)
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, 11)
+  grads = jax.jit(lambda *a: jax.vjp(attention, *a[:3])[1](a[3:]))
+
+  first = grads(q, k, v, d_out, d_lse)
+  for grad in first:
+    assert np.isfinite(np.asarray(grad, np.float32)).all()
+  dq, dk, dv = (np.asarray(g, np.float32) for g in first)
+  np.testing.assert_array_equal(dq[0, 300:], 0.0)
+  np.testing.assert_array_equal(dq[1], 0.0)
+  np.testing.assert_array_equal(dk[1], 0.0)
+  np.testing.assert_array_equal(dv[1], 0.0)
+  for _ in range(2):
+    for a, b in zip(first, grads(q, k, v, d_out, d_lse)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
