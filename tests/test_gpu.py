@@ -61,16 +61,19 @@ def test_implementation_none_uses_kernels_on_gpu():
   from pallas_kernels import compat
   on_hopper = (compat.gpu_compute_capability() or (0, 0))[0] == 9
 
-  def lowered(dtype, q_len):
+  def lowered(dtype, q_len, **kwargs):
     q, k, v, _, _ = random_inputs(Case(1, q_len, q_len, 4, 4, 64), dtype, 0)
-    return jax.jit(lambda q, k, v: jax_flash.flash_attention(q, k, v)).lower(
-        q, k, v).as_text()
+    return jax.jit(lambda q, k, v: jax_flash.flash_attention(
+        q, k, v, **kwargs)).lower(q, k, v).as_text()
 
-  covered = lowered(jnp.bfloat16, 512)
-  assert ("mosaic_flash_forward" in covered) == on_hopper
-  assert "flash_forward" in covered
-  # float32 and a ragged length: not Mosaic's; Triton takes them.
-  for text in (lowered(jnp.float32, 512), lowered(jnp.bfloat16, 500)):
+  # Tile-aligned, and a ragged length (the masked Mosaic forward's, since
+  # MASKED_KERNEL_ENABLED): Mosaic on Hopper.
+  for text in (lowered(jnp.bfloat16, 512), lowered(jnp.bfloat16, 500)):
+    assert ("mosaic_flash_forward" in text) == on_hopper
+    assert "flash_forward" in text
+  # float32 and ALiBi: not Mosaic's; Triton takes them.
+  for text in (lowered(jnp.float32, 512),
+               lowered(jnp.bfloat16, 512, alibi_slopes=jnp.ones(4))):
     assert "mosaic_flash_forward" not in text
     assert "flash_forward" in text
 
