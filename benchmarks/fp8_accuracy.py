@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 
 from benchmarks import common, render
-from jax_flash import attention_reference
+from jax_flash import attention_reference, masking
 from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8, quantize_fp8
 
 
@@ -62,8 +62,12 @@ def naive_fp8(q, k, v, *, is_causal: bool, per_block: bool):
   group = q.shape[2] // k.shape[2]
   k32, v32 = (jnp.repeat(x, group, axis=2) for x in (k32, v32))
   s = jnp.einsum("bqhd,bkhd->bhqk", q32, k32) * q.shape[-1]**-0.5
-  if is_causal:
-    keep = jnp.tril(jnp.ones(s.shape[-2:], bool))
+  if is_causal:  # the mask from its one definition
+    q_len, kv_len = s.shape[-2:]
+    keep = masking.keep(
+        masking.MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=True),
+        jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :],
+        masking.MaskValues())
     s = jnp.where(keep, s, -jnp.inf)
   row_max = s.max(axis=-1, keepdims=True)
   p = jnp.exp(s - row_max)

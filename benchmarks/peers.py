@@ -11,7 +11,6 @@ the caller's to record, never to crash on.
 """
 from __future__ import annotations
 
-import functools
 import threading
 import warnings
 from typing import Callable, NamedTuple
@@ -83,10 +82,9 @@ def jax_flash_triton(cell: common.Cell, *, interpret: bool = False,
   return _benchmark(cell, attention)
 
 
-@functools.cache
 def _mosaic_module():
-  """`pallas_kernels.mosaic`, imported once: `run_grid` builds peers in
-  threads, and two threads importing its submodules at once saw them
+  """`pallas_kernels.mosaic`, imported under a lock: `run_grid` builds peers
+  in threads, and two threads importing its submodules at once saw them
   partially initialised (seen on the H200)."""
   with _IMPORT_LOCK:
     import pallas_kernels.mosaic

@@ -42,3 +42,16 @@ def cuda_lowering():
     jax.jit(probe).trace(x).lower(lowering_platforms=("cuda",))
   except NotImplementedError as e:  # no "cuda" lowering rule registered
     pytest.skip(f"this JAX cannot lower Mosaic GPU for CUDA here: {e}")
+
+
+@pytest.fixture(params=["Warpgroup", "Lane"])
+def lowering_semantics(request, cuda_lowering, monkeypatch):
+  """Runs a Mosaic cross-lowering test in each of Mosaic GPU's lowering
+  semantics, so that the one-line switch in `pallas_kernels.mosaic.compat`
+  stays available if the chosen one miscompiles on the GPU."""
+  del cuda_lowering  # requested for its skip
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from pallas_kernels.mosaic import compat as mosaic_compat
+  monkeypatch.setattr(mosaic_compat, "LOWERING_SEMANTICS",
+                      getattr(plgpu.LoweringSemantics, request.param))
+  return request.param

@@ -18,8 +18,6 @@ from pallas_kernels import compat as versions
 from tests.attention_checks import Case, check_against_reference, random_inputs
 
 try:
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  from pallas_kernels.mosaic import compat
   from pallas_kernels.mosaic.backward import mosaic_backward
   from pallas_kernels.mosaic.forward import mosaic_forward
 except ImportError as e:  # a jaxlib built without Mosaic GPU
@@ -60,15 +58,10 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
   return lowered.as_text()
 
 
-@pytest.mark.parametrize("semantics", ["Warpgroup", "Lane"])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_backward_lowers_for_cuda(head_dim, is_causal, semantics,
-                                  cuda_lowering, monkeypatch):
-  # GQA 4:2 and q_len 256 != kv_len 384; both semantics, so that the
-  # one-line switch in compat stays available.
-  monkeypatch.setattr(compat, "LOWERING_SEMANTICS",
-                      getattr(plgpu.LoweringSemantics, semantics))
+def test_backward_lowers_for_cuda(head_dim, is_causal, lowering_semantics):
+  # GQA 4:2 and q_len 256 != kv_len 384.
   text = _lower(head_dim, is_causal)
   assert _CUSTOM_CALL in text
   # At head_dim 256 two 64 x 256 f32 accumulators do not fit one

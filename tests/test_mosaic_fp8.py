@@ -15,8 +15,6 @@ from jax_flash import attention_reference
 from pallas_kernels import compat as versions
 
 try:
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  from pallas_kernels.mosaic import compat
   from pallas_kernels.mosaic.fp8 import (FP8_MAX, mosaic_forward_fp8,
                                          quantize_fp8)
 except ImportError as e:  # a jaxlib built without Mosaic GPU
@@ -55,13 +53,9 @@ def test_quantize_fp8_rejects_ragged_blocks():
     quantize_fp8(jnp.ones((1, 100, 1, 16)), block_rows=64)
 
 
-@pytest.mark.parametrize("semantics", ["Warpgroup", "Lane"])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fp8_forward_lowers_for_cuda(head_dim, is_causal, semantics,
-                                     cuda_lowering, monkeypatch):
-  monkeypatch.setattr(compat, "LOWERING_SEMANTICS",
-                      getattr(plgpu.LoweringSemantics, semantics))
+def test_fp8_forward_lowers_for_cuda(head_dim, is_causal, lowering_semantics):
   q = jax.ShapeDtypeStruct((2, 256, 4, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 384, 2, head_dim), jnp.bfloat16)
   call = lambda q, k, v: quantized_forward(q, k, v, is_causal=is_causal,

@@ -15,8 +15,6 @@ from pallas_kernels import compat as versions
 from tests.attention_checks import Case, check_against_reference
 
 try:
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  from pallas_kernels.mosaic import compat
   from pallas_kernels.mosaic.forward import mosaic_forward
 except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
@@ -42,15 +40,9 @@ def _lower(head_dim, is_causal, *, q_len=256, kv_len=384, **blocks):
   return lowered.as_text()
 
 
-@pytest.mark.parametrize("semantics", ["Warpgroup", "Lane"])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_forward_lowers_for_cuda(head_dim, is_causal, semantics, cuda_lowering,
-                                 monkeypatch):
-  # Both semantics, so that the one-line switch in compat stays available if
-  # the chosen one miscompiles on the GPU.
-  monkeypatch.setattr(compat, "LOWERING_SEMANTICS",
-                      getattr(plgpu.LoweringSemantics, semantics))
+def test_forward_lowers_for_cuda(head_dim, is_causal, lowering_semantics):
   text = _lower(head_dim, is_causal)
   assert _CUSTOM_CALL in text
   assert _KERNEL_NAME in text

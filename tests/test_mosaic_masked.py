@@ -17,9 +17,7 @@ from pallas_kernels.config import BlockSizes
 from tests.attention_checks import Case, check_against_reference
 
 try:
-  from jax.experimental.pallas import mosaic_gpu as plgpu
   from pallas_kernels.mosaic import attention as mosaic_attention_module
-  from pallas_kernels.mosaic import compat
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
 except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
@@ -44,13 +42,9 @@ def _operands(values: dict) -> Operands:
   return Operands(**{k: jnp.asarray(v, jnp.int32) for k, v in values.items()})
 
 
-@pytest.mark.parametrize("semantics", ["Warpgroup", "Lane"])
 @pytest.mark.parametrize("name", list(VARIANTS))
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_masked_forward_lowers_for_cuda(head_dim, name, semantics,
-                                        cuda_lowering, monkeypatch):
-  monkeypatch.setattr(compat, "LOWERING_SEMANTICS",
-                      getattr(plgpu.LoweringSemantics, semantics))
+def test_masked_forward_lowers_for_cuda(head_dim, name, lowering_semantics):
   q_len, kv_len, fields, values = VARIANTS[name]
   spec = masking.MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
   q = jax.ShapeDtypeStruct((2, q_len, 4, head_dim), jnp.bfloat16)

@@ -71,8 +71,8 @@ from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.forward import (
     _CONSUMER_REGISTERS, _PLAN_SCALARS, _PLAN_UNION, _PRODUCER_REGISTERS,
     _SMEM_LIMIT_BYTES, _LOG2E, _SUPPORTED_DTYPES, _SUPPORTED_HEAD_DIMS,
-    _SWIZZLE_BYTES, _TILE_MULTIPLE, PLAN_WIDTH, _Plan, _causal_mask, _cols,
-    _read_plan, _rows, _variant_mask, tile_index)
+    _SWIZZLE_BYTES, PLAN_WIDTH, _Plan, _causal_mask, _cols, check_layout,
+    check_tiles, _read_plan, _rows, _variant_mask, tile_index)
 
 _MAX_CONSUMERS = 2
 # f32 registers per consumer thread that the wgmma accumulators (the
@@ -201,28 +201,17 @@ def check_supported(query, key, value, out, lse, d_out, d_lse, *, block_q,
 
   `any_lengths`: the ranged kernels mask the tails of both sequences.
   """
-  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-    raise ValueError("query, key and value must be [batch, len, heads, dim]; "
-                     f"got {query.shape}, {key.shape}, {value.shape}")
   batch, q_len, num_heads, head_dim = query.shape
-  kv_shape = (batch, key.shape[1], key.shape[2], head_dim)
-  if key.shape != kv_shape or value.shape != kv_shape:
-    raise ValueError(f"key and value must both be {kv_shape} for query "
-                     f"{query.shape}; got {key.shape}, {value.shape}")
+  kv_len, _ = check_layout(query, key, value)
   if out.shape != query.shape or d_out.shape != query.shape:
     raise ValueError(f"out and d_out must be {query.shape} like query; got "
                      f"{out.shape}, {d_out.shape}")
   if lse.shape != (batch, num_heads, q_len):
     raise ValueError(f"lse must be [batch, num_heads, q_len] = "
                      f"{(batch, num_heads, q_len)}; got {lse.shape}")
-  kv_len, num_kv_heads = key.shape[1], key.shape[2]
-  if num_heads % num_kv_heads:
-    raise ValueError(f"num_heads {num_heads} is not a multiple of "
-                     f"num_kv_heads {num_kv_heads}")
   dtype = jnp.dtype(query.dtype)
-  if any(x.dtype != dtype for x in (key, value, out, d_out)):
-    raise TypeError("query, key, value, out and d_out must share a dtype; "
-                    f"got {query.dtype}, {key.dtype}, {value.dtype}, "
+  if out.dtype != dtype or d_out.dtype != dtype:
+    raise TypeError(f"out and d_out must be {dtype} like query; got "
                     f"{out.dtype}, {d_out.dtype}")
   if d_lse is not None and d_lse.shape != lse.shape:
     raise ValueError(f"d_lse must be {lse.shape} like lse; got {d_lse.shape}")
@@ -234,18 +223,13 @@ def check_supported(query, key, value, out, lse, d_out, d_lse, *, block_q,
   if head_dim not in _SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"mosaic_backward supports head_dim in "
                               f"{_SUPPORTED_HEAD_DIMS}, got {head_dim}")
-  if block_q % _TILE_MULTIPLE or block_kv % _TILE_MULTIPLE:
-    raise NotImplementedError(f"block_q {block_q} and block_kv {block_kv} "
-                              f"must be multiples of {_TILE_MULTIPLE}")
+  check_tiles(block_q, block_kv, max_concurrent_steps)
   if not any_lengths and q_len % block_q:
     raise NotImplementedError(f"q_len {q_len} must be a multiple of block_q "
                               f"{block_q} (tails are not masked yet)")
   if not any_lengths and kv_len % block_kv:
     raise NotImplementedError(f"kv_len {kv_len} must be a multiple of "
                               f"block_kv {block_kv} (tails are not masked yet)")
-  if max_concurrent_steps < 1:
-    raise ValueError(
-        f"max_concurrent_steps must be >= 1, got {max_concurrent_steps}")
 
 
 def row_statistics(out, lse, d_out, d_lse):

@@ -273,18 +273,14 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
   )(*inputs)
 
 
-def check_supported(query, key, value, *, scale, is_causal, block_q,
-                     block_kv, max_concurrent_steps,
-                     fp8_out_dtype=None, spec=None) -> KernelStatic:
-  """Validates the call; anything this kernel lacks is NotImplementedError.
-
-  `fp8_out_dtype` is given for the FP8 kernel (inputs float8_e4m3fn), `spec`
-  for the ranged (masked) one, which takes any lengths.
-  """
+def check_layout(query, key, value) -> tuple[int, int]:
+  """(kv_len, num_kv_heads) of [batch, len, heads, dim] q, k, v that share
+  batch, head dim and dtype, with heads a multiple of K/V heads; else a
+  ValueError/TypeError naming the shapes. Shared by every Mosaic kernel."""
   if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
     raise ValueError("query, key and value must be [batch, len, heads, dim]; "
                      f"got {query.shape}, {key.shape}, {value.shape}")
-  batch, q_len, num_heads, head_dim = query.shape
+  batch, _, num_heads, head_dim = query.shape
   kv_shape = (batch, key.shape[1], key.shape[2], head_dim)
   if key.shape != kv_shape or value.shape != kv_shape:
     raise ValueError(f"key and value must both be {kv_shape} for query "
@@ -293,10 +289,33 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   if num_heads % num_kv_heads:
     raise ValueError(f"num_heads {num_heads} is not a multiple of "
                      f"num_kv_heads {num_kv_heads}")
-  dtype = jnp.dtype(query.dtype)
-  if dtype != key.dtype or dtype != value.dtype:
+  if query.dtype != key.dtype or query.dtype != value.dtype:
     raise TypeError("query, key and value must share a dtype; got "
                     f"{query.dtype}, {key.dtype}, {value.dtype}")
+  return kv_len, num_kv_heads
+
+
+def check_tiles(block_q: int, block_kv: int, max_concurrent_steps: int):
+  """Tile sizes whole in wgmma's 64 rows and a pipeline at least 1 deep."""
+  if max_concurrent_steps < 1:
+    raise ValueError(
+        f"max_concurrent_steps must be >= 1, got {max_concurrent_steps}")
+  if block_q % _TILE_MULTIPLE or block_kv % _TILE_MULTIPLE:
+    raise NotImplementedError(f"block_q {block_q} and block_kv {block_kv} "
+                              f"must be multiples of {_TILE_MULTIPLE}")
+
+
+def check_supported(query, key, value, *, scale, is_causal, block_q,
+                     block_kv, max_concurrent_steps,
+                     fp8_out_dtype=None, spec=None) -> KernelStatic:
+  """Validates the call; anything this kernel lacks is NotImplementedError.
+
+  `fp8_out_dtype` is given for the FP8 kernel (inputs float8_e4m3fn), `spec`
+  for the ranged (masked) one, which takes any lengths.
+  """
+  _, q_len, num_heads, head_dim = query.shape
+  kv_len, num_kv_heads = check_layout(query, key, value)
+  dtype = jnp.dtype(query.dtype)
   fp8 = fp8_out_dtype is not None
   if fp8 and dtype != _FP8:
     raise TypeError(f"mosaic_forward_fp8 takes float8_e4m3fn inputs (see "
@@ -307,9 +326,7 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   if head_dim not in _SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"mosaic_forward supports head_dim in "
                               f"{_SUPPORTED_HEAD_DIMS}, got {head_dim}")
-  if block_q % _TILE_MULTIPLE or block_kv % _TILE_MULTIPLE:
-    raise NotImplementedError(f"block_q {block_q} and block_kv {block_kv} "
-                              f"must be multiples of {_TILE_MULTIPLE}")
+  check_tiles(block_q, block_kv, max_concurrent_steps)
   if spec is not None and fp8_out_dtype is not None:
     raise NotImplementedError("the FP8 kernel has no masks yet")
   if spec is None and q_len % (NUM_CONSUMERS * block_q):
@@ -322,9 +339,6 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   if not scale > 0:
     raise NotImplementedError(
         f"scale must be positive (it is folded into exp2), got {scale}")
-  if max_concurrent_steps < 1:
-    raise ValueError(
-        f"max_concurrent_steps must be >= 1, got {max_concurrent_steps}")
   num_kv_blocks = pl.cdiv(kv_len, block_kv)
   num_stages = min(max_concurrent_steps, num_kv_blocks)
   smem_bytes = (
