@@ -66,8 +66,9 @@ def main(argv=None) -> int:
                       default="triton")
   parser.add_argument("--mosaic-masked-backward", action="store_true",
                       help="with --implementation mosaic: masks' gradients "
-                      "by the masked Mosaic backward (off by default until "
-                      "its GPU tests pass) instead of the Triton one")
+                      "by the masked Mosaic backward (the default since its "
+                      "GPU tests passed; the flag names the results file "
+                      "_masked_backward)")
   parser.add_argument("--out", default=None,
                       help="default benchmarks/results/h200_masks[_mosaic].json")
   args = parser.parse_args(argv)

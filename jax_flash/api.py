@@ -145,7 +145,7 @@ def _run_triton(call: AttentionCall, query, key, value, *, block_sizes,
       raise NotImplementedError(
           f"the Triton kernels need an sm80+ GPU or interpret=True (got {cc})")
   if block_sizes is None:
-    block_sizes = BlockSizes.get_default(head_dim)
+    block_sizes = BlockSizes.get_default(head_dim, dtype=query.dtype)
   operands = call.operands
   if call.spec.mask_fn is not None and operands.block_mask is None:
     shape = call.shape

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 # Triton's tl.dot needs every tile dimension to be at least 16.
 MIN_BLOCK = 16
@@ -65,19 +66,24 @@ class BlockSizes:
         raise ValueError(f"BlockSizes.{field.name} must be >= 1, got {value}")
 
   @classmethod
-  def get_default(cls, head_dim: int, device_kind: str | None = None
-                  ) -> "BlockSizes":
+  def get_default(cls, head_dim: int, device_kind: str | None = None,
+                  dtype=None) -> "BlockSizes":
     """Measured defaults for `head_dim` on `device_kind` (default: device 0).
 
     GPU values were chosen by the block sweep on an H200
-    (`benchmarks/results/h200_block_sweep.json`). On the CPU (interpret mode)
-    large tiles mean fewer interpreted steps, which is all that matters there.
+    (`benchmarks/results/h200_block_sweep.json`) for 16-bit inputs. float32
+    (`dtype`) gets smaller tiles on a GPU: its tiles take twice the shared
+    memory, and the 16-bit tiles at head dim 128 took over a minute to
+    compile (`benchmarks/float32_probe.py`). On the CPU (interpret mode) large
+    tiles mean fewer interpreted steps, which is all that matters there.
     """
     if device_kind is None:
       device_kind = jax.devices()[0].device_kind
     if "cpu" in device_kind.lower():
       return cls(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64,
                  block_q_dq=64, block_kv_dq=64)
+    if dtype is not None and jnp.dtype(dtype).itemsize > 2:
+      return _GPU_FLOAT32_DEFAULTS[256 if head_dim > 128 else 128]
     return _GPU_DEFAULTS[_head_dim_class(head_dim)]
 
 
@@ -103,4 +109,20 @@ _GPU_DEFAULTS = {
                     block_q_dkv=64, block_kv_dkv=64, num_warps_dkdv=8,
                     num_stages_dkdv=2, block_q_dq=128, block_kv_dq=32,
                     num_warps_dq=8, num_stages_dq=2),
+}
+
+# float32 on a GPU (`benchmarks/float32_probe.py`, H200): half-size K/V tiles
+# (a float32 tile takes twice the shared memory), and at head dim 256 32-row
+# tiles in one stage: 64x32 tiles in two stages asked for 256 KiB there
+# (Triton's layout scratch for the split TF32 products comes on top of the
+# tiles that `common.fit_stages` counts).
+_GPU_FLOAT32_DEFAULTS = {
+    128: BlockSizes(block_q=64, block_k=32, num_warps=4, num_stages=2,
+                    block_q_dkv=32, block_kv_dkv=64, num_warps_dkdv=4,
+                    num_stages_dkdv=2, block_q_dq=64, block_kv_dq=32,
+                    num_warps_dq=4, num_stages_dq=2),
+    256: BlockSizes(block_q=32, block_k=32, num_warps=4, num_stages=1,
+                    block_q_dkv=32, block_kv_dkv=32, num_warps_dkdv=4,
+                    num_stages_dkdv=1, block_q_dq=32, block_kv_dq=32,
+                    num_warps_dq=4, num_stages_dq=1),
 }

@@ -4,6 +4,8 @@ Triton lowering errors (unsupported indexing, shapes) surface here without a GPU
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -43,7 +45,8 @@ def _lower_grad(q_len, kv_len, head_dim, verified, bias_shape=None,
   kv = jax.ShapeDtypeStruct((2, kv_len, 2, head_dim), dtype)
   bias = None if bias_shape is None else jax.ShapeDtypeStruct(bias_shape,
                                                                jnp.float32)
-  blocks = BlockSizes.get_default(head_dim, device_kind="NVIDIA H200")
+  blocks = BlockSizes.get_default(head_dim, device_kind="NVIDIA H200",
+                                  dtype=dtype)
 
   def loss(q, k, v, bias):
     call = validation.normalise_call(q, k, v, bias=bias, **variants)
@@ -98,3 +101,26 @@ VARIANTS = {
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_variants_lower_for_cuda(name, verified_triton_modules):
   _lower_grad(300, 300, 96, verified_triton_modules, **VARIANTS[name])
+
+
+def _input_precision(dot_line: str) -> str | None:
+  match = re.search(r"inputPrecision = (\w+)", dot_line)
+  return match[1] if match else None
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_float32_on_a_gpu_multiplies_in_three_tf32_passes(
+    head_dim, verified_triton_modules, monkeypatch):
+  """Traced for a GPU backend, float32 dots ask Triton for TF32x3 (IEEE
+  dots compiled for over a minute on the H200); traced for the CPU, for
+  IEEE float32. With the float32 tiles at every head dim."""
+  # IEEE is tt.dot's default input precision, printed as no attribute.
+  for backend, precision in (("cpu", None), ("gpu", "tf32x3")):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    verified_triton_modules.clear()
+    _lower_grad(256, 256, head_dim, verified_triton_modules,
+                dtype=jnp.float32, is_causal=True)
+    dots = [line for result in verified_triton_modules
+            for line in str(result.module).splitlines() if "tt.dot " in line]
+    attributes = {_input_precision(line) for line in dots}
+    assert dots and attributes == {precision}, (backend, attributes)

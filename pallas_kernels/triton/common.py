@@ -88,10 +88,18 @@ def load_rows(ref, rows, seq_len: int | None, other, head=None):
 
 
 def _precision(a):
-  # Pallas Triton lowers a float32 dot at DEFAULT precision to TF32 on the GPU
-  # (but exactly in interpret mode); HIGHEST keeps float32 inputs in IEEE
-  # float32 everywhere. 16-bit inputs are unaffected.
-  return lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  # Pallas Triton lowers a float32 dot at DEFAULT precision to one TF32 pass
+  # on the GPU (10-bit mantissas). HIGHEST there is Triton's IEEE dot, a
+  # loop of FMAs off the tensor cores: slow to run and, unrolled over a
+  # 128x128 tile, over a minute to compile. On a GPU float32 therefore takes
+  # three TF32 passes (the split-mantissa product, float32-class error on
+  # tensor cores); the CPU (interpret mode) lacks that algorithm and
+  # multiplies in float32 at HIGHEST. 16-bit inputs are unaffected.
+  if a.dtype != jnp.float32:
+    return None
+  if jax.default_backend() == "gpu":
+    return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+  return lax.Precision.HIGHEST
 
 
 def matmul(a, b, *, transpose_b: bool = False):
