@@ -112,14 +112,19 @@ def _input_precision(dot_line: str) -> str | None:
 def test_float32_on_a_gpu_multiplies_in_three_tf32_passes(
     head_dim, verified_triton_modules, monkeypatch):
   """Traced for a GPU backend, float32 dots ask Triton for TF32x3 (IEEE
-  dots compiled for over a minute on the H200); traced for the CPU, for
-  IEEE float32. With the float32 tiles at every head dim."""
+  dots compiled for over a minute on the H200) unless the caller asks for
+  IEEE float32; traced for the CPU, for IEEE float32. With the float32
+  tiles at every head dim."""
   # IEEE is tt.dot's default input precision, printed as no attribute.
-  for backend, precision in (("cpu", None), ("gpu", "tf32x3")):
+  # `jax.default_matmul_precision("highest")` asks for IEEE on a GPU too.
+  for backend, requested, precision in (("cpu", None, None),
+                                        ("gpu", None, "tf32x3"),
+                                        ("gpu", "highest", None)):
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     verified_triton_modules.clear()
-    _lower_grad(256, 256, head_dim, verified_triton_modules,
-                dtype=jnp.float32, is_causal=True)
+    with jax.default_matmul_precision(requested):
+      _lower_grad(256, 256, head_dim, verified_triton_modules,
+                  dtype=jnp.float32, is_causal=True)
     dots = [line for result in verified_triton_modules
             for line in str(result.module).splitlines() if "tt.dot " in line]
     attributes = {_input_precision(line) for line in dots}

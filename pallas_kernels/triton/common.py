@@ -87,17 +87,23 @@ def load_rows(ref, rows, seq_len: int | None, other, head=None):
   return plgpu.load(ref.at[index], mask=mask, other=other)
 
 
+# `jax.default_matmul_precision` values that ask for IEEE float32 products.
+_IEEE_FLOAT32_REQUESTS = ("highest", "float32", "F32_F32_F32")
+
+
 def _precision(a):
   # Pallas Triton lowers a float32 dot at DEFAULT precision to one TF32 pass
   # on the GPU (10-bit mantissas). HIGHEST there is Triton's IEEE dot, a
-  # loop of FMAs off the tensor cores: slow to run and, unrolled over a
-  # 128x128 tile, over a minute to compile. On a GPU float32 therefore takes
-  # three TF32 passes (the split-mantissa product, float32-class error on
-  # tensor cores); the CPU (interpret mode) lacks that algorithm and
-  # multiplies in float32 at HIGHEST. 16-bit inputs are unaffected.
+  # loop of FMAs off the tensor cores: 3-7x slower and slow to compile
+  # (`benchmarks/results/h200_float32_probe.md`). On a GPU float32 therefore
+  # takes three TF32 passes (the split-mantissa product: float32-class error
+  # on tensor cores) unless the caller asked for IEEE float32 through
+  # `jax.default_matmul_precision`. The CPU (interpret mode) lacks the TF32
+  # algorithms and multiplies in float32. 16-bit inputs are unaffected.
   if a.dtype != jnp.float32:
     return None
-  if jax.default_backend() == "gpu":
+  if (jax.default_backend() == "gpu"
+      and jax.config.jax_default_matmul_precision not in _IEEE_FLOAT32_REQUESTS):
     return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
   return lax.Precision.HIGHEST
 
