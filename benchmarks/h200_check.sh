@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -49,6 +49,10 @@ for step in "$@"; do
       timeout 200 python3 -m benchmarks.tune_mosaic --seq 16384 --budget 150 \
         --kernels forward_order backward_order --out "$OUT/h200_mosaic_order.json" \
         > "$LOGS/order.log" 2>&1; tail -8 "$LOGS/order.log" ;;
+    schedule)  # forward consumer schedule A/B (fence_softmax x split_handover)
+      timeout 230 python3 -m benchmarks.tune_mosaic --seq 16384 --budget 180 \
+        --kernels forward_schedule --out "$OUT/h200_mosaic_schedule.json" \
+        > "$LOGS/schedule.log" 2>&1; tail -8 "$LOGS/schedule.log" ;;
     fp8)  # FP8 error against bf16's
       timeout 120 python3 -m benchmarks.fp8_accuracy --seq ${FP8_SEQ:-4096} --out "$OUT/h200_fp8_accuracy.json" \
         > "$LOGS/fp8.log" 2>&1; tail -16 "$LOGS/fp8.log" ;;

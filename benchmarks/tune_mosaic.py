@@ -32,6 +32,9 @@ BACKWARD_SPACE = dict(block_q=(64, 128), block_kv=(64, 128),
 # Causal launch order (`forward.tile_index`), default tiles: an A/B in one
 # process, since the predicted gain (a few %) is run-to-run noise otherwise.
 ORDER_SPACE = dict(heavy_first=(False, True))
+# Consumer schedule variants of the forward (`forward.KernelStatic`), default
+# tiles: an A/B of the same kind.
+SCHEDULE_SPACE = dict(fence_softmax=(False, True), split_handover=(False, True))
 
 
 def candidates(space: dict) -> list[dict]:
@@ -64,7 +67,9 @@ KERNELS = {"forward": (forward_benchmark, FORWARD_SPACE, 1.0, (False, True)),
            # FlashAttention's count: the backward is 2.5x the forward.
            "backward": (backward_benchmark, BACKWARD_SPACE, 2.5, (False, True)),
            "forward_order": (forward_benchmark, ORDER_SPACE, 1.0, (True,)),
-           "backward_order": (backward_benchmark, ORDER_SPACE, 2.5, (True,))}
+           "backward_order": (backward_benchmark, ORDER_SPACE, 2.5, (True,)),
+           "forward_schedule": (forward_benchmark, SCHEDULE_SPACE, 1.0,
+                                (False, True))}
 
 
 def main(argv=None) -> int:

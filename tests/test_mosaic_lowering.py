@@ -58,6 +58,22 @@ def test_causal_launch_order_changes_only_causal_kernels(cuda_lowering):
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("variant", [dict(fence_softmax=True),
+                                     dict(split_handover=True),
+                                     dict(fence_softmax=True,
+                                          split_handover=True)],
+                         ids=["fence", "split", "both"])
+def test_schedule_variants_lower_and_change_the_kernel(variant, is_causal,
+                                                       lowering_semantics):
+  """The consumer schedule variants (`forward.KernelStatic`) lower in both
+  semantics, and each changes the kernel (an option that did nothing could
+  not be measured)."""
+  text = _lower(128, is_causal, **variant)
+  assert _CUSTOM_CALL in text
+  assert text != _lower(128, is_causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
 def test_forward_lowers_deeper_pipeline(is_causal, cuda_lowering):
   # q_len > kv_len: under causal masking the last row tiles see every block.
   text = _lower(64, is_causal, q_len=512, kv_len=256, block_kv=64,

@@ -125,6 +125,15 @@ class KernelStatic:
   scale: float = 0.0
   # Causal: run the CTAs with the most K/V blocks first (see `tile_index`).
   heavy_first: bool = True
+  # Consumer schedule variants, off until measured (`tune_mosaic --kernels
+  # forward_schedule`): `fence_softmax` pins the softmax step's results
+  # (O rescaled, l, m, P) with an optimization barrier before the hand-over,
+  # so that none of it sinks past the barrier into the other consumer's
+  # matmul turn; `split_handover` arrives at the hand-over barrier, then
+  # waits for V, then for the other consumer, instead of waiting for V after
+  # the whole rendezvous.
+  fence_softmax: bool = False
+  split_handover: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -133,7 +142,8 @@ class KernelStatic:
 
 def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    block_q: int = 64, block_kv: int | None = None,
-                   max_concurrent_steps: int = 2, heavy_first: bool = True):
+                   max_concurrent_steps: int = 2, heavy_first: bool = True,
+                   fence_softmax: bool = False, split_handover: bool = False):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -157,6 +167,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     max_concurrent_steps: depth of the K/V ring (TMA stages in flight).
     heavy_first: under causal masking, launch the query tiles with the most
       K/V blocks first (`tile_index`); False launches them in order.
+    fence_softmax, split_handover: consumer schedule variants (see
+      `KernelStatic`); the results are the same either way.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -174,7 +186,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                            is_causal=is_causal, block_q=block_q,
                            block_kv=block_kv,
                            max_concurrent_steps=max_concurrent_steps)
-  static = dataclasses.replace(static, heavy_first=bool(heavy_first))
+  static = dataclasses.replace(static, heavy_first=bool(heavy_first),
+                               fence_softmax=bool(fence_softmax),
+                               split_handover=bool(split_handover))
   return launch(static, query, key, value)
 
 
@@ -615,12 +629,26 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.barrier_arrive(pingpong)
     plgpu.barrier_wait(pingpong)
 
+  def when_shared(step, fn):
+    """`fn()` in the steps in which both consumers take turns."""
+    if static.is_causal and plan is None:
+      pl.when(step < num_shared)(fn)
+    else:
+      fn()
+
   def take_turn(step):
     """Hands the tensor cores to the other consumer (§3.1 ping-pong)."""
-    if static.is_causal and plan is None:
-      pl.when(step < num_shared)(rendezvous)
+    when_shared(step, rendezvous)
+
+  def take_turn_for_v(step, slot):
+    """`take_turn`, then V's tile is awaited (or in between, split)."""
+    if static.split_handover:
+      when_shared(step, lambda: plgpu.barrier_arrive(pingpong))
+      plgpu.barrier_wait(v_arrived.at[slot])
+      when_shared(step, lambda: plgpu.barrier_wait(pingpong))
     else:
-      rendezvous()
+      take_turn(step)
+      plgpu.barrier_wait(v_arrived.at[slot])
 
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
@@ -688,14 +716,15 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     acc = acc * _rows(alpha, acc.shape)
     l = l * alpha + p.sum(axis=1)
     p = p.astype(static.dtype)
+    if static.fence_softmax:
+      acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
     if fp8 is not None:
       # An 8-bit wgmma LHS in registers needs a layout that this JAX cannot
       # convert the accumulator's into, so P goes through shared memory.
       fp8.p_smem[...] = p
       plgpu.commit_smem()
       p = fp8.p_smem
-    take_turn(step)
-    plgpu.barrier_wait(v_arrived.at[slot])
+    take_turn_for_v(step, slot)
 
     def accumulate(o_ref):
       v_tile = v_smem.at[slot]
