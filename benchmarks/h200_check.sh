@@ -49,9 +49,10 @@ for step in "$@"; do
       timeout 200 python3 -m benchmarks.tune_mosaic --seq 16384 --budget 150 \
         --kernels forward_order backward_order --out "$OUT/h200_mosaic_order.json" \
         > "$LOGS/order.log" 2>&1; tail -8 "$LOGS/order.log" ;;
-    schedule)  # forward consumer schedule A/B (fence_softmax x split_handover)
-      timeout 230 python3 -m benchmarks.tune_mosaic --seq 16384 --budget 180 \
-        --kernels forward_schedule --out "$OUT/h200_mosaic_schedule.json" \
+    schedule)  # consumer schedule A/Bs: forward fence_softmax x split_handover,
+               # backward overlap_softmax
+      timeout 280 python3 -m benchmarks.tune_mosaic --seq 16384 --budget 230 \
+        --kernels forward_schedule backward_overlap --out "$OUT/h200_mosaic_schedule.json" \
         > "$LOGS/schedule.log" 2>&1; tail -8 "$LOGS/schedule.log" ;;
     fp8)  # FP8 error against bf16's
       timeout 120 python3 -m benchmarks.fp8_accuracy --seq ${FP8_SEQ:-4096} --out "$OUT/h200_fp8_accuracy.json" \

@@ -35,6 +35,8 @@ ORDER_SPACE = dict(heavy_first=(False, True))
 # Consumer schedule variants of the forward (`forward.KernelStatic`), default
 # tiles: an A/B of the same kind.
 SCHEDULE_SPACE = dict(fence_softmax=(False, True), split_handover=(False, True))
+# The backward's overlap within a consumer (`backward._Static`).
+OVERLAP_SPACE = dict(overlap_softmax=(False, True))
 
 
 def candidates(space: dict) -> list[dict]:
@@ -69,6 +71,8 @@ KERNELS = {"forward": (forward_benchmark, FORWARD_SPACE, 1.0, (False, True)),
            "forward_order": (forward_benchmark, ORDER_SPACE, 1.0, (True,)),
            "backward_order": (backward_benchmark, ORDER_SPACE, 2.5, (True,)),
            "forward_schedule": (forward_benchmark, SCHEDULE_SPACE, 1.0,
+                                (False, True)),
+           "backward_overlap": (backward_benchmark, OVERLAP_SPACE, 2.5,
                                 (False, True))}
 
 

@@ -44,7 +44,8 @@ def _kernels(text):
 
 def _lower(head_dim, is_causal, **shape_and_blocks):
   blocks = {name: shape_and_blocks.pop(name)
-            for name in ("block_q", "block_kv", "max_concurrent_steps")
+            for name in ("block_q", "block_kv", "max_concurrent_steps",
+                         "overlap_softmax")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
 
@@ -68,6 +69,19 @@ def test_backward_lowers_for_cuda(head_dim, is_causal, lowering_semantics):
   # warpgroup's registers: dK and dV come from one pass each.
   expected = {"dq", "dk", "dv"} if head_dim == 256 else {"dq", "dkdv"}
   assert _kernels(text) == expected
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_overlapped_backward_lowers_and_changes_the_kernels(
+    head_dim, is_causal, lowering_semantics):
+  """`overlap_softmax` (P while dP runs, dS while dV runs) lowers in both
+  semantics, with the same kernels (at 256 one pass per output, where only
+  the dK pass has a dP), and changes them."""
+  text = _lower(head_dim, is_causal, overlap_softmax=True)
+  expected = {"dq", "dk", "dv"} if head_dim == 256 else {"dq", "dkdv"}
+  assert _kernels(text) == expected
+  assert text != _lower(head_dim, is_causal)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -175,6 +189,26 @@ def test_mosaic_backward_matches_reference_on_gpu(case, is_causal, dtype):
   attention = jax.jit(functools.partial(_mosaic_attention,
                                         is_causal=is_causal))
   check_against_reference(attention, case, dtype, is_causal=is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_overlapped_backward_is_bitwise_the_default_on_gpu(head_dim,
+                                                           is_causal):
+  """`overlap_softmax` reorders when the matmuls are waited for, not what
+  is computed: the gradients equal the default kernels' bit for bit (a
+  register read before its wgmma finished would not)."""
+  _require_sm90()
+  case = Case(2, 1024, 1536, 8, 2, head_dim)
+  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 9)
+  scale = head_dim**-0.5
+  out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
+  run = lambda overlap: jax.jit(functools.partial(
+      mosaic_backward, scale=scale, is_causal=is_causal,
+      overlap_softmax=overlap))(q, k, v, out, lse, d_out)
+  for a, b, name in zip(run(True), run(False), ("dq", "dk", "dv")):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
 @pytest.mark.gpu

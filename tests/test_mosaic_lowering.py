@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_flash
 from pallas_kernels import compat as versions
-from tests.attention_checks import Case, check_against_reference
+from tests.attention_checks import Case, check_against_reference, random_inputs
 
 try:
   from pallas_kernels.mosaic.forward import mosaic_forward
@@ -142,6 +143,28 @@ def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
                                      implementation="mosaic")
 
   check_against_reference(attention, case, dtype, is_causal=is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_schedule_variants_are_bitwise_the_default_on_gpu(head_dim,
+                                                          is_causal):
+  """The consumer schedule variants change when things run, not what is
+  computed: out and lse equal the default kernel's bit for bit (a race on
+  a reordered barrier would not)."""
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic forward needs sm90 (wgmma, TMA, setmaxnreg)")
+  q, k, v, _, _ = random_inputs(Case(2, 2048, 2048, 8, 2, head_dim),
+                                jnp.bfloat16, 3)
+  run = lambda **variant: jax.jit(lambda q, k, v: mosaic_forward(
+      q, k, v, scale=head_dim**-0.5, is_causal=is_causal, **variant))(q, k, v)
+  want = run()
+  for variant in (dict(fence_softmax=True), dict(split_handover=True),
+                  dict(fence_softmax=True, split_handover=True)):
+    for a, b in zip(run(**variant), want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                    err_msg=str(variant))
 
 
 def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,

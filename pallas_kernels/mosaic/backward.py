@@ -106,6 +106,12 @@ class _Static:
   # (`forward.tile_index`). The dK/dV kernel's K/V tile j reads the Q blocks
   # from j on, so its grid order is heaviest first already.
   heavy_first: bool = True
+  # Overlap within a consumer, off until measured (`tune_mosaic --kernels
+  # backward_overlap`): P's exponentials run while the dP wgmma is on the
+  # tensor cores (both kernels), and in the dK/dV kernel dS while the
+  # dV += Pᵀ dO wgmma is (FlashAttention-3's intra-warpgroup overlap, §3.2,
+  # within one step).
+  overlap_softmax: bool = False
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
   spec: Any = None
@@ -122,7 +128,7 @@ class _Static:
 def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     scale: float, is_causal: bool, block_q: int = 64,
                     block_kv: int = 64, max_concurrent_steps: int = 2,
-                    heavy_first: bool = True):
+                    heavy_first: bool = True, overlap_softmax: bool = False):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -148,6 +154,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     max_concurrent_steps: depth of the TMA ring of both kernels.
     heavy_first: under causal masking, launch the dQ kernel's query tiles
       with the most K/V blocks first; False launches them in order.
+    overlap_softmax: overlap the elementwise work with the matmuls within
+      each consumer (see `_Static`); the results are the same either way.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -164,8 +172,11 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
   # Configuring raises for tiles that do not fit, before any work is traced.
   dq_config = dataclasses.replace(dq_static(query, key, **tiles),
-                                  heavy_first=bool(heavy_first))
-  dkdv_configs = dkdv_statics(query, key, **tiles)
+                                  heavy_first=bool(heavy_first),
+                                  overlap_softmax=bool(overlap_softmax))
+  dkdv_configs = [dataclasses.replace(config,
+                                      overlap_softmax=bool(overlap_softmax))
+                  for config in dkdv_statics(query, key, **tiles)]
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -564,12 +575,25 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     products = [(k_smem, q_tile.transpose((1, 0)))]          # Sᵀ = K Qᵀ
     if "dk" in static.outputs:
       products.append((v_smem, do_tile.transpose((1, 0))))   # dPᵀ = V dOᵀ
-    s_t, *dp_t = _wgmma_fresh((static.block_kv, static.block_q), products)
-    lse_log2 = plgpu.layout_cast(stats_ring[slot, 0],
-                                 plgpu.Layout.WGMMA.reduce(0))
-    p_t, slope = _probabilities(s_t, lse_log2, _cols, walk.values, static)
-    if masked:
-      p_t = jnp.where(tile_mask(i, slot), p_t, 0.0)
+
+    def probabilities(s_t):
+      lse_log2 = plgpu.layout_cast(stats_ring[slot, 0],
+                                   plgpu.Layout.WGMMA.reduce(0))
+      p_t, slope = _probabilities(s_t, lse_log2, _cols, walk.values, static)
+      if masked:
+        p_t = jnp.where(tile_mask(i, slot), p_t, 0.0)
+      return p_t, slope
+
+    shape = (static.block_kv, static.block_q)
+    if static.overlap_softmax:
+      (p_t, slope), *dp_t = _wgmma_then(shape, products, probabilities)
+      grads = _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile,
+                                          do_tile, stats_ring.at[slot],
+                                          static)
+      plgpu.barrier_arrive(consumed.at[slot])
+      return grads
+    s_t, *dp_t = _wgmma_fresh(shape, products)
+    p_t, slope = probabilities(s_t)
     updates = []
     for name in static.outputs:
       if name == "dv":
@@ -600,6 +624,24 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
   grads = lax.fori_loop(0, static.group, head_body, grads)
   return tuple(grad * static.scale if name == "dk" else grad
                for name, grad in zip(static.outputs, grads))
+
+
+def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
+                                stats, static: _Static):
+  """`grads` (in `static.outputs` order) plus this step's dV += Pᵀ dO and
+  dK += dSᵀ Q, with dV's wgmma issued first, so that dS is computed while
+  it runs. `dp_t` is [dPᵀ] when dK is an output, else []; `stats` is the
+  step's [2, block_q] (lse, delta) slot."""
+  def issue(grad_refs):
+    named = dict(zip(static.outputs, grad_refs))
+    if "dv" in named:
+      plgpu.wgmma(named["dv"], p_t.astype(static.dtype), do_tile)
+    if "dk" in named:
+      delta = plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0))
+      ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, p_t.shape), slope)
+      plgpu.wgmma(named["dk"], ds_t.astype(static.dtype), q_tile)
+
+  return pl.run_state(issue)(tuple(plgpu.ACC.init(grad) for grad in grads))
 
 
 def _dkdv_causal_runs(kv_start, first, static: _Static):
@@ -820,14 +862,22 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
     for barrier in arrived:
       plgpu.barrier_wait(barrier.at[slot])
     k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
-    s, dp = _wgmma_fresh((static.block_q, static.block_kv), [
-        (q_smem, k_tile.transpose((1, 0))),     # S = Q Kᵀ
-        (do_smem, v_tile.transpose((1, 0))),    # dP = dO Vᵀ
-    ])
-    p, slope = _probabilities(s, lse_log2, _rows, walk.values, static)
-    if masked:
-      p = jnp.where(tile_mask(step, slot), p, 0.0)
-    ds = _score_gradient(p, dp, _rows(delta, s.shape), slope)
+    products = [(q_smem, k_tile.transpose((1, 0))),     # S = Q Kᵀ
+                (do_smem, v_tile.transpose((1, 0)))]    # dP = dO Vᵀ
+
+    def probabilities(s):
+      p, slope = _probabilities(s, lse_log2, _rows, walk.values, static)
+      if masked:
+        p = jnp.where(tile_mask(step, slot), p, 0.0)
+      return p, slope
+
+    shape = (static.block_q, static.block_kv)
+    if static.overlap_softmax:
+      (p, slope), dp = _wgmma_then(shape, products, probabilities)
+    else:
+      s, dp = _wgmma_fresh(shape, products)
+      p, slope = probabilities(s)
+    ds = _score_gradient(p, dp, _rows(delta, p.shape), slope)
     (dq,) = _wgmma_accumulate((dq,), [(ds.astype(static.dtype), k_tile)])
     plgpu.barrier_arrive(consumed.at[slot])
     return dq
@@ -1063,6 +1113,22 @@ def _wgmma_fresh(shape, products):
     for acc_ref, (a, b) in zip(acc_refs, products):
       plgpu.wgmma(acc_ref, a, b)
     return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+  return pl.run_scoped(issue, *[plgpu.ACC(shape, jnp.float32)
+                                for _ in products])
+
+
+def _wgmma_then(shape, products, first_fn):
+  """(first_fn(a0 @ b0), a1 @ b1, ...) into fresh f32 accumulators: all
+  issued together, and `first_fn` run on the first product as soon as it is
+  done, while the others are still on the tensor cores (wgmmas complete in
+  issue order)."""
+  def issue(first_ref, *acc_refs):
+    for acc_ref, (a, b) in zip((first_ref, *acc_refs), products):
+      plgpu.wgmma(acc_ref, a, b)
+    first = first_fn(plgpu.wgmma_accumulator_load(first_ref,
+                                                  wait_n=len(acc_refs)))
+    return (first, *(acc_ref[...] for acc_ref in acc_refs))
 
   return pl.run_scoped(issue, *[plgpu.ACC(shape, jnp.float32)
                                 for _ in products])
