@@ -49,11 +49,12 @@ for step in "$@"; do
       timeout 200 python3 -m benchmarks.tune_mosaic --seq 16384 --budget 150 \
         --kernels forward_order backward_order --out "$OUT/h200_mosaic_order.json" \
         > "$LOGS/order.log" 2>&1; tail -8 "$LOGS/order.log" ;;
-    schedule)  # consumer schedule A/Bs: forward fence_softmax x split_handover,
-               # backward overlap_softmax
-      timeout 280 python3 -m benchmarks.tune_mosaic --seq 16384 --budget 230 \
-        --kernels forward_schedule backward_overlap --out "$OUT/h200_mosaic_schedule.json" \
-        > "$LOGS/schedule.log" 2>&1; tail -8 "$LOGS/schedule.log" ;;
+    schedule)  # consumer schedule A/Bs: forward overlap_scores, fence_softmax x
+               # split_handover; backward overlap_softmax
+      timeout 320 python3 -m benchmarks.tune_mosaic --seq 16384 --budget 270 \
+        --kernels forward_overlap forward_schedule backward_overlap \
+        --out "$OUT/h200_mosaic_schedule.json" \
+        > "$LOGS/schedule.log" 2>&1; tail -12 "$LOGS/schedule.log" ;;
     fp8)  # FP8 error against bf16's
       timeout 120 python3 -m benchmarks.fp8_accuracy --seq ${FP8_SEQ:-4096} --out "$OUT/h200_fp8_accuracy.json" \
         > "$LOGS/fp8.log" 2>&1; tail -16 "$LOGS/fp8.log" ;;

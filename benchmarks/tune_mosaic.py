@@ -35,6 +35,8 @@ ORDER_SPACE = dict(heavy_first=(False, True))
 # Consumer schedule variants of the forward (`forward.KernelStatic`), default
 # tiles: an A/B of the same kind.
 SCHEDULE_SPACE = dict(fence_softmax=(False, True), split_handover=(False, True))
+# The forward's intra-warpgroup overlap (`forward.KernelStatic`).
+FORWARD_OVERLAP_SPACE = dict(overlap_scores=(False, True))
 # The backward's overlap within a consumer (`backward._Static`).
 OVERLAP_SPACE = dict(overlap_softmax=(False, True))
 
@@ -72,6 +74,8 @@ KERNELS = {"forward": (forward_benchmark, FORWARD_SPACE, 1.0, (False, True)),
            "backward_order": (backward_benchmark, ORDER_SPACE, 2.5, (True,)),
            "forward_schedule": (forward_benchmark, SCHEDULE_SPACE, 1.0,
                                 (False, True)),
+           "forward_overlap": (forward_benchmark, FORWARD_OVERLAP_SPACE, 1.0,
+                               (False, True)),
            "backward_overlap": (backward_benchmark, OVERLAP_SPACE, 2.5,
                                 (False, True))}
 

@@ -62,8 +62,9 @@ def test_causal_launch_order_changes_only_causal_kernels(cuda_lowering):
 @pytest.mark.parametrize("variant", [dict(fence_softmax=True),
                                      dict(split_handover=True),
                                      dict(fence_softmax=True,
-                                          split_handover=True)],
-                         ids=["fence", "split", "both"])
+                                          split_handover=True),
+                                     dict(overlap_scores=True)],
+                         ids=["fence", "split", "both", "overlap"])
 def test_schedule_variants_lower_and_change_the_kernel(variant, is_causal,
                                                        lowering_semantics):
   """The consumer schedule variants (`forward.KernelStatic`) lower in both
@@ -72,6 +73,21 @@ def test_schedule_variants_lower_and_change_the_kernel(variant, is_causal,
   text = _lower(128, is_causal, **variant)
   assert _CUSTOM_CALL in text
   assert text != _lower(128, is_causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("shape", [
+    dict(q_len=128, kv_len=128),                  # one K/V block: no loop
+    dict(q_len=128, kv_len=640),                  # causal: keys never seen
+    dict(q_len=512, kv_len=256, block_kv=64),     # causal: rows past kv_len
+], ids=str)
+def test_overlapped_forward_lowers(shape, head_dim, is_causal,
+                                   lowering_semantics):
+  """`overlap_scores` at the other head dims and at the loop's edges (a
+  single block, where only the prologue and epilogue run)."""
+  assert _CUSTOM_CALL in _lower(head_dim, is_causal, overlap_scores=True,
+                                **shape)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -161,7 +177,8 @@ def test_schedule_variants_are_bitwise_the_default_on_gpu(head_dim,
       q, k, v, scale=head_dim**-0.5, is_causal=is_causal, **variant))(q, k, v)
   want = run()
   for variant in (dict(fence_softmax=True), dict(split_handover=True),
-                  dict(fence_softmax=True, split_handover=True)):
+                  dict(fence_softmax=True, split_handover=True),
+                  dict(overlap_scores=True)):
     for a, b in zip(run(**variant), want):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
                                     err_msg=str(variant))

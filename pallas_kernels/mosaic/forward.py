@@ -134,6 +134,12 @@ class KernelStatic:
   # the whole rendezvous.
   fence_softmax: bool = False
   split_handover: bool = False
+  # FlashAttention-3's intra-warpgroup overlap (§3.2), off until measured:
+  # step j issues S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} together, and runs
+  # the softmax of S_j while P_{j-1} V_{j-1} is still on the tensor cores
+  # (`_overlapped_steps`). Plain bf16/f16 kernel only (not FP8, not ranged);
+  # it has its own hand-over points, so the two options above do not apply.
+  overlap_scores: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -143,7 +149,8 @@ class KernelStatic:
 def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    block_q: int = 64, block_kv: int | None = None,
                    max_concurrent_steps: int = 2, heavy_first: bool = True,
-                   fence_softmax: bool = False, split_handover: bool = False):
+                   fence_softmax: bool = False, split_handover: bool = False,
+                   overlap_scores: bool = False):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -167,8 +174,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     max_concurrent_steps: depth of the K/V ring (TMA stages in flight).
     heavy_first: under causal masking, launch the query tiles with the most
       K/V blocks first (`tile_index`); False launches them in order.
-    fence_softmax, split_handover: consumer schedule variants (see
-      `KernelStatic`); the results are the same either way.
+    fence_softmax, split_handover, overlap_scores: consumer schedule
+      variants (see `KernelStatic`); the results are the same either way.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -188,7 +195,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                            max_concurrent_steps=max_concurrent_steps)
   static = dataclasses.replace(static, heavy_first=bool(heavy_first),
                                fence_softmax=bool(fence_softmax),
-                               split_handover=bool(split_handover))
+                               split_handover=bool(split_handover),
+                               overlap_scores=bool(overlap_scores))
   return launch(static, query, key, value)
 
 
@@ -706,13 +714,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     if fp8 is not None:  # the true scores: S times the Q and K factors
       k_factor = _descale(fp8, static.num_q_blocks + step)
       scale_log2 = scale_log2 * (q_factor * k_factor)
-    m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-    # A row that has seen only masked keys keeps m = -inf; exponentiate
-    # against 0 there so that it stays at p = 0, l = 0 instead of NaN.
-    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_ref)
-    # One FMA per score: s * (scale log2 e) - m (§3.1, exp2 on the MUFU).
-    p = jnp.exp2(s * scale_log2 - _rows(m_ref, s.shape))
+    m_new, alpha, p = _exponentiate(s, m, scale_log2)
     acc = acc * _rows(alpha, acc.shape)
     l = l * alpha + p.sum(axis=1)
     p = p.astype(static.dtype)
@@ -750,6 +752,36 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
     return carry
 
+  def finish(acc, m, l):
+    """Pairs the turns, normalises, writes O and the LSE."""
+    # Pairs with warpgroup 1's late start: both make the same number of turns.
+    pl.when(wg == 0)(rendezvous)
+
+    # Epilogue: normalise, and write O through the Q buffer (Q is dead now;
+    # in FP8 through a buffer of its own, in the output dtype).
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o_smem, out_dtype = q_smem, static.dtype
+    if fp8 is None:
+      acc = acc * _rows(1.0 / l_safe, acc.shape)
+    else:
+      acc = acc * _rows(v_factor / l_safe, acc.shape)
+      o_smem, out_dtype = fp8.o_smem, static.out_dtype
+    o_smem[...] = acc.astype(out_dtype)
+    lse_smem[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(l_safe))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, q_rows, head])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, q_rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  if static.overlap_scores:
+    _overlapped_steps(
+        m, l, q_smem, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
+        v_consumed, num_steps=num_steps, num_unmasked=num_unmasked,
+        slot_of=slot_of, consumed_base=consumed_base, take_turn=take_turn,
+        q_start=q_start, finish=finish, static=static)
+    return
+
   carry = (acc, m, l)
   masked_body = functools.partial(step_body, masked=True)
   if plan is None:
@@ -764,26 +796,109 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                                                      masked=False)),
         (unmasked_hi, hi, masked_body), (hi, num_steps, skip_body)):
       carry = lax.fori_loop(start, stop, body, carry)
-  acc, m, l = carry
-  # Pairs with warpgroup 1's late start: both make the same number of turns.
-  pl.when(wg == 0)(rendezvous)
+  finish(*carry)
 
-  # Epilogue: normalise, and write O through the Q buffer (Q is dead now;
-  # in FP8 through a buffer of its own, in the output dtype).
-  empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
-  o_smem, out_dtype = q_smem, static.dtype
-  if fp8 is None:
-    acc = acc * _rows(1.0 / l_safe, acc.shape)
-  else:
-    acc = acc * _rows(v_factor / l_safe, acc.shape)
-    o_smem, out_dtype = fp8.o_smem, static.out_dtype
-  o_smem[...] = acc.astype(out_dtype)
-  lse_smem[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(l_safe))
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, q_rows, head])
-  plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, q_rows])
-  plgpu.wait_smem_to_gmem(0)
+
+def _overlapped_steps(m, l, q_smem, k_smem, v_smem, k_arrived,
+                      v_arrived, k_consumed, v_consumed, *, num_steps,
+                      num_unmasked, slot_of, consumed_base, take_turn,
+                      q_start, finish, static: KernelStatic):
+  """The plain kernel's K/V loop with intra-warpgroup overlap (§3.2).
+
+  Step 0 computes S_0 and its softmax alone. Step j >= 1 issues
+  S_j = Q K_jᵀ and then O += P_{j-1} V_{j-1}, hands the tensor cores to the
+  other consumer, waits for S_j only, and runs the softmax of S_j while
+  P_{j-1} V_{j-1} may still run; then it waits for O and rescales it. The
+  last P V follows the loop. O lives in one wgmma accumulator across the
+  loop, so the epilogue (`finish`) runs inside its scope. Every step takes
+  the same two turns as in the plain loop, so the ping-pong stays paired.
+  """
+  if static.fp8 or static.ranged:
+    raise NotImplementedError("overlap_scores: plain bf16/f16 kernel only")
+  block_q, block_kv = static.block_q, static.block_kv
+
+  def masked_scores(s, step):
+    if static.is_causal:
+      return jnp.where(_causal_mask(q_start, step, static), s, -jnp.inf)
+    return s
+
+  # Step 0: S_0 (K_0 was awaited by the caller), and its softmax; under
+  # causal masking block 0 may straddle the diagonal, and its mask is
+  # applied whether it does or not (once per tile).
+  def first_scores(s_ref):  # block 0 is in ring slot 0
+    plgpu.wgmma(s_ref, q_smem, k_smem.at[0].transpose((1, 0)))
+    take_turn(0)
+    return s_ref[...]
+
+  s = pl.run_scoped(first_scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+  plgpu.barrier_arrive(k_consumed.at[consumed_base])
+  m, alpha, p = _exponentiate(masked_scores(s, 0), m, static.scale_log2)
+  first_carry = (m, l * alpha + p.sum(axis=1), p.astype(static.dtype))
+  take_turn(0)
+
+  def with_o(o_ref):
+    def step_body(step, carry, *, masked: bool):
+      m, l, p_prev = carry
+      slot, prev_slot = slot_of(step), slot_of(step - 1)
+      plgpu.barrier_wait(k_arrived.at[slot])
+      plgpu.barrier_wait(v_arrived.at[prev_slot])
+
+      def scores(s_ref):
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        plgpu.wgmma(o_ref, p_prev, v_smem.at[prev_slot])
+        take_turn(step)
+        # S_j is the older of the two wgmma groups in flight.
+        return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+
+      s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+      plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
+      if masked:
+        s = masked_scores(s, step)
+      m_new, alpha, p = _exponentiate(s, m, static.scale_log2)
+      l = l * alpha + p.sum(axis=1)
+      p = p.astype(static.dtype)
+      o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)  # P_{j-1} V_{j-1}
+      plgpu.barrier_arrive(v_consumed.at[consumed_base + prev_slot])
+      o_ref[...] = o * _rows(alpha, o.shape)
+      take_turn(step)
+      return m_new, l, p
+
+    carry = first_carry
+    split = (max(num_unmasked, 1) if isinstance(num_unmasked, int)
+             else jnp.maximum(num_unmasked, 1))
+    carry = lax.fori_loop(1, split, functools.partial(step_body, masked=False),
+                          carry)
+    if static.is_causal:
+      carry = lax.fori_loop(split, num_steps,
+                            functools.partial(step_body, masked=True), carry)
+    m, l, p = carry
+    # Without a causal mask the step counts are Python ints (the lowering
+    # takes no arithmetic on constants alone: computed here instead).
+    last = ((num_steps - 1) % static.num_stages
+            if isinstance(num_steps, int) else slot_of(num_steps - 1))
+    plgpu.barrier_wait(v_arrived.at[last])
+    plgpu.wgmma(o_ref, p, v_smem.at[last])
+    o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+    plgpu.barrier_arrive(v_consumed.at[consumed_base + last])
+    finish(o, m, l)
+
+  # O starts at zero: a fresh accumulator (run_state's closure handling
+  # trips over constant scalars in this lowering).
+  pl.run_scoped(with_o, plgpu.ACC((block_q, static.head_dim), jnp.float32))
+
+
+def _exponentiate(s, m, scale_log2):
+  """Online softmax on a [block_q, block_kv] tile of scores (-inf where
+  masked) against the running max `m` (log2 units): (m_new, alpha = the
+  factor for what was summed so far, p = the tile's exponentials, f32)."""
+  m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
+  # A row that has seen only masked keys keeps m = -inf; exponentiate
+  # against 0 there so that it stays at p = 0, l = 0 instead of NaN.
+  m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - m_ref)
+  # One FMA per score: s * (scale log2 e) - m (§3.1, exp2 on the MUFU).
+  p = jnp.exp2(s * scale_log2 - _rows(m_ref, s.shape))
+  return m_new, alpha, p
 
 
 def _descale(fp8: _Fp8Refs, i):
