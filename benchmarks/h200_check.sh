@@ -26,7 +26,7 @@ fi
 for step in "$@"; do
   case $step in
     tests)  # per-test limit instead of an outer kill (see above)
-      python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
+      python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
         --durations=15 -p no:benchmark ${GPU_TESTS:-tests/test_gpu.py tests/test_mosaic_*.py} > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;
     mosaic_tests)  # the Mosaic kernels alone (backward and FP8 are new)
