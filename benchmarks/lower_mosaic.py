@@ -1,0 +1,87 @@
+"""Cross-lowers every Mosaic GPU kernel and option for CUDA, on any machine.
+
+    python -m benchmarks.lower_mosaic
+
+Lowers the forward (defaults, `overlap_scores`, `fence_softmax` +
+`split_handover`, grid launch order), the backward (defaults,
+`overlap_softmax`), and the masked forward and backward, at head dims 64,
+128 and 256, causal or not, and prints one line per kernel; exits non-zero
+if any fails. The test suite does the same under the CPU machines' JAX
+(0.10.2); this script exists to run it under the GPU machine's JAX (0.11.2,
+Python 3.12) before spending GPU time, since Mosaic GPU's API moves between
+versions:
+
+    python3.12 -m venv /tmp/venv0112
+    /tmp/venv0112/bin/pip install jax==0.11.2 jaxlib==0.11.2 flax chex \\
+        jaxtyping tqdm rich
+    PYTHONPATH=. /tmp/venv0112/bin/python -m benchmarks.lower_mosaic
+"""
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash.masking import MaskSpec
+from pallas_kernels.mosaic.backward import mosaic_backward
+from pallas_kernels.mosaic.forward import mosaic_forward
+from pallas_kernels.mosaic.masked import mosaic_forward_masked
+from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
+
+FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
+                   dict(fence_softmax=True, split_handover=True),
+                   dict(heavy_first=False))
+BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True))
+
+
+def lowers(fn, *shapes) -> str | None:
+  """None if `fn` lowers for CUDA on bfloat16 `shapes`, else the error."""
+  args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
+  try:
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  except Exception as e:  # reported, the sweep goes on
+    return f"{type(e).__name__}: {str(e)[:300]}"
+  return None
+
+
+def kernels(head_dim: int):
+  """(name, fn, shapes) of every kernel variant at `head_dim`."""
+  q, kv = (2, 512, 4, head_dim), (2, 768, 2, head_dim)
+  lse = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
+  for causal in (False, True):
+    for options in FORWARD_OPTIONS:
+      yield (f"forward d{head_dim} causal={causal} {options}",
+             lambda q, k, v, c=causal, o=options: mosaic_forward(
+                 q, k, v, scale=0.1, is_causal=c, **o), (q, kv, kv))
+    for options in BACKWARD_OPTIONS:
+      yield (f"backward d{head_dim} causal={causal} {options}",
+             lambda q, k, v, out, d_out, c=causal, o=options: mosaic_backward(
+                 q, k, v, out, jnp.zeros(lse.shape, lse.dtype), d_out,
+                 scale=0.1, is_causal=c, **o), (q, kv, kv, q, q))
+  spec = MaskSpec(q_len=500, kv_len=700, is_causal=True, window=(64, 0))
+  q, kv = (1, 500, 4, head_dim), (1, 700, 2, head_dim)
+  yield (f"masked forward d{head_dim}",
+         lambda q, k, v: mosaic_forward_masked(q, k, v, scale=0.1, spec=spec),
+         (q, kv, kv))
+  yield (f"masked backward d{head_dim}",
+         lambda q, k, v, out, d_out: mosaic_backward_masked(
+             q, k, v, out, jnp.zeros((1, 4, 500), jnp.float32), d_out,
+             scale=0.1, spec=spec), (q, kv, kv, q, q))
+
+
+def main() -> int:
+  print(f"JAX {jax.__version__}", flush=True)
+  failures = 0
+  for head_dim in (64, 128, 256):
+    for name, fn, shapes in kernels(head_dim):
+      error = lowers(fn, *shapes)
+      failures += error is not None
+      print(f"{'ok  ' if error is None else 'FAIL'} {name}"
+            + (f": {error}" if error else ""), flush=True)
+  print(f"{failures} failed")
+  return int(failures > 0)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
