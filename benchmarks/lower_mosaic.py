@@ -4,9 +4,9 @@
 
 Lowers the forward (defaults, `overlap_scores`, `fence_softmax` +
 `split_handover`, grid launch order), the backward (defaults,
-`overlap_softmax`), and the masked forward and backward, at head dims 64,
-128 and 256, causal or not, and prints one line per kernel; exits non-zero
-if any fails. The test suite does the same under the CPU machines' JAX
+`overlap_softmax`), and the masked forward and backward (defaults and
+`overlap_softmax`), at head dims 64, 128 and 256, causal or not, and prints
+one line per kernel; exits non-zero if any fails. The test suite does the same under the CPU machines' JAX
 (0.10.2); this script exists to run it under the GPU machine's JAX (0.11.2,
 Python 3.12) before spending GPU time, since Mosaic GPU's API moves between
 versions:
@@ -64,10 +64,11 @@ def kernels(head_dim: int):
   yield (f"masked forward d{head_dim}",
          lambda q, k, v: mosaic_forward_masked(q, k, v, scale=0.1, spec=spec),
          (q, kv, kv))
-  yield (f"masked backward d{head_dim}",
-         lambda q, k, v, out, d_out: mosaic_backward_masked(
-             q, k, v, out, jnp.zeros((1, 4, 500), jnp.float32), d_out,
-             scale=0.1, spec=spec), (q, kv, kv, q, q))
+  for options in BACKWARD_OPTIONS:
+    yield (f"masked backward d{head_dim} {options}",
+           lambda q, k, v, out, d_out, o=options: mosaic_backward_masked(
+               q, k, v, out, jnp.zeros((1, 4, 500), jnp.float32), d_out,
+               scale=0.1, spec=spec, **o), (q, kv, kv, q, q))
 
 
 def main() -> int:

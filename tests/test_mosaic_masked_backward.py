@@ -498,6 +498,18 @@ def test_masked_backward_lowers_other_calls(name, kwargs, cuda_lowering):
   assert _kernels(_lower(name, 64, **kwargs)) == expected
 
 
+@pytest.mark.parametrize("name, head_dim", [("combined", 64),
+                                            ("soft cap", 128),
+                                            ("segments", 256)])
+def test_overlapped_masked_backward_lowers(name, head_dim,
+                                           lowering_semantics):
+  """`overlap_softmax` in the ranged kernels: the soft cap's slope and the
+  masks enter the overlapped step as they do the plain one."""
+  text = _lower(name, head_dim, overlap_softmax=True)
+  assert _kernels(text) == _expected_kernels(head_dim)
+  assert text != _lower(name, head_dim)
+
+
 def test_masked_backward_lowers_for_length_one(cuda_lowering):
   spec = masking.MaskSpec(q_len=1, kv_len=7, is_causal=True,
                           has_q_offset=True)

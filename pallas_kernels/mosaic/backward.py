@@ -171,12 +171,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   tiles = dict(scale=scale, is_causal=is_causal, block_q=block_q,
                block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
   # Configuring raises for tiles that do not fit, before any work is traced.
-  dq_config = dataclasses.replace(dq_static(query, key, **tiles),
-                                  heavy_first=bool(heavy_first),
-                                  overlap_softmax=bool(overlap_softmax))
-  dkdv_configs = [dataclasses.replace(config,
-                                      overlap_softmax=bool(overlap_softmax))
-                  for config in dkdv_statics(query, key, **tiles)]
+  dq_config, dkdv_configs = statics(query, key, heavy_first=heavy_first,
+                                    overlap_softmax=overlap_softmax, **tiles)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -316,6 +312,17 @@ def _num_consumers(length, block, smem_of) -> int:
   raise NotImplementedError(
       f"the backward tiles need {smem_of(1)} bytes of shared memory even "
       f"with one consumer; sm90 has {_SMEM_LIMIT_BYTES}")
+
+
+def statics(query, key, *, heavy_first: bool = True,
+            overlap_softmax: bool = False, **tiles):
+  """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
+  are their keyword arguments."""
+  options = dict(overlap_softmax=bool(overlap_softmax))
+  dq_config = dataclasses.replace(dq_static(query, key, **tiles),
+                                  heavy_first=bool(heavy_first), **options)
+  return dq_config, [dataclasses.replace(config, **options)
+                     for config in dkdv_statics(query, key, **tiles)]
 
 
 def dq_static(query, key, *, scale, is_causal, block_q, block_kv,

@@ -36,7 +36,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                            q_offset=None, q_lengths=None, kv_lengths=None,
                            q_segments=None, kv_segments=None,
                            block_q: int = 64, block_kv: int = 64,
-                           max_concurrent_steps: int = 2):
+                           max_concurrent_steps: int = 2,
+                           overlap_softmax: bool = False):
   """Gradients of `masked.mosaic_forward_masked`'s output for q, k and v.
 
   Args:
@@ -55,7 +56,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       q_offset, q/kv lengths, segment ids, logits_soft_cap.
     q_offset, q_lengths, kv_lengths: int32 [batch] or None, as spec says.
     q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
-    block_q, block_kv, max_concurrent_steps: as `backward.mosaic_backward`.
+    block_q, block_kv, max_concurrent_steps, overlap_softmax: as
+      `backward.mosaic_backward`.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -79,8 +81,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
                spec=spec)
   # Configuring raises for tiles that do not fit, before any work is traced.
-  dq_config = backward.dq_static(query, key, **tiles)
-  dkdv_configs = backward.dkdv_statics(query, key, **tiles)
+  dq_config, dkdv_configs = backward.statics(
+      query, key, overlap_softmax=overlap_softmax, **tiles)
   dq_plan, dkdv_plan = plan_rows(
       spec, query.shape[0], block_q=block_q, block_kv=block_kv,
       dq_consumers=dq_config.num_consumers,
