@@ -32,6 +32,11 @@ need under causal masking (it waits for the tiles and releases them at
 once): Mosaic tracks each barrier's phase per thread, so a consumer that
 skipped a phase would wait on the wrong parity afterwards.
 
+Within a step a consumer waits for all of its matmuls before the
+elementwise work; `overlap_softmax` (off until timed on a GPU) instead
+computes P while dP's wgmma runs and dS while dV's does (`_wgmma_then`,
+`_dkdv_accumulate_overlapped`), with bitwise the same results.
+
 When the two f32 accumulators dK and dV of a consumer do not fit its
 registers (head_dim 256: 2 * 64 x 256 f32 is 256 registers per thread), the
 dK/dV kernel runs twice, once per output; the dV pass then skips dPᵀ.

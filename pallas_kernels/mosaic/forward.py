@@ -43,6 +43,12 @@ Two more forms of the same kernel, chosen by `KernelStatic` at trace time
           `jax_flash.masking.keep`, segment ids streamed with K.
   fp8     (`fp8.mosaic_forward_fp8`) e4m3 operands, V transposed, P through
           shared memory, per-block descale factors.
+
+Schedule options of the plain form, off until timed on a GPU (`KernelStatic`:
+`overlap_scores`, FlashAttention-3's intra-warpgroup overlap, §3.2, in
+`_overlapped_steps`; `fence_softmax` and `split_handover`, two ways to place
+the hand-over). They move waits, not arithmetic: the results are bitwise the
+default's.
 """
 from __future__ import annotations
 
