@@ -19,6 +19,8 @@ GPU_CASES = [
     (Case(1, 1000, 1537, 8, 2, 96), jnp.float16),
     (Case(2, 1, 4096, 8, 1, 128), jnp.bfloat16),
     (Case(1, 777, 300, 4, 2, 40), jnp.float32),
+    # float32 tiles at their largest head dim (32x32, one stage; TF32x3).
+    (Case(1, 1000, 1000, 4, 2, 256), jnp.float32),
     (Case(1, 2048, 2048, 4, 4, 256), jnp.float16),
 ]
 
