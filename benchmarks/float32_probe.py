@@ -35,7 +35,8 @@ def main(argv=None):
   parser.add_argument("precision", choices=tuple(PRECISIONS))
   args = parser.parse_args(argv)
   precision = PRECISIONS[args.precision]
-  common._precision = lambda a: precision if a.dtype == jnp.float32 else None
+  common.dot_precision = lambda dtype, interpret: (
+      precision if jnp.dtype(dtype) == jnp.float32 else None)
   tiles_dtype = jnp.bfloat16 if args.tiles == "16bit" else jnp.float32
   for seq, head_dim in SHAPES:
     blocks = config.BlockSizes.get_default(head_dim, dtype=tiles_dtype)

@@ -109,18 +109,13 @@ def _input_precision(dot_line: str) -> str | None:
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_float32_on_a_gpu_multiplies_in_three_tf32_passes(
-    head_dim, verified_triton_modules, monkeypatch):
-  """Traced for a GPU backend, float32 dots ask Triton for TF32x3 (IEEE
-  dots compiled for over a minute on the H200) unless the caller asks for
-  IEEE float32; traced for the CPU, for IEEE float32. With the float32
-  tiles at every head dim."""
+def test_float32_through_triton_multiplies_in_three_tf32_passes(
+    head_dim, verified_triton_modules):
+  """Lowered through Triton, float32 dots ask for TF32x3 (IEEE dots took
+  over a minute to compile on the H200) unless the caller asks for IEEE
+  float32; with the float32 tiles at every head dim."""
   # IEEE is tt.dot's default input precision, printed as no attribute.
-  # `jax.default_matmul_precision("highest")` asks for IEEE on a GPU too.
-  for backend, requested, precision in (("cpu", None, None),
-                                        ("gpu", None, "tf32x3"),
-                                        ("gpu", "highest", None)):
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  for requested, precision in ((None, "tf32x3"), ("highest", None)):
     verified_triton_modules.clear()
     with jax.default_matmul_precision(requested):
       _lower_grad(256, 256, head_dim, verified_triton_modules,
@@ -128,4 +123,15 @@ def test_float32_on_a_gpu_multiplies_in_three_tf32_passes(
     dots = [line for result in verified_triton_modules
             for line in str(result.module).splitlines() if "tt.dot " in line]
     attributes = {_input_precision(line) for line in dots}
-    assert dots and attributes == {precision}, (backend, attributes)
+    assert dots and attributes == {precision}, (requested, attributes)
+
+
+def test_interpreted_float32_dots_are_ieee():
+  """Interpreted (XLA's dots; the CPU has no TF32 algorithms): float32 at
+  HIGHEST whatever is requested; 16-bit tiles at the default."""
+  from pallas_kernels.triton import common
+  for requested in (None, "highest", "bfloat16"):
+    with jax.default_matmul_precision(requested):
+      assert (common.dot_precision(jnp.float32, interpret=True)
+              == jax.lax.Precision.HIGHEST)
+  assert common.dot_precision(jnp.bfloat16, interpret=False) is None

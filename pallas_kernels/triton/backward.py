@@ -41,10 +41,10 @@ def _tile_gradients(q, k, v, do, lse2, delta, *, spec, scale, reader,
   q_idx, kv_idx = common.tile_indices(q_start, kv_start, tiling.block_q,
                                       tiling.block_k)
   values = reader.values(q_start, kv_start, group_index)
-  qk = common.matmul(q, k, transpose_b=True)
+  qk = common.matmul(q, k, tiling.precision, transpose_b=True)
   s = common.logits_base2(spec, qk, scale, q_idx, kv_idx, values, masked)
   p = jnp.exp2(s - lse2[:, None])
-  dp = common.matmul(do, v, transpose_b=True)
+  dp = common.matmul(do, v, tiling.precision, transpose_b=True)
   kept = common.dropout_keep(spec, reader, q_idx, kv_idx, batch, head)
   p_out = p
   if kept is not None:
@@ -92,8 +92,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
           q, k, v, do, lse2, delta, spec=spec, scale=scale, reader=reader,
           q_start=q_start, kv_start=kv_start, tiling=tiling, batch=batch,
           head=kv_head * tiling.group + g, group_index=g, masked=masked)
-      dv = dv + common.matmul_t(p_out.astype(do.dtype), do)
-      dk = dk + common.matmul_t(ds.astype(q.dtype), q)
+      dv = dv + common.matmul_t(p_out.astype(do.dtype), do, tiling.precision)
+      dk = dk + common.matmul_t(ds.astype(q.dtype), q, tiling.precision)
       return dk, dv
 
     block_state = None
@@ -144,7 +144,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
                & (kv_start + jnp.arange(block_k) < spec.kv_len)[None, :])
       plgpu.store(dbias_ref.at[tile, rows], ds.astype(dbias_ref.dtype),
                   mask=valid)
-    return dq + common.matmul(ds.astype(k.dtype), k)
+    return dq + common.matmul(ds.astype(k.dtype), k, tiling.precision)
 
   dq = jnp.zeros((block_q, dims.head_dim_padded), jnp.float32)
   block_state = reader.block_state if spec.needs_block_map else None
@@ -200,7 +200,8 @@ def backward_dkdv(query, key, value, d_out, lse, delta, call_operands, bias,
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   dims, tiling, extra, extra_specs, layouts = operands.setup_launch(
       query, key, spec, call_operands, bias, kv_tiled=True,
-      block_q=block_sizes.block_q_dkv, block_k=block_sizes.block_kv_dkv)
+      block_q=block_sizes.block_q_dkv, block_k=block_sizes.block_kv_dkv,
+      interpret=interpret)
   group, dp = tiling.group, dims.head_dim_padded
   q_padded = pl.cdiv(q_len, tiling.block_q) * tiling.block_q
   group_q_spec = pl.BlockSpec((None, q_padded, group, dp),
@@ -244,7 +245,8 @@ def backward_dq(query, key, value, d_out, lse, delta, call_operands, bias, *,
   kv_len = key.shape[1]
   dims, tiling, extra, extra_specs, layouts = operands.setup_launch(
       query, key, spec, call_operands, bias, kv_tiled=False,
-      block_q=block_sizes.block_q_dq, block_k=block_sizes.block_kv_dq)
+      block_q=block_sizes.block_q_dq, block_k=block_sizes.block_kv_dq,
+      interpret=interpret)
   group, dp = tiling.group, dims.head_dim_padded
   kv_padded = pl.cdiv(kv_len, tiling.block_k) * tiling.block_k
   q_tile_spec = pl.BlockSpec((None, tiling.block_q, None, dp),

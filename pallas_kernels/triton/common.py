@@ -91,35 +91,40 @@ def load_rows(ref, rows, seq_len: int | None, other, head=None):
 _IEEE_FLOAT32_REQUESTS = ("highest", "float32", "F32_F32_F32")
 
 
-def _precision(a):
-  # Pallas Triton lowers a float32 dot at DEFAULT precision to one TF32 pass
-  # on the GPU (10-bit mantissas). HIGHEST there is Triton's IEEE dot, a
-  # loop of FMAs off the tensor cores: 3-7x slower and slow to compile
-  # (`benchmarks/results/h200_float32_probe.md`). On a GPU float32 therefore
-  # takes three TF32 passes (the split-mantissa product: float32-class error
-  # on tensor cores) unless the caller asked for IEEE float32 through
-  # `jax.default_matmul_precision`. The CPU (interpret mode) lacks the TF32
-  # algorithms and multiplies in float32. 16-bit inputs are unaffected.
-  if a.dtype != jnp.float32:
+def dot_precision(dtype, interpret: bool):
+  """The `precision` of a kernel's dots on `dtype` tiles.
+
+  Pallas Triton lowers a float32 dot at DEFAULT precision to one TF32 pass
+  (10-bit mantissas), and at HIGHEST to Triton's IEEE dot, a loop of FMAs
+  off the tensor cores: 3-7x slower and slow to compile
+  (`benchmarks/results/h200_float32_probe.md`). Lowered through Triton,
+  float32 therefore takes three TF32 passes (the split-mantissa product:
+  float32-class error on tensor cores) unless the caller asked for IEEE
+  float32 through `jax.default_matmul_precision`. Interpreted, the dots
+  are XLA's, which the CPU lacks the TF32 algorithms for: IEEE float32.
+  16-bit tiles: None (the default).
+  """
+  if jnp.dtype(dtype) != jnp.float32:
     return None
-  if (jax.default_backend() == "gpu"
-      and jax.config.jax_default_matmul_precision not in _IEEE_FLOAT32_REQUESTS):
+  if (not interpret and jax.config.jax_default_matmul_precision
+      not in _IEEE_FLOAT32_REQUESTS):
     return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
   return lax.Precision.HIGHEST
 
 
-def matmul(a, b, *, transpose_b: bool = False):
-  """a @ b (or a @ b.T) on tensor cores with float32 accumulation."""
+def matmul(a, b, precision, *, transpose_b: bool = False):
+  """a @ b (or a @ b.T) on tensor cores with float32 accumulation;
+  `precision` from `dot_precision`."""
   contract_b = 1 if transpose_b else 0
   return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
-                         precision=_precision(a),
+                         precision=precision,
                          preferred_element_type=jnp.float32)
 
 
-def matmul_t(a, b):
+def matmul_t(a, b, precision):
   """a.T @ b with float32 accumulation."""
   return lax.dot_general(a, b, (((0,), (0,)), ((), ())),
-                         precision=_precision(a),
+                         precision=precision,
                          preferred_element_type=jnp.float32)
 
 

@@ -41,8 +41,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale: float, spec: MaskSpec,
     k = common.load_tile(k_ref, kv_rows, dims, tail)
     q_idx, kv_idx = common.tile_indices(q_start, kv_start, block_q, block_k)
     values = reader.values(q_start, kv_start)
-    s = common.logits_base2(spec, common.matmul(q, k, transpose_b=True),
-                            scale, q_idx, kv_idx, values, masked)
+    qk = common.matmul(q, k, tiling.precision, transpose_b=True)
+    s = common.logits_base2(spec, qk, scale, q_idx, kv_idx, values, masked)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     if masked:
       # A row with every key masked so far keeps m = -inf; shift by 0 instead
@@ -58,7 +58,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale: float, spec: MaskSpec,
       # The softmax sum uses every weight; only the output sees dropout.
       p = jnp.where(kept, p * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
     v = common.load_tile(v_ref, kv_rows, dims, tail)
-    acc = acc * correction[:, None] + common.matmul(p.astype(v.dtype), v)
+    pv = common.matmul(p.astype(v.dtype), v, tiling.precision)
+    acc = acc * correction[:, None] + pv
     return acc, m_new, l
 
   carry = (jnp.zeros((block_q, dims.head_dim_padded), jnp.float32),
@@ -93,7 +94,8 @@ def flash_forward(query, key, value, call_operands, bias, *, scale: float,
   group = num_heads // key.shape[2]
   dims, tiling, extra, extra_specs, layouts = operands.setup_launch(
       query, key, spec, call_operands, bias, kv_tiled=False,
-      block_q=block_sizes.block_q, block_k=block_sizes.block_k)
+      block_q=block_sizes.block_q, block_k=block_sizes.block_k,
+      interpret=interpret)
   kv_padded = pl.cdiv(spec.kv_len, tiling.block_k) * tiling.block_k
   dp = dims.head_dim_padded
 

@@ -35,6 +35,7 @@ class Tiling:
     kv_tiled: True for dK/dV (grid over key blocks), False for forward / dQ.
     block_q, block_k: tile sizes.
     num_heads, group: query heads and query heads per K/V head.
+    precision: of the kernel's dots (`common.dot_precision`).
   """
 
   kv_tiled: bool
@@ -42,6 +43,7 @@ class Tiling:
   block_k: int
   num_heads: int
   group: int
+  precision: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +73,8 @@ class Launch(NamedTuple):
 
 
 def setup_launch(query, key, spec: MaskSpec, call_operands, bias, *,
-                 kv_tiled: bool, block_q: int, block_k: int) -> Launch:
+                 kv_tiled: bool, block_q: int, block_k: int,
+                 interpret: bool) -> Launch:
   """Tile sizes clamped to the sequences, and the optional inputs' blocks.
 
   query: [batch, q_len, num_heads, head_dim]; key: [batch, kv_len,
@@ -81,7 +84,8 @@ def setup_launch(query, key, spec: MaskSpec, call_operands, bias, *,
   tiling = Tiling(kv_tiled=kv_tiled,
                   block_q=common.clamp_block(block_q, q_len),
                   block_k=common.clamp_block(block_k, spec.kv_len),
-                  num_heads=num_heads, group=num_heads // key.shape[2])
+                  num_heads=num_heads, group=num_heads // key.shape[2],
+                  precision=common.dot_precision(query.dtype, interpret))
   arrays, specs, layouts = prepare(spec, call_operands, tiling, batch=batch,
                                    bias=bias)
   return Launch(common.KernelDims.for_head_dim(head_dim), tiling, arrays,
