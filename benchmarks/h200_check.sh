@@ -6,14 +6,19 @@
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
+# On a machine of several GPUs, one invocation per GPU (CUDA_VISIBLE_DEVICES,
+# its own OUT) runs steps side by side: install once first, then
+# SKIP_INSTALL=1; DEADLINE (epoch seconds) skips the steps that would start
+# after it.
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # Benchmark logs stay here (their tails are printed); at most 8 files come
 # back from $OUT, so it holds only results and the pytest logs.
-LOGS=/tmp/h200_logs; mkdir -p "$LOGS"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-if [ -d .whl ]; then  # peers' wheels (tokamax), see benchmarks/README.md
+LOGS=/tmp/h200_logs${CUDA_VISIBLE_DEVICES:+_gpu$CUDA_VISIBLE_DEVICES}; mkdir -p "$LOGS"
+[ -n "${SKIP_INSTALL:-}" ] || \
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+if [ -d .whl ] && [ -z "${SKIP_INSTALL:-}" ]; then  # peers' wheels (tokamax), see benchmarks/README.md
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
   # The xprof wheel lacks xprof.cli, which tokamax imports for its own
@@ -23,7 +28,12 @@ if [ -d .whl ]; then  # peers' wheels (tokamax), see benchmarks/README.md
       && echo "get_kernel_stats_tool = None" > /tmp/site/xprof/cli/tools.py
   fi
 fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 for step in "$@"; do
+  if [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -ge "$DEADLINE" ]; then
+    echo "skipped $step: past DEADLINE"; continue
+  fi
+  echo "== $step (GPU ${CUDA_VISIBLE_DEVICES:-all}) $(date +%T)"
   case $step in
     tests)  # per-test limit instead of an outer kill (see above)
       python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
@@ -43,7 +53,8 @@ for step in "$@"; do
       tail -30 "$LOGS/mosaic.log" ;;
     tune_mosaic)  # tiles and pipeline depth of the Mosaic kernels
       timeout $((${TUNE_BUDGET:-200} + 60)) python3 -m benchmarks.tune_mosaic \
-        --budget ${TUNE_BUDGET:-200} --out "$OUT/h200_mosaic_sweep.json" \
+        --budget ${TUNE_BUDGET:-200} --kernels ${TUNE_KERNELS:-forward backward} \
+        --out "$OUT/h200_mosaic_sweep${TUNE_KERNELS:+_${TUNE_KERNELS// /_}}.json" \
         > "$LOGS/tune_mosaic.log" 2>&1; tail -8 "$LOGS/tune_mosaic.log" ;;
     order)  # causal launch order A/B (heavy tiles first), seq 16k
       timeout 200 python3 -m benchmarks.tune_mosaic --seq 16384 --budget 150 \
@@ -60,8 +71,9 @@ for step in "$@"; do
         > "$LOGS/fp8.log" 2>&1; tail -16 "$LOGS/fp8.log" ;;
     sequence_parallel)  # issue 7, on a machine of several GPUs
       NCCL_NVLS_ENABLE=0 XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
-        timeout 540 python3 -m benchmarks.sequence_parallel --out "$OUT/sequence_parallel.json" \
-        > "$LOGS/sequence_parallel.log" 2>&1; tail -30 "$LOGS/sequence_parallel.log" ;;
+        timeout ${SP_TIMEOUT:-540} python3 -m benchmarks.sequence_parallel ${SP_ARGS:-} \
+        --out "$OUT/sequence_parallel.json" \
+        > "$LOGS/sequence_parallel.log" 2>&1; tail -40 "$LOGS/sequence_parallel.log" ;;
     flax)
       python3 -m pytest -m gpu -n 3 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
         --durations=10 -p no:benchmark tests/test_flax_layers.py ${FLAX_EXTRA_TESTS:-} > "$OUT/pytest_flax.log" 2>&1
@@ -105,10 +117,13 @@ for step in "$@"; do
       # rest); "--no-render" starts afresh. GRID_BUDGET: seconds of measuring.
       # jax_flash_mosaic is flash_attention's Mosaic path (Mosaic backward
       # since session 3), so jax_flash_all_mosaic is left out.
+      # GRID_OUT: another file (say one half of the grid per GPU, by
+      # GRID_ARGS="--causal full"; merge with run_grid --include).
       timeout $((${GRID_BUDGET:-100} + 40)) python3 -m benchmarks.run_grid \
         ${GRID_ARGS:---resume} --time-budget ${GRID_BUDGET:-100} \
+        --out ${GRID_OUT:-benchmarks/results/h200.json} \
         --impls jax_flash_mosaic jax_flash_triton cudnn tokamax_mosaic tokamax_triton \
         pallas_triton_mha pallas_mgpu xla matmul > "$LOGS/grid.log" 2>&1
-      cp benchmarks/results/h200.* "$OUT/"; tail -45 "$LOGS/grid.log" ;;
+      cp ${GRID_OUT:-benchmarks/results/h200.json} "$OUT/"; tail -45 "$LOGS/grid.log" ;;
   esac
 done

@@ -3,6 +3,10 @@
     python -m benchmarks.run_grid                      # full grid, all peers
     python -m benchmarks.run_grid --impls jax_flash_triton cudnn --seqs 16384
     python -m benchmarks.run_grid --smoke --out /tmp/smoke.json   # CPU, seconds
+    # two GPUs of one host, half the grid each, then one file and its table:
+    CUDA_VISIBLE_DEVICES=0 python -m benchmarks.run_grid --causal full --out a.json &
+    CUDA_VISIBLE_DEVICES=1 python -m benchmarks.run_grid --causal causal --out b.json
+    python -m benchmarks.run_grid --include a.json b.json --time-budget 0
 
 Grid (DESIGN.md section 5): bf16, batch·seq = 16384, hidden 2048 (heads =
 2048 / head_dim), seq in {1k, 4k, 16k}, head_dim in {64, 128, 256}, causal
@@ -63,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "(default: when no GPU is present)")
   parser.add_argument("--resume", action="store_true",
                       help="keep the entries in --out; measure the rest")
+  parser.add_argument("--include", nargs="+", default=[], metavar="JSON",
+                      help="results of other runs (say, halves of the grid "
+                      "measured on two GPUs at once) taken as measured")
   parser.add_argument("--time-budget", type=float, default=500.0,
                       help="seconds after which no new measurement starts "
                       "(the file stays valid; rerun with --resume)")
@@ -100,12 +107,17 @@ def run(args, header: dict) -> dict:
   after another with nothing else running.
   """
   result = {**header, "records": [], "skipped": []}
+  earlier = list(args.include)
   if args.resume and os.path.exists(args.out):
-    previous = render.load(args.out)
+    earlier.insert(0, args.out)
+  for path in earlier:
+    previous = render.load(path)
+    if path in args.include:  # each part's own command, for the record
+      result.setdefault("parts", []).append(previous["command"])
+    result["records"] += previous["records"]
     # A peer that was unavailable then (a wheel missing) is tried again.
-    result["records"] = previous["records"]
-    result["skipped"] = [e for e in previous["skipped"]
-                         if not e["reason"].startswith("Unavailable")]
+    result["skipped"] += [e for e in previous["skipped"]
+                          if not e["reason"].startswith("Unavailable")]
   done = {common.entry_key(e) for e in result["records"] + result["skipped"]}
   todo = {cell: [i for i in args.impls if (i, *cell.key) not in done]
           for cell in grid_cells(args)}

@@ -18,8 +18,15 @@ bf16, batch 1, 16 heads, head_dim 128, causal, forward+backward, through
                load balance, ring without, all-gather.
   strong       `--total-seq` tokens (256k) over P devices; speed-up over P=1
                (where one device holds it).
+  overlap      ring with load balance on all devices at the weak size,
+               against the same program with its transfers removed
+               (`lax.ppermute` traced as the identity: the same kernels on
+               the same shapes, wrong numbers): ring time / kernels' time
+               near 1 means the transfers hide behind the kernels.
   longest      causal fwd+bwd, ring with load balance, on all devices: the
-               sequence doubles from `--longest-start` until a run fails.
+               sequence doubles from `--longest-start` until a run fails
+               or the next one (4x the last, attention being seq²) would
+               not end within `--longest-budget` seconds.
 
 Results: `benchmarks/results/<kind>x<N>_sequence_parallel.{json,md,png}`.
 On several GPUs run with NCCL_NVLS_ENABLE=0 and
@@ -31,6 +38,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +54,10 @@ STRATEGIES = {"ring+balance": dict(strategy="ring", load_balance=True),
               "all_gather": dict(strategy="all_gather", load_balance=False)}
 STANDARD = dict(heads=16, head_dim=128, seq_per_device=32768,
                 total_seq=262144, longest_start=262144, check_per_device=2048,
-                reps=5)
+                reps=5, longest_budget=240.0)
 SMOKE = dict(heads=2, head_dim=32, seq_per_device=64, total_seq=256,
-             longest_start=256, check_per_device=32, reps=1)
+             longest_start=256, check_per_device=32, reps=1,
+             longest_budget=60.0)
 
 
 def device_counts(available: int) -> list[int]:
@@ -113,6 +123,36 @@ def _time(seq: int, num_devices: int, cfg: dict, strategy: dict) -> float:
                         reps=cfg["reps"])
 
 
+def _untransferred(x, axis_name, perm):
+  """`lax.ppermute` without the transfer: each device keeps what it has."""
+  del axis_name, perm
+  return x
+
+
+def overlap(cfg: dict, num_devices: int) -> dict:
+  """The ring against its kernels alone, at the weak-scaling size."""
+  seq = cfg["seq_per_device"] * num_devices
+  mesh = _mesh(num_devices)
+  inputs = _inputs(seq, cfg, mesh)
+  times = {}
+  for name, transfers in (("ring", True), ("kernels", False)):
+    fn = _fwd_bwd(_parallel(mesh, True, **STRATEGIES["ring+balance"]))
+    # Traced here, with every ppermute an identity for "kernels": the same
+    # kernels, causal skips and merges, and no collective at all.
+    with mock.patch.object(jax.lax, "ppermute",
+                           jax.lax.ppermute if transfers else _untransferred):
+      compiled = fn.lower(*inputs).compile()
+    permutes = compiled.as_text().count("collective-permute")
+    if bool(permutes) != transfers:
+      raise AssertionError(f"{name}: {permutes} collective-permutes")
+    times[name] = common.time_fn(compiled, *inputs, warmup=1,
+                                 reps=cfg["reps"])
+  return dict(experiment="overlap", strategy="ring+balance",
+              devices=num_devices, seq_len=seq, ms=times["ring"],
+              kernels_ms=times["kernels"],
+              ring_over_kernels=times["ring"] / times["kernels"])
+
+
 def _tflops(seq: int, ms: float, cfg: dict) -> float:
   return common.attention_flops(1, seq, seq, cfg["heads"], cfg["head_dim"],
                                 True, "fwd_bwd") / (ms * 1e-3) / 1e12
@@ -140,20 +180,31 @@ def scaling(cfg: dict, counts: list[int]) -> list[dict]:
 
 
 def longest(cfg: dict, num_devices: int, limit: int = 8) -> dict:
-  """The longest causal fwd+bwd that runs on all devices (doubling)."""
-  seq, best, error = cfg["longest_start"], None, None
+  """The longest causal fwd+bwd that runs on all devices (doubling), within
+  `cfg["longest_budget"]` seconds in all."""
+  seq, best, best_ms, error = cfg["longest_start"], None, None, None
+  deadline = time.monotonic() + cfg["longest_budget"]
   for _ in range(limit):
+    # The next run does 4x the last one's work; compilation is extra.
+    if best_ms is not None and time.monotonic() + 4e-3 * best_ms > deadline:
+      error = f"time budget: {seq} tokens would take ~{4e-3 * best_ms:.0f} s"
+      break
     try:
       mesh = _mesh(num_devices)
       fn = _fwd_bwd(_parallel(mesh, True, **STRATEGIES["ring+balance"]))
-      jax.block_until_ready(fn(*_inputs(seq, cfg, mesh)))
-      best = seq
+      inputs = _inputs(seq, cfg, mesh)
+      compiled = fn.lower(*inputs).compile()
+      start = time.perf_counter()
+      jax.block_until_ready(compiled(*inputs))
+      best, best_ms = seq, (time.perf_counter() - start) * 1e3
+      del compiled, inputs
     except Exception as e:  # out of memory, most likely: the answer
       error = common.describe_error(e)
       break
     seq *= 2
   return dict(experiment="longest", strategy="ring+balance",
-              devices=num_devices, seq_len=best, stopped_by=error)
+              devices=num_devices, seq_len=best, ms=best_ms,
+              stopped_by=error)
 
 
 def main(argv=None) -> int:
@@ -162,29 +213,38 @@ def main(argv=None) -> int:
       description=__doc__.splitlines()[0], epilog=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--smoke", action="store_true")
-  parser.add_argument("--experiments", nargs="+",
-                      default=["correctness", "scaling", "longest"],
-                      choices=["correctness", "scaling", "longest"])
+  experiments = ["correctness", "scaling", "overlap", "longest"]
+  parser.add_argument("--experiments", nargs="+", default=experiments,
+                      choices=experiments)
+  parser.add_argument("--longest-budget", type=float,
+                      help="seconds for the longest-sequence search")
   parser.add_argument("--out")
   args = parser.parse_args(argv)
-  cfg = SMOKE if args.smoke else STANDARD
+  cfg = dict(SMOKE if args.smoke else STANDARD)
+  if args.longest_budget is not None:
+    cfg["longest_budget"] = args.longest_budget
   n = len(jax.devices())
   kind = jax.devices()[0].device_kind.split()[-1].lower()
   out = args.out or f"benchmarks/results/{kind}x{n}_sequence_parallel.json"
   rows = []
-  if "correctness" in args.experiments:
-    rows += correctness(cfg, n)
-  if "scaling" in args.experiments:
-    rows += scaling(cfg, device_counts(n))
-  if "longest" in args.experiments:
-    rows.append(longest(cfg, n, limit=2 if args.smoke else 8))
   result = {**common.run_header("benchmarks.sequence_parallel", argv),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "devices": n, "config": cfg, "records": rows}
+  runs = {"correctness": lambda: correctness(cfg, n),
+          "scaling": lambda: scaling(cfg, device_counts(n)),
+          "overlap": lambda: [overlap(cfg, n)] if n > 1 else [],
+          "longest": lambda: [longest(cfg, n, limit=2 if args.smoke else 8)]}
+  for name in experiments:
+    if name in args.experiments:
+      rows += runs[name]()
+      common.write_json(out, result)  # a run cut short keeps what it has
   table = [[r["experiment"], r["strategy"], r.get("causal", True),
             r["devices"], r.get("seq_len", "—"),
-            f"{r['ms']:.2f}" if "ms" in r else "—",
+            f"{r['ms']:.2f}" if r.get("ms") is not None else "—",
             f"{r['efficiency']:.2f}" if "efficiency" in r else
             f"{r['speedup']:.2f}x" if "speedup" in r else
+            f"ring / kernels alone {r['ring_over_kernels']:.3f}"
+            if "ring_over_kernels" in r else
             ("ok" if r["ok"] else "FAIL") if "ok" in r else
             (r["stopped_by"] or "")[:60]] for r in rows]
   print(render.write_results(out, result, [

@@ -132,6 +132,27 @@ def test_roofline_counts_each_tensor_once():
   assert cell_bytes(2, 1024, 16, 128, "fwd_bwd") == 12 * tensor + 3 * rows
 
 
+def test_grid_halves_measured_apart_merge_into_one_file(tmp_path):
+  """Two GPUs of one host each measure half the grid; `--include` makes one
+  results file (and table) of the halves without measuring anything again."""
+  parts = []
+  for causal in ("full", "causal"):
+    part = str(tmp_path / f"{causal}.json")
+    assert run_grid.main(["--smoke", "--impls", "xla", "--causal", causal,
+                          "--out", part, "--no-render"]) == 0
+    parts.append(part)
+  merged = str(tmp_path / "grid.json")
+  assert run_grid.main(["--smoke", "--impls", "xla", "--out", merged,
+                        "--include", *parts, "--time-budget", "0"]) == 0
+  result = render.load(merged)
+  halves = [render.load(p)["records"] for p in parts]
+  assert result["records"] == halves[0] + halves[1]
+  assert {r["causal"] for r in result["records"]} == {False, True}
+  assert len(result["parts"]) == 2 and "--causal causal" in result["parts"][1]
+  with open(str(tmp_path / "grid.md")) as f:
+    assert "Parts, each measured" in f.read()
+
+
 def test_sequence_parallel_smoke_on_four_host_devices(tmp_path):
   """Issue 7's script end to end on CPU host devices (tiny sizes)."""
   out = tmp_path / "sp.json"
@@ -148,6 +169,8 @@ def test_sequence_parallel_smoke_on_four_host_devices(tmp_path):
   weak = [r for r in records if r["experiment"] == "weak"]
   assert {r["devices"] for r in weak} == {1, 2, 4}
   assert all(r["efficiency"] > 0 for r in weak)
+  [overlap] = [r for r in records if r["experiment"] == "overlap"]
+  assert overlap["devices"] == 4 and overlap["ring_over_kernels"] > 0
   [longest] = [r for r in records if r["experiment"] == "longest"]
   assert longest["seq_len"] >= 256
   assert (tmp_path / "sp.png").exists() and (tmp_path / "sp.md").exists()
