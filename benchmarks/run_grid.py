@@ -114,6 +114,8 @@ def run(args, header: dict) -> dict:
     previous = render.load(path)
     if path in args.include:  # each part's own command, for the record
       result.setdefault("parts", []).append(previous["command"])
+      # The parts' device and versions, not those of the merging machine.
+      result.update({k: previous[k] for k in common.device_header()})
     result["records"] += previous["records"]
     # A peer that was unavailable then (a wheel missing) is tried again.
     result["skipped"] += [e for e in previous["skipped"]

@@ -1,6 +1,7 @@
 """Sweeps the Mosaic GPU kernels' tiles and pipeline depth; prints the best.
 
     python -m benchmarks.tune_mosaic   # -> results/h200_mosaic_sweep.json
+    python -m benchmarks.tune_mosaic --render a.json b.json   # -> b.md: tables
 
 At seq 4096 (`--seq`), batch·seq = 16384, hidden 2048, bf16, for head_dim
 64, 128 and 256, causal and not: every (block_q, block_kv,
@@ -22,7 +23,7 @@ import time
 
 import jax
 
-from benchmarks import common
+from benchmarks import common, render
 from pallas_kernels import compat
 
 FORWARD_SPACE = dict(block_q=(64, 128), block_kv=(64, 128, 192),
@@ -94,7 +95,13 @@ def main(argv=None) -> int:
                       help="seconds; the JSON keeps what was measured")
   parser.add_argument("--out",
                       default="benchmarks/results/h200_mosaic_sweep.json")
+  parser.add_argument("--render", nargs="+", metavar="JSON",
+                      help="measure nothing: write the sweeps in these files "
+                      "(say, one per GPU) as one JSON and table at the last")
   args = parser.parse_args(argv)
+  if args.render:
+    print(write_tables(args.render[:-1] or args.render, args.render[-1]))
+    return 0
   result = {**common.run_header("benchmarks.tune_mosaic", argv),
             "seq_len": args.seq, "trials": []}
   deadline = time.monotonic() + args.budget
@@ -121,6 +128,38 @@ def main(argv=None) -> int:
   for line in best_lines(result["trials"]):
     print(line)
   return 0
+
+
+def write_tables(parts: list[str], out: str) -> str:
+  """Merges sweep files into `out` (their trials in order, their commands
+  listed) and writes `out`'s .md: the best per (kernel, head_dim), then
+  every trial. Returns the markdown."""
+  results = [render.load(p) for p in parts]
+  merged = {**results[0], "trials": [t for r in results for t in r["trials"]]}
+  if len(results) > 1:
+    merged["parts"] = [r["command"] for r in results]
+  common.write_json(out, merged)
+  option_names = sorted({n for t in merged["trials"] for n in t}
+                        - {"kernel", "head_dim", "causal", "ms", "tflops",
+                           "error"})
+  rows = [[t["kernel"], t["head_dim"], t["causal"],
+           ", ".join(f"{n}={t[n]}" for n in option_names if n in t),
+           f"{t['ms']:.3f}" if "ms" in t else "—",
+           f"{t['tflops']:.0f}" if "tflops" in t else t["error"][:90]]
+          for t in merged["trials"]]
+  lines = render.header_lines(merged, "Mosaic kernel sweep (TFLOP/s)")
+  lines += [f"Seq {merged['seq_len']}, batch·seq 16384, hidden 2048, "
+            "bf16; TFLOP/s as the grid counts them (the backward alone: "
+            "2.5x the forward's FLOPs).", "", "## Best per kernel and head "
+            "dim (geometric mean over causal and not)", ""]
+  lines += [f"- {line}" for line in best_lines(merged["trials"])]
+  lines += ["", "## Every trial", "", render.markdown_table(
+      ["kernel", "head_dim", "causal", "options", "ms", "TFLOP/s or why not"],
+      rows), ""]
+  text = "\n".join(lines)
+  with open(out.removesuffix(".json") + ".md", "w") as f:
+    f.write(text)
+  return text
 
 
 def best_lines(trials: list[dict]) -> list[str]:

@@ -141,6 +141,8 @@ def test_grid_halves_measured_apart_merge_into_one_file(tmp_path):
     assert run_grid.main(["--smoke", "--impls", "xla", "--causal", causal,
                           "--out", part, "--no-render"]) == 0
     parts.append(part)
+    # As if measured elsewhere: the merged file names the parts' device.
+    common.write_json(part, {**render.load(part), "device": "GPU of parts"})
   merged = str(tmp_path / "grid.json")
   assert run_grid.main(["--smoke", "--impls", "xla", "--out", merged,
                         "--include", *parts, "--time-budget", "0"]) == 0
@@ -149,6 +151,7 @@ def test_grid_halves_measured_apart_merge_into_one_file(tmp_path):
   assert result["records"] == halves[0] + halves[1]
   assert {r["causal"] for r in result["records"]} == {False, True}
   assert len(result["parts"]) == 2 and "--causal causal" in result["parts"][1]
+  assert result["device"] == "GPU of parts"
   with open(str(tmp_path / "grid.md")) as f:
     assert "Parts, each measured" in f.read()
 

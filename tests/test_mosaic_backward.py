@@ -77,11 +77,12 @@ def test_overlapped_backward_lowers_and_changes_the_kernels(
     head_dim, is_causal, lowering_semantics):
   """`overlap_softmax` (P while dP runs, dS while dV runs) lowers in both
   semantics, with the same kernels (at 256 one pass per output, where only
-  the dK pass has a dP), and changes them."""
+  the dK pass has a dP), and changes them; it is the default."""
   text = _lower(head_dim, is_causal, overlap_softmax=True)
   expected = {"dq", "dk", "dv"} if head_dim == 256 else {"dq", "dkdv"}
   assert _kernels(text) == expected
-  assert text != _lower(head_dim, is_causal)
+  assert text != _lower(head_dim, is_causal, overlap_softmax=False)
+  assert text == _lower(head_dim, is_causal)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
