@@ -93,26 +93,33 @@ def flash_attention(
       dropout_rate=dropout_rate, dropout_rng=dropout_rng, sinks=sinks)
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
+  out, lse = dispatch(implementation, interpret, lambda name, interpret_: (
+      _IMPLEMENTATIONS[name](call, query, key, value, block_sizes=block_sizes,
+                             interpret=interpret_)))
+  return (out, lse) if return_residual else out
+
+
+def dispatch(implementation, interpret, run):
+  """`run(name, interpret)` for the first implementation that takes the call.
+
+  Without a GPU the kernels can only be interpreted (slow): None picks them
+  only when interpret=True was asked for; otherwise XLA. A forced
+  implementation's NotImplementedError propagates; with None the next one is
+  tried, and if none takes the call the error lists why.
+  """
   on_gpu = compat.has_gpu()
-  # Without a GPU the kernels can only be interpreted (slow): None picks them
-  # only when interpret=True was asked for; otherwise XLA.
   candidates = _candidates(implementation, on_gpu=on_gpu,
                            interpret=interpret is True)
   if interpret is None:
     interpret = not on_gpu
-
   errors = []
   for name in candidates:
     try:
-      out, lse = _IMPLEMENTATIONS[name](call, query, key, value,
-                                        block_sizes=block_sizes,
-                                        interpret=interpret)
+      return run(name, interpret)
     except NotImplementedError as e:
       if implementation is not None:
         raise
       errors.append(f"{name}: {e}")
-      continue
-    return (out, lse) if return_residual else out
   raise NotImplementedError("no implementation supports this call: "
                             + "; ".join(errors))
 
@@ -135,6 +142,17 @@ def _run_xla(call: AttentionCall, query, key, value, **_):
 
 def _run_triton(call: AttentionCall, query, key, value, *, block_sizes,
                 interpret):
+  block_sizes, operands = triton_setup(call, query.dtype, block_sizes,
+                                       interpret)
+  out, lse = flash_attention_triton(query, key, value, operands, call.bias,
+                                    call.scale, call.spec, block_sizes,
+                                    interpret)
+  return _kernel_result(call, out, lse)
+
+
+def triton_setup(call: AttentionCall, dtype, block_sizes, interpret):
+  """(tiles, operands) of a Triton kernel call; NotImplementedError where
+  the kernels cannot run it."""
   head_dim = call.shape.head_dim
   if head_dim > 256:
     raise NotImplementedError(
@@ -145,17 +163,14 @@ def _run_triton(call: AttentionCall, query, key, value, *, block_sizes,
       raise NotImplementedError(
           f"the Triton kernels need an sm80+ GPU or interpret=True (got {cc})")
   if block_sizes is None:
-    block_sizes = BlockSizes.get_default(head_dim, dtype=query.dtype)
+    block_sizes = BlockSizes.get_default(head_dim, dtype=dtype)
   operands = call.operands
   if call.spec.mask_fn is not None and operands.block_mask is None:
     shape = call.shape
     operands = operands._replace(block_mask=masking.BlockMask.from_mask_fn(
         call.spec.mask_fn, batch=shape.batch, num_heads=shape.num_heads,
         q_len=shape.q_len, kv_len=shape.kv_len))
-  out, lse = flash_attention_triton(query, key, value, operands, call.bias,
-                                    call.scale, call.spec, block_sizes,
-                                    interpret)
-  return _kernel_result(call, out, lse)
+  return block_sizes, operands
 
 
 def _kernel_result(call: AttentionCall, out, lse):
@@ -171,6 +186,16 @@ def _run_mosaic(call: AttentionCall, query, key, value, *, block_sizes,
                 interpret):
   """The sm90 kernels (sinks applied outside); masks beyond `is_causal`
   raise NotImplementedError unless the masked kernel is enabled."""
+  block_sizes, mosaic = mosaic_setup(call, block_sizes, interpret)
+  out, lse = mosaic.mosaic_attention(
+      query, key, value, scale=call.scale, is_causal=call.spec.is_causal,
+      backward_blocks=block_sizes, spec=call.spec, operands=call.operands)
+  return _kernel_result(call, out, lse)
+
+
+def mosaic_setup(call: AttentionCall, block_sizes, interpret):
+  """(Triton backward tiles, the `pallas_kernels.mosaic` module) of a Mosaic
+  call; NotImplementedError where the kernels cannot run it."""
   if interpret:
     raise NotImplementedError("the Mosaic GPU kernels have no interpret mode")
   cc = compat.gpu_compute_capability()
@@ -180,14 +205,10 @@ def _run_mosaic(call: AttentionCall, query, key, value, *, block_sizes,
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(call.shape.head_dim)
   try:  # Imported here: Mosaic GPU is absent from some jaxlib builds.
-    from pallas_kernels.mosaic import mosaic_attention
+    from pallas_kernels import mosaic
   except ImportError as e:
     raise NotImplementedError(f"Mosaic GPU is not importable: {e}") from e
-  out, lse = mosaic_attention(query, key, value, scale=call.scale,
-                              is_causal=call.spec.is_causal,
-                              backward_blocks=block_sizes, spec=call.spec,
-                              operands=call.operands)
-  return _kernel_result(call, out, lse)
+  return block_sizes, mosaic
 
 
 _IMPLEMENTATIONS = {"mosaic": _run_mosaic, "triton": _run_triton,

@@ -26,36 +26,14 @@ def reference_attention(call: AttentionCall, query, key, value, bias=None,
     out [batch, q_len, num_heads, head_dim] in query.dtype and
     lse float32 [batch, q_len, num_heads] (natural log; -inf for empty rows).
   """
-  spec, ops = call.spec, call.operands
-  b, tq, n, d = query.shape
-  group = n // key.shape[2]
+  _, tq, n, _ = query.shape
   precision = jax.lax.Precision.HIGHEST
-  q = query.astype(compute_dtype)
-  k = jnp.repeat(key.astype(compute_dtype), group, axis=2)
-  v = jnp.repeat(value.astype(compute_dtype), group, axis=2)
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision)
-  logits = logits.astype(jnp.float32) * call.scale
-
+  logits, values = masked_logits(call, query, key, bias,
+                                 compute_dtype=compute_dtype)
+  spec, ops = call.spec, call.operands
   q_idx = jnp.arange(tq)[None, None, :, None]
   kv_idx = jnp.arange(spec.kv_len)[None, None, None, :]
-  per_batch = lambda x: None if x is None else x[:, None, None, None]
-  values = masking.MaskValues(
-      batch=jnp.arange(b)[:, None, None, None],
-      head=jnp.arange(n)[None, :, None, None],
-      q_offset=0 if ops.q_offset is None else per_batch(ops.q_offset),
-      q_lengths=per_batch(ops.q_lengths),
-      kv_lengths=per_batch(ops.kv_lengths),
-      q_segments=None if ops.q_segments is None
-      else ops.q_segments[:, None, :, None],
-      kv_segments=None if ops.kv_segments is None
-      else ops.kv_segments[:, None, None, :],
-      dense_mask=ops.dense_mask,
-      alibi_slope=None if ops.alibi_slopes is None
-      else ops.alibi_slopes[:, :, None, None],
-      bias=None if bias is None else bias.astype(jnp.float32))
-  logits = masking.modify_scores(spec, logits, q_idx, kv_idx, values)
-  keep = masking.keep(spec, q_idx, kv_idx, values)
-  logits = jnp.where(keep, logits, -jnp.inf)
+  v = _repeat_heads(value.astype(compute_dtype), n)
 
   row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -76,6 +54,77 @@ def reference_attention(call: AttentionCall, query, key, value, bias=None,
   if sinks is not None:
     out, lse = masking.apply_sinks(out, lse, sinks)
   return out, lse
+
+
+def _repeat_heads(x, num_heads: int):
+  """[b, t, num_kv_heads, d] -> [b, t, num_heads, d] (GQA: head h reads K/V
+  head h // group)."""
+  return jnp.repeat(x, num_heads // x.shape[2], axis=2)
+
+
+def masked_logits(call: AttentionCall, query, key, bias=None, *,
+                  compute_dtype=jnp.float32):
+  """Scaled, score-modified logits [batch, heads, q_len, kv_len], float32,
+  -inf where the mask drops a key; and the `masking.MaskValues` used."""
+  spec, ops = call.spec, call.operands
+  b, tq, n, _ = query.shape
+  q = query.astype(compute_dtype)
+  k = _repeat_heads(key.astype(compute_dtype), n)
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k,
+                      precision=jax.lax.Precision.HIGHEST)
+  logits = logits.astype(jnp.float32) * call.scale
+  q_idx = jnp.arange(tq)[None, None, :, None]
+  kv_idx = jnp.arange(spec.kv_len)[None, None, None, :]
+  per_batch = lambda x: None if x is None else x[:, None, None, None]
+  values = masking.MaskValues(
+      batch=jnp.arange(b)[:, None, None, None],
+      head=jnp.arange(n)[None, :, None, None],
+      q_offset=0 if ops.q_offset is None else per_batch(ops.q_offset),
+      q_lengths=per_batch(ops.q_lengths),
+      kv_lengths=per_batch(ops.kv_lengths),
+      q_segments=None if ops.q_segments is None
+      else ops.q_segments[:, None, :, None],
+      kv_segments=None if ops.kv_segments is None
+      else ops.kv_segments[:, None, None, :],
+      dense_mask=ops.dense_mask,
+      alibi_slope=None if ops.alibi_slopes is None
+      else ops.alibi_slopes[:, :, None, None],
+      bias=None if bias is None else bias.astype(jnp.float32))
+  logits = masking.modify_scores(spec, logits, q_idx, kv_idx, values)
+  keep = masking.keep(spec, q_idx, kv_idx, values)
+  return jnp.where(keep, logits, -jnp.inf), values
+
+
+def reference_backward(call: AttentionCall, query, key, value, out, lse,
+                       d_out, d_lse):
+  """(dq, dk, dv) from given residuals, by the softmax gradient's formula.
+
+  `out` [batch, q_len, heads, dim] and `lse` float32 [batch, q_len, heads]
+  may come from attention over more keys than `key` holds (merged K/V
+  shards): P = exp(logits - lse) are then the weights of these keys in that
+  softmax, and dS = P * (dO V^T - (rowsum(dO * out) - d_lse)) is its
+  gradient, so the result is this call's share of that attention's
+  gradient (see `jax_flash.residual_backward`). Masks and score changes
+  enter through the VJP of `masked_logits`; dropout and sinks are not
+  supported.
+  """
+  f32 = lambda x: x.astype(jnp.float32)
+  precision = jax.lax.Precision.HIGHEST
+  n = query.shape[2]
+  logits, logits_vjp = jax.vjp(
+      lambda q, k: masked_logits(call, q, k)[0], query, key)
+  v, v_vjp = jax.vjp(lambda v: _repeat_heads(f32(v), n), value)
+  row_lse = jnp.swapaxes(lse, 1, 2)[..., None]           # [b, h, q, 1]
+  finite = jnp.isfinite(row_lse)
+  probs = jnp.where(finite, jnp.exp(logits - jnp.where(finite, row_lse, 0.0)),
+                    0.0)
+  dv, = v_vjp(jnp.einsum("bhqk,bqhd->bkhd", probs, f32(d_out),
+                         precision=precision))
+  d_probs = jnp.einsum("bqhd,bkhd->bhqk", f32(d_out), v, precision=precision)
+  delta = jnp.sum(f32(d_out) * f32(out), axis=-1) - d_lse  # [b, q, h]
+  d_logits = probs * (d_probs - jnp.swapaxes(delta, 1, 2)[..., None])
+  dq, dk = logits_vjp(d_logits)
+  return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
 
 
 def attention_reference(

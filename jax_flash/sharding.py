@@ -14,14 +14,14 @@ hosts work through `jax.distributed` like any other collective):
   current one, so the two overlap. Memory per device: its own shards, the K/V
   shard in hand and the next one in flight, a float32 output accumulator;
   never the whole K/V, never an N x N array. The backward (`jax.custom_vjp`)
-  is a ring too: it recomputes each pair from the saved final (out, lse) and
-  sends float32 dK/dV sums round the ring with K/V, so that each shard's sum
-  reaches its owner. Cost: `flash_attention` only differentiates its own
-  forward, so each pair other than the local one runs the forward kernel once
-  more in the backward (about 1 + 3.5 instead of 2.5 forward-equivalents per
-  pair; a kernel entry point taking the global (out, lse) would remove it).
-  The local pair keeps its forward residuals, so on one device the ring
-  costs what `flash_attention` costs, plus a few elementwise passes.
+  is a ring too: each pair's share of the gradient is the attention backward
+  of the pair at the saved merged (out, lse) (`flash_attention_backward`:
+  the backward kernels alone, no forward again), and float32 dK/dV sums go
+  round the ring with K/V, so that each shard's sum reaches its owner. The
+  local pair keeps its forward's VJP, so on one device the ring costs what
+  `flash_attention` costs, plus a few elementwise passes. (Until session 5
+  each other pair ran its forward again to get its own (out, lse): on 2
+  H200s that was 14% of the kernels' time, see benchmarks/NOTES.md.)
 * all_gather: K/V gathered once per call (`lax.all_gather`) and the kernel
   run against the local query shard; the backward gathers again and
   reduce-scatters float32 dK/dV. Fewer, larger transfers: better on short
@@ -66,6 +66,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_flash.api import flash_attention
+from jax_flash.residual_backward import flash_attention_backward
 
 try:  # JAX >= 0.7 exports shard_map at the top level.
   from jax import shard_map as _shard_map
@@ -266,10 +267,19 @@ def _attend(plan: _Plan, is_causal: bool, kwargs, query, key, value):
       block_sizes=plan.block_sizes, interpret=plan.interpret, **kwargs)
 
 
+def _attend_backward(plan: _Plan, is_causal: bool, kwargs, *args):
+  return flash_attention_backward(
+      *args, scale=plan.scale, is_causal=is_causal,
+      implementation=plan.implementation, block_sizes=plan.block_sizes,
+      interpret=plan.interpret, **kwargs)
+
+
 def _each_call(plan: _Plan, kind: str, q, extras, kv, me, source):
-  """Yields, per kernel call of the pair, (q rows, kv rows, fn, q, k, v):
-  `fn(q, k, v) -> (out, lse)` is `flash_attention` with the call's mask
-  arguments, applied to the call's slices of the shards."""
+  """Yields, per kernel call of the pair, (q rows, kv rows, fn, backward,
+  q, k, v): `fn(q, k, v) -> (out, lse)` is `flash_attention` with the call's
+  mask arguments, applied to the call's slices of the shards, and
+  `backward(q, k, v, out, lse, d_out, d_lse) -> (dq, dk, dv)` its
+  `flash_attention_backward`."""
   q_len, kv_len = q.shape[1], kv["key"].shape[1]
   n = plan.chunks_per_shard
   q_all, kv_all = plan.chunk_starts(me, q_len), plan.chunk_starts(source,
@@ -284,8 +294,9 @@ def _each_call(plan: _Plan, kind: str, q, extras, kv, me, source):
         kv_rows=kv_rows, kv_segment_ids=kv.get("kv_segment_ids"),
         batch=q.shape[0])
     fn = functools.partial(_attend, plan, is_causal, kwargs)
-    yield (q_rows, kv_rows, fn, q[:, q_rows], kv["key"][:, kv_rows],
-           kv["value"][:, kv_rows])
+    backward = functools.partial(_attend_backward, plan, is_causal, kwargs)
+    yield (q_rows, kv_rows, fn, backward, q[:, q_rows],
+           kv["key"][:, kv_rows], kv["value"][:, kv_rows])
 
 
 def _by_kind(plan: _Plan, s, me, source, run):
@@ -423,8 +434,8 @@ def _forward(plan: _Plan, query, key, value, extras, *, keep_first: bool):
 
     def run(kind):
       out = acc
-      for q_rows, _, fn, q, k, v in _each_call(plan, kind, query, extras, kv,
-                                               me, source):
+      for q_rows, _, fn, _, q, k, v in _each_call(plan, kind, query, extras,
+                                                  kv, me, source):
         if keep_first and isinstance(s, int) and s == 0:
           (o, lse), vjp = jax.vjp(fn, q, k, v)
           first.append((vjp, o, lse))
@@ -455,11 +466,16 @@ def _sharded_attention_bwd(plan, residuals, cotangents):
   """Per pair, the attention backward with the pair's share of the gradient.
 
   Pair j gave (o_j, lse_j); the result is O = sum_j exp(lse_j - L) o_j with
-  L = logsumexp_j lse_j. With w_j = exp(lse_j - L), D = rowsum(dO * O) and dL
-  the cotangent of L, the exact gradient of the pair's logits is that of the
-  pair's own attention under the cotangents
-      d o_j = w_j dO,   d lse_j = rowsum(d o_j * o_j) - w_j (D - dL),
-  so each pair is `jax.vjp` of `flash_attention` on the pair.
+  L = logsumexp_j lse_j. The pair's logits s_j enter the merged softmax with
+  weights P_j = exp(s_j - L), so its share of the gradient is the attention
+  backward of the pair at the merged residuals (O, L) and cotangents
+  (dO, dL) (`flash_attention_backward`): no forward again. The local pair
+  (step 0) instead reuses its forward's VJP, kept by `_forward`, with the
+  cotangents of its own (o_0, lse_0): with w = exp(lse_0 - L) and
+  D = rowsum(dO * O),
+      d o_0 = w dO,   d lse_0 = rowsum(d o_0 * o_0) - w (D - dL),
+  which gives the same share (on one device it is `flash_attention`'s own
+  backward).
   """
   query, key, value, extras, out, lse, first = residuals
   d_out, d_lse = cotangents
@@ -473,16 +489,18 @@ def _sharded_attention_bwd(plan, residuals, cotangents):
       dk, dv = jnp.zeros_like(kv["key"], jnp.float32), jnp.zeros_like(
           kv["value"], jnp.float32)
       calls = _each_call(plan, kind, query, extras, kv, me, source)
-      for i, (q_rows, kv_rows, fn, q, k, v) in enumerate(calls):
+      for i, (q_rows, kv_rows, _, backward, q, k, v) in enumerate(calls):
         if isinstance(s, int) and s == 0:
           vjp, o, lse_j = first[i]
+          w = _rescale(lse_j, lse[:, q_rows])
+          d_o = (w[..., None] * f32(d_out[:, q_rows])).astype(o.dtype)
+          d_lse_j = (jnp.sum(f32(d_o) * f32(o), axis=-1)
+                     - w * delta[:, q_rows])
+          dq_j, dk_j, dv_j = vjp((d_o, d_lse_j))
         else:
-          (o, lse_j), vjp = jax.vjp(fn, q, k, v)
-        w = _rescale(lse_j, lse[:, q_rows])
-        d_o = (w[..., None] * f32(d_out[:, q_rows])).astype(o.dtype)
-        d_lse_j = (jnp.sum(f32(d_o) * f32(o), axis=-1)
-                   - w * delta[:, q_rows])
-        dq_j, dk_j, dv_j = vjp((d_o, d_lse_j))
+          dq_j, dk_j, dv_j = backward(q, k, v, out[:, q_rows],
+                                      lse[:, q_rows], d_out[:, q_rows],
+                                      d_lse[:, q_rows])
         dq = _add_rows(dq, q_rows, f32(dq_j))
         dk = _add_rows(dk, kv_rows, f32(dk_j))
         dv = _add_rows(dv, kv_rows, f32(dv_j))

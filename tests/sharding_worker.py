@@ -211,6 +211,25 @@ def _no_scatters():
   return found
 
 
+@_check("ring_backward_runs_no_forward_kernel")
+def _no_forward_in_backward():
+  """The ring's backward gets each pair's share from the merged (out, lse)
+  (`flash_attention_backward`): the forward kernel appears in the gradient's
+  program as often as in the forward's (before, once more per non-local
+  pair: 9 against 5 here)."""
+  import re
+  attention = lambda q, k, v: sequence_parallel_attention(
+      q, k, v, mesh=_mesh(4), axis_name="sp", is_causal=True,
+      load_balance=True, implementation="triton", interpret=True)
+  q = k = v = jnp.ones((1, 128, 2, 16))
+  count = lambda fn: len(re.findall(r"name=flash_forward\b",
+                                    str(jax.make_jaxpr(fn)(q, k, v))))
+  loss = lambda q, k, v: jnp.sum(attention(q, k, v))
+  forward, gradient = count(attention), count(jax.grad(loss, (0, 1, 2)))
+  assert forward > 0 and gradient == forward, (forward, gradient)
+  return {"forward kernels": forward, "in the gradient": gradient}
+
+
 def _variant_inputs(seed=0):
   b, t, n, nk, d = 2, 64, 4, 2, 16
   keys = jax.random.split(jax.random.key(seed), 6)

@@ -232,3 +232,37 @@ def test_mosaic_backward_deterministic_and_empty_rows_on_gpu():
   for _ in range(2):
     for a, b in zip(first, run(q, k, v, out, lse, d_out)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("shape, kwargs, masked", [
+    (dict(q_len=256, kv_len=384, head_dim=64), dict(is_causal=True), False),
+    (dict(q_len=256, kv_len=256, head_dim=96), {}, False),   # padded to 128
+    (dict(q_len=200, kv_len=330, head_dim=64),               # ragged: masked
+     dict(is_causal=True, q_offset=130), True),
+    (dict(q_len=256, kv_len=256, head_dim=128),
+     dict(local_window_size=(64, 0), logits_soft_cap=20.0), True),
+], ids=["causal", "padded-head-dim", "ragged-q_offset", "window-softcap"])
+def test_residual_backward_lowers_backward_kernels_only(
+    shape, kwargs, masked, cuda_lowering, monkeypatch):
+  """`flash_attention_backward` on an H200, cross-lowered: the Mosaic
+  backward kernels (the masked ones for masks and ragged lengths) and no
+  forward kernel (the ring's backward relies on it)."""
+  from pallas_kernels import compat as versions
+  from jax_flash.residual_backward import flash_attention_backward
+  monkeypatch.setattr(versions, "gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(versions, "has_gpu", lambda: True)
+  q = jax.ShapeDtypeStruct((1, shape["q_len"], 4, shape["head_dim"]),
+                           jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, shape["kv_len"], 2, shape["head_dim"]),
+                            jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((1, shape["q_len"], 4), jnp.float32)
+  lowered = jax.jit(lambda q, k, v, o, l, do, dl: flash_attention_backward(
+      q, k, v, o, l, do, dl, implementation="mosaic", interpret=False,
+      **kwargs)).trace(q, kv, kv, q, lse, q, lse).lower(
+          lowering_platforms=("cuda",))
+  for grad, primal in zip(lowered.out_info, (q, kv, kv)):
+    assert grad.shape == primal.shape and grad.dtype == primal.dtype
+  text = lowered.as_text()
+  assert "mosaic_flash_forward" not in text
+  assert ("mosaic_flash_backward_masked_dq" in text) == masked
+  assert bool(_kernels(text)) == (not masked)

@@ -67,28 +67,74 @@ def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
   Returns (out [B, Tq, N, D], lse float32 [B, N, Tq]).
   """
   head_dim = query.shape[-1]
+  query, key, value = _pad_head_dim(query, key, value)
+  if _masked(query, key, is_causal, spec):
+    out, lse = flash_attention_mosaic_masked(query, key, value,
+                                             operands or Operands(), scale,
+                                             spec, backward_blocks)
+  else:
+    out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
+                                      backward_blocks, backward)
+  return out[..., :head_dim], lse
+
+
+def mosaic_attention_backward(query, key, value, out, lse, d_out, d_lse, *,
+                              scale: float, is_causal: bool,
+                              backward_blocks: BlockSizes,
+                              spec: MaskSpec | None = None,
+                              operands: Operands | None = None):
+  """The gradients `mosaic_attention` gives, from given residuals.
+
+  `out` [B, Tq, N, D] and `lse` float32 [B, N, Tq] need not come from this
+  call's forward: from attention over more keys (merged K/V shards) the
+  result is this call's share of that attention's gradient (see
+  `jax_flash.residual_backward`). Same routing (plain or masked kernels)
+  and head-dim padding as `mosaic_attention`; `d_lse` like `lse`.
+
+  Returns (dq, dk, dv), shaped like (query, key, value).
+  """
+  head_dim = query.shape[-1]
+  query, key, value, out, d_out = _pad_head_dim(query, key, value, out,
+                                                d_out)
+  residuals, cotangents = (query, key, value, out, lse), (d_out, d_lse)
+  if _masked(query, key, is_causal, spec):
+    dq, dk, dv, _ = _masked_bwd(scale, spec, backward_blocks,
+                                (*residuals, operands or Operands()),
+                                cotangents)
+  else:
+    dq, dk, dv = _bwd(scale, is_causal, backward_blocks, "mosaic", residuals,
+                      cotangents)
+  return tuple(x[..., :head_dim] for x in (dq, dk, dv))
+
+
+def _pad_head_dim(*arrays):
+  """Zero-pads the last axis to the next native head dim. Zero columns add
+  nothing to q·k, and padded output columns are dropped; the Triton kernels
+  pad inside theirs."""
+  head_dim = arrays[0].shape[-1]
   native = next((d for d in NATIVE_HEAD_DIMS if d >= head_dim), None)
   if native is None:
     raise NotImplementedError(
         f"the Mosaic kernels support head_dim up to 256, got {head_dim}")
-  if native != head_dim:
-    pad = [(0, 0)] * 3 + [(0, native - head_dim)]
-    query, key, value = (jnp.pad(x, pad) for x in (query, key, value))
+  if native == head_dim:
+    return arrays
+  pad = [(0, 0)] * 3 + [(0, native - head_dim)]
+  return tuple(jnp.pad(x, pad) for x in arrays)
+
+
+def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
+  """Whether a call goes to the masked kernels (masks beyond `is_causal`,
+  or lengths the plain kernel's tiles do not divide)."""
   plain = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
                    is_causal=is_causal)
   if (spec is None or spec == plain) and (
       _tile_aligned(query, key) or not MASKED_KERNEL_ENABLED):
-    out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
-                                      backward_blocks, backward)
-  elif not MASKED_KERNEL_ENABLED:
+    return False
+  if not MASKED_KERNEL_ENABLED:
     raise NotImplementedError(
         "the masked Mosaic kernel is not enabled yet (GPU tests pending); "
         f"masks run on the Triton kernels (got {spec})")
-  else:
-    out, lse = flash_attention_mosaic_masked(query, key, value,
-                                             operands or Operands(), scale,
-                                             spec, backward_blocks)
-  return out[..., :head_dim], lse
+  return True
 
 
 def _tile_aligned(query, key) -> bool:

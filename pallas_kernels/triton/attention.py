@@ -44,11 +44,23 @@ def _fwd(query, key, value, call_operands, bias, scale, spec, block_sizes,
 def _bwd(scale, spec, block_sizes, interpret, residuals, cotangents):
   query, key, value, out, lse, call_operands, bias = residuals
   d_out, d_lse = cotangents
+  dq, dk, dv, dbias = triton_attention_backward(
+      query, key, value, out, lse, d_out, d_lse, call_operands, bias,
+      scale=scale, spec=spec, block_sizes=block_sizes, interpret=interpret)
+  return dq, dk, dv, None, dbias
+
+
+def triton_attention_backward(query, key, value, out, lse, d_out, d_lse,
+                              call_operands, bias, *, scale: float,
+                              spec: MaskSpec, block_sizes: BlockSizes,
+                              interpret: bool):
+  """`flash_attention_triton`'s gradients (dq, dk, dv, dbias) from given
+  residuals: `out` [B, Tq, N, D] and `lse` float32 [B, N, Tq] need not come
+  from this call's forward (see `jax_flash.residual_backward`)."""
   with compat.quiet_triton_deprecation():
-    dq, dk, dv, dbias = flash_backward(
+    return flash_backward(
         query, key, value, out, lse, d_out, d_lse, call_operands, bias,
         scale=scale, spec=spec, block_sizes=block_sizes, interpret=interpret)
-  return dq, dk, dv, None, dbias
 
 
 flash_attention_triton.defvjp(_fwd, _bwd)
