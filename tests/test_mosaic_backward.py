@@ -7,6 +7,7 @@ the numerics need the `-m gpu` test.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 
 import jax
@@ -82,7 +83,10 @@ def test_overlapped_backward_lowers_and_changes_the_kernels(
   expected = {"dq", "dk", "dv"} if head_dim == 256 else {"dq", "dkdv"}
   assert _kernels(text) == expected
   assert text != _lower(head_dim, is_causal, overlap_softmax=False)
-  assert text == _lower(head_dim, is_causal)
+  # (Not `text == _lower(...)` with the default: under JAX 0.11.2 the
+  # serialized module carries call-site locations.)
+  default = inspect.signature(mosaic_backward).parameters["overlap_softmax"]
+  assert default.default is True
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
