@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jax_flash import api, reference, validation
 from jax_flash.validation import AttentionCall
+from pallas_kernels.config import BlockSizes
 
 
 def flash_attention_backward(
@@ -50,6 +51,8 @@ def flash_attention_backward(
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
       q_offset=q_offset, logits_soft_cap=logits_soft_cap)
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
   shape = call.shape
   rows = (shape.batch, shape.q_len, shape.num_heads)
   for name, x, want_shape, dtype in (

@@ -128,3 +128,10 @@ def test_bad_residuals_are_named(name, change, error, match):
   with pytest.raises(error, match=match):
     flash_attention_backward(q, k, v, args["out"], args["lse"],
                              args["d_out"], args["d_lse"])
+
+
+def test_bad_block_sizes_are_named():
+  q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 0)
+  out, lse = flash_attention(q, k, v, return_residual=True)
+  with pytest.raises(TypeError, match="block_sizes must be a BlockSizes"):
+    flash_attention_backward(q, k, v, out, lse, d_out, block_sizes=(64, 64))
