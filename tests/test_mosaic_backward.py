@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import compat as versions
+from pallas_kernels.config import BlockSizes
 from tests.attention_checks import Case, check_against_reference, random_inputs
 
 try:
@@ -270,3 +271,55 @@ def test_residual_backward_lowers_backward_kernels_only(
   assert "mosaic_flash_forward" not in text
   assert ("mosaic_flash_backward_masked_dq" in text) == masked
   assert bool(_kernels(text)) == (not masked)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("case", [
+    Case(2, 1024, 1024, 8, 8, 64),
+    Case(1, 256, 640, 4, 1, 64),      # MQA, one Q tile pair, kv_len > q_len
+    Case(1, 1152, 384, 4, 2, 64),     # odd Q tile count, q_len > kv_len
+], ids=str)
+def test_wide_q_backward_at_d64_on_gpu(case, is_causal, monkeypatch):
+  """The backward with block_q 128 at head_dim 64 (`attention.
+  WIDE_Q_BACKWARD_AT_D64`, off until this passes), through the dispatch, in
+  both dtypes, against the reference; and its tiles did reach the kernel."""
+  _require_sm90()
+  from pallas_kernels.mosaic import attention as mosaic_attention
+  monkeypatch.setattr(mosaic_attention, "WIDE_Q_BACKWARD_AT_D64", True)
+  assert mosaic_attention.backward_tiles(64, case.q_len)["block_q"] == 128
+  for dtype in (jnp.bfloat16, jnp.float16):
+    attention = jax.jit(lambda q, k, v: mosaic_attention.mosaic_attention(
+        q, k, v, scale=q.shape[-1]**-0.5, is_causal=is_causal,
+        backward_blocks=BlockSizes.get_default(64)))
+    check_against_reference(
+        lambda q, k, v: _api_layout(*attention(q, k, v)), case, dtype,
+        is_causal=is_causal)
+
+
+def _api_layout(out, lse):
+  return out, jnp.transpose(lse, (0, 2, 1))
+
+
+def test_wide_q_backward_at_d64_lowers(cuda_lowering, monkeypatch):
+  """With the switch on, the plain route's backward at head_dim 64 takes
+  128-row Q tiles (its lowered kernels change) and still lowers; other head
+  dims and Q lengths not divisible by 128 keep the defaults."""
+  from pallas_kernels.mosaic import attention as mosaic_attention
+  q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+
+  def lowered():
+    grad = jax.grad(lambda q, k, v: jnp.sum(mosaic_attention.mosaic_attention(
+        q, k, v, scale=0.125, is_causal=True,
+        backward_blocks=BlockSizes.get_default(64))[0].astype(jnp.float32)),
+                    (0, 1, 2))
+    return jax.jit(grad).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+  default = lowered()
+  monkeypatch.setattr(mosaic_attention, "WIDE_Q_BACKWARD_AT_D64", True)
+  wide = lowered()
+  assert _kernels(wide) == {"dq", "dkdv"} and wide != default
+  assert mosaic_attention.backward_tiles(128, 512) == {}
+  assert mosaic_attention.backward_tiles(64, 320) == {}

@@ -46,6 +46,19 @@ MASKED_KERNEL_ENABLED = True
 MASKED_BACKWARD_ENABLED = True
 # Head dims the kernels take natively; others are zero-padded up to one.
 NATIVE_HEAD_DIMS = (64, 128, 256)
+# The plain backward's tiles at head_dim 64: block_q 128 with block_kv 64 ran
+# the backward alone 13% faster than 64 x 64 on the H200 (session 5's sweep,
+# benchmarks/results/h200_mosaic_sweep.md: 337/266 against 297/247 TFLOP/s,
+# full/causal, seq 4k). Off until `test_wide_q_backward_at_d64_on_gpu`
+# passes on a GPU.
+WIDE_Q_BACKWARD_AT_D64 = False
+
+
+def backward_tiles(head_dim: int, q_len: int) -> dict:
+  """`mosaic_backward`'s tile arguments for a plain call ({}: its defaults)."""
+  if WIDE_Q_BACKWARD_AT_D64 and head_dim == 64 and q_len % 128 == 0:
+    return dict(block_q=128, block_kv=64)
+  return {}
 
 
 def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
@@ -169,7 +182,8 @@ def _bwd(scale, is_causal, backward_blocks, backward, residuals, cotangents):
   if backward == "mosaic":
     try:
       return mosaic_backward(query, key, value, out, lse, d_out, d_lse,
-                             scale=scale, is_causal=is_causal)
+                             scale=scale, is_causal=is_causal,
+                             **backward_tiles(query.shape[-1], query.shape[1]))
     except NotImplementedError:
       pass  # a call the Mosaic kernels do not cover: the Triton backward
   spec = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
