@@ -17,9 +17,9 @@ hosts work through `jax.distributed` like any other collective):
   is a ring too: each pair's share of the gradient is the attention backward
   of the pair at the saved merged (out, lse) (`flash_attention_backward`:
   the backward kernels alone, no forward again), and float32 dK/dV sums go
-  round the ring with K/V, so that each shard's sum reaches its owner. The
-  local pair keeps its forward's VJP, so on one device the ring costs what
-  `flash_attention` costs, plus a few elementwise passes. (Until session 5
+  round the ring with K/V, so that each shard's sum reaches its owner. On
+  one device the one pair's merged residuals are its own, so the ring costs
+  what `flash_attention` costs, plus a few elementwise passes. (Until session 5
   each other pair ran its forward again to get its own (out, lse): on 2
   H200s that was 14% of the kernels' time, see benchmarks/NOTES.md.)
 * all_gather: K/V gathered once per call (`lax.all_gather`) and the kernel
@@ -164,7 +164,15 @@ def _set_rows(array, rows: slice, values):
 def _add_rows(array, rows: slice, values):
   """`array.at[:, rows].add(values)` for a static slice of axis 1 (see
   `_set_rows`)."""
-  return _set_rows(array, rows, array[:, rows] + values)
+  if rows == slice(None):
+    return array + values
+  return _add_rows_at(array, rows.start, values)
+
+
+def _add_rows_at(array, start, values):
+  """Adds `values` to the rows of axis 1 from `start` (static or traced)."""
+  rows = lax.dynamic_slice_in_dim(array, start, values.shape[1], axis=1)
+  return lax.dynamic_update_slice_in_dim(array, rows + values, start, axis=1)
 
 
 def _accumulate(acc, rows: slice, out, lse, num_rows: int):
@@ -328,12 +336,12 @@ def _sweep(plan: _Plan, me, kv_local, carry, step):
     kv_local: this device's K/V bundle {"key", "value", ["kv_segment_ids"]},
       each [batch, kv_len, ...].
     carry: state of this device (output accumulator, dQ).
-    step: `(s, source, kv, carry) -> (carry, back, aux)`; `back` (a pytree or
+    step: `(s, source, kv, carry) -> (carry, back)`; `back` (a pytree or
       None) is this device's contribution to arrays owned by `source` (dK,
-      dV); `aux` is kept from step 0 only.
+      dV).
 
   Returns:
-    (carry, the sum of every device's `back` for this device's shard, aux).
+    (carry, the sum of every device's `back` for this device's shard).
   """
   p = plan.num_shards
   source_at = lambda s: lax.rem(me - s + p, p)
@@ -344,9 +352,9 @@ def _sweep(plan: _Plan, me, kv_local, carry, step):
   send = lambda x: lax.ppermute(x, plan.axis_name, pairs)
   # Issued before step 0's kernels so that the transfer overlaps them.
   kv_next = send(kv_local) if p > 1 else None
-  carry, back, aux = step(0, me, kv_local, carry)
+  carry, back = step(0, me, kv_local, carry)
   if p == 1:
-    return carry, back, aux
+    return carry, back
 
   def ring_step(s, state, *, last=False):
     kv, carry, back = state
@@ -356,7 +364,7 @@ def _sweep(plan: _Plan, me, kv_local, carry, step):
     kv_next = None if last else send(kv)
     if back is not None:
       back = send(back)
-    carry, contribution, _ = step(s, source_at(s), kv, carry)
+    carry, contribution = step(s, source_at(s), kv, carry)
     if back is not None:
       back = _tree_add(back, contribution)
     return kv_next, carry, back
@@ -365,7 +373,7 @@ def _sweep(plan: _Plan, me, kv_local, carry, step):
   _, carry, back = ring_step(p - 1, state, last=True)
   if back is not None:
     back = send(back)  # the complete sums, to the shard's owner
-  return carry, back, aux
+  return carry, back
 
 
 def _gathered_sweep(plan: _Plan, me, kv_local, carry, step, source_at):
@@ -381,14 +389,11 @@ def _gathered_sweep(plan: _Plan, me, kv_local, carry, step, source_at):
                                          x.shape[1] // p, axis=1), gathered)
 
   def add_at(buffers, src, parts):
-    def add(buffer, part):
-      n = part.shape[1]
-      old = lax.dynamic_slice_in_dim(buffer, src * n, n, axis=1)
-      return lax.dynamic_update_slice_in_dim(buffer, old + part, src * n,
-                                             axis=1)
-    return jax.tree.map(add, buffers, parts)
+    return jax.tree.map(
+        lambda buffer, part: _add_rows_at(buffer, src * part.shape[1], part),
+        buffers, parts)
 
-  carry, back, aux = step(0, me, kv_local, carry)
+  carry, back = step(0, me, kv_local, carry)
   if back is not None:
     back = add_at(jax.tree.map(lambda x: jnp.zeros(
         x.shape[:1] + (x.shape[1] * p,) + x.shape[2:], x.dtype), back),
@@ -397,7 +402,7 @@ def _gathered_sweep(plan: _Plan, me, kv_local, carry, step, source_at):
   def gathered_step(s, state):
     carry, back = state
     src = source_at(s)
-    carry, contribution, _ = step(s, src, shard_of(src), carry)
+    carry, contribution = step(s, src, shard_of(src), carry)
     if back is not None:
       back = add_at(back, src, contribution)
     return carry, back
@@ -406,7 +411,7 @@ def _gathered_sweep(plan: _Plan, me, kv_local, carry, step, source_at):
   if back is not None:
     back = jax.tree.map(lambda x: lax.psum_scatter(
         x, plan.axis_name, scatter_dimension=1, tiled=True), back)
-  return carry, back, aux
+  return carry, back
 
 
 # --------------------------------------------------------------------------
@@ -420,46 +425,32 @@ def _kv_bundle(key, value, extras):
   return kv
 
 
-def _forward(plan: _Plan, query, key, value, extras, *, keep_first: bool):
-  """Output [batch, q_len, heads, dim] (query dtype), lse [batch, q_len, heads].
-
-  With `keep_first`, also returns the VJP closures and results of the local
-  pair's calls: the backward reuses them instead of recomputing that pair
-  (on a single device the backward then costs what `flash_attention`'s does).
-  """
+def _forward(plan: _Plan, query, key, value, extras):
+  """Output [batch, q_len, heads, dim] (query dtype), lse [batch, q_len, heads]."""
   me = lax.axis_index(plan.axis_name)
 
   def step(s, source, kv, acc):
-    first = []
-
     def run(kind):
       out = acc
       for q_rows, _, fn, _, q, k, v in _each_call(plan, kind, query, extras,
                                                   kv, me, source):
-        if keep_first and isinstance(s, int) and s == 0:
-          (o, lse), vjp = jax.vjp(fn, q, k, v)
-          first.append((vjp, o, lse))
-        else:
-          o, lse = fn(q, k, v)
-        out = _accumulate(out, q_rows, o, lse, query.shape[1])
+        out = _accumulate(out, q_rows, *fn(q, k, v), query.shape[1])
       return out
 
-    return _by_kind(plan, s, me, source, run), None, first
+    return _by_kind(plan, s, me, source, run), None
 
-  (out, lse), _, first = _sweep(plan, me, _kv_bundle(key, value, extras),
-                                None, step)
-  return out.astype(query.dtype), lse, first
+  (out, lse), _ = _sweep(plan, me, _kv_bundle(key, value, extras), None, step)
+  return out.astype(query.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _sharded_attention(plan: _Plan, query, key, value, extras):
-  out, lse, _ = _forward(plan, query, key, value, extras, keep_first=False)
-  return out, lse
+  return _forward(plan, query, key, value, extras)
 
 
 def _sharded_attention_fwd(plan, query, key, value, extras):
-  out, lse, first = _forward(plan, query, key, value, extras, keep_first=True)
-  return (out, lse), (query, key, value, extras, out, lse, first)
+  out, lse = _forward(plan, query, key, value, extras)
+  return (out, lse), (query, key, value, extras, out, lse)
 
 
 def _sharded_attention_bwd(plan, residuals, cotangents):
@@ -469,48 +460,33 @@ def _sharded_attention_bwd(plan, residuals, cotangents):
   L = logsumexp_j lse_j. The pair's logits s_j enter the merged softmax with
   weights P_j = exp(s_j - L), so its share of the gradient is the attention
   backward of the pair at the merged residuals (O, L) and cotangents
-  (dO, dL) (`flash_attention_backward`): no forward again. The local pair
-  (step 0) instead reuses its forward's VJP, kept by `_forward`, with the
-  cotangents of its own (o_0, lse_0): with w = exp(lse_0 - L) and
-  D = rowsum(dO * O),
-      d o_0 = w dO,   d lse_0 = rowsum(d o_0 * o_0) - w (D - dL),
-  which gives the same share (on one device it is `flash_attention`'s own
-  backward).
+  (dO, dL) (`flash_attention_backward`): the backward kernels alone, no
+  forward again. On one device the one pair's merged residuals are its own,
+  so this is `flash_attention`'s own backward.
   """
-  query, key, value, extras, out, lse, first = residuals
+  query, key, value, extras, out, lse = residuals
   d_out, d_lse = cotangents
   me = lax.axis_index(plan.axis_name)
   f32 = lambda x: x.astype(jnp.float32)
-  delta = jnp.sum(f32(d_out) * f32(out), axis=-1) - d_lse  # D - dL
 
   def step(s, source, kv, d_query):
     def run(kind):
       dq = d_query
       dk, dv = jnp.zeros_like(kv["key"], jnp.float32), jnp.zeros_like(
           kv["value"], jnp.float32)
-      calls = _each_call(plan, kind, query, extras, kv, me, source)
-      for i, (q_rows, kv_rows, _, backward, q, k, v) in enumerate(calls):
-        if isinstance(s, int) and s == 0:
-          vjp, o, lse_j = first[i]
-          w = _rescale(lse_j, lse[:, q_rows])
-          d_o = (w[..., None] * f32(d_out[:, q_rows])).astype(o.dtype)
-          d_lse_j = (jnp.sum(f32(d_o) * f32(o), axis=-1)
-                     - w * delta[:, q_rows])
-          dq_j, dk_j, dv_j = vjp((d_o, d_lse_j))
-        else:
-          dq_j, dk_j, dv_j = backward(q, k, v, out[:, q_rows],
-                                      lse[:, q_rows], d_out[:, q_rows],
-                                      d_lse[:, q_rows])
+      for q_rows, kv_rows, _, backward, q, k, v in _each_call(
+          plan, kind, query, extras, kv, me, source):
+        dq_j, dk_j, dv_j = backward(q, k, v, out[:, q_rows], lse[:, q_rows],
+                                    d_out[:, q_rows], d_lse[:, q_rows])
         dq = _add_rows(dq, q_rows, f32(dq_j))
         dk = _add_rows(dk, kv_rows, f32(dk_j))
         dv = _add_rows(dv, kv_rows, f32(dv_j))
       return dq, (dk, dv)
 
-    dq, back = _by_kind(plan, s, me, source, run)
-    return dq, back, None
+    return _by_kind(plan, s, me, source, run)
 
-  dq, (dk, dv), _ = _sweep(plan, me, _kv_bundle(key, value, extras),
-                           jnp.zeros_like(query, jnp.float32), step)
+  dq, (dk, dv) = _sweep(plan, me, _kv_bundle(key, value, extras),
+                        jnp.zeros_like(query, jnp.float32), step)
   no_grad = jax.tree.map(lambda _: None, extras)
   return (dq.astype(query.dtype), dk.astype(key.dtype),
           dv.astype(value.dtype), no_grad)
