@@ -135,3 +135,48 @@ def test_bad_block_sizes_are_named():
   out, lse = flash_attention(q, k, v, return_residual=True)
   with pytest.raises(TypeError, match="block_sizes must be a BlockSizes"):
     flash_attention_backward(q, k, v, out, lse, d_out, block_sizes=(64, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+@pytest.mark.parametrize("variant", [
+    {},                                              # plain tiles
+    dict(is_causal=True, q_offset=512),              # the ring's diagonal pair
+    dict(local_window_size=(300, 0), q_offset=512),  # masked route
+], ids=["plain", "causal-offset", "window"])
+def test_parts_sum_to_the_merged_gradient_on_gpu(variant, implementation):
+  """The ring's use on a GPU, in bfloat16: the kernels' backward of each
+  half of K from the merged (out, lse) sums to the float32 gradient of
+  attention over the whole K (a wrong delta or dropped d_lse is off by
+  the gradient's own size)."""
+  from pallas_kernels import compat as versions
+  if implementation == "mosaic" and (
+      versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic backward needs sm90")
+  case, split = Case(2, 512, 1024, 8, 2, 128), 512
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, 11)
+  parts = [dict(variant), dict(variant)]
+  if "q_offset" in variant:
+    parts[1]["q_offset"] = variant["q_offset"] - split
+  f32 = lambda x: x.astype(jnp.float32)
+  with jax.default_matmul_precision("highest"):
+    (_, _), vjp = jax.vjp(lambda q, k, v: flash_attention(
+        q, k, v, return_residual=True, implementation="xla", **variant),
+                          f32(q), f32(k), f32(v))
+    want = vjp((f32(d_out), d_lse))
+  out, lse = flash_attention(q, k, v, return_residual=True,
+                             implementation=implementation, **variant)
+  got = [jax.jit(lambda q, k, v, o, l, do, dl, part=part:
+                 flash_attention_backward(q, k, v, o, l, do, dl,
+                                          implementation=implementation,
+                                          **part))(
+      q, k[:, rows], v[:, rows], out, lse, d_out, d_lse)
+         for rows, part in zip((slice(None, split), slice(split, None)),
+                               parts)]
+  got = [f32(got[0][0]) + f32(got[1][0]),
+         jnp.concatenate([f32(g[1]) for g in got], 1),
+         jnp.concatenate([f32(g[2]) for g in got], 1)]
+  for g, w, name in zip(got, want, ("dq", "dk", "dv")):
+    scale = float(jnp.max(jnp.abs(w)))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w),
+                               atol=2e-2 * scale, err_msg=name)
