@@ -40,6 +40,8 @@ SCHEDULE_SPACE = dict(fence_softmax=(False, True), split_handover=(False, True))
 FORWARD_OVERLAP_SPACE = dict(overlap_scores=(False, True))
 # The backward's overlap within a consumer (`backward._Static`).
 OVERLAP_SPACE = dict(overlap_softmax=(False, True))
+# The forward's persistent grid (`forward.persistent_static`), non-causal.
+PERSISTENT_SPACE = dict(persistent=(False, True))
 
 
 def candidates(space: dict) -> list[dict]:
@@ -78,7 +80,9 @@ KERNELS = {"forward": (forward_benchmark, FORWARD_SPACE, 1.0, (False, True)),
            "forward_overlap": (forward_benchmark, FORWARD_OVERLAP_SPACE, 1.0,
                                (False, True)),
            "backward_overlap": (backward_benchmark, OVERLAP_SPACE, 2.5,
-                                (False, True))}
+                                (False, True)),
+           "forward_persistent": (forward_benchmark, PERSISTENT_SPACE, 1.0,
+                                  (False,))}
 
 
 def main(argv=None) -> int:
@@ -115,7 +119,7 @@ def main(argv=None) -> int:
     build, _, flops_factor, _ = KERNELS[kernel]
     cell = common.Cell.standard("fwd", args.seq, head_dim, causal)
     trial = {"kernel": kernel, "head_dim": head_dim, "causal": causal,
-             **blocks}
+             "seq": args.seq, **blocks}
     try:
       fn, inputs = build(cell, blocks)
       ms = common.time_fn(fn, *inputs)
@@ -141,20 +145,23 @@ def write_tables(parts: list[str], out: str) -> str:
   common.write_json(out, merged)
   option_names = sorted({n for t in merged["trials"] for n in t}
                         - {"kernel", "head_dim", "causal", "ms", "tflops",
-                           "error"})
-  rows = [[t["kernel"], t["head_dim"], t["causal"],
+                           "error", "seq"})
+  rows = [[t["kernel"], t.get("seq", merged["seq_len"]), t["head_dim"],
+           t["causal"],
            ", ".join(f"{n}={t[n]}" for n in option_names if n in t),
            f"{t['ms']:.3f}" if "ms" in t else "—",
            f"{t['tflops']:.0f}" if "tflops" in t else t["error"][:90]]
           for t in merged["trials"]]
   lines = render.header_lines(merged, "Mosaic kernel sweep (TFLOP/s)")
-  lines += [f"Seq {merged['seq_len']}, batch·seq 16384, hidden 2048, "
+  seqs = sorted({r["seq_len"] for r in results})
+  lines += [f"Seq {', '.join(map(str, seqs))}, batch·seq 16384, hidden 2048, "
             "bf16; TFLOP/s as the grid counts them (the backward alone: "
             "2.5x the forward's FLOPs).", "", "## Best per kernel and head "
             "dim (geometric mean over causal and not)", ""]
   lines += [f"- {line}" for line in best_lines(merged["trials"])]
   lines += ["", "## Every trial", "", render.markdown_table(
-      ["kernel", "head_dim", "causal", "options", "ms", "TFLOP/s or why not"],
+      ["kernel", "seq", "head_dim", "causal", "options", "ms",
+       "TFLOP/s or why not"],
       rows), ""]
   text = "\n".join(lines)
   with open(out.removesuffix(".json") + ".md", "w") as f:
@@ -169,10 +176,10 @@ def best_lines(trials: list[dict]) -> list[str]:
   groups = {}
   for t in trials:
     if "tflops" in t:
-      key = (t["kernel"], t["head_dim"])
+      key = (t["kernel"], t.get("seq", 0), t["head_dim"])
       blocks = tuple((n, t[n]) for n in KERNELS[t["kernel"]][1])
       groups.setdefault(key, {}).setdefault(blocks, []).append(t["tflops"])
-  for (kernel, head_dim), by_blocks in sorted(groups.items()):
+  for (kernel, seq, head_dim), by_blocks in sorted(groups.items()):
     causal_values = KERNELS[kernel][3]
     scored = {b: math.prod(v) ** (1 / len(v)) for b, v in by_blocks.items()
               if len(v) == len(causal_values)}
@@ -180,7 +187,8 @@ def best_lines(trials: list[dict]) -> list[str]:
       best = max(scored, key=scored.get)
       others = ", ".join(f"{dict(b)} {v:.0f}" for b, v in scored.items()
                          if b != best)
-      lines.append(f"{kernel} d{head_dim}: {dict(best)} "
+      at = f" seq {seq}" if seq else ""
+      lines.append(f"{kernel}{at} d{head_dim}: {dict(best)} "
                    f"{scored[best]:.0f} TFLOP/s (geomean over causal "
                    f"{list(causal_values)}; others: {others})")
   return lines

@@ -60,3 +60,16 @@ def output_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
   varying = frozenset().union(*(t.varying for t in types))
   return jax.ShapeDtypeStruct(shape, dtype,
                               manual_axis_type=types[0].update(varying=varying))
+
+
+# SMs of an H100/H200 SXM: what a persistent kernel is sized for when no
+# GPU is present to ask (cross-lowering on a CPU).
+_DEFAULT_NUM_SMS = 132
+
+
+def num_sms() -> int:
+  """Streaming multiprocessors of the first GPU (`core_count` in both JAX
+  versions); 132 without a GPU."""
+  if not has_gpu():
+    return _DEFAULT_NUM_SMS
+  return int(getattr(jax.devices()[0], "core_count", 0) or _DEFAULT_NUM_SMS)

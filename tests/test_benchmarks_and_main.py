@@ -121,6 +121,17 @@ def test_mosaic_sweep_picks_the_best_geometric_mean():
   [line] = best_lines([order(False, 400), order(True, 430)])
   assert line.startswith("forward_order d64: {'heavy_first': True} 430")
   assert "{'heavy_first': False} 400" in line
+  # Trials at several sequence lengths rank apart.
+  persistent = lambda seq, on, tflops: dict(
+      kernel="forward_persistent", seq=seq, head_dim=128, causal=False,
+      persistent=on, tflops=tflops)
+  lines = best_lines([persistent(1024, False, 380), persistent(1024, True, 450),
+                      persistent(16384, False, 580), persistent(16384, True,
+                                                               570)])
+  assert lines[0].startswith("forward_persistent seq 1024 d128: "
+                             "{'persistent': True} 450")
+  assert lines[1].startswith("forward_persistent seq 16384 d128: "
+                             "{'persistent': False} 580")
 
 
 def test_roofline_counts_each_tensor_once():

@@ -282,7 +282,7 @@ def test_residual_backward_lowers_backward_kernels_only(
 ], ids=str)
 def test_wide_q_backward_at_d64_on_gpu(case, is_causal, monkeypatch):
   """The backward with block_q 128 at head_dim 64 (`attention.
-  WIDE_Q_BACKWARD_AT_D64`, off until this passes), through the dispatch, in
+  WIDE_Q_BACKWARD_AT_D64`, on since this passed), through the dispatch, in
   both dtypes, against the reference; and its tiles did reach the kernel."""
   _require_sm90()
   from pallas_kernels.mosaic import attention as mosaic_attention
@@ -302,9 +302,10 @@ def _api_layout(out, lse):
 
 
 def test_wide_q_backward_at_d64_lowers(cuda_lowering, monkeypatch):
-  """With the switch on, the plain route's backward at head_dim 64 takes
-  128-row Q tiles (its lowered kernels change) and still lowers; other head
-  dims and Q lengths not divisible by 128 keep the defaults."""
+  """With the switch on (the default), the plain route's backward at
+  head_dim 64 takes 128-row Q tiles (off, its lowered kernels differ) and
+  lowers; other head dims and Q lengths not divisible by 128 keep the
+  defaults."""
   from pallas_kernels.mosaic import attention as mosaic_attention
   q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
@@ -317,9 +318,10 @@ def test_wide_q_backward_at_d64_lowers(cuda_lowering, monkeypatch):
     return jax.jit(grad).trace(q, kv, kv).lower(
         lowering_platforms=("cuda",)).as_text()
 
-  default = lowered()
-  monkeypatch.setattr(mosaic_attention, "WIDE_Q_BACKWARD_AT_D64", True)
+  assert mosaic_attention.WIDE_Q_BACKWARD_AT_D64  # on by default
   wide = lowered()
-  assert _kernels(wide) == {"dq", "dkdv"} and wide != default
+  monkeypatch.setattr(mosaic_attention, "WIDE_Q_BACKWARD_AT_D64", False)
+  assert _kernels(wide) == {"dq", "dkdv"} and wide != lowered()
+  monkeypatch.setattr(mosaic_attention, "WIDE_Q_BACKWARD_AT_D64", True)
   assert mosaic_attention.backward_tiles(128, 512) == {}
   assert mosaic_attention.backward_tiles(64, 320) == {}

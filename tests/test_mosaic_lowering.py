@@ -194,6 +194,83 @@ def test_schedule_variants_are_bitwise_the_default_on_gpu(head_dim,
                                     err_msg=str(variant))
 
 
+# Persistent grids that make CTAs walk several tiles, with the ring's slots
+# and barrier phases running on across tiles: one CTA, a count that divides
+# neither the tiles nor the stages, and the SM count.
+PERSISTENT_CTAS = [1, 3, None]
+
+
+@pytest.mark.parametrize("num_ctas", PERSISTENT_CTAS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_persistent_forward_lowers(head_dim, num_ctas, lowering_semantics):
+  """`persistent=True` lowers in both semantics (O staged apart at head_dim
+  <= 128, through Q's buffer at 256) and is a different kernel; causal or
+  with `overlap_scores` it is NotImplementedError; the default for the
+  rest (measured faster, results/h200_mosaic_persistent.md)."""
+  from pallas_kernels.mosaic import forward
+  text = _lower(head_dim, False, persistent=True, num_ctas=num_ctas)
+  assert _KERNEL_NAME in text
+  assert text != _lower(head_dim, False, persistent=False)
+  static = forward.persistent_static(
+      forward.check_supported(
+          jnp.zeros((2, 256, 4, head_dim), jnp.bfloat16),
+          *[jnp.zeros((2, 384, 2, head_dim), jnp.bfloat16)] * 2, scale=1.0,
+          is_causal=False, block_q=64,
+          block_kv=forward.default_block_kv(head_dim),
+          max_concurrent_steps=2), (2, 256, 4, head_dim), num_ctas)
+  assert static.stage_o_apart == (head_dim <= 128)
+  assert static.num_ctas == min(num_ctas or 132, 2 * 4 * 2)
+  for kwargs in (dict(is_causal=True), dict(overlap_scores=True)):
+    with pytest.raises(NotImplementedError, match="persistent"):
+      _lower(head_dim, kwargs.pop("is_causal", False), persistent=True,
+             **kwargs)
+  if num_ctas is None:  # the default without a mask or overlap_scores
+    assert forward.PERSISTENT_BY_DEFAULT and _lower(head_dim, False) == text
+    assert _lower(head_dim, True) == _lower(head_dim, True, persistent=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_persistent_forward_is_bitwise_the_grid_on_gpu(head_dim):
+  """The persistent grid computes each tile as the launch grid does, so
+  out and lse equal it bit for bit, for CTAs walking 1 to 32 tiles (a
+  barrier phase or ring slot off by one across tiles would not); and the
+  reference agrees, through `flash_attention`, in both dtypes."""
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic forward needs sm90 (wgmma, TMA, setmaxnreg)")
+  q, k, v, _, _ = random_inputs(Case(2, 1024, 1536, 8, 2, head_dim),
+                                jnp.bfloat16, 4)
+  run = lambda **kwargs: jax.jit(lambda q, k, v: mosaic_forward(
+      q, k, v, scale=head_dim**-0.5, is_causal=False, **kwargs))(q, k, v)
+  want = run(persistent=False)
+  for num_ctas in (*PERSISTENT_CTAS, 7):
+    for a, b in zip(run(persistent=True, num_ctas=num_ctas), want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                    err_msg=f"num_ctas {num_ctas}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    Case(2, 512, 1024, 8, 2, 128),    # GQA 4:1, kv_len > q_len
+    Case(1, 1024, 512, 4, 1, 256),    # MQA, q_len > kv_len
+    Case(3, 384, 640, 5, 5, 64),      # odd tile counts
+], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_persistent_forward_matches_reference_on_gpu(case, dtype,
+                                                     monkeypatch):
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic forward needs sm90 (wgmma, TMA, setmaxnreg)")
+  from pallas_kernels.mosaic import forward
+  monkeypatch.setattr(forward, "PERSISTENT_BY_DEFAULT", True)
+
+  @jax.jit
+  def attention(q, k, v):
+    return jax_flash.flash_attention(q, k, v, return_residual=True,
+                                     implementation="mosaic")
+
+  check_against_reference(attention, case, dtype, is_causal=False)
+
+
 def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,
                                                          monkeypatch):
   """`implementation=None` as on an H200, cross-lowered: Mosaic for aligned

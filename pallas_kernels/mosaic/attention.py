@@ -49,9 +49,9 @@ NATIVE_HEAD_DIMS = (64, 128, 256)
 # The plain backward's tiles at head_dim 64: block_q 128 with block_kv 64 ran
 # the backward alone 13% faster than 64 x 64 on the H200 (session 5's sweep,
 # benchmarks/results/h200_mosaic_sweep.md: 337/266 against 297/247 TFLOP/s,
-# full/causal, seq 4k). Off until `test_wide_q_backward_at_d64_on_gpu`
-# passes on a GPU.
-WIDE_Q_BACKWARD_AT_D64 = False
+# full/causal, seq 4k). On since `test_wide_q_backward_at_d64_on_gpu`
+# passed on the H200 (session 6); False routes back to 64 x 64.
+WIDE_Q_BACKWARD_AT_D64 = True
 
 
 def backward_tiles(head_dim: int, q_len: int) -> dict:

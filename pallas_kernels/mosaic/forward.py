@@ -44,6 +44,11 @@ Two more forms of the same kernel, chosen by `KernelStatic` at trace time
   fp8     (`fp8.mosaic_forward_fp8`) e4m3 operands, V transposed, P through
           shared memory, per-block descale factors.
 
+Persistent grid (`_persistent_kernel`, the default without a causal mask):
+one CTA per SM walks the tiles, the K/V ring and its barrier phases running
+on from tile to tile, so that each tile's Q load and O store overlap the
+neighbouring tiles' work instead of costing a launch (most at seq 1k).
+
 Schedule options of the plain form (`KernelStatic`: `overlap_scores`,
 FlashAttention-3's intra-warpgroup overlap, §3.2, in `_overlapped_steps`;
 `fence_softmax` and `split_handover`, two ways to place the hand-over;
@@ -64,6 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash import masking
+from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 
 NUM_CONSUMERS = 2
@@ -94,6 +100,10 @@ _SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # q_length, kv_length; padded to 32 (128 bytes, one copy).
 PLAN_WIDTH = 32
 _PLAN_UNION, _PLAN_SCALARS = 8, 10
+# The persistent grid (`mosaic_forward(persistent=None)`) for non-causal
+# calls: 0.5-28% faster than the launch grid on the H200 (session 6, most at
+# seq 1k: 403 -> 514 TFLOP/s at head_dim 128; results/h200_mosaic_persistent.md).
+PERSISTENT_BY_DEFAULT = True
 
 
 def default_block_kv(head_dim: int) -> int:
@@ -147,6 +157,15 @@ class KernelStatic:
   # (`_overlapped_steps`). Plain bf16/f16 kernel only (not FP8, not ranged);
   # it has its own hand-over points, so the two options above do not apply.
   overlap_scores: bool = False
+  # Persistent grid (`_persistent_kernel`): `num_ctas` CTAs (one per SM) walk
+  # the tiles in turn, so that a tile's prologue (Q and the first K/V
+  # loads) and epilogue (the O store) overlap its neighbours' work instead of
+  # costing a CTA launch each. Plain non-causal form only. `stage_o_apart`:
+  # O and the LSE go out through a buffer of their own (it fits at head_dim
+  # <= 128), so the next tile's Q loads while this one's O is written.
+  persistent: bool = False
+  num_ctas: int = 0
+  stage_o_apart: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -157,7 +176,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    block_q: int = 64, block_kv: int | None = None,
                    max_concurrent_steps: int = 2, heavy_first: bool = True,
                    fence_softmax: bool = False, split_handover: bool = True,
-                   overlap_scores: bool = False):
+                   overlap_scores: bool = False, persistent: bool | None = None,
+                   num_ctas: int | None = None):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -185,6 +205,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       variants (see `KernelStatic`); the results are the same either way.
       `split_handover` is the default: 1.3%, 2.0% and 7% faster than the
       plain hand-over at head_dim 64, 128, 256 (H200, seq 16k).
+    persistent: one CTA per SM walks the tiles (`_persistent_kernel`);
+      non-causal only. None: `PERSISTENT_BY_DEFAULT` where it applies.
+    num_ctas: CTAs of the persistent grid; None: the GPU's SM count.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -206,7 +229,32 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                fence_softmax=bool(fence_softmax),
                                split_handover=bool(split_handover),
                                overlap_scores=bool(overlap_scores))
+  if persistent is None:
+    persistent = PERSISTENT_BY_DEFAULT and not (is_causal or overlap_scores)
+  if persistent:
+    static = persistent_static(static, query.shape, num_ctas)
   return launch(static, query, key, value)
+
+
+def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
+                      ) -> KernelStatic:
+  """`static` for the persistent grid over query tiles of `q_shape`."""
+  if static.is_causal or static.overlap_scores:
+    # Causal tiles differ in cost, and a static round-robin of them is
+    # unbalanced where the hardware's launch order balances them.
+    raise NotImplementedError(
+        "the persistent forward is non-causal, without overlap_scores")
+  batch, q_len, num_heads, head_dim = q_shape
+  num_tiles = batch * num_heads * (q_len // (NUM_CONSUMERS * static.block_q))
+  if num_ctas is None:
+    num_ctas = versions.num_sms()
+  if num_ctas < 1:
+    raise ValueError(f"num_ctas must be >= 1, got {num_ctas}")
+  o_bytes = NUM_CONSUMERS * static.block_q * (head_dim * static.dtype.itemsize
+                                              + 4)
+  return dataclasses.replace(
+      static, persistent=True, num_ctas=min(num_ctas, num_tiles),
+      stage_o_apart=_smem_bytes(static) + o_bytes <= _SMEM_LIMIT_BYTES)
 
 
 def _smem_transforms(rows_bytes: int, itemsize: int):
@@ -275,6 +323,10 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
     )
     inputs += (plan,)
     lse_len = num_q_tiles * NUM_CONSUMERS * block_q
+  if static.stage_o_apart:
+    scratch += (plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), static.dtype,
+                           transforms=transforms),         # O
+                plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32))  # LSE
   if segments is not None:
     scratch += (
         plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.int32),  # query ids
@@ -290,13 +342,20 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
       # contiguous 1-D TMA.
       jax.ShapeDtypeStruct((batch, num_heads, lse_len), jnp.float32),
   )
+  if static.persistent:
+    body = _persistent_kernel
+    grid, grid_names = (static.num_ctas,), ("cta",)
+  else:
+    # q_tile fastest: neighbouring CTAs read the same K/V from L2.
+    body = _forward_kernel
+    grid, grid_names = (num_q_tiles, num_heads, batch), ("q_tile", "head",
+                                                         "batch")
   return plgpu.kernel(
-      functools.partial(_forward_kernel, static=static),
+      functools.partial(body, static=static),
       out_type=out_type,
       scratch_types=scratch,
-      # q_tile fastest: neighbouring CTAs read the same K/V from L2.
-      grid=(num_q_tiles, num_heads, batch),
-      grid_names=("q_tile", "head", "batch"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       kernel_name="mosaic_flash_forward",
@@ -372,9 +431,10 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
         f"scale must be positive (it is folded into exp2), got {scale}")
   num_kv_blocks = pl.cdiv(kv_len, block_kv)
   num_stages = min(max_concurrent_steps, num_kv_blocks)
-  smem_bytes = (
-      (NUM_CONSUMERS * block_q + 2 * num_stages * block_kv) * head_dim
-      * dtype.itemsize + NUM_CONSUMERS * block_q * 4)
+  smem_bytes = _smem_bytes(KernelStatic(
+      block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+      num_kv_blocks=num_kv_blocks, head_dim=head_dim, group=1, scale_log2=1.0,
+      is_causal=False, dtype=dtype))
   num_q_blocks = q_len // block_q
   if fp8:  # the O buffer, and the descale rows
     smem_bytes += NUM_CONSUMERS * (
@@ -392,6 +452,13 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
                  dtype=dtype, fp8=fp8, out_dtype=fp8_out_dtype,
                  num_q_blocks=num_q_blocks if fp8 else 0, spec=spec,
                  scale=float(scale))
+
+
+def _smem_bytes(static: KernelStatic) -> int:
+  """Shared memory of the common buffers: Q, the K/V ring, the LSE rows."""
+  return ((NUM_CONSUMERS * static.block_q
+           + 2 * static.num_stages * static.block_kv) * static.head_dim
+          * static.dtype.itemsize + NUM_CONSUMERS * static.block_q * 4)
 
 
 def _num_kv_steps(q_start, static: KernelStatic):
@@ -430,6 +497,15 @@ class _SegmentRefs(NamedTuple):
   q_arrived: Any     # barriers [consumers]
   kv_smem: Any       # int32 [stages, block_kv]: streamed with K
   kv_arrived: Any    # barriers [stages]
+
+
+class _Tile(NamedTuple):
+  """A persistent CTA's current tile, as `_consume` needs it."""
+  base: Any         # global index of the tile's first K/V block: the ring
+                    # slot and barrier phase go on from the previous tile
+  load_next_q: Any  # () -> None: issues the next tile's Q load, if any
+  o_smem: Any       # [block_q, head_dim]: where O is staged (Q's buffer
+                    # unless `static.stage_o_apart`)
 
 
 class _Plan(NamedTuple):
@@ -491,6 +567,95 @@ def _forward_kernel(*refs, static: KernelStatic):
              v_consumed, batch=batch, kv_head=head // static.group,
              tile_start=tile_start, static=static, plan=plan,
              segments=segment_refs)
+
+
+def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
+                       static: KernelStatic):
+  """The plain non-causal kernel on a persistent grid of `num_ctas` CTAs.
+
+  CTA c computes tiles c, c + num_ctas, ... of the (batch, head, q tile)
+  space, q tile fastest (CTAs at work at the same time read the same K/V
+  from L2). The producer streams K/V blocks tile after tile through the
+  ring without draining it: global block g = n * num_kv_blocks + step goes
+  to slot g % num_stages, so every barrier's phases run on across tiles.
+  A consumer issues the next tile's Q load as soon as its Q is dead, and
+  leaves each O store in flight until its buffer is needed again.
+  """
+  (q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
+   k_consumed, v_consumed, pingpong) = scratch[:10]
+  o_smem = q_smem
+  if static.stage_o_apart:
+    o_smem, lse_smem = scratch[10:12]
+  batch_size, q_len, num_heads, _ = q_ref.shape
+  tile_rows = NUM_CONSUMERS * static.block_q
+  num_q_tiles = q_len // tile_rows
+  num_tiles = batch_size * num_heads * num_q_tiles
+  stages, num_kv_blocks = static.num_stages, static.num_kv_blocks
+  cta = lax.axis_index("cta")
+  wg = lax.axis_index("wg")
+  # num_ctas <= num_tiles, so every CTA has at least one tile.
+  num_local = lax.div(num_tiles - 1 - cta, static.num_ctas) + 1
+
+  def tile_of(n):
+    """(batch, head, first query row) of this CTA's n-th tile."""
+    linear = cta + n * static.num_ctas
+    batch_head = lax.div(linear, num_q_tiles)
+    return (lax.div(batch_head, num_heads), lax.rem(batch_head, num_heads),
+            lax.rem(linear, num_q_tiles) * tile_rows)
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+
+    def load_q(n):
+      batch, head, tile_start = tile_of(n)
+      rows = pl.ds(tile_start + wg * static.block_q, static.block_q)
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg],
+                              q_arrived.at[wg])
+
+    load_q(0)
+
+    @pl.loop(0, num_local)
+    def _tile(n):
+      batch, head, tile_start = tile_of(n)
+      tile = _Tile(base=n * num_kv_blocks,
+                   load_next_q=lambda: pl.when(n + 1 < num_local)(
+                       lambda: load_q(n + 1)),
+                   o_smem=o_smem.at[wg])
+      _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
+               lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
+               k_consumed, v_consumed, pingpong.at[0], batch=batch,
+               head=head, wg=wg, tile_start=tile_start, static=static,
+               fp8=None, plan=None, tile=tile)
+
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _PRODUCER)
+  def _producer():
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+    @pl.loop(0, num_local)
+    def _tile(n):
+      batch, head, _ = tile_of(n)
+      kv_head = lax.div(head, static.group)
+
+      @pl.loop(0, num_kv_blocks)
+      def _step(step):
+        block = n * num_kv_blocks + step
+        slot = lax.rem(block, stages)
+        rows = pl.ds(step * static.block_kv, static.block_kv)
+        # K before V, as in `_produce`; a slot is refilled once both
+        # consumers have released the block `stages` earlier.
+        for ref, smem, arrived, consumed in (
+            (k_ref, k_smem, k_arrived, k_consumed),
+            (v_ref, v_smem, v_arrived, v_consumed)):
+          @pl.when(block >= stages)
+          def _wait(consumed=consumed):
+            for w in range(NUM_CONSUMERS):
+              plgpu.barrier_wait(consumed.at[w * stages + slot])
+
+          plgpu.copy_gmem_to_smem(ref.at[batch, rows, kv_head],
+                                  smem.at[slot], arrived.at[slot])
 
 
 def tile_index(axis_name: str, num_tiles: int, *, reverse: bool):
@@ -582,8 +747,12 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
              q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
              pingpong, *, batch, head, wg, tile_start, static: KernelStatic,
              fp8: _Fp8Refs | None, plan: _Plan | None,
-             segments: _SegmentRefs | None = None):
+             segments: _SegmentRefs | None = None, tile: _Tile | None = None):
   """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile.
+
+  Persistent grid (`tile` given): Q was loaded by the previous tile (or the
+  kernel's prologue), ring slots count on from `tile.base`, and O's store
+  is left in flight for the next tile to overlap.
 
   Ranged kernel: both consumers walk every block of the plan's union (a
   block outside its own range is a skip: its barriers, no math), so that
@@ -600,7 +769,10 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     # Steps in which both consumers run and so take turns: all of
     # warpgroup 0's (it never has more blocks than warpgroup 1).
     num_shared = _num_kv_steps(tile_start, static)
-    slot_of = lambda step: lax.rem(step, static.num_stages)
+    if tile is None:
+      slot_of = lambda step: lax.rem(step, static.num_stages)
+    else:
+      slot_of = lambda step: lax.rem(tile.base + step, static.num_stages)
   else:
     read = _read_plan(plan, wg)
     lo, unmasked_lo, unmasked_hi, hi = (read(wg * 4 + i) for i in range(4))
@@ -635,7 +807,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   if fp8 is not None:
     plgpu.copy_gmem_to_smem(fp8.descale_gmem, fp8.descale_smem,
                             fp8.descale_arrived)
-  plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_smem, q_arrived)
+  if tile is None:
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_smem, q_arrived)
   if fp8 is not None:
     plgpu.barrier_wait(fp8.descale_arrived)
     q_factor = _descale(fp8, q_start // block_q)
@@ -676,7 +849,9 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
 
   # Every row tile sees block 0 (top-left causal), so num_steps >= 1. Later
   # K tiles are awaited under the previous P V (see `accumulate`).
-  if plan is None:
+  if tile is not None:
+    plgpu.barrier_wait(k_arrived.at[slot_of(0)])
+  elif plan is None:
     plgpu.barrier_wait(k_arrived.at[0])
   else:  # an empty union loads nothing
     pl.when(first < num_steps)(
@@ -771,6 +946,13 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o_smem, out_dtype = q_smem, static.dtype
+    if tile is not None:
+      o_smem = tile.o_smem
+      if static.stage_o_apart:
+        # Q is dead: the next tile's loads under this one's epilogue; O and
+        # the LSE wait only for the previous tile's stores to leave them.
+        tile.load_next_q()
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     if fp8 is None:
       acc = acc * _rows(1.0 / l_safe, acc.shape)
     else:
@@ -781,7 +963,11 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, q_rows, head])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, q_rows])
-    plgpu.wait_smem_to_gmem(0)
+    if tile is None:
+      plgpu.wait_smem_to_gmem(0)
+    elif not static.stage_o_apart:  # Q's buffer is free once O has left it
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      tile.load_next_q()
 
   if static.overlap_scores:
     _overlapped_steps(
