@@ -122,12 +122,13 @@ def test_mosaic_sweep_picks_the_best_geometric_mean():
   assert line.startswith("forward_order d64: {'heavy_first': True} 430")
   assert "{'heavy_first': False} 400" in line
   # Trials at several sequence lengths rank apart.
-  persistent = lambda seq, on, tflops: dict(
-      kernel="forward_persistent", seq=seq, head_dim=128, causal=False,
-      persistent=on, tflops=tflops)
-  lines = best_lines([persistent(1024, False, 380), persistent(1024, True, 450),
-                      persistent(16384, False, 580), persistent(16384, True,
-                                                               570)])
+  persistent = lambda seq, on, tflops: [dict(
+      kernel="forward_persistent", seq=seq, head_dim=128, causal=causal,
+      persistent=on, tflops=tflops) for causal in (False, True)]
+  lines = best_lines([*persistent(1024, False, 380),
+                      *persistent(1024, True, 450),
+                      *persistent(16384, False, 580),
+                      *persistent(16384, True, 570)])
   assert lines[0].startswith("forward_persistent seq 1024 d128: "
                              "{'persistent': True} 450")
   assert lines[1].startswith("forward_persistent seq 16384 d128: "

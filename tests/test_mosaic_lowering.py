@@ -200,17 +200,19 @@ def test_schedule_variants_are_bitwise_the_default_on_gpu(head_dim,
 PERSISTENT_CTAS = [1, 3, None]
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("num_ctas", PERSISTENT_CTAS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_persistent_forward_lowers(head_dim, num_ctas, lowering_semantics):
+def test_persistent_forward_lowers(head_dim, num_ctas, is_causal,
+                                   lowering_semantics):
   """`persistent=True` lowers in both semantics (O staged apart at head_dim
-  <= 128, through Q's buffer at 256) and is a different kernel; causal or
-  with `overlap_scores` it is NotImplementedError; the default for the
-  rest (measured faster, results/h200_mosaic_persistent.md)."""
+  <= 128, through Q's buffer at 256) and is a different kernel; with
+  `overlap_scores` it is NotImplementedError; the default where measured
+  faster (results/h200_mosaic_persistent.md)."""
   from pallas_kernels.mosaic import forward
-  text = _lower(head_dim, False, persistent=True, num_ctas=num_ctas)
+  text = _lower(head_dim, is_causal, persistent=True, num_ctas=num_ctas)
   assert _KERNEL_NAME in text
-  assert text != _lower(head_dim, False, persistent=False)
+  assert text != _lower(head_dim, is_causal, persistent=False)
   static = forward.persistent_static(
       forward.check_supported(
           jnp.zeros((2, 256, 4, head_dim), jnp.bfloat16),
@@ -220,18 +222,18 @@ def test_persistent_forward_lowers(head_dim, num_ctas, lowering_semantics):
           max_concurrent_steps=2), (2, 256, 4, head_dim), num_ctas)
   assert static.stage_o_apart == (head_dim <= 128)
   assert static.num_ctas == min(num_ctas or 132, 2 * 4 * 2)
-  for kwargs in (dict(is_causal=True), dict(overlap_scores=True)):
-    with pytest.raises(NotImplementedError, match="persistent"):
-      _lower(head_dim, kwargs.pop("is_causal", False), persistent=True,
-             **kwargs)
-  if num_ctas is None:  # the default without a mask or overlap_scores
-    assert forward.PERSISTENT_BY_DEFAULT and _lower(head_dim, False) == text
-    assert _lower(head_dim, True) == _lower(head_dim, True, persistent=False)
+  with pytest.raises(NotImplementedError, match="overlap_scores"):
+    _lower(head_dim, is_causal, persistent=True, overlap_scores=True)
+  if num_ctas is None:
+    persistent_default = forward.PERSISTENT_BY_DEFAULT and (
+        forward.PERSISTENT_CAUSAL_BY_DEFAULT or not is_causal)
+    assert (_lower(head_dim, is_causal) == text) == persistent_default
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_persistent_forward_is_bitwise_the_grid_on_gpu(head_dim):
+def test_persistent_forward_is_bitwise_the_grid_on_gpu(head_dim, is_causal):
   """The persistent grid computes each tile as the launch grid does, so
   out and lse equal it bit for bit, for CTAs walking 1 to 32 tiles (a
   barrier phase or ring slot off by one across tiles would not); and the
@@ -241,7 +243,7 @@ def test_persistent_forward_is_bitwise_the_grid_on_gpu(head_dim):
   q, k, v, _, _ = random_inputs(Case(2, 1024, 1536, 8, 2, head_dim),
                                 jnp.bfloat16, 4)
   run = lambda **kwargs: jax.jit(lambda q, k, v: mosaic_forward(
-      q, k, v, scale=head_dim**-0.5, is_causal=False, **kwargs))(q, k, v)
+      q, k, v, scale=head_dim**-0.5, is_causal=is_causal, **kwargs))(q, k, v)
   want = run(persistent=False)
   for num_ctas in (*PERSISTENT_CTAS, 7):
     for a, b in zip(run(persistent=True, num_ctas=num_ctas), want):
@@ -256,19 +258,22 @@ def test_persistent_forward_is_bitwise_the_grid_on_gpu(head_dim):
     Case(3, 384, 640, 5, 5, 64),      # odd tile counts
 ], ids=str)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_persistent_forward_matches_reference_on_gpu(case, dtype,
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_persistent_forward_matches_reference_on_gpu(case, dtype, is_causal,
                                                      monkeypatch):
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90 (wgmma, TMA, setmaxnreg)")
   from pallas_kernels.mosaic import forward
   monkeypatch.setattr(forward, "PERSISTENT_BY_DEFAULT", True)
+  monkeypatch.setattr(forward, "PERSISTENT_CAUSAL_BY_DEFAULT", True)
 
   @jax.jit
   def attention(q, k, v):
-    return jax_flash.flash_attention(q, k, v, return_residual=True,
+    return jax_flash.flash_attention(q, k, v, is_causal=is_causal,
+                                     return_residual=True,
                                      implementation="mosaic")
 
-  check_against_reference(attention, case, dtype, is_causal=False)
+  check_against_reference(attention, case, dtype, is_causal=is_causal)
 
 
 def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,
@@ -291,3 +296,40 @@ def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,
   for text in (lowered(jnp.float32, 512),
                lowered(jnp.bfloat16, 512, alibi_slopes=jnp.ones(4))):
     assert _KERNEL_NAME not in text and "flash_forward" in text
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape, head_dim, num_ctas", [
+    ((2, 1024, 4), 128, 5),    # 8 tiles per head
+    ((1, 768, 3), 64, 4),      # 6 tiles per head, 18 in all
+    ((3, 384, 1), 256, 2),     # 3 per head: odd, pairs cross heads
+    ((1, 128, 1), 128, 1),     # one tile
+])
+def test_persistent_tiles_cover_every_tile_once(shape, head_dim, num_ctas,
+                                               is_causal):
+  """The persistent CTAs' tiles are every (batch, head, q tile) once; under
+  causal masking, heaviest paired with lightest, the CTAs' K/V block counts
+  differ by at most one pair's (the launch grid's tail is up to a whole
+  head's heaviest tiles)."""
+  from pallas_kernels.mosaic import forward
+  batch, q_len, heads = shape
+  q = jnp.zeros((batch, q_len, heads, head_dim), jnp.bfloat16)
+  kv = jnp.zeros((batch, q_len, heads, head_dim), jnp.bfloat16)
+  static = forward.persistent_static(forward.check_supported(
+      q, kv, kv, scale=1.0, is_causal=is_causal, block_q=64,
+      block_kv=forward.default_block_kv(head_dim), max_concurrent_steps=2),
+                                     q.shape, num_ctas)
+  seen, loads = [], []
+  for cta in range(static.num_ctas):
+    tiles = forward.persistent_tiles(q.shape, static, cta)
+    mine = [tuple(int(x) for x in tiles.tile_of(n))
+            for n in range(int(tiles.count))]
+    seen += mine
+    loads.append(sum(int(tiles.blocks(start)) for _, _, start in mine))
+  want = [(b, h, t * 128) for b in range(batch) for h in range(heads)
+          for t in range(q_len // 128)]
+  assert sorted(seen) == sorted(want)
+  # One unit of work more or less: a tile, or a pair (all pairs cost the
+  # same, the heaviest tile's blocks and the lightest's).
+  unit = tiles.blocks(q_len - 128) + (tiles.blocks(0) if is_causal else 0)
+  assert max(loads) - min(loads) <= int(unit)

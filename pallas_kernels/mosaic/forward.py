@@ -48,6 +48,7 @@ Persistent grid (`_persistent_kernel`, the default without a causal mask):
 one CTA per SM walks the tiles, the K/V ring and its barrier phases running
 on from tile to tile, so that each tile's Q load and O store overlap the
 neighbouring tiles' work instead of costing a launch (most at seq 1k).
+Causal tiles go to the CTAs in pairs of equal cost (`persistent_tiles`).
 
 Schedule options of the plain form (`KernelStatic`: `overlap_scores`,
 FlashAttention-3's intra-warpgroup overlap, §3.2, in `_overlapped_steps`;
@@ -104,6 +105,9 @@ _PLAN_UNION, _PLAN_SCALARS = 8, 10
 # calls: 0.5-28% faster than the launch grid on the H200 (session 6, most at
 # seq 1k: 403 -> 514 TFLOP/s at head_dim 128; results/h200_mosaic_persistent.md).
 PERSISTENT_BY_DEFAULT = True
+# And with a causal mask (tiles paired heaviest with lightest): off until
+# measured against the launch grid's heavy-first order.
+PERSISTENT_CAUSAL_BY_DEFAULT = False
 
 
 def default_block_kv(head_dim: int) -> int:
@@ -160,7 +164,7 @@ class KernelStatic:
   # Persistent grid (`_persistent_kernel`): `num_ctas` CTAs (one per SM) walk
   # the tiles in turn, so that a tile's prologue (Q and the first K/V
   # loads) and epilogue (the O store) overlap its neighbours' work instead of
-  # costing a CTA launch each. Plain non-causal form only. `stage_o_apart`:
+  # costing a CTA launch each. Plain bf16/f16 form only. `stage_o_apart`:
   # O and the LSE go out through a buffer of their own (it fits at head_dim
   # <= 128), so the next tile's Q loads while this one's O is written.
   persistent: bool = False
@@ -206,7 +210,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       `split_handover` is the default: 1.3%, 2.0% and 7% faster than the
       plain hand-over at head_dim 64, 128, 256 (H200, seq 16k).
     persistent: one CTA per SM walks the tiles (`_persistent_kernel`);
-      non-causal only. None: `PERSISTENT_BY_DEFAULT` where it applies.
+      not with `overlap_scores`. None: `PERSISTENT_BY_DEFAULT` (and
+      `PERSISTENT_CAUSAL_BY_DEFAULT` under causal masking).
     num_ctas: CTAs of the persistent grid; None: the GPU's SM count.
 
   Returns:
@@ -230,7 +235,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                split_handover=bool(split_handover),
                                overlap_scores=bool(overlap_scores))
   if persistent is None:
-    persistent = PERSISTENT_BY_DEFAULT and not (is_causal or overlap_scores)
+    persistent = (PERSISTENT_BY_DEFAULT and not overlap_scores
+                  and (PERSISTENT_CAUSAL_BY_DEFAULT or not is_causal))
   if persistent:
     static = persistent_static(static, query.shape, num_ctas)
   return launch(static, query, key, value)
@@ -239,13 +245,13 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
 def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
                       ) -> KernelStatic:
   """`static` for the persistent grid over query tiles of `q_shape`."""
-  if static.is_causal or static.overlap_scores:
-    # Causal tiles differ in cost, and a static round-robin of them is
-    # unbalanced where the hardware's launch order balances them.
+  if static.overlap_scores:
     raise NotImplementedError(
-        "the persistent forward is non-causal, without overlap_scores")
+        "the persistent forward has no overlap_scores schedule")
   batch, q_len, num_heads, head_dim = q_shape
   num_tiles = batch * num_heads * (q_len // (NUM_CONSUMERS * static.block_q))
+  if static.is_causal:  # CTAs take tiles in pairs (`persistent_tiles`)
+    num_tiles = pl.cdiv(num_tiles, 2)
   if num_ctas is None:
     num_ctas = versions.num_sms()
   if num_ctas < 1:
@@ -569,57 +575,100 @@ def _forward_kernel(*refs, static: KernelStatic):
              segments=segment_refs)
 
 
+class _PersistentTiles(NamedTuple):
+  """A persistent CTA's share of the (batch, head, q tile) space."""
+  count: Any    # tiles this CTA computes
+  tile_of: Any  # n -> (batch, head, first query row) of its n-th tile
+  blocks: Any   # first query row -> K/V blocks the tile streams
+
+
+def persistent_tiles(q_shape, static: KernelStatic, cta) -> _PersistentTiles:
+  """Which tiles CTA `cta` computes, and in which order.
+
+  Non-causal, every tile costs the same: CTA c takes tiles c, c + num_ctas,
+  ... in q-tile-fastest order (CTAs at work at once read the same K/V from
+  L2). Causal, query tile i reads i + 1 blocks and a round-robin of single
+  tiles would load CTAs unevenly, so each head's tiles are paired heaviest
+  with lightest, (nq-1, 0), (nq-2, 1), ..., every pair costing nq + 1
+  blocks, and CTAs take pairs round-robin. With an odd tile count the last
+  tile of a head pairs with the first of the next (one uneven pair).
+  """
+  batch_size, q_len, num_heads, _ = q_shape
+  tile_rows = NUM_CONSUMERS * static.block_q
+  num_q_tiles = q_len // tile_rows
+  num_tiles = batch_size * num_heads * num_q_tiles
+  if static.is_causal:
+    num_pairs = pl.cdiv(num_tiles, 2)
+    # num_ctas <= num_pairs: every CTA has a pair; the last pair of an odd
+    # count has one tile.
+    num_local_pairs = lax.div(num_pairs - 1 - cta, static.num_ctas) + 1
+    last_pair = cta + (num_local_pairs - 1) * static.num_ctas
+    count = 2 * num_local_pairs - jnp.where(
+        2 * last_pair + 1 >= num_tiles, 1, 0)
+    linear_of = lambda n: (2 * (cta + lax.div(n, 2) * static.num_ctas)
+                           + lax.rem(n, 2))
+  else:
+    # num_ctas <= num_tiles: every CTA has a tile.
+    count = lax.div(num_tiles - 1 - cta, static.num_ctas) + 1
+    linear_of = lambda n: cta + n * static.num_ctas
+
+  def tile_of(n):
+    linear = linear_of(n)
+    batch_head = lax.div(linear, num_q_tiles)
+    q_tile = lax.rem(linear, num_q_tiles)
+    if static.is_causal:  # 0, 1, 2, 3, ... -> nq-1, 0, nq-2, 1, ...
+      half = lax.div(q_tile, 2)
+      q_tile = jnp.where(lax.rem(q_tile, 2) == 0, num_q_tiles - 1 - half,
+                         half)
+    return (lax.div(batch_head, num_heads), lax.rem(batch_head, num_heads),
+            q_tile * tile_rows)
+
+  def blocks(tile_start):  # the last consumer's rows reach furthest
+    return _num_kv_steps(tile_start + (NUM_CONSUMERS - 1) * static.block_q,
+                         static)
+
+  return _PersistentTiles(count, tile_of, blocks)
+
+
 def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
                        static: KernelStatic):
-  """The plain non-causal kernel on a persistent grid of `num_ctas` CTAs.
+  """The plain kernel on a persistent grid of `num_ctas` CTAs.
 
-  CTA c computes tiles c, c + num_ctas, ... of the (batch, head, q tile)
-  space, q tile fastest (CTAs at work at the same time read the same K/V
-  from L2). The producer streams K/V blocks tile after tile through the
-  ring without draining it: global block g = n * num_kv_blocks + step goes
-  to slot g % num_stages, so every barrier's phases run on across tiles.
-  A consumer issues the next tile's Q load as soon as its Q is dead, and
-  leaves each O store in flight until its buffer is needed again.
+  Each CTA computes its tiles (`persistent_tiles`) one after another. The
+  producer streams their K/V blocks through the ring without draining it:
+  a tile's blocks continue a running count `base`, block base + j going to
+  slot (base + j) % num_stages, so every barrier's phases run on across
+  tiles. Both consumers wait for and release every block (under causal
+  masking warpgroup 0 passes through the blocks only warpgroup 1 reads),
+  so the producer always waits for both. A consumer issues the next tile's
+  Q load as soon as its Q is dead, and leaves each O store in flight until
+  its buffer is needed again.
   """
   (q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
    k_consumed, v_consumed, pingpong) = scratch[:10]
   o_smem = q_smem
   if static.stage_o_apart:
     o_smem, lse_smem = scratch[10:12]
-  batch_size, q_len, num_heads, _ = q_ref.shape
-  tile_rows = NUM_CONSUMERS * static.block_q
-  num_q_tiles = q_len // tile_rows
-  num_tiles = batch_size * num_heads * num_q_tiles
-  stages, num_kv_blocks = static.num_stages, static.num_kv_blocks
-  cta = lax.axis_index("cta")
+  stages = static.num_stages
+  tiles = persistent_tiles(q_ref.shape, static, lax.axis_index("cta"))
   wg = lax.axis_index("wg")
-  # num_ctas <= num_tiles, so every CTA has at least one tile.
-  num_local = lax.div(num_tiles - 1 - cta, static.num_ctas) + 1
-
-  def tile_of(n):
-    """(batch, head, first query row) of this CTA's n-th tile."""
-    linear = cta + n * static.num_ctas
-    batch_head = lax.div(linear, num_q_tiles)
-    return (lax.div(batch_head, num_heads), lax.rem(batch_head, num_heads),
-            lax.rem(linear, num_q_tiles) * tile_rows)
 
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
 
     def load_q(n):
-      batch, head, tile_start = tile_of(n)
+      batch, head, tile_start = tiles.tile_of(n)
       rows = pl.ds(tile_start + wg * static.block_q, static.block_q)
       plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg],
                               q_arrived.at[wg])
 
     load_q(0)
 
-    @pl.loop(0, num_local)
-    def _tile(n):
-      batch, head, tile_start = tile_of(n)
-      tile = _Tile(base=n * num_kv_blocks,
-                   load_next_q=lambda: pl.when(n + 1 < num_local)(
+    def tile_body(n, base):
+      batch, head, tile_start = tiles.tile_of(n)
+      tile = _Tile(base=base,
+                   load_next_q=lambda: pl.when(n + 1 < tiles.count)(
                        lambda: load_q(n + 1)),
                    o_smem=o_smem.at[wg])
       _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
@@ -627,21 +676,23 @@ def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
                k_consumed, v_consumed, pingpong.at[0], batch=batch,
                head=head, wg=wg, tile_start=tile_start, static=static,
                fp8=None, plan=None, tile=tile)
+      return base + tiles.blocks(tile_start)
 
+    lax.fori_loop(0, tiles.count, tile_body, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _PRODUCER)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
-    @pl.loop(0, num_local)
-    def _tile(n):
-      batch, head, _ = tile_of(n)
+    def tile_body(n, base):
+      batch, head, tile_start = tiles.tile_of(n)
       kv_head = lax.div(head, static.group)
+      num_blocks = tiles.blocks(tile_start)
 
-      @pl.loop(0, num_kv_blocks)
+      @pl.loop(0, num_blocks)
       def _step(step):
-        block = n * num_kv_blocks + step
+        block = base + step
         slot = lax.rem(block, stages)
         rows = pl.ds(step * static.block_kv, static.block_kv)
         # K before V, as in `_produce`; a slot is refilled once both
@@ -656,6 +707,10 @@ def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
 
           plgpu.copy_gmem_to_smem(ref.at[batch, rows, kv_head],
                                   smem.at[slot], arrived.at[slot])
+
+      return base + num_blocks
+
+    lax.fori_loop(0, tiles.count, tile_body, jnp.int32(0))
 
 
 def tile_index(axis_name: str, num_tiles: int, *, reverse: bool):
@@ -992,6 +1047,19 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
         (unmasked_hi, hi, masked_body), (hi, num_steps, skip_body)):
       carry = lax.fori_loop(start, stop, body, carry)
   finish(*carry)
+  if tile is not None and static.is_causal:
+    # Persistent: the blocks only the other consumer reads pass through this
+    # one too (barriers, no math, no turns), so that every consumer waits
+    # for each barrier phase and the next tile finds them in step.
+    last = _num_kv_steps(tile_start + (NUM_CONSUMERS - 1) * block_q, static)
+
+    @pl.loop(num_steps, last)
+    def _pass_through(step):
+      slot = slot_of(step)
+      plgpu.barrier_wait(k_arrived.at[slot])
+      plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
+      plgpu.barrier_wait(v_arrived.at[slot])
+      plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
 
 
 def _overlapped_steps(m, l, q_smem, k_smem, v_smem, k_arrived,
