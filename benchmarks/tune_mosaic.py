@@ -33,6 +33,8 @@ BACKWARD_SPACE = dict(block_q=(64, 128), block_kv=(64, 128),
 # Causal launch order (`forward.tile_index`), default tiles: an A/B in one
 # process, since the predicted gain (a few %) is run-to-run noise otherwise.
 ORDER_SPACE = dict(heavy_first=(False, True))
+# The forward's order is the launch grid's (the persistent one pairs tiles).
+FORWARD_ORDER_SPACE = dict(heavy_first=(False, True), persistent=(False,))
 # Consumer schedule variants of the forward (`forward.KernelStatic`), default
 # tiles: an A/B of the same kind.
 SCHEDULE_SPACE = dict(fence_softmax=(False, True), split_handover=(False, True))
@@ -73,7 +75,8 @@ def backward_benchmark(cell: common.Cell, blocks: dict):
 KERNELS = {"forward": (forward_benchmark, FORWARD_SPACE, 1.0, (False, True)),
            # FlashAttention's count: the backward is 2.5x the forward.
            "backward": (backward_benchmark, BACKWARD_SPACE, 2.5, (False, True)),
-           "forward_order": (forward_benchmark, ORDER_SPACE, 1.0, (True,)),
+           "forward_order": (forward_benchmark, FORWARD_ORDER_SPACE, 1.0,
+                             (True,)),
            "backward_order": (backward_benchmark, ORDER_SPACE, 2.5, (True,)),
            "forward_schedule": (forward_benchmark, SCHEDULE_SPACE, 1.0,
                                 (False, True)),
@@ -177,7 +180,7 @@ def best_lines(trials: list[dict]) -> list[str]:
   for t in trials:
     if "tflops" in t:
       key = (t["kernel"], t.get("seq", 0), t["head_dim"])
-      blocks = tuple((n, t[n]) for n in KERNELS[t["kernel"]][1])
+      blocks = tuple((n, t[n]) for n in KERNELS[t["kernel"]][1] if n in t)
       groups.setdefault(key, {}).setdefault(blocks, []).append(t["tflops"])
   for (kernel, seq, head_dim), by_blocks in sorted(groups.items()):
     causal_values = KERNELS[kernel][3]

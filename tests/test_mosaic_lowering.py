@@ -52,9 +52,10 @@ def test_forward_lowers_for_cuda(head_dim, is_causal, lowering_semantics):
 
 
 def test_causal_launch_order_changes_only_causal_kernels(cuda_lowering):
-  """`heavy_first` reorders causal tiles (`forward.tile_index`); without a
-  mask every tile costs the same, and the kernel is left as it was."""
-  text = lambda causal, heavy_first: _lower(128, causal,
+  """`heavy_first` reorders causal tiles of the launch grid
+  (`forward.tile_index`); without a mask every tile costs the same, and the
+  kernel is left as it was."""
+  text = lambda causal, heavy_first: _lower(128, causal, persistent=False,
                                           heavy_first=heavy_first)
   assert text(True, True) != text(True, False)
   assert text(False, True) == text(False, False)
@@ -225,8 +226,8 @@ def test_persistent_forward_lowers(head_dim, num_ctas, is_causal,
   with pytest.raises(NotImplementedError, match="overlap_scores"):
     _lower(head_dim, is_causal, persistent=True, overlap_scores=True)
   if num_ctas is None:
-    persistent_default = forward.PERSISTENT_BY_DEFAULT and (
-        forward.PERSISTENT_CAUSAL_BY_DEFAULT or not is_causal)
+    persistent_default = forward.persistent_by_default(
+        is_causal=is_causal, head_dim=head_dim, kv_len=384)
     assert (_lower(head_dim, is_causal) == text) == persistent_default
 
 
@@ -265,7 +266,8 @@ def test_persistent_forward_matches_reference_on_gpu(case, dtype, is_causal,
     pytest.skip("the Mosaic forward needs sm90 (wgmma, TMA, setmaxnreg)")
   from pallas_kernels.mosaic import forward
   monkeypatch.setattr(forward, "PERSISTENT_BY_DEFAULT", True)
-  monkeypatch.setattr(forward, "PERSISTENT_CAUSAL_BY_DEFAULT", True)
+  monkeypatch.setattr(forward, "PERSISTENT_CAUSAL_MAX_KV_LEN",
+                      {64: None, 128: None, 256: None})
 
   @jax.jit
   def attention(q, k, v):
@@ -296,6 +298,20 @@ def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,
   for text in (lowered(jnp.float32, 512),
                lowered(jnp.bfloat16, 512, alibi_slopes=jnp.ones(4))):
     assert _KERNEL_NAME not in text and "flash_forward" in text
+
+
+def test_persistent_default_follows_the_measured_table():
+  """Non-causal always; causal where the A/B found it faster (the table);
+  never with overlap_scores."""
+  from pallas_kernels.mosaic import forward
+  default = lambda causal, d, n, **kw: forward.persistent_by_default(
+      is_causal=causal, head_dim=d, kv_len=n, **kw)
+  assert all(default(False, d, n) for d in (64, 128, 256)
+             for n in (128, 1024, 16384))
+  assert default(True, 64, 1024) and not default(True, 64, 4096)
+  assert default(True, 128, 16384)
+  assert default(True, 256, 4096) and not default(True, 256, 16384)
+  assert not default(False, 128, 1024, overlap_scores=True)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

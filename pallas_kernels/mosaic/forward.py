@@ -44,7 +44,7 @@ Two more forms of the same kernel, chosen by `KernelStatic` at trace time
   fp8     (`fp8.mosaic_forward_fp8`) e4m3 operands, V transposed, P through
           shared memory, per-block descale factors.
 
-Persistent grid (`_persistent_kernel`, the default without a causal mask):
+Persistent grid (`_persistent_kernel`, the default where measured faster):
 one CTA per SM walks the tiles, the K/V ring and its barrier phases running
 on from tile to tile, so that each tile's Q load and O store overlap the
 neighbouring tiles' work instead of costing a launch (most at seq 1k).
@@ -105,9 +105,23 @@ _PLAN_UNION, _PLAN_SCALARS = 8, 10
 # calls: 0.5-28% faster than the launch grid on the H200 (session 6, most at
 # seq 1k: 403 -> 514 TFLOP/s at head_dim 128; results/h200_mosaic_persistent.md).
 PERSISTENT_BY_DEFAULT = True
-# And with a causal mask (tiles paired heaviest with lightest): off until
-# measured against the launch grid's heavy-first order.
-PERSISTENT_CAUSAL_BY_DEFAULT = False
+# With a causal mask (tiles paired heaviest with lightest), against the
+# launch grid's heavy-first order, the A/B of session 6 (H200, seq 1k/4k/16k,
+# results/h200_mosaic_persistent.md) gained +7/-5/0% at head_dim 64,
+# +18/+11/+10% at 128 and +40/+3/-7% at 256. The longest kv_len per head dim
+# at which it is the default (None: every length):
+PERSISTENT_CAUSAL_MAX_KV_LEN = {64: 1024, 128: None, 256: 4096}
+
+
+def persistent_by_default(*, is_causal: bool, head_dim: int, kv_len: int,
+                          overlap_scores: bool = False) -> bool:
+  """Whether `mosaic_forward(persistent=None)` runs the persistent grid."""
+  if not PERSISTENT_BY_DEFAULT or overlap_scores:
+    return False
+  if not is_causal:
+    return True
+  limit = PERSISTENT_CAUSAL_MAX_KV_LEN.get(head_dim, 0)
+  return limit is None or kv_len <= limit
 
 
 def default_block_kv(head_dim: int) -> int:
@@ -210,8 +224,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       `split_handover` is the default: 1.3%, 2.0% and 7% faster than the
       plain hand-over at head_dim 64, 128, 256 (H200, seq 16k).
     persistent: one CTA per SM walks the tiles (`_persistent_kernel`);
-      not with `overlap_scores`. None: `PERSISTENT_BY_DEFAULT` (and
-      `PERSISTENT_CAUSAL_BY_DEFAULT` under causal masking).
+      not with `overlap_scores`. None: where measured faster
+      (`persistent_by_default`).
     num_ctas: CTAs of the persistent grid; None: the GPU's SM count.
 
   Returns:
@@ -235,8 +249,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                split_handover=bool(split_handover),
                                overlap_scores=bool(overlap_scores))
   if persistent is None:
-    persistent = (PERSISTENT_BY_DEFAULT and not overlap_scores
-                  and (PERSISTENT_CAUSAL_BY_DEFAULT or not is_causal))
+    persistent = persistent_by_default(
+        is_causal=is_causal, head_dim=query.shape[-1], kv_len=key.shape[1],
+        overlap_scores=overlap_scores)
   if persistent:
     static = persistent_static(static, query.shape, num_ctas)
   return launch(static, query, key, value)
