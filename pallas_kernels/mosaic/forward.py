@@ -106,11 +106,12 @@ _PLAN_UNION, _PLAN_SCALARS = 8, 10
 # seq 1k: 403 -> 514 TFLOP/s at head_dim 128; results/h200_mosaic_persistent.md).
 PERSISTENT_BY_DEFAULT = True
 # With a causal mask (tiles paired heaviest with lightest), against the
-# launch grid's heavy-first order, the A/B of session 6 (H200, seq 1k/4k/16k,
-# results/h200_mosaic_persistent.md) gained +7/-5/0% at head_dim 64,
-# +18/+11/+10% at 128 and +40/+3/-7% at 256. The longest kv_len per head dim
-# at which it is the default (None: every length):
-PERSISTENT_CAUSAL_MAX_KV_LEN = {64: 1024, 128: None, 256: 4096}
+# launch grid's heavy-first order, session 6's A/Bs on the H200 at seq
+# 1k/4k/16k (results/h200_mosaic_persistent*.md): head_dim 64 +7/-5/0%
+# beside another GPU's load, +12/+2% at 4k/16k alone; 128 +18/+11/+10%;
+# 256 +40/+3/-7%, and -2/-4.5% at 4k/16k alone. The longest kv_len per head
+# dim at which it is the default (None: every length):
+PERSISTENT_CAUSAL_MAX_KV_LEN = {64: None, 128: None, 256: 4096}
 
 
 def persistent_by_default(*, is_causal: bool, head_dim: int, kv_len: int,
