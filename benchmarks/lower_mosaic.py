@@ -3,7 +3,8 @@
     python -m benchmarks.lower_mosaic
 
 Lowers the forward (defaults, `overlap_scores`, `fence_softmax` +
-`split_handover`, grid launch order), the backward (defaults,
+`split_handover`, grid launch order, the persistent grid on and off), the
+backward (defaults,
 `overlap_softmax`), and the masked forward and backward (defaults and
 `overlap_softmax`), at head dims 64, 128 and 256, causal or not, and prints
 one line per kernel; exits non-zero if any fails. The test suite does the same under the CPU machines' JAX
@@ -31,7 +32,9 @@ from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
 
 FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
                    dict(fence_softmax=True, split_handover=True),
-                   dict(heavy_first=False))
+                   dict(heavy_first=False, persistent=False),
+                   dict(persistent=True, num_ctas=3),
+                   dict(persistent=False))
 BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True))
 
 
