@@ -42,7 +42,7 @@ SCHEDULE_SPACE = dict(fence_softmax=(False, True), split_handover=(False, True))
 FORWARD_OVERLAP_SPACE = dict(overlap_scores=(False, True))
 # The backward's overlap within a consumer (`backward._Static`).
 OVERLAP_SPACE = dict(overlap_softmax=(False, True))
-# The forward's persistent grid (`forward.persistent_static`).
+# The persistent grids (`forward.persistent_static`, `backward._persistent`).
 PERSISTENT_SPACE = dict(persistent=(False, True))
 
 
@@ -85,7 +85,9 @@ KERNELS = {"forward": (forward_benchmark, FORWARD_SPACE, 1.0, (False, True)),
            "backward_overlap": (backward_benchmark, OVERLAP_SPACE, 2.5,
                                 (False, True)),
            "forward_persistent": (forward_benchmark, PERSISTENT_SPACE, 1.0,
-                                  (False, True))}
+                                  (False, True)),
+           "backward_persistent": (backward_benchmark, PERSISTENT_SPACE, 2.5,
+                                   (False, True))}
 
 
 def main(argv=None) -> int:

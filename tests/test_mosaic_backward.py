@@ -6,6 +6,7 @@ the numerics need the `-m gpu` test.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import re
@@ -325,3 +326,65 @@ def test_wide_q_backward_at_d64_lowers(cuda_lowering, monkeypatch):
   monkeypatch.setattr(mosaic_attention, "WIDE_Q_BACKWARD_AT_D64", True)
   assert mosaic_attention.backward_tiles(128, 512) == {}
   assert mosaic_attention.backward_tiles(64, 320) == {}
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_persistent_backward_lowers(head_dim, is_causal, cuda_lowering):
+  """`persistent=True` puts both kernels on a grid of `num_ctas` CTAs (a
+  different module) and lowers; the ranged backward has no such grid."""
+  from pallas_kernels.mosaic import backward
+  q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 768, 2, head_dim), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
+
+  def lowered(**kwargs):
+    return jax.jit(lambda q, k, v, o, l, do: mosaic_backward(
+        q, k, v, o, l, do, scale=0.1, is_causal=is_causal, **kwargs)).trace(
+            q, kv, kv, q, lse, q).lower(lowering_platforms=("cuda",))
+
+  persistent = lowered(persistent=True, num_ctas=3)
+  assert [g.shape for g in persistent.out_info] == [q.shape, kv.shape,
+                                                    kv.shape]
+  assert _kernels(persistent.as_text()) == _kernels(lowered().as_text())
+  assert persistent.as_text() != lowered(persistent=False).as_text()
+  dq, dkdv = backward.statics(q, kv, scale=0.1, is_causal=is_causal,
+                              block_q=64, block_kv=64,
+                              max_concurrent_steps=2, persistent=True)
+  # At most one CTA per tile (per pair of tiles under causal masking).
+  tiles = 2 * 4 * 512 // (64 * dq.num_consumers)
+  assert dq.num_ctas == min(132, tiles // 2 if is_causal else tiles)
+  assert all(c.persistent for c in dkdv) and dq.persistent
+  with pytest.raises(NotImplementedError, match="ranged"):
+    backward._persistent(dataclasses.replace(dq, spec=object()), None,
+                         tiles_per_head=1, num_heads=1, batch=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [{}, dict(block_q=128, block_kv=64)],
+                         ids=["default-tiles", "wide-q"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_persistent_backward_is_bitwise_the_grid_on_gpu(head_dim, is_causal,
+                                                        tiles):
+  """On a persistent grid both kernels compute each tile as the launch grid
+  does (in the same order), so dq, dk, dv equal it bit for bit, for CTAs
+  walking one tile to dozens (a ring slot or barrier phase off by one
+  across tiles would not)."""
+  _require_sm90()
+  if tiles and head_dim != 64:
+    pytest.skip("128-row Q tiles are the d=64 backward's")
+  case = Case(2, 1024, 1536, 8, 2, head_dim)   # GQA 4:1
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, 13)
+  scale = head_dim**-0.5
+  out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
+  d_lse = jnp.transpose(d_lse, (0, 2, 1))
+  run = lambda **kwargs: jax.jit(functools.partial(
+      mosaic_backward, scale=scale, is_causal=is_causal, **tiles,
+      **kwargs))(q, k, v, out, lse, d_out, d_lse)
+  want = run(persistent=False)
+  for num_ctas in (3, None):
+    for a, b, name in zip(run(persistent=True, num_ctas=num_ctas), want,
+                          ("dq", "dk", "dv")):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                    err_msg=f"{name}, num_ctas {num_ctas}")

@@ -77,7 +77,8 @@ from pallas_kernels.mosaic.forward import (
     _CONSUMER_REGISTERS, _PLAN_SCALARS, _PLAN_UNION, _PRODUCER_REGISTERS,
     _SMEM_LIMIT_BYTES, _LOG2E, _SUPPORTED_DTYPES, _SUPPORTED_HEAD_DIMS,
     _SWIZZLE_BYTES, PLAN_WIDTH, _Plan, _causal_mask, _cols, check_layout,
-    check_tiles, _read_plan, _rows, _variant_mask, tile_index)
+    check_tiles, _read_plan, _rows, _variant_mask, persistent_num_ctas,
+    persistent_schedule, tile_index)
 
 _MAX_CONSUMERS = 2
 # f32 registers per consumer thread that the wgmma accumulators (the
@@ -87,6 +88,9 @@ _MAX_CONSUMERS = 2
 # warpgroup is m * n / 128 registers per thread.
 _ACCUMULATOR_REGISTERS = 192
 _THREADS_PER_WARPGROUP = 128
+# The persistent grid (`mosaic_backward(persistent=None)`): off until its GPU
+# tests and A/B run (benchmarks/NOTES.md).
+PERSISTENT_BY_DEFAULT = False
 # How a consumer treats a run of streamed steps (see `_walk_runs`).
 _SKIP, _MASKED, _UNMASKED = "skip", "masked", "unmasked"
 
@@ -118,6 +122,11 @@ class _Static:
   # dV += Pᵀ dO wgmma is (FlashAttention-3's intra-warpgroup overlap, §3.2,
   # within one step).
   overlap_softmax: bool = False
+  # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
+  # (`forward.persistent_schedule`), so that a tile's start (its resident
+  # loads, the ring's fill) overlaps the previous tile's end. Plain form.
+  persistent: bool = False
+  num_ctas: int = 0
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
   spec: Any = None
@@ -134,7 +143,9 @@ class _Static:
 def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     scale: float, is_causal: bool, block_q: int = 64,
                     block_kv: int = 64, max_concurrent_steps: int = 2,
-                    heavy_first: bool = True, overlap_softmax: bool = True):
+                    heavy_first: bool = True, overlap_softmax: bool = True,
+                    persistent: bool | None = None,
+                    num_ctas: int | None = None):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -164,6 +175,9 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       each consumer (see `_Static`); the results are the same either way.
       On by default: 2.6%, 3.4% and 2.3% faster at head_dim 64, 128, 256
       (H200, seq 16k).
+    persistent: both kernels on a persistent grid of `num_ctas` CTAs (None:
+      one per SM), each walking its tiles with the streamed ring running on
+      across them. None: `PERSISTENT_BY_DEFAULT`.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -179,8 +193,12 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   tiles = dict(scale=scale, is_causal=is_causal, block_q=block_q,
                block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
   # Configuring raises for tiles that do not fit, before any work is traced.
+  if persistent is None:
+    persistent = PERSISTENT_BY_DEFAULT
   dq_config, dkdv_configs = statics(query, key, heavy_first=heavy_first,
-                                    overlap_softmax=overlap_softmax, **tiles)
+                                    overlap_softmax=overlap_softmax,
+                                    persistent=persistent, num_ctas=num_ctas,
+                                    **tiles)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -323,14 +341,27 @@ def _num_consumers(length, block, smem_of) -> int:
 
 
 def statics(query, key, *, heavy_first: bool = True,
-            overlap_softmax: bool = False, **tiles):
+            overlap_softmax: bool = False, persistent: bool = False,
+            num_ctas: int | None = None, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments."""
   options = dict(overlap_softmax=bool(overlap_softmax))
   dq_config = dataclasses.replace(dq_static(query, key, **tiles),
                                   heavy_first=bool(heavy_first), **options)
-  return dq_config, [dataclasses.replace(config, **options)
-                     for config in dkdv_statics(query, key, **tiles)]
+  dkdv_configs = [dataclasses.replace(config, **options)
+                  for config in dkdv_statics(query, key, **tiles)]
+  if persistent:
+    batch, _, num_heads, _ = query.shape
+    kv_len, num_kv_heads = key.shape[1], key.shape[2]
+    dq_config = _persistent(
+        dq_config, num_ctas, num_heads=num_heads, batch=batch,
+        tiles_per_head=pl.cdiv(dq_config.num_q_blocks,
+                               dq_config.num_consumers))
+    dkdv_configs = [_persistent(
+        config, num_ctas, num_heads=num_kv_heads, batch=batch,
+        tiles_per_head=pl.cdiv(kv_len, config.num_consumers * config.block_kv))
+                    for config in dkdv_configs]
+  return dq_config, dkdv_configs
 
 
 def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
@@ -456,9 +487,8 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
       out_type=out_type,
       scratch_types=scratch,
       # kv_tile fastest: neighbouring CTAs stream the same Q tiles from L2.
-      grid=(pl.cdiv(kv_len, consumers * static.block_kv), num_kv_heads,
-            batch),
-      grid_names=("kv_tile", "kv_head", "batch"),
+      **_grid(static, (pl.cdiv(kv_len, consumers * static.block_kv),
+                       num_kv_heads, batch), ("kv_tile", "kv_head", "batch")),
       num_threads=consumers + 1,
       thread_name="wg",
       kernel_name=_kernel_name(static, "".join(static.outputs)),
@@ -470,22 +500,66 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
 def _dkdv_kernel(*refs, static: _Static):
   """Kernel body; refs: `launch_dkdv`'s inputs (q, k, v, dO, stats, then
   the ranged kernel's plan, q ids, kv ids), the outputs, its scratch list.
+
+  Launch grid: one K/V tile per CTA. Persistent grid (`static.persistent`):
+  each CTA computes its tiles of `persistent_schedule` in turn (causal:
+  K/V tile j reads the Q tiles from j on, so tiles go in pairs), the ring
+  of streamed steps running on across tiles (see `_produce`).
   """
   num_inputs = 5 + static.ranged + 2 * static.segmented
   num_out = len(static.outputs)
   inputs = refs[:num_inputs]
-  q_ref, k_ref, v_ref, do_ref, stats_ref = inputs[:5]
   out_refs = dict(zip(static.outputs, refs[num_inputs:num_inputs + num_out]))
   scratch = refs[num_inputs + num_out:]
+  wg = lax.axis_index("wg")
+  batch_size, kv_len, num_kv_heads, _ = inputs[1].shape
+  tile = functools.partial(_dkdv_tile, inputs, out_refs, scratch,
+                           static=static)
+  _each_tile(
+      tile, wg, static=static, tile_axes=("batch", "kv_head", "kv_tile"),
+      num_tiles=pl.cdiv(kv_len, static.num_consumers * static.block_kv),
+      num_heads=num_kv_heads, batch=batch_size)
+
+
+def _each_tile(tile, wg, *, static: _Static, tile_axes, num_tiles, num_heads,
+               batch):
+  """Runs `tile(batch, head, tile, wg, base, consumer)` in each warpgroup
+  (consumers first raise their register budget, the producer lowers its
+  own): once, on the launch grid's `tile_axes` with `base` None; on a
+  persistent grid, for each of the CTA's tiles, `base` counting the
+  streamed steps before it (`tile` returns its step count)."""
+  def run(registers, action, consumer):
+    plgpu.set_max_registers(registers, action=action)
+    if not static.persistent:
+      tile(*(lax.axis_index(axis) for axis in tile_axes), wg, None, consumer)
+      return
+    schedule = persistent_schedule(
+        num_tiles=num_tiles, num_heads=num_heads, batch=batch,
+        paired=static.is_causal, num_ctas=static.num_ctas,
+        cta=lax.axis_index("cta"))
+    lax.fori_loop(0, schedule.count, lambda n, base: base + tile(
+        *schedule.tile_of(n), wg, base, consumer), jnp.int32(0))
+    if consumer:  # the last tile's gradients reach memory
+      plgpu.wait_smem_to_gmem(0)
+
+  pl.when(wg < static.num_consumers)(
+      lambda: run(_CONSUMER_REGISTERS, "increase", True))
+  pl.when(wg == static.num_consumers)(
+      lambda: run(_PRODUCER_REGISTERS, "decrease", False))
+
+
+def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
+               consumer: bool, *, static: _Static):
+  """Consumer `wg`'s or the producer's part of K/V tile `kv_tile`; returns
+  the tile's streamed steps. `base`: steps streamed before it on a
+  persistent grid, or None."""
+  q_ref, k_ref, v_ref, do_ref, stats_ref = inputs[:5]
   (k_smem, v_smem, q_ring, do_ring, stats_ring, k_arrived, v_arrived,
    q_arrived, do_arrived, stats_arrived, consumed) = scratch[:11]
-  batch = lax.axis_index("batch")
-  kv_head = lax.axis_index("kv_head")
-  wg = lax.axis_index("wg")
-  kv_tile = lax.axis_index("kv_tile")
   tile_start = kv_tile * (static.num_consumers * static.block_kv)
   plan, ids = _ranged_refs(static, inputs[5:], scratch[11:], batch=batch,
                            tile=kv_tile, own_is_query=False)
+  num_steps = None
   if plan is None:
     # The union of the consumers' Q tiles, per query head of the group:
     # [first, num_q_blocks), where first is consumer 0's (it sees the most).
@@ -494,9 +568,7 @@ def _dkdv_kernel(*refs, static: _Static):
     num_steps = static.group * per_head
   arrived = (q_arrived, do_arrived, stats_arrived) + _ids_arrived(ids)
 
-  @pl.when(wg < static.num_consumers)
   def _consumer():
-    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
     kv_start = tile_start + wg * static.block_kv
     kv_rows = pl.ds(kv_start, static.block_kv)
     own_k, own_v = k_smem.at[wg], v_smem.at[wg]
@@ -520,7 +592,7 @@ def _dkdv_kernel(*refs, static: _Static):
                                             shape, own_is_query=False))
     grads = _dkdv_consume(own_k, own_v, q_ring, do_ring, stats_ring, arrived,
                           consumed, walk=walk, tile_mask=tile_mask,
-                          static=static)
+                          static=static, base=base)
     # K and V are dead: write the gradients through their buffers.
     staged = {"dk": own_k, "dv": own_v}
     for name, grad in zip(static.outputs, grads):
@@ -529,11 +601,10 @@ def _dkdv_kernel(*refs, static: _Static):
     for name in static.outputs:
       plgpu.copy_smem_to_gmem(staged[name],
                               out_refs[name].at[batch, kv_rows, kv_head])
-    plgpu.wait_smem_to_gmem(0)
+    # Persistent: the next tile's K and V may load once these have left.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=base is not None)
 
-  @pl.when(wg == static.num_consumers)
   def _producer():
-    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
     if plan is None:
       union_first, union_per_head, union_steps = first, per_head, num_steps
     else:
@@ -565,25 +636,31 @@ def _dkdv_kernel(*refs, static: _Static):
     if ids is not None:  # query ids travel with their Q tiles
       streams.append((lambda step: ids.streamed_gmem.at[q_rows_of(step)[1]],
                       ids.ring, ids.ring_arrived))
-    _produce(streams, consumed, union_steps, static)
+    _produce(streams, consumed, union_steps, static, base=base)
+
+  (_consumer if consumer else _producer)()
+  return num_steps
 
 
 def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
-                  consumed, *, walk: _Walk, tile_mask, static: _Static):
+                  consumed, *, walk: _Walk, tile_mask, static: _Static,
+                  base=None):
   """Consumer: dK, dV (f32, unscaled dK) of its `block_kv` K/V rows.
 
   Walks the producer's steps: for each query head of the group, Q tiles
   [walk.first, walk.first + walk.num_blocks), treated as `walk.runs` say
-  (skipped, masked by `tile_mask(q_block, slot)`, or unmasked).
+  (skipped, masked by `tile_mask(q_block, slot)`, or unmasked). Persistent:
+  the ring slots count on from `base`.
   """
+  slot_of = lambda step: lax.rem(step if base is None else base + step,
+                                 static.num_stages)
   zeros = plgpu.layout_cast(
       jnp.zeros((static.block_kv, static.head_dim), jnp.float32),
       plgpu.Layout.WGMMA)
   grads = tuple(zeros for _ in static.outputs)
 
   def step_body(i, grads, *, head_base, masked):
-    step = head_base + i
-    slot = lax.rem(step, static.num_stages)
+    slot = slot_of(head_base + i)
     for barrier in arrived:
       plgpu.barrier_wait(barrier.at[slot])
     q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
@@ -623,7 +700,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     return grads
 
   def skip_body(i, grads, *, head_base):
-    _skip_step(arrived, consumed, lax.rem(head_base + i, static.num_stages))
+    _skip_step(arrived, consumed, slot_of(head_base + i))
     return grads
 
   def head_body(g, grads):
@@ -757,8 +834,8 @@ def launch_dq(query, key, value, d_out, stats, static: _Static, *, plan=None,
       out_type=jax.ShapeDtypeStruct(query.shape, query.dtype),
       scratch_types=scratch,
       # q_tile fastest: neighbouring CTAs stream the same K/V from L2.
-      grid=(pl.cdiv(q_len, consumers * static.block_q), num_heads, batch),
-      grid_names=("q_tile", "head", "batch"),
+      **_grid(static, (pl.cdiv(q_len, consumers * static.block_q),
+                       num_heads, batch), ("q_tile", "head", "batch")),
       num_threads=consumers + 1,
       thread_name="wg",
       kernel_name=_kernel_name(static, "dq"),
@@ -768,33 +845,48 @@ def launch_dq(query, key, value, d_out, stats, static: _Static, *, plan=None,
 
 def _dq_kernel(*refs, static: _Static):
   """Kernel body; refs: `launch_dq`'s inputs (q, k, v, dO, stats, then the
-  ranged kernel's plan, q ids, kv ids), dq, its scratch list."""
+  ranged kernel's plan, q ids, kv ids), dq, its scratch list. Launch or
+  persistent grid as `_dkdv_kernel` (causal: query tile i reads i + 1 K/V
+  tiles, so persistent tiles go in pairs)."""
   num_inputs = 5 + static.ranged + 2 * static.segmented
   inputs, dq_ref, scratch = (refs[:num_inputs], refs[num_inputs],
                              refs[num_inputs + 1:])
+  wg = lax.axis_index("wg")
+  batch_size, q_len, num_heads, _ = inputs[0].shape
+  num_tiles = pl.cdiv(static.num_q_blocks, static.num_consumers)
+
+  def tile(batch, head, q_tile, wg, base, consumer):
+    if not static.persistent:
+      # A ranged tile's cost is the plan's, not causal geometry: launched
+      # in order.
+      q_tile = tile_index("q_tile", num_tiles, reverse=(
+          static.heavy_first and static.is_causal and not static.ranged))
+    return _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
+                    consumer, static=static)
+
+  _each_tile(tile, wg, static=static, tile_axes=("batch", "head", "q_tile"),
+             num_tiles=num_tiles, num_heads=num_heads, batch=batch_size)
+
+
+def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
+             consumer: bool, *, static: _Static):
+  """Consumer `wg`'s or the producer's part of query tile `q_tile`; returns
+  the tile's streamed steps (as `_dkdv_tile`)."""
   q_ref, k_ref, v_ref, do_ref, stats_ref = inputs[:5]
   (q_smem, do_smem, stats_smem, k_ring, v_ring, q_arrived, do_arrived,
    stats_arrived, k_arrived, v_arrived, consumed) = scratch[:11]
-  batch = lax.axis_index("batch")
-  head = lax.axis_index("head")
-  wg = lax.axis_index("wg")
   rows_per_tile = static.num_consumers * static.block_q
-  # A ranged tile's cost is the plan's, not causal geometry: launched in order.
-  q_tile = tile_index(
-      "q_tile", pl.cdiv(static.num_q_blocks, static.num_consumers),
-      reverse=static.heavy_first and static.is_causal and not static.ranged)
   tile_start = q_tile * rows_per_tile
   plan, ids = _ranged_refs(static, inputs[5:], scratch[11:], batch=batch,
                            tile=q_tile, own_is_query=True)
+  num_steps = None
   if plan is None:
     # The last consumer's rows come last, so it sees the most K/V tiles.
     last_start = tile_start + (static.num_consumers - 1) * static.block_q
     num_steps = _num_kv_blocks_seen(last_start, static)
   arrived = (k_arrived, v_arrived) + _ids_arrived(ids)
 
-  @pl.when(wg < static.num_consumers)
   def _consumer():
-    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
     q_start = tile_start + wg * static.block_q
     q_rows = pl.ds(q_start, static.block_q)
     own_q, own_do, own_stats = q_smem.at[wg], do_smem.at[wg], stats_smem.at[wg]
@@ -821,15 +913,15 @@ def _dq_kernel(*refs, static: _Static):
           q_start, step, static, _tile_values(walk.values, own_ids, ids, slot,
                                               shape, own_is_query=True))
     dq = _dq_consume(own_q, own_do, lse_log2, delta, k_ring, v_ring, arrived,
-                     consumed, walk=walk, tile_mask=tile_mask, static=static)
+                     consumed, walk=walk, tile_mask=tile_mask, static=static,
+                     base=base)
     own_q[...] = dq.astype(static.dtype)  # Q is dead: dQ goes out through it
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(own_q, dq_ref.at[batch, q_rows, head])
-    plgpu.wait_smem_to_gmem(0)
+    # Persistent: the next tile's Q may load once dQ has left.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=base is not None)
 
-  @pl.when(wg == static.num_consumers)
   def _producer():
-    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
     kv_head = head // static.group
     if plan is None:
       union_first, union_steps = None, num_steps
@@ -851,11 +943,15 @@ def _dq_kernel(*refs, static: _Static):
     if ids is not None:  # key ids travel with their K/V tiles
       streams.append((lambda step: ids.streamed_gmem.at[kv_rows_of(step)],
                       ids.ring, ids.ring_arrived))
-    _produce(streams, consumed, union_steps, static)
+    _produce(streams, consumed, union_steps, static, base=base)
+
+  (_consumer if consumer else _producer)()
+  return num_steps
 
 
 def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
-                consumed, *, walk: _Walk, tile_mask, static: _Static):
+                consumed, *, walk: _Walk, tile_mask, static: _Static,
+                base=None):
   """Consumer: dQ (f32, scaled) of its `block_q` rows.
 
   `lse_log2` and `delta` are the rows' statistics. Walks the producer's
@@ -868,9 +964,11 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
       plgpu.Layout.WGMMA)
 
   def slot_of(step):
-    # Ranged: the producer's step 0 is K/V block walk.first.
-    return lax.rem(step - walk.first if static.ranged else step,
-                   static.num_stages)
+    # Ranged: the producer's step 0 is K/V block walk.first. Persistent:
+    # `base` steps of earlier tiles went through the ring before.
+    if static.ranged:
+      step = step - walk.first
+    return lax.rem(step if base is None else base + step, static.num_stages)
 
   def step_body(step, dq, *, masked):
     slot = slot_of(step)
@@ -1080,22 +1178,52 @@ def _score_gradient(p, dp, delta, slope):
   return ds if slope is None else ds * slope
 
 
+def _grid(static: _Static, grid, names) -> dict:
+  """`plgpu.kernel`'s grid arguments: the launch grid `grid` (tile axis
+  first), or a persistent grid of `static.num_ctas` CTAs."""
+  if static.persistent:
+    return dict(grid=(static.num_ctas,), grid_names=("cta",))
+  return dict(grid=grid, grid_names=names)
+
+
+def _persistent(static: _Static, num_ctas, *, tiles_per_head: int,
+                num_heads: int, batch: int) -> _Static:
+  """`static` on a persistent grid (`persistent_num_ctas`)."""
+  if static.ranged:
+    raise NotImplementedError("the ranged backward has no persistent grid")
+  return dataclasses.replace(static, persistent=True,
+                             num_ctas=persistent_num_ctas(
+                                 num_ctas, paired=static.is_causal,
+                                 num_tiles=batch * num_heads * tiles_per_head))
+
+
 def _kernel_name(static: _Static, outputs: str) -> str:
   return ("mosaic_flash_backward_" + ("masked_" if static.ranged else "")
           + outputs)
 
 
-def _produce(streams, consumed, num_steps, static: _Static):
+def _produce(streams, consumed, num_steps, static: _Static, base=None):
   """Producer warpgroup: TMA step t's tiles into ring slot t % num_stages.
 
   `streams` are (source, ring, arrived): `source(step)` is the GMEM view of
   that step's tile. A slot is refilled once every consumer released it.
+  Persistent (`base` given): the ring runs on from the CTA's earlier tiles,
+  step t going to slot (base + t) % num_stages, without a fill of its own.
   """
   stages = static.num_stages
 
   def load(step, slot):
     for source, ring, arrived in streams:
       plgpu.copy_gmem_to_smem(source(step), ring.at[slot], arrived.at[slot])
+
+  if base is not None:
+    @pl.loop(0, num_steps)
+    def _step(step):
+      slot = lax.rem(base + step, stages)
+      pl.when(base + step >= stages)(
+          functools.partial(plgpu.barrier_wait, consumed.at[slot]))
+      load(step, slot)
+    return
 
   # Fill the ring. Under causal masking, or any plan, a tile may have fewer
   # steps than there are stages (or none).

@@ -265,17 +265,13 @@ def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
     raise NotImplementedError(
         "the persistent forward has no overlap_scores schedule")
   batch, q_len, num_heads, head_dim = q_shape
-  num_tiles = batch * num_heads * (q_len // (NUM_CONSUMERS * static.block_q))
-  if static.is_causal:  # CTAs take tiles in pairs (`persistent_tiles`)
-    num_tiles = pl.cdiv(num_tiles, 2)
-  if num_ctas is None:
-    num_ctas = versions.num_sms()
-  if num_ctas < 1:
-    raise ValueError(f"num_ctas must be >= 1, got {num_ctas}")
+  num_ctas = persistent_num_ctas(
+      num_ctas, paired=static.is_causal,
+      num_tiles=batch * num_heads * (q_len // (NUM_CONSUMERS * static.block_q)))
   o_bytes = NUM_CONSUMERS * static.block_q * (head_dim * static.dtype.itemsize
                                               + 4)
   return dataclasses.replace(
-      static, persistent=True, num_ctas=min(num_ctas, num_tiles),
+      static, persistent=True, num_ctas=num_ctas,
       stage_o_apart=_smem_bytes(static) + o_bytes <= _SMEM_LIMIT_BYTES)
 
 
@@ -591,59 +587,88 @@ def _forward_kernel(*refs, static: KernelStatic):
              segments=segment_refs)
 
 
+class PersistentSchedule(NamedTuple):
+  """A persistent CTA's share of a (batch, head, tile) space."""
+  count: Any    # tiles this CTA computes
+  tile_of: Any  # n -> (batch, head, tile) of its n-th tile
+
+
+def persistent_schedule(*, num_tiles: int, num_heads: int, batch: int,
+                        paired: bool, num_ctas: int, cta
+                        ) -> PersistentSchedule:
+  """Which tiles CTA `cta` of `num_ctas` computes, and in which order.
+
+  Tiles of equal cost (`paired` False): CTA c takes tiles c, c + num_ctas,
+  ... in tile-fastest order, so that CTAs at work at once share a head's
+  streamed tiles in L2. Tiles whose cost falls or rises linearly with their
+  index (causal masking: query tile i reads i + 1 K/V blocks, K/V tile j
+  n - j Q blocks), where a round-robin of single tiles would load CTAs
+  unevenly: each head's tiles are paired first with last, (n-1, 0),
+  (n-2, 1), ..., every pair costing the same, and CTAs take pairs
+  round-robin (num_ctas at most the number of pairs). With an odd `num_tiles`
+  the last tile of a head pairs with the first of the next (one uneven
+  pair per head).
+  """
+  total = batch * num_heads * num_tiles
+  if paired:
+    num_pairs = pl.cdiv(total, 2)
+    # Every CTA has a pair; the last pair of an odd total has one tile.
+    num_local_pairs = lax.div(num_pairs - 1 - cta, num_ctas) + 1
+    last_pair = cta + (num_local_pairs - 1) * num_ctas
+    count = 2 * num_local_pairs - jnp.where(2 * last_pair + 1 >= total, 1, 0)
+    linear_of = lambda n: 2 * (cta + lax.div(n, 2) * num_ctas) + lax.rem(n, 2)
+  else:
+    count = lax.div(total - 1 - cta, num_ctas) + 1  # every CTA has a tile
+    linear_of = lambda n: cta + n * num_ctas
+
+  def tile_of(n):
+    linear = linear_of(n)
+    batch_head = lax.div(linear, num_tiles)
+    tile = lax.rem(linear, num_tiles)
+    if paired:  # 0, 1, 2, 3, ... -> n-1, 0, n-2, 1, ...
+      half = lax.div(tile, 2)
+      tile = jnp.where(lax.rem(tile, 2) == 0, num_tiles - 1 - half, half)
+    return lax.div(batch_head, num_heads), lax.rem(batch_head, num_heads), tile
+
+  return PersistentSchedule(count, tile_of)
+
+
+def persistent_num_ctas(num_ctas: int | None, *, num_tiles: int,
+                        paired: bool) -> int:
+  """CTAs of a persistent grid over `num_tiles` tiles: `num_ctas` (None:
+  one per SM), at most one per tile (per pair, when `paired`)."""
+  if num_ctas is None:
+    num_ctas = versions.num_sms()
+  if num_ctas < 1:
+    raise ValueError(f"num_ctas must be >= 1, got {num_ctas}")
+  return min(num_ctas, pl.cdiv(num_tiles, 2) if paired else num_tiles)
+
+
 class _PersistentTiles(NamedTuple):
-  """A persistent CTA's share of the (batch, head, q tile) space."""
+  """The forward's persistent schedule, in query rows."""
   count: Any    # tiles this CTA computes
   tile_of: Any  # n -> (batch, head, first query row) of its n-th tile
   blocks: Any   # first query row -> K/V blocks the tile streams
 
 
 def persistent_tiles(q_shape, static: KernelStatic, cta) -> _PersistentTiles:
-  """Which tiles CTA `cta` computes, and in which order.
-
-  Non-causal, every tile costs the same: CTA c takes tiles c, c + num_ctas,
-  ... in q-tile-fastest order (CTAs at work at once read the same K/V from
-  L2). Causal, query tile i reads i + 1 blocks and a round-robin of single
-  tiles would load CTAs unevenly, so each head's tiles are paired heaviest
-  with lightest, (nq-1, 0), (nq-2, 1), ..., every pair costing nq + 1
-  blocks, and CTAs take pairs round-robin. With an odd tile count the last
-  tile of a head pairs with the first of the next (one uneven pair).
-  """
+  """Which query tiles CTA `cta` computes (`persistent_schedule`; under
+  causal masking query tile i reads i + 1 blocks, so tiles go in pairs)."""
   batch_size, q_len, num_heads, _ = q_shape
   tile_rows = NUM_CONSUMERS * static.block_q
-  num_q_tiles = q_len // tile_rows
-  num_tiles = batch_size * num_heads * num_q_tiles
-  if static.is_causal:
-    num_pairs = pl.cdiv(num_tiles, 2)
-    # num_ctas <= num_pairs: every CTA has a pair; the last pair of an odd
-    # count has one tile.
-    num_local_pairs = lax.div(num_pairs - 1 - cta, static.num_ctas) + 1
-    last_pair = cta + (num_local_pairs - 1) * static.num_ctas
-    count = 2 * num_local_pairs - jnp.where(
-        2 * last_pair + 1 >= num_tiles, 1, 0)
-    linear_of = lambda n: (2 * (cta + lax.div(n, 2) * static.num_ctas)
-                           + lax.rem(n, 2))
-  else:
-    # num_ctas <= num_tiles: every CTA has a tile.
-    count = lax.div(num_tiles - 1 - cta, static.num_ctas) + 1
-    linear_of = lambda n: cta + n * static.num_ctas
+  schedule = persistent_schedule(
+      num_tiles=q_len // tile_rows, num_heads=num_heads, batch=batch_size,
+      paired=static.is_causal, num_ctas=static.num_ctas, cta=cta)
 
   def tile_of(n):
-    linear = linear_of(n)
-    batch_head = lax.div(linear, num_q_tiles)
-    q_tile = lax.rem(linear, num_q_tiles)
-    if static.is_causal:  # 0, 1, 2, 3, ... -> nq-1, 0, nq-2, 1, ...
-      half = lax.div(q_tile, 2)
-      q_tile = jnp.where(lax.rem(q_tile, 2) == 0, num_q_tiles - 1 - half,
-                         half)
-    return (lax.div(batch_head, num_heads), lax.rem(batch_head, num_heads),
-            q_tile * tile_rows)
+    batch, head, q_tile = schedule.tile_of(n)
+    return batch, head, q_tile * tile_rows
 
   def blocks(tile_start):  # the last consumer's rows reach furthest
     return _num_kv_steps(tile_start + (NUM_CONSUMERS - 1) * static.block_q,
                          static)
 
-  return _PersistentTiles(count, tile_of, blocks)
+  return _PersistentTiles(schedule.count, tile_of, blocks)
 
 
 def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
