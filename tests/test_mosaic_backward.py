@@ -388,3 +388,20 @@ def test_persistent_backward_is_bitwise_the_grid_on_gpu(head_dim, is_causal,
                           ("dq", "dk", "dv")):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
                                     err_msg=f"{name}, num_ctas {num_ctas}")
+
+
+def test_persistent_backward_default_follows_the_measured_table(
+    cuda_lowering):
+  """On where the A/B measured it faster (head_dim 128 and 256 up to
+  kv_len 1024), off elsewhere (head_dim 64's 128-row Q tiles are untimed)."""
+  from pallas_kernels.mosaic import backward
+  default = lambda d, n: backward.persistent_by_default(head_dim=d, kv_len=n)
+  assert default(128, 1024) and default(256, 512)
+  assert not default(128, 4096) and not default(256, 2048)
+  assert not default(64, 1024)
+  q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
+  text = lambda **kw: jax.jit(lambda q, k, v, o, l, do: mosaic_backward(
+      q, k, v, o, l, do, scale=0.1, is_causal=True, **kw)).trace(
+          q, q, q, q, lse, q).lower(lowering_platforms=("cuda",)).as_text()
+  assert text() == text(persistent=True) != text(persistent=False)

@@ -37,6 +37,13 @@ elementwise work; `overlap_softmax` (the default of `mosaic_backward`) instead
 computes P while dP's wgmma runs and dS while dV's does (`_wgmma_then`,
 `_dkdv_accumulate_overlapped`), with bitwise the same results.
 
+Persistent grid (`_Static.persistent`, the default where measured faster:
+`persistent_by_default`): one CTA per SM computes its tiles of
+`forward.persistent_schedule` in turn (paired first with last under causal
+masking, where a tile's cost falls or rises with its index), the streamed
+ring running on from tile to tile, so that a tile's start overlaps the
+previous tile's end instead of costing a launch and a fill.
+
 When the two f32 accumulators dK and dV of a consumer do not fit its
 registers (head_dim 256: 2 * 64 x 256 f32 is 256 registers per thread), the
 dK/dV kernel runs twice, once per output; the dV pass then skips dPᵀ.
@@ -88,9 +95,19 @@ _MAX_CONSUMERS = 2
 # warpgroup is m * n / 128 registers per thread.
 _ACCUMULATOR_REGISTERS = 192
 _THREADS_PER_WARPGROUP = 128
-# The persistent grid (`mosaic_backward(persistent=None)`): off until its GPU
-# tests and A/B run (benchmarks/NOTES.md).
-PERSISTENT_BY_DEFAULT = False
+# The persistent grid (`mosaic_backward(persistent=None)`), by head dim: the
+# longest kv_len at which it is the default. Session 6's A/B on the H200
+# (results/h200_mosaic_persistent_backward.md, backward alone, 64 x 64
+# tiles, non-causal / causal) at seq 1k, 4k, 16k: head_dim 128 +8/+11%,
+# -3/-17%, -2/-5%; 256 +47/+17%, 0/+1%, 0/0%; 64 +13/+7%, +11/+3%, +3/+4%,
+# but head_dim 64 ships 128-row Q tiles (`attention.backward_tiles`), with
+# which the persistent grid is tested bitwise but not yet timed: off there.
+PERSISTENT_MAX_KV_LEN = {128: 1024, 256: 1024}
+
+
+def persistent_by_default(*, head_dim: int, kv_len: int) -> bool:
+  """Whether `mosaic_backward(persistent=None)` runs the persistent grid."""
+  return kv_len <= PERSISTENT_MAX_KV_LEN.get(head_dim, 0)
 # How a consumer treats a run of streamed steps (see `_walk_runs`).
 _SKIP, _MASKED, _UNMASKED = "skip", "masked", "unmasked"
 
@@ -177,7 +194,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (H200, seq 16k).
     persistent: both kernels on a persistent grid of `num_ctas` CTAs (None:
       one per SM), each walking its tiles with the streamed ring running on
-      across them. None: `PERSISTENT_BY_DEFAULT`.
+      across them; bitwise the launch grid's results. None: where measured
+      faster (`persistent_by_default`).
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -194,7 +212,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
   # Configuring raises for tiles that do not fit, before any work is traced.
   if persistent is None:
-    persistent = PERSISTENT_BY_DEFAULT
+    persistent = persistent_by_default(head_dim=query.shape[-1],
+                                       kv_len=key.shape[1])
   dq_config, dkdv_configs = statics(query, key, heavy_first=heavy_first,
                                     overlap_softmax=overlap_softmax,
                                     persistent=persistent, num_ctas=num_ctas,
