@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -66,6 +66,13 @@ for step in "$@"; do
         --kernels forward_overlap forward_schedule backward_overlap \
         --out "$OUT/h200_mosaic_schedule.json" \
         > "$LOGS/schedule.log" 2>&1; tail -12 "$LOGS/schedule.log" ;;
+    persistent)  # persistent grids against the launch grids, seq 1k/4k/16k
+      for seq in 1024 4096 16384; do
+        timeout 100 python3 -m benchmarks.tune_mosaic --seq $seq --budget 70 \
+          --kernels ${PERSISTENT_KERNELS:-forward_persistent backward_persistent} \
+          --out "$OUT/h200_mosaic_persistent_$seq.json" > "$LOGS/persistent_$seq.log" 2>&1
+        grep persistent "$LOGS/persistent_$seq.log"
+      done ;;
     fp8)  # FP8 error against bf16's
       timeout 120 python3 -m benchmarks.fp8_accuracy --seq ${FP8_SEQ:-4096} --out "$OUT/h200_fp8_accuracy.json" \
         > "$LOGS/fp8.log" 2>&1; tail -16 "$LOGS/fp8.log" ;;
