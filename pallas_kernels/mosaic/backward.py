@@ -108,6 +108,8 @@ PERSISTENT_MAX_KV_LEN = {128: 1024, 256: 1024}
 def persistent_by_default(*, head_dim: int, kv_len: int) -> bool:
   """Whether `mosaic_backward(persistent=None)` runs the persistent grid."""
   return kv_len <= PERSISTENT_MAX_KV_LEN.get(head_dim, 0)
+
+
 # How a consumer treats a run of streamed steps (see `_walk_runs`).
 _SKIP, _MASKED, _UNMASKED = "skip", "masked", "unmasked"
 
@@ -196,6 +198,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       one per SM), each walking its tiles with the streamed ring running on
       across them; bitwise the launch grid's results. None: where measured
       faster (`persistent_by_default`).
+    num_ctas: CTAs of the persistent grid; None: the GPU's SM count.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -210,10 +213,10 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                   max_concurrent_steps=max_concurrent_steps)
   tiles = dict(scale=scale, is_causal=is_causal, block_q=block_q,
                block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
-  # Configuring raises for tiles that do not fit, before any work is traced.
   if persistent is None:
     persistent = persistent_by_default(head_dim=query.shape[-1],
                                        kv_len=key.shape[1])
+  # Configuring raises for tiles that do not fit, before any work is traced.
   dq_config, dkdv_configs = statics(query, key, heavy_first=heavy_first,
                                     overlap_softmax=overlap_softmax,
                                     persistent=persistent, num_ctas=num_ctas,
