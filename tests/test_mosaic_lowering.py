@@ -162,8 +162,18 @@ def test_unsupported_calls_raise_not_implemented(kwargs, match):
 def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
   """Forward and gradients by the Mosaic kernels, through `flash_attention`
   (the Mosaic backward is the Mosaic path's default since 2026-11-29)."""
+  _check_mosaic_against_reference(case, dtype, is_causal)
+
+
+def _require_sm90():
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90 (wgmma, TMA, setmaxnreg)")
+
+
+def _check_mosaic_against_reference(case, dtype, is_causal):
+  """`flash_attention(implementation="mosaic")`'s output, LSE and gradients
+  against the reference (FlashAttention's tolerance rule)."""
+  _require_sm90()
 
   @jax.jit
   def attention(q, k, v):
@@ -182,8 +192,7 @@ def test_schedule_variants_are_bitwise_the_default_on_gpu(head_dim,
   """The consumer schedule variants change when things run, not what is
   computed: out and lse equal the default kernel's bit for bit (a race on
   a reordered barrier would not)."""
-  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
-    pytest.skip("the Mosaic forward needs sm90 (wgmma, TMA, setmaxnreg)")
+  _require_sm90()
   q, k, v, _, _ = random_inputs(Case(2, 2048, 2048, 8, 2, head_dim),
                                 jnp.bfloat16, 3)
   run = lambda **variant: jax.jit(lambda q, k, v: mosaic_forward(
@@ -239,8 +248,7 @@ def test_persistent_forward_is_bitwise_the_grid_on_gpu(head_dim, is_causal):
   out and lse equal it bit for bit, for CTAs walking 1 to 32 tiles (a
   barrier phase or ring slot off by one across tiles would not); and the
   reference agrees, through `flash_attention`, in both dtypes."""
-  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
-    pytest.skip("the Mosaic forward needs sm90 (wgmma, TMA, setmaxnreg)")
+  _require_sm90()
   q, k, v, _, _ = random_inputs(Case(2, 1024, 1536, 8, 2, head_dim),
                                 jnp.bfloat16, 4)
   run = lambda **kwargs: jax.jit(lambda q, k, v: mosaic_forward(
@@ -262,20 +270,11 @@ def test_persistent_forward_is_bitwise_the_grid_on_gpu(head_dim, is_causal):
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_persistent_forward_matches_reference_on_gpu(case, dtype, is_causal,
                                                      monkeypatch):
-  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
-    pytest.skip("the Mosaic forward needs sm90 (wgmma, TMA, setmaxnreg)")
   from pallas_kernels.mosaic import forward
   monkeypatch.setattr(forward, "PERSISTENT_BY_DEFAULT", True)
   monkeypatch.setattr(forward, "PERSISTENT_CAUSAL_MAX_KV_LEN",
                       {64: None, 128: None, 256: None})
-
-  @jax.jit
-  def attention(q, k, v):
-    return jax_flash.flash_attention(q, k, v, is_causal=is_causal,
-                                     return_residual=True,
-                                     implementation="mosaic")
-
-  check_against_reference(attention, case, dtype, is_causal=is_causal)
+  _check_mosaic_against_reference(case, dtype, is_causal)
 
 
 def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,

@@ -272,7 +272,9 @@ def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
                                               + 4)
   return dataclasses.replace(
       static, persistent=True, num_ctas=num_ctas,
-      stage_o_apart=_smem_bytes(static) + o_bytes <= _SMEM_LIMIT_BYTES)
+      stage_o_apart=_smem_bytes(
+          static.block_q, static.block_kv, static.num_stages, head_dim,
+          static.dtype.itemsize) + o_bytes <= _SMEM_LIMIT_BYTES)
 
 
 def _smem_transforms(rows_bytes: int, itemsize: int):
@@ -449,10 +451,8 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
         f"scale must be positive (it is folded into exp2), got {scale}")
   num_kv_blocks = pl.cdiv(kv_len, block_kv)
   num_stages = min(max_concurrent_steps, num_kv_blocks)
-  smem_bytes = _smem_bytes(KernelStatic(
-      block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-      num_kv_blocks=num_kv_blocks, head_dim=head_dim, group=1, scale_log2=1.0,
-      is_causal=False, dtype=dtype))
+  smem_bytes = _smem_bytes(block_q, block_kv, num_stages, head_dim,
+                           dtype.itemsize)
   num_q_blocks = q_len // block_q
   if fp8:  # the O buffer, and the descale rows
     smem_bytes += NUM_CONSUMERS * (
@@ -472,11 +472,10 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
                  scale=float(scale))
 
 
-def _smem_bytes(static: KernelStatic) -> int:
+def _smem_bytes(block_q, block_kv, num_stages, head_dim, itemsize) -> int:
   """Shared memory of the common buffers: Q, the K/V ring, the LSE rows."""
-  return ((NUM_CONSUMERS * static.block_q
-           + 2 * static.num_stages * static.block_kv) * static.head_dim
-          * static.dtype.itemsize + NUM_CONSUMERS * static.block_q * 4)
+  return ((NUM_CONSUMERS * block_q + 2 * num_stages * block_kv) * head_dim
+          * itemsize + NUM_CONSUMERS * block_q * 4)
 
 
 def _num_kv_steps(q_start, static: KernelStatic):
