@@ -27,7 +27,8 @@ except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
 
 _CUSTOM_CALL = "mosaic_gpu_v2"
-_KERNEL_NAME = re.compile(r"mosaic_flash_backward_(dkdv|dk|dv|dq)(?![a-z])")
+_KERNEL_NAME = re.compile(
+    r"mosaic_flash_backward_(dq_dkdv|dkdv|dk|dv|dq)(?![a-z])")
 
 
 
@@ -48,7 +49,7 @@ def _kernels(text):
 def _lower(head_dim, is_causal, **shape_and_blocks):
   blocks = {name: shape_and_blocks.pop(name)
             for name in ("block_q", "block_kv", "max_concurrent_steps",
-                         "overlap_softmax")
+                         "overlap_softmax", "fused_dq", "persistent")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
 
@@ -405,3 +406,104 @@ def test_persistent_backward_default_follows_the_measured_table(
       q, k, v, o, l, do, scale=0.1, is_causal=True, **kw)).trace(
           q, q, q, q, lse, q).lower(lowering_platforms=("cuda",)).as_text()
   assert text() == text(persistent=True) != text(persistent=False)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, block_q", [(64, 64), (64, 128),
+                                               (128, 64)])
+def test_fused_dq_lowers_as_one_kernel(head_dim, block_q, is_causal,
+                                       cuda_lowering):
+  """`fused_dq=True`: one kernel computes dq, dk and dv (GQA 2:1, kv_len >
+  q_len), with and without the overlap within a consumer."""
+  for overlap in (True, False):
+    text = _lower(head_dim, is_causal, block_q=block_q, fused_dq=True,
+                  overlap_softmax=overlap)
+    assert _kernels(text) == {"dq_dkdv"}
+    assert "mosaic_flash_backward_dq\"" not in text
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(head_dim=256), "one pass"),
+    (dict(head_dim=128, persistent=True), "launch grid"),
+])
+def test_fused_dq_refuses_what_it_does_not_cover(kwargs, match,
+                                                 cuda_lowering):
+  with pytest.raises(NotImplementedError, match=match):
+    _lower(kwargs.pop("head_dim"), False, fused_dq=True, **kwargs)
+
+
+def test_fused_dq_default_follows_its_table(cuda_lowering, monkeypatch):
+  """`fused_dq=None` fuses where `FUSED_DQ_MIN_KV_LEN` says, and never on a
+  persistent grid or at head_dim 256."""
+  from pallas_kernels.mosaic import backward
+  monkeypatch.setattr(backward, "FUSED_DQ_MIN_KV_LEN", {128: 512})
+  assert backward.fused_dq_by_default(head_dim=128, kv_len=512)
+  assert not backward.fused_dq_by_default(head_dim=128, kv_len=256)
+  assert not backward.fused_dq_by_default(head_dim=64, kv_len=4096)
+  assert _kernels(_lower(128, True, q_len=512, kv_len=512)) == {"dq_dkdv"}
+  assert _kernels(_lower(128, True, q_len=256, kv_len=256)) == {"dq", "dkdv"}
+  assert _kernels(_lower(128, True, q_len=512, kv_len=512,
+                         persistent=True)) == {"dq", "dkdv"}
+
+
+def _fused_everywhere(monkeypatch):
+  from pallas_kernels.mosaic import backward
+  monkeypatch.setattr(backward, "FUSED_DQ_MIN_KV_LEN", {64: 0, 128: 0})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("case", [
+    Case(2, 1024, 1024, 8, 8, 64),    # d=64 ships 128-row Q tiles
+    Case(1, 320, 640, 4, 1, 64),      # 64-row Q tiles, MQA, kv_len > q_len
+    Case(2, 512, 1024, 8, 2, 128),    # GQA 4:1
+    Case(1, 1024, 384, 4, 2, 128),    # q_len > kv_len, odd K/V tile count
+], ids=str)
+def test_fused_dq_matches_reference_on_gpu(case, is_causal, monkeypatch):
+  """The fused backward through the dispatch, in both dtypes, against the
+  reference; and the fused kernel is what ran."""
+  _require_sm90()
+  from pallas_kernels.mosaic import attention as mosaic_attention
+  _fused_everywhere(monkeypatch)
+  attention = jax.jit(lambda q, k, v: _api_layout(*mosaic_attention.
+      mosaic_attention(q, k, v, scale=q.shape[-1]**-0.5, is_causal=is_causal,
+                       backward_blocks=BlockSizes.get_default(case.head_dim))))
+  q = jnp.zeros((case.batch, case.q_len, case.num_heads, case.head_dim),
+                jnp.bfloat16)
+  kv = jnp.zeros((case.batch, case.kv_len, case.num_kv_heads, case.head_dim),
+                 jnp.bfloat16)
+  grad = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v)[0].astype(
+      jnp.float32)), (0, 1, 2))
+  assert _kernels(jax.jit(grad).lower(q, kv, kv).as_text()) == {"dq_dkdv"}
+  for dtype in (jnp.bfloat16, jnp.float16):
+    check_against_reference(attention, case, dtype, is_causal=is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_dq_is_deterministic_on_gpu(head_dim, is_causal):
+  """Many K/V tiles add to each dQ tile; their fixed order makes the f32
+  sums, so the gradients, bitwise the same run after run (an add out of
+  turn would round differently). dk and dv are the unfused kernel's bit for
+  bit; dq differs from it only by rounding."""
+  _require_sm90()
+  case = Case(2, 2048, 2048, 8, 2, head_dim)   # 16 K/V tiles per Q tile
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, 21)
+  scale = head_dim**-0.5
+  out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
+  d_lse = jnp.transpose(d_lse, (0, 2, 1))
+  run = lambda fused: jax.jit(functools.partial(
+      mosaic_backward, scale=scale, is_causal=is_causal, fused_dq=fused,
+      persistent=False))(q, k, v, out, lse, d_out, d_lse)
+  first = run(True)
+  for _ in range(3):
+    for a, b, name in zip(run(True), first, ("dq", "dk", "dv")):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                    err_msg=name)
+  unfused = run(False)
+  for a, b, name in zip(first[1:], unfused[1:], ("dk", "dv")):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  dq, dq_unfused = (np.asarray(x, np.float32) for x in (first[0], unfused[0]))
+  np.testing.assert_allclose(dq, dq_unfused, rtol=0.02,
+                             atol=0.02 * np.abs(dq_unfused).max())

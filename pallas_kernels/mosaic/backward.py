@@ -103,11 +103,23 @@ _THREADS_PER_WARPGROUP = 128
 # but head_dim 64 ships 128-row Q tiles (`attention.backward_tiles`), with
 # which the persistent grid is tested bitwise but not yet timed: off there.
 PERSISTENT_MAX_KV_LEN = {128: 1024, 256: 1024}
+# The fused dQ (`mosaic_backward(fused_dq=None)`), by head dim: the shortest
+# kv_len at which it is the default. Empty until it is measured on the H200.
+FUSED_DQ_MIN_KV_LEN: dict[int, int] = {}
+# Columns of dQ per fused partial tile: one 128-byte swizzle row of bf16 K,
+# so that a column chunk of the resident K is whole tiles.
+_DQ_CHUNK = 64
 
 
 def persistent_by_default(*, head_dim: int, kv_len: int) -> bool:
   """Whether `mosaic_backward(persistent=None)` runs the persistent grid."""
   return kv_len <= PERSISTENT_MAX_KV_LEN.get(head_dim, 0)
+
+
+def fused_dq_by_default(*, head_dim: int, kv_len: int) -> bool:
+  """Whether `mosaic_backward(fused_dq=None)` fuses dQ into dK/dV."""
+  least = FUSED_DQ_MIN_KV_LEN.get(head_dim)
+  return least is not None and kv_len >= least
 
 
 # How a consumer treats a run of streamed steps (see `_walk_runs`).
@@ -146,6 +158,12 @@ class _Static:
   # loads, the ring's fill) overlaps the previous tile's end. Plain form.
   persistent: bool = False
   num_ctas: int = 0
+  # Fused dQ (`mosaic_backward(fused_dq=True)`; dK/dV kernel only): each
+  # step also computes its consumer's share dS K of the Q tile's dQ and adds
+  # it, in f32, to a dQ sum in global memory by TMA reduce-add, in a fixed
+  # order (see `_DqPartial`). 5 matmuls per tile pair instead of 7 (the dQ
+  # kernel's recomputed S and dP go). Launch grid, plain form.
+  fused_dq: bool = False
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
   spec: Any = None
@@ -164,7 +182,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     block_kv: int = 64, max_concurrent_steps: int = 2,
                     heavy_first: bool = True, overlap_softmax: bool = True,
                     persistent: bool | None = None,
-                    num_ctas: int | None = None):
+                    num_ctas: int | None = None,
+                    fused_dq: bool | None = None):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -199,6 +218,12 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       across them; bitwise the launch grid's results. None: where measured
       faster (`persistent_by_default`).
     num_ctas: CTAs of the persistent grid; None: the GPU's SM count.
+    fused_dq: one kernel: the dK/dV kernel also sums dQ, in float32 in
+      global memory, each K/V tile adding its part in a fixed order (see
+      `_DqPartial`), so the results are deterministic; 5 matmuls per
+      (Q tile, K/V tile) pair instead of the dQ kernel's extra 3 less its 1.
+      Launch grid only, and only where dK and dV fit one pass (head_dim up
+      to 128). None: where measured faster (`fused_dq_by_default`).
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -213,32 +238,42 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                   max_concurrent_steps=max_concurrent_steps)
   tiles = dict(scale=scale, is_causal=is_causal, block_q=block_q,
                block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
+  head_dim, kv_len = query.shape[-1], key.shape[1]
+  if fused_dq is None:
+    fused_dq = not persistent and fused_dq_by_default(head_dim=head_dim,
+                                                      kv_len=kv_len)
   if persistent is None:
-    persistent = persistent_by_default(head_dim=query.shape[-1],
-                                       kv_len=key.shape[1])
+    persistent = not fused_dq and persistent_by_default(head_dim=head_dim,
+                                                        kv_len=kv_len)
   # Configuring raises for tiles that do not fit, before any work is traced.
   dq_config, dkdv_configs = statics(query, key, heavy_first=heavy_first,
                                     overlap_softmax=overlap_softmax,
                                     persistent=persistent, num_ctas=num_ctas,
-                                    **tiles)
+                                    fused_dq=fused_dq, **tiles)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
 
-def gradients(query, key, value, d_out, stats, dq_config: _Static,
+def gradients(query, key, value, d_out, stats, dq_config: _Static | None,
               dkdv_configs: list[_Static], *, dq_plan=None, dkdv_plan=None,
               segments=None):
-  """(dq, dk, dv) by the dQ kernel and the dK/dV pass(es).
+  """(dq, dk, dv) by the dQ kernel and the dK/dV pass(es), or by the one
+  fused kernel.
 
   Args:
     query, key, value, d_out: as `mosaic_backward`'s.
     stats: `row_statistics`, float32 [batch, num_heads, 2, rows].
-    dq_config, dkdv_configs: from `dq_static` and `dkdv_statics`.
+    dq_config, dkdv_configs: from `dq_static` and `dkdv_statics` (`statics`:
+      dq_config None when the dK/dV kernel is fused with dQ).
     dq_plan, dkdv_plan: the ranged kernels' plan rows, int32
       [batch, num_tiles, PLAN_WIDTH] (see `masked.tile_plans`), or None.
     segments: the ranged kernels' (q ids [batch, q_len], kv ids
       [batch, kv_len]) when the spec has segment ids, else None.
   """
+  if dq_config is None:
+    (static,) = dkdv_configs
+    dq_sum, dk, dv = launch_dkdv(query, key, value, d_out, stats, static)
+    return (dq_sum * static.scale).astype(query.dtype), dk, dv
   dq = launch_dq(query, key, value, d_out, stats, dq_config, plan=dq_plan,
                  segments=segments)
   grads = {}
@@ -364,10 +399,18 @@ def _num_consumers(length, block, smem_of) -> int:
 
 def statics(query, key, *, heavy_first: bool = True,
             overlap_softmax: bool = False, persistent: bool = False,
-            num_ctas: int | None = None, **tiles):
+            num_ctas: int | None = None, fused_dq: bool = False, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
-  are their keyword arguments."""
+  are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax))
+  if fused_dq:
+    if persistent:
+      raise NotImplementedError("the fused dQ runs on the launch grid only: "
+                                "its K/V tiles wait for each other in order")
+    if tiles.get("spec") is not None:
+      raise NotImplementedError("the ranged backward has no fused dQ")
+    return None, [dataclasses.replace(config, **options) for config in
+                  dkdv_statics(query, key, fused_dq=True, **tiles)]
   dq_config = dataclasses.replace(dq_static(query, key, **tiles),
                                   heavy_first=bool(heavy_first), **options)
   dkdv_configs = [dataclasses.replace(config, **options)
@@ -419,8 +462,11 @@ def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
 
 
 def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
-                 max_concurrent_steps, spec=None) -> list[_Static]:
-  """One pass computing dK and dV, or one pass each if registers demand."""
+                 max_concurrent_steps, spec=None,
+                 fused_dq: bool = False) -> list[_Static]:
+  """One pass computing dK and dV, or one pass each if registers demand;
+  `fused_dq`: the one pass that also sums dQ (raises where there is none).
+  """
   _, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   scores = (block_kv, block_q)
@@ -436,6 +482,14 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
           f"{head_dim} needs {registers} accumulator registers per thread "
           f"even one output at a time; at most {_ACCUMULATOR_REGISTERS} fit")
     passes = [("dk",), ("dv",)]
+  if fused_dq and len(passes) > 1:
+    raise NotImplementedError(
+        f"the fused dQ needs dK and dV in one pass; at head_dim {head_dim} "
+        f"they take two")
+  if fused_dq and (head_dim % _DQ_CHUNK or block_q % 64):
+    raise NotImplementedError(
+        f"the fused dQ needs head_dim a multiple of {_DQ_CHUNK} and block_q "
+        f"of 64; got {head_dim}, {block_q}")
   group = num_heads // num_kv_heads
   num_q_blocks = pl.cdiv(q_len, block_q)
   stages = min(max_concurrent_steps, group * num_q_blocks)
@@ -445,7 +499,11 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
       itemsize=jnp.dtype(query.dtype).itemsize, resident_stats=0,
       streamed_stats=block_q) + _ranged_smem_bytes(
           spec, num_consumers=consumers, num_stages=stages,
-          resident_rows=block_kv, streamed_rows=block_q)
+          resident_rows=block_kv, streamed_rows=block_q) + (
+              fused_dq and _fused_dq_smem_bytes(
+                  num_consumers=consumers, block_q=block_q,
+                  block_kv=block_kv, head_dim=head_dim,
+                  itemsize=jnp.dtype(query.dtype).itemsize))
   consumers = _num_consumers(_tiled_length(kv_len, block_kv, spec), block_kv,
                              smem_of)
   return [
@@ -454,8 +512,17 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
               num_kv_blocks=pl.cdiv(kv_len, block_kv), head_dim=head_dim,
               group=group, scale=float(scale),
               scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
-              dtype=jnp.dtype(query.dtype), outputs=outputs, spec=spec)
+              dtype=jnp.dtype(query.dtype), outputs=outputs, spec=spec,
+              fused_dq=bool(fused_dq))
       for outputs in passes]
+
+
+def _fused_dq_smem_bytes(*, num_consumers, block_q, block_kv, head_dim,
+                         itemsize) -> int:
+  """The fused dQ's extra shared memory: per consumer its dSᵀ tile (16
+  bits) and its f32 dQ partial, staged for the TMA reduce-add."""
+  return num_consumers * (block_kv * block_q * itemsize
+                          + block_q * head_dim * 4)
 
 
 def _tile_transforms(dtype):
@@ -472,7 +539,9 @@ def _tile_transforms(dtype):
 
 def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
                 plan=None, segments=None):
-  """Launches the dK/dV kernel for `static.outputs`; returns them in order.
+  """Launches the dK/dV kernel for `static.outputs`; returns them in order
+  (fused dQ: the f32 [batch, q_len, num_heads, head_dim] sum of dS K, not
+  yet scaled, first).
 
   Ranged: `plan` int32 [batch, num_kv_tiles, PLAN_WIDTH]; `segments` as
   `gradients` takes them.
@@ -504,6 +573,15 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
     inputs += (plan, *(segments or ()))
   out_type = tuple(jax.ShapeDtypeStruct(key.shape, key.dtype)
                    for _ in static.outputs)
+  if static.fused_dq:
+    scratch += (
+        plgpu.SMEM((consumers, static.block_kv, static.block_q),
+                   static.dtype, transforms=transforms),  # dSᵀ
+        plgpu.SMEM((consumers, head_dim // _DQ_CHUNK, static.block_q,
+                    _DQ_CHUNK), jnp.float32,
+                   transforms=_tile_transforms(jnp.float32)),  # dQ partial
+    )
+    out_type = (jax.ShapeDtypeStruct(query.shape, jnp.float32),) + out_type
   results = plgpu.kernel(
       functools.partial(_dkdv_kernel, static=static),
       out_type=out_type,
@@ -513,7 +591,8 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
                        num_kv_heads, batch), ("kv_tile", "kv_head", "batch")),
       num_threads=consumers + 1,
       thread_name="wg",
-      kernel_name=_kernel_name(static, "".join(static.outputs)),
+      kernel_name=_kernel_name(
+          static, "".join(("dq_",) * static.fused_dq + static.outputs)),
       compiler_params=compat.compiler_params(approx_math=True),
   )(*inputs)
   return tuple(results)
@@ -529,10 +608,10 @@ def _dkdv_kernel(*refs, static: _Static):
   of streamed steps running on across tiles (see `_produce`).
   """
   num_inputs = 5 + static.ranged + 2 * static.segmented
-  num_out = len(static.outputs)
+  names = ("dq_sum",) * static.fused_dq + static.outputs
   inputs = refs[:num_inputs]
-  out_refs = dict(zip(static.outputs, refs[num_inputs:num_inputs + num_out]))
-  scratch = refs[num_inputs + num_out:]
+  out_refs = dict(zip(names, refs[num_inputs:num_inputs + len(names)]))
+  scratch = refs[num_inputs + len(names):]
   wg = lax.axis_index("wg")
   batch_size, kv_len, num_kv_heads, _ = inputs[1].shape
   tile = functools.partial(_dkdv_tile, inputs, out_refs, scratch,
@@ -578,6 +657,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   q_ref, k_ref, v_ref, do_ref, stats_ref = inputs[:5]
   (k_smem, v_smem, q_ring, do_ring, stats_ring, k_arrived, v_arrived,
    q_arrived, do_arrived, stats_arrived, consumed) = scratch[:11]
+  batch_size, _, num_heads, _ = q_ref.shape
   tile_start = kv_tile * (static.num_consumers * static.block_kv)
   plan, ids = _ranged_refs(static, inputs[5:], scratch[11:], batch=batch,
                            tile=kv_tile, own_is_query=False)
@@ -601,9 +681,19 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                               v_arrived.at[wg])
       plgpu.barrier_wait(v_arrived.at[wg])
     plgpu.barrier_wait(k_arrived.at[wg])
+    partial = None
+    if static.fused_dq:
+      ds_smem, dq_stage = scratch[11:13]
+      partial = _DqPartial(
+          ds=ds_smem.at[wg], stage=dq_stage.at[wg], k=own_k,
+          dq_sum=out_refs["dq_sum"],
+          turns=pl.get_global(plgpu.SemaphoreType.REGULAR(
+              (batch_size * num_heads * static.num_q_blocks,))),
+          order=kv_tile * static.num_consumers + wg, batch=batch,
+          first_head=kv_head * static.group)
     if plan is None:
-      walk = _Walk(first, per_head, _dkdv_causal_runs(kv_start, first, static),
-                   None)
+      walk = _Walk(first, per_head, _dkdv_causal_runs(
+          kv_start, first, static, skips=not static.fused_dq), None)
       tile_mask = lambda i, slot: _causal_mask_t(kv_start, i, static)
     else:
       walk = _ranged_walk(plan, wg)
@@ -614,7 +704,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                                             shape, own_is_query=False))
     grads = _dkdv_consume(own_k, own_v, q_ring, do_ring, stats_ring, arrived,
                           consumed, walk=walk, tile_mask=tile_mask,
-                          static=static, base=base)
+                          static=static, base=base, partial=partial)
     # K and V are dead: write the gradients through their buffers.
     staged = {"dk": own_k, "dv": own_v}
     for name, grad in zip(static.outputs, grads):
@@ -666,13 +756,14 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
 
 def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
                   consumed, *, walk: _Walk, tile_mask, static: _Static,
-                  base=None):
+                  base=None, partial: _DqPartial | None = None):
   """Consumer: dK, dV (f32, unscaled dK) of its `block_kv` K/V rows.
 
   Walks the producer's steps: for each query head of the group, Q tiles
   [walk.first, walk.first + walk.num_blocks), treated as `walk.runs` say
   (skipped, masked by `tile_mask(q_block, slot)`, or unmasked). Persistent:
-  the ring slots count on from `base`.
+  the ring slots count on from `base`. Fused dQ (`partial`): each step also
+  adds this consumer's dS K to the Q tile's dQ sum (`_add_dq_partial`).
   """
   slot_of = lambda step: lax.rem(step if base is None else base + step,
                                  static.num_stages)
@@ -680,8 +771,12 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       jnp.zeros((static.block_kv, static.head_dim), jnp.float32),
       plgpu.Layout.WGMMA)
   grads = tuple(zeros for _ in static.outputs)
+  # The loop carry: the gradients, and with the fused dQ the turn of the
+  # Q tile whose partial is still on its way to memory (-1: none).
+  carry = grads if partial is None else (grads, jnp.int32(-1))
 
-  def step_body(i, grads, *, head_base, masked):
+  def step_body(i, carry, *, head_base, g, masked):
+    grads, handed = carry if partial is not None else (carry, None)
     slot = slot_of(head_base + i)
     for barrier in arrived:
       plgpu.barrier_wait(barrier.at[slot])
@@ -698,14 +793,15 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         p_t = jnp.where(tile_mask(i, slot), p_t, 0.0)
       return p_t, slope
 
+    ds_smem = None if partial is None else partial.ds
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
       (p_t, slope), *dp_t = _wgmma_then(shape, products, probabilities)
       grads = _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile,
                                           do_tile, stats_ring.at[slot],
-                                          static)
+                                          static, ds_smem=ds_smem)
       plgpu.barrier_arrive(consumed.at[slot])
-      return grads
+      return finish(grads, handed, g, i)
     s_t, *dp_t = _wgmma_fresh(shape, products)
     p_t, slope = probabilities(s_t)
     updates = []
@@ -716,36 +812,121 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         delta = plgpu.layout_cast(stats_ring[slot, 1],
                                   plgpu.Layout.WGMMA.reduce(0))
         ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, s_t.shape), slope)
-        updates.append((ds_t.astype(static.dtype), q_tile))  # dK += dSᵀ Q
+        ds_t = ds_t.astype(static.dtype)
+        updates.append((ds_t, q_tile))  # dK += dSᵀ Q
+        if ds_smem is not None:
+          ds_smem[...] = ds_t
     grads = _wgmma_accumulate(grads, updates)
     plgpu.barrier_arrive(consumed.at[slot])
-    return grads
+    return finish(grads, handed, g, i)
 
-  def skip_body(i, grads, *, head_base):
+  def finish(grads, handed, g, q_block):
+    if partial is None:
+      return grads
+    return grads, _add_dq_partial(partial, handed, q_head=partial.first_head
+                                  + g, q_block=q_block, static=static)
+
+  def skip_body(i, carry, *, head_base):
     _skip_step(arrived, consumed, slot_of(head_base + i))
-    return grads
+    return carry
 
-  def head_body(g, grads):
+  def head_body(g, carry):
     # Step of Q tile i of query head g is head_base + i.
     head_base = g * walk.num_blocks - walk.first
     return _walk_runs(walk.runs, {
         _SKIP: functools.partial(skip_body, head_base=head_base),
-        _MASKED: functools.partial(step_body, head_base=head_base,
+        _MASKED: functools.partial(step_body, head_base=head_base, g=g,
                                    masked=True),
-        _UNMASKED: functools.partial(step_body, head_base=head_base,
-                                     masked=False)}, grads)
+        _UNMASKED: functools.partial(step_body, head_base=head_base, g=g,
+                                     masked=False)}, carry)
 
-  grads = lax.fori_loop(0, static.group, head_body, grads)
+  carry = lax.fori_loop(0, static.group, head_body, carry)
+  if partial is None:
+    grads = carry
+  else:
+    grads, handed = carry
+    # The last partial reaches memory before the next K/V tile's turn.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+    _hand_on(partial, handed)
   return tuple(grad * static.scale if name == "dk" else grad
                for name, grad in zip(static.outputs, grads))
 
 
+class _DqPartial(NamedTuple):
+  """A consumer's share in the fused dQ (`_Static.fused_dq`).
+
+  Every Q tile's dQ is a sum over the K/V tiles (and within a CTA, the
+  consumers) that see it. Each adds its dS K, f32, by TMA reduce-add into
+  `dq_sum`, the first one storing instead; in a fixed order, so that the
+  float sums are the same every run: consumer c of K/V tile j is the
+  (j * num_consumers + c)-th, and waits on the Q tile's turn semaphore until
+  every earlier one has handed it on (`_hand_on`, once its add has reached
+  memory). All earlier ones add to the Q tile too: under causal masking,
+  K/V tile j sees Q tiles from j's diagonal on, a superset of those of later
+  tiles, and a consumer walks (masked) also the steps its rows do not need.
+  The earlier tiles are launched first (kv_tile is the grid's fastest axis),
+  so a wait never waits for a CTA that is not running or done.
+  """
+  ds: Any          # [block_kv, block_q] 16-bit: the step's dSᵀ
+  stage: Any       # f32 [head_dim // _DQ_CHUNK, block_q, _DQ_CHUNK]
+  k: Any           # [block_kv, head_dim]: the consumer's K rows
+  dq_sum: Any      # f32 [batch, q_len, num_heads, head_dim], global
+  turns: Any       # int32 semaphores [batch * num_heads * num_q_blocks]
+  order: Any       # this consumer's place in every Q tile's sum
+  batch: Any
+  first_head: Any  # the query head of the GQA group's first member
+
+
+def _add_dq_partial(partial: _DqPartial, handed, *, q_head, q_block,
+                    static: _Static):
+  """Adds dQ[q_block] += dS K for the step whose dSᵀ is in `partial.ds`;
+  returns the turn semaphore's index, to hand on once the add is in memory.
+
+  `handed` is the previous step's index (-1: none): its add has had a whole
+  step to land, so waiting for it here rarely waits, and the next K/V tile
+  gets its turn one step after this one's.
+  """
+  plgpu.commit_smem()  # dSᵀ, written by this warpgroup, read by wgmma
+  plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+  _hand_on(partial, handed)
+  rows = pl.ds(q_block * static.block_q, static.block_q)
+  chunks = static.head_dim // _DQ_CHUNK
+  for c in range(chunks):  # [block_q, _DQ_CHUNK] f32 at a time: registers
+    cols = pl.ds(c * _DQ_CHUNK, _DQ_CHUNK)
+    (dq,) = _wgmma_fresh((static.block_q, _DQ_CHUNK), [
+        (partial.ds.transpose((1, 0)), partial.k.at[:, cols])])
+    partial.stage[c] = dq
+  plgpu.commit_smem()
+  batch_size, _, num_heads, _ = partial.dq_sum.shape
+  turn = (partial.batch * num_heads + q_head) * static.num_q_blocks + q_block
+  plgpu.semaphore_wait(partial.turns.at[turn], partial.order, decrement=False,
+                       memory_scope="gpu")
+  first = partial.order == 0
+  for c in range(chunks):
+    dst = partial.dq_sum.at[partial.batch, rows, q_head,
+                            pl.ds(c * _DQ_CHUNK, _DQ_CHUNK)]
+    pl.when(first)(functools.partial(plgpu.copy_smem_to_gmem,
+                                     partial.stage.at[c], dst))
+    pl.when(jnp.logical_not(first))(functools.partial(
+        plgpu.copy_smem_to_gmem, partial.stage.at[c], dst,
+        reduction_op="add"))
+  return turn
+
+
+def _hand_on(partial: _DqPartial, turn):
+  """Passes Q tile `turn`'s dQ sum to the next consumer in order (no-op
+  for -1). Call once this consumer's add to it has reached memory."""
+  pl.when(turn >= 0)(lambda: plgpu.semaphore_signal(
+      partial.turns.at[turn], 1, memory_scope="gpu"))
+
+
 def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
-                                stats, static: _Static):
+                                stats, static: _Static, ds_smem=None):
   """`grads` (in `static.outputs` order) plus this step's dV += Pᵀ dO and
   dK += dSᵀ Q, with dV's wgmma issued first, so that dS is computed while
   it runs. `dp_t` is [dPᵀ] when dK is an output, else []; `stats` is the
-  step's [2, block_q] (lse, delta) slot."""
+  step's [2, block_q] (lse, delta) slot; `ds_smem` (fused dQ) receives dSᵀ
+  while dK's wgmma runs."""
   def issue(grad_refs):
     named = dict(zip(static.outputs, grad_refs))
     if "dv" in named:
@@ -753,19 +934,27 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
     if "dk" in named:
       delta = plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0))
       ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, p_t.shape), slope)
-      plgpu.wgmma(named["dk"], ds_t.astype(static.dtype), q_tile)
+      ds_t = ds_t.astype(static.dtype)
+      plgpu.wgmma(named["dk"], ds_t, q_tile)
+      if ds_smem is not None:
+        ds_smem[...] = ds_t
 
   return pl.run_state(issue)(tuple(plgpu.ACC.init(grad) for grad in grads))
 
 
-def _dkdv_causal_runs(kv_start, first, static: _Static):
+def _dkdv_causal_runs(kv_start, first, static: _Static, *, skips=True):
   """The plain kernel's runs over Q tiles [first, num_q_blocks) for K/V rows
   from kv_start: causal, skip the tiles wholly above the diagonal for these
-  rows and mask those that straddle it."""
+  rows and mask those that straddle it. Without `skips` (the fused dQ, where
+  every consumer adds to every streamed Q tile's sum) the tiles above the
+  diagonal are masked instead: wholly, to a zero dS."""
   if not static.is_causal:
     return ((0, static.num_q_blocks, _UNMASKED),)
   own_first = _first_q_block(kv_start, static)
   own_unmasked = _first_unmasked_q_block(kv_start, static)
+  if not skips:
+    return ((first, own_unmasked, _MASKED),
+            (own_unmasked, static.num_q_blocks, _UNMASKED))
   return ((first, own_first, _SKIP), (own_first, own_unmasked, _MASKED),
           (own_unmasked, static.num_q_blocks, _UNMASKED))
 
