@@ -95,6 +95,10 @@ _MAX_CONSUMERS = 2
 # warpgroup is m * n / 128 registers per thread.
 _ACCUMULATOR_REGISTERS = 192
 _THREADS_PER_WARPGROUP = 128
+# The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
+# the producer: 2 * 232 + 24 + 24 = 512 per thread slot (see forward's
+# `_CONSUMER_REGISTERS`). 24 is setmaxnreg's least; both only issue TMA.
+_FUSED_PRODUCER_REGISTERS = 24
 # The persistent grid (`mosaic_backward(persistent=None)`), by head dim: the
 # longest kv_len at which it is the default. Session 6's A/B on the H200
 # (results/h200_mosaic_persistent_backward.md, backward alone, 64 x 64
@@ -106,9 +110,11 @@ PERSISTENT_MAX_KV_LEN = {128: 1024, 256: 1024}
 # The fused dQ (`mosaic_backward(fused_dq=None)`), by head dim: the shortest
 # kv_len at which it is the default. Empty until it is measured on the H200.
 FUSED_DQ_MIN_KV_LEN: dict[int, int] = {}
-# Columns of dQ per fused partial tile: one 128-byte swizzle row of bf16 K,
-# so that a column chunk of the resident K is whole tiles.
-_DQ_CHUNK = 64
+# The fused dQ splits each Q tile's dQ into [_DQ_PIECE, _DQ_PIECE] pieces,
+# shared out among the consumers: 64 rows, a wgmma's height, by 64 columns,
+# one 128-byte swizzle row of 16-bit K, so that a piece's slice of the
+# resident K (and of dSᵀ) is whole swizzle tiles.
+_DQ_PIECE = 64
 
 
 def persistent_by_default(*, head_dim: int, kv_len: int) -> bool:
@@ -159,10 +165,11 @@ class _Static:
   persistent: bool = False
   num_ctas: int = 0
   # Fused dQ (`mosaic_backward(fused_dq=True)`; dK/dV kernel only): each
-  # step also computes its consumer's share dS K of the Q tile's dQ and adds
-  # it, in f32, to a dQ sum in global memory by TMA reduce-add, in a fixed
-  # order (see `_DqPartial`). 5 matmuls per tile pair instead of 7 (the dQ
-  # kernel's recomputed S and dP go). Launch grid, plain form.
+  # step also computes the CTA's dS K for the Q tile, the consumers sharing
+  # out its pieces, and a fourth warpgroup adds it, in f32, to a dQ sum in
+  # global memory by TMA reduce-add, in a fixed order (see `_FusedDq`). 5
+  # matmuls per tile pair instead of 7 (the dQ kernel's recomputed S and dP
+  # go). Launch grid, plain form.
   fused_dq: bool = False
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
@@ -220,7 +227,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     num_ctas: CTAs of the persistent grid; None: the GPU's SM count.
     fused_dq: one kernel: the dK/dV kernel also sums dQ, in float32 in
       global memory, each K/V tile adding its part in a fixed order (see
-      `_DqPartial`), so the results are deterministic; 5 matmuls per
+      `_FusedDq`), so the results are deterministic; 5 matmuls per
       (Q tile, K/V tile) pair instead of the dQ kernel's extra 3 less its 1.
       Launch grid only, and only where dK and dV fit one pass (head_dim up
       to 128). None: where measured faster (`fused_dq_by_default`).
@@ -486,10 +493,6 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
     raise NotImplementedError(
         f"the fused dQ needs dK and dV in one pass; at head_dim {head_dim} "
         f"they take two")
-  if fused_dq and (head_dim % _DQ_CHUNK or block_q % 64):
-    raise NotImplementedError(
-        f"the fused dQ needs head_dim a multiple of {_DQ_CHUNK} and block_q "
-        f"of 64; got {head_dim}, {block_q}")
   group = num_heads // num_kv_heads
   num_q_blocks = pl.cdiv(q_len, block_q)
   stages = min(max_concurrent_steps, group * num_q_blocks)
@@ -506,6 +509,13 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
                   itemsize=jnp.dtype(query.dtype).itemsize))
   consumers = _num_consumers(_tiled_length(kv_len, block_kv, spec), block_kv,
                              smem_of)
+  if fused_dq and (_dq_pieces(block_q, head_dim) % consumers
+                   or block_kv % _DQ_PIECE):
+    raise NotImplementedError(
+        f"the fused dQ shares the [{block_q}, {head_dim}] dQ tile among "
+        f"{consumers} consumers in [{_DQ_PIECE}, {_DQ_PIECE}] pieces and "
+        f"needs block_kv a multiple of {_DQ_PIECE} (got {block_kv}): "
+        f"the pieces must share out evenly")
   return [
       _Static(block_q=block_q, block_kv=block_kv, num_consumers=consumers,
               num_stages=stages, num_q_blocks=num_q_blocks,
@@ -519,10 +529,16 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
 
 def _fused_dq_smem_bytes(*, num_consumers, block_q, block_kv, head_dim,
                          itemsize) -> int:
-  """The fused dQ's extra shared memory: per consumer its dSᵀ tile (16
-  bits) and its f32 dQ partial, staged for the TMA reduce-add."""
-  return num_consumers * (block_kv * block_q * itemsize
-                          + block_q * head_dim * 4)
+  """The fused dQ's extra shared memory: every consumer's dSᵀ tile (16
+  bits) and the CTA's f32 dQ tile, staged in pieces for the TMA reduce-add;
+  twice each (this step's and the last)."""
+  return 2 * (num_consumers * block_kv * block_q * itemsize
+              + block_q * head_dim * 4)
+
+
+def _dq_pieces(block_q: int, head_dim: int) -> int:
+  """[_DQ_PIECE, _DQ_PIECE] pieces of a [block_q, head_dim] dQ tile."""
+  return pl.cdiv(block_q, _DQ_PIECE) * pl.cdiv(head_dim, _DQ_PIECE)
 
 
 def _tile_transforms(dtype):
@@ -574,28 +590,49 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
   out_type = tuple(jax.ShapeDtypeStruct(key.shape, key.dtype)
                    for _ in static.outputs)
   if static.fused_dq:
+    # Two of each, by step parity: a step's are still read while the next
+    # step's are written.
     scratch += (
-        plgpu.SMEM((consumers, static.block_kv, static.block_q),
+        plgpu.SMEM((2, consumers, static.block_kv, static.block_q),
                    static.dtype, transforms=transforms),  # dSᵀ
-        plgpu.SMEM((consumers, head_dim // _DQ_CHUNK, static.block_q,
-                    _DQ_CHUNK), jnp.float32,
-                   transforms=_tile_transforms(jnp.float32)),  # dQ partial
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=2),  # ds_stored
+        plgpu.SMEM((2, _dq_pieces(static.block_q, head_dim), _DQ_PIECE,
+                    _DQ_PIECE), jnp.float32,
+                   transforms=_tile_transforms(jnp.float32)),  # dQ pieces
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=2),  # dq_staged
+        plgpu.Barrier(num_barriers=2),                        # stage_free
     )
     out_type = (jax.ShapeDtypeStruct(query.shape, jnp.float32),) + out_type
   results = plgpu.kernel(
       functools.partial(_dkdv_kernel, static=static),
       out_type=out_type,
       scratch_types=scratch,
-      # kv_tile fastest: neighbouring CTAs stream the same Q tiles from L2.
-      **_grid(static, (pl.cdiv(kv_len, consumers * static.block_kv),
-                       num_kv_heads, batch), ("kv_tile", "kv_head", "batch")),
-      num_threads=consumers + 1,
+      **_grid(static, *_dkdv_launch_grid(
+          static, num_kv_tiles=pl.cdiv(kv_len, consumers * static.block_kv),
+          num_kv_heads=num_kv_heads, batch=batch)),
+      num_threads=consumers + 1 + static.fused_dq,  # + the dQ writer
       thread_name="wg",
       kernel_name=_kernel_name(
           static, "".join(("dq_",) * static.fused_dq + static.outputs)),
       compiler_params=compat.compiler_params(approx_math=True),
   )(*inputs)
   return tuple(results)
+
+
+def _dkdv_launch_grid(static: _Static, *, num_kv_tiles, num_kv_heads, batch):
+  """(grid, names) of the dK/dV kernel's launch grid, fastest axis first.
+
+  kv_tile fastest: neighbouring CTAs stream the same Q tiles from L2. The
+  fused dQ puts it slowest instead: K/V tile j of a head waits for tile
+  j - 1's turn on each Q tile (`_FusedDq`), and with the other heads' tiles
+  launched in between, tile j - 1 is a few steps ahead by the time tile j
+  starts, rather than both starting together and tile j waiting.
+  """
+  if static.fused_dq:
+    return ((num_kv_heads, batch, num_kv_tiles),
+            ("kv_head", "batch", "kv_tile"))
+  return ((num_kv_tiles, num_kv_heads, batch),
+          ("kv_tile", "kv_head", "batch"))
 
 
 def _dkdv_kernel(*refs, static: _Static):
@@ -625,8 +662,8 @@ def _dkdv_kernel(*refs, static: _Static):
 def _each_tile(tile, wg, *, static: _Static, tile_axes, num_tiles, num_heads,
                batch):
   """Runs `tile(batch, head, tile, wg, base, consumer)` in each warpgroup
-  (consumers first raise their register budget, the producer lowers its
-  own): once, on the launch grid's `tile_axes` with `base` None; on a
+  (consumers first raise their register budget, the producer, and the
+  fused dQ's writer, lower theirs): once, on the launch grid's `tile_axes` with `base` None; on a
   persistent grid, for each of the CTA's tiles, `base` counting the
   streamed steps before it (`tile` returns its step count)."""
   def run(registers, action, consumer):
@@ -645,8 +682,10 @@ def _each_tile(tile, wg, *, static: _Static, tile_axes, num_tiles, num_heads,
 
   pl.when(wg < static.num_consumers)(
       lambda: run(_CONSUMER_REGISTERS, "increase", True))
-  pl.when(wg == static.num_consumers)(
-      lambda: run(_PRODUCER_REGISTERS, "decrease", False))
+  # The producer, and with the fused dQ the dQ writer after it.
+  pl.when(wg >= static.num_consumers)(lambda: run(
+      _FUSED_PRODUCER_REGISTERS if static.fused_dq else _PRODUCER_REGISTERS,
+      "decrease", False))
 
 
 def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
@@ -669,6 +708,10 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
     per_head = static.num_q_blocks - first
     num_steps = static.group * per_head
   arrived = (q_arrived, do_arrived, stats_arrived) + _ids_arrived(ids)
+  fused = None
+  if static.fused_dq:
+    fused = _FusedDq(*scratch[11:16], k=k_smem, dq_sum=out_refs["dq_sum"],
+                     turns=None)  # the writer's alone: `_writer`
 
   def _consumer():
     kv_start = tile_start + wg * static.block_kv
@@ -681,19 +724,15 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                               v_arrived.at[wg])
       plgpu.barrier_wait(v_arrived.at[wg])
     plgpu.barrier_wait(k_arrived.at[wg])
-    partial = None
-    if static.fused_dq:
-      ds_smem, dq_stage = scratch[11:13]
-      partial = _DqPartial(
-          ds=ds_smem.at[wg], stage=dq_stage.at[wg], k=own_k,
-          dq_sum=out_refs["dq_sum"],
-          turns=pl.get_global(plgpu.SemaphoreType.REGULAR(
-              (batch_size * num_heads * static.num_q_blocks,))),
-          order=kv_tile * static.num_consumers + wg, batch=batch,
-          first_head=kv_head * static.group)
-    if plan is None:
-      walk = _Walk(first, per_head, _dkdv_causal_runs(
-          kv_start, first, static, skips=not static.fused_dq), None)
+    q_of = None
+    if fused is not None:
+      # Position p of the walk is Q tile `q_of(p)` (see `_fused_q_block`).
+      q_of = functools.partial(_fused_q_block, first=first, static=static)
+      walk = _Walk(0, per_head, _fused_runs(kv_start, first, static), None)
+      tile_mask = lambda i, slot: _causal_mask_t(kv_start, i, static)
+    elif plan is None:
+      walk = _Walk(first, per_head, _dkdv_causal_runs(kv_start, first, static),
+                   None)
       tile_mask = lambda i, slot: _causal_mask_t(kv_start, i, static)
     else:
       walk = _ranged_walk(plan, wg)
@@ -704,7 +743,8 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                                             shape, own_is_query=False))
     grads = _dkdv_consume(own_k, own_v, q_ring, do_ring, stats_ring, arrived,
                           consumed, walk=walk, tile_mask=tile_mask,
-                          static=static, base=base, partial=partial)
+                          static=static, base=base, fused=fused, wg=wg,
+                          q_of=q_of)
     # K and V are dead: write the gradients through their buffers.
     staged = {"dk": own_k, "dv": own_v}
     for name, grad in zip(static.outputs, grads):
@@ -729,8 +769,11 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       # there is a step.
       divisor = jnp.maximum(union_per_head, 1)
       g, i = lax.div(step, divisor), lax.rem(step, divisor)
-      return kv_head * static.group + g, pl.ds(
-          (union_first + i) * static.block_q, static.block_q)
+      q_block = union_first + i
+      if fused is not None:
+        q_block = _fused_q_block(i, first=first, static=static)
+      return kv_head * static.group + g, pl.ds(q_block * static.block_q,
+                                               static.block_q)
 
     def tile(ref):
       def source(step):
@@ -750,20 +793,65 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                       ids.ring, ids.ring_arrived))
     _produce(streams, consumed, union_steps, static, base=base)
 
-  (_consumer if consumer else _producer)()
+  def _writer():
+    def head_and_block(step):
+      g, i = lax.div(step, per_head), lax.rem(step, per_head)
+      return (kv_head * static.group + g,
+              _fused_q_block(i, first=first, static=static))
+    turns = pl.get_global(plgpu.SemaphoreType.REGULAR(
+        (batch_size * num_heads * static.num_q_blocks,)))
+    _write_dq(fused._replace(turns=turns), batch=batch, order=kv_tile,
+              num_steps=num_steps, head_and_block=head_and_block,
+              static=static)
+
+  if consumer:
+    _consumer()
+  else:
+    pl.when(wg == static.num_consumers)(_producer)
+    if fused is not None:
+      pl.when(wg == static.num_consumers + 1)(_writer)
   return num_steps
+
+
+def _fused_q_block(i, *, first, static: _Static):
+  """The Q tile of position i of a fused dK/dV tile's walk over Q tiles
+  [first, num_q_blocks): in order, or under causal masking from the last
+  down. Each K/V tile adds to a Q tile's dQ after the one before it
+  (`_FusedDq`); walking down, every K/V tile reaches a Q tile at the same
+  step, so that each needs only to trail the one before it by a step, as
+  without a mask. Walking up, tile j would start at Q tile 2j, two steps
+  before tile j - 1 reaches it, and so wait: the more, the later j."""
+  if static.is_causal:
+    return static.num_q_blocks - 1 - i
+  return first + i
+
+
+def _fused_runs(kv_start, first, static: _Static):
+  """The fused kernel's runs over walk positions [0, num_q_blocks - first)
+  (`_fused_q_block`) for K/V rows from kv_start. A consumer computes every
+  step, its rows' or not (the pieces of dQ it computes need both
+  consumers' dSᵀ): under causal masking, first the Q tiles wholly below the
+  diagonal for these rows, then those at or above it, masked (wholly: to a
+  zero dS)."""
+  if not static.is_causal:
+    return ((0, static.num_q_blocks, _UNMASKED),)
+  unmasked = static.num_q_blocks - _first_unmasked_q_block(kv_start, static)
+  return ((0, unmasked, _UNMASKED),
+          (unmasked, static.num_q_blocks - first, _MASKED))
 
 
 def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
                   consumed, *, walk: _Walk, tile_mask, static: _Static,
-                  base=None, partial: _DqPartial | None = None):
+                  base=None, fused: _FusedDq | None = None, wg=None,
+                  q_of=None):
   """Consumer: dK, dV (f32, unscaled dK) of its `block_kv` K/V rows.
 
   Walks the producer's steps: for each query head of the group, Q tiles
   [walk.first, walk.first + walk.num_blocks), treated as `walk.runs` say
   (skipped, masked by `tile_mask(q_block, slot)`, or unmasked). Persistent:
-  the ring slots count on from `base`. Fused dQ (`partial`): each step also
-  adds this consumer's dS K to the Q tile's dQ sum (`_add_dq_partial`).
+  the ring slots count on from `base`. Fused dQ (`fused`): each step also
+  stages consumer `wg`'s pieces of the CTA's dS K for the Q tile
+  (`_stage_dq`), and the walk's positions are Q tiles `q_of(position)`.
   """
   slot_of = lambda step: lax.rem(step if base is None else base + step,
                                  static.num_stages)
@@ -771,13 +859,11 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       jnp.zeros((static.block_kv, static.head_dim), jnp.float32),
       plgpu.Layout.WGMMA)
   grads = tuple(zeros for _ in static.outputs)
-  # The loop carry: the gradients, and with the fused dQ the turn of the
-  # Q tile whose partial is still on its way to memory (-1: none).
-  carry = grads if partial is None else (grads, jnp.int32(-1))
 
-  def step_body(i, carry, *, head_base, g, masked):
-    grads, handed = carry if partial is not None else (carry, None)
-    slot = slot_of(head_base + i)
+  def step_body(i, grads, *, head_base, masked):
+    step = head_base + i
+    q_block = i if q_of is None else q_of(i)
+    slot = slot_of(step)
     for barrier in arrived:
       plgpu.barrier_wait(barrier.at[slot])
     q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
@@ -790,10 +876,12 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
                                    plgpu.Layout.WGMMA.reduce(0))
       p_t, slope = _probabilities(s_t, lse_log2, _cols, walk.values, static)
       if masked:
-        p_t = jnp.where(tile_mask(i, slot), p_t, 0.0)
+        p_t = jnp.where(tile_mask(q_block, slot), p_t, 0.0)
       return p_t, slope
 
-    ds_smem = None if partial is None else partial.ds
+    ds_smem = None
+    if fused is not None:  # this step's dSᵀ, for every consumer to read
+      ds_smem = fused.ds.at[lax.rem(step, 2), wg]
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
       (p_t, slope), *dp_t = _wgmma_then(shape, products, probabilities)
@@ -801,7 +889,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
                                           do_tile, stats_ring.at[slot],
                                           static, ds_smem=ds_smem)
       plgpu.barrier_arrive(consumed.at[slot])
-      return finish(grads, handed, g, i)
+      return finish(grads, step)
     s_t, *dp_t = _wgmma_fresh(shape, products)
     p_t, slope = probabilities(s_t)
     updates = []
@@ -818,106 +906,143 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
           ds_smem[...] = ds_t
     grads = _wgmma_accumulate(grads, updates)
     plgpu.barrier_arrive(consumed.at[slot])
-    return finish(grads, handed, g, i)
+    return finish(grads, step)
 
-  def finish(grads, handed, g, q_block):
-    if partial is None:
-      return grads
-    return grads, _add_dq_partial(partial, handed, q_head=partial.first_head
-                                  + g, q_block=q_block, static=static)
+  def finish(grads, step):
+    if fused is not None:
+      _stage_dq(fused, wg, step=step, static=static)
+    return grads
 
-  def skip_body(i, carry, *, head_base):
+  def skip_body(i, grads, *, head_base):
     _skip_step(arrived, consumed, slot_of(head_base + i))
-    return carry
+    return grads
 
-  def head_body(g, carry):
-    # Step of Q tile i of query head g is head_base + i.
+  def head_body(g, grads):
+    # Step of walk position i of query head g is head_base + i.
     head_base = g * walk.num_blocks - walk.first
     return _walk_runs(walk.runs, {
         _SKIP: functools.partial(skip_body, head_base=head_base),
-        _MASKED: functools.partial(step_body, head_base=head_base, g=g,
+        _MASKED: functools.partial(step_body, head_base=head_base,
                                    masked=True),
-        _UNMASKED: functools.partial(step_body, head_base=head_base, g=g,
-                                     masked=False)}, carry)
+        _UNMASKED: functools.partial(step_body, head_base=head_base,
+                                     masked=False)}, grads)
 
-  carry = lax.fori_loop(0, static.group, head_body, carry)
-  if partial is None:
-    grads = carry
-  else:
-    grads, handed = carry
-    # The last partial reaches memory before the next K/V tile's turn.
-    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-    _hand_on(partial, handed)
+  grads = lax.fori_loop(0, static.group, head_body, grads)
   return tuple(grad * static.scale if name == "dk" else grad
                for name, grad in zip(static.outputs, grads))
 
 
-class _DqPartial(NamedTuple):
-  """A consumer's share in the fused dQ (`_Static.fused_dq`).
+class _FusedDq(NamedTuple):
+  """Shared memory, barriers and global refs of the fused dQ
+  (`_Static.fused_dq`); `_stage_dq` and `_write_dq` say how they are used.
 
-  Every Q tile's dQ is a sum over the K/V tiles (and within a CTA, the
-  consumers) that see it. Each adds its dS K, f32, by TMA reduce-add into
-  `dq_sum`, the first one storing instead; in a fixed order, so that the
-  float sums are the same every run: consumer c of K/V tile j is the
-  (j * num_consumers + c)-th, and waits on the Q tile's turn semaphore until
-  every earlier one has handed it on (`_hand_on`, once its add has reached
-  memory). All earlier ones add to the Q tile too: under causal masking,
-  K/V tile j sees Q tiles from j's diagonal on, a superset of those of later
-  tiles, and a consumer walks (masked) also the steps its rows do not need.
-  The earlier tiles are launched first (kv_tile is the grid's fastest axis),
-  so a wait never waits for a CTA that is not running or done.
+  Every Q tile's dQ is a sum over the K/V tiles (CTAs) that see it. Each
+  CTA's share, dS K for the step's Q tile, is a sum over its consumers' K/V
+  rows: so the consumers store their dSᵀ tiles and wait for each other,
+  then each computes some [_DQ_PIECE, _DQ_PIECE] pieces of it and stages
+  them; the CTA's dQ writer (a warpgroup of its own, so that the consumers
+  never wait on global memory) adds them, f32, by TMA reduce-add into
+  `dq_sum`, the first K/V tile storing instead. In a fixed order, so that
+  the float sums are the same every run: K/V tile j is the j-th, and its
+  writer waits on the Q tile's turn semaphore until the writer of tile
+  j - 1 has handed it on, once its add reached memory. Every earlier K/V
+  tile adds to the Q tile: under causal masking K/V tile j sees Q tiles
+  from j's diagonal on, a superset of those of later tiles, and a consumer
+  walks (masked) also the steps its rows do not need. The earlier tiles are
+  launched first (`_dkdv_launch_grid`), so a wait never waits for a CTA
+  that is not running or done.
   """
-  ds: Any          # [block_kv, block_q] 16-bit: the step's dSᵀ
-  stage: Any       # f32 [head_dim // _DQ_CHUNK, block_q, _DQ_CHUNK]
-  k: Any           # [block_kv, head_dim]: the consumer's K rows
+  ds: Any          # [2, consumers, block_kv, block_q] 16-bit: dSᵀ tiles
+  ds_stored: Any   # barriers [2], an arrival per consumer
+  stage: Any       # f32 [2, pieces, _DQ_PIECE, _DQ_PIECE]: the CTA's dS K
+  staged: Any      # barriers [2], an arrival per consumer: pieces staged
+  stage_free: Any  # barriers [2]: the writer read the stage
+  k: Any           # [consumers, block_kv, head_dim]: the CTA's K rows
   dq_sum: Any      # f32 [batch, q_len, num_heads, head_dim], global
   turns: Any       # int32 semaphores [batch * num_heads * num_q_blocks]
-  order: Any       # this consumer's place in every Q tile's sum
-  batch: Any
-  first_head: Any  # the query head of the GQA group's first member
 
 
-def _add_dq_partial(partial: _DqPartial, handed, *, q_head, q_block,
-                    static: _Static):
-  """Adds dQ[q_block] += dS K for the step whose dSᵀ is in `partial.ds`;
-  returns the turn semaphore's index, to hand on once the add is in memory.
+def _pieces_of(wg: int, static: _Static):
+  """Consumer wg's pieces of the [block_q, head_dim] dQ tile: numbers wg,
+  wg + num_consumers, ... of the tile's, row-major, with their (row,
+  column) in pieces."""
+  columns = pl.cdiv(static.head_dim, _DQ_PIECE)
+  return [(n, *divmod(n, columns)) for n in range(
+      wg, _dq_pieces(static.block_q, static.head_dim), static.num_consumers)]
 
-  `handed` is the previous step's index (-1: none): its add has had a whole
-  step to land, so waiting for it here rarely waits, and the next K/V tile
-  gets its turn one step after this one's.
-  """
-  plgpu.commit_smem()  # dSᵀ, written by this warpgroup, read by wgmma
+
+def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static):
+  """Consumer wg, after storing its dSᵀ of `step` in `fused.ds`: computes
+  its pieces of the CTA's dS K and stages them for the writer."""
+  parity = lax.rem(step, 2)
+  plgpu.commit_smem()  # this consumer's dSᵀ, read by every consumer's wgmma
+  plgpu.barrier_arrive(fused.ds_stored.at[parity])
+  plgpu.barrier_wait(fused.ds_stored.at[parity])
+  # The writer has read this stage's pieces of step - 2.
+  pl.when(step >= 2)(lambda: plgpu.barrier_wait(fused.stage_free.at[parity]))
+  ds, stage = fused.ds.at[parity], fused.stage.at[parity]
+
+  def compute(wg: int):
+    # Static slices: the k-th slice of the CTA's K/V rows is consumer k's.
+    for number, row, col in _pieces_of(wg, static):
+      stage[number] = _wgmma_sum((_DQ_PIECE, _DQ_PIECE), [
+          (ds.at[k, :, pl.ds(row * _DQ_PIECE, _DQ_PIECE)].transpose((1, 0)),
+           fused.k.at[k, :, pl.ds(col * _DQ_PIECE, _DQ_PIECE)])
+          for k in range(static.num_consumers)])
+
+  for c in range(static.num_consumers):
+    pl.when(wg == c)(functools.partial(compute, c))
+  plgpu.commit_smem()  # the pieces, read by the writer's TMA
+  plgpu.barrier_arrive(fused.staged.at[parity])
+
+
+def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
+              static: _Static):
+  """The dQ writer of K/V tile `order`: for each step, once the consumers
+  staged its pieces, waits for the Q tile's turn and adds them to `dq_sum`
+  (stores them, as the first); then, once the previous step's adds are in
+  memory, hands that Q tile on and frees its stage. `head_and_block(step)`
+  is the step's (query head, Q tile)."""
+  _, _, num_heads, _ = fused.dq_sum.shape
+  first = order == 0
+  pieces = _dq_pieces(static.block_q, static.head_dim)
+  columns = pl.cdiv(static.head_dim, _DQ_PIECE)
+
+  def hand_on(turn):
+    plgpu.semaphore_signal(fused.turns.at[turn], 1, memory_scope="gpu")
+
+  def write(step, handed):
+    parity = lax.rem(step, 2)
+    plgpu.barrier_wait(fused.staged.at[parity])
+    head, q_block = head_and_block(step)
+    turn = (batch * num_heads + head) * static.num_q_blocks + q_block
+    plgpu.semaphore_wait(fused.turns.at[turn], order, decrement=False,
+                         memory_scope="gpu")
+    for number in range(pieces):
+      row, col = divmod(number, columns)
+      src = fused.stage.at[parity, number]
+      dst = fused.dq_sum.at[
+          batch, pl.ds(q_block * static.block_q + row * _DQ_PIECE, _DQ_PIECE),
+          head, pl.ds(col * _DQ_PIECE, _DQ_PIECE)]
+      last = number == pieces - 1  # one commit group per step
+      pl.when(first)(functools.partial(plgpu.copy_smem_to_gmem, src, dst,
+                                       commit_group=last))
+      pl.when(jnp.logical_not(first))(functools.partial(
+          plgpu.copy_smem_to_gmem, src, dst, commit_group=last,
+          reduction_op="add"))
+    # All groups but this step's are done: the previous step's adds are
+    # in memory, and its stage has been read.
+    plgpu.wait_smem_to_gmem(1, wait_read_only=False)
+
+    @pl.when(step > 0)
+    def _():
+      hand_on(handed)
+      plgpu.barrier_arrive(fused.stage_free.at[1 - parity])
+    return turn
+
+  last_turn = lax.fori_loop(0, num_steps, write, jnp.int32(0))
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-  _hand_on(partial, handed)
-  rows = pl.ds(q_block * static.block_q, static.block_q)
-  chunks = static.head_dim // _DQ_CHUNK
-  for c in range(chunks):  # [block_q, _DQ_CHUNK] f32 at a time: registers
-    cols = pl.ds(c * _DQ_CHUNK, _DQ_CHUNK)
-    (dq,) = _wgmma_fresh((static.block_q, _DQ_CHUNK), [
-        (partial.ds.transpose((1, 0)), partial.k.at[:, cols])])
-    partial.stage[c] = dq
-  plgpu.commit_smem()
-  batch_size, _, num_heads, _ = partial.dq_sum.shape
-  turn = (partial.batch * num_heads + q_head) * static.num_q_blocks + q_block
-  plgpu.semaphore_wait(partial.turns.at[turn], partial.order, decrement=False,
-                       memory_scope="gpu")
-  first = partial.order == 0
-  for c in range(chunks):
-    dst = partial.dq_sum.at[partial.batch, rows, q_head,
-                            pl.ds(c * _DQ_CHUNK, _DQ_CHUNK)]
-    pl.when(first)(functools.partial(plgpu.copy_smem_to_gmem,
-                                     partial.stage.at[c], dst))
-    pl.when(jnp.logical_not(first))(functools.partial(
-        plgpu.copy_smem_to_gmem, partial.stage.at[c], dst,
-        reduction_op="add"))
-  return turn
-
-
-def _hand_on(partial: _DqPartial, turn):
-  """Passes Q tile `turn`'s dQ sum to the next consumer in order (no-op
-  for -1). Call once this consumer's add to it has reached memory."""
-  pl.when(turn >= 0)(lambda: plgpu.semaphore_signal(
-      partial.turns.at[turn], 1, memory_scope="gpu"))
+  pl.when(num_steps > 0)(lambda: hand_on(last_turn))
 
 
 def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
@@ -942,19 +1067,14 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
   return pl.run_state(issue)(tuple(plgpu.ACC.init(grad) for grad in grads))
 
 
-def _dkdv_causal_runs(kv_start, first, static: _Static, *, skips=True):
+def _dkdv_causal_runs(kv_start, first, static: _Static):
   """The plain kernel's runs over Q tiles [first, num_q_blocks) for K/V rows
   from kv_start: causal, skip the tiles wholly above the diagonal for these
-  rows and mask those that straddle it. Without `skips` (the fused dQ, where
-  every consumer adds to every streamed Q tile's sum) the tiles above the
-  diagonal are masked instead: wholly, to a zero dS."""
+  rows and mask those that straddle it."""
   if not static.is_causal:
     return ((0, static.num_q_blocks, _UNMASKED),)
   own_first = _first_q_block(kv_start, static)
   own_unmasked = _first_unmasked_q_block(kv_start, static)
-  if not skips:
-    return ((first, own_unmasked, _MASKED),
-            (own_unmasked, static.num_q_blocks, _UNMASKED))
   return ((first, own_first, _SKIP), (own_first, own_unmasked, _MASKED),
           (own_unmasked, static.num_q_blocks, _UNMASKED))
 
@@ -1486,6 +1606,16 @@ def _wgmma_then(shape, products, first_fn):
 
   return pl.run_scoped(issue, *[plgpu.ACC(shape, jnp.float32)
                                 for _ in products])
+
+
+def _wgmma_sum(shape, products):
+  """sum(a @ b for (a, b) in products) into one fresh f32 accumulator."""
+  def issue(acc_ref):
+    for a, b in products:
+      plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]
+
+  return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32))
 
 
 def _wgmma_accumulate(accs, products):
