@@ -44,6 +44,8 @@ FORWARD_OVERLAP_SPACE = dict(overlap_scores=(False, True))
 OVERLAP_SPACE = dict(overlap_softmax=(False, True))
 # The persistent grids (`forward.persistent_static`, `backward._persistent`).
 PERSISTENT_SPACE = dict(persistent=(False, True))
+# The persistent backward with head_dim 64's 128-row Q tiles.
+PERSISTENT_WIDE_SPACE = dict(persistent=(False, True), block_q=(128,))
 # The fused dQ (`backward._Static.fused_dq`) against the two kernels, on the
 # launch grid, with both Q tile heights (head_dim 64 ships 128 rows).
 FUSED_SPACE = dict(fused_dq=(False, True), block_q=(64, 128),
@@ -92,6 +94,9 @@ KERNELS = {"forward": (forward_benchmark, FORWARD_SPACE, 1.0, (False, True)),
                                   (False, True)),
            "backward_persistent": (backward_benchmark, PERSISTENT_SPACE, 2.5,
                                    (False, True)),
+           "backward_persistent_wide": (backward_benchmark,
+                                        PERSISTENT_WIDE_SPACE, 2.5,
+                                        (False, True)),
            "backward_fused": (backward_benchmark, FUSED_SPACE, 2.5,
                               (False, True))}
 

@@ -103,10 +103,13 @@ _FUSED_PRODUCER_REGISTERS = 24
 # longest kv_len at which it is the default. Session 6's A/B on the H200
 # (results/h200_mosaic_persistent_backward.md, backward alone, 64 x 64
 # tiles, non-causal / causal) at seq 1k, 4k, 16k: head_dim 128 +8/+11%,
-# -3/-17%, -2/-5%; 256 +47/+17%, 0/+1%, 0/0%; 64 +13/+7%, +11/+3%, +3/+4%,
-# but head_dim 64 ships 128-row Q tiles (`attention.backward_tiles`), with
-# which the persistent grid is tested bitwise but not yet timed: off there.
-PERSISTENT_MAX_KV_LEN = {128: 1024, 256: 1024}
+# -3/-17%, -2/-5%; 256 +47/+17%, 0/+1%, 0/0%. Head_dim 64 ships 128-row Q
+# tiles (`attention.backward_tiles`); with those (session 7,
+# results/h200_mosaic_persistent_wide.md) +1/+6%, -4/+7%, -3/+3%: on up
+# to kv_len 1024, and under causal masking at any length
+# (`PERSISTENT_CAUSAL_HEAD_DIMS`).
+PERSISTENT_MAX_KV_LEN = {64: 1024, 128: 1024, 256: 1024}
+PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # The fused dQ (`mosaic_backward(fused_dq=None)`), by head dim: the shortest
 # kv_len at which it is the default. Empty until it is measured on the H200.
 FUSED_DQ_MIN_KV_LEN: dict[int, int] = {}
@@ -117,8 +120,11 @@ FUSED_DQ_MIN_KV_LEN: dict[int, int] = {}
 _DQ_PIECE = 64
 
 
-def persistent_by_default(*, head_dim: int, kv_len: int) -> bool:
+def persistent_by_default(*, head_dim: int, kv_len: int,
+                          is_causal: bool = False) -> bool:
   """Whether `mosaic_backward(persistent=None)` runs the persistent grid."""
+  if is_causal and head_dim in PERSISTENT_CAUSAL_HEAD_DIMS:
+    return True
   return kv_len <= PERSISTENT_MAX_KV_LEN.get(head_dim, 0)
 
 
@@ -250,8 +256,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     fused_dq = not persistent and fused_dq_by_default(head_dim=head_dim,
                                                       kv_len=kv_len)
   if persistent is None:
-    persistent = not fused_dq and persistent_by_default(head_dim=head_dim,
-                                                        kv_len=kv_len)
+    persistent = not fused_dq and persistent_by_default(
+        head_dim=head_dim, kv_len=kv_len, is_causal=is_causal)
   # Configuring raises for tiles that do not fit, before any work is traced.
   dq_config, dkdv_configs = statics(query, key, heavy_first=heavy_first,
                                     overlap_softmax=overlap_softmax,
@@ -491,8 +497,8 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
     passes = [("dk",), ("dv",)]
   if fused_dq and len(passes) > 1:
     raise NotImplementedError(
-        f"the fused dQ needs dK and dV in one pass; at head_dim {head_dim} "
-        f"they take two")
+        f"the fused dQ needs dK and dV in one pass; with block_q {block_q}, "
+        f"block_kv {block_kv} at head_dim {head_dim} they take two")
   group = num_heads // num_kv_heads
   num_q_blocks = pl.cdiv(q_len, block_q)
   stages = min(max_concurrent_steps, group * num_q_blocks)
