@@ -613,9 +613,12 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
       functools.partial(_dkdv_kernel, static=static),
       out_type=out_type,
       scratch_types=scratch,
-      **_grid(static, *_dkdv_launch_grid(
-          static, num_kv_tiles=pl.cdiv(kv_len, consumers * static.block_kv),
-          num_kv_heads=num_kv_heads, batch=batch)),
+      # Pallas hands CUDA the grid reversed: batch is the fastest axis and
+      # kv_tile the slowest, so CTAs launched together are the same K/V
+      # tile of different heads. The fused dQ relies on this order: K/V tile
+      # j of a head launches after tile j - 1 (see `_FusedDq`).
+      **_grid(static, (pl.cdiv(kv_len, consumers * static.block_kv),
+                       num_kv_heads, batch), ("kv_tile", "kv_head", "batch")),
       num_threads=consumers + 1 + static.fused_dq,  # + the dQ writer
       thread_name="wg",
       kernel_name=_kernel_name(
@@ -623,22 +626,6 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
       compiler_params=compat.compiler_params(approx_math=True),
   )(*inputs)
   return tuple(results)
-
-
-def _dkdv_launch_grid(static: _Static, *, num_kv_tiles, num_kv_heads, batch):
-  """(grid, names) of the dK/dV kernel's launch grid, fastest axis first.
-
-  kv_tile fastest: neighbouring CTAs stream the same Q tiles from L2. The
-  fused dQ puts it slowest instead: K/V tile j of a head waits for tile
-  j - 1's turn on each Q tile (`_FusedDq`), and with the other heads' tiles
-  launched in between, tile j - 1 is a few steps ahead by the time tile j
-  starts, rather than both starting together and tile j waiting.
-  """
-  if static.fused_dq:
-    return ((num_kv_heads, batch, num_kv_tiles),
-            ("kv_head", "batch", "kv_tile"))
-  return ((num_kv_tiles, num_kv_heads, batch),
-          ("kv_tile", "kv_head", "batch"))
 
 
 def _dkdv_kernel(*refs, static: _Static):
@@ -688,10 +675,12 @@ def _each_tile(tile, wg, *, static: _Static, tile_axes, num_tiles, num_heads,
 
   pl.when(wg < static.num_consumers)(
       lambda: run(_CONSUMER_REGISTERS, "increase", True))
-  # The producer, and with the fused dQ the dQ writer after it.
-  pl.when(wg >= static.num_consumers)(lambda: run(
-      _FUSED_PRODUCER_REGISTERS if static.fused_dq else _PRODUCER_REGISTERS,
-      "decrease", False))
+  if static.fused_dq:  # the producer, and the dQ writer after it
+    pl.when(wg >= static.num_consumers)(
+        lambda: run(_FUSED_PRODUCER_REGISTERS, "decrease", False))
+  else:
+    pl.when(wg == static.num_consumers)(
+        lambda: run(_PRODUCER_REGISTERS, "decrease", False))
 
 
 def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
@@ -775,11 +764,10 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       # there is a step.
       divisor = jnp.maximum(union_per_head, 1)
       g, i = lax.div(step, divisor), lax.rem(step, divisor)
-      q_block = union_first + i
-      if fused is not None:
-        q_block = _fused_q_block(i, first=first, static=static)
-      return kv_head * static.group + g, pl.ds(q_block * static.block_q,
-                                               static.block_q)
+      head = kv_head * static.group + g
+      q_block = (union_first + i if fused is None
+                 else _fused_q_block(i, first=first, static=static))
+      return head, pl.ds(q_block * static.block_q, static.block_q)
 
     def tile(ref):
       def source(step):
@@ -812,10 +800,11 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
 
   if consumer:
     _consumer()
+  elif fused is None:
+    _producer()
   else:
     pl.when(wg == static.num_consumers)(_producer)
-    if fused is not None:
-      pl.when(wg == static.num_consumers + 1)(_writer)
+    pl.when(wg == static.num_consumers + 1)(_writer)
   return num_steps
 
 
@@ -955,8 +944,10 @@ class _FusedDq(NamedTuple):
   tile adds to the Q tile: under causal masking K/V tile j sees Q tiles
   from j's diagonal on, a superset of those of later tiles, and a consumer
   walks (masked) also the steps its rows do not need. The earlier tiles are
-  launched first (`_dkdv_launch_grid`), so a wait never waits for a CTA
-  that is not running or done.
+  launched first (see `launch_dkdv`'s grid), and between tiles j - 1 and j
+  of a head come the other heads' tile j - 1: so a wait never waits for a
+  CTA that is not running or done, and tile j - 1 is a few steps ahead by
+  the time tile j starts.
   """
   ds: Any          # [2, consumers, block_kv, block_q] 16-bit: dSᵀ tiles
   ds_stored: Any   # barriers [2], an arrival per consumer
@@ -1170,7 +1161,7 @@ def launch_dq(query, key, value, d_out, stats, static: _Static, *, plan=None,
       functools.partial(_dq_kernel, static=static),
       out_type=jax.ShapeDtypeStruct(query.shape, query.dtype),
       scratch_types=scratch,
-      # q_tile fastest: neighbouring CTAs stream the same K/V from L2.
+      # Launched batch fastest, q_tile slowest (Pallas reverses the grid).
       **_grid(static, (pl.cdiv(q_len, consumers * static.block_q),
                        num_heads, batch), ("q_tile", "head", "batch")),
       num_threads=consumers + 1,

@@ -366,7 +366,9 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
     body = _persistent_kernel
     grid, grid_names = (static.num_ctas,), ("cta",)
   else:
-    # q_tile fastest: neighbouring CTAs read the same K/V from L2.
+    # Pallas hands CUDA the grid reversed: batch is the fastest axis and
+    # q_tile the slowest, so CTAs launched together are the same Q tile of
+    # different heads (`tile_index`).
     body = _forward_kernel
     grid, grid_names = (num_q_tiles, num_heads, batch), ("q_tile", "head",
                                                          "batch")
@@ -756,9 +758,10 @@ def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
 def tile_index(axis_name: str, num_tiles: int, *, reverse: bool):
   """The tile a CTA computes: its grid index, or, reversed, the last first.
 
-  CTAs launch in grid order (the tile axis fastest). Under causal masking
-  query tile i reads i + 1 K/V blocks, so in order the heaviest tiles of
-  the last heads launch last and the GPU ends on a tail of long CTAs;
+  CTAs launch in grid order, the tile axis slowest (Pallas reverses the
+  grid for CUDA). Under causal masking query tile i reads i + 1 K/V blocks,
+  so in order the heaviest tiles launch last and the GPU ends on a tail of
+  long CTAs;
   heaviest first (longest-processing-time-first scheduling) ends it on
   short ones. At seq 16k, 16 heads, 128-row tiles a tile costs 1 to 128
   blocks against ~1000 per SM in all, so the tail is worth up to ~12%.
