@@ -439,10 +439,15 @@ def test_fused_dq_default_follows_its_table(cuda_lowering, monkeypatch):
   """`fused_dq=None` fuses where `FUSED_DQ_MIN_KV_LEN` says, and never on a
   persistent grid or at head_dim 256."""
   from pallas_kernels.mosaic import backward
-  monkeypatch.setattr(backward, "FUSED_DQ_MIN_KV_LEN", {128: 512})
-  assert backward.fused_dq_by_default(head_dim=128, kv_len=512)
-  assert not backward.fused_dq_by_default(head_dim=128, kv_len=256)
-  assert not backward.fused_dq_by_default(head_dim=64, kv_len=4096)
+  monkeypatch.setattr(backward, "FUSED_DQ_MIN_KV_LEN", {128: 512, 64: 512})
+  default = lambda d, n, block_q=64: backward.fused_dq_by_default(
+      head_dim=d, kv_len=n, block_q=block_q)
+  assert default(128, 512) and not default(128, 256)
+  assert not default(256, 4096)
+  # head_dim 64 with 64-row Q tiles is one dQ piece: two consumers cannot
+  # share it, so the default keeps the two kernels rather than refusing.
+  assert default(64, 512, block_q=128) and not default(64, 512)
+  assert _kernels(_lower(64, True, q_len=512, kv_len=512)) == {"dq", "dkdv"}
   assert _kernels(_lower(128, True, q_len=512, kv_len=512)) == {"dq_dkdv"}
   assert _kernels(_lower(128, True, q_len=256, kv_len=256)) == {"dq", "dkdv"}
   assert _kernels(_lower(128, True, q_len=512, kv_len=512,

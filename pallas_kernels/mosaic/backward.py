@@ -111,7 +111,11 @@ _FUSED_PRODUCER_REGISTERS = 24
 PERSISTENT_MAX_KV_LEN = {64: 1024, 128: 1024, 256: 1024}
 PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # The fused dQ (`mosaic_backward(fused_dq=None)`), by head dim: the shortest
-# kv_len at which it is the default. Empty until it is measured on the H200.
+# kv_len at which it is the default. Session 7 measured it at seq 16k
+# (results/h200_mosaic_fused.md, backward alone, full / causal): head_dim 64
+# (128-row Q tiles) +6% / +10% over the two kernels, 128 -11% / -24%. Empty
+# until its GPU tests have run on the measured version (they passed on the
+# one before, whose launch order alone differed); then {64: 16384}.
 FUSED_DQ_MIN_KV_LEN: dict[int, int] = {}
 # The fused dQ splits each Q tile's dQ into [_DQ_PIECE, _DQ_PIECE] pieces,
 # shared out among the consumers: 64 rows, a wgmma's height, by 64 columns,
@@ -128,10 +132,13 @@ def persistent_by_default(*, head_dim: int, kv_len: int,
   return kv_len <= PERSISTENT_MAX_KV_LEN.get(head_dim, 0)
 
 
-def fused_dq_by_default(*, head_dim: int, kv_len: int) -> bool:
-  """Whether `mosaic_backward(fused_dq=None)` fuses dQ into dK/dV."""
+def fused_dq_by_default(*, head_dim: int, kv_len: int, block_q: int) -> bool:
+  """Whether `mosaic_backward(fused_dq=None)` fuses dQ into dK/dV: where
+  the table says, and where its dQ pieces share out between two consumers
+  (else it would refuse the call, and the Triton backward would run)."""
   least = FUSED_DQ_MIN_KV_LEN.get(head_dim)
-  return least is not None and kv_len >= least
+  return (least is not None and kv_len >= least
+          and _dq_pieces(block_q, head_dim) % _MAX_CONSUMERS == 0)
 
 
 # How a consumer treats a run of streamed steps (see `_walk_runs`).
@@ -253,8 +260,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
   head_dim, kv_len = query.shape[-1], key.shape[1]
   if fused_dq is None:
-    fused_dq = not persistent and fused_dq_by_default(head_dim=head_dim,
-                                                      kv_len=kv_len)
+    fused_dq = not persistent and fused_dq_by_default(
+        head_dim=head_dim, kv_len=kv_len, block_q=block_q)
   if persistent is None:
     persistent = not fused_dq and persistent_by_default(
         head_dim=head_dim, kv_len=kv_len, is_causal=is_causal)
