@@ -663,9 +663,10 @@ def _each_tile(tile, wg, *, static: _Static, tile_axes, num_tiles, num_heads,
                batch):
   """Runs `tile(batch, head, tile, wg, base, consumer)` in each warpgroup
   (consumers first raise their register budget, the producer, and the
-  fused dQ's writer, lower theirs): once, on the launch grid's `tile_axes` with `base` None; on a
-  persistent grid, for each of the CTA's tiles, `base` counting the
-  streamed steps before it (`tile` returns its step count)."""
+  fused dQ's writer, lower theirs): once, on the launch grid's `tile_axes`
+  with `base` None; on a persistent grid, for each of the CTA's tiles,
+  `base` counting the streamed steps before it (`tile` returns its step
+  count)."""
   def run(registers, action, consumer):
     plgpu.set_max_registers(registers, action=action)
     if not static.persistent:
@@ -698,7 +699,6 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   q_ref, k_ref, v_ref, do_ref, stats_ref = inputs[:5]
   (k_smem, v_smem, q_ring, do_ring, stats_ring, k_arrived, v_arrived,
    q_arrived, do_arrived, stats_arrived, consumed) = scratch[:11]
-  batch_size, _, num_heads, _ = q_ref.shape
   tile_start = kv_tile * (static.num_consumers * static.block_kv)
   plan, ids = _ranged_refs(static, inputs[5:], scratch[11:], batch=batch,
                            tile=kv_tile, own_is_query=False)
@@ -727,14 +727,13 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       plgpu.barrier_wait(v_arrived.at[wg])
     plgpu.barrier_wait(k_arrived.at[wg])
     q_of = None
-    if fused is not None:
-      # Position p of the walk is Q tile `q_of(p)` (see `_fused_q_block`).
-      q_of = functools.partial(_fused_q_block, first=first, static=static)
-      walk = _Walk(0, per_head, _fused_runs(kv_start, first, static), None)
-      tile_mask = lambda i, slot: _causal_mask_t(kv_start, i, static)
-    elif plan is None:
-      walk = _Walk(first, per_head, _dkdv_causal_runs(kv_start, first, static),
-                   None)
+    if plan is None:
+      if fused is None:
+        walk = _Walk(first, per_head,
+                     _dkdv_causal_runs(kv_start, first, static), None)
+      else:  # position p of the walk is Q tile `q_of(p)`
+        q_of = functools.partial(_fused_q_block, first=first, static=static)
+        walk = _Walk(0, per_head, _fused_runs(kv_start, first, static), None)
       tile_mask = lambda i, slot: _causal_mask_t(kv_start, i, static)
     else:
       walk = _ranged_walk(plan, wg)
@@ -758,6 +757,17 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
     # Persistent: the next tile's K and V may load once these have left.
     plgpu.wait_smem_to_gmem(0, wait_read_only=base is not None)
 
+  def q_tile_of(step, union_first, union_per_head):
+    # Step -> (query head of the group, Q tile) for the union of Q tiles
+    # [union_first, union_first + union_per_head) per head; union_per_head
+    # > 0 whenever there is a step.
+    divisor = jnp.maximum(union_per_head, 1)
+    g, i = lax.div(step, divisor), lax.rem(step, divisor)
+    head = kv_head * static.group + g
+    q_block = (union_first + i if fused is None
+               else _fused_q_block(i, first=first, static=static))
+    return head, q_block
+
   def _producer():
     if plan is None:
       union_first, union_per_head, union_steps = first, per_head, num_steps
@@ -767,13 +777,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       union_steps = static.group * union_per_head
 
     def q_rows_of(step):
-      # Step -> (query head of the group, Q tile); per_head > 0 whenever
-      # there is a step.
-      divisor = jnp.maximum(union_per_head, 1)
-      g, i = lax.div(step, divisor), lax.rem(step, divisor)
-      head = kv_head * static.group + g
-      q_block = (union_first + i if fused is None
-                 else _fused_q_block(i, first=first, static=static))
+      head, q_block = q_tile_of(step, union_first, union_per_head)
       return head, pl.ds(q_block * static.block_q, static.block_q)
 
     def tile(ref):
@@ -795,15 +799,13 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
     _produce(streams, consumed, union_steps, static, base=base)
 
   def _writer():
-    def head_and_block(step):
-      g, i = lax.div(step, per_head), lax.rem(step, per_head)
-      return (kv_head * static.group + g,
-              _fused_q_block(i, first=first, static=static))
+    batch_size, _, num_heads, _ = q_ref.shape
     turns = pl.get_global(plgpu.SemaphoreType.REGULAR(
         (batch_size * num_heads * static.num_q_blocks,)))
     _write_dq(fused._replace(turns=turns), batch=batch, order=kv_tile,
-              num_steps=num_steps, head_and_block=head_and_block,
-              static=static)
+              num_steps=num_steps, static=static,
+              head_and_block=functools.partial(
+                  q_tile_of, union_first=first, union_per_head=per_head))
 
   if consumer:
     _consumer()
