@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -75,6 +75,14 @@ for step in "$@"; do
         timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 --head-dims 64 128 \
           --kernels backward_fused --out "$OUT/h200_mosaic_fused_$seq.json" > "$LOGS/fused_$seq.log" 2>&1
         grep "^backward" "$LOGS/fused_$seq.log"
+      done ;;
+    launch_order)  # launch grids tile-fastest against tile-slowest (the
+                   # default), forward and backward alone, seq 16k and 1k
+      for seq in 16384 1024; do
+        timeout 200 python3 -m benchmarks.tune_mosaic --seq $seq --budget 170 \
+          --kernels forward_launch backward_launch \
+          --out "$OUT/h200_mosaic_launch_$seq.json" > "$LOGS/launch_$seq.log" 2>&1
+        grep "_launch" "$LOGS/launch_$seq.log" | grep -v Warn
       done ;;
     persistent)  # persistent grids against the launch grids, seq 1k/4k/16k
       for seq in 1024 4096 16384; do

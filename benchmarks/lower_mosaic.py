@@ -3,9 +3,10 @@
     python -m benchmarks.lower_mosaic
 
 Lowers the forward (defaults, `overlap_scores`, `fence_softmax` +
-`split_handover`, grid launch order, the persistent grid on and off), the
-backward (defaults, `overlap_softmax`, the persistent grid, the fused dQ
-below head_dim 256), and the masked
+`split_handover`, grid launch order, the persistent grid on and off,
+tile-fastest launch), the backward (defaults, `overlap_softmax`, the
+persistent grid, tile-fastest launch, the fused dQ below head_dim 256), and
+the masked
 forward and backward (defaults and `overlap_softmax`), at head dims 64, 128
 and 256, causal or not, and prints one line per kernel; exits non-zero if
 any fails. The test suite does the same under the CPU machines' JAX
@@ -35,9 +36,11 @@ FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
                    dict(fence_softmax=True, split_handover=True),
                    dict(heavy_first=False, persistent=False),
                    dict(persistent=True, num_ctas=3),
-                   dict(persistent=False))
+                   dict(persistent=False),
+                   dict(persistent=False, tile_fastest=True))
 BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True),
-                    dict(persistent=True, num_ctas=3))
+                    dict(persistent=True, num_ctas=3),
+                    dict(persistent=False, tile_fastest=True))
 
 
 def lowers(fn, *shapes) -> str | None:

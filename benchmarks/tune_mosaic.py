@@ -44,6 +44,9 @@ FORWARD_OVERLAP_SPACE = dict(overlap_scores=(False, True))
 OVERLAP_SPACE = dict(overlap_softmax=(False, True))
 # The persistent grids (`forward.persistent_static`, `backward._persistent`).
 PERSISTENT_SPACE = dict(persistent=(False, True))
+# Launch grid order: tile slowest (the default) or fastest
+# (`forward.KernelStatic.tile_fastest`, `backward._Static.tile_fastest`).
+LAUNCH_SPACE = dict(tile_fastest=(False, True), persistent=(False,))
 # The persistent backward with head_dim 64's 128-row Q tiles.
 PERSISTENT_WIDE_SPACE = dict(persistent=(False, True), block_q=(128,))
 # The fused dQ (`backward._Static.fused_dq`) against the two kernels, on the
@@ -98,7 +101,11 @@ KERNELS = {"forward": (forward_benchmark, FORWARD_SPACE, 1.0, (False, True)),
                                         PERSISTENT_WIDE_SPACE, 2.5,
                                         (False, True)),
            "backward_fused": (backward_benchmark, FUSED_SPACE, 2.5,
-                              (False, True))}
+                              (False, True)),
+           "forward_launch": (forward_benchmark, LAUNCH_SPACE, 1.0,
+                              (False, True)),
+           "backward_launch": (backward_benchmark, LAUNCH_SPACE, 2.5,
+                               (False, True))}
 
 
 def main(argv=None) -> int:

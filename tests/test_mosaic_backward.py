@@ -49,7 +49,8 @@ def _kernels(text):
 def _lower(head_dim, is_causal, **shape_and_blocks):
   blocks = {name: shape_and_blocks.pop(name)
             for name in ("block_q", "block_kv", "max_concurrent_steps",
-                         "overlap_softmax", "fused_dq", "persistent")
+                         "overlap_softmax", "fused_dq", "persistent",
+                         "tile_fastest")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
 
@@ -452,6 +453,17 @@ def test_fused_dq_default_follows_its_table(cuda_lowering, monkeypatch):
   assert _kernels(_lower(128, True, q_len=256, kv_len=256)) == {"dq", "dkdv"}
   assert _kernels(_lower(128, True, q_len=512, kv_len=512,
                          persistent=True)) == {"dq", "dkdv"}
+
+
+def test_tile_fastest_backward_lowers_and_changes_the_grids(cuda_lowering):
+  """`tile_fastest` launches both kernels' launch grids in the other order
+  (so it changes them) and lowers, also at head_dim 256's two dK/dV
+  passes; the fused dQ, whose K/V tiles wait for each other, refuses it."""
+  for head_dim in (128, 256):
+    text = lambda **kw: _lower(head_dim, True, persistent=False, **kw)
+    assert text(tile_fastest=True) != text()
+  with pytest.raises(NotImplementedError, match="own order"):
+    _lower(128, False, fused_dq=True, tile_fastest=True)
 
 
 def _fused_everywhere(monkeypatch):

@@ -61,6 +61,17 @@ def test_causal_launch_order_changes_only_causal_kernels(cuda_lowering):
   assert text(False, True) == text(False, False)
 
 
+def test_tile_fastest_launch_order_lowers_and_changes_the_grid(cuda_lowering):
+  """`tile_fastest` launches the launch grid in the other order (so it
+  changes the kernel) and lowers; the persistent grid has its own order,
+  which it leaves alone."""
+  for causal in (False, True):
+    text = lambda **kw: _lower(128, causal, persistent=False, **kw)
+    assert text(tile_fastest=True) != text()
+  assert (_lower(64, True, persistent=True, num_ctas=3, tile_fastest=True)
+          == _lower(64, True, persistent=True, num_ctas=3))
+
+
 # The forward's consumer schedules: the plain one (each consumer waits for V
 # after the whole hand-over) and the variants, each spelled out in full, since
 # `split_handover` is on by default (measured in session 5, NOTES.md).

@@ -184,6 +184,9 @@ class _Static:
   # matmuls per tile pair instead of 7 (the dQ kernel's recomputed S and dP
   # go). Launch grid, plain form.
   fused_dq: bool = False
+  # Launch grid order, as the forward's `KernelStatic.tile_fastest`: a
+  # head's tiles launched together rather than the same tile of many heads.
+  tile_fastest: bool = False
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
   spec: Any = None
@@ -203,7 +206,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     heavy_first: bool = True, overlap_softmax: bool = True,
                     persistent: bool | None = None,
                     num_ctas: int | None = None,
-                    fused_dq: bool | None = None):
+                    fused_dq: bool | None = None, tile_fastest: bool = False):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -244,6 +247,9 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (Q tile, K/V tile) pair instead of the dQ kernel's extra 3 less its 1.
       Launch grid only, and only where dK and dV fit one pass (head_dim up
       to 128). None: where measured faster (`fused_dq_by_default`).
+    tile_fastest: both kernels' launch grids in tile-fastest order (see
+      `_Static`); the results are the same either way. Not with `fused_dq`,
+      whose K/V tiles of a head must launch apart.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -269,7 +275,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   dq_config, dkdv_configs = statics(query, key, heavy_first=heavy_first,
                                     overlap_softmax=overlap_softmax,
                                     persistent=persistent, num_ctas=num_ctas,
-                                    fused_dq=fused_dq, **tiles)
+                                    fused_dq=fused_dq,
+                                    tile_fastest=tile_fastest, **tiles)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -419,14 +426,18 @@ def _num_consumers(length, block, smem_of) -> int:
 
 def statics(query, key, *, heavy_first: bool = True,
             overlap_softmax: bool = False, persistent: bool = False,
-            num_ctas: int | None = None, fused_dq: bool = False, **tiles):
+            num_ctas: int | None = None, fused_dq: bool = False,
+            tile_fastest: bool = False, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax))
+  if tile_fastest:  # so that default calls build the very same statics
+    options.update(tile_fastest=True)
   if fused_dq:
-    if persistent:
-      raise NotImplementedError("the fused dQ runs on the launch grid only: "
-                                "its K/V tiles wait for each other in order")
+    if persistent or tile_fastest:
+      raise NotImplementedError(
+          "the fused dQ runs on the launch grid in its own order only: its "
+          "K/V tiles wait for each other in order")
     if tiles.get("spec") is not None:
       raise NotImplementedError("the ranged backward has no fused dQ")
     return None, [dataclasses.replace(config, **options) for config in
@@ -1517,9 +1528,12 @@ def _score_gradient(p, dp, delta, slope):
 
 def _grid(static: _Static, grid, names) -> dict:
   """`plgpu.kernel`'s grid arguments: the launch grid `grid` (tile axis
-  first), or a persistent grid of `static.num_ctas` CTAs."""
+  first, so launched slowest; reversed with `static.tile_fastest`), or a
+  persistent grid of `static.num_ctas` CTAs."""
   if static.persistent:
     return dict(grid=(static.num_ctas,), grid_names=("cta",))
+  if static.tile_fastest:
+    return dict(grid=tuple(grid)[::-1], grid_names=tuple(names)[::-1])
   return dict(grid=grid, grid_names=names)
 
 

@@ -185,6 +185,11 @@ class KernelStatic:
   persistent: bool = False
   num_ctas: int = 0
   stage_o_apart: bool = False
+  # Launch grid order (`tune_mosaic --kernels forward_launch`): the default
+  # launches batch fastest and the Q tile slowest, so CTAs running at once
+  # are the same Q tile of many heads; `tile_fastest` launches a head's Q
+  # tiles together instead, so that they stream the same K/V through L2.
+  tile_fastest: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -196,7 +201,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    max_concurrent_steps: int = 2, heavy_first: bool = True,
                    fence_softmax: bool = False, split_handover: bool = True,
                    overlap_scores: bool = False, persistent: bool | None = None,
-                   num_ctas: int | None = None):
+                   num_ctas: int | None = None, tile_fastest: bool = False):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -228,6 +233,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       not with `overlap_scores`. None: where measured faster
       (`persistent_by_default`).
     num_ctas: CTAs of the persistent grid; None: the GPU's SM count.
+    tile_fastest: the launch grid's CTAs in tile-fastest order (see
+      `KernelStatic`); the results are the same either way.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -248,7 +255,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   static = dataclasses.replace(static, heavy_first=bool(heavy_first),
                                fence_softmax=bool(fence_softmax),
                                split_handover=bool(split_handover),
-                               overlap_scores=bool(overlap_scores))
+                               overlap_scores=bool(overlap_scores),
+                               tile_fastest=bool(tile_fastest))
   if persistent is None:
     persistent = persistent_by_default(
         is_causal=is_causal, head_dim=query.shape[-1], kv_len=key.shape[1],
@@ -368,10 +376,12 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
   else:
     # Pallas hands CUDA the grid reversed: batch is the fastest axis and
     # q_tile the slowest, so CTAs launched together are the same Q tile of
-    # different heads (`tile_index`).
+    # different heads (`tile_index`); `tile_fastest` reverses that.
     body = _forward_kernel
     grid, grid_names = (num_q_tiles, num_heads, batch), ("q_tile", "head",
                                                          "batch")
+    if static.tile_fastest:
+      grid, grid_names = grid[::-1], grid_names[::-1]
   return plgpu.kernel(
       functools.partial(body, static=static),
       out_type=out_type,
