@@ -80,32 +80,29 @@ def backward_benchmark(cell: common.Cell, blocks: dict):
   return fn, (q, k, v, out, lse, d_out)
 
 
+def _forward(space, causal=(False, True)):
+  return forward_benchmark, space, 1.0, causal
+
+
+def _backward(space, causal=(False, True)):
+  # FlashAttention's count: the backward is 2.5x the forward.
+  return backward_benchmark, space, 2.5, causal
+
+
 # kernel -> (build, space, FLOPs relative to the forward, causal values).
-KERNELS = {"forward": (forward_benchmark, FORWARD_SPACE, 1.0, (False, True)),
-           # FlashAttention's count: the backward is 2.5x the forward.
-           "backward": (backward_benchmark, BACKWARD_SPACE, 2.5, (False, True)),
-           "forward_order": (forward_benchmark, FORWARD_ORDER_SPACE, 1.0,
-                             (True,)),
-           "backward_order": (backward_benchmark, ORDER_SPACE, 2.5, (True,)),
-           "forward_schedule": (forward_benchmark, SCHEDULE_SPACE, 1.0,
-                                (False, True)),
-           "forward_overlap": (forward_benchmark, FORWARD_OVERLAP_SPACE, 1.0,
-                               (False, True)),
-           "backward_overlap": (backward_benchmark, OVERLAP_SPACE, 2.5,
-                                (False, True)),
-           "forward_persistent": (forward_benchmark, PERSISTENT_SPACE, 1.0,
-                                  (False, True)),
-           "backward_persistent": (backward_benchmark, PERSISTENT_SPACE, 2.5,
-                                   (False, True)),
-           "backward_persistent_wide": (backward_benchmark,
-                                        PERSISTENT_WIDE_SPACE, 2.5,
-                                        (False, True)),
-           "backward_fused": (backward_benchmark, FUSED_SPACE, 2.5,
-                              (False, True)),
-           "forward_launch": (forward_benchmark, LAUNCH_SPACE, 1.0,
-                              (False, True)),
-           "backward_launch": (backward_benchmark, LAUNCH_SPACE, 2.5,
-                               (False, True))}
+KERNELS = {"forward": _forward(FORWARD_SPACE),
+           "backward": _backward(BACKWARD_SPACE),
+           "forward_order": _forward(FORWARD_ORDER_SPACE, causal=(True,)),
+           "backward_order": _backward(ORDER_SPACE, causal=(True,)),
+           "forward_schedule": _forward(SCHEDULE_SPACE),
+           "forward_overlap": _forward(FORWARD_OVERLAP_SPACE),
+           "backward_overlap": _backward(OVERLAP_SPACE),
+           "forward_persistent": _forward(PERSISTENT_SPACE),
+           "backward_persistent": _backward(PERSISTENT_SPACE),
+           "backward_persistent_wide": _backward(PERSISTENT_WIDE_SPACE),
+           "backward_fused": _backward(FUSED_SPACE),
+           "forward_launch": _forward(LAUNCH_SPACE),
+           "backward_launch": _backward(LAUNCH_SPACE)}
 
 
 def main(argv=None) -> int:

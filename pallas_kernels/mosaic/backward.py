@@ -84,8 +84,8 @@ from pallas_kernels.mosaic.forward import (
     _CONSUMER_REGISTERS, _PLAN_SCALARS, _PLAN_UNION, _PRODUCER_REGISTERS,
     _SMEM_LIMIT_BYTES, _LOG2E, _SUPPORTED_DTYPES, _SUPPORTED_HEAD_DIMS,
     _SWIZZLE_BYTES, PLAN_WIDTH, _Plan, _causal_mask, _cols, check_layout,
-    check_tiles, _read_plan, _rows, _variant_mask, persistent_num_ctas,
-    persistent_schedule, tile_index)
+    check_tiles, launch_grid, _read_plan, _rows, _variant_mask,
+    persistent_num_ctas, persistent_schedule, tile_index)
 
 _MAX_CONSUMERS = 2
 # f32 registers per consumer thread that the wgmma accumulators (the
@@ -244,7 +244,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     fused_dq: one kernel: the dK/dV kernel also sums dQ, in float32 in
       global memory, each K/V tile adding its part in a fixed order (see
       `_FusedDq`), so the results are deterministic; 5 matmuls per
-      (Q tile, K/V tile) pair instead of the dQ kernel's extra 3 less its 1.
+      (Q tile, K/V tile) pair instead of 7 (the dQ kernel recomputes S, dP).
       Launch grid only, and only where dK and dV fit one pass (head_dim up
       to 128). None: where measured faster (`fused_dq_by_default`).
     tile_fastest: both kernels' launch grids in tile-fastest order (see
@@ -430,9 +430,8 @@ def statics(query, key, *, heavy_first: bool = True,
             tile_fastest: bool = False, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
-  options = dict(overlap_softmax=bool(overlap_softmax))
-  if tile_fastest:  # so that default calls build the very same statics
-    options.update(tile_fastest=True)
+  options = dict(overlap_softmax=bool(overlap_softmax),
+                 tile_fastest=bool(tile_fastest))
   if fused_dq:
     if persistent or tile_fastest:
       raise NotImplementedError(
@@ -527,10 +526,11 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
       streamed_stats=block_q) + _ranged_smem_bytes(
           spec, num_consumers=consumers, num_stages=stages,
           resident_rows=block_kv, streamed_rows=block_q) + (
-              fused_dq and _fused_dq_smem_bytes(
+              _fused_dq_smem_bytes(
                   num_consumers=consumers, block_q=block_q,
                   block_kv=block_kv, head_dim=head_dim,
-                  itemsize=jnp.dtype(query.dtype).itemsize))
+                  itemsize=jnp.dtype(query.dtype).itemsize)
+              if fused_dq else 0)
   consumers = _num_consumers(_tiled_length(kv_len, block_kv, spec), block_kv,
                              smem_of)
   if fused_dq and (_dq_pieces(block_q, head_dim) % consumers
@@ -979,13 +979,17 @@ class _FusedDq(NamedTuple):
   turns: Any       # int32 semaphores [batch * num_heads * num_q_blocks]
 
 
-def _pieces_of(wg: int, static: _Static):
-  """Consumer wg's pieces of the [block_q, head_dim] dQ tile: numbers wg,
-  wg + num_consumers, ... of the tile's, row-major, with their (row,
-  column) in pieces."""
+def _pieces(static: _Static):
+  """The [_DQ_PIECE, _DQ_PIECE] pieces of the [block_q, head_dim] dQ tile,
+  row-major: (number, row, column), row and column counted in pieces."""
   columns = pl.cdiv(static.head_dim, _DQ_PIECE)
-  return [(n, *divmod(n, columns)) for n in range(
-      wg, _dq_pieces(static.block_q, static.head_dim), static.num_consumers)]
+  return [(n, *divmod(n, columns))
+          for n in range(_dq_pieces(static.block_q, static.head_dim))]
+
+
+def _pieces_of(wg: int, static: _Static):
+  """Consumer wg's pieces: numbers wg, wg + num_consumers, ..."""
+  return _pieces(static)[wg::static.num_consumers]
 
 
 def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static):
@@ -1022,8 +1026,7 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
   is the step's (query head, Q tile)."""
   _, _, num_heads, _ = fused.dq_sum.shape
   first = order == 0
-  pieces = _dq_pieces(static.block_q, static.head_dim)
-  columns = pl.cdiv(static.head_dim, _DQ_PIECE)
+  pieces = _pieces(static)
 
   def hand_on(turn):
     plgpu.semaphore_signal(fused.turns.at[turn], 1, memory_scope="gpu")
@@ -1035,13 +1038,12 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
     turn = (batch * num_heads + head) * static.num_q_blocks + q_block
     plgpu.semaphore_wait(fused.turns.at[turn], order, decrement=False,
                          memory_scope="gpu")
-    for number in range(pieces):
-      row, col = divmod(number, columns)
+    for number, row, col in pieces:
       src = fused.stage.at[parity, number]
       dst = fused.dq_sum.at[
           batch, pl.ds(q_block * static.block_q + row * _DQ_PIECE, _DQ_PIECE),
           head, pl.ds(col * _DQ_PIECE, _DQ_PIECE)]
-      last = number == pieces - 1  # one commit group per step
+      last = number == len(pieces) - 1  # one commit group per step
       pl.when(first)(functools.partial(plgpu.copy_smem_to_gmem, src, dst,
                                        commit_group=last))
       pl.when(jnp.logical_not(first))(functools.partial(
@@ -1532,8 +1534,7 @@ def _grid(static: _Static, grid, names) -> dict:
   persistent grid of `static.num_ctas` CTAs."""
   if static.persistent:
     return dict(grid=(static.num_ctas,), grid_names=("cta",))
-  if static.tile_fastest:
-    return dict(grid=tuple(grid)[::-1], grid_names=tuple(names)[::-1])
+  grid, names = launch_grid(grid, names, tile_fastest=static.tile_fastest)
   return dict(grid=grid, grid_names=names)
 
 

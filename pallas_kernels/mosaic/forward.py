@@ -378,10 +378,9 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
     # q_tile the slowest, so CTAs launched together are the same Q tile of
     # different heads (`tile_index`); `tile_fastest` reverses that.
     body = _forward_kernel
-    grid, grid_names = (num_q_tiles, num_heads, batch), ("q_tile", "head",
-                                                         "batch")
-    if static.tile_fastest:
-      grid, grid_names = grid[::-1], grid_names[::-1]
+    grid, grid_names = launch_grid((num_q_tiles, num_heads, batch),
+                                   ("q_tile", "head", "batch"),
+                                   tile_fastest=static.tile_fastest)
   return plgpu.kernel(
       functools.partial(body, static=static),
       out_type=out_type,
@@ -763,6 +762,15 @@ def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
       return base + num_blocks
 
     lax.fori_loop(0, tiles.count, tile_body, jnp.int32(0))
+
+
+def launch_grid(grid, names, *, tile_fastest: bool):
+  """(grid, names) for `plgpu.kernel` from a launch grid written tile axis
+  first. Pallas hands CUDA the grid reversed, so the first axis launches
+  slowest; `tile_fastest` reverses it, so that it launches fastest."""
+  if tile_fastest:
+    return tuple(grid)[::-1], tuple(names)[::-1]
+  return grid, names
 
 
 def tile_index(axis_name: str, num_tiles: int, *, reverse: bool):
