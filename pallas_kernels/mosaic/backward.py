@@ -99,11 +99,6 @@ _THREADS_PER_WARPGROUP = 128
 # the producer: 2 * 232 + 24 + 24 = 512 per thread slot (see forward's
 # `_CONSUMER_REGISTERS`). 24 is setmaxnreg's least; both only issue TMA.
 _FUSED_PRODUCER_REGISTERS = 24
-# With `_Static.writer_matmul` the writer also computes dS K, a [64, 64] f32
-# accumulator at a time (32 registers per thread): the consumers give it 16
-# registers each, 2 * 216 + 24 + 56 = 512.
-_WRITER_MATMUL_CONSUMER_REGISTERS = 216
-_WRITER_MATMUL_REGISTERS = 56
 # The persistent grid (`mosaic_backward(persistent=None)`), by head dim: the
 # longest kv_len at which it is the default. Session 6's A/B on the H200
 # (results/h200_mosaic_persistent_backward.md, backward alone, 64 x 64
@@ -118,12 +113,11 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # The fused dQ (`mosaic_backward(fused_dq=None)`), by head dim: the shortest
 # kv_len at which it is the default. Measured on the H200, backward alone,
 # full / causal, against the two kernels: head_dim 64 (128-row Q tiles)
-# +6% / +10% at seq 16k (results/h200_mosaic_fused.md), -18% / -13% at 4k
-# and -14% / -18% at 1k (results/h200_mosaic_fused_short.md); head_dim 128
-# -11% / -24% at 16k. Its GPU tests pass (session 8).
+# +6% / +10% at seq 16k (results/h200_mosaic_fused.md; +4% / +14% in
+# results/h200_mosaic_writer.md), -18% / -13% at 4k and -14% / -18% at 1k
+# (results/h200_mosaic_fused_short.md); head_dim 128 -11% / -24% at 16k.
+# Its GPU tests pass (session 8).
 FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384}
-# Whether the fused dQ's writer computes dS K (`_Static.writer_matmul`).
-FUSED_DQ_WRITER_MATMUL = False
 # The fused dQ splits each Q tile's dQ into [_DQ_PIECE, _DQ_PIECE] pieces,
 # shared out among the consumers: 64 rows, a wgmma's height, by 64 columns,
 # one 128-byte swizzle row of 16-bit K, so that a piece's slice of the
@@ -191,12 +185,6 @@ class _Static:
   # matmuls per tile pair instead of 7 (the dQ kernel's recomputed S and dP
   # go). Launch grid, plain form.
   fused_dq: bool = False
-  # Fused dQ: the dQ writer computes the CTA's dS K itself, from the dSᵀ
-  # tiles the consumers store, instead of the consumers (`_FusedDq`). The
-  # consumers then never wait for each other, and the dQ matmul runs in the
-  # writer while they are busy with their elementwise work; it costs each
-  # consumer 16 registers (`_WRITER_MATMUL_REGISTERS`).
-  writer_matmul: bool = False
   # Launch grid order, as the forward's `KernelStatic.tile_fastest`: a
   # head's tiles launched together rather than the same tile of many heads.
   tile_fastest: bool = False
@@ -219,8 +207,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     heavy_first: bool = True, overlap_softmax: bool = True,
                     persistent: bool | None = None,
                     num_ctas: int | None = None,
-                    fused_dq: bool | None = None, tile_fastest: bool = False,
-                    writer_matmul: bool | None = None):
+                    fused_dq: bool | None = None, tile_fastest: bool = False):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -264,9 +251,6 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     tile_fastest: both kernels' launch grids in tile-fastest order (see
       `_Static`); the results are the same either way. Not with `fused_dq`,
       whose K/V tiles of a head must launch apart.
-    writer_matmul: with the fused dQ, its writer warpgroup computes dS K
-      (see `_Static`); the results are the same either way. None:
-      `FUSED_DQ_WRITER_MATMUL`.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -285,8 +269,6 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   if fused_dq is None:
     fused_dq = not persistent and fused_dq_by_default(
         head_dim=head_dim, kv_len=kv_len, block_q=block_q)
-  if writer_matmul is None:
-    writer_matmul = fused_dq and FUSED_DQ_WRITER_MATMUL
   if persistent is None:
     persistent = not fused_dq and persistent_by_default(
         head_dim=head_dim, kv_len=kv_len, is_causal=is_causal)
@@ -295,8 +277,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                                     overlap_softmax=overlap_softmax,
                                     persistent=persistent, num_ctas=num_ctas,
                                     fused_dq=fused_dq,
-                                    tile_fastest=tile_fastest,
-                                    writer_matmul=writer_matmul, **tiles)
+                                    tile_fastest=tile_fastest, **tiles)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -447,8 +428,7 @@ def _num_consumers(length, block, smem_of) -> int:
 def statics(query, key, *, heavy_first: bool = True,
             overlap_softmax: bool = False, persistent: bool = False,
             num_ctas: int | None = None, fused_dq: bool = False,
-            tile_fastest: bool = False, writer_matmul: bool = False,
-            **tiles):
+            tile_fastest: bool = False, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax),
@@ -460,11 +440,8 @@ def statics(query, key, *, heavy_first: bool = True,
           "K/V tiles wait for each other in order")
     if tiles.get("spec") is not None:
       raise NotImplementedError("the ranged backward has no fused dQ")
-    return None, [dataclasses.replace(config, writer_matmul=bool(
-        writer_matmul), **options) for config in
+    return None, [dataclasses.replace(config, **options) for config in
                   dkdv_statics(query, key, fused_dq=True, **tiles)]
-  if writer_matmul:
-    raise NotImplementedError("writer_matmul is an option of the fused dQ")
   dq_config = dataclasses.replace(dq_static(query, key, **tiles),
                                   heavy_first=bool(heavy_first), **options)
   dkdv_configs = [dataclasses.replace(config, **options)
@@ -647,9 +624,9 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
         plgpu.SMEM((2, _dq_pieces(static.block_q, head_dim), _DQ_PIECE,
                     _DQ_PIECE), jnp.float32,
                    transforms=_tile_transforms(jnp.float32)),  # dQ pieces
-    ) + ((plgpu.Barrier(num_barriers=2),) if static.writer_matmul  # ds_free
-         else (plgpu.Barrier(num_arrivals=consumers, num_barriers=2),  # staged
-               plgpu.Barrier(num_barriers=2)))                 # stage_free
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=2),  # dq_staged
+        plgpu.Barrier(num_barriers=2),                        # stage_free
+    )
     out_type = (jax.ShapeDtypeStruct(query.shape, jnp.float32),) + out_type
   results = plgpu.kernel(
       functools.partial(_dkdv_kernel, static=static),
@@ -716,16 +693,9 @@ def _each_tile(tile, wg, *, static: _Static, tile_axes, num_tiles, num_heads,
     if consumer:  # the last tile's gradients reach memory
       plgpu.wait_smem_to_gmem(0)
 
-  consumer_registers = (_WRITER_MATMUL_CONSUMER_REGISTERS
-                        if static.writer_matmul else _CONSUMER_REGISTERS)
   pl.when(wg < static.num_consumers)(
-      lambda: run(consumer_registers, "increase", True))
-  if static.fused_dq and static.writer_matmul:
-    pl.when(wg == static.num_consumers)(
-        lambda: run(_FUSED_PRODUCER_REGISTERS, "decrease", False))
-    pl.when(wg == static.num_consumers + 1)(
-        lambda: run(_WRITER_MATMUL_REGISTERS, "decrease", False))
-  elif static.fused_dq:  # the producer, and the dQ writer after it
+      lambda: run(_CONSUMER_REGISTERS, "increase", True))
+  if static.fused_dq:  # the producer, and the dQ writer after it
     pl.when(wg >= static.num_consumers)(
         lambda: run(_FUSED_PRODUCER_REGISTERS, "decrease", False))
   else:
@@ -753,9 +723,9 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
     num_steps = static.group * per_head
   arrived = (q_arrived, do_arrived, stats_arrived) + _ids_arrived(ids)
   fused = None
-  if static.fused_dq:  # (`turns`: the writer's alone, see `_writer`)
-    fused = _FusedDq(**dict(zip(_fused_scratch_names(static), scratch[11:])),
-                     k=k_smem, dq_sum=out_refs["dq_sum"], turns=None)
+  if static.fused_dq:
+    fused = _FusedDq(*scratch[11:16], k=k_smem, dq_sum=out_refs["dq_sum"],
+                     turns=None)  # the writer's alone: `_writer`
 
   def _consumer():
     kv_start = tile_start + wg * static.block_kv
@@ -925,16 +895,15 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         p_t = jnp.where(tile_mask(q_block, slot), p_t, 0.0)
       return p_t, slope
 
-    share_ds = None
-    if fused is not None:  # this step's dSᵀ, for the dQ matmul to read
-      share_ds = functools.partial(_share_ds, fused, step=step, wg=wg,
-                                   static=static)
+    ds_smem = None
+    if fused is not None:  # this step's dSᵀ, for every consumer to read
+      ds_smem = fused.ds.at[lax.rem(step, 2), wg]
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
       (p_t, slope), *dp_t = _wgmma_then(shape, products, probabilities)
       grads = _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile,
                                           do_tile, stats_ring.at[slot],
-                                          static, share_ds=share_ds)
+                                          static, ds_smem=ds_smem)
       plgpu.barrier_arrive(consumed.at[slot])
       return finish(grads, step)
     s_t, *dp_t = _wgmma_fresh(shape, products)
@@ -949,17 +918,14 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, s_t.shape), slope)
         ds_t = ds_t.astype(static.dtype)
         updates.append((ds_t, q_tile))  # dK += dSᵀ Q
-        if share_ds is not None:
-          share_ds(ds_t)
+        if ds_smem is not None:
+          ds_smem[...] = ds_t
     grads = _wgmma_accumulate(grads, updates)
     plgpu.barrier_arrive(consumed.at[slot])
     return finish(grads, step)
 
   def finish(grads, step):
-    if fused is not None and static.writer_matmul:  # dSᵀ to the writer
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(fused.ds_stored.at[lax.rem(step, 2)])
-    elif fused is not None:
+    if fused is not None:
       _stage_dq(fused, wg, step=step, static=static)
     return grads
 
@@ -1003,51 +969,15 @@ class _FusedDq(NamedTuple):
   of a head come the other heads' tile j - 1: so a wait never waits for a
   CTA that is not running or done, and tile j - 1 is a few steps ahead by
   the time tile j starts.
-
-  With `_Static.writer_matmul` the writer computes the pieces itself: the
-  consumers only store their dSᵀ and go on, waiting only before they
-  overwrite a dSᵀ buffer the writer has not yet read (`ds_free`).
   """
   ds: Any          # [2, consumers, block_kv, block_q] 16-bit: dSᵀ tiles
   ds_stored: Any   # barriers [2], an arrival per consumer
   stage: Any       # f32 [2, pieces, _DQ_PIECE, _DQ_PIECE]: the CTA's dS K
+  staged: Any      # barriers [2], an arrival per consumer: pieces staged
+  stage_free: Any  # barriers [2]: the writer read the stage
   k: Any           # [consumers, block_kv, head_dim]: the CTA's K rows
   dq_sum: Any      # f32 [batch, q_len, num_heads, head_dim], global
   turns: Any       # int32 semaphores [batch * num_heads * num_q_blocks]
-  # The consumers stage the pieces:
-  staged: Any = None      # barriers [2], an arrival per consumer
-  stage_free: Any = None  # barriers [2]: the writer read the stage
-  # The writer computes them (`_Static.writer_matmul`):
-  ds_free: Any = None     # barriers [2]: the writer read the dSᵀ tiles
-
-
-def _fused_scratch_names(static: _Static) -> tuple[str, ...]:
-  """The `_FusedDq` fields of `launch_dkdv`'s fused scratch, in order."""
-  return ("ds", "ds_stored", "stage") + (
-      ("ds_free",) if static.writer_matmul else ("staged", "stage_free"))
-
-
-def _share_ds(fused: _FusedDq, ds_t, *, step, wg, static: _Static):
-  """Stores consumer wg's dSᵀ of `step` (16-bit [block_kv, block_q]) in
-  the buffer of the step's parity; with `writer_matmul`, once the writer
-  has read that buffer's last tile (step - 2's). Else the consumers' wait
-  for each other in `_stage_dq` orders the reads and writes."""
-  parity = lax.rem(step, 2)
-  if static.writer_matmul:
-    pl.when(step >= 2)(
-        lambda: plgpu.barrier_wait(fused.ds_free.at[parity]))
-  fused.ds.at[parity, wg][...] = ds_t
-
-
-def _dq_piece(fused: _FusedDq, parity, row, col, static: _Static):
-  """Piece (row, col) of the CTA's dS K from the dSᵀ tiles of `parity`:
-  f32 [_DQ_PIECE, _DQ_PIECE], a sum over the consumers' K/V rows (static
-  slices: the k-th slice of the CTA's K/V rows is consumer k's)."""
-  ds = fused.ds.at[parity]
-  return _wgmma_sum((_DQ_PIECE, _DQ_PIECE), [
-      (ds.at[k, :, pl.ds(row * _DQ_PIECE, _DQ_PIECE)].transpose((1, 0)),
-       fused.k.at[k, :, pl.ds(col * _DQ_PIECE, _DQ_PIECE)])
-      for k in range(static.num_consumers)])
 
 
 def _pieces(static: _Static):
@@ -1072,11 +1002,15 @@ def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static):
   plgpu.barrier_wait(fused.ds_stored.at[parity])
   # The writer has read this stage's pieces of step - 2.
   pl.when(step >= 2)(lambda: plgpu.barrier_wait(fused.stage_free.at[parity]))
-  stage = fused.stage.at[parity]
+  ds, stage = fused.ds.at[parity], fused.stage.at[parity]
 
   def compute(wg: int):
+    # Static slices: the k-th slice of the CTA's K/V rows is consumer k's.
     for number, row, col in _pieces_of(wg, static):
-      stage[number] = _dq_piece(fused, parity, row, col, static)
+      stage[number] = _wgmma_sum((_DQ_PIECE, _DQ_PIECE), [
+          (ds.at[k, :, pl.ds(row * _DQ_PIECE, _DQ_PIECE)].transpose((1, 0)),
+           fused.k.at[k, :, pl.ds(col * _DQ_PIECE, _DQ_PIECE)])
+          for k in range(static.num_consumers)])
 
   for c in range(static.num_consumers):
     pl.when(wg == c)(functools.partial(compute, c))
@@ -1087,8 +1021,7 @@ def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static):
 def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
               static: _Static):
   """The dQ writer of K/V tile `order`: for each step, once the consumers
-  staged its pieces (or, `writer_matmul`, once it computed them from the
-  consumers' dSᵀ), waits for the Q tile's turn and adds them to `dq_sum`
+  staged its pieces, waits for the Q tile's turn and adds them to `dq_sum`
   (stores them, as the first); then, once the previous step's adds are in
   memory, hands that Q tile on and frees its stage. `head_and_block(step)`
   is the step's (query head, Q tile)."""
@@ -1101,16 +1034,7 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
 
   def write(step, handed):
     parity = lax.rem(step, 2)
-    if static.writer_matmul:
-      # The stage of step - 2 has been read: see the wait below.
-      plgpu.barrier_wait(fused.ds_stored.at[parity])
-      stage = fused.stage.at[parity]
-      for number, row, col in pieces:
-        stage[number] = _dq_piece(fused, parity, row, col, static)
-      plgpu.barrier_arrive(fused.ds_free.at[parity])
-      plgpu.commit_smem()  # the pieces, read by the TMA below
-    else:
-      plgpu.barrier_wait(fused.staged.at[parity])
+    plgpu.barrier_wait(fused.staged.at[parity])
     head, q_block = head_and_block(step)
     turn = (batch * num_heads + head) * static.num_q_blocks + q_block
     plgpu.semaphore_wait(fused.turns.at[turn], order, decrement=False,
@@ -1133,8 +1057,7 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
     @pl.when(step > 0)
     def _():
       hand_on(handed)
-      if not static.writer_matmul:
-        plgpu.barrier_arrive(fused.stage_free.at[1 - parity])
+      plgpu.barrier_arrive(fused.stage_free.at[1 - parity])
     return turn
 
   last_turn = lax.fori_loop(0, num_steps, write, jnp.int32(0))
@@ -1143,11 +1066,11 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
 
 
 def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
-                                stats, static: _Static, share_ds=None):
+                                stats, static: _Static, ds_smem=None):
   """`grads` (in `static.outputs` order) plus this step's dV += Pᵀ dO and
   dK += dSᵀ Q, with dV's wgmma issued first, so that dS is computed while
   it runs. `dp_t` is [dPᵀ] when dK is an output, else []; `stats` is the
-  step's [2, block_q] (lse, delta) slot; `share_ds` (fused dQ) stores dSᵀ
+  step's [2, block_q] (lse, delta) slot; `ds_smem` (fused dQ) receives dSᵀ
   while dK's wgmma runs."""
   def issue(grad_refs):
     named = dict(zip(static.outputs, grad_refs))
@@ -1158,8 +1081,8 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
       ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, p_t.shape), slope)
       ds_t = ds_t.astype(static.dtype)
       plgpu.wgmma(named["dk"], ds_t, q_tile)
-      if share_ds is not None:
-        share_ds(ds_t)
+      if ds_smem is not None:
+        ds_smem[...] = ds_t
 
   return pl.run_state(issue)(tuple(plgpu.ACC.init(grad) for grad in grads))
 
