@@ -501,6 +501,29 @@ def test_fused_dq_matches_reference_on_gpu(case, is_causal, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
+def test_fused_dq_default_at_long_kv_on_gpu(is_causal):
+  """The shipped default, no switch turned: `flash_attention` at head_dim
+  64 and kv_len 16384 (`FUSED_DQ_MIN_KV_LEN`) runs the fused backward, and
+  its output, LSE and gradients obey the tolerance rule (GQA 2:1, q_len
+  not the kv_len)."""
+  _require_sm90()
+  import jax_flash
+  case = Case(1, 15360, 16384, 4, 2, 64)
+  attention = jax.jit(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=is_causal, return_residual=True,
+      implementation="mosaic"))
+  q = jnp.zeros((case.batch, case.q_len, case.num_heads, case.head_dim),
+                jnp.bfloat16)
+  kv = jnp.zeros((case.batch, case.kv_len, case.num_kv_heads, case.head_dim),
+                 jnp.bfloat16)
+  grad = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v)[0].astype(
+      jnp.float32)), (0, 1, 2))
+  assert _kernels(jax.jit(grad).lower(q, kv, kv).as_text()) == {"dq_dkdv"}
+  check_against_reference(attention, case, jnp.bfloat16, is_causal=is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fused_dq_is_deterministic_on_gpu(head_dim, is_causal):
   """Many K/V tiles add to each dQ tile; their fixed order makes the f32
