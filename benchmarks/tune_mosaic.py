@@ -49,13 +49,10 @@ PERSISTENT_SPACE = dict(persistent=(False, True))
 LAUNCH_SPACE = dict(tile_fastest=(False, True), persistent=(False,))
 # The persistent backward with head_dim 64's 128-row Q tiles.
 PERSISTENT_WIDE_SPACE = dict(persistent=(False, True), block_q=(128,))
-# The fused dQ (`backward._Static.fused_dq`), its writer a warpgroup or a
-# warp (`writer_warp`), against the two kernels, on the launch grid, with
-# both Q tile heights (head_dim 64 ships 128 rows). The kernels refuse the
-# combinations they lack (writer_warp without the fused dQ, tiles that do
-# not fit) at once.
-FUSED_SPACE = dict(fused_dq=(False, True), writer_warp=(False, True),
-                   block_q=(64, 128), persistent=(False,))
+# The fused dQ (`backward._Static.fused_dq`) against the two kernels, on the
+# launch grid, with both Q tile heights (head_dim 64 ships 128 rows).
+FUSED_SPACE = dict(fused_dq=(False, True), block_q=(64, 128),
+                   persistent=(False,))
 
 
 def candidates(space: dict) -> list[dict]:

@@ -99,11 +99,6 @@ _THREADS_PER_WARPGROUP = 128
 # the producer: 2 * 232 + 24 + 24 = 512 per thread slot (see forward's
 # `_CONSUMER_REGISTERS`). 24 is setmaxnreg's least; both only issue TMA.
 _FUSED_PRODUCER_REGISTERS = 24
-# With `_Static.writer_warp` the dQ writer is a warp of the producer
-# warpgroup, as FlashAttention-3's backward has it: three warpgroups,
-# 2 * 240 + 32 = 512.
-_WRITER_WARP_CONSUMER_REGISTERS = 240
-_WRITER_WARP_PRODUCER_REGISTERS = 32
 # The persistent grid (`mosaic_backward(persistent=None)`), by head dim: the
 # longest kv_len at which it is the default. Session 6's A/B on the H200
 # (results/h200_mosaic_persistent_backward.md, backward alone, 64 x 64
@@ -123,9 +118,6 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # (results/h200_mosaic_fused_short.md); head_dim 128 -11% / -24% at 16k.
 # Its GPU tests pass (session 8).
 FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384}
-# Whether the fused dQ's writer is a warp of the producer warpgroup
-# (`_Static.writer_warp`).
-FUSED_DQ_WRITER_WARP = False
 # The fused dQ splits each Q tile's dQ into [_DQ_PIECE, _DQ_PIECE] pieces,
 # shared out among the consumers: 64 rows, a wgmma's height, by 64 columns,
 # one 128-byte swizzle row of 16-bit K, so that a piece's slice of the
@@ -193,10 +185,6 @@ class _Static:
   # matmuls per tile pair instead of 7 (the dQ kernel's recomputed S and dP
   # go). Launch grid, plain form.
   fused_dq: bool = False
-  # Fused dQ: the dQ writer is the producer warpgroup's second warp (the
-  # first streams the tiles) rather than a fourth warpgroup, which leaves
-  # the consumers 240 registers instead of 232 (FlashAttention-3's layout).
-  writer_warp: bool = False
   # Launch grid order, as the forward's `KernelStatic.tile_fastest`: a
   # head's tiles launched together rather than the same tile of many heads.
   tile_fastest: bool = False
@@ -219,8 +207,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     heavy_first: bool = True, overlap_softmax: bool = True,
                     persistent: bool | None = None,
                     num_ctas: int | None = None,
-                    fused_dq: bool | None = None, tile_fastest: bool = False,
-                    writer_warp: bool | None = None):
+                    fused_dq: bool | None = None, tile_fastest: bool = False):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -264,9 +251,6 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     tile_fastest: both kernels' launch grids in tile-fastest order (see
       `_Static`); the results are the same either way. Not with `fused_dq`,
       whose K/V tiles of a head must launch apart.
-    writer_warp: the fused dQ's writer as a warp of the producer warpgroup
-      (see `_Static`); the results are the same either way. None:
-      `FUSED_DQ_WRITER_WARP`.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -285,8 +269,6 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   if fused_dq is None:
     fused_dq = not persistent and fused_dq_by_default(
         head_dim=head_dim, kv_len=kv_len, block_q=block_q)
-  if writer_warp is None:
-    writer_warp = fused_dq and FUSED_DQ_WRITER_WARP
   if persistent is None:
     persistent = not fused_dq and persistent_by_default(
         head_dim=head_dim, kv_len=kv_len, is_causal=is_causal)
@@ -295,8 +277,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                                     overlap_softmax=overlap_softmax,
                                     persistent=persistent, num_ctas=num_ctas,
                                     fused_dq=fused_dq,
-                                    tile_fastest=tile_fastest,
-                                    writer_warp=writer_warp, **tiles)
+                                    tile_fastest=tile_fastest, **tiles)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -447,8 +428,7 @@ def _num_consumers(length, block, smem_of) -> int:
 def statics(query, key, *, heavy_first: bool = True,
             overlap_softmax: bool = False, persistent: bool = False,
             num_ctas: int | None = None, fused_dq: bool = False,
-            tile_fastest: bool = False, writer_warp: bool = False,
-            **tiles):
+            tile_fastest: bool = False, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax),
@@ -460,11 +440,8 @@ def statics(query, key, *, heavy_first: bool = True,
           "K/V tiles wait for each other in order")
     if tiles.get("spec") is not None:
       raise NotImplementedError("the ranged backward has no fused dQ")
-    return None, [dataclasses.replace(
-        config, writer_warp=bool(writer_warp), **options) for config in
+    return None, [dataclasses.replace(config, **options) for config in
                   dkdv_statics(query, key, fused_dq=True, **tiles)]
-  if writer_warp:
-    raise NotImplementedError("writer_warp is an option of the fused dQ")
   dq_config = dataclasses.replace(dq_static(query, key, **tiles),
                                   heavy_first=bool(heavy_first), **options)
   dkdv_configs = [dataclasses.replace(config, **options)
@@ -661,8 +638,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
       # j of a head launches after tile j - 1 (see `_FusedDq`).
       **_grid(static, (pl.cdiv(kv_len, consumers * static.block_kv),
                        num_kv_heads, batch), ("kv_tile", "kv_head", "batch")),
-      # + the dQ writer's warpgroup, unless it is the producer's
-      num_threads=consumers + 1 + (static.fused_dq and not static.writer_warp),
+      num_threads=consumers + 1 + static.fused_dq,  # + the dQ writer
       thread_name="wg",
       kernel_name=_kernel_name(
           static, "".join(("dq_",) * static.fused_dq + static.outputs)),
@@ -717,12 +693,6 @@ def _each_tile(tile, wg, *, static: _Static, tile_axes, num_tiles, num_heads,
     if consumer:  # the last tile's gradients reach memory
       plgpu.wait_smem_to_gmem(0)
 
-  if static.writer_warp:  # the producer warpgroup holds the dQ writer
-    pl.when(wg < static.num_consumers)(
-        lambda: run(_WRITER_WARP_CONSUMER_REGISTERS, "increase", True))
-    pl.when(wg == static.num_consumers)(
-        lambda: run(_WRITER_WARP_PRODUCER_REGISTERS, "decrease", False))
-    return
   pl.when(wg < static.num_consumers)(
       lambda: run(_CONSUMER_REGISTERS, "increase", True))
   if static.fused_dq:  # the producer, and the dQ writer after it
@@ -840,12 +810,10 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                       ids.ring, ids.ring_arrived))
     _produce(streams, consumed, union_steps, static, base=base)
 
-  def turns():
+  def _writer():
     batch_size, _, num_heads, _ = q_ref.shape
-    return pl.get_global(plgpu.SemaphoreType.REGULAR(
+    turns = pl.get_global(plgpu.SemaphoreType.REGULAR(
         (batch_size * num_heads * static.num_q_blocks,)))
-
-  def _writer(turns):
     _write_dq(fused._replace(turns=turns), batch=batch, order=kv_tile,
               num_steps=num_steps, static=static,
               head_and_block=functools.partial(
@@ -855,17 +823,9 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
     _consumer()
   elif fused is None:
     _producer()
-  elif static.writer_warp:  # one warpgroup: warp 0 streams, warp 1 writes
-    semaphores = turns()  # (a warp may close over refs and scalars only)
-
-    @plgpu.warp_map
-    def _(warp):
-      pl.when(warp == 0)(_producer)
-      pl.when(warp == 1)(functools.partial(_writer, semaphores))
   else:
     pl.when(wg == static.num_consumers)(_producer)
-    pl.when(wg == static.num_consumers + 1)(
-        lambda: _writer(turns()))
+    pl.when(wg == static.num_consumers + 1)(_writer)
   return num_steps
 
 
@@ -1087,8 +1047,7 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
       last = number == len(pieces) - 1  # one commit group per step
       pl.when(first)(functools.partial(plgpu.copy_smem_to_gmem, src, dst,
                                        commit_group=last))
-      # `order > 0`, not `~first`: a warp's lowering has no `not`.
-      pl.when(order > 0)(functools.partial(
+      pl.when(jnp.logical_not(first))(functools.partial(
           plgpu.copy_smem_to_gmem, src, dst, commit_group=last,
           reduction_op="add"))
     # All groups but this step's are done: the previous step's adds are
