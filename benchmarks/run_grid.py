@@ -13,8 +13,11 @@ Grid (DESIGN.md section 5): bf16, batch·seq = 16384, hidden 2048 (heads =
 or not, modes fwd and fwd_bwd. Each (cell, implementation) is compiled once
 (a cell's implementations concurrently), its memory read from XLA's
 analysis, then timed alone (median of `--reps` samples after `--warmup`
-calls). A failure is recorded under "skipped" with its reason and the grid
-goes on. The JSON is rewritten after every cell, so a killed run keeps what
+calls). With `--rounds R` a cell's implementations are timed R times in
+turn (A B C, A B C, ...) and each keeps the median of its rounds, so that a
+drift of the GPU's clocks during the cell falls on every implementation
+alike rather than on whichever was timed then. A failure is recorded under
+"skipped" with its reason and the grid goes on. The JSON is rewritten after every cell, so a killed run keeps what
 it measured, and `--resume` measures only what is missing.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ import functools
 import gc
 import itertools
 import os
+import statistics
 import sys
 import time
 
@@ -59,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--hidden", type=int, help="num_heads * head_dim")
   parser.add_argument("--warmup", type=int)
   parser.add_argument("--reps", type=int)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="time a cell's implementations this many times "
+                      "in turn; each keeps the median of its rounds")
   parser.add_argument("--out", default="benchmarks/results/h200.json")
   parser.add_argument("--smoke", action="store_true",
                       help="tiny sizes (interpret mode on a CPU), for tests")
@@ -84,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       setattr(args, name, value)
   if args.interpret is None:
     args.interpret = not compat.has_gpu()
+  if args.rounds < 1:
+    parser.error(f"--rounds must be at least 1, got {args.rounds}")
   return args
 
 
@@ -142,21 +151,42 @@ def run(args, header: dict) -> dict:
       # tokamax autotune on the GPU while they compile, and a kernel timed
       # beside that reads 2-10x slow (seen on the H200, 2026-11-29).
       concurrent.futures.wait(builds.values())
-      for impl in impls:
-        try:
-          compiled, inputs = builds.pop(impl).result()
-          m = common.measure(compiled, inputs, warmup=args.warmup,
-                             reps=args.reps)
-          result["records"].append(dataclasses.asdict(
-              common.Record.measured(impl, cell, m.ms, m.peak_gib)))
-        except Exception as e:  # one peer's failure must not end the grid
-          result["skipped"].append(
-              common.skip_entry(impl, cell, common.describe_error(e)))
-        compiled = inputs = None  # let gc free them with the cell
-        bar.update()
+      result["records"] += [dataclasses.asdict(record) for record in
+                            _time_in_rounds(cell, builds, args, result)]
+      builds = None  # let gc free the executables and inputs with the cell
+      bar.update(len(impls))
       gc.collect()  # frees this cell's inputs before the next allocates
       common.write_json(args.out, result)
   return result
+
+
+def _time_in_rounds(cell, builds: dict, args, result: dict
+                    ) -> list[common.Record]:
+  """Times the cell's built implementations (`builds`: impl -> future of
+  (executable, inputs)) `args.rounds` times in turn; returns a record per
+  implementation with the median of its rounds. A failure (to build or to
+  run) goes to `result["skipped"]`, and that implementation is not timed
+  again."""
+  runnable, rounds = {}, {}
+  for impl, build in builds.items():
+    try:
+      runnable[impl] = build.result()
+    except Exception as e:  # one peer's failure must not end the grid
+      result["skipped"].append(
+          common.skip_entry(impl, cell, common.describe_error(e)))
+  for _ in range(args.rounds):
+    for impl, (compiled, inputs) in list(runnable.items()):
+      try:
+        rounds.setdefault(impl, []).append(common.measure(
+            compiled, inputs, warmup=args.warmup, reps=args.reps))
+      except Exception as e:
+        result["skipped"].append(
+            common.skip_entry(impl, cell, common.describe_error(e)))
+        del runnable[impl]
+        rounds.pop(impl, None)
+  return [common.Record.measured(
+      impl, cell, statistics.median(m.ms for m in rounds[impl]),
+      rounds[impl][0].peak_gib) for impl in runnable]
 
 
 def main(argv=None) -> int:

@@ -250,3 +250,40 @@ def test_masks_benchmark_skips_what_a_backend_lacks(tmp_path, monkeypatch):
   assert mosaic_attention.MASKED_BACKWARD_ENABLED      # the option's effect
   if not compat.has_gpu():
     assert result["records"] == []
+
+
+def test_grid_rounds_interleave_and_keep_the_median(monkeypatch):
+  """`--rounds`: a cell's implementations are timed in turn, round after
+  round; each keeps the median of its rounds; one that fails to build or
+  to run is skipped and not timed again."""
+  import argparse
+  import concurrent.futures
+  cell = common.Cell.standard("fwd", 64, 32, False, tokens=128, hidden=64)
+  times = {"a": [3.0, 1.0, 2.0], "b": [5.0, 4.0, 6.0], "c": [1.0]}
+  calls = []
+
+  def fake_measure(compiled, inputs, *, warmup, reps):
+    calls.append(compiled)
+    if compiled == "c" and len(times["c"]) == 0:
+      raise RuntimeError("c failed in round 2")
+    return common.Measurement(times[compiled].pop(0), 1.5)
+
+  def built(value=None, error=None):
+    future = concurrent.futures.Future()
+    if error is None:
+      future.set_result((value, ()))
+    else:
+      future.set_exception(error)
+    return future
+
+  monkeypatch.setattr(common, "measure", fake_measure)
+  builds = {"a": built("a"), "b": built("b"), "c": built("c"),
+            "d": built(error=ValueError("d did not build"))}
+  result = {"skipped": []}
+  records = run_grid._time_in_rounds(
+      cell, builds, argparse.Namespace(rounds=3, warmup=1, reps=1), result)
+  assert calls == ["a", "b", "c", "a", "b", "c", "a", "b"]
+  assert {r.impl: r.ms for r in records} == {"a": 2.0, "b": 5.0}
+  assert all(r.peak_gib == 1.5 for r in records)
+  assert [(s["impl"], s["reason"].split(":")[0]) for s in result["skipped"]
+          ] == [("d", "ValueError"), ("c", "RuntimeError")]
