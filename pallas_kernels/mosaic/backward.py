@@ -118,6 +118,9 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # (results/h200_mosaic_fused_short.md); head_dim 128 -11% / -24% at 16k.
 # Its GPU tests pass (session 8).
 FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384}
+# Whether the fused dQ issues the dQ matmul before dK's
+# (`_Static.dq_before_dk`).
+FUSED_DQ_BEFORE_DK = False
 # The fused dQ splits each Q tile's dQ into [_DQ_PIECE, _DQ_PIECE] pieces,
 # shared out among the consumers: 64 rows, a wgmma's height, by 64 columns,
 # one 128-byte swizzle row of 16-bit K, so that a piece's slice of the
@@ -185,6 +188,12 @@ class _Static:
   # matmuls per tile pair instead of 7 (the dQ kernel's recomputed S and dP
   # go). Launch grid, plain form.
   fused_dq: bool = False
+  # Fused dQ with `overlap_softmax`: each consumer issues its dQ piece's
+  # wgmma before dK += dSᵀ Q and waits for the piece alone, so that dK runs
+  # on the tensor cores while the piece is staged, and dV while the
+  # consumers meet to exchange dSᵀ (FlashAttention-3's order). The same
+  # products in the same accumulators: bitwise the same results.
+  dq_before_dk: bool = False
   # Launch grid order, as the forward's `KernelStatic.tile_fastest`: a
   # head's tiles launched together rather than the same tile of many heads.
   tile_fastest: bool = False
@@ -207,7 +216,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     heavy_first: bool = True, overlap_softmax: bool = True,
                     persistent: bool | None = None,
                     num_ctas: int | None = None,
-                    fused_dq: bool | None = None, tile_fastest: bool = False):
+                    fused_dq: bool | None = None, tile_fastest: bool = False,
+                    dq_before_dk: bool | None = None):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -251,6 +261,9 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     tile_fastest: both kernels' launch grids in tile-fastest order (see
       `_Static`); the results are the same either way. Not with `fused_dq`,
       whose K/V tiles of a head must launch apart.
+    dq_before_dk: with the fused dQ and `overlap_softmax`, issue each
+      consumer's dQ matmul before its dK matmul (see `_Static`); the results
+      are the same either way. None: `FUSED_DQ_BEFORE_DK`.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -269,6 +282,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   if fused_dq is None:
     fused_dq = not persistent and fused_dq_by_default(
         head_dim=head_dim, kv_len=kv_len, block_q=block_q)
+  if dq_before_dk is None:
+    dq_before_dk = fused_dq and overlap_softmax and FUSED_DQ_BEFORE_DK
   if persistent is None:
     persistent = not fused_dq and persistent_by_default(
         head_dim=head_dim, kv_len=kv_len, is_causal=is_causal)
@@ -277,7 +292,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                                     overlap_softmax=overlap_softmax,
                                     persistent=persistent, num_ctas=num_ctas,
                                     fused_dq=fused_dq,
-                                    tile_fastest=tile_fastest, **tiles)
+                                    tile_fastest=tile_fastest,
+                                    dq_before_dk=dq_before_dk, **tiles)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -428,7 +444,8 @@ def _num_consumers(length, block, smem_of) -> int:
 def statics(query, key, *, heavy_first: bool = True,
             overlap_softmax: bool = False, persistent: bool = False,
             num_ctas: int | None = None, fused_dq: bool = False,
-            tile_fastest: bool = False, **tiles):
+            tile_fastest: bool = False, dq_before_dk: bool = False,
+            **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax),
@@ -440,8 +457,18 @@ def statics(query, key, *, heavy_first: bool = True,
           "K/V tiles wait for each other in order")
     if tiles.get("spec") is not None:
       raise NotImplementedError("the ranged backward has no fused dQ")
-    return None, [dataclasses.replace(config, **options) for config in
-                  dkdv_statics(query, key, fused_dq=True, **tiles)]
+    configs = [dataclasses.replace(config, **options) for config in
+               dkdv_statics(query, key, fused_dq=True, **tiles)]
+    if dq_before_dk:
+      (config,) = configs
+      if not overlap_softmax or len(_pieces_of(0, config)) != 1:
+        raise NotImplementedError(
+            "dq_before_dk needs overlap_softmax and one dQ piece per "
+            f"consumer (got {len(_pieces_of(0, config))})")
+      configs = [dataclasses.replace(config, dq_before_dk=True)]
+    return None, configs
+  if dq_before_dk:
+    raise NotImplementedError("dq_before_dk is an option of the fused dQ")
   dq_config = dataclasses.replace(dq_static(query, key, **tiles),
                                   heavy_first=bool(heavy_first), **options)
   dkdv_configs = [dataclasses.replace(config, **options)
@@ -895,15 +922,19 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         p_t = jnp.where(tile_mask(q_block, slot), p_t, 0.0)
       return p_t, slope
 
-    ds_smem = None
+    ds_smem = dq_first = None
     if fused is not None:  # this step's dSᵀ, for every consumer to read
       ds_smem = fused.ds.at[lax.rem(step, 2), wg]
+      if static.dq_before_dk:
+        dq_first = functools.partial(_stage_dq_first, fused, wg, step=step,
+                                     static=static)
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
       (p_t, slope), *dp_t = _wgmma_then(shape, products, probabilities)
       grads = _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile,
                                           do_tile, stats_ring.at[slot],
-                                          static, ds_smem=ds_smem)
+                                          static, ds_smem=ds_smem,
+                                          dq_first=dq_first)
       plgpu.barrier_arrive(consumed.at[slot])
       return finish(grads, step)
     s_t, *dp_t = _wgmma_fresh(shape, products)
@@ -925,7 +956,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     return finish(grads, step)
 
   def finish(grads, step):
-    if fused is not None:
+    if fused is not None and not static.dq_before_dk:
       _stage_dq(fused, wg, step=step, static=static)
     return grads
 
@@ -1018,6 +1049,38 @@ def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static):
   plgpu.barrier_arrive(fused.staged.at[parity])
 
 
+def _stage_dq_first(fused: _FusedDq, wg, issue_dk, *, step, static: _Static):
+  """`_stage_dq` in FlashAttention-3's order (`_Static.dq_before_dk`):
+  consumer wg, its dSᵀ of `step` stored and dV's wgmma running, meets the
+  other consumers, issues its one dQ piece's wgmma, then dK's
+  (`issue_dk`), and stages the piece once it alone is done."""
+  parity = lax.rem(step, 2)
+  plgpu.commit_smem()  # this consumer's dSᵀ, read by every consumer's wgmma
+  plgpu.barrier_arrive(fused.ds_stored.at[parity])
+  plgpu.barrier_wait(fused.ds_stored.at[parity])
+  pl.when(step >= 2)(lambda: plgpu.barrier_wait(fused.stage_free.at[parity]))
+  ds, stage = fused.ds.at[parity], fused.stage.at[parity]
+
+  def compute(wg: int):
+    ((number, row, col),) = _pieces_of(wg, static)
+
+    def issue(piece):
+      for k in range(static.num_consumers):
+        plgpu.wgmma(piece, ds.at[k, :, pl.ds(row * _DQ_PIECE, _DQ_PIECE)]
+                    .transpose((1, 0)),
+                    fused.k.at[k, :, pl.ds(col * _DQ_PIECE, _DQ_PIECE)])
+      issue_dk()
+      # Every wgmma but dK's (the last issued) is done: the piece is.
+      stage[number] = plgpu.wgmma_accumulator_load(piece, wait_n=1)
+
+    pl.run_scoped(issue, plgpu.ACC((_DQ_PIECE, _DQ_PIECE), jnp.float32))
+
+  for c in range(static.num_consumers):
+    pl.when(wg == c)(functools.partial(compute, c))
+  plgpu.commit_smem()  # the piece, read by the writer's TMA
+  plgpu.barrier_arrive(fused.staged.at[parity])
+
+
 def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
               static: _Static):
   """The dQ writer of K/V tile `order`: for each step, once the consumers
@@ -1066,12 +1129,14 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
 
 
 def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
-                                stats, static: _Static, ds_smem=None):
+                                stats, static: _Static, ds_smem=None,
+                                dq_first=None):
   """`grads` (in `static.outputs` order) plus this step's dV += Pᵀ dO and
   dK += dSᵀ Q, with dV's wgmma issued first, so that dS is computed while
   it runs. `dp_t` is [dPᵀ] when dK is an output, else []; `stats` is the
   step's [2, block_q] (lse, delta) slot; `ds_smem` (fused dQ) receives dSᵀ
-  while dK's wgmma runs."""
+  while dK's wgmma runs, or (`dq_first`, see `_stage_dq_first`) before it
+  is issued, after the dQ piece's."""
   def issue(grad_refs):
     named = dict(zip(static.outputs, grad_refs))
     if "dv" in named:
@@ -1080,7 +1145,12 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
       delta = plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0))
       ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, p_t.shape), slope)
       ds_t = ds_t.astype(static.dtype)
-      plgpu.wgmma(named["dk"], ds_t, q_tile)
+      issue_dk = functools.partial(plgpu.wgmma, named["dk"], ds_t, q_tile)
+      if dq_first is not None:
+        ds_smem[...] = ds_t
+        dq_first(issue_dk)
+        return
+      issue_dk()
       if ds_smem is not None:
         ds_smem[...] = ds_t
 
