@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -66,13 +66,13 @@ for step in "$@"; do
         --kernels forward_overlap forward_schedule backward_overlap \
         --out "$OUT/h200_mosaic_schedule.json" \
         > "$LOGS/schedule.log" 2>&1; tail -12 "$LOGS/schedule.log" ;;
-    fused)  # the fused dQ backward: its GPU tests, then the A/B against the
-            # two kernels at seq 1k/4k/16k (backward alone)
+    fused)  # the fused dQ backward's GPU tests (about 5 minutes at -n 12)
       python3 -m pytest -m gpu -n 12 -q -rf --tb=short --timeout 300 -p no:cacheprovider \
         -p no:benchmark tests/test_mosaic_backward.py -k fused > "$OUT/pytest_fused.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_fused.log" | tail -15
-      for seq in 16384 4096 1024; do
-        timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 --head-dims 64 128 \
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_fused.log" | tail -15 ;;
+    fused_ab)  # its A/B against the two kernels, backward alone, 16k and 4k
+      for seq in 16384 4096; do
+        timeout 200 python3 -m benchmarks.tune_mosaic --seq $seq --budget 170 --head-dims 128 64 \
           --kernels backward_fused --out "$OUT/h200_mosaic_fused_$seq.json" > "$LOGS/fused_$seq.log" 2>&1
         grep "^backward" "$LOGS/fused_$seq.log"
       done ;;
