@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -76,6 +76,8 @@ for step in "$@"; do
           --kernels backward_fused --out "$OUT/h200_mosaic_fused_$seq.json" > "$LOGS/fused_$seq.log" 2>&1
         grep "^backward" "$LOGS/fused_$seq.log"
       done ;;
+    warp_map)  # which fused-dQ role hangs as a warp (NOTES, session 8)
+      timeout 300 python3 -m benchmarks.probe_warp_map --timeout 60 ;;
     launch_order)  # launch grids tile-fastest against tile-slowest (the
                    # default), forward and backward alone, seq 16k and 1k
       for seq in 16384 1024; do

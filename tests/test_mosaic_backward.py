@@ -571,3 +571,21 @@ def test_fused_dq_is_deterministic_on_gpu(head_dim, is_causal):
                                  err_msg=name)
     else:
       np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_warp_map_probe_lowers_in_every_layout(cuda_lowering):
+  """`benchmarks.probe_warp_map` (the check of the writer-as-a-warp layout
+  to run first on a GPU, NOTES) lowers for CUDA in each of its layouts,
+  so that it is ready when device time is."""
+  from benchmarks import probe_warp_map
+  for layout in probe_warp_map.LAYOUTS:
+    assert probe_warp_map.lower_one(layout) == "lowers"
+
+
+@pytest.mark.gpu
+def test_warp_map_probe_ships_layout_on_gpu():
+  """The layout the fused dQ ships (producer and writer warpgroups of their
+  own) gives the right sum on the GPU: the probe's control."""
+  _require_sm90()
+  from benchmarks import probe_warp_map
+  assert probe_warp_map.run_one("separate") == "ok"
