@@ -926,7 +926,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     if fused is not None:  # this step's dSᵀ, for every consumer to read
       ds_smem = fused.ds.at[lax.rem(step, 2), wg]
       if static.dq_before_dk:
-        dq_first = functools.partial(_stage_dq_first, fused, wg, step=step,
+        dq_first = functools.partial(_stage_dq, fused, wg, step=step,
                                      static=static)
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
@@ -1024,9 +1024,14 @@ def _pieces_of(wg: int, static: _Static):
   return _pieces(static)[wg::static.num_consumers]
 
 
-def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static):
+def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static, issue_dk=None):
   """Consumer wg, after storing its dSᵀ of `step` in `fused.ds`: computes
-  its pieces of the CTA's dS K and stages them for the writer."""
+  its pieces of the CTA's dS K and stages them for the writer.
+
+  `issue_dk` (`_Static.dq_before_dk`, one piece per consumer): called while
+  dV's wgmma runs; issues the piece's wgmma, then dK's (`issue_dk()`), and
+  stages the piece as soon as it alone is done.
+  """
   parity = lax.rem(step, 2)
   plgpu.commit_smem()  # this consumer's dSᵀ, read by every consumer's wgmma
   plgpu.barrier_arrive(fused.ds_stored.at[parity])
@@ -1041,43 +1046,12 @@ def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static):
       stage[number] = _wgmma_sum((_DQ_PIECE, _DQ_PIECE), [
           (ds.at[k, :, pl.ds(row * _DQ_PIECE, _DQ_PIECE)].transpose((1, 0)),
            fused.k.at[k, :, pl.ds(col * _DQ_PIECE, _DQ_PIECE)])
-          for k in range(static.num_consumers)])
+          for k in range(static.num_consumers)],
+          then=issue_dk)  # (one piece per consumer: `statics` checks)
 
   for c in range(static.num_consumers):
     pl.when(wg == c)(functools.partial(compute, c))
   plgpu.commit_smem()  # the pieces, read by the writer's TMA
-  plgpu.barrier_arrive(fused.staged.at[parity])
-
-
-def _stage_dq_first(fused: _FusedDq, wg, issue_dk, *, step, static: _Static):
-  """`_stage_dq` in FlashAttention-3's order (`_Static.dq_before_dk`):
-  consumer wg, its dSᵀ of `step` stored and dV's wgmma running, meets the
-  other consumers, issues its one dQ piece's wgmma, then dK's
-  (`issue_dk`), and stages the piece once it alone is done."""
-  parity = lax.rem(step, 2)
-  plgpu.commit_smem()  # this consumer's dSᵀ, read by every consumer's wgmma
-  plgpu.barrier_arrive(fused.ds_stored.at[parity])
-  plgpu.barrier_wait(fused.ds_stored.at[parity])
-  pl.when(step >= 2)(lambda: plgpu.barrier_wait(fused.stage_free.at[parity]))
-  ds, stage = fused.ds.at[parity], fused.stage.at[parity]
-
-  def compute(wg: int):
-    ((number, row, col),) = _pieces_of(wg, static)
-
-    def issue(piece):
-      for k in range(static.num_consumers):
-        plgpu.wgmma(piece, ds.at[k, :, pl.ds(row * _DQ_PIECE, _DQ_PIECE)]
-                    .transpose((1, 0)),
-                    fused.k.at[k, :, pl.ds(col * _DQ_PIECE, _DQ_PIECE)])
-      issue_dk()
-      # Every wgmma but dK's (the last issued) is done: the piece is.
-      stage[number] = plgpu.wgmma_accumulator_load(piece, wait_n=1)
-
-    pl.run_scoped(issue, plgpu.ACC((_DQ_PIECE, _DQ_PIECE), jnp.float32))
-
-  for c in range(static.num_consumers):
-    pl.when(wg == c)(functools.partial(compute, c))
-  plgpu.commit_smem()  # the piece, read by the writer's TMA
   plgpu.barrier_arrive(fused.staged.at[parity])
 
 
@@ -1135,8 +1109,8 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
   dK += dSᵀ Q, with dV's wgmma issued first, so that dS is computed while
   it runs. `dp_t` is [dPᵀ] when dK is an output, else []; `stats` is the
   step's [2, block_q] (lse, delta) slot; `ds_smem` (fused dQ) receives dSᵀ
-  while dK's wgmma runs, or (`dq_first`, see `_stage_dq_first`) before it
-  is issued, after the dQ piece's."""
+  while dK's wgmma runs, or, with `dq_first` (`_stage_dq`), before dK's
+  wgmma is issued, after the dQ piece's."""
   def issue(grad_refs):
     named = dict(zip(static.outputs, grad_refs))
     if "dv" in named:
@@ -1148,7 +1122,7 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
       issue_dk = functools.partial(plgpu.wgmma, named["dk"], ds_t, q_tile)
       if dq_first is not None:
         ds_smem[...] = ds_t
-        dq_first(issue_dk)
+        dq_first(issue_dk=issue_dk)
         return
       issue_dk()
       if ds_smem is not None:
@@ -1700,12 +1674,17 @@ def _wgmma_then(shape, products, first_fn):
                                 for _ in products])
 
 
-def _wgmma_sum(shape, products):
-  """sum(a @ b for (a, b) in products) into one fresh f32 accumulator."""
+def _wgmma_sum(shape, products, then=None):
+  """sum(a @ b for (a, b) in products) into one fresh f32 accumulator;
+  `then()`, if given, issues one more wgmma after them, which the sum does
+  not wait for."""
   def issue(acc_ref):
     for a, b in products:
       plgpu.wgmma(acc_ref, a, b)
-    return acc_ref[...]
+    if then is None:
+      return acc_ref[...]
+    then()
+    return plgpu.wgmma_accumulator_load(acc_ref, wait_n=1)
 
   return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32))
 
