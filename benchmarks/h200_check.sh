@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -75,6 +75,19 @@ for step in "$@"; do
         timeout 200 python3 -m benchmarks.tune_mosaic --seq $seq --budget 170 --head-dims 128 64 \
           --kernels backward_fused --out "$OUT/h200_mosaic_fused_$seq.json" > "$LOGS/fused_$seq.log" 2>&1
         grep "^backward" "$LOGS/fused_$seq.log"
+      done ;;
+    spills)  # which warpgroup of the fused dQ kernel spills (d=128 and 64)
+      for head_dim in 128 64; do
+        MOSAIC_GPU_DUMP_SASS=1 timeout 120 python3 -c "
+import jax, jax.numpy as jnp
+from pallas_kernels.mosaic.backward import mosaic_backward
+d = $head_dim
+q = jnp.ones((1, 2048, 4, d), jnp.bfloat16)
+lse = jnp.zeros((1, 4, 2048), jnp.float32)
+jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
+    is_causal=False, fused_dq=True, block_q=128 if d == 64 else 64))
+" > "$LOGS/sass_$head_dim.txt" 2>&1
+        echo "head_dim $head_dim:"; python3 -m benchmarks.sass_spills "$LOGS/sass_$head_dim.txt"
       done ;;
     warp_map)  # which fused-dQ role hangs as a warp (NOTES, session 8)
       timeout 300 python3 -m benchmarks.probe_warp_map --timeout 60 ;;

@@ -287,3 +287,26 @@ def test_grid_rounds_interleave_and_keep_the_median(monkeypatch):
   assert all(r.peak_gib == 1.5 for r in records)
   assert [(s["impl"], s["reason"].split(":")[0]) for s in result["skipped"]
           ] == [("d", "ValueError"), ("c", "RuntimeError")]
+
+
+def test_sass_spills_counts_local_accesses_per_register_budget():
+  """`benchmarks.sass_spills` attributes each STL/LDL to the register budget
+  of the last USETMAXREG above it, per kernel."""
+  from benchmarks import sass_spills
+  sass = """
+        Function : mosaic_flash_backward_dq_dkdv_mosaic_gpu_kernel
+        /*0010*/                   STL [R1+0x4], R2 ;
+        /*0020*/                   USETMAXREG.TRYALLOC.CTAPOOL R3, 0xe8 ;
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0040*/                   STL.64 [R1+0x8], R4 ;
+        /*0050*/                   LDL.64 R4, [R1+0x8] ;
+        /*0060*/                   USETMAXREG.DEALLOC.CTAPOOL 24 ;
+        /*0070*/                   LDL R6, [R1+0x4] ;
+        Function : other_kernel
+        /*0010*/                   IADD3 R1, R1, 0x1, RZ ;
+  """
+  found = sass_spills.spills_by_budget(sass)
+  budgets = found["mosaic_flash_backward_dq_dkdv_mosaic_gpu_kernel"]
+  assert {b: dict(c) for b, c in budgets.items()} == {
+      "launch": {"STL": 1}, "232": {"STL": 1, "LDL": 1}, "24": {"LDL": 1}}
+  assert found["other_kernel"] == {}
