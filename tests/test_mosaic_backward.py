@@ -479,6 +479,19 @@ def _fused_everywhere(monkeypatch, dq_before_dk=False):
   monkeypatch.setattr(backward, "FUSED_DQ_BEFORE_DK", dq_before_dk)
 
 
+def _assert_backward_is_fused(attention, case: Case):
+  """The gradient of `attention` (q, k, v -> (out, lse)) at `case`'s shapes
+  lowers to the one fused backward kernel, and no other."""
+  q = jax.ShapeDtypeStruct(
+      (case.batch, case.q_len, case.num_heads, case.head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct(
+      (case.batch, case.kv_len, case.num_kv_heads, case.head_dim),
+      jnp.bfloat16)
+  grad = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v)[0].astype(
+      jnp.float32)), (0, 1, 2))
+  assert _kernels(jax.jit(grad).lower(q, kv, kv).as_text()) == {"dq_dkdv"}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dq_before_dk", [False, True])
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -499,13 +512,7 @@ def test_fused_dq_matches_reference_on_gpu(case, is_causal, dq_before_dk,
   attention = jax.jit(lambda q, k, v: _api_layout(*mosaic_attention.
       mosaic_attention(q, k, v, scale=q.shape[-1]**-0.5, is_causal=is_causal,
                        backward_blocks=BlockSizes.get_default(case.head_dim))))
-  q = jnp.zeros((case.batch, case.q_len, case.num_heads, case.head_dim),
-                jnp.bfloat16)
-  kv = jnp.zeros((case.batch, case.kv_len, case.num_kv_heads, case.head_dim),
-                 jnp.bfloat16)
-  grad = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v)[0].astype(
-      jnp.float32)), (0, 1, 2))
-  assert _kernels(jax.jit(grad).lower(q, kv, kv).as_text()) == {"dq_dkdv"}
+  _assert_backward_is_fused(attention, case)
   for dtype in (jnp.bfloat16, jnp.float16):
     check_against_reference(attention, case, dtype, is_causal=is_causal)
 
@@ -523,13 +530,7 @@ def test_fused_dq_default_at_long_kv_on_gpu(is_causal):
   attention = jax.jit(lambda q, k, v: jax_flash.flash_attention(
       q, k, v, is_causal=is_causal, return_residual=True,
       implementation="mosaic"))
-  q = jnp.zeros((case.batch, case.q_len, case.num_heads, case.head_dim),
-                jnp.bfloat16)
-  kv = jnp.zeros((case.batch, case.kv_len, case.num_kv_heads, case.head_dim),
-                 jnp.bfloat16)
-  grad = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v)[0].astype(
-      jnp.float32)), (0, 1, 2))
-  assert _kernels(jax.jit(grad).lower(q, kv, kv).as_text()) == {"dq_dkdv"}
+  _assert_backward_is_fused(attention, case)
   check_against_reference(attention, case, jnp.bfloat16, is_causal=is_causal)
 
 
