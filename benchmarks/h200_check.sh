@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -89,6 +89,21 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
 " > "$LOGS/sass_$head_dim.txt" 2>&1
         echo "head_dim $head_dim:"; python3 -m benchmarks.sass_spills "$LOGS/sass_$head_dim.txt"
       done ;;
+    consumers)  # three consumer warpgroups in the forward: their GPU tests,
+                # then (if those pass) the A/B against two at 16k, 4k, 1k
+      python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout 100 -p no:cacheprovider \
+        -p no:benchmark tests/test_mosaic_lowering.py -k three > "$OUT/pytest_consumers.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_consumers.log" | tail -15
+      if grep -qE "failed|error" "$OUT/pytest_consumers.log"; then
+        echo "consumers: tests failed, no A/B"
+      else
+        for seq in ${CONSUMERS_SEQS:-16384 4096 1024}; do
+          timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 \
+            --head-dims ${CONSUMERS_HEAD_DIMS:-64 128} --kernels forward_consumers \
+            --out "$OUT/h200_mosaic_consumers_$seq.json" > "$LOGS/consumers_$seq.log" 2>&1
+          grep "^forward" "$LOGS/consumers_$seq.log"
+        done
+      fi ;;
     warp_map)  # which fused-dQ role hangs as a warp (NOTES, session 8)
       timeout 300 python3 -m benchmarks.probe_warp_map --timeout 60 ;;
     launch_order)  # launch grids tile-fastest against tile-slowest (the

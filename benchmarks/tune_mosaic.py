@@ -56,6 +56,10 @@ PERSISTENT_WIDE_SPACE = dict(persistent=(False, True), block_q=(128,))
 # that do not fit).
 FUSED_SPACE = dict(fused_dq=(False, True), dq_before_dk=(False, True),
                    block_q=(64, 128), persistent=(False,))
+# Three consumer warpgroups against two (`forward.KernelStatic.num_consumers`),
+# with both K/V tile heights, on the default grid (persistent where it is
+# the default).
+CONSUMERS_SPACE = dict(num_consumers=(2, 3), block_kv=(64, 128))
 
 
 def candidates(space: dict) -> list[dict]:
@@ -105,6 +109,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_persistent_wide": _backward(PERSISTENT_WIDE_SPACE),
            "backward_fused": _backward(FUSED_SPACE),
            "forward_launch": _forward(LAUNCH_SPACE),
+           "forward_consumers": _forward(CONSUMERS_SPACE),
            "backward_launch": _backward(LAUNCH_SPACE)}
 
 

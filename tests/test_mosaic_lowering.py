@@ -359,3 +359,109 @@ def test_persistent_tiles_cover_every_tile_once(shape, head_dim, num_ctas,
   # same, the heaviest tile's blocks and the lightest's).
   unit = tiles.blocks(q_len - 128) + (tiles.blocks(0) if is_causal else 0)
   assert max(loads) - min(loads) <= int(unit)
+
+
+# Three consumer warpgroups (`mosaic_forward(num_consumers=3)`). q_len 320
+# ends every (batch, head) on a short tile: 192 rows, then 128, whose third
+# consumer recomputes the last 64 rows and stores nothing.
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, block_kv", [(64, 128), (128, 64)])
+def test_three_consumers_lower(head_dim, block_kv, is_causal, persistent,
+                               lowering_semantics):
+  text = _lower(head_dim, is_causal, q_len=320, num_consumers=3,
+                block_kv=block_kv, persistent=persistent)
+  assert _KERNEL_NAME in text
+  two, three = (_lower(head_dim, is_causal, block_kv=block_kv,
+                       persistent=persistent, num_consumers=n)
+                for n in (2, 3))
+  assert two != three
+
+
+def test_three_consumers_refuse_what_they_lack():
+  q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  run = lambda q=q, **kwargs: mosaic_forward(q, q, q, scale=0.125,
+                                             is_causal=False, **kwargs)
+  with pytest.raises(ValueError, match="num_consumers"):
+    run(num_consumers=4)
+  with pytest.raises(NotImplementedError, match="overlap_scores"):
+    run(num_consumers=3, overlap_scores=True)
+  # Whole 64-row blocks only; the two-consumer kernel wants 128-row tiles.
+  ragged = jax.ShapeDtypeStruct((1, 200, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="q_len 200"):
+    run(ragged, num_consumers=3)
+  short = jax.ShapeDtypeStruct((1, 320, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="q_len 320"):
+    run(short, num_consumers=2)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("q_len, num_ctas", [(320, 3), (1024, 5), (64, 1),
+                                             (576, 2)])
+def test_three_consumers_cover_every_row_once(q_len, num_ctas, is_causal):
+  """The persistent CTAs' three-consumer tiles store every 64-row block of
+  every (batch, head) once (`consumer_rows`: a short tile's spare consumers
+  recompute the last block and store nothing), and the producer streams as
+  many K/V blocks as the tile's last consumer reads."""
+  from pallas_kernels.mosaic import forward
+  batch, heads, head_dim = 2, 3, 64
+  q = jnp.zeros((batch, q_len, heads, head_dim), jnp.bfloat16)
+  kv = jnp.zeros((batch, 640, heads, head_dim), jnp.bfloat16)
+  static = forward.persistent_static(forward.check_supported(
+      q, kv, kv, scale=1.0, is_causal=is_causal, block_q=64, block_kv=128,
+      max_concurrent_steps=2, num_consumers=3), q.shape, num_ctas)
+  stored = []
+  for cta in range(static.num_ctas):
+    tiles = forward.persistent_tiles(q.shape, static, cta)
+    for n in range(int(tiles.count)):
+      b, h, start = (int(x) for x in tiles.tile_of(n))
+      rows = [int(forward.consumer_rows(start, w, static)) for w in range(3)]
+      assert rows == sorted(rows) and rows[-1] <= q_len - 64
+      stored += [(b, h, r) for w, r in enumerate(rows)
+                 if start + 64 * w < q_len]
+      assert int(tiles.blocks(start)) == int(
+          forward._num_kv_steps(rows[-1], static))
+  want = [(b, h, r) for b in range(batch) for h in range(heads)
+          for r in range(0, q_len, 64)]
+  assert sorted(stored) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, block_kv", [(64, 128), (64, 64),
+                                                (128, 64)])
+def test_three_consumers_are_bitwise_two_on_gpu(head_dim, block_kv,
+                                                is_causal):
+  """A row's sums do not depend on which consumer computes it, so three
+  consumers give the two-consumer kernel's out and lse bit for bit, on the
+  launch grid and on persistent grids of 1, 7 and every SM's CTAs; q_len
+  1024 ends each head on a short tile (5 x 192 + 64 rows). A turn barrier
+  off by a phase would hang or race, a wrong spare consumer would store
+  stale rows."""
+  _require_sm90()
+  q, k, v, _, _ = random_inputs(Case(2, 1024, 1536, 8, 2, head_dim),
+                                jnp.bfloat16, 5)
+  run = lambda **kwargs: jax.jit(lambda q, k, v: mosaic_forward(
+      q, k, v, scale=head_dim**-0.5, is_causal=is_causal, block_kv=block_kv,
+      **kwargs))(q, k, v)
+  want = run(num_consumers=2, persistent=False)
+  for kwargs in (dict(persistent=False), dict(persistent=True, num_ctas=1),
+                 dict(persistent=True, num_ctas=7), dict(persistent=True)):
+    for a, b in zip(run(num_consumers=3, **kwargs), want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                    err_msg=str(kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    Case(2, 1024, 1024, 8, 2, 64),    # GQA 4:1, a short last tile
+    Case(1, 128, 640, 4, 1, 64),      # MQA, one short tile per head
+    Case(3, 384, 640, 5, 5, 64),      # two whole tiles
+], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_three_consumers_match_reference_on_gpu(case, dtype, is_causal,
+                                               monkeypatch):
+  from pallas_kernels.mosaic import forward
+  monkeypatch.setattr(forward, "CONSUMERS_BY_HEAD_DIM", {64: 3})
+  _check_mosaic_against_reference(case, dtype, is_causal)

@@ -73,8 +73,15 @@ from jax_flash import masking
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 
+# Consumer warpgroups per CTA: two by default (FlashAttention-3's d=128
+# layout). `mosaic_forward(num_consumers=3)` runs three (FlashAttention-3's
+# d=64 layout, §3.1): at head_dim 64 a 64 x 128 tile's exp2s take the MUFU
+# as long as its two matmuls take the tensor cores (4 * 64 = 256 FLOPs per
+# exponential, the H100's matmul : MUFU ratio), so with two warpgroups
+# taking turns the tensor cores idle for all of a softmax that outlasts
+# the other's matmuls; with three a softmax may take two turns.
 NUM_CONSUMERS = 2
-_PRODUCER = NUM_CONSUMERS  # warpgroup index of the TMA producer
+_PRODUCER = NUM_CONSUMERS  # warpgroup index of the TMA producer (2 consumers)
 # wgmma works on 64-row slabs (m64nNk16) and a 128-byte swizzle is 64 16-bit
 # elements, so every tile dimension is a multiple of 64.
 _TILE_MULTIPLE = 64
@@ -83,6 +90,14 @@ _TILE_MULTIPLE = 64
 # only issues TMA; the consumers hold O (block_q x head_dim f32) and S.
 _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
+# Four warpgroups launch at 128 registers a thread: 3 * 160 + 32 = 512. At
+# head_dim 64 with 128-column tiles a consumer holds O (32 f32 registers), S
+# (64) and P (32 in 16 bits).
+_REGISTERS_BY_CONSUMERS = {2: (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS),
+                           3: (160, 32)}
+# `mosaic_forward(num_consumers=None)`: consumer warpgroups by head dim
+# (absent: NUM_CONSUMERS).
+CONSUMERS_BY_HEAD_DIM: dict[int, int] = {}
 # Dynamic shared memory per CTA on sm90 (227 KiB), less a little for barriers.
 _SMEM_LIMIT_BYTES = 227 * 1024 - 1024
 _SWIZZLE_BYTES = 128
@@ -190,10 +205,27 @@ class KernelStatic:
   # are the same Q tile of many heads; `tile_fastest` launches a head's Q
   # tiles together instead, so that they stream the same K/V through L2.
   tile_fastest: bool = False
+  # Consumer warpgroups (plain bf16/f16 form; 2 elsewhere). With three the
+  # tensor cores pass round the consumers by one barrier each (`_Turns`),
+  # and the last tile of a (batch, head) may be short: a consumer whose rows
+  # start past q_len computes the last 64 rows again and stores nothing
+  # (`consumer_rows`), so q_len need only be a multiple of block_q.
+  num_consumers: int = NUM_CONSUMERS
+  q_len: int = 0
 
   @property
   def ranged(self) -> bool:
     return self.spec is not None
+
+  @property
+  def tile_rows(self) -> int:
+    """Query rows per CTA tile."""
+    return self.num_consumers * self.block_q
+
+  @property
+  def producer(self) -> int:
+    """Warpgroup index of the TMA producer (after the consumers)."""
+    return self.num_consumers
 
 
 def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
@@ -201,7 +233,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    max_concurrent_steps: int = 2, heavy_first: bool = True,
                    fence_softmax: bool = False, split_handover: bool = True,
                    overlap_scores: bool = False, persistent: bool | None = None,
-                   num_ctas: int | None = None, tile_fastest: bool = False):
+                   num_ctas: int | None = None, tile_fastest: bool = False,
+                   num_consumers: int | None = None):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -220,7 +253,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                  1 1 1 1
                                  1 1 1 1
 
-    block_q: query rows per consumer warpgroup; the CTA tile is 2 * block_q.
+    block_q: query rows per consumer warpgroup; the CTA tile is
+      num_consumers * block_q.
     block_kv: K/V rows per pipeline stage; None picks `default_block_kv`.
     max_concurrent_steps: depth of the K/V ring (TMA stages in flight).
     heavy_first: under causal masking, launch the query tiles with the most
@@ -235,6 +269,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     num_ctas: CTAs of the persistent grid; None: the GPU's SM count.
     tile_fastest: the launch grid's CTAs in tile-fastest order (see
       `KernelStatic`); the results are the same either way.
+    num_consumers: consumer warpgroups, 2 or 3 (3: not with
+      `overlap_scores`); None: `CONSUMERS_BY_HEAD_DIM`. Each row's sums
+      are the same either way, so the results are bitwise the same.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -248,10 +285,19 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   """
   if block_kv is None:
     block_kv = default_block_kv(query.shape[-1])
+  if num_consumers is None:
+    num_consumers = CONSUMERS_BY_HEAD_DIM.get(query.shape[-1], NUM_CONSUMERS)
+  if num_consumers not in _REGISTERS_BY_CONSUMERS:
+    raise ValueError(f"num_consumers must be one of "
+                     f"{tuple(_REGISTERS_BY_CONSUMERS)}, got {num_consumers}")
+  if num_consumers != NUM_CONSUMERS and overlap_scores:
+    raise NotImplementedError(
+        f"overlap_scores runs {NUM_CONSUMERS} consumers, not {num_consumers}")
   static = check_supported(query, key, value, scale=scale,
                            is_causal=is_causal, block_q=block_q,
                            block_kv=block_kv,
-                           max_concurrent_steps=max_concurrent_steps)
+                           max_concurrent_steps=max_concurrent_steps,
+                           num_consumers=num_consumers)
   static = dataclasses.replace(static, heavy_first=bool(heavy_first),
                                fence_softmax=bool(fence_softmax),
                                split_handover=bool(split_handover),
@@ -275,14 +321,14 @@ def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
   batch, q_len, num_heads, head_dim = q_shape
   num_ctas = persistent_num_ctas(
       num_ctas, paired=static.is_causal,
-      num_tiles=batch * num_heads * (q_len // (NUM_CONSUMERS * static.block_q)))
-  o_bytes = NUM_CONSUMERS * static.block_q * (head_dim * static.dtype.itemsize
-                                              + 4)
+      num_tiles=batch * num_heads * pl.cdiv(q_len, static.tile_rows))
+  o_bytes = static.tile_rows * (head_dim * static.dtype.itemsize + 4)
   return dataclasses.replace(
       static, persistent=True, num_ctas=num_ctas,
       stage_o_apart=_smem_bytes(
           static.block_q, static.block_kv, static.num_stages, head_dim,
-          static.dtype.itemsize) + o_bytes <= _SMEM_LIMIT_BYTES)
+          static.dtype.itemsize, static.num_consumers) + o_bytes
+      <= _SMEM_LIMIT_BYTES)
 
 
 def _smem_transforms(rows_bytes: int, itemsize: int):
@@ -303,7 +349,11 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
   """
   batch, q_len, num_heads, head_dim = query.shape
   block_q, block_kv = static.block_q, static.block_kv
-  num_q_tiles = pl.cdiv(q_len, NUM_CONSUMERS * block_q)
+  consumers = static.num_consumers
+  if consumers != NUM_CONSUMERS and (static.fp8 or static.ranged):
+    raise NotImplementedError(
+        f"the FP8 and masked kernels run {NUM_CONSUMERS} consumers")
+  num_q_tiles = pl.cdiv(q_len, static.tile_rows)
   itemsize = static.dtype.itemsize
   transforms = _smem_transforms(head_dim * itemsize, itemsize)
   stages = static.num_stages
@@ -312,20 +362,20 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
                   else transforms)
   scratch = (
       # Q, then (bfloat16 / float16) O on the way out.
-      plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), static.dtype,
+      plgpu.SMEM((consumers, block_q, head_dim), static.dtype,
                  transforms=transforms),
       plgpu.SMEM((stages, block_kv, head_dim), static.dtype,
                  transforms=transforms),
       plgpu.SMEM((stages, *v_tile), static.dtype, transforms=v_transforms),
-      plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32),  # LSE
-      plgpu.Barrier(num_barriers=NUM_CONSUMERS),          # q_arrived
+      plgpu.SMEM((consumers, block_q), jnp.float32),  # LSE
+      plgpu.Barrier(num_barriers=consumers),          # q_arrived
       plgpu.Barrier(num_barriers=stages),                  # k_arrived
       plgpu.Barrier(num_barriers=stages),                  # v_arrived
       # k_consumed and v_consumed: [consumer * stages + slot]; flat, since
       # the GPU interpreter allocates only 1-D barrier arrays.
-      plgpu.Barrier(num_barriers=NUM_CONSUMERS * stages),
-      plgpu.Barrier(num_barriers=NUM_CONSUMERS * stages),
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1),  # ping-pong
+      plgpu.Barrier(num_barriers=consumers * stages),
+      plgpu.Barrier(num_barriers=consumers * stages),
+      _turn_barriers(consumers),
   )
   inputs = (query, key, value)
   out_dtype = query.dtype
@@ -333,12 +383,12 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
     out_dtype = static.out_dtype
     scratch += (
         # O: an FP8 Q buffer is too small for it.
-        plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), out_dtype,
+        plgpu.SMEM((consumers, block_q, head_dim), out_dtype,
                    transforms=_smem_transforms(head_dim * out_dtype.itemsize,
                                                out_dtype.itemsize)),
-        plgpu.SMEM((NUM_CONSUMERS, *descale.shape[-2:]), jnp.float32),
-        plgpu.Barrier(num_barriers=NUM_CONSUMERS),        # descale_arrived
-        plgpu.SMEM((NUM_CONSUMERS, block_q, block_kv), static.dtype,
+        plgpu.SMEM((consumers, *descale.shape[-2:]), jnp.float32),
+        plgpu.Barrier(num_barriers=consumers),        # descale_arrived
+        plgpu.SMEM((consumers, block_q, block_kv), static.dtype,
                    transforms=_smem_transforms(block_kv, itemsize)),  # P
     )
     inputs += (descale,)
@@ -346,19 +396,19 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
   if static.ranged:
     scratch += (
         # One plan row per consumer and one for the producer.
-        plgpu.SMEM((NUM_CONSUMERS + 1, PLAN_WIDTH), jnp.int32),
-        plgpu.Barrier(num_barriers=NUM_CONSUMERS + 1),    # plan_arrived
+        plgpu.SMEM((consumers + 1, PLAN_WIDTH), jnp.int32),
+        plgpu.Barrier(num_barriers=consumers + 1),    # plan_arrived
     )
     inputs += (plan,)
-    lse_len = num_q_tiles * NUM_CONSUMERS * block_q
+    lse_len = num_q_tiles * static.tile_rows
   if static.stage_o_apart:
-    scratch += (plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), static.dtype,
+    scratch += (plgpu.SMEM((consumers, block_q, head_dim), static.dtype,
                            transforms=transforms),         # O
-                plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32))  # LSE
+                plgpu.SMEM((consumers, block_q), jnp.float32))  # LSE
   if segments is not None:
     scratch += (
-        plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.int32),  # query ids
-        plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+        plgpu.SMEM((consumers, block_q), jnp.int32),  # query ids
+        plgpu.Barrier(num_barriers=consumers),
         # Key ids stream with K, one ring slot per stage.
         plgpu.SMEM((stages, block_kv), jnp.int32),
         plgpu.Barrier(num_barriers=stages),
@@ -387,11 +437,20 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
       scratch_types=scratch,
       grid=grid,
       grid_names=grid_names,
-      num_threads=NUM_CONSUMERS + 1,
+      num_threads=consumers + 1,
       thread_name="wg",
       kernel_name="mosaic_flash_forward",
       compiler_params=compat.compiler_params(approx_math=True),
   )(*inputs)
+
+
+def _turn_barriers(num_consumers: int):
+  """The consumers' turn barriers: two consumers meet at one barrier of two
+  arrivals (a rendezvous); more pass the turn on round a ring, one barrier
+  of one arrival each (`_Turns`)."""
+  if num_consumers == 2:
+    return plgpu.Barrier(num_arrivals=2, num_barriers=1)
+  return plgpu.Barrier(num_arrivals=1, num_barriers=num_consumers)
 
 
 def check_layout(query, key, value) -> tuple[int, int]:
@@ -428,7 +487,8 @@ def check_tiles(block_q: int, block_kv: int, max_concurrent_steps: int):
 
 def check_supported(query, key, value, *, scale, is_causal, block_q,
                      block_kv, max_concurrent_steps,
-                     fp8_out_dtype=None, spec=None) -> KernelStatic:
+                     fp8_out_dtype=None, spec=None,
+                     num_consumers: int = NUM_CONSUMERS) -> KernelStatic:
   """Validates the call; anything this kernel lacks is NotImplementedError.
 
   `fp8_out_dtype` is given for the FP8 kernel (inputs float8_e4m3fn), `spec`
@@ -450,10 +510,15 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   check_tiles(block_q, block_kv, max_concurrent_steps)
   if spec is not None and fp8_out_dtype is not None:
     raise NotImplementedError("the FP8 kernel has no masks yet")
-  if spec is None and q_len % (NUM_CONSUMERS * block_q):
+  # Two consumers take whole tiles; more may end a (batch, head) on a short
+  # tile (see `consumer_rows`).
+  q_multiple = block_q * (num_consumers if num_consumers == NUM_CONSUMERS
+                          else 1)
+  if spec is None and q_len % q_multiple:
     raise NotImplementedError(
-        f"q_len {q_len} must be a multiple of 2 * block_q = "
-        f"{NUM_CONSUMERS * block_q} (tails are not masked yet)")
+        f"q_len {q_len} must be a multiple of {q_multiple} "
+        f"({num_consumers} consumers x block_q {block_q}; tails are not "
+        "masked yet)")
   if spec is None and kv_len % block_kv:
     raise NotImplementedError(f"kv_len {kv_len} must be a multiple of "
                               f"block_kv {block_kv} (tails are not masked yet)")
@@ -463,10 +528,10 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   num_kv_blocks = pl.cdiv(kv_len, block_kv)
   num_stages = min(max_concurrent_steps, num_kv_blocks)
   smem_bytes = _smem_bytes(block_q, block_kv, num_stages, head_dim,
-                           dtype.itemsize)
+                           dtype.itemsize, num_consumers)
   num_q_blocks = q_len // block_q
   if fp8:  # the O buffer, and the descale rows
-    smem_bytes += NUM_CONSUMERS * (
+    smem_bytes += num_consumers * (
         block_q * head_dim * fp8_out_dtype.itemsize + block_q * block_kv
         + 4 * (num_q_blocks + num_kv_blocks + 32))
   if smem_bytes > _SMEM_LIMIT_BYTES:
@@ -480,13 +545,98 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
                  scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
                  dtype=dtype, fp8=fp8, out_dtype=fp8_out_dtype,
                  num_q_blocks=num_q_blocks if fp8 else 0, spec=spec,
-                 scale=float(scale))
+                 scale=float(scale), num_consumers=num_consumers,
+                 q_len=q_len)
 
 
-def _smem_bytes(block_q, block_kv, num_stages, head_dim, itemsize) -> int:
+def _smem_bytes(block_q, block_kv, num_stages, head_dim, itemsize,
+                num_consumers=NUM_CONSUMERS) -> int:
   """Shared memory of the common buffers: Q, the K/V ring, the LSE rows."""
-  return ((NUM_CONSUMERS * block_q + 2 * num_stages * block_kv) * head_dim
-          * itemsize + NUM_CONSUMERS * block_q * 4)
+  return ((num_consumers * block_q + 2 * num_stages * block_kv) * head_dim
+          * itemsize + num_consumers * block_q * 4)
+
+
+def consumer_rows(tile_start, wg, static: KernelStatic):
+  """First query row of consumer `wg` in the tile that starts at `tile_start`.
+
+  Two consumers: `tile_start + wg * block_q` (tiles are whole). More: the
+  last tile of a (batch, head) may be short, and a consumer whose rows
+  would start at or past q_len takes the last block_q rows instead. It
+  computes them again, bitwise as their owner does (a row's sums do not
+  depend on the consumer), and stores nothing; later consumers never start
+  before earlier ones, so the last still reads the most K/V blocks.
+  """
+  start = tile_start + wg * static.block_q
+  if static.num_consumers == NUM_CONSUMERS:
+    return start
+  return jnp.minimum(start, static.q_len - static.block_q)
+
+
+def _turns_of(barriers, static: KernelStatic):
+  """What `_consume` takes turns with: the rendezvous barrier of two
+  consumers, or the ring's barriers (`_turn_barriers`)."""
+  return barriers.at[0] if static.num_consumers == NUM_CONSUMERS else barriers
+
+
+def _seed_turns(turns, wg, static: KernelStatic):
+  """Gives warpgroup 0 the first turn of a ring (`_RingTurns`): the last
+  consumer arrives once at warpgroup 0's barrier, as if it had just passed
+  the turn on. Two consumers meet at a rendezvous instead: nothing to do."""
+  if static.num_consumers != NUM_CONSUMERS:
+    last = static.num_consumers - 1
+    pl.when(wg == last)(lambda: plgpu.barrier_arrive(turns.at[0]))
+
+
+class _RingTurns:
+  """Three or more consumers take turns on the tensor cores round a ring.
+
+  Consumer w waits at its own barrier `turns[w]` (one arrival), issues its
+  matmuls, and arrives at `turns[(w + 1) % n]`, so the turn goes 0, 1, 2,
+  0, ... and a consumer's softmax may run under the others' matmuls for as
+  long as all of theirs take (FlashAttention-3 §3.1 with three
+  warpgroups). A consumer's turns bracket its matmul phases: phase 0 issues
+  S_0; phase j in 1 .. n-1 issues P_{j-1} V_{j-1} and S_j; phase n issues
+  P_{n-1} V_{n-1}. Under causal masking consumers read different numbers
+  of blocks, and only phases 0 .. s take turns, s being warpgroup 0's
+  block count (`num_shared`), the fewest: every consumer then waits s + 1
+  times and passes s + 1 times in a tile, so that each barrier's phase runs
+  on alike into the next tile (persistent grid), and one turn is always in
+  flight (`_seed_turns`).
+  """
+
+  def __init__(self, turns, *, wg, num_steps, num_shared,
+               static: KernelStatic):
+    self._turns, self._wg, self._static = turns, wg, static
+    self._num_steps, self._num_shared = num_steps, num_shared
+
+  def _pass_on(self):
+    next_wg = lax.rem(self._wg + 1, self._static.num_consumers)
+    plgpu.barrier_arrive(self._turns.at[next_wg])
+
+  def _wait(self):
+    plgpu.barrier_wait(self._turns.at[self._wg])
+
+  def _when(self, condition, fn):
+    if self._static.is_causal:  # else every phase takes turns
+      pl.when(condition())(fn)
+    else:
+      fn()
+
+  def begin(self):
+    """Before S_0: phase 0's turn."""
+    self._wait()
+
+  def after_scores(self, step):
+    """After S_step is issued: the end of phase `step`."""
+    self._when(lambda: step <= self._num_shared, self._pass_on)
+
+  def before_values(self, step):
+    """Before P_step V_step: the start of phase `step + 1`."""
+    self._when(lambda: step < self._num_shared, self._wait)
+
+  def end(self):
+    """After the last P V: the end of phase `num_steps`."""
+    self._when(lambda: self._num_steps <= self._num_shared, self._pass_on)
 
 
 def _num_kv_steps(q_start, static: KernelStatic):
@@ -562,10 +712,10 @@ def _forward_kernel(*refs, static: KernelStatic):
   batch = lax.axis_index("batch")
   head = lax.axis_index("head")
   wg = lax.axis_index("wg")
-  num_q_tiles = q_ref.shape[1] // (NUM_CONSUMERS * static.block_q)
+  num_q_tiles = pl.cdiv(q_ref.shape[1], static.tile_rows)
   q_tile = tile_index("q_tile", num_q_tiles, reverse=(
       static.heavy_first and static.is_causal and not static.ranged))
-  tile_start = q_tile * (NUM_CONSUMERS * static.block_q)
+  tile_start = q_tile * static.tile_rows
   plan = segment_refs = None
   if static.ranged:
     plan = _Plan(inputs[3].at[batch, q_tile],
@@ -574,9 +724,13 @@ def _forward_kernel(*refs, static: KernelStatic):
     segment_refs = _SegmentRefs(inputs[4].at[batch], inputs[5].at[batch],
                                 *scratch[12:16])
 
-  @pl.when(wg < NUM_CONSUMERS)
+  consumer_registers, producer_registers = _REGISTERS_BY_CONSUMERS[
+      static.num_consumers]
+
+  @pl.when(wg < static.num_consumers)
   def _consumer():
-    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    plgpu.set_max_registers(consumer_registers, action="increase")
+    _seed_turns(pingpong, wg, static)
     if static.fp8:
       fp8 = _Fp8Refs(descale_ref.at[batch, head], descale_smem.at[wg],
                      descale_arrived.at[wg], o_smem.at[wg], p_smem.at[wg])
@@ -584,13 +738,13 @@ def _forward_kernel(*refs, static: KernelStatic):
       fp8 = None
     _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
              lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
-             k_consumed, v_consumed, pingpong.at[0],
+             k_consumed, v_consumed, _turns_of(pingpong, static),
              batch=batch, head=head, wg=wg, tile_start=tile_start,
              static=static, fp8=fp8, plan=plan, segments=segment_refs)
 
-  @pl.when(wg == _PRODUCER)
+  @pl.when(wg == static.producer)
   def _producer():
-    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(producer_registers, action="decrease")
     _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
              v_consumed, batch=batch, kv_head=head // static.group,
              tile_start=tile_start, static=static, plan=plan,
@@ -665,9 +819,9 @@ def persistent_tiles(q_shape, static: KernelStatic, cta) -> _PersistentTiles:
   """Which query tiles CTA `cta` computes (`persistent_schedule`; under
   causal masking query tile i reads i + 1 blocks, so tiles go in pairs)."""
   batch_size, q_len, num_heads, _ = q_shape
-  tile_rows = NUM_CONSUMERS * static.block_q
+  tile_rows = static.tile_rows
   schedule = persistent_schedule(
-      num_tiles=q_len // tile_rows, num_heads=num_heads, batch=batch_size,
+      num_tiles=pl.cdiv(q_len, tile_rows), num_heads=num_heads, batch=batch_size,
       paired=static.is_causal, num_ctas=static.num_ctas, cta=cta)
 
   def tile_of(n):
@@ -675,8 +829,8 @@ def persistent_tiles(q_shape, static: KernelStatic, cta) -> _PersistentTiles:
     return batch, head, q_tile * tile_rows
 
   def blocks(tile_start):  # the last consumer's rows reach furthest
-    return _num_kv_steps(tile_start + (NUM_CONSUMERS - 1) * static.block_q,
-                         static)
+    return _num_kv_steps(
+        consumer_rows(tile_start, static.num_consumers - 1, static), static)
 
   return _PersistentTiles(schedule.count, tile_of, blocks)
 
@@ -704,13 +858,17 @@ def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
   tiles = persistent_tiles(q_ref.shape, static, lax.axis_index("cta"))
   wg = lax.axis_index("wg")
 
-  @pl.when(wg < NUM_CONSUMERS)
+  consumer_registers, producer_registers = _REGISTERS_BY_CONSUMERS[
+      static.num_consumers]
+
+  @pl.when(wg < static.num_consumers)
   def _consumer():
-    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    plgpu.set_max_registers(consumer_registers, action="increase")
+    _seed_turns(pingpong, wg, static)
 
     def load_q(n):
       batch, head, tile_start = tiles.tile_of(n)
-      rows = pl.ds(tile_start + wg * static.block_q, static.block_q)
+      rows = pl.ds(consumer_rows(tile_start, wg, static), static.block_q)
       plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg],
                               q_arrived.at[wg])
 
@@ -724,7 +882,8 @@ def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
                    o_smem=o_smem.at[wg])
       _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
                lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
-               k_consumed, v_consumed, pingpong.at[0], batch=batch,
+               k_consumed, v_consumed, _turns_of(pingpong, static),
+               batch=batch,
                head=head, wg=wg, tile_start=tile_start, static=static,
                fp8=None, plan=None, tile=tile)
       return base + tiles.blocks(tile_start)
@@ -732,9 +891,9 @@ def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
     lax.fori_loop(0, tiles.count, tile_body, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == _PRODUCER)
+  @pl.when(wg == static.producer)
   def _producer():
-    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(producer_registers, action="decrease")
 
     def tile_body(n, base):
       batch, head, tile_start = tiles.tile_of(n)
@@ -753,7 +912,7 @@ def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
             (v_ref, v_smem, v_arrived, v_consumed)):
           @pl.when(block >= stages)
           def _wait(consumed=consumed):
-            for w in range(NUM_CONSUMERS):
+            for w in range(static.num_consumers):
               plgpu.barrier_wait(consumed.at[w * stages + slot])
 
           plgpu.copy_gmem_to_smem(ref.at[batch, rows, kv_head],
@@ -805,15 +964,15 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
   slot (j - first) % num_stages; every consumer walks all of them.
   """
   stages = static.num_stages
-  # Consumer w reads blocks [0, steps[w]); warpgroup 1's rows come later, so
-  # it reads at least as many blocks as warpgroup 0.
+  # Consumer w reads blocks [0, steps[w]); a later consumer's rows come
+  # later, so it reads at least as many blocks as an earlier one.
   first = 0
   if plan is None:
-    steps = [_num_kv_steps(tile_start + w * static.block_q, static)
-             for w in range(NUM_CONSUMERS)]
+    steps = [_num_kv_steps(consumer_rows(tile_start, w, static), static)
+             for w in range(static.num_consumers)]
     total = steps[-1]
   else:
-    read = _read_plan(plan, _PRODUCER)
+    read = _read_plan(plan, static.producer)
     first, total = read(_PLAN_UNION), read(_PLAN_UNION + 1)
 
   def load(step, slot, ref, smem, arrived):
@@ -830,7 +989,7 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
 
   def wait_consumed(consumed, step, slot):
     # The slot held block step - stages; wait for every consumer that read it.
-    for w in range(NUM_CONSUMERS):
+    for w in range(static.num_consumers):
       if static.is_causal and plan is None:
         pl.when(step - stages < steps[w])(
             functools.partial(plgpu.barrier_wait,
@@ -876,14 +1035,14 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   every step.
   """
   block_q, block_kv = static.block_q, static.block_kv
-  q_start = tile_start + wg * block_q
+  q_start = consumer_rows(tile_start, wg, static)
   q_rows = pl.ds(q_start, block_q)
   if plan is None:
     first = 0
     num_steps = _num_kv_steps(q_start, static)
     num_unmasked = _num_unmasked_steps(q_start, num_steps, static)
-    # Steps in which both consumers run and so take turns: all of
-    # warpgroup 0's (it never has more blocks than warpgroup 1).
+    # Steps in which every consumer runs and so takes turns: all of
+    # warpgroup 0's (it never has more blocks than a later one).
     num_shared = _num_kv_steps(tile_start, static)
     if tile is None:
       slot_of = lambda step: lax.rem(step, static.num_stages)
@@ -956,6 +1115,21 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       take_turn(step)
       plgpu.barrier_wait(v_arrived.at[slot])
 
+  # Warpgroup 1 starts one turn behind, so that its first S = Q Kᵀ runs
+  # while warpgroup 0 does its first softmax; warpgroup 0 ends with the
+  # turn that pairs with it, so that both make the same number.
+  begin_turns = lambda: pl.when(wg == 1)(rendezvous)
+  end_turns = lambda: pl.when(wg == 0)(rendezvous)
+  if static.num_consumers != NUM_CONSUMERS:
+    ring = _RingTurns(pingpong, wg=wg, num_steps=num_steps,
+                      num_shared=num_shared, static=static)
+    take_turn, begin_turns, end_turns = (ring.after_scores, ring.begin,
+                                         ring.end)
+
+    def take_turn_for_v(step, slot):
+      plgpu.barrier_wait(v_arrived.at[slot])
+      ring.before_values(step)
+
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
                         row_layout)
@@ -979,9 +1153,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     def _():
       plgpu.barrier_wait(k_arrived.at[slot_of(next_step)])
 
-  # Warpgroup 1 starts one turn behind, so that its first S = Q Kᵀ runs
-  # while warpgroup 0 does its first softmax.
-  pl.when(wg == 1)(rendezvous)
+  begin_turns()
 
   def step_body(step, carry, *, masked: bool):
     acc, m, l = carry
@@ -1053,9 +1225,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     return carry
 
   def finish(acc, m, l):
-    """Pairs the turns, normalises, writes O and the LSE."""
-    # Pairs with warpgroup 1's late start: both make the same number of turns.
-    pl.when(wg == 0)(rendezvous)
+    """Ends the turns, normalises, writes O and the LSE."""
+    end_turns()
 
     # Epilogue: normalise, and write O through the Q buffer (Q is dead now;
     # in FP8 through a buffer of its own, in the output dtype).
@@ -1077,8 +1248,15 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     o_smem[...] = acc.astype(out_dtype)
     lse_smem[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(l_safe))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, q_rows, head])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, q_rows])
+
+    def store():
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, q_rows, head])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, q_rows])
+
+    if static.num_consumers == NUM_CONSUMERS:
+      store()
+    else:  # a short last tile's spare consumers store nothing
+      pl.when(tile_start + wg * block_q < static.q_len)(store)
     if tile is None:
       plgpu.wait_smem_to_gmem(0)
     elif not static.stage_o_apart:  # Q's buffer is free once O has left it
@@ -1112,7 +1290,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     # Persistent: the blocks only the other consumer reads pass through this
     # one too (barriers, no math, no turns), so that every consumer waits
     # for each barrier phase and the next tile finds them in step.
-    last = _num_kv_steps(tile_start + (NUM_CONSUMERS - 1) * block_q, static)
+    last = _num_kv_steps(
+        consumer_rows(tile_start, static.num_consumers - 1, static), static)
 
     @pl.loop(num_steps, last)
     def _pass_through(step):
