@@ -66,7 +66,7 @@ for step in "$@"; do
         --kernels forward_overlap forward_schedule backward_overlap \
         --out "$OUT/h200_mosaic_schedule.json" \
         > "$LOGS/schedule.log" 2>&1; tail -12 "$LOGS/schedule.log" ;;
-    fused)  # the fused dQ backward's GPU tests (22; 12 took 270 s at -n 12)
+    fused)  # the fused dQ backward's GPU tests (14; 12 took 270 s at -n 12)
       python3 -m pytest -m gpu -n 12 -q -rf --tb=short --timeout 300 -p no:cacheprovider \
         -p no:benchmark tests/test_mosaic_backward.py -k fused > "$OUT/pytest_fused.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_fused.log" | tail -15 ;;

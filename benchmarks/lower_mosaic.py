@@ -5,8 +5,7 @@
 Lowers the forward (defaults, `overlap_scores`, `fence_softmax` +
 `split_handover`, grid launch order, the persistent grid on and off,
 tile-fastest launch), the backward (defaults, `overlap_softmax`, the
-persistent grid, tile-fastest launch, the fused dQ below head_dim 256, its dQ matmul
-before dK's or not), and
+persistent grid, tile-fastest launch, the fused dQ below head_dim 256), and
 the masked
 forward and backward (defaults and `overlap_softmax`), at head dims 64, 128
 and 256, causal or not, and prints one line per kernel; exits non-zero if
@@ -64,9 +63,7 @@ def kernels(head_dim: int):
              lambda q, k, v, c=causal, o=options: mosaic_forward(
                  q, k, v, scale=0.1, is_causal=c, **o), (q, kv, kv))
     fused = dict(fused_dq=True, block_q=128 if head_dim == 64 else 64)
-    fused_options = (fused, dict(fused, dq_before_dk=True))
-    for options in BACKWARD_OPTIONS + (fused_options if head_dim < 256
-                                       else ()):
+    for options in BACKWARD_OPTIONS + ((fused,) if head_dim < 256 else ()):
       yield (f"backward d{head_dim} causal={causal} {options}",
              lambda q, k, v, out, d_out, c=causal, o=options: mosaic_backward(
                  q, k, v, out, jnp.zeros(lse.shape, lse.dtype), d_out,

@@ -49,13 +49,10 @@ PERSISTENT_SPACE = dict(persistent=(False, True))
 LAUNCH_SPACE = dict(tile_fastest=(False, True), persistent=(False,))
 # The persistent backward with head_dim 64's 128-row Q tiles.
 PERSISTENT_WIDE_SPACE = dict(persistent=(False, True), block_q=(128,))
-# The fused dQ (`backward._Static.fused_dq`), its dQ matmul issued after
-# dK's or before (`dq_before_dk`), against the two kernels, on the launch
-# grid, with both Q tile heights (head_dim 64 ships 128 rows). The kernels
-# refuse at once what they lack (dq_before_dk without the fused dQ, tiles
-# that do not fit).
-FUSED_SPACE = dict(fused_dq=(False, True), dq_before_dk=(False, True),
-                   block_q=(64, 128), persistent=(False,))
+# The fused dQ (`backward._Static.fused_dq`) against the two kernels, on the
+# launch grid, with both Q tile heights (head_dim 64 ships 128 rows).
+FUSED_SPACE = dict(fused_dq=(False, True), block_q=(64, 128),
+                   persistent=(False,))
 # Three consumer warpgroups against two (`forward.KernelStatic.num_consumers`),
 # with both K/V tile heights, on the default grid (persistent where it is
 # the default).

@@ -50,7 +50,7 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
   blocks = {name: shape_and_blocks.pop(name)
             for name in ("block_q", "block_kv", "max_concurrent_steps",
                          "overlap_softmax", "fused_dq", "persistent",
-                         "tile_fastest", "dq_before_dk")
+                         "tile_fastest")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
 
@@ -416,26 +416,21 @@ def test_persistent_backward_default_follows_the_measured_table(
 def test_fused_dq_lowers_as_one_kernel(head_dim, block_q, is_causal,
                                        cuda_lowering):
   """`fused_dq=True`: one kernel computes dq, dk and dv (GQA 2:1, kv_len >
-  q_len), with and without the overlap within a consumer, and with the dQ
-  matmul issued before dK's, at the tiles each head dim ships."""
+  q_len), with and without the overlap within a consumer, at the tiles each
+  head dim ships."""
   texts = [_lower(head_dim, is_causal, block_q=block_q, fused_dq=True,
-                  **options)
-           for options in (dict(overlap_softmax=True),
-                           dict(overlap_softmax=False),
-                           dict(dq_before_dk=True))]
+                  overlap_softmax=overlap)
+           for overlap in (True, False)]
   for text in texts:
     assert _kernels(text) == {"dq_dkdv"}
     assert "mosaic_flash_backward_dq\"" not in text
-  assert len(set(texts)) == 3
+  assert len(set(texts)) == 2
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(head_dim=256), "one pass"),
     (dict(head_dim=128, persistent=True), "launch grid"),
     (dict(head_dim=64, block_q=64), "share out evenly"),  # one piece
-    (dict(head_dim=128, fused_dq=False, dq_before_dk=True), "fused dQ"),
-    (dict(head_dim=128, overlap_softmax=False, dq_before_dk=True),
-     "overlap_softmax"),
 ])
 def test_fused_dq_refuses_what_it_does_not_cover(kwargs, match,
                                                  cuda_lowering):
@@ -473,10 +468,9 @@ def test_tile_fastest_backward_lowers_and_changes_the_grids(cuda_lowering):
     _lower(128, False, fused_dq=True, tile_fastest=True)
 
 
-def _fused_everywhere(monkeypatch, dq_before_dk=False):
+def _fused_everywhere(monkeypatch):
   from pallas_kernels.mosaic import backward
   monkeypatch.setattr(backward, "FUSED_DQ_MIN_KV_LEN", {64: 0, 128: 0})
-  monkeypatch.setattr(backward, "FUSED_DQ_BEFORE_DK", dq_before_dk)
 
 
 def _assert_backward_is_fused(attention, case: Case):
@@ -493,7 +487,6 @@ def _assert_backward_is_fused(attention, case: Case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_before_dk", [False, True])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("case", [
     Case(2, 1024, 1024, 8, 8, 64),    # d=64 ships 128-row Q tiles
@@ -501,14 +494,12 @@ def _assert_backward_is_fused(attention, case: Case):
     Case(2, 512, 1024, 8, 2, 128),    # GQA 4:1
     Case(1, 1024, 384, 4, 2, 128),    # q_len > kv_len, odd K/V tile count
 ], ids=str)
-def test_fused_dq_matches_reference_on_gpu(case, is_causal, dq_before_dk,
-                                           monkeypatch):
+def test_fused_dq_matches_reference_on_gpu(case, is_causal, monkeypatch):
   """The fused backward through the dispatch, in both dtypes, against the
-  reference, with the dQ matmul issued after dK's or before; and the fused
-  kernel is what ran."""
+  reference; and the fused kernel is what ran."""
   _require_sm90()
   from pallas_kernels.mosaic import attention as mosaic_attention
-  _fused_everywhere(monkeypatch, dq_before_dk)
+  _fused_everywhere(monkeypatch)
   attention = jax.jit(lambda q, k, v: _api_layout(*mosaic_attention.
       mosaic_attention(q, k, v, scale=q.shape[-1]**-0.5, is_causal=is_causal,
                        backward_blocks=BlockSizes.get_default(case.head_dim))))
@@ -540,8 +531,7 @@ def test_fused_dq_default_at_long_kv_on_gpu(is_causal):
 def test_fused_dq_is_deterministic_on_gpu(head_dim, is_causal):
   """Many K/V tiles add to each dQ tile; their fixed order makes the f32
   sums, so the gradients, bitwise the same run after run (an add out of
-  turn would round differently), the dQ matmul issued after dK's or
-  before. Without a mask dk and dv are the unfused
+  turn would round differently). Without a mask dk and dv are the unfused
   kernel's bit for bit (the same steps in the same order); under causal
   masking the fused kernel walks the Q tiles downwards, and dq always sums
   in another order: those differ from the unfused kernel only by
@@ -553,17 +543,14 @@ def test_fused_dq_is_deterministic_on_gpu(head_dim, is_causal):
   out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
   d_lse = jnp.transpose(d_lse, (0, 2, 1))
   tiles = dict(block_q=128) if head_dim == 64 else {}
-  run = lambda fused, dq_before_dk=False: jax.jit(functools.partial(
+  run = lambda fused: jax.jit(functools.partial(
       mosaic_backward, scale=scale, is_causal=is_causal, fused_dq=fused,
-      persistent=False, dq_before_dk=dq_before_dk, **tiles))(
-          q, k, v, out, lse, d_out, d_lse)
+      persistent=False, **tiles))(q, k, v, out, lse, d_out, d_lse)
   first = run(True)
-  for dq_before_dk in (False, False, True, True):
-    # The order of issue changes no product and no sum.
-    for a, b, name in zip(run(True, dq_before_dk), first,
-                          ("dq", "dk", "dv")):
+  for _ in range(3):
+    for a, b, name in zip(run(True), first, ("dq", "dk", "dv")):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
-                                    err_msg=f"{name} {dq_before_dk=}")
+                                    err_msg=name)
   unfused = run(False)
   for a, b, name in zip(first, unfused, ("dq", "dk", "dv")):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)

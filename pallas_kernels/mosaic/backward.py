@@ -118,9 +118,6 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # (results/h200_mosaic_fused_short.md); head_dim 128 -11% / -24% at 16k.
 # Its GPU tests pass (session 8).
 FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384}
-# Whether the fused dQ issues the dQ matmul before dK's
-# (`_Static.dq_before_dk`).
-FUSED_DQ_BEFORE_DK = False
 # The fused dQ splits each Q tile's dQ into [_DQ_PIECE, _DQ_PIECE] pieces,
 # shared out among the consumers: 64 rows, a wgmma's height, by 64 columns,
 # one 128-byte swizzle row of 16-bit K, so that a piece's slice of the
@@ -188,12 +185,6 @@ class _Static:
   # matmuls per tile pair instead of 7 (the dQ kernel's recomputed S and dP
   # go). Launch grid, plain form.
   fused_dq: bool = False
-  # Fused dQ with `overlap_softmax`: each consumer issues its dQ piece's
-  # wgmma before dK += dSᵀ Q and waits for the piece alone, so that dK runs
-  # on the tensor cores while the piece is staged, and dV while the
-  # consumers meet to exchange dSᵀ (FlashAttention-3's order). The same
-  # products in the same accumulators: bitwise the same results.
-  dq_before_dk: bool = False
   # Launch grid order, as the forward's `KernelStatic.tile_fastest`: a
   # head's tiles launched together rather than the same tile of many heads.
   tile_fastest: bool = False
@@ -216,8 +207,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     heavy_first: bool = True, overlap_softmax: bool = True,
                     persistent: bool | None = None,
                     num_ctas: int | None = None,
-                    fused_dq: bool | None = None, tile_fastest: bool = False,
-                    dq_before_dk: bool | None = None):
+                    fused_dq: bool | None = None, tile_fastest: bool = False):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -261,9 +251,6 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     tile_fastest: both kernels' launch grids in tile-fastest order (see
       `_Static`); the results are the same either way. Not with `fused_dq`,
       whose K/V tiles of a head must launch apart.
-    dq_before_dk: with the fused dQ and `overlap_softmax`, issue each
-      consumer's dQ matmul before its dK matmul (see `_Static`); the results
-      are the same either way. None: `FUSED_DQ_BEFORE_DK`.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -282,8 +269,6 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   if fused_dq is None:
     fused_dq = not persistent and fused_dq_by_default(
         head_dim=head_dim, kv_len=kv_len, block_q=block_q)
-  if dq_before_dk is None:
-    dq_before_dk = fused_dq and overlap_softmax and FUSED_DQ_BEFORE_DK
   if persistent is None:
     persistent = not fused_dq and persistent_by_default(
         head_dim=head_dim, kv_len=kv_len, is_causal=is_causal)
@@ -292,8 +277,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                                     overlap_softmax=overlap_softmax,
                                     persistent=persistent, num_ctas=num_ctas,
                                     fused_dq=fused_dq,
-                                    tile_fastest=tile_fastest,
-                                    dq_before_dk=dq_before_dk, **tiles)
+                                    tile_fastest=tile_fastest, **tiles)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -444,8 +428,7 @@ def _num_consumers(length, block, smem_of) -> int:
 def statics(query, key, *, heavy_first: bool = True,
             overlap_softmax: bool = False, persistent: bool = False,
             num_ctas: int | None = None, fused_dq: bool = False,
-            tile_fastest: bool = False, dq_before_dk: bool = False,
-            **tiles):
+            tile_fastest: bool = False, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax),
@@ -457,18 +440,8 @@ def statics(query, key, *, heavy_first: bool = True,
           "K/V tiles wait for each other in order")
     if tiles.get("spec") is not None:
       raise NotImplementedError("the ranged backward has no fused dQ")
-    configs = [dataclasses.replace(config, **options) for config in
-               dkdv_statics(query, key, fused_dq=True, **tiles)]
-    if dq_before_dk:
-      (config,) = configs
-      if not overlap_softmax or len(_pieces_of(0, config)) != 1:
-        raise NotImplementedError(
-            "dq_before_dk needs overlap_softmax and one dQ piece per "
-            f"consumer (got {len(_pieces_of(0, config))})")
-      configs = [dataclasses.replace(config, dq_before_dk=True)]
-    return None, configs
-  if dq_before_dk:
-    raise NotImplementedError("dq_before_dk is an option of the fused dQ")
+    return None, [dataclasses.replace(config, **options) for config in
+                  dkdv_statics(query, key, fused_dq=True, **tiles)]
   dq_config = dataclasses.replace(dq_static(query, key, **tiles),
                                   heavy_first=bool(heavy_first), **options)
   dkdv_configs = [dataclasses.replace(config, **options)
@@ -922,19 +895,15 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         p_t = jnp.where(tile_mask(q_block, slot), p_t, 0.0)
       return p_t, slope
 
-    ds_smem = dq_first = None
+    ds_smem = None
     if fused is not None:  # this step's dSᵀ, for every consumer to read
       ds_smem = fused.ds.at[lax.rem(step, 2), wg]
-      if static.dq_before_dk:
-        dq_first = functools.partial(_stage_dq, fused, wg, step=step,
-                                     static=static)
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
       (p_t, slope), *dp_t = _wgmma_then(shape, products, probabilities)
       grads = _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile,
                                           do_tile, stats_ring.at[slot],
-                                          static, ds_smem=ds_smem,
-                                          dq_first=dq_first)
+                                          static, ds_smem=ds_smem)
       plgpu.barrier_arrive(consumed.at[slot])
       return finish(grads, step)
     s_t, *dp_t = _wgmma_fresh(shape, products)
@@ -956,7 +925,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     return finish(grads, step)
 
   def finish(grads, step):
-    if fused is not None and not static.dq_before_dk:
+    if fused is not None:
       _stage_dq(fused, wg, step=step, static=static)
     return grads
 
@@ -1024,14 +993,9 @@ def _pieces_of(wg: int, static: _Static):
   return _pieces(static)[wg::static.num_consumers]
 
 
-def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static, issue_dk=None):
+def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static):
   """Consumer wg, after storing its dSᵀ of `step` in `fused.ds`: computes
-  its pieces of the CTA's dS K and stages them for the writer.
-
-  `issue_dk` (`_Static.dq_before_dk`, one piece per consumer): called while
-  dV's wgmma runs; issues the piece's wgmma, then dK's (`issue_dk()`), and
-  stages the piece as soon as it alone is done.
-  """
+  its pieces of the CTA's dS K and stages them for the writer."""
   parity = lax.rem(step, 2)
   plgpu.commit_smem()  # this consumer's dSᵀ, read by every consumer's wgmma
   plgpu.barrier_arrive(fused.ds_stored.at[parity])
@@ -1046,8 +1010,7 @@ def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static, issue_dk=None):
       stage[number] = _wgmma_sum((_DQ_PIECE, _DQ_PIECE), [
           (ds.at[k, :, pl.ds(row * _DQ_PIECE, _DQ_PIECE)].transpose((1, 0)),
            fused.k.at[k, :, pl.ds(col * _DQ_PIECE, _DQ_PIECE)])
-          for k in range(static.num_consumers)],
-          then=issue_dk)  # (one piece per consumer: `statics` checks)
+          for k in range(static.num_consumers)])
 
   for c in range(static.num_consumers):
     pl.when(wg == c)(functools.partial(compute, c))
@@ -1103,14 +1066,12 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
 
 
 def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
-                                stats, static: _Static, ds_smem=None,
-                                dq_first=None):
+                                stats, static: _Static, ds_smem=None):
   """`grads` (in `static.outputs` order) plus this step's dV += Pᵀ dO and
   dK += dSᵀ Q, with dV's wgmma issued first, so that dS is computed while
   it runs. `dp_t` is [dPᵀ] when dK is an output, else []; `stats` is the
   step's [2, block_q] (lse, delta) slot; `ds_smem` (fused dQ) receives dSᵀ
-  while dK's wgmma runs, or, with `dq_first` (`_stage_dq`), before dK's
-  wgmma is issued, after the dQ piece's."""
+  while dK's wgmma runs."""
   def issue(grad_refs):
     named = dict(zip(static.outputs, grad_refs))
     if "dv" in named:
@@ -1119,12 +1080,7 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
       delta = plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0))
       ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, p_t.shape), slope)
       ds_t = ds_t.astype(static.dtype)
-      issue_dk = functools.partial(plgpu.wgmma, named["dk"], ds_t, q_tile)
-      if dq_first is not None:
-        ds_smem[...] = ds_t
-        dq_first(issue_dk=issue_dk)
-        return
-      issue_dk()
+      plgpu.wgmma(named["dk"], ds_t, q_tile)
       if ds_smem is not None:
         ds_smem[...] = ds_t
 
@@ -1674,17 +1630,12 @@ def _wgmma_then(shape, products, first_fn):
                                 for _ in products])
 
 
-def _wgmma_sum(shape, products, then=None):
-  """sum(a @ b for (a, b) in products) into one fresh f32 accumulator;
-  `then()`, if given, issues one more wgmma after them, which the sum does
-  not wait for."""
+def _wgmma_sum(shape, products):
+  """sum(a @ b for (a, b) in products) into one fresh f32 accumulator."""
   def issue(acc_ref):
     for a, b in products:
       plgpu.wgmma(acc_ref, a, b)
-    if then is None:
-      return acc_ref[...]
-    then()
-    return plgpu.wgmma_accumulator_load(acc_ref, wait_n=1)
+    return acc_ref[...]
 
   return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32))
 
