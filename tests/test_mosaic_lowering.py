@@ -463,5 +463,37 @@ def test_three_consumers_are_bitwise_two_on_gpu(head_dim, block_kv,
 def test_three_consumers_match_reference_on_gpu(case, dtype, is_causal,
                                                monkeypatch):
   from pallas_kernels.mosaic import forward
-  monkeypatch.setattr(forward, "CONSUMERS_BY_HEAD_DIM", {64: 3})
+  monkeypatch.setattr(forward, "THREE_CONSUMER_MIN_CAUSAL_Q_LEN", 0)
   _check_mosaic_against_reference(case, dtype, is_causal)
+
+
+def test_three_consumers_stage_o_apart_only_where_it_fits():
+  """O staged apart at head_dim 64; at 128 with 128-row K/V tiles it would
+  leave too little shared memory (it failed to compile on the H200), so O
+  goes out through Q's buffer."""
+  from pallas_kernels.mosaic import forward
+  for head_dim, apart in ((64, True), (128, False)):
+    q = jnp.zeros((1, 1024, 4, head_dim), jnp.bfloat16)
+    static = forward.persistent_static(forward.check_supported(
+        q, q, q, scale=1.0, is_causal=False, block_q=64, block_kv=128,
+        max_concurrent_steps=2, num_consumers=3), q.shape, None)
+    assert static.stage_o_apart == apart
+
+
+def test_three_consumers_default_follows_the_measured_table(cuda_lowering):
+  """Three consumers at head_dim 64 (causal from q_len 2048), two
+  elsewhere, and wherever the three-consumer kernel cannot take the call
+  (`overlap_scores`); the dispatch lowers the default."""
+  from pallas_kernels.mosaic import forward
+  default = lambda d, n, causal=False, **kw: forward.consumers_by_default(
+      head_dim=d, q_len=n, is_causal=causal, **kw)
+  assert default(64, 1024) == default(64, 16384) == 3
+  assert default(64, 1024, True) == 2 and default(64, 2048, True) == 3
+  assert default(128, 16384) == default(256, 16384) == 2
+  assert default(64, 16384, overlap_scores=True) == 2
+  assert default(64, 320, block_q=128) == 2
+  assert _lower(64, False, q_len=384) == _lower(64, False, q_len=384,
+                                                 num_consumers=3)
+  assert _lower(64, True, q_len=384) == _lower(64, True, q_len=384,
+                                                num_consumers=2)
+  assert _lower(64, False, overlap_scores=True, persistent=False)

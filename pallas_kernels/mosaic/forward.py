@@ -95,11 +95,27 @@ _PRODUCER_REGISTERS = 40
 # (64) and P (32 in 16 bits).
 _REGISTERS_BY_CONSUMERS = {2: (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS),
                            3: (160, 32)}
-# `mosaic_forward(num_consumers=None)`: consumer warpgroups by head dim
-# (absent: NUM_CONSUMERS).
-CONSUMERS_BY_HEAD_DIM: dict[int, int] = {}
+# `mosaic_forward(num_consumers=None)` runs three consumers at these head
+# dims (`consumers_by_default`). Session 9's A/B on the H200, the forward
+# alone, full / causal (results/h200_mosaic_consumers.md): head_dim 64 at
+# seq 16k 423 -> 490 / 371 -> 431 TFLOP/s, 4k 383 -> 434 / 320 -> 371, 1k
+# 289 -> 318 / 243 -> 233; head_dim 128 (64-row K/V tiles, the largest
+# whose S, P and O fit 160 registers) lost to two consumers' 128-row
+# tiles: 559 / 472 against 555 / 551 at 16k. Causal from this q_len on
+# (at 1k a sixth of the tiles are short, and causal tiles are short
+# already):
+THREE_CONSUMER_HEAD_DIMS = (64,)
+THREE_CONSUMER_MIN_CAUSAL_Q_LEN = 2048
 # Dynamic shared memory per CTA on sm90 (227 KiB), less a little for barriers.
 _SMEM_LIMIT_BYTES = 227 * 1024 - 1024
+# The forward's budget also leaves the 2 KiB that Mosaic GPU reserves for
+# cross-warp reductions (`CompilerParams.reduction_scratch_bytes`' default)
+# and the padding of its small buffers to the swizzled ones' alignment:
+# three consumers at head_dim 128 with O staged apart came to 512 bytes
+# under `_SMEM_LIMIT_BYTES` and failed to compile on the H200. (The two-
+# consumer forwards are far from either; the backward's estimates are
+# its own.)
+_FORWARD_SMEM_LIMIT_BYTES = _SMEM_LIMIT_BYTES - 2048
 _SWIZZLE_BYTES = 128
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -138,6 +154,20 @@ def persistent_by_default(*, is_causal: bool, head_dim: int, kv_len: int,
     return True
   limit = PERSISTENT_CAUSAL_MAX_KV_LEN.get(head_dim, 0)
   return limit is None or kv_len <= limit
+
+
+def consumers_by_default(*, head_dim: int, q_len: int, is_causal: bool,
+                         block_q: int = 64,
+                         overlap_scores: bool = False) -> int:
+  """Consumer warpgroups of `mosaic_forward(num_consumers=None)`: three
+  where measured faster (`THREE_CONSUMER_HEAD_DIMS`) and the kernel takes
+  the call (q_len whole blocks of block_q rows, no `overlap_scores`), else
+  two."""
+  if (head_dim not in THREE_CONSUMER_HEAD_DIMS or overlap_scores
+      or q_len % block_q
+      or (is_causal and q_len < THREE_CONSUMER_MIN_CAUSAL_Q_LEN)):
+    return NUM_CONSUMERS
+  return 3
 
 
 def default_block_kv(head_dim: int) -> int:
@@ -270,7 +300,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     tile_fastest: the launch grid's CTAs in tile-fastest order (see
       `KernelStatic`); the results are the same either way.
     num_consumers: consumer warpgroups, 2 or 3 (3: not with
-      `overlap_scores`); None: `CONSUMERS_BY_HEAD_DIM`. Each row's sums
+      `overlap_scores`); None: `consumers_by_default`. Each row's sums
       are the same either way, so the results are bitwise the same.
 
   Returns:
@@ -286,7 +316,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if block_kv is None:
     block_kv = default_block_kv(query.shape[-1])
   if num_consumers is None:
-    num_consumers = CONSUMERS_BY_HEAD_DIM.get(query.shape[-1], NUM_CONSUMERS)
+    num_consumers = consumers_by_default(
+        head_dim=query.shape[-1], q_len=query.shape[1], is_causal=is_causal,
+        block_q=block_q, overlap_scores=overlap_scores)
   if num_consumers not in _REGISTERS_BY_CONSUMERS:
     raise ValueError(f"num_consumers must be one of "
                      f"{tuple(_REGISTERS_BY_CONSUMERS)}, got {num_consumers}")
@@ -328,7 +360,7 @@ def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
       stage_o_apart=_smem_bytes(
           static.block_q, static.block_kv, static.num_stages, head_dim,
           static.dtype.itemsize, static.num_consumers) + o_bytes
-      <= _SMEM_LIMIT_BYTES)
+      <= _FORWARD_SMEM_LIMIT_BYTES)
 
 
 def _smem_transforms(rows_bytes: int, itemsize: int):
@@ -534,11 +566,11 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
     smem_bytes += num_consumers * (
         block_q * head_dim * fp8_out_dtype.itemsize + block_q * block_kv
         + 4 * (num_q_blocks + num_kv_blocks + 32))
-  if smem_bytes > _SMEM_LIMIT_BYTES:
+  if smem_bytes > _FORWARD_SMEM_LIMIT_BYTES:
     raise NotImplementedError(
         f"block_q {block_q}, block_kv {block_kv}, {num_stages} stages at "
         f"head_dim {head_dim} need {smem_bytes} bytes of shared memory; "
-        f"sm90 has {_SMEM_LIMIT_BYTES}")
+        f"sm90 has {_FORWARD_SMEM_LIMIT_BYTES}")
   return KernelStatic(block_q=block_q, block_kv=block_kv, num_stages=num_stages,
                  num_kv_blocks=num_kv_blocks, head_dim=head_dim,
                  group=num_heads // num_kv_heads,
