@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers breakdown warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -104,6 +104,13 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
           grep "^forward" "$LOGS/consumers_$seq.log"
         done
       fi ;;
+    breakdown)  # fwd+bwd piece by piece beside tokamax; BREAKDOWN_CELLS
+                # are seq:head_dim[:causal]
+      for cell in ${BREAKDOWN_CELLS:-1024:128 1024:64 1024:256 16384:128}; do
+        IFS=: read -r seq d causal <<< "$cell"
+        timeout 150 python3 -m benchmarks.backward_breakdown --seq "$seq" --head-dim "$d" \
+          ${causal:+--causal} 2>/dev/null | tee -a "$OUT/breakdown.md"
+      done ;;
     warp_map)  # which fused-dQ role hangs as a warp (NOTES, session 8)
       timeout 300 python3 -m benchmarks.probe_warp_map --timeout 60 ;;
     launch_order)  # launch grids tile-fastest against tile-slowest (the

@@ -57,6 +57,9 @@ FUSED_SPACE = dict(fused_dq=(False, True), block_q=(64, 128),
 # with both K/V tile heights, on the default grid (persistent where it is
 # the default).
 CONSUMERS_SPACE = dict(num_consumers=(2, 3), block_kv=(64, 128))
+# Three consumers' K/V ring depth (they leave room for 4 stages at d=64).
+CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
+                             max_concurrent_steps=(2, 3, 4))
 
 
 def candidates(space: dict) -> list[dict]:
@@ -107,6 +110,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_fused": _backward(FUSED_SPACE),
            "forward_launch": _forward(LAUNCH_SPACE),
            "forward_consumers": _forward(CONSUMERS_SPACE),
+           "forward_consumer_stages": _forward(CONSUMER_STAGES_SPACE),
            "backward_launch": _backward(LAUNCH_SPACE)}
 
 

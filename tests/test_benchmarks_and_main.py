@@ -310,3 +310,39 @@ def test_sass_spills_counts_local_accesses_per_register_budget():
   assert {b: dict(c) for b, c in budgets.items()} == {
       "launch": {"STL": 1}, "232": {"STL": 1, "LDL": 1}, "24": {"LDL": 1}}
   assert found["other_kernel"] == {}
+
+
+@pytest.mark.parametrize("head_dim, want", [
+    (128, ["dQ kernel", "dK/dV pass dk+dv"]),
+    (256, ["dQ kernel", "dK/dV pass dk", "dK/dV pass dv"]),
+])
+def test_backward_breakdown_times_every_piece(head_dim, want, monkeypatch,
+                                              capsys):
+  """Every piece `flash_attention`'s Mosaic backward runs, as
+  `backward.configure` decides them (one dK/dV pass, or two at head_dim
+  256), then the peers that import; the kernels are stand-ins here (Mosaic
+  needs the GPU)."""
+  import jax.numpy as jnp
+  from benchmarks import backward_breakdown, peers
+  from pallas_kernels.mosaic import backward, forward
+  monkeypatch.setattr(forward, "mosaic_forward", lambda q, k, v, **kw: (
+      q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)))
+  monkeypatch.setattr(backward, "launch_dq", lambda q, *a: q)
+  monkeypatch.setattr(backward, "launch_dkdv", lambda q, k, v, do, stats,
+                      static: [k, v][:len(static.outputs)])
+  monkeypatch.setattr(backward, "mosaic_backward",
+                      lambda q, k, v, *a, **kw: (q, k, v))
+
+  def unavailable(cell):
+    raise peers.Unavailable("not on this machine")
+
+  monkeypatch.setattr(peers, "jax_flash_mosaic", lambda cell: peers.Benchmark(
+      lambda q: q, (jnp.zeros(cell.shape),)))
+  monkeypatch.setattr(peers, "tokamax_mosaic", unavailable)
+  assert backward_breakdown.main(["--seq", "256", "--head-dim",
+                                  str(head_dim), "--tokens", "512",
+                                  "--reps", "1"]) == 0
+  names = [line.split("|")[1].strip() for line in
+           capsys.readouterr().out.splitlines()[3:]]
+  assert names == ["forward", "row statistics", *want, "backward",
+                   "jax_flash_mosaic fwd", "jax_flash_mosaic fwd_bwd"]

@@ -263,6 +263,26 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   check_supported(query, key, value, out, lse, d_out, d_lse,
                   block_q=block_q, block_kv=block_kv,
                   max_concurrent_steps=max_concurrent_steps)
+  # Configuring raises for tiles that do not fit, before any work is traced.
+  dq_config, dkdv_configs = configure(
+      query, key, scale=scale, is_causal=is_causal, block_q=block_q,
+      block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
+      heavy_first=heavy_first, overlap_softmax=overlap_softmax,
+      persistent=persistent, num_ctas=num_ctas, fused_dq=fused_dq,
+      tile_fastest=tile_fastest)
+  stats = row_statistics(out, lse, d_out, d_lse)
+  return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
+
+
+def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
+              block_kv: int = 64, max_concurrent_steps: int = 2,
+              heavy_first: bool = True, overlap_softmax: bool = True,
+              persistent: bool | None = None, num_ctas: int | None = None,
+              fused_dq: bool | None = None, tile_fastest: bool = False):
+  """`mosaic_backward`'s kernels for these arguments (its defaults decided):
+  (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
+  `gradients` takes them. Raises NotImplementedError for tiles that do not
+  fit."""
   tiles = dict(scale=scale, is_causal=is_causal, block_q=block_q,
                block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
   head_dim, kv_len = query.shape[-1], key.shape[1]
@@ -272,14 +292,10 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   if persistent is None:
     persistent = not fused_dq and persistent_by_default(
         head_dim=head_dim, kv_len=kv_len, is_causal=is_causal)
-  # Configuring raises for tiles that do not fit, before any work is traced.
-  dq_config, dkdv_configs = statics(query, key, heavy_first=heavy_first,
-                                    overlap_softmax=overlap_softmax,
-                                    persistent=persistent, num_ctas=num_ctas,
-                                    fused_dq=fused_dq,
-                                    tile_fastest=tile_fastest, **tiles)
-  stats = row_statistics(out, lse, d_out, d_lse)
-  return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
+  return statics(query, key, heavy_first=heavy_first,
+                 overlap_softmax=overlap_softmax, persistent=persistent,
+                 num_ctas=num_ctas, fused_dq=fused_dq,
+                 tile_fastest=tile_fastest, **tiles)
 
 
 def gradients(query, key, value, d_out, stats, dq_config: _Static | None,
