@@ -7,7 +7,9 @@ One cell of the standard grid (bf16, batch·seq 16384, hidden 2048), every
 piece compiled and timed in one process, one after another:
 
   forward          `mosaic_forward` with its defaults
-  row statistics   `backward.row_statistics` (delta, the LSE in base 2), XLA
+  row statistics   `backward.row_statistics` (delta by `triton.delta`, the
+                   LSE in base 2)
+  delta by XLA     the same sum as XLA fuses it (the way before session 9)
   dQ kernel        `backward.launch_dq` (absent when dQ is fused)
   dK/dV pass       `backward.launch_dkdv`, each pass (two at head_dim 256)
   backward         `mosaic_backward` as `flash_attention` calls it
@@ -27,6 +29,7 @@ import argparse
 import sys
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks import common, peers
 from pallas_kernels import compat
@@ -47,8 +50,12 @@ def pieces(cell: common.Cell):
   statistics = jax.jit(lambda out, lse, d_out: backward.row_statistics(
       out, lse, d_out, None))
   stats = statistics(out, lse, d_out)
+  # What XLA makes of delta alone (the row statistics' sum before session 9).
+  xla_delta = jax.jit(lambda out, d_out: jnp.swapaxes(jnp.sum(
+      out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1), 1, 2))
   found = [("forward", forward, (q, k, v)),
-           ("row statistics", statistics, (out, lse, d_out))]
+           ("row statistics", statistics, (out, lse, d_out)),
+           ("delta by XLA", xla_delta, (out, d_out))]
   if dq_config is not None:
     found.append(("dQ kernel", jax.jit(
         lambda *a: backward.launch_dq(*a, dq_config)), (q, k, v, d_out,

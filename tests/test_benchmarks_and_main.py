@@ -344,5 +344,6 @@ def test_backward_breakdown_times_every_piece(head_dim, want, monkeypatch,
                                   "--reps", "1"]) == 0
   names = [line.split("|")[1].strip() for line in
            capsys.readouterr().out.splitlines()[3:]]
-  assert names == ["forward", "row statistics", *want, "backward",
+  assert names == ["forward", "row statistics", "delta by XLA", *want,
+                   "backward",
                    "jax_flash_mosaic fwd", "jax_flash_mosaic fwd_bwd"]

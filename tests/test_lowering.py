@@ -63,10 +63,11 @@ def _lower_grad(q_len, kv_len, head_dim, verified, bias_shape=None,
   lowered = jax.jit(jax.grad(loss, argnums)).trace(q, kv, kv, bias).lower(
       lowering_platforms=("cuda",))
   text = lowered.as_text()
-  for name in ("flash_forward", "flash_backward_dkdv", "flash_backward_dq"):
+  for name in ("flash_forward", "flash_backward_delta", "flash_backward_dkdv",
+               "flash_backward_dq"):
     assert name in text, name
   # With a bias, dbias is a launch of its own (dropped by XLA when unused).
-  assert len(verified) == (3 if bias is None else 4)
+  assert len(verified) == (4 if bias is None else 5)
   return text
 
 

@@ -13,7 +13,8 @@ CTA, in a fixed order (deterministic, no atomics):
          and dO and loops over K/V tiles:  S = Q Kᵀ,  dP = dO Vᵀ,  dQ += dS K.
 
 with dS = P ∘ (dP - delta) and delta = rowsum(dO ∘ O) (less the cotangent of
-the LSE, when there is one), computed outside the kernels. Every matmul is
+the LSE, when there is one), computed first by a kernel of its own
+(`triton.delta.row_delta`). Every matmul is
 a `wgmma` (transposes are free: they are views of the swizzled shared-memory
 tiles). The scale of dS is applied once, to the finished dK and dQ.
 
@@ -79,6 +80,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash import masking
+from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.forward import (
     _CONSUMER_REGISTERS, _PLAN_SCALARS, _PLAN_UNION, _PRODUCER_REGISTERS,
@@ -86,6 +88,7 @@ from pallas_kernels.mosaic.forward import (
     _SWIZZLE_BYTES, PLAN_WIDTH, _Plan, _causal_mask, _cols, check_layout,
     check_tiles, launch_grid, _read_plan, _rows, _variant_mask,
     persistent_num_ctas, persistent_schedule, tile_index)
+from pallas_kernels.triton.delta import row_delta
 
 _MAX_CONSUMERS = 2
 # f32 registers per consumer thread that the wgmma accumulators (the
@@ -366,17 +369,18 @@ def check_supported(query, key, value, out, lse, d_out, d_lse, *, block_q,
                               f"block_kv {block_kv} (tails are not masked yet)")
 
 
-def row_statistics(out, lse, d_out, d_lse):
+def row_statistics(out, lse, d_out, d_lse, *, interpret: bool | None = None):
   """float32 [batch, num_heads, 2, q_len]: (lse in base 2, delta) per row.
 
-  delta = rowsum(dO ∘ O) - d_lse (FlashAttention-2 §3.2), the product and
-  sum elementwise: an einsum would become a TF32 matmul on the GPU. An
+  delta = rowsum(dO ∘ O) - d_lse (FlashAttention-2 §3.2), the sum by
+  `triton.delta.row_delta` (XLA's took a quarter of the backward at seq
+  1k); `interpret` is its interpret mode (None: when no GPU is present). An
   empty row (lse = -inf) gets +inf, so that P = exp2(s - lse) is 0 there,
   not inf. Stacked, so that a tile of both is one TMA.
   """
-  delta = jnp.transpose(
-      jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1),
-      (0, 2, 1))
+  if interpret is None:
+    interpret = not versions.has_gpu()
+  delta = row_delta(out, d_out, interpret=interpret)
   if d_lse is not None:
     delta = delta - d_lse.astype(jnp.float32)
   lse_log2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)

@@ -1,7 +1,7 @@
 """Backward kernels: recompute P from Q, K and the LSE (FlashAttention-2 §3.2).
 
-`delta = rowsum(dO * O)` is a cheap reduction left to XLA. Then two kernels,
-neither with atomics, so gradients are bitwise deterministic:
+`delta = rowsum(dO * O)` first (`delta.row_delta`, a kernel of its own). Then
+two kernels, neither with atomics, so gradients are bitwise deterministic:
 
 - dK/dV: grid (K/V block, batch, K/V head); loops over the query heads of its
   group and over the query blocks that `MaskSpec.q_block_range` visits, so GQA's
@@ -27,6 +27,7 @@ from jax_flash.masking import MaskSpec
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.triton import common, operands
+from pallas_kernels.triton.delta import row_delta
 from pallas_kernels.triton.operands import Tiling
 
 
@@ -171,10 +172,7 @@ def flash_backward(query, key, value, out, lse, d_out, d_lse, call_operands,
   """
   # delta = rowsum(dO * O); an LSE cotangent enters the same way, because
   # d lse / d s = P, so dS = P * (dP - (delta - d_lse)).
-  # (A product and a sum, not an einsum: XLA would turn the einsum into a
-  # batched matmul, which runs in TF32 for float32 on a GPU.)
-  delta = jnp.swapaxes(jnp.sum(d_out.astype(jnp.float32)
-                               * out.astype(jnp.float32), axis=-1), 1, 2)
+  delta = row_delta(out, d_out, interpret=interpret)
   if d_lse is not None:
     delta = delta - d_lse
   args = (query, key, value, d_out, lse, delta, call_operands, bias)
