@@ -1,13 +1,18 @@
 """FlashAttention-3 forward for Hopper (sm90) in Pallas Mosaic GPU.
 
-One CTA computes a tile of `2 * block_q` query rows of one (batch, head) with
-three warpgroups (FlashAttention-3, Shah et al. 2024, §3.1):
+One CTA computes a tile of `num_consumers * block_q` query rows of one
+(batch, head) with `num_consumers + 1` warpgroups (FlashAttention-3, Shah et
+al. 2024, §3.1):
 
   warpgroup 0, 1  consumers: each owns `block_q` rows; Q in shared memory,
-                  S = Q Kᵀ and O += P V by `wgmma`, the online softmax in
+  (and 2)         S = Q Kᵀ and O += P V by `wgmma`, the online softmax in
                   registers.
-  warpgroup 2     producer: streams K and V tiles by TMA into a ring of
+  the last        producer: streams K and V tiles by TMA into a ring of
                   `max_concurrent_steps` shared-memory slots.
+
+Two consumers by default, three at head_dim 64 (`consumers_by_default`: a
+softmax there takes as long as the matmuls, and with three it may run
+under two other consumers' turns).
 
 Barriers per ring slot:
 
@@ -23,6 +28,7 @@ Ping-pong (§3.1): a two-party rendezvous barrier makes the two consumers take
 turns on the tensor cores, so one warpgroup's softmax runs under the other's
 GEMMs. Warpgroup 1 starts one turn late; under causal masking warpgroup 1 may
 have more K/V blocks than warpgroup 0 and runs those alone, without turns.
+Three consumers pass the turn round a ring of barriers instead (`_RingTurns`).
 
 Softmax (§3.1, and FlashAttention-2 §3.1): exp2 with log2(e) folded into the
 scale, the running max m kept in that base-2 domain, O unnormalised until the
