@@ -87,7 +87,6 @@ from pallas_kernels.mosaic import compat
 # taking turns the tensor cores idle for all of a softmax that outlasts
 # the other's matmuls; with three a softmax may take two turns.
 NUM_CONSUMERS = 2
-_PRODUCER = NUM_CONSUMERS  # warpgroup index of the TMA producer (2 consumers)
 # wgmma works on 64-row slabs (m64nNk16) and a 128-byte swizzle is 64 16-bit
 # elements, so every tile dimension is a multiple of 64.
 _TILE_MULTIPLE = 64
@@ -485,8 +484,8 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
 def _turn_barriers(num_consumers: int):
   """The consumers' turn barriers: two consumers meet at one barrier of two
   arrivals (a rendezvous); more pass the turn on round a ring, one barrier
-  of one arrival each (`_Turns`)."""
-  if num_consumers == 2:
+  of one arrival each (`_RingTurns`)."""
+  if num_consumers == NUM_CONSUMERS:
     return plgpu.Barrier(num_arrivals=2, num_barriers=1)
   return plgpu.Barrier(num_arrivals=1, num_barriers=num_consumers)
 
@@ -859,8 +858,9 @@ def persistent_tiles(q_shape, static: KernelStatic, cta) -> _PersistentTiles:
   batch_size, q_len, num_heads, _ = q_shape
   tile_rows = static.tile_rows
   schedule = persistent_schedule(
-      num_tiles=pl.cdiv(q_len, tile_rows), num_heads=num_heads, batch=batch_size,
-      paired=static.is_causal, num_ctas=static.num_ctas, cta=cta)
+      num_tiles=pl.cdiv(q_len, tile_rows), num_heads=num_heads,
+      batch=batch_size, paired=static.is_causal, num_ctas=static.num_ctas,
+      cta=cta)
 
   def tile_of(n):
     batch, head, q_tile = schedule.tile_of(n)
