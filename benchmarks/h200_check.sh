@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers breakdown warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns breakdown warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -102,6 +102,21 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
             --head-dims ${CONSUMERS_HEAD_DIMS:-64 128} --kernels forward_consumers \
             --out "$OUT/h200_mosaic_consumers_$seq.json" > "$LOGS/consumers_$seq.log" 2>&1
           grep "^forward" "$LOGS/consumers_$seq.log"
+        done
+      fi ;;
+    turns)  # ring and hardware-barrier turns in the forward: bitwise tests,
+            # then (if they pass) the A/B at 16k, 4k, 1k
+      python3 -m pytest -m gpu -n 6 -q -rf --tb=short --timeout 100 -p no:cacheprovider \
+        -p no:benchmark tests/test_mosaic_lowering.py -k turn_variants > "$OUT/pytest_turns.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_turns.log" | tail -15
+      if grep -qE "failed|error" "$OUT/pytest_turns.log"; then
+        echo "turns: tests failed, no A/B"
+      else
+        for seq in 16384 4096 1024; do
+          timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 \
+            --kernels forward_turns --out "$OUT/h200_mosaic_turns_$seq.json" \
+            > "$LOGS/turns_$seq.log" 2>&1
+          grep "^forward" "$LOGS/turns_$seq.log"
         done
       fi ;;
     breakdown)  # fwd+bwd piece by piece beside tokamax; BREAKDOWN_CELLS

@@ -4,7 +4,8 @@
 
 Lowers the forward (defaults, `overlap_scores`, `fence_softmax` +
 `split_handover`, grid launch order, the persistent grid on and off,
-tile-fastest launch), the backward (defaults, `overlap_softmax`, the
+tile-fastest launch, two consumers where three are the default, ring and
+hardware-barrier turns), the backward (defaults, `overlap_softmax`, the
 persistent grid, tile-fastest launch, the fused dQ below head_dim 256), and
 the masked
 forward and backward (defaults and `overlap_softmax`), at head dims 64, 128
@@ -37,7 +38,9 @@ FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
                    dict(heavy_first=False, persistent=False),
                    dict(persistent=True, num_ctas=3),
                    dict(persistent=False),
-                   dict(persistent=False, tile_fastest=True))
+                   dict(persistent=False, tile_fastest=True),
+                   dict(num_consumers=2), dict(num_consumers=2, ring_turns=True),
+                   dict(hw_turns=True), dict(hw_turns=True, persistent=False))
 BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True),
                     dict(persistent=True, num_ctas=3),
                     dict(persistent=False, tile_fastest=True))

@@ -57,6 +57,9 @@ FUSED_SPACE = dict(fused_dq=(False, True), block_q=(64, 128),
 # with both K/V tile heights, on the default grid (persistent where it is
 # the default).
 CONSUMERS_SPACE = dict(num_consumers=(2, 3), block_kv=(64, 128))
+# How the consumers take turns (`forward.KernelStatic.ring_turns`,
+# `hw_turns`), with the default consumers (three at d=64, always a ring).
+TURNS_SPACE = dict(ring_turns=(False, True), hw_turns=(False, True))
 # Three consumers' K/V ring depth (they leave room for 4 stages at d=64).
 CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
                              max_concurrent_steps=(2, 3, 4))
@@ -111,6 +114,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_launch": _forward(LAUNCH_SPACE),
            "forward_consumers": _forward(CONSUMERS_SPACE),
            "forward_consumer_stages": _forward(CONSUMER_STAGES_SPACE),
+           "forward_turns": _forward(TURNS_SPACE),
            "backward_launch": _backward(LAUNCH_SPACE)}
 
 

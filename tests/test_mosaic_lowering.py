@@ -497,3 +497,52 @@ def test_three_consumers_default_follows_the_measured_table(cuda_lowering):
   assert _lower(64, True, q_len=384) == _lower(64, True, q_len=384,
                                                 num_consumers=2)
   assert _lower(64, False, overlap_scores=True, persistent=False)
+
+
+# How the consumers take turns (`KernelStatic.ring_turns`, `hw_turns`).
+TURN_VARIANTS = [dict(num_consumers=2, ring_turns=True),
+                 dict(num_consumers=2, hw_turns=True),
+                 dict(num_consumers=3, hw_turns=True)]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("variant", TURN_VARIANTS, ids=str)
+def test_turn_variants_lower(variant, is_causal, persistent,
+                             lowering_semantics):
+  """Ring turns of two consumers, and ring turns on hardware barriers
+  (`bar.arrive` / `bar.sync` on barriers 8, 9, ...), lower in both
+  semantics and change the kernel; `overlap_scores` refuses them."""
+  text = _lower(64, is_causal, persistent=persistent, **variant)
+  assert _KERNEL_NAME in text
+  plain = dict(num_consumers=variant["num_consumers"])
+  assert text != _lower(64, is_causal, persistent=persistent, **plain)
+  if variant.get("hw_turns"):
+    assert "bar.sync 8, 256" in text and "bar.arrive 9, 256" in text
+  with pytest.raises(NotImplementedError, match="its own turns"):
+    _lower(64, is_causal, persistent=False, overlap_scores=True,
+           num_consumers=2, **{k: v for k, v in variant.items()
+                               if k != "num_consumers"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_turn_variants_are_bitwise_the_default_on_gpu(head_dim, is_causal):
+  """Turns change when a consumer's matmuls run, not what they compute: out
+  and lse equal the default's bit for bit, on the launch grid and a
+  persistent grid of 7 CTAs (a ring barrier off by a turn would hang or,
+  on hardware barriers, let a consumer run ahead out of turn)."""
+  _require_sm90()
+  q, k, v, _, _ = random_inputs(Case(2, 1024, 1536, 8, 2, head_dim),
+                                jnp.bfloat16, 6)
+  run = lambda **kwargs: jax.jit(lambda q, k, v: mosaic_forward(
+      q, k, v, scale=head_dim**-0.5, is_causal=is_causal, **kwargs))(q, k, v)
+  want = run(persistent=False)
+  for variant in TURN_VARIANTS:
+    if variant["num_consumers"] == 3 and head_dim != 64:
+      continue
+    for grid in (dict(persistent=False), dict(persistent=True, num_ctas=7)):
+      for a, b in zip(run(**variant, **grid), want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                      err_msg=f"{variant} {grid}")

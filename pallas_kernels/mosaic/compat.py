@@ -15,6 +15,9 @@ spelled the same in both (checked against both sources). What differs:
   (`load(ref.at[idx])`). Not used by the forward.
 - `copy_gmem_to_smem`: the barrier is optional and `predicate=` exists only
   in 0.11.2; `barrier_arrive(predicate=)` likewise. Not used.
+- Inline PTX: `mosaic.gpu.utils.inline_ptx` exists only in 0.11.2;
+  `named_barrier` emits `llvm.inline_asm` itself, as both versions' own
+  `warpgroup_barrier` does.
 - GPU interpret mode (`InterpretGPUParams`): public in 0.11.2, private in
   0.10.2 (`jax._src.pallas.mosaic_gpu.interpret.params`); 0.10.2's
   interpreter has no `pl.run_state`, no transposed wgmma operand and no
@@ -22,6 +25,8 @@ spelled the same in both (checked against both sources). What differs:
 """
 from __future__ import annotations
 
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import llvm
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # Warpgroup semantics: arrays are warpgroup-wide values and Mosaic infers
@@ -37,3 +42,20 @@ LOWERING_SEMANTICS = plgpu.LoweringSemantics.Warpgroup
 def compiler_params(**kwargs) -> plgpu.CompilerParams:
   """`plgpu.CompilerParams` with the lowering semantics set explicitly."""
   return plgpu.CompilerParams(lowering_semantics=LOWERING_SEMANTICS, **kwargs)
+
+
+def named_barrier(operation: str, barrier_id: int, num_threads: int) -> None:
+  """`bar.sync` or `bar.arrive` (`operation`) on the CTA's hardware barrier
+  `barrier_id`, counting `num_threads` threads, by every thread of the
+  calling warpgroup. Mosaic GPU itself uses barrier 0 and one per
+  warpgroup (1, 2, ...); callers take ids from 8 up."""
+  if operation not in ("sync", "arrive"):
+    raise ValueError(f"operation must be 'sync' or 'arrive', got {operation}")
+
+  @plgpu.inline_mgpu()
+  def emit(_):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
+                    f"bar.{operation} {barrier_id}, {num_threads};", "",
+                    has_side_effects=True)
+
+  emit()

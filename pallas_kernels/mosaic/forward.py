@@ -100,6 +100,10 @@ _PRODUCER_REGISTERS = 40
 # (64) and P (32 in 16 bits).
 _REGISTERS_BY_CONSUMERS = {2: (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS),
                            3: (160, 32)}
+_THREADS_PER_WARPGROUP = 128
+# `KernelStatic.hw_turns`: consumer w's turn barrier is hardware barrier
+# _HW_TURN_BARRIER + w (Mosaic GPU uses 0 and 1 .. warpgroups).
+_HW_TURN_BARRIER = 8
 # `mosaic_forward(num_consumers=None)` runs three consumers at these head
 # dims (`consumers_by_default`). Session 9's A/B on the H200, the forward
 # alone, full / causal (results/h200_mosaic_consumers.md): head_dim 64 at
@@ -247,6 +251,16 @@ class KernelStatic:
   # (`consumer_rows`), so q_len need only be a multiple of block_q.
   num_consumers: int = NUM_CONSUMERS
   q_len: int = 0
+  # Turns of two consumers (plain kernel, not `overlap_scores`; three always
+  # take them round the ring): `ring_turns` passes the turn on as three
+  # consumers do (`_RingTurns`: one pass after S is issued, one wait before
+  # P V, per step) instead of meeting at a rendezvous twice a step.
+  # `hw_turns` takes ring turns (of two or three) on the CTA's hardware
+  # barriers (`bar.arrive` / `bar.sync`, `compat.named_barrier`) instead of
+  # shared-memory mbarriers: no polling, no shared-memory traffic.
+  # tokamax's forward takes its turns so. Scheduling only: bitwise the same.
+  ring_turns: bool = False
+  hw_turns: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -262,6 +276,12 @@ class KernelStatic:
     """Warpgroup index of the TMA producer (after the consumers)."""
     return self.num_consumers
 
+  @property
+  def ring(self) -> bool:
+    """Whether the consumers take turns round a ring (`_RingTurns`)."""
+    return (self.num_consumers != NUM_CONSUMERS or self.ring_turns
+            or self.hw_turns)
+
 
 def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    block_q: int = 64, block_kv: int | None = None,
@@ -269,7 +289,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    fence_softmax: bool = False, split_handover: bool = True,
                    overlap_scores: bool = False, persistent: bool | None = None,
                    num_ctas: int | None = None, tile_fastest: bool = False,
-                   num_consumers: int | None = None):
+                   num_consumers: int | None = None, ring_turns: bool = False,
+                   hw_turns: bool = False):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -307,6 +328,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     num_consumers: consumer warpgroups, 2 or 3 (3: not with
       `overlap_scores`); None: `consumers_by_default`. Each row's sums
       are the same either way, so the results are bitwise the same.
+    ring_turns, hw_turns: how the consumers take turns (see
+      `KernelStatic`); not with `overlap_scores`. Bitwise the same.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -330,6 +353,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if num_consumers != NUM_CONSUMERS and overlap_scores:
     raise NotImplementedError(
         f"overlap_scores runs {NUM_CONSUMERS} consumers, not {num_consumers}")
+  if (ring_turns or hw_turns) and overlap_scores:
+    raise NotImplementedError(
+        "overlap_scores takes its own turns: no ring_turns or hw_turns")
   static = check_supported(query, key, value, scale=scale,
                            is_causal=is_causal, block_q=block_q,
                            block_kv=block_kv,
@@ -339,7 +365,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                fence_softmax=bool(fence_softmax),
                                split_handover=bool(split_handover),
                                overlap_scores=bool(overlap_scores),
-                               tile_fastest=bool(tile_fastest))
+                               tile_fastest=bool(tile_fastest),
+                               ring_turns=bool(ring_turns),
+                               hw_turns=bool(hw_turns))
   if persistent is None:
     persistent = persistent_by_default(
         is_causal=is_causal, head_dim=query.shape[-1], kv_len=key.shape[1],
@@ -387,9 +415,10 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
   batch, q_len, num_heads, head_dim = query.shape
   block_q, block_kv = static.block_q, static.block_kv
   consumers = static.num_consumers
-  if consumers != NUM_CONSUMERS and (static.fp8 or static.ranged):
+  if static.ring and (static.fp8 or static.ranged):
     raise NotImplementedError(
-        f"the FP8 and masked kernels run {NUM_CONSUMERS} consumers")
+        f"the FP8 and masked kernels run {NUM_CONSUMERS} consumers, meeting "
+        "at a rendezvous")
   num_q_tiles = pl.cdiv(q_len, static.tile_rows)
   itemsize = static.dtype.itemsize
   transforms = _smem_transforms(head_dim * itemsize, itemsize)
@@ -412,7 +441,7 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
       # the GPU interpreter allocates only 1-D barrier arrays.
       plgpu.Barrier(num_barriers=consumers * stages),
       plgpu.Barrier(num_barriers=consumers * stages),
-      _turn_barriers(consumers),
+      _turn_barriers(static),
   )
   inputs = (query, key, value)
   out_dtype = query.dtype
@@ -481,13 +510,13 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
   )(*inputs)
 
 
-def _turn_barriers(num_consumers: int):
+def _turn_barriers(static: KernelStatic):
   """The consumers' turn barriers: two consumers meet at one barrier of two
-  arrivals (a rendezvous); more pass the turn on round a ring, one barrier
-  of one arrival each (`_RingTurns`)."""
-  if num_consumers == NUM_CONSUMERS:
+  arrivals (a rendezvous); a ring passes the turn on by one barrier of one
+  arrival per consumer (`_RingTurns`; with `hw_turns`, unused)."""
+  if not static.ring:
     return plgpu.Barrier(num_arrivals=2, num_barriers=1)
-  return plgpu.Barrier(num_arrivals=1, num_barriers=num_consumers)
+  return plgpu.Barrier(num_arrivals=1, num_barriers=static.num_consumers)
 
 
 def check_layout(query, key, value) -> tuple[int, int]:
@@ -612,20 +641,21 @@ def consumer_rows(tile_start, wg, static: KernelStatic):
 def _turns_of(barriers, static: KernelStatic):
   """What `_consume` takes turns with: the rendezvous barrier of two
   consumers, or the ring's barriers (`_turn_barriers`)."""
-  return barriers.at[0] if static.num_consumers == NUM_CONSUMERS else barriers
+  return barriers if static.ring else barriers.at[0]
 
 
 def _seed_turns(turns, wg, static: KernelStatic):
   """Gives warpgroup 0 the first turn of a ring (`_RingTurns`): the last
   consumer arrives once at warpgroup 0's barrier, as if it had just passed
-  the turn on. Two consumers meet at a rendezvous instead: nothing to do."""
-  if static.num_consumers != NUM_CONSUMERS:
+  the turn on. Consumers that meet at a rendezvous: nothing to do."""
+  if static.ring:
     last = static.num_consumers - 1
-    pl.when(wg == last)(lambda: plgpu.barrier_arrive(turns.at[0]))
+    pl.when(wg == last)(lambda: _RingTurns.arrive(turns, 0, static))
 
 
 class _RingTurns:
-  """Three or more consumers take turns on the tensor cores round a ring.
+  """Consumers take turns on the tensor cores round a ring (three always,
+  two with `ring_turns` or `hw_turns`).
 
   Consumer w waits at its own barrier `turns[w]` (one arrival), issues its
   matmuls, and arrives at `turns[(w + 1) % n]`, so the turn goes 0, 1, 2,
@@ -646,12 +676,45 @@ class _RingTurns:
     self._turns, self._wg, self._static = turns, wg, static
     self._num_steps, self._num_shared = num_steps, num_shared
 
+  # Hardware barriers of `hw_turns`: consumer w waits at barrier
+  # _HW_TURN_BARRIER + w, which counts its own 128 threads (bar.sync) and
+  # the 128 of the consumer that passes it the turn (bar.arrive). A ring is
+  # safe on such barriers, which have no phases: consumer w - 1 passes to w
+  # again only after w has waited (the turn goes round first); a
+  # rendezvous (both arrive, then both wait) is not, so two consumers take
+  # hardware turns round a ring too.
+  @staticmethod
+  def arrive(turns, w: int, static: KernelStatic):
+    """Passes the turn to consumer `w` (a Python int)."""
+    if static.hw_turns:
+      compat.named_barrier("arrive", _HW_TURN_BARRIER + w,
+                           2 * _THREADS_PER_WARPGROUP)
+    else:
+      plgpu.barrier_arrive(turns.at[w])
+
+  def _per_consumer(self, fn):
+    """fn(w) for this consumer, w as a Python int (a hardware barrier's id
+    is an immediate)."""
+    if not self._static.hw_turns:
+      fn(self._wg)
+      return
+    for w in range(self._static.num_consumers):
+      pl.when(self._wg == w)(functools.partial(fn, w))
+
   def _pass_on(self):
-    next_wg = lax.rem(self._wg + 1, self._static.num_consumers)
-    plgpu.barrier_arrive(self._turns.at[next_wg])
+    n = self._static.num_consumers
+    if not self._static.hw_turns:
+      plgpu.barrier_arrive(self._turns.at[lax.rem(self._wg + 1, n)])
+      return
+    self._per_consumer(lambda w: self.arrive(self._turns, (w + 1) % n,
+                                             self._static))
 
   def _wait(self):
-    plgpu.barrier_wait(self._turns.at[self._wg])
+    if not self._static.hw_turns:
+      plgpu.barrier_wait(self._turns.at[self._wg])
+      return
+    self._per_consumer(lambda w: compat.named_barrier(
+        "sync", _HW_TURN_BARRIER + w, 2 * _THREADS_PER_WARPGROUP))
 
   def _when(self, condition, fn):
     if self._static.is_causal:  # else every phase takes turns
@@ -1158,7 +1221,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   # turn that pairs with it, so that both make the same number.
   begin_turns = lambda: pl.when(wg == 1)(rendezvous)
   end_turns = lambda: pl.when(wg == 0)(rendezvous)
-  if static.num_consumers != NUM_CONSUMERS:
+  if static.ring:
     ring = _RingTurns(pingpong, wg=wg, num_steps=num_steps,
                       num_shared=num_shared, static=static)
     take_turn, begin_turns, end_turns = (ring.after_scores, ring.begin,
