@@ -29,6 +29,24 @@ if [ -d .whl ] && [ -z "${SKIP_INSTALL:-}" ]; then  # peers' wheels (tokamax), s
   fi
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
+# A forward option's GPU tests (test_mosaic_lowering.py -k $2; step $1's
+# log), then, only if they all pass, its A/B (tune_mosaic --kernels $3 and
+# the rest of the arguments) at each of CONSUMERS_SEQS (16k, 4k, 1k).
+gated_ab() {
+  local name=$1 tests=$2 kernels=$3; shift 3
+  python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout 100 -p no:cacheprovider \
+    -p no:benchmark tests/test_mosaic_lowering.py -k "$tests" > "$OUT/pytest_$name.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_$name.log" | tail -15
+  if grep -qE "failed|error" "$OUT/pytest_$name.log"; then
+    echo "$name: tests failed, no A/B"; return
+  fi
+  for seq in ${CONSUMERS_SEQS:-16384 4096 1024}; do
+    timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 \
+      --kernels $kernels "$@" --out "$OUT/h200_mosaic_${name}_$seq.json" \
+      > "$LOGS/${name}_$seq.log" 2>&1
+    grep "^forward" "$LOGS/${name}_$seq.log"
+  done
+}
 for step in "$@"; do
   if [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -ge "$DEADLINE" ]; then
     echo "skipped $step: past DEADLINE"; continue
@@ -89,36 +107,11 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
 " > "$LOGS/sass_$head_dim.txt" 2>&1
         echo "head_dim $head_dim:"; python3 -m benchmarks.sass_spills "$LOGS/sass_$head_dim.txt"
       done ;;
-    consumers)  # three consumer warpgroups in the forward: their GPU tests,
-                # then (if those pass) the A/B against two at 16k, 4k, 1k
-      python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout 100 -p no:cacheprovider \
-        -p no:benchmark tests/test_mosaic_lowering.py -k three > "$OUT/pytest_consumers.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_consumers.log" | tail -15
-      if grep -qE "failed|error" "$OUT/pytest_consumers.log"; then
-        echo "consumers: tests failed, no A/B"
-      else
-        for seq in ${CONSUMERS_SEQS:-16384 4096 1024}; do
-          timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 \
-            --head-dims ${CONSUMERS_HEAD_DIMS:-64 128} --kernels forward_consumers \
-            --out "$OUT/h200_mosaic_consumers_$seq.json" > "$LOGS/consumers_$seq.log" 2>&1
-          grep "^forward" "$LOGS/consumers_$seq.log"
-        done
-      fi ;;
-    turns)  # ring and hardware-barrier turns in the forward: bitwise tests,
-            # then (if they pass) the A/B at 16k, 4k, 1k
-      python3 -m pytest -m gpu -n 6 -q -rf --tb=short --timeout 100 -p no:cacheprovider \
-        -p no:benchmark tests/test_mosaic_lowering.py -k turn_variants > "$OUT/pytest_turns.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_turns.log" | tail -15
-      if grep -qE "failed|error" "$OUT/pytest_turns.log"; then
-        echo "turns: tests failed, no A/B"
-      else
-        for seq in 16384 4096 1024; do
-          timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 \
-            --kernels forward_turns --out "$OUT/h200_mosaic_turns_$seq.json" \
-            > "$LOGS/turns_$seq.log" 2>&1
-          grep "^forward" "$LOGS/turns_$seq.log"
-        done
-      fi ;;
+    consumers)  # three consumer warpgroups in the forward
+      gated_ab consumers "three" forward_consumers \
+        --head-dims ${CONSUMERS_HEAD_DIMS:-64 128} ;;
+    turns)  # ring and hardware-barrier turns in the forward
+      gated_ab turns "turn_variants" forward_turns ;;
     breakdown)  # fwd+bwd piece by piece beside tokamax; BREAKDOWN_CELLS
                 # are seq:head_dim[:causal]
       for cell in ${BREAKDOWN_CELLS:-1024:128 1024:64 1024:256 16384:128}; do

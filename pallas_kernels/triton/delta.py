@@ -3,13 +3,16 @@
 FlashAttention-2's backward (§3.2) needs, per query row, the dot product of
 the output's row and its cotangent's. In the API's layout that is a
 reduction over head_dim of two [batch, q_len, heads, head_dim] arrays into a
-[batch, heads, q_len] row the backward kernels stream. Left to XLA (a
-product, a sum, a transpose) it ran at a tenth of the bandwidth on the H200:
-0.32-0.39 ms at the grid's seq-1k cells, a quarter of the Mosaic backward,
-where reading O and dO (2 x 64 MiB) takes ~35 us at 4.8 TB/s
-(`benchmarks/backward_breakdown.py`, session 9). Here one program reads a
-[block, head_dim] tile of each (contiguous head_dim rows, strided by the
-heads) and writes its block of the row.
+[batch, heads, q_len] row the backward kernels stream. Left to XLA inside
+the Mosaic backward's row statistics (the sum, a transpose, and a stack
+with the LSE), XLA fused it all and took 0.32-0.39 ms at the grid's seq-1k
+cells on the H200, a quarter of the backward; reading O and dO (2 x 64 MiB)
+takes ~30 us. With the sum in this kernel the statistics take 0.06-0.07
+ms, about what XLA's sum alone takes (0.055 ms;
+`benchmarks/backward_breakdown.py`, session 9): the kernel fixes the sum's
+cost whatever XLA fuses around it, and both backwards share it. One
+program reads a [block, head_dim] tile of each (contiguous head_dim rows,
+strided by the heads) and writes its block of the row.
 
 Pallas with the Triton lowering: any sm80+ GPU, and interpret mode on a CPU.
 """
