@@ -28,7 +28,7 @@ Ping-pong (§3.1): a two-party rendezvous barrier makes the two consumers take
 turns on the tensor cores, so one warpgroup's softmax runs under the other's
 GEMMs. Warpgroup 1 starts one turn late; under causal masking warpgroup 1 may
 have more K/V blocks than warpgroup 0 and runs those alone, without turns.
-Three consumers pass the turn round a ring of barriers instead (`_RingTurns`).
+Three consumers pass the turn round a ring of barriers instead (`turns.RingTurns`).
 
 Softmax (§3.1, and FlashAttention-2 §3.1): exp2 with log2(e) folded into the
 scale, the running max m kept in that base-2 domain, O unnormalised until the
@@ -77,7 +77,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash import masking
 from pallas_kernels import compat as versions
-from pallas_kernels.mosaic import compat
+from pallas_kernels.mosaic import compat, turns
 
 # Consumer warpgroups per CTA: two by default (FlashAttention-3's d=128
 # layout). `mosaic_forward(num_consumers=3)` runs three (FlashAttention-3's
@@ -100,10 +100,6 @@ _PRODUCER_REGISTERS = 40
 # (64) and P (32 in 16 bits).
 _REGISTERS_BY_CONSUMERS = {2: (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS),
                            3: (160, 32)}
-_THREADS_PER_WARPGROUP = 128
-# `KernelStatic.hw_turns`: consumer w's turn barrier is hardware barrier
-# _HW_TURN_BARRIER + w (Mosaic GPU uses 0 and 1 .. warpgroups).
-_HW_TURN_BARRIER = 8
 # `mosaic_forward(num_consumers=None)` runs three consumers at these head
 # dims (`consumers_by_default`). Session 9's A/B on the H200, the forward
 # alone, full / causal (results/h200_mosaic_consumers.md): head_dim 64 at
@@ -253,7 +249,7 @@ class KernelStatic:
   q_len: int = 0
   # Turns of two consumers (plain kernel, not `overlap_scores`; three always
   # take them round the ring): `ring_turns` passes the turn on as three
-  # consumers do (`_RingTurns`: one pass after S is issued, one wait before
+  # consumers do (`turns.RingTurns`: one pass after S is issued, one wait before
   # P V, per step) instead of meeting at a rendezvous twice a step.
   # `hw_turns` takes ring turns (of two or three) on the CTA's hardware
   # barriers (`bar.arrive` / `bar.sync`, `compat.named_barrier`) instead of
@@ -278,7 +274,7 @@ class KernelStatic:
 
   @property
   def ring(self) -> bool:
-    """Whether the consumers take turns round a ring (`_RingTurns`)."""
+    """Whether the consumers take turns round a ring (`turns.RingTurns`)."""
     return (self.num_consumers != NUM_CONSUMERS or self.ring_turns
             or self.hw_turns)
 
@@ -441,7 +437,7 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
       # the GPU interpreter allocates only 1-D barrier arrays.
       plgpu.Barrier(num_barriers=consumers * stages),
       plgpu.Barrier(num_barriers=consumers * stages),
-      _turn_barriers(static),
+      turns.turn_barriers(static),
   )
   inputs = (query, key, value)
   out_dtype = query.dtype
@@ -508,15 +504,6 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
       kernel_name="mosaic_flash_forward",
       compiler_params=compat.compiler_params(approx_math=True),
   )(*inputs)
-
-
-def _turn_barriers(static: KernelStatic):
-  """The consumers' turn barriers: two consumers meet at one barrier of two
-  arrivals (a rendezvous); a ring passes the turn on by one barrier of one
-  arrival per consumer (`_RingTurns`; with `hw_turns`, unused)."""
-  if not static.ring:
-    return plgpu.Barrier(num_arrivals=2, num_barriers=1)
-  return plgpu.Barrier(num_arrivals=1, num_barriers=static.num_consumers)
 
 
 def check_layout(query, key, value) -> tuple[int, int]:
@@ -638,107 +625,6 @@ def consumer_rows(tile_start, wg, static: KernelStatic):
   return jnp.minimum(start, static.q_len - static.block_q)
 
 
-def _turns_of(barriers, static: KernelStatic):
-  """What `_consume` takes turns with: the rendezvous barrier of two
-  consumers, or the ring's barriers (`_turn_barriers`)."""
-  return barriers if static.ring else barriers.at[0]
-
-
-def _seed_turns(turns, wg, static: KernelStatic):
-  """Gives warpgroup 0 the first turn of a ring (`_RingTurns`): the last
-  consumer arrives once at warpgroup 0's barrier, as if it had just passed
-  the turn on. Consumers that meet at a rendezvous: nothing to do."""
-  if static.ring:
-    last = static.num_consumers - 1
-    pl.when(wg == last)(lambda: _RingTurns.arrive(turns, 0, static))
-
-
-class _RingTurns:
-  """Consumers take turns on the tensor cores round a ring (three always,
-  two with `ring_turns` or `hw_turns`).
-
-  Consumer w waits at its own barrier `turns[w]` (one arrival), issues its
-  matmuls, and arrives at `turns[(w + 1) % n]`, so the turn goes 0, 1, 2,
-  0, ... and a consumer's softmax may run under the others' matmuls for as
-  long as all of theirs take (FlashAttention-3 §3.1 with three
-  warpgroups). A consumer's turns bracket its matmul phases: phase 0 issues
-  S_0; phase j in 1 .. n-1 issues P_{j-1} V_{j-1} and S_j; phase n issues
-  P_{n-1} V_{n-1}. Under causal masking consumers read different numbers
-  of blocks, and only phases 0 .. s take turns, s being warpgroup 0's
-  block count (`num_shared`), the fewest: every consumer then waits s + 1
-  times and passes s + 1 times in a tile, so that each barrier's phase runs
-  on alike into the next tile (persistent grid), and one turn is always in
-  flight (`_seed_turns`).
-  """
-
-  def __init__(self, turns, *, wg, num_steps, num_shared,
-               static: KernelStatic):
-    self._turns, self._wg, self._static = turns, wg, static
-    self._num_steps, self._num_shared = num_steps, num_shared
-
-  # Hardware barriers of `hw_turns`: consumer w waits at barrier
-  # _HW_TURN_BARRIER + w, which counts its own 128 threads (bar.sync) and
-  # the 128 of the consumer that passes it the turn (bar.arrive). A ring is
-  # safe on such barriers, which have no phases: consumer w - 1 passes to w
-  # again only after w has waited (the turn goes round first); a
-  # rendezvous (both arrive, then both wait) is not, so two consumers take
-  # hardware turns round a ring too.
-  @staticmethod
-  def arrive(turns, w: int, static: KernelStatic):
-    """Passes the turn to consumer `w` (a Python int)."""
-    if static.hw_turns:
-      compat.named_barrier("arrive", _HW_TURN_BARRIER + w,
-                           2 * _THREADS_PER_WARPGROUP)
-    else:
-      plgpu.barrier_arrive(turns.at[w])
-
-  def _per_consumer(self, fn):
-    """fn(w) for this consumer, w as a Python int (a hardware barrier's id
-    is an immediate)."""
-    if not self._static.hw_turns:
-      fn(self._wg)
-      return
-    for w in range(self._static.num_consumers):
-      pl.when(self._wg == w)(functools.partial(fn, w))
-
-  def _pass_on(self):
-    n = self._static.num_consumers
-    if not self._static.hw_turns:
-      plgpu.barrier_arrive(self._turns.at[lax.rem(self._wg + 1, n)])
-      return
-    self._per_consumer(lambda w: self.arrive(self._turns, (w + 1) % n,
-                                             self._static))
-
-  def _wait(self):
-    if not self._static.hw_turns:
-      plgpu.barrier_wait(self._turns.at[self._wg])
-      return
-    self._per_consumer(lambda w: compat.named_barrier(
-        "sync", _HW_TURN_BARRIER + w, 2 * _THREADS_PER_WARPGROUP))
-
-  def _when(self, condition, fn):
-    if self._static.is_causal:  # else every phase takes turns
-      pl.when(condition())(fn)
-    else:
-      fn()
-
-  def begin(self):
-    """Before S_0: phase 0's turn."""
-    self._wait()
-
-  def after_scores(self, step):
-    """After S_step is issued: the end of phase `step`."""
-    self._when(lambda: step <= self._num_shared, self._pass_on)
-
-  def before_values(self, step):
-    """Before P_step V_step: the start of phase `step + 1`."""
-    self._when(lambda: step < self._num_shared, self._wait)
-
-  def end(self):
-    """After the last P V: the end of phase `num_steps`."""
-    self._when(lambda: self._num_steps <= self._num_shared, self._pass_on)
-
-
 def _num_kv_steps(q_start, static: KernelStatic):
   """K/V blocks that rows [q_start, q_start + block_q) attend to."""
   if not static.is_causal:
@@ -830,7 +716,7 @@ def _forward_kernel(*refs, static: KernelStatic):
   @pl.when(wg < static.num_consumers)
   def _consumer():
     plgpu.set_max_registers(consumer_registers, action="increase")
-    _seed_turns(pingpong, wg, static)
+    turns.seed_turns(pingpong, wg, static)
     if static.fp8:
       fp8 = _Fp8Refs(descale_ref.at[batch, head], descale_smem.at[wg],
                      descale_arrived.at[wg], o_smem.at[wg], p_smem.at[wg])
@@ -838,7 +724,7 @@ def _forward_kernel(*refs, static: KernelStatic):
       fp8 = None
     _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
              lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
-             k_consumed, v_consumed, _turns_of(pingpong, static),
+             k_consumed, v_consumed, turns.turns_of(pingpong, static),
              batch=batch, head=head, wg=wg, tile_start=tile_start,
              static=static, fp8=fp8, plan=plan, segments=segment_refs)
 
@@ -965,7 +851,7 @@ def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
   @pl.when(wg < static.num_consumers)
   def _consumer():
     plgpu.set_max_registers(consumer_registers, action="increase")
-    _seed_turns(pingpong, wg, static)
+    turns.seed_turns(pingpong, wg, static)
 
     def load_q(n):
       batch, head, tile_start = tiles.tile_of(n)
@@ -983,7 +869,7 @@ def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
                    o_smem=o_smem.at[wg])
       _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
                lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
-               k_consumed, v_consumed, _turns_of(pingpong, static),
+               k_consumed, v_consumed, turns.turns_of(pingpong, static),
                batch=batch,
                head=head, wg=wg, tile_start=tile_start, static=static,
                fp8=None, plan=None, tile=tile)
@@ -1222,8 +1108,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   begin_turns = lambda: pl.when(wg == 1)(rendezvous)
   end_turns = lambda: pl.when(wg == 0)(rendezvous)
   if static.ring:
-    ring = _RingTurns(pingpong, wg=wg, num_steps=num_steps,
-                      num_shared=num_shared, static=static)
+    ring = turns.RingTurns(pingpong, wg=wg, num_steps=num_steps,
+                           num_shared=num_shared, static=static)
     take_turn, begin_turns, end_turns = (ring.after_scores, ring.begin,
                                          ring.end)
 

@@ -1,0 +1,136 @@
+"""How the forward's consumer warpgroups take turns on the tensor cores.
+
+FlashAttention-3 §3.1: while one consumer's matmuls run, the others do
+their softmax. Two ways here (`forward.KernelStatic`):
+
+  rendezvous  two consumers meet at one two-arrival mbarrier, twice a step
+              (written in `forward._consume`; the default of two)
+  ring        each consumer waits at its own barrier, issues its matmuls
+              and passes the turn to the next (`RingTurns`; three
+              consumers always, two with `ring_turns`), on one-arrival
+              mbarriers or, with `hw_turns`, on the CTA's hardware barriers
+
+`turn_barriers` allocates the mbarriers, `turns_of` hands `_consume` what it
+takes turns with, `seed_turns` starts a ring.
+"""
+from __future__ import annotations
+
+import functools
+
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mosaic import compat
+
+THREADS_PER_WARPGROUP = 128
+# `hw_turns`: consumer w's turn barrier is hardware barrier
+# HW_TURN_BARRIER + w (Mosaic GPU uses 0 and 1 .. warpgroups).
+HW_TURN_BARRIER = 8
+
+
+def turn_barriers(static):
+  """The consumers' turn barriers: two consumers meet at one barrier of two
+  arrivals (a rendezvous); a ring passes the turn on by one barrier of one
+  arrival per consumer (`RingTurns`; with `hw_turns`, unused)."""
+  if not static.ring:
+    return plgpu.Barrier(num_arrivals=2, num_barriers=1)
+  return plgpu.Barrier(num_arrivals=1, num_barriers=static.num_consumers)
+
+
+def turns_of(barriers, static):
+  """What `forward._consume` takes turns with: the rendezvous barrier of two
+  consumers, or the ring's barriers (`turn_barriers`)."""
+  return barriers if static.ring else barriers.at[0]
+
+
+def seed_turns(turns, wg, static):
+  """Gives warpgroup 0 the first turn of a ring (`RingTurns`): the last
+  consumer arrives once at warpgroup 0's barrier, as if it had just passed
+  the turn on. Consumers that meet at a rendezvous: nothing to do."""
+  if static.ring:
+    last = static.num_consumers - 1
+    pl.when(wg == last)(lambda: RingTurns.arrive(turns, 0, static))
+
+
+class RingTurns:
+  """Consumers take turns on the tensor cores round a ring (three always,
+  two with `ring_turns` or `hw_turns`).
+
+  Consumer w waits at its own barrier `turns[w]` (one arrival), issues its
+  matmuls, and arrives at `turns[(w + 1) % n]`, so the turn goes 0, 1, 2,
+  0, ... and a consumer's softmax may run under the others' matmuls for as
+  long as all of theirs take (FlashAttention-3 §3.1 with three
+  warpgroups). A consumer's turns bracket its matmul phases: phase 0 issues
+  S_0; phase j in 1 .. n-1 issues P_{j-1} V_{j-1} and S_j; phase n issues
+  P_{n-1} V_{n-1}. Under causal masking consumers read different numbers
+  of blocks, and only phases 0 .. s take turns, s being warpgroup 0's
+  block count (`num_shared`), the fewest: every consumer then waits s + 1
+  times and passes s + 1 times in a tile, so that each barrier's phase runs
+  on alike into the next tile (persistent grid), and one turn is always in
+  flight (`seed_turns`).
+  """
+
+  def __init__(self, turns, *, wg, num_steps, num_shared,
+               static):
+    self._turns, self._wg, self._static = turns, wg, static
+    self._num_steps, self._num_shared = num_steps, num_shared
+
+  # Hardware barriers of `hw_turns`: consumer w waits at barrier
+  # HW_TURN_BARRIER + w, which counts its own 128 threads (bar.sync) and
+  # the 128 of the consumer that passes it the turn (bar.arrive). A ring is
+  # safe on such barriers, which have no phases: consumer w - 1 passes to w
+  # again only after w has waited (the turn goes round first); a
+  # rendezvous (both arrive, then both wait) is not, so two consumers take
+  # hardware turns round a ring too.
+  @staticmethod
+  def arrive(turns, w: int, static):
+    """Passes the turn to consumer `w` (a Python int)."""
+    if static.hw_turns:
+      compat.named_barrier("arrive", HW_TURN_BARRIER + w,
+                           2 * THREADS_PER_WARPGROUP)
+    else:
+      plgpu.barrier_arrive(turns.at[w])
+
+  def _per_consumer(self, fn):
+    """fn(w) for this consumer, w as a Python int (a hardware barrier's id
+    is an immediate)."""
+    for w in range(self._static.num_consumers):
+      pl.when(self._wg == w)(functools.partial(fn, w))
+
+  def _pass_on(self):
+    n = self._static.num_consumers
+    if not self._static.hw_turns:
+      plgpu.barrier_arrive(self._turns.at[lax.rem(self._wg + 1, n)])
+      return
+    self._per_consumer(lambda w: self.arrive(self._turns, (w + 1) % n,
+                                             self._static))
+
+  def _wait(self):
+    if not self._static.hw_turns:
+      plgpu.barrier_wait(self._turns.at[self._wg])
+      return
+    self._per_consumer(lambda w: compat.named_barrier(
+        "sync", HW_TURN_BARRIER + w, 2 * THREADS_PER_WARPGROUP))
+
+  def _when(self, condition, fn):
+    if self._static.is_causal:  # else every phase takes turns
+      pl.when(condition())(fn)
+    else:
+      fn()
+
+  def begin(self):
+    """Before S_0: phase 0's turn."""
+    self._wait()
+
+  def after_scores(self, step):
+    """After S_step is issued: the end of phase `step`."""
+    self._when(lambda: step <= self._num_shared, self._pass_on)
+
+  def before_values(self, step):
+    """Before P_step V_step: the start of phase `step + 1`."""
+    self._when(lambda: step < self._num_shared, self._wait)
+
+  def end(self):
+    """After the last P V: the end of phase `num_steps`."""
+    self._when(lambda: self._num_steps <= self._num_shared, self._pass_on)
