@@ -463,7 +463,8 @@ def test_three_consumers_are_bitwise_two_on_gpu(head_dim, block_kv,
 def test_three_consumers_match_reference_on_gpu(case, dtype, is_causal,
                                                monkeypatch):
   from pallas_kernels.mosaic import forward
-  monkeypatch.setattr(forward, "THREE_CONSUMER_MIN_CAUSAL_Q_LEN", 0)
+  monkeypatch.setattr(forward, "THREE_CONSUMER_MIN_Q_LEN",
+                      {False: 0, True: 0})
   _check_mosaic_against_reference(case, dtype, is_causal)
 
 
@@ -481,21 +482,24 @@ def test_three_consumers_stage_o_apart_only_where_it_fits():
 
 
 def test_three_consumers_default_follows_the_measured_table(cuda_lowering):
-  """Three consumers at head_dim 64 (causal from q_len 2048), two
-  elsewhere, and wherever the three-consumer kernel cannot take the call
-  (`overlap_scores`); the dispatch lowers the default."""
+  """Three consumers at head_dim 64 from q_len 1024 (causal from 2048),
+  two elsewhere, and wherever the three-consumer kernel cannot take the
+  call (`overlap_scores`); the dispatch lowers the default."""
   from pallas_kernels.mosaic import forward
   default = lambda d, n, causal=False, **kw: forward.consumers_by_default(
       head_dim=d, q_len=n, is_causal=causal, **kw)
   assert default(64, 1024) == default(64, 16384) == 3
+  assert default(64, 768) == default(64, 256) == 2
   assert default(64, 1024, True) == 2 and default(64, 2048, True) == 3
   assert default(128, 16384) == default(256, 16384) == 2
   assert default(64, 16384, overlap_scores=True) == 2
-  assert default(64, 320, block_q=128) == 2
+  assert default(64, 1088, block_q=128) == 2
+  assert _lower(64, False, q_len=1024) == _lower(64, False, q_len=1024,
+                                                  num_consumers=3)
   assert _lower(64, False, q_len=384) == _lower(64, False, q_len=384,
-                                                 num_consumers=3)
-  assert _lower(64, True, q_len=384) == _lower(64, True, q_len=384,
-                                                num_consumers=2)
+                                                 num_consumers=2)
+  assert _lower(64, True, q_len=1024) == _lower(64, True, q_len=1024,
+                                                 num_consumers=2)
   assert _lower(64, False, overlap_scores=True, persistent=False)
 
 

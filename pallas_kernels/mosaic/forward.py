@@ -106,11 +106,13 @@ _REGISTERS_BY_CONSUMERS = {2: (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS),
 # seq 16k 423 -> 490 / 371 -> 431 TFLOP/s, 4k 383 -> 434 / 320 -> 371, 1k
 # 289 -> 318 / 243 -> 233; head_dim 128 (64-row K/V tiles, the largest
 # whose S, P and O fit 160 registers) lost to two consumers' 128-row
-# tiles: 559 / 472 against 555 / 551 at 16k. Causal from this q_len on
-# (at 1k a sixth of the tiles are short, and causal tiles are short
-# already):
+# tiles: 559 / 472 against 555 / 551 at 16k. From these q_len on, without
+# and with a causal mask: measured from 1k; below, a larger share of the
+# tiles is short (a 64-row tail computed by one consumer of three: a third
+# of the tiles at q_len 256), and causal tiles are short already (at 1k
+# a sixth of the tiles are short, and causal lost 4%).
 THREE_CONSUMER_HEAD_DIMS = (64,)
-THREE_CONSUMER_MIN_CAUSAL_Q_LEN = 2048
+THREE_CONSUMER_MIN_Q_LEN = {False: 1024, True: 2048}
 # Dynamic shared memory per CTA on sm90 (227 KiB), less a little for barriers.
 _SMEM_LIMIT_BYTES = 227 * 1024 - 1024
 # The forward's budget also leaves the 2 KiB that Mosaic GPU reserves for
@@ -170,7 +172,7 @@ def consumers_by_default(*, head_dim: int, q_len: int, is_causal: bool,
   two."""
   if (head_dim not in THREE_CONSUMER_HEAD_DIMS or overlap_scores
       or q_len % block_q
-      or (is_causal and q_len < THREE_CONSUMER_MIN_CAUSAL_Q_LEN)):
+      or q_len < THREE_CONSUMER_MIN_Q_LEN[bool(is_causal)]):
     return NUM_CONSUMERS
   return 3
 
