@@ -1079,45 +1079,10 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     v_factor = _descale(fp8, static.num_q_blocks + static.num_kv_blocks)
   plgpu.barrier_wait(q_arrived)
 
-  def rendezvous():
-    plgpu.barrier_arrive(pingpong)
-    plgpu.barrier_wait(pingpong)
-
-  def when_shared(step, fn):
-    """`fn()` in the steps in which both consumers take turns."""
-    if static.is_causal and plan is None:
-      pl.when(step < num_shared)(fn)
-    else:
-      fn()
-
-  def take_turn(step):
-    """Hands the tensor cores to the other consumer (§3.1 ping-pong)."""
-    when_shared(step, rendezvous)
-
-  def take_turn_for_v(step, slot):
-    """`take_turn`, then V's tile is awaited (or in between, split)."""
-    if static.split_handover:
-      when_shared(step, lambda: plgpu.barrier_arrive(pingpong))
-      plgpu.barrier_wait(v_arrived.at[slot])
-      when_shared(step, lambda: plgpu.barrier_wait(pingpong))
-    else:
-      take_turn(step)
-      plgpu.barrier_wait(v_arrived.at[slot])
-
-  # Warpgroup 1 starts one turn behind, so that its first S = Q Kᵀ runs
-  # while warpgroup 0 does its first softmax; warpgroup 0 ends with the
-  # turn that pairs with it, so that both make the same number.
-  begin_turns = lambda: pl.when(wg == 1)(rendezvous)
-  end_turns = lambda: pl.when(wg == 0)(rendezvous)
-  if static.ring:
-    ring = turns.RingTurns(pingpong, wg=wg, num_steps=num_steps,
-                           num_shared=num_shared, static=static)
-    take_turn, begin_turns, end_turns = (ring.after_scores, ring.begin,
-                                         ring.end)
-
-    def take_turn_for_v(step, slot):
-      plgpu.barrier_wait(v_arrived.at[slot])
-      ring.before_values(step)
+  turn = turns.consumer_turns(
+      pingpong, wg=wg, num_steps=num_steps,
+      num_shared=num_shared if plan is None else None, static=static,
+      ranged=plan is not None)
 
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
@@ -1142,7 +1107,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     def _():
       plgpu.barrier_wait(k_arrived.at[slot_of(next_step)])
 
-  begin_turns()
+  turn.begin()
 
   def step_body(step, carry, *, masked: bool):
     acc, m, l = carry
@@ -1152,7 +1117,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
 
     def scores(s_ref):
       plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-      take_turn(step)
+      turn.after_scores(step)
       return s_ref[...]
 
     s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
@@ -1187,7 +1152,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       fp8.p_smem[...] = p
       plgpu.commit_smem()
       p = fp8.p_smem
-    take_turn_for_v(step, slot)
+    turn.before_values(step, functools.partial(plgpu.barrier_wait,
+                                               v_arrived.at[slot]))
 
     def accumulate(o_ref):
       v_tile = v_smem.at[slot]
@@ -1206,8 +1172,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     slot = slot_of(step)
     wait_key_ids(slot)
     plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
-    take_turn(step)
-    take_turn(step)
+    turn.after_scores(step)  # the rendezvous' two turns of a step
+    turn.after_scores(step)
     plgpu.barrier_wait(v_arrived.at[slot])
     wait_next_k(step)
     plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
@@ -1215,7 +1181,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
 
   def finish(acc, m, l):
     """Ends the turns, normalises, writes O and the LSE."""
-    end_turns()
+    turn.end()
 
     # Epilogue: normalise, and write O through the Q buffer (Q is dead now;
     # in FP8 through a buffer of its own, in the output dtype).
@@ -1256,7 +1222,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     _overlapped_steps(
         m, l, q_smem, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
         v_consumed, num_steps=num_steps, num_unmasked=num_unmasked,
-        slot_of=slot_of, consumed_base=consumed_base, take_turn=take_turn,
+        slot_of=slot_of, consumed_base=consumed_base,
+        take_turn=turn.after_scores,
         q_start=q_start, finish=finish, static=static)
     return
 

@@ -4,14 +4,18 @@ FlashAttention-3 §3.1: while one consumer's matmuls run, the others do
 their softmax. Two ways here (`forward.KernelStatic`):
 
   rendezvous  two consumers meet at one two-arrival mbarrier, twice a step
-              (written in `forward._consume`; the default of two)
+              (`Rendezvous`; the default of two)
   ring        each consumer waits at its own barrier, issues its matmuls
               and passes the turn to the next (`RingTurns`; three
               consumers always, two with `ring_turns`), on one-arrival
               mbarriers or, with `hw_turns`, on the CTA's hardware barriers
 
-`turn_barriers` allocates the mbarriers, `turns_of` hands `_consume` what it
-takes turns with, `seed_turns` starts a ring.
+Both have one interface, which `forward._consume` calls at fixed points of
+its step (`consumer_turns` builds the right one): `begin()` before S_0,
+`after_scores(step)` once S_step is issued, `before_values(step, wait)`
+before P_step V_step (`wait()` awaits V's tile there), `end()` after the
+last P V. `turn_barriers` allocates the mbarriers, `turns_of` hands
+`_consume` what it takes turns with, `seed_turns` starts a ring.
 """
 from __future__ import annotations
 
@@ -127,10 +131,72 @@ class RingTurns:
     """After S_step is issued: the end of phase `step`."""
     self._when(lambda: step <= self._num_shared, self._pass_on)
 
-  def before_values(self, step):
-    """Before P_step V_step: the start of phase `step + 1`."""
+  def before_values(self, step, wait_for_values):
+    """Before P_step V_step: `wait_for_values()`, then the start of phase
+    `step + 1`."""
+    wait_for_values()
     self._when(lambda: step < self._num_shared, self._wait)
 
   def end(self):
     """After the last P V: the end of phase `num_steps`."""
     self._when(lambda: self._num_steps <= self._num_shared, self._pass_on)
+
+
+class Rendezvous:
+  """Two consumers meet at one mbarrier of two arrivals at each turn point
+  (§3.1 ping-pong): once S is issued, and before P V. Warpgroup 1 starts
+  one turn behind, so that its first S = Q Kᵀ runs while warpgroup 0 does
+  its first softmax; warpgroup 0 ends with the turn that pairs with it, so
+  that both make the same number. Under causal masking (plain kernel) only
+  the steps both consumers run meet; the ranged kernel's consumers walk
+  the same steps and meet at every one. With `split_handover` a consumer
+  arrives before V's tile is awaited and waits after it.
+  """
+
+  def __init__(self, barrier, *, wg, num_shared, static, ranged: bool):
+    self._barrier, self._wg, self._static = barrier, wg, static
+    self._num_shared, self._ranged = num_shared, ranged
+
+    def meet():
+      plgpu.barrier_arrive(barrier)
+      plgpu.barrier_wait(barrier)
+
+    # One function object for every meeting, so that the kernel's jaxpr
+    # traces it once (a bound method would be a new object each time).
+    self._meet = meet
+
+  def _when_shared(self, step, fn):
+    if self._static.is_causal and not self._ranged:
+      pl.when(step < self._num_shared)(fn)
+    else:
+      fn()
+
+  def begin(self):
+    pl.when(self._wg == 1)(self._meet)
+
+  def end(self):
+    pl.when(self._wg == 0)(self._meet)
+
+  def after_scores(self, step):
+    self._when_shared(step, self._meet)
+
+  def before_values(self, step, wait_for_values):
+    if self._static.split_handover:
+      self._when_shared(step, lambda: plgpu.barrier_arrive(self._barrier))
+      wait_for_values()
+      self._when_shared(step, lambda: plgpu.barrier_wait(self._barrier))
+    else:
+      self.after_scores(step)
+      wait_for_values()
+
+
+def consumer_turns(barriers, *, wg, num_steps, num_shared, static,
+                   ranged: bool):
+  """The turn-taking of consumer `wg` (`barriers`: from `turns_of`):
+  `RingTurns` where `static.ring`, else `Rendezvous`. `num_steps`: its K/V
+  blocks; `num_shared`: warpgroup 0's (None in the ranged kernel)."""
+  if static.ring:
+    return RingTurns(barriers, wg=wg, num_steps=num_steps,
+                     num_shared=num_shared, static=static)
+  return Rendezvous(barriers, wg=wg, num_shared=num_shared, static=static,
+                    ranged=ranged)
