@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns breakdown warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -118,6 +118,22 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
         IFS=: read -r seq d causal <<< "$cell"
         timeout 150 python3 -m benchmarks.backward_breakdown --seq "$seq" --head-dim "$d" \
           ${causal:+--causal} 2>/dev/null | tee -a "$OUT/breakdown.md"
+      done ;;
+    ncu)  # Nsight Compute's full set on each kernel of NCU_CELLS
+          # (mode:seq:head_dim[:causal]), ours beside the peers (NCU_IMPLS);
+          # each kernel's details page and raw metrics come back
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      for cell in ${NCU_CELLS:-fwd_bwd:16384:128 fwd:16384:256}; do
+        IFS=: read -r mode seq d causal <<< "$cell"
+        name=ncu_${mode}_${seq}_${d}${causal:+_causal}
+        timeout ${NCU_TIMEOUT:-200} "$ncu_bin" --profile-from-start off --clock-control none \
+          --set full -f -o "/tmp/$name" python3 -m benchmarks.ncu_kernels --mode "$mode" \
+          --seq "$seq" --head-dim "$d" ${causal:+--causal} \
+          --impls ${NCU_IMPLS:-jax_flash_mosaic cudnn tokamax_mosaic} > "$LOGS/$name.log" 2>&1
+        tail -5 "$LOGS/$name.log"
+        "$ncu_bin" --import "/tmp/$name.ncu-rep" --page details > "$OUT/$name.txt" 2>&1
+        "$ncu_bin" --import "/tmp/$name.ncu-rep" --page raw --csv > "$OUT/${name}_raw.csv" 2>&1
+        grep -E '^  [^ ].*\(' "$OUT/$name.txt" | head -30
       done ;;
     warp_map)  # which fused-dQ role hangs as a warp (NOTES, session 8)
       timeout 300 python3 -m benchmarks.probe_warp_map --timeout 60 ;;
