@@ -120,19 +120,24 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
           ${causal:+--causal} 2>/dev/null | tee -a "$OUT/breakdown.md"
       done ;;
     ncu)  # Nsight Compute's full set on each kernel of NCU_CELLS
-          # (mode:seq:head_dim[:causal]), ours beside the peers (NCU_IMPLS);
-          # each kernel's details page and raw metrics come back
+          # (mode:seq:head_dim[:causal]), ours beside the peers (NCU_IMPLS;
+          # NCU_KERNELS: a regex of kernel names); each kernel's details
+          # page and raw metrics come back
       ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       for cell in ${NCU_CELLS:-fwd_bwd:16384:128 fwd:16384:256}; do
         IFS=: read -r mode seq d causal <<< "$cell"
         name=ncu_${mode}_${seq}_${d}${causal:+_causal}
         timeout ${NCU_TIMEOUT:-200} "$ncu_bin" --profile-from-start off --clock-control none \
-          --set full -f -o "/tmp/$name" python3 -m benchmarks.ncu_kernels --mode "$mode" \
+          ${NCU_KERNELS:+--kernel-name "regex:$NCU_KERNELS"} \
+          --set full --import-source yes -f -o "/tmp/$name" python3 -m benchmarks.ncu_kernels --mode "$mode" \
           --seq "$seq" --head-dim "$d" ${causal:+--causal} \
           --impls ${NCU_IMPLS:-jax_flash_mosaic cudnn tokamax_mosaic} > "$LOGS/$name.log" 2>&1
         tail -5 "$LOGS/$name.log"
         "$ncu_bin" --import "/tmp/$name.ncu-rep" --page details > "$OUT/$name.txt" 2>&1
         "$ncu_bin" --import "/tmp/$name.ncu-rep" --page raw --csv > "$OUT/${name}_raw.csv" 2>&1
+        # NCU_SOURCE=1: per-SASS-instruction samples (where warps stall)
+        [ -z "${NCU_SOURCE:-}" ] || "$ncu_bin" --import "/tmp/$name.ncu-rep" --page source \
+          --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
         grep -E '^  [^ ].*\(' "$OUT/$name.txt" | head -30
       done ;;
     warp_map)  # which fused-dQ role hangs as a warp (NOTES, session 8)
