@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -29,13 +29,13 @@ if [ -d .whl ] && [ -z "${SKIP_INSTALL:-}" ]; then  # peers' wheels (tokamax), s
   fi
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
-# A forward option's GPU tests (test_mosaic_lowering.py -k $2; step $1's
+# A kernel option's GPU tests (pytest arguments $2, word-split; step $1's
 # log), then, only if they all pass, its A/B (tune_mosaic --kernels $3 and
 # the rest of the arguments) at each of CONSUMERS_SEQS (16k, 4k, 1k).
 gated_ab() {
   local name=$1 tests=$2 kernels=$3; shift 3
-  python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout 100 -p no:cacheprovider \
-    -p no:benchmark tests/test_mosaic_lowering.py -k "$tests" > "$OUT/pytest_$name.log" 2>&1
+  python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout 150 -p no:cacheprovider \
+    -p no:benchmark $tests > "$OUT/pytest_$name.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_$name.log" | tail -15
   if grep -qE "failed|error" "$OUT/pytest_$name.log"; then
     echo "$name: tests failed, no A/B"; return
@@ -108,10 +108,13 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
         echo "head_dim $head_dim:"; python3 -m benchmarks.sass_spills "$LOGS/sass_$head_dim.txt"
       done ;;
     consumers)  # three consumer warpgroups in the forward
-      gated_ab consumers "three" forward_consumers \
+      gated_ab consumers "tests/test_mosaic_lowering.py -k three" forward_consumers \
         --head-dims ${CONSUMERS_HEAD_DIMS:-64 128} ;;
     turns)  # ring and hardware-barrier turns in the forward
-      gated_ab turns "turn_variants" forward_turns ;;
+      gated_ab turns "tests/test_mosaic_lowering.py -k turn_variants" forward_turns ;;
+    shared)  # shared K/V rows in the dK/dV kernel (one pass at d=256)
+      gated_ab shared tests/test_mosaic_shared_rows.py backward_shared \
+        --head-dims ${SHARED_HEAD_DIMS:-256 128} ;;
     breakdown)  # fwd+bwd piece by piece beside tokamax; BREAKDOWN_CELLS
                 # are seq:head_dim[:causal]
       for cell in ${BREAKDOWN_CELLS:-1024:128 1024:64 1024:256 16384:128}; do

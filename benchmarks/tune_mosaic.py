@@ -60,6 +60,9 @@ CONSUMERS_SPACE = dict(num_consumers=(2, 3), block_kv=(64, 128))
 # How the consumers take turns (`forward.KernelStatic.ring_turns`,
 # `hw_turns`), with the default consumers (three at d=64, always a ring).
 TURNS_SPACE = dict(ring_turns=(False, True), hw_turns=(False, True))
+# Shared K/V rows in the dK/dV kernel (`backward._Static.shared_rows`), on
+# either grid.
+SHARED_SPACE = dict(shared_rows=(False, True), persistent=(False, True))
 # Three consumers' K/V ring depth (they leave room for 4 stages at d=64).
 CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
                              max_concurrent_steps=(2, 3, 4))
@@ -115,7 +118,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_consumers": _forward(CONSUMERS_SPACE),
            "forward_consumer_stages": _forward(CONSUMER_STAGES_SPACE),
            "forward_turns": _forward(TURNS_SPACE),
-           "backward_launch": _backward(LAUNCH_SPACE)}
+           "backward_launch": _backward(LAUNCH_SPACE),
+           "backward_shared": _backward(SHARED_SPACE)}
 
 
 def main(argv=None) -> int:

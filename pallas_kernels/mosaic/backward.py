@@ -128,6 +128,19 @@ FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384}
 _DQ_PIECE = 64
 
 
+# Shared K/V rows in the dK/dV kernel (`mosaic_backward(shared_rows=None)`),
+# by head dim, on the launch grid: not yet measured, so nowhere by default.
+SHARED_ROWS_HEAD_DIMS: tuple[int, ...] = ()
+
+
+def shared_rows_by_default(*, head_dim: int, kv_len: int,
+                           persistent: bool) -> bool:
+  """Whether `mosaic_backward(shared_rows=None)` shares the dK/dV kernel's
+  K/V rows between its consumers."""
+  del kv_len
+  return head_dim in SHARED_ROWS_HEAD_DIMS and not persistent
+
+
 def persistent_by_default(*, head_dim: int, kv_len: int,
                           is_causal: bool = False) -> bool:
   """Whether `mosaic_backward(persistent=None)` runs the persistent grid."""
@@ -191,6 +204,14 @@ class _Static:
   # Launch grid order, as the forward's `KernelStatic.tile_fastest`: a
   # head's tiles launched together rather than the same tile of many heads.
   tile_fastest: bool = False
+  # Shared K/V rows (`mosaic_backward(shared_rows=True)`; dK/dV kernel, plain
+  # form): the consumers share the CTA's `block_kv` K/V rows instead of
+  # owning `block_kv` rows each. Consumer c computes Sᵀ and dPᵀ for its
+  # part of the step's Q rows, and dK and dV for its part of the head_dim
+  # columns; the parts of Pᵀ and dSᵀ meet in shared memory
+  # (`_dkdv_consume_shared`). So dK and dV fit one pass where a consumer
+  # could not hold both whole (head_dim 256), with two consumers.
+  shared_rows: bool = False
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
   spec: Any = None
@@ -198,6 +219,11 @@ class _Static:
   @property
   def ranged(self) -> bool:
     return self.spec is not None
+
+  @property
+  def kv_rows_per_cta(self) -> int:
+    """K/V rows of a dK/dV kernel's CTA tile."""
+    return self.block_kv * (1 if self.shared_rows else self.num_consumers)
 
   @property
   def segmented(self) -> bool:
@@ -210,7 +236,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     heavy_first: bool = True, overlap_softmax: bool = True,
                     persistent: bool | None = None,
                     num_ctas: int | None = None,
-                    fused_dq: bool | None = None, tile_fastest: bool = False):
+                    fused_dq: bool | None = None, tile_fastest: bool = False,
+                    shared_rows: bool | None = None):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -254,6 +281,11 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     tile_fastest: both kernels' launch grids in tile-fastest order (see
       `_Static`); the results are the same either way. Not with `fused_dq`,
       whose K/V tiles of a head must launch apart.
+    shared_rows: the dK/dV kernel's two consumers share `block_kv` K/V
+      rows, each computing half of dK's and dV's columns (see `_Static`):
+      one pass where dK and dV do not fit one consumer (head_dim 256).
+      Not with `fused_dq`. None: where measured faster
+      (`shared_rows_by_default`).
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -272,7 +304,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
       heavy_first=heavy_first, overlap_softmax=overlap_softmax,
       persistent=persistent, num_ctas=num_ctas, fused_dq=fused_dq,
-      tile_fastest=tile_fastest)
+      tile_fastest=tile_fastest, shared_rows=shared_rows)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -281,7 +313,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               block_kv: int = 64, max_concurrent_steps: int = 2,
               heavy_first: bool = True, overlap_softmax: bool = True,
               persistent: bool | None = None, num_ctas: int | None = None,
-              fused_dq: bool | None = None, tile_fastest: bool = False):
+              fused_dq: bool | None = None, tile_fastest: bool = False,
+              shared_rows: bool | None = None):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -295,10 +328,13 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   if persistent is None:
     persistent = not fused_dq and persistent_by_default(
         head_dim=head_dim, kv_len=kv_len, is_causal=is_causal)
+  if shared_rows is None:
+    shared_rows = not fused_dq and shared_rows_by_default(
+        head_dim=head_dim, kv_len=kv_len, persistent=persistent)
   return statics(query, key, heavy_first=heavy_first,
                  overlap_softmax=overlap_softmax, persistent=persistent,
                  num_ctas=num_ctas, fused_dq=fused_dq,
-                 tile_fastest=tile_fastest, **tiles)
+                 tile_fastest=tile_fastest, shared_rows=shared_rows, **tiles)
 
 
 def gradients(query, key, value, d_out, stats, dq_config: _Static | None,
@@ -449,12 +485,14 @@ def _num_consumers(length, block, smem_of) -> int:
 def statics(query, key, *, heavy_first: bool = True,
             overlap_softmax: bool = False, persistent: bool = False,
             num_ctas: int | None = None, fused_dq: bool = False,
-            tile_fastest: bool = False, **tiles):
+            tile_fastest: bool = False, shared_rows: bool = False, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax),
                  tile_fastest=bool(tile_fastest))
   if fused_dq:
+    if shared_rows:
+      raise NotImplementedError("the fused dQ has no shared K/V rows")
     if persistent or tile_fastest:
       raise NotImplementedError(
           "the fused dQ runs on the launch grid in its own order only: its "
@@ -466,7 +504,8 @@ def statics(query, key, *, heavy_first: bool = True,
   dq_config = dataclasses.replace(dq_static(query, key, **tiles),
                                   heavy_first=bool(heavy_first), **options)
   dkdv_configs = [dataclasses.replace(config, **options)
-                  for config in dkdv_statics(query, key, **tiles)]
+                  for config in dkdv_statics(query, key,
+                                             shared_rows=shared_rows, **tiles)]
   if persistent:
     batch, _, num_heads, _ = query.shape
     kv_len, num_kv_heads = key.shape[1], key.shape[2]
@@ -476,7 +515,7 @@ def statics(query, key, *, heavy_first: bool = True,
                                dq_config.num_consumers))
     dkdv_configs = [_persistent(
         config, num_ctas, num_heads=num_kv_heads, batch=batch,
-        tiles_per_head=pl.cdiv(kv_len, config.num_consumers * config.block_kv))
+        tiles_per_head=pl.cdiv(kv_len, config.kv_rows_per_cta))
                     for config in dkdv_configs]
   return dq_config, dkdv_configs
 
@@ -515,10 +554,17 @@ def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
 
 def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
                  max_concurrent_steps, spec=None,
-                 fused_dq: bool = False) -> list[_Static]:
+                 fused_dq: bool = False,
+                 shared_rows: bool = False) -> list[_Static]:
   """One pass computing dK and dV, or one pass each if registers demand;
-  `fused_dq`: the one pass that also sums dQ (raises where there is none).
+  `fused_dq`: the one pass that also sums dQ (raises where there is none);
+  `shared_rows`: the one pass with shared K/V rows (likewise).
   """
+  if shared_rows:
+    return [_shared_rows_static(
+        query, key, scale=scale, is_causal=is_causal, block_q=block_q,
+        block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
+        spec=spec)]
   _, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   scores = (block_kv, block_q)
@@ -573,6 +619,69 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
       for outputs in passes]
 
 
+def _shared_rows_static(query, key, *, scale, is_causal, block_q, block_kv,
+                        max_concurrent_steps, spec=None) -> _Static:
+  """The dK/dV kernel with shared K/V rows (`_Static.shared_rows`): two
+  consumers, each with [block_kv, head_dim / 2] of dK and of dV and
+  [block_kv, block_q / 2] of Sᵀ and dPᵀ; one resident copy of the CTA's
+  K and V rows, the ring as usual, and the Pᵀ and dSᵀ parts exchanged."""
+  _, q_len, num_heads, head_dim = query.shape
+  kv_len, num_kv_heads = key.shape[1], key.shape[2]
+  consumers = _MAX_CONSUMERS
+  itemsize = jnp.dtype(query.dtype).itemsize
+  q_part, d_part = block_q // consumers, head_dim // consumers
+  if spec is not None:
+    raise NotImplementedError("the ranged backward has no shared K/V rows")
+  if q_part * itemsize not in _EXCHANGE_SWIZZLES or d_part % 64:
+    raise NotImplementedError(
+        f"shared K/V rows split block_q {block_q} and head_dim {head_dim} "
+        f"between {consumers} consumers: each part of Pᵀ must be a "
+        f"swizzle row ({_EXCHANGE_SWIZZLES} bytes) and each part of the "
+        f"columns whole 64-column tiles")
+  if kv_len % block_kv:
+    raise NotImplementedError(f"kv_len {kv_len} must be a multiple of "
+                              f"block_kv {block_kv} (shared K/V rows)")
+  registers = _accumulator_registers(
+      (block_kv, d_part), (block_kv, d_part), (block_kv, q_part),
+      (block_kv, q_part))
+  if registers > _ACCUMULATOR_REGISTERS:
+    raise NotImplementedError(
+        f"shared K/V rows with block_q {block_q}, block_kv {block_kv} at "
+        f"head_dim {head_dim} need {registers} accumulator registers per "
+        f"thread; at most {_ACCUMULATOR_REGISTERS} fit")
+  group = num_heads // num_kv_heads
+  num_q_blocks = pl.cdiv(q_len, block_q)
+  stages = min(max_concurrent_steps, group * num_q_blocks)
+  smem = _smem_bytes(
+      num_consumers=1, num_stages=stages, resident_rows=block_kv,
+      streamed_rows=block_q, head_dim=head_dim, itemsize=itemsize,
+      resident_stats=0, streamed_stats=block_q) + (
+          2 * block_kv * block_q * itemsize)  # the exchanged Pᵀ and dSᵀ
+  if smem > _SMEM_LIMIT_BYTES:
+    raise NotImplementedError(
+        f"shared K/V rows with block_q {block_q}, block_kv {block_kv} at "
+        f"head_dim {head_dim} need {smem} bytes of shared memory; sm90 has "
+        f"{_SMEM_LIMIT_BYTES}")
+  return _Static(block_q=block_q, block_kv=block_kv, num_consumers=consumers,
+                 num_stages=stages, num_q_blocks=num_q_blocks,
+                 num_kv_blocks=pl.cdiv(kv_len, block_kv), head_dim=head_dim,
+                 group=group, scale=float(scale),
+                 scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
+                 dtype=jnp.dtype(query.dtype), outputs=("dk", "dv"),
+                 shared_rows=True)
+
+
+# Swizzles (bytes) that a part of the exchanged Pᵀ and dSᵀ, one swizzle row
+# wide, can take: wgmma reads 32-, 64- and 128-byte swizzled operands.
+_EXCHANGE_SWIZZLES = (32, 64, 128)
+
+
+def _exchange_transforms(dtype, columns: int):
+  """A [rows, columns] 16-bit tile exactly one swizzle row wide."""
+  swizzle = columns * jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(swizzle))
+
+
 def _fused_dq_smem_bytes(*, num_consumers, block_q, block_kv, head_dim,
                          itemsize) -> int:
   """The fused dQ's extra shared memory: every consumer's dSᵀ tile (16
@@ -611,8 +720,15 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
   batch, kv_len, num_kv_heads, head_dim = key.shape
   consumers, stages = static.num_consumers, static.num_stages
   transforms = _tile_transforms(static.dtype)
-  resident = plgpu.SMEM((consumers, static.block_kv, head_dim), static.dtype,
-                        transforms=transforms)
+  resident_shape = (consumers, static.block_kv, head_dim)
+  if static.shared_rows:
+    # One copy of the rows, in column parts (a TMA box must be contiguous
+    # in shared memory); every tile in the exchange's swizzle, since a
+    # wgmma's operands share one.
+    resident_shape = (consumers, static.block_kv, head_dim // consumers)
+    transforms = _exchange_transforms(static.dtype,
+                                      static.block_q // consumers)
+  resident = plgpu.SMEM(resident_shape, static.dtype, transforms=transforms)
   streamed = plgpu.SMEM((stages, static.block_q, head_dim), static.dtype,
                         transforms=transforms)
   scratch = (
@@ -633,6 +749,16 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
     scratch += _ranged_scratch(static, resident_rows=static.block_kv,
                                streamed_rows=static.block_q)
     inputs += (plan, *(segments or ()))
+  if static.shared_rows:
+    # Pᵀ's parts, then dSᵀ's: one ref each, so that wgmma operands need
+    # no constant indices (which `pl.run_state` cannot take).
+    q_part = static.block_q // consumers
+    part = plgpu.SMEM((static.block_kv, q_part), static.dtype,
+                      transforms=_exchange_transforms(static.dtype, q_part))
+    scratch += tuple(part for _ in range(2 * consumers)) + (
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=1),  # exchanged
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=1),  # exchange_free
+    )
   out_type = tuple(jax.ShapeDtypeStruct(key.shape, key.dtype)
                    for _ in static.outputs)
   if static.fused_dq:
@@ -657,7 +783,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
       # kv_tile the slowest, so CTAs launched together are the same K/V
       # tile of different heads. The fused dQ relies on this order: K/V tile
       # j of a head launches after tile j - 1 (see `_FusedDq`).
-      **_grid(static, (pl.cdiv(kv_len, consumers * static.block_kv),
+      **_grid(static, (pl.cdiv(kv_len, static.kv_rows_per_cta),
                        num_kv_heads, batch), ("kv_tile", "kv_head", "batch")),
       num_threads=consumers + 1 + static.fused_dq,  # + the dQ writer
       thread_name="wg",
@@ -688,7 +814,7 @@ def _dkdv_kernel(*refs, static: _Static):
                            static=static)
   _each_tile(
       tile, wg, static=static, tile_axes=("batch", "kv_head", "kv_tile"),
-      num_tiles=pl.cdiv(kv_len, static.num_consumers * static.block_kv),
+      num_tiles=pl.cdiv(kv_len, static.kv_rows_per_cta),
       num_heads=num_kv_heads, batch=batch_size)
 
 
@@ -732,7 +858,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   q_ref, k_ref, v_ref, do_ref, stats_ref = inputs[:5]
   (k_smem, v_smem, q_ring, do_ring, stats_ring, k_arrived, v_arrived,
    q_arrived, do_arrived, stats_arrived, consumed) = scratch[:11]
-  tile_start = kv_tile * (static.num_consumers * static.block_kv)
+  tile_start = kv_tile * static.kv_rows_per_cta
   plan, ids = _ranged_refs(static, inputs[5:], scratch[11:], batch=batch,
                            tile=kv_tile, own_is_query=False)
   num_steps = None
@@ -749,6 +875,10 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                      turns=None)  # the writer's alone: `_writer`
 
   def _consumer():
+    if static.shared_rows:  # static consumer numbers: static column slices
+      for c in range(static.num_consumers):
+        pl.when(wg == c)(functools.partial(_shared_consumer, c))
+      return
     kv_start = tile_start + wg * static.block_kv
     kv_rows = pl.ds(kv_start, static.block_kv)
     own_k, own_v = k_smem.at[wg], v_smem.at[wg]
@@ -788,6 +918,37 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       plgpu.copy_smem_to_gmem(staged[name],
                               out_refs[name].at[batch, kv_rows, kv_head])
     # Persistent: the next tile's K and V may load once these have left.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=base is not None)
+
+  def _shared_consumer(c: int):
+    kv_rows = pl.ds(tile_start, static.block_kv)
+    columns = _column_part(c, static)
+    # Each consumer loads its column part of the rows (on a persistent
+    # grid, once its own stores from it have left: see the end), and waits
+    # for all of them.
+    for ref, smem, barrier in ((k_ref, k_smem, k_arrived),
+                               (v_ref, v_smem, v_arrived)):
+      plgpu.copy_gmem_to_smem(ref.at[batch, kv_rows, kv_head, columns],
+                              smem.at[c], barrier.at[c])
+    for barrier in (k_arrived, v_arrived):
+      for other in range(static.num_consumers):
+        plgpu.barrier_wait(barrier.at[other])
+    walk = _Walk(first, per_head,
+                 _dkdv_causal_runs(tile_start, first, static), None)
+    grads = _dkdv_consume_shared(
+        c, k_smem, v_smem, q_ring, do_ring, stats_ring, arrived, consumed,
+        scratch[11:], walk=walk, kv_start=tile_start, static=static,
+        base=base)
+    # Every consumer is past its last step (`_dkdv_consume_shared`), so K
+    # and V are dead: each writes its columns of dK and dV through its
+    # parts of them.
+    staged = {"dk": k_smem.at[c], "dv": v_smem.at[c]}
+    for name, grad in zip(static.outputs, grads):
+      staged[name][...] = grad.astype(static.dtype)
+    plgpu.commit_smem()
+    for name in static.outputs:
+      plgpu.copy_smem_to_gmem(
+          staged[name], out_refs[name].at[batch, kv_rows, kv_head, columns])
     plgpu.wait_smem_to_gmem(0, wait_read_only=base is not None)
 
   def q_tile_of(step, union_first, union_per_head):
@@ -950,12 +1111,23 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       _stage_dq(fused, wg, step=step, static=static)
     return grads
 
+  grads = _walk_group(walk, step_body, arrived, consumed, slot_of, static,
+                      grads)
+  return tuple(grad * static.scale if name == "dk" else grad
+               for name, grad in zip(static.outputs, grads))
+
+
+def _walk_group(walk: _Walk, step_body, arrived, consumed, slot_of,
+                static: _Static, grads):
+  """A dK/dV consumer's walk: for each query head of the group, the runs
+  of `walk`, skipped steps released at once, the others
+  `step_body(i, grads, head_base=, masked=)`; step of walk position i of
+  query head g is head_base + i."""
   def skip_body(i, grads, *, head_base):
     _skip_step(arrived, consumed, slot_of(head_base + i))
     return grads
 
   def head_body(g, grads):
-    # Step of walk position i of query head g is head_base + i.
     head_base = g * walk.num_blocks - walk.first
     return _walk_runs(walk.runs, {
         _SKIP: functools.partial(skip_body, head_base=head_base),
@@ -964,9 +1136,97 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         _UNMASKED: functools.partial(step_body, head_base=head_base,
                                      masked=False)}, grads)
 
-  grads = lax.fori_loop(0, static.group, head_body, grads)
-  return tuple(grad * static.scale if name == "dk" else grad
-               for name, grad in zip(static.outputs, grads))
+  return lax.fori_loop(0, static.group, head_body, grads)
+
+
+def _column_part(c: int, static: _Static):
+  """Consumer c's head_dim columns under shared K/V rows."""
+  part = static.head_dim // static.num_consumers
+  return pl.ds(c * part, part)
+
+
+def _dkdv_consume_shared(c: int, k_smem, v_smem, q_ring, do_ring, stats_ring,
+                         arrived, consumed, exchange_refs, *, walk: _Walk,
+                         kv_start, static: _Static, base=None):
+  """Consumer c under shared K/V rows (`_Static.shared_rows`): its columns
+  of dK (f32, scaled) and dV, [block_kv, head_dim / num_consumers] each.
+
+  Per step, with Q rows r_c (its part of the step's Q tile) and columns
+  d_c (its part of head_dim):
+    Sᵀ_c = K Q[r_c]ᵀ, dPᵀ_c = V dO[r_c]ᵀ      [block_kv, block_q / n]
+    Pᵀ_c, dSᵀ_c  into the exchange; wait for every consumer's
+    dV[:, d_c] += Σ_k Pᵀ_k dO[r_k, d_c],  dK[:, d_c] += Σ_k dSᵀ_k Q[r_k, d_c]
+  so each consumer sums the same products in the same order as the
+  consumer that owns all the columns would. `exchange_refs`: the 16-bit
+  [block_kv, block_q / n] parts of Pᵀ (one per consumer), then of dSᵀ,
+  and the barriers `exchanged` (every part stored) and `exchange_free` (every
+  consumer's wgmmas read the previous step's parts). `exchange_free` is
+  seeded once a tile and its last phase awaited at the end, so that both
+  barriers run through whole phases per tile (persistent grids) and no
+  consumer leaves a tile before every consumer's last read.
+  """
+  consumers = static.num_consumers
+  p_parts = exchange_refs[:consumers]
+  ds_parts = exchange_refs[consumers:2 * consumers]
+  exchanged, exchange_free = (barrier.at[0] for barrier in
+                              exchange_refs[2 * consumers:])
+  q_part = static.block_q // consumers
+  rows = lambda k: pl.ds(k * q_part, q_part)
+  columns = _column_part(c, static)
+  shape = (static.block_kv, q_part)
+  slot_of = lambda step: lax.rem(step if base is None else base + step,
+                                 static.num_stages)
+  zeros = plgpu.layout_cast(
+      jnp.zeros((static.block_kv, static.head_dim // consumers), jnp.float32),
+      plgpu.Layout.WGMMA)
+  column_stats = lambda stats, n: plgpu.layout_cast(
+      stats[n, rows(c)], plgpu.Layout.WGMMA.reduce(0))
+
+  def step_body(i, grads, *, head_base, masked):
+    slot = slot_of(head_base + i)
+    for barrier in arrived:
+      plgpu.barrier_wait(barrier.at[slot])
+    q_tile, do_tile, stats = q_ring.at[slot], do_ring.at[slot], stats_ring.at[slot]
+
+    def probabilities(s_t):
+      p_t, _ = _probabilities(s_t, column_stats(stats, 0), _cols, None, static)
+      if masked:
+        p_t = jnp.where(_causal_mask_t(kv_start, i, static,
+                                       q_rows=(c * q_part, q_part)), p_t, 0.0)
+      return p_t
+
+    # K and V are in column parts p: Sᵀ_c = Σ_p K_p Q[r_c, d_p]ᵀ, and dPᵀ_c.
+    products = [[(smem.at[p], tile.at[rows(c), _column_part(p, static)]
+                  .transpose((1, 0))) for p in range(consumers)]
+                for smem, tile in ((k_smem, q_tile), (v_smem, do_tile))]
+    if static.overlap_softmax:
+      p_t, dp_t = _wgmma_then(shape, products, probabilities)
+    else:
+      s_t, dp_t = _wgmma_fresh(shape, products)
+      p_t = probabilities(s_t)
+    ds_t = _score_gradient(p_t, dp_t, _cols(column_stats(stats, 1), shape),
+                           None)
+    plgpu.barrier_wait(exchange_free)
+    p_parts[c][...] = p_t.astype(static.dtype)
+    ds_parts[c][...] = ds_t.astype(static.dtype)
+    plgpu.commit_smem()  # read by every consumer's wgmma
+    plgpu.barrier_arrive(exchanged)
+    plgpu.barrier_wait(exchanged)
+    grads = _wgmma_accumulate_sums(grads, [
+        [(ds_parts[k], q_tile.at[rows(k), columns])   # dK
+         for k in range(consumers)],
+        [(p_parts[k], do_tile.at[rows(k), columns])    # dV
+         for k in range(consumers)]])
+    plgpu.barrier_arrive(consumed.at[slot])
+    plgpu.barrier_arrive(exchange_free)
+    return grads
+
+  plgpu.barrier_arrive(exchange_free)  # the seed: nothing to read yet
+  grads = _walk_group(walk, step_body, arrived, consumed, slot_of, static,
+                      (zeros, zeros))
+  plgpu.barrier_wait(exchange_free)  # every consumer's last reads are done
+  dk, dv = grads
+  return dk * static.scale, dv
 
 
 class _FusedDq(NamedTuple):
@@ -1142,20 +1402,26 @@ def _first_unmasked_q_block(kv_start, static: _Static):
                      static.num_q_blocks)
 
 
-def _tile_indices_t(kv_start, q_block, static: _Static):
+def _tile_indices_t(kv_start, q_block, static: _Static, q_rows=None):
   """(query, key) indices of the [block_kv, block_q] Sᵀ tile of keys
-  kv_start + r and queries q_block * block_q + c."""
-  shape = (static.block_kv, static.block_q)
+  kv_start + r and queries q_block * block_q + c; `q_rows` = (offset,
+  count): only that part of the tile's queries (shared K/V rows)."""
+  offset, count = q_rows or (0, static.block_q)
+  shape = (static.block_kv, count)
   keys = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
   queries = plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                    layout=plgpu.Layout.WGMMA)
-  return queries + q_block * static.block_q, keys + kv_start
+  q_start = q_block * static.block_q
+  if offset:
+    q_start = q_start + offset
+  return queries + q_start, keys + kv_start
 
 
-def _causal_mask_t(kv_start, q_block, static: _Static):
-  """[block_kv, block_q]: True where key kv_start + r is seen by query
-  q_block * block_q + c (the transposed layout of Sᵀ)."""
-  queries, keys = _tile_indices_t(kv_start, q_block, static)
+def _causal_mask_t(kv_start, q_block, static: _Static, q_rows=None):
+  """[block_kv, block_q] (or the `q_rows` part's columns): True where key
+  kv_start + r is seen by query q_block * block_q + c (the transposed
+  layout of Sᵀ)."""
+  queries, keys = _tile_indices_t(kv_start, q_block, static, q_rows)
   return queries >= keys
 
 
@@ -1623,12 +1889,19 @@ def _skip_step(arrived, consumed, slot):
   plgpu.barrier_arrive(consumed.at[slot])
 
 
+def _terms(product):
+  """A product (a, b) as a one-term sum; a list of (a, b) is a sum."""
+  return product if isinstance(product, list) else [product]
+
+
 def _wgmma_fresh(shape, products):
   """[a @ b for (a, b) in products] into fresh f32 accumulators of `shape`,
-  issued together so that they share one wgmma wait."""
+  issued together so that they share one wgmma wait (a product may be a
+  list of (a, b): their sum, see `_terms`)."""
   def issue(*acc_refs):
-    for acc_ref, (a, b) in zip(acc_refs, products):
-      plgpu.wgmma(acc_ref, a, b)
+    for acc_ref, product in zip(acc_refs, products):
+      for a, b in _terms(product):
+        plgpu.wgmma(acc_ref, a, b)
     return tuple(acc_ref[...] for acc_ref in acc_refs)
 
   return pl.run_scoped(issue, *[plgpu.ACC(shape, jnp.float32)
@@ -1639,12 +1912,14 @@ def _wgmma_then(shape, products, first_fn):
   """(first_fn(a0 @ b0), a1 @ b1, ...) into fresh f32 accumulators: all
   issued together, and `first_fn` run on the first product as soon as it is
   done, while the others are still on the tensor cores (wgmmas complete in
-  issue order)."""
+  issue order). A product may be a list of (a, b), their sum (`_terms`).
+  """
   def issue(first_ref, *acc_refs):
-    for acc_ref, (a, b) in zip((first_ref, *acc_refs), products):
-      plgpu.wgmma(acc_ref, a, b)
-    first = first_fn(plgpu.wgmma_accumulator_load(first_ref,
-                                                  wait_n=len(acc_refs)))
+    for acc_ref, product in zip((first_ref, *acc_refs), products):
+      for a, b in _terms(product):
+        plgpu.wgmma(acc_ref, a, b)
+    later = sum(len(_terms(product)) for product in products[1:])
+    first = first_fn(plgpu.wgmma_accumulator_load(first_ref, wait_n=later))
     return (first, *(acc_ref[...] for acc_ref in acc_refs))
 
   return pl.run_scoped(issue, *[plgpu.ACC(shape, jnp.float32)
@@ -1659,6 +1934,17 @@ def _wgmma_sum(shape, products):
     return acc_ref[...]
 
   return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32))
+
+
+def _wgmma_accumulate_sums(accs, sums):
+  """(acc + sum(a @ b for (a, b) in products) for acc, products in
+  zip(accs, sums)), one wgmma wait."""
+  def issue(acc_refs):
+    for acc_ref, products in zip(acc_refs, sums):
+      for a, b in products:
+        plgpu.wgmma(acc_ref, a, b)
+
+  return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
 
 def _wgmma_accumulate(accs, products):

@@ -1,0 +1,184 @@
+"""The dK/dV kernel with shared K/V rows (`backward._Static.shared_rows`).
+
+Both consumers take the CTA's K/V rows; each computes Sᵀ and dPᵀ for half
+of the step's Q rows and dK and dV for half of the head_dim columns, the
+halves of Pᵀ and dSᵀ meeting in shared memory. At head_dim 256 that is one
+dK/dV pass with two consumers, where the default runs two passes (dK, dV)
+with one. Cross-lowered for CUDA on CPU; checked against the reference, the
+launch grid and the two-pass kernels on a GPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import compat as versions
+from tests.attention_checks import Case, check_against_reference, random_inputs
+
+try:
+  from pallas_kernels.mosaic import backward
+  from pallas_kernels.mosaic.forward import mosaic_forward
+except ImportError as e:  # a jaxlib built without Mosaic GPU
+  pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
+
+from tests.test_mosaic_backward import _kernels, _structs
+
+
+def _lowered(head_dim, is_causal, **kwargs):
+  args = _structs(head_dim=head_dim, q_len=512, kv_len=768)
+  return jax.jit(lambda *a: backward.mosaic_backward(
+      *a, scale=0.1, is_causal=is_causal, **kwargs)).trace(*args).lower(
+          lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_shared_rows_lower_as_one_dkdv_pass(head_dim, is_causal, persistent,
+                                            cuda_lowering):
+  """One dK/dV kernel (at head_dim 256 instead of a dK and a dV pass), with
+  two consumers on K/V tiles of block_kv rows, on either grid."""
+  lowered = _lowered(head_dim, is_causal, shared_rows=True,
+                     persistent=persistent)
+  assert _kernels(lowered.as_text()) == {"dq", "dkdv"}
+  assert [g.shape for g in lowered.out_info] == [
+      s.shape for s in _structs(head_dim=head_dim, q_len=512,
+                                kv_len=768)[:3]]
+  if head_dim == 256:
+    assert _kernels(_lowered(head_dim, is_causal).as_text()) == {
+        "dq", "dk", "dv"}
+  q, kv = _structs(head_dim=head_dim)[:2]
+  (static,) = backward.dkdv_statics(
+      q, kv, scale=0.1, is_causal=is_causal, block_q=64, block_kv=64,
+      max_concurrent_steps=2, shared_rows=True)
+  assert static.num_consumers == 2 and static.kv_rows_per_cta == 64
+  assert static.outputs == ("dk", "dv")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(head_dim=64), "64-column tiles"),           # 32 columns a consumer
+    (dict(block_q=128), "shared memory"),             # 2 x 2 x 128 x 256 ring
+    (dict(kv_len=800), "multiple of block_kv"),
+    (dict(spec=object()), "ranged"),
+])
+def test_shared_rows_refuse_what_they_do_not_cover(kwargs, match):
+  """NotImplementedError, so that a dispatcher can fall back."""
+  head_dim = kwargs.pop("head_dim", 256)
+  kv_len = kwargs.pop("kv_len", 768)
+  q, kv = _structs(head_dim=head_dim, kv_len=kv_len)[:2]
+  tiles = dict(block_q=64, block_kv=64, max_concurrent_steps=2)
+  tiles.update(kwargs)
+  with pytest.raises(NotImplementedError, match=match):
+    backward.dkdv_statics(q, kv, scale=0.1, is_causal=False,
+                          shared_rows=True, **tiles)
+
+
+def test_shared_rows_refuse_the_fused_dq(cuda_lowering):
+  with pytest.raises(NotImplementedError, match="fused dQ"):
+    _lowered(128, False, shared_rows=True, fused_dq=True, persistent=False)
+
+
+def test_shared_rows_default_follows_its_table(monkeypatch):
+  """Where `SHARED_ROWS_HEAD_DIMS` says, and only on the launch grid."""
+  monkeypatch.setattr(backward, "SHARED_ROWS_HEAD_DIMS", (256,))
+  default = lambda d, persistent: backward.shared_rows_by_default(
+      head_dim=d, kv_len=4096, persistent=persistent)
+  assert default(256, False) and not default(256, True)
+  assert not default(128, False)
+  monkeypatch.setattr(backward, "SHARED_ROWS_HEAD_DIMS", ())
+  assert not default(256, False)
+
+
+def _require_sm90():
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic backward needs sm90 (wgmma, TMA, setmaxnreg)")
+
+
+def _attention_with(**backward_kwargs):
+  """(out, lse [B, Tq, N]) by the Mosaic forward, with the Mosaic backward
+  called with `backward_kwargs`."""
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+  def attention(q, k, v, is_causal):
+    return forward(q, k, v, is_causal)[0]
+
+  def forward(q, k, v, is_causal):
+    out, lse = mosaic_forward(q, k, v, scale=q.shape[-1]**-0.5,
+                              is_causal=is_causal)
+    return (out, jnp.transpose(lse, (0, 2, 1))), (q, k, v, out, lse)
+
+  def backward_(is_causal, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    d_out, d_lse = cotangents
+    return backward.mosaic_backward(
+        q, k, v, out, lse, d_out, jnp.transpose(d_lse, (0, 2, 1)),
+        scale=q.shape[-1]**-0.5, is_causal=is_causal, **backward_kwargs)
+
+  attention.defvjp(forward, backward_)
+  return attention
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("case", [
+    Case(2, 1024, 1024, 8, 8, 256),
+    Case(1, 512, 1024, 8, 2, 256),    # GQA 4:1, kv_len > q_len
+    Case(1, 1024, 448, 4, 1, 256),    # MQA, q_len > kv_len, 7 K/V tiles
+    Case(2, 512, 768, 8, 2, 128),
+], ids=str)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_shared_rows_match_reference_on_gpu(case, is_causal, persistent):
+  """Forward and shared-rows backward against jax.vjp of the reference,
+  with random cotangents of the output and the LSE, in both dtypes."""
+  _require_sm90()
+  attention = jax.jit(functools.partial(
+      _attention_with(shared_rows=True, persistent=persistent),
+      is_causal=is_causal))
+  for dtype in (jnp.bfloat16, jnp.float16):
+    check_against_reference(attention, case, dtype, is_causal=is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_shared_rows_are_deterministic_and_the_grid_on_gpu(is_causal):
+  """Bitwise repeatable, and a persistent grid of 3 CTAs (each walking
+  many tiles) equals the launch grid bit for bit: a barrier phase or ring
+  slot off by one across tiles would not."""
+  _require_sm90()
+  case = Case(2, 1024, 1536, 8, 2, 256)
+  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 21)
+  scale = case.head_dim**-0.5
+  out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
+  run = lambda **kwargs: jax.jit(functools.partial(
+      backward.mosaic_backward, scale=scale, is_causal=is_causal,
+      shared_rows=True, **kwargs))(q, k, v, out, lse, d_out)
+  want = run(persistent=False)
+  for got in (run(persistent=False), run(persistent=True, num_ctas=3)):
+    for a, b, name in zip(got, want, ("dq", "dk", "dv")):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                    err_msg=name)
+
+
+@pytest.mark.gpu
+def test_shared_rows_agree_with_two_passes_on_gpu():
+  """The same sums in the same order as the two-pass kernels (each consumer
+  adds the Q-row parts in order): dK and dV within one bf16 rounding of
+  theirs (the products are split into more wgmmas, whose f32 accumulation
+  may round differently), and dQ (the same kernel) bit for bit."""
+  _require_sm90()
+  case = Case(1, 2048, 2048, 8, 8, 256)
+  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 4)
+  scale = case.head_dim**-0.5
+  out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=True)
+  run = lambda shared: jax.jit(functools.partial(
+      backward.mosaic_backward, scale=scale, is_causal=True,
+      shared_rows=shared, persistent=False))(q, k, v, out, lse, d_out)
+  (dq, dk, dv), (dq2, dk2, dv2) = run(True), run(False)
+  np.testing.assert_array_equal(np.asarray(dq), np.asarray(dq2))
+  for a, b, name in ((dk, dk2, "dk"), (dv, dv2, "dv")):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-3 * np.abs(b).max(),
+                               err_msg=name)
