@@ -63,6 +63,9 @@ TURNS_SPACE = dict(ring_turns=(False, True), hw_turns=(False, True))
 # Shared K/V rows in the dK/dV kernel (`backward._Static.shared_rows`), on
 # either grid.
 SHARED_SPACE = dict(shared_rows=(False, True), persistent=(False, True))
+# The dK/dV kernel's row statistics read before its matmuls
+# (`backward._Static.prefetch_stats`), default grid.
+PREFETCH_SPACE = dict(prefetch_stats=(False, True))
 # Three consumers' K/V ring depth (they leave room for 4 stages at d=64).
 CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
                              max_concurrent_steps=(2, 3, 4))
@@ -119,7 +122,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_consumer_stages": _forward(CONSUMER_STAGES_SPACE),
            "forward_turns": _forward(TURNS_SPACE),
            "backward_launch": _backward(LAUNCH_SPACE),
-           "backward_shared": _backward(SHARED_SPACE)}
+           "backward_shared": _backward(SHARED_SPACE),
+           "backward_prefetch": _backward(PREFETCH_SPACE)}
 
 
 def main(argv=None) -> int:

@@ -50,7 +50,7 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
   blocks = {name: shape_and_blocks.pop(name)
             for name in ("block_q", "block_kv", "max_concurrent_steps",
                          "overlap_softmax", "fused_dq", "persistent",
-                         "tile_fastest")
+                         "tile_fastest", "prefetch_stats")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
 
@@ -218,6 +218,43 @@ def test_overlapped_backward_is_bitwise_the_default_on_gpu(head_dim,
       overlap_softmax=overlap))(q, k, v, out, lse, d_out)
   for a, b, name in zip(run(True), run(False), ("dq", "dk", "dv")):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (64, {}), (128, {}), (256, {}), (128, dict(overlap_softmax=False)),
+    (64, dict(fused_dq=True, block_q=128)), (256, dict(shared_rows=True)),
+], ids=str)
+def test_prefetched_stats_are_bitwise_the_default_on_gpu(head_dim, kwargs,
+                                                         is_causal):
+  """`prefetch_stats` moves the dK/dV kernel's reads of lse and delta
+  ahead of its matmuls, not what is computed: dq, dk, dv equal the kernels
+  without it bit for bit, in every dK/dV form it applies to."""
+  _require_sm90()
+  case = Case(2, 1024, 1536, 8, 2, head_dim)
+  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 17)
+  scale = head_dim**-0.5
+  out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
+  run = lambda prefetch: jax.jit(functools.partial(
+      mosaic_backward, scale=scale, is_causal=is_causal,
+      prefetch_stats=prefetch, **kwargs))(q, k, v, out, lse, d_out)
+  for a, b, name in zip(run(True), run(False), ("dq", "dk", "dv")):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def test_prefetched_stats_change_only_the_dkdv_kernels(cuda_lowering):
+  """The option reaches the dK/dV kernels (their code differs), not the dQ
+  kernel, and it is off unless asked for."""
+  from pallas_kernels.mosaic import backward
+  q, kv = _structs(head_dim=128)[:2]
+  dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=True,
+                                prefetch_stats=True)
+  assert all(config.prefetch_stats for config in dkdv)
+  assert not dq.prefetch_stats
+  dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=True)
+  assert not any(config.prefetch_stats for config in dkdv)
+  assert _lower(128, True, prefetch_stats=True) != _lower(128, True)
 
 
 @pytest.mark.gpu

@@ -189,6 +189,13 @@ class _Static:
   # dV += Pᵀ dO wgmma is (FlashAttention-3's intra-warpgroup overlap, §3.2,
   # within one step).
   overlap_softmax: bool = False
+  # dK/dV kernel: read the step's row statistics (lse, delta) from shared
+  # memory before the step's wgmmas are issued, not when P and dS need
+  # them, so that the load's latency hides behind the matmuls (Nsight
+  # Compute at d=128 16k: 12% of the consumers' stall samples were P's
+  # first FFMAs waiting on the lse load). Costs their registers (16 each
+  # at block_q 64) while the matmuls run.
+  prefetch_stats: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
   # (`forward.persistent_schedule`), so that a tile's start (its resident
   # loads, the ring's fill) overlaps the previous tile's end. Plain form.
@@ -237,7 +244,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     persistent: bool | None = None,
                     num_ctas: int | None = None,
                     fused_dq: bool | None = None, tile_fastest: bool = False,
-                    shared_rows: bool | None = None):
+                    shared_rows: bool | None = None,
+                    prefetch_stats: bool = False):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -286,6 +294,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       one pass where dK and dV do not fit one consumer (head_dim 256).
       Not with `fused_dq`. None: where measured faster
       (`shared_rows_by_default`).
+    prefetch_stats: the dK/dV kernel reads each step's lse and delta before
+      its matmuls are issued (see `_Static`); the same results either way.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -304,7 +314,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
       heavy_first=heavy_first, overlap_softmax=overlap_softmax,
       persistent=persistent, num_ctas=num_ctas, fused_dq=fused_dq,
-      tile_fastest=tile_fastest, shared_rows=shared_rows)
+      tile_fastest=tile_fastest, shared_rows=shared_rows,
+      prefetch_stats=prefetch_stats)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -314,7 +325,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               heavy_first: bool = True, overlap_softmax: bool = True,
               persistent: bool | None = None, num_ctas: int | None = None,
               fused_dq: bool | None = None, tile_fastest: bool = False,
-              shared_rows: bool | None = None):
+              shared_rows: bool | None = None, prefetch_stats: bool = False):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -334,7 +345,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   return statics(query, key, heavy_first=heavy_first,
                  overlap_softmax=overlap_softmax, persistent=persistent,
                  num_ctas=num_ctas, fused_dq=fused_dq,
-                 tile_fastest=tile_fastest, shared_rows=shared_rows, **tiles)
+                 tile_fastest=tile_fastest, shared_rows=shared_rows,
+                 prefetch_stats=prefetch_stats, **tiles)
 
 
 def gradients(query, key, value, d_out, stats, dq_config: _Static | None,
@@ -485,11 +497,13 @@ def _num_consumers(length, block, smem_of) -> int:
 def statics(query, key, *, heavy_first: bool = True,
             overlap_softmax: bool = False, persistent: bool = False,
             num_ctas: int | None = None, fused_dq: bool = False,
-            tile_fastest: bool = False, shared_rows: bool = False, **tiles):
+            tile_fastest: bool = False, shared_rows: bool = False,
+            prefetch_stats: bool = False, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax),
                  tile_fastest=bool(tile_fastest))
+  dkdv_options = dict(options, prefetch_stats=bool(prefetch_stats))
   if fused_dq:
     if shared_rows:
       raise NotImplementedError("the fused dQ has no shared K/V rows")
@@ -499,11 +513,11 @@ def statics(query, key, *, heavy_first: bool = True,
           "K/V tiles wait for each other in order")
     if tiles.get("spec") is not None:
       raise NotImplementedError("the ranged backward has no fused dQ")
-    return None, [dataclasses.replace(config, **options) for config in
+    return None, [dataclasses.replace(config, **dkdv_options) for config in
                   dkdv_statics(query, key, fused_dq=True, **tiles)]
   dq_config = dataclasses.replace(dq_static(query, key, **tiles),
                                   heavy_first=bool(heavy_first), **options)
-  dkdv_configs = [dataclasses.replace(config, **options)
+  dkdv_configs = [dataclasses.replace(config, **dkdv_options)
                   for config in dkdv_statics(query, key,
                                              shared_rows=shared_rows, **tiles)]
   if persistent:
@@ -1068,10 +1082,16 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     products = [(k_smem, q_tile.transpose((1, 0)))]          # Sᵀ = K Qᵀ
     if "dk" in static.outputs:
       products.append((v_smem, do_tile.transpose((1, 0))))   # dPᵀ = V dOᵀ
+    prefetched = None
+    if static.prefetch_stats:  # see `_Static.prefetch_stats`
+      prefetched = [plgpu.layout_cast(stats_ring[slot, n],
+                                      plgpu.Layout.WGMMA.reduce(0))
+                    for n in range(1 + ("dk" in static.outputs))]
 
     def probabilities(s_t):
       lse_log2 = plgpu.layout_cast(stats_ring[slot, 0],
-                                   plgpu.Layout.WGMMA.reduce(0))
+                                   plgpu.Layout.WGMMA.reduce(0)
+                                   ) if prefetched is None else prefetched[0]
       p_t, slope = _probabilities(s_t, lse_log2, _cols, walk.values, static)
       if masked:
         p_t = jnp.where(tile_mask(q_block, slot), p_t, 0.0)
@@ -1083,9 +1103,10 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
       (p_t, slope), *dp_t = _wgmma_then(shape, products, probabilities)
-      grads = _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile,
-                                          do_tile, stats_ring.at[slot],
-                                          static, ds_smem=ds_smem)
+      grads = _dkdv_accumulate_overlapped(
+          grads, p_t, dp_t, slope, q_tile, do_tile, stats_ring.at[slot],
+          static, ds_smem=ds_smem,
+          delta=None if prefetched is None else prefetched[-1])
       plgpu.barrier_arrive(consumed.at[slot])
       return finish(grads, step)
     s_t, *dp_t = _wgmma_fresh(shape, products)
@@ -1096,7 +1117,8 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         updates.append((p_t.astype(static.dtype), do_tile))  # dV += Pᵀ dO
       else:
         delta = plgpu.layout_cast(stats_ring[slot, 1],
-                                  plgpu.Layout.WGMMA.reduce(0))
+                                  plgpu.Layout.WGMMA.reduce(0)
+                                  ) if prefetched is None else prefetched[1]
         ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, s_t.shape), slope)
         ds_t = ds_t.astype(static.dtype)
         updates.append((ds_t, q_tile))  # dK += dSᵀ Q
@@ -1187,9 +1209,13 @@ def _dkdv_consume_shared(c: int, k_smem, v_smem, q_ring, do_ring, stats_ring,
     for barrier in arrived:
       plgpu.barrier_wait(barrier.at[slot])
     q_tile, do_tile, stats = q_ring.at[slot], do_ring.at[slot], stats_ring.at[slot]
+    lse_log2 = delta = None
+    if static.prefetch_stats:  # see `_Static.prefetch_stats`
+      lse_log2, delta = column_stats(stats, 0), column_stats(stats, 1)
 
     def probabilities(s_t):
-      p_t, _ = _probabilities(s_t, column_stats(stats, 0), _cols, None, static)
+      lse = column_stats(stats, 0) if lse_log2 is None else lse_log2
+      p_t, _ = _probabilities(s_t, lse, _cols, None, static)
       if masked:
         p_t = jnp.where(_causal_mask_t(kv_start, i, static,
                                        q_rows=(c * q_part, q_part)), p_t, 0.0)
@@ -1204,8 +1230,9 @@ def _dkdv_consume_shared(c: int, k_smem, v_smem, q_ring, do_ring, stats_ring,
     else:
       s_t, dp_t = _wgmma_fresh(shape, products)
       p_t = probabilities(s_t)
-    ds_t = _score_gradient(p_t, dp_t, _cols(column_stats(stats, 1), shape),
-                           None)
+    if delta is None:
+      delta = column_stats(stats, 1)
+    ds_t = _score_gradient(p_t, dp_t, _cols(delta, shape), None)
     plgpu.barrier_wait(exchange_free)
     p_parts[c][...] = p_t.astype(static.dtype)
     ds_parts[c][...] = ds_t.astype(static.dtype)
@@ -1347,19 +1374,23 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
 
 
 def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
-                                stats, static: _Static, ds_smem=None):
+                                stats, static: _Static, ds_smem=None,
+                                delta=None):
   """`grads` (in `static.outputs` order) plus this step's dV += Pᵀ dO and
   dK += dSᵀ Q, with dV's wgmma issued first, so that dS is computed while
   it runs. `dp_t` is [dPᵀ] when dK is an output, else []; `stats` is the
-  step's [2, block_q] (lse, delta) slot; `ds_smem` (fused dQ) receives dSᵀ
-  while dK's wgmma runs."""
+  step's [2, block_q] (lse, delta) slot, whose delta is read here unless
+  given (`delta`, prefetched); `ds_smem` (fused dQ) receives dSᵀ while
+  dK's wgmma runs."""
   def issue(grad_refs):
     named = dict(zip(static.outputs, grad_refs))
     if "dv" in named:
       plgpu.wgmma(named["dv"], p_t.astype(static.dtype), do_tile)
     if "dk" in named:
-      delta = plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0))
-      ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, p_t.shape), slope)
+      step_delta = delta
+      if step_delta is None:
+        step_delta = plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0))
+      ds_t = _score_gradient(p_t, dp_t[0], _cols(step_delta, p_t.shape), slope)
       ds_t = ds_t.astype(static.dtype)
       plgpu.wgmma(named["dk"], ds_t, q_tile)
       if ds_smem is not None:
