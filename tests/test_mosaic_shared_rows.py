@@ -1,11 +1,13 @@
-"""The dK/dV kernel with shared K/V rows (`backward._Static.shared_rows`).
+"""The backward's kernels with shared rows (`backward._Static.shared_rows`).
 
-Both consumers take the CTA's K/V rows; each computes Sᵀ and dPᵀ for half
-of the step's Q rows and dK and dV for half of the head_dim columns, the
-halves of Pᵀ and dSᵀ meeting in shared memory. At head_dim 256 that is one
-dK/dV pass with two consumers, where the default runs two passes (dK, dV)
-with one. Cross-lowered for CUDA on CPU; checked against the reference, the
-launch grid and the two-pass kernels on a GPU.
+dK/dV: both consumers take the CTA's K/V rows; each computes Sᵀ and dPᵀ for
+half of the step's Q rows and dK and dV for half of the head_dim columns,
+the halves of Pᵀ and dSᵀ meeting in shared memory. At head_dim 256 that is
+one dK/dV pass with two consumers, where the default runs two passes (dK,
+dV) with one. dQ likewise: both consumers take the CTA's Q rows, each with
+half of the step's K/V rows for S and dP and half of dQ's columns, dS
+exchanged. Cross-lowered for CUDA on CPU; checked against the reference,
+the launch grid and the default kernels on a GPU.
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def _lowered(head_dim, is_causal, **kwargs):
 def test_shared_rows_lower_as_one_dkdv_pass(head_dim, is_causal, persistent,
                                             cuda_lowering):
   """One dK/dV kernel (at head_dim 256 instead of a dK and a dV pass), with
-  two consumers on K/V tiles of block_kv rows, on either grid."""
+  two consumers on K/V tiles of block_kv rows, and a dQ kernel with two
+  consumers on Q tiles of block_q rows, on either grid."""
   lowered = _lowered(head_dim, is_causal, shared_rows=True,
                      persistent=persistent)
   assert _kernels(lowered.as_text()) == {"dq", "dkdv"}
@@ -57,6 +60,11 @@ def test_shared_rows_lower_as_one_dkdv_pass(head_dim, is_causal, persistent,
       max_concurrent_steps=2, shared_rows=True)
   assert static.num_consumers == 2 and static.kv_rows_per_cta == 64
   assert static.outputs == ("dk", "dv")
+  dq = backward.dq_static(q, kv, scale=0.1, is_causal=is_causal, block_q=64,
+                          block_kv=64, max_concurrent_steps=2,
+                          shared_rows=True)
+  assert dq.num_consumers == 2 and dq.q_rows_per_cta == 64
+  assert dq.outputs == ("dq",) and dq.shared_rows
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -77,20 +85,41 @@ def test_shared_rows_refuse_what_they_do_not_cover(kwargs, match):
                           shared_rows=True, **tiles)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(head_dim=64), "64-column tiles"),
+    (dict(block_kv=128), "shared memory"),            # 2 x 2 x 128 x 256 ring
+    (dict(q_len=300), "multiple of block_q"),
+])
+def test_shared_q_rows_refuse_what_they_do_not_cover(kwargs, match):
+  head_dim = kwargs.pop("head_dim", 256)
+  q_len = kwargs.pop("q_len", 512)
+  q, kv = _structs(head_dim=head_dim, q_len=q_len)[:2]
+  tiles = dict(block_q=64, block_kv=64, max_concurrent_steps=2)
+  tiles.update(kwargs)
+  with pytest.raises(NotImplementedError, match=match):
+    backward.dq_static(q, kv, scale=0.1, is_causal=False, shared_rows=True,
+                       **tiles)
+
+
 def test_shared_rows_refuse_the_fused_dq(cuda_lowering):
   with pytest.raises(NotImplementedError, match="fused dQ"):
     _lowered(128, False, shared_rows=True, fused_dq=True, persistent=False)
 
 
-def test_shared_rows_default_follows_its_table(monkeypatch):
-  """Where `SHARED_ROWS_HEAD_DIMS` says, and only on the launch grid."""
-  monkeypatch.setattr(backward, "SHARED_ROWS_HEAD_DIMS", (256,))
-  default = lambda d, persistent: backward.shared_rows_by_default(
-      head_dim=d, kv_len=4096, persistent=persistent)
-  assert default(256, False) and not default(256, True)
-  assert not default(128, False)
-  monkeypatch.setattr(backward, "SHARED_ROWS_HEAD_DIMS", ())
-  assert not default(256, False)
+def test_shared_rows_default_follows_the_measured_table():
+  """Shipped at head_dim 256 where the launch grid runs (kv_len above
+  1024): both kernels with shared rows, dK and dV in one pass. Up to 1024
+  the persistent default keeps the two-pass kernels; other head dims
+  never share."""
+  assert backward.SHARED_ROWS_HEAD_DIMS == (256,)
+  def kernels(head_dim, seq):
+    q, kv = _structs(head_dim=head_dim, q_len=seq, kv_len=seq)[:2]
+    dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=False)
+    return dq.shared_rows, [config.outputs for config in dkdv], [
+        config.shared_rows for config in dkdv]
+  assert kernels(256, 2048) == (True, [("dk", "dv")], [True])
+  assert kernels(256, 1024) == (False, [("dk",), ("dv",)], [False, False])
+  assert kernels(128, 2048) == (False, [("dk", "dv")], [False])
 
 
 def _require_sm90():
@@ -129,13 +158,13 @@ def _attention_with(**backward_kwargs):
     Case(1, 1024, 448, 4, 1, 256),    # MQA, q_len > kv_len, 7 K/V tiles
     Case(2, 512, 768, 8, 2, 128),
 ], ids=str)
-@pytest.mark.parametrize("persistent", [False, True])
-def test_shared_rows_match_reference_on_gpu(case, is_causal, persistent):
+def test_shared_rows_match_reference_on_gpu(case, is_causal):
   """Forward and shared-rows backward against jax.vjp of the reference,
-  with random cotangents of the output and the LSE, in both dtypes."""
+  with random cotangents of the output and the LSE, in both dtypes, on the
+  launch grid (the persistent grid equals it bit for bit: below)."""
   _require_sm90()
   attention = jax.jit(functools.partial(
-      _attention_with(shared_rows=True, persistent=persistent),
+      _attention_with(shared_rows=True, persistent=False),
       is_causal=is_causal))
   for dtype in (jnp.bfloat16, jnp.float16):
     check_against_reference(attention, case, dtype, is_causal=is_causal)
@@ -163,11 +192,11 @@ def test_shared_rows_are_deterministic_and_the_grid_on_gpu(is_causal):
 
 
 @pytest.mark.gpu
-def test_shared_rows_agree_with_two_passes_on_gpu():
-  """The same sums in the same order as the two-pass kernels (each consumer
-  adds the Q-row parts in order): dK and dV within one bf16 rounding of
-  theirs (the products are split into more wgmmas, whose f32 accumulation
-  may round differently), and dQ (the same kernel) bit for bit."""
+def test_shared_rows_agree_with_the_default_kernels_on_gpu():
+  """The same sums in the same order as the default kernels (each consumer
+  adds the parts in order): dq, dk and dv within about one bf16 rounding
+  of theirs (the products are split into more wgmmas, whose f32
+  accumulation may round differently)."""
   _require_sm90()
   case = Case(1, 2048, 2048, 8, 8, 256)
   q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 4)
@@ -176,9 +205,7 @@ def test_shared_rows_agree_with_two_passes_on_gpu():
   run = lambda shared: jax.jit(functools.partial(
       backward.mosaic_backward, scale=scale, is_causal=True,
       shared_rows=shared, persistent=False))(q, k, v, out, lse, d_out)
-  (dq, dk, dv), (dq2, dk2, dv2) = run(True), run(False)
-  np.testing.assert_array_equal(np.asarray(dq), np.asarray(dq2))
-  for a, b, name in ((dk, dk2, "dk"), (dv, dv2, "dv")):
+  for a, b, name in zip(run(True), run(False), ("dq", "dk", "dv")):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-3 * np.abs(b).max(),
                                err_msg=name)

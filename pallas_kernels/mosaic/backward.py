@@ -128,9 +128,14 @@ FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384}
 _DQ_PIECE = 64
 
 
-# Shared K/V rows in the dK/dV kernel (`mosaic_backward(shared_rows=None)`),
-# by head dim, on the launch grid: not yet measured, so nowhere by default.
-SHARED_ROWS_HEAD_DIMS: tuple[int, ...] = ()
+# Shared rows in both backward kernels (`mosaic_backward(shared_rows=None)`),
+# by head dim, on the launch grid (the persistent grid, the default up to
+# kv_len 1024, keeps the default kernels). Measured on the H200 with shared
+# rows in the dK/dV kernel alone (results/h200_mosaic_shared.md, backward
+# alone, full / causal): head_dim 256 at 16k 310 / 312 -> 352 / 346
+# TFLOP/s, at 4k 288 / 258 -> 331 / 280; at 1k, on the persistent grid,
+# 253 / 195 -> 256 / 191.
+SHARED_ROWS_HEAD_DIMS: tuple[int, ...] = (256,)
 
 
 def shared_rows_by_default(*, head_dim: int, kv_len: int,
@@ -217,7 +222,10 @@ class _Static:
   # part of the step's Q rows, and dK and dV for its part of the head_dim
   # columns; the parts of Pᵀ and dSᵀ meet in shared memory
   # (`_dkdv_consume_shared`). So dK and dV fit one pass where a consumer
-  # could not hold both whole (head_dim 256), with two consumers.
+  # could not hold both whole (head_dim 256), with two consumers. The dQ
+  # kernel likewise: the consumers share block_q Q rows, each computing S
+  # and dP for part of the step's K/V rows and dQ for part of the columns,
+  # dS exchanged (`_dq_consume_shared`).
   shared_rows: bool = False
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
@@ -231,6 +239,11 @@ class _Static:
   def kv_rows_per_cta(self) -> int:
     """K/V rows of a dK/dV kernel's CTA tile."""
     return self.block_kv * (1 if self.shared_rows else self.num_consumers)
+
+  @property
+  def q_rows_per_cta(self) -> int:
+    """Q rows of a dQ kernel's CTA tile."""
+    return self.block_q * (1 if self.shared_rows else self.num_consumers)
 
   @property
   def segmented(self) -> bool:
@@ -515,8 +528,9 @@ def statics(query, key, *, heavy_first: bool = True,
       raise NotImplementedError("the ranged backward has no fused dQ")
     return None, [dataclasses.replace(config, **dkdv_options) for config in
                   dkdv_statics(query, key, fused_dq=True, **tiles)]
-  dq_config = dataclasses.replace(dq_static(query, key, **tiles),
-                                  heavy_first=bool(heavy_first), **options)
+  dq_config = dataclasses.replace(
+      dq_static(query, key, shared_rows=shared_rows, **tiles),
+      heavy_first=bool(heavy_first), **options)
   dkdv_configs = [dataclasses.replace(config, **dkdv_options)
                   for config in dkdv_statics(query, key,
                                              shared_rows=shared_rows, **tiles)]
@@ -525,8 +539,7 @@ def statics(query, key, *, heavy_first: bool = True,
     kv_len, num_kv_heads = key.shape[1], key.shape[2]
     dq_config = _persistent(
         dq_config, num_ctas, num_heads=num_heads, batch=batch,
-        tiles_per_head=pl.cdiv(dq_config.num_q_blocks,
-                               dq_config.num_consumers))
+        tiles_per_head=pl.cdiv(query.shape[1], dq_config.q_rows_per_cta))
     dkdv_configs = [_persistent(
         config, num_ctas, num_heads=num_kv_heads, batch=batch,
         tiles_per_head=pl.cdiv(kv_len, config.kv_rows_per_cta))
@@ -535,8 +548,15 @@ def statics(query, key, *, heavy_first: bool = True,
 
 
 def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
-              max_concurrent_steps, spec=None) -> _Static:
-  """The dQ kernel's configuration (`spec`: the ranged form's mask spec)."""
+              max_concurrent_steps, spec=None,
+              shared_rows: bool = False) -> _Static:
+  """The dQ kernel's configuration (`spec`: the ranged form's mask spec;
+  `shared_rows`: `_Static.shared_rows`)."""
+  if shared_rows:
+    return _shared_rows_static(
+        query, key, scale=scale, is_causal=is_causal, block_q=block_q,
+        block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
+        spec=spec, kernel="dq")
   _, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   registers = _accumulator_registers((block_q, head_dim),
@@ -634,55 +654,65 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
 
 
 def _shared_rows_static(query, key, *, scale, is_causal, block_q, block_kv,
-                        max_concurrent_steps, spec=None) -> _Static:
-  """The dK/dV kernel with shared K/V rows (`_Static.shared_rows`): two
-  consumers, each with [block_kv, head_dim / 2] of dK and of dV and
-  [block_kv, block_q / 2] of Sᵀ and dPᵀ; one resident copy of the CTA's
-  K and V rows, the ring as usual, and the Pᵀ and dSᵀ parts exchanged."""
+                        max_concurrent_steps, spec=None,
+                        kernel: str = "dkdv") -> _Static:
+  """A kernel with shared rows (`_Static.shared_rows`), `kernel` "dkdv" or
+  "dq": two consumers on one resident copy of the CTA's rows (K/V or Q/dO,
+  in column parts), each with its column part of the outputs and its part
+  of the streamed rows' scores; the ring as usual; the score parts
+  exchanged (Pᵀ and dSᵀ, or dS)."""
   _, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   consumers = _MAX_CONSUMERS
   itemsize = jnp.dtype(query.dtype).itemsize
-  q_part, d_part = block_q // consumers, head_dim // consumers
+  dkdv = kernel == "dkdv"
+  resident, streamed = (block_kv, block_q) if dkdv else (block_q, block_kv)
+  resident_len = kv_len if dkdv else q_len
+  streamed_part, d_part = streamed // consumers, head_dim // consumers
+  what = f"shared {'K/V' if dkdv else 'Q'} rows"
   if spec is not None:
-    raise NotImplementedError("the ranged backward has no shared K/V rows")
-  if q_part * itemsize not in _EXCHANGE_SWIZZLES or d_part % 64:
+    raise NotImplementedError(f"the ranged backward has no {what}")
+  if streamed_part * itemsize not in _EXCHANGE_SWIZZLES or d_part % 64:
     raise NotImplementedError(
-        f"shared K/V rows split block_q {block_q} and head_dim {head_dim} "
-        f"between {consumers} consumers: each part of Pᵀ must be a "
-        f"swizzle row ({_EXCHANGE_SWIZZLES} bytes) and each part of the "
-        f"columns whole 64-column tiles")
-  if kv_len % block_kv:
-    raise NotImplementedError(f"kv_len {kv_len} must be a multiple of "
-                              f"block_kv {block_kv} (shared K/V rows)")
+        f"{what} split the {streamed} streamed rows and head_dim {head_dim} "
+        f"between {consumers} consumers: each part of the exchanged scores "
+        f"must be a swizzle row ({_EXCHANGE_SWIZZLES} bytes) and each part "
+        f"of the columns whole 64-column tiles")
+  if resident_len % resident:
+    raise NotImplementedError(
+        f"{'kv_len' if dkdv else 'q_len'} {resident_len} must be a multiple "
+        f"of {'block_kv' if dkdv else 'block_q'} {resident} ({what})")
+  outputs = ("dk", "dv") if dkdv else ("dq",)
+  scores = (resident, streamed_part)
   registers = _accumulator_registers(
-      (block_kv, d_part), (block_kv, d_part), (block_kv, q_part),
-      (block_kv, q_part))
+      *[(resident, d_part)] * len(outputs), scores, scores)
   if registers > _ACCUMULATOR_REGISTERS:
     raise NotImplementedError(
-        f"shared K/V rows with block_q {block_q}, block_kv {block_kv} at "
-        f"head_dim {head_dim} need {registers} accumulator registers per "
-        f"thread; at most {_ACCUMULATOR_REGISTERS} fit")
+        f"{what} with block_q {block_q}, block_kv {block_kv} at head_dim "
+        f"{head_dim} need {registers} accumulator registers per thread; at "
+        f"most {_ACCUMULATOR_REGISTERS} fit")
   group = num_heads // num_kv_heads
   num_q_blocks = pl.cdiv(q_len, block_q)
-  stages = min(max_concurrent_steps, group * num_q_blocks)
+  num_kv_blocks = pl.cdiv(kv_len, block_kv)
+  steps = group * num_q_blocks if dkdv else num_kv_blocks
+  stages = min(max_concurrent_steps, steps)
   smem = _smem_bytes(
-      num_consumers=1, num_stages=stages, resident_rows=block_kv,
-      streamed_rows=block_q, head_dim=head_dim, itemsize=itemsize,
-      resident_stats=0, streamed_stats=block_q) + (
-          2 * block_kv * block_q * itemsize)  # the exchanged Pᵀ and dSᵀ
+      num_consumers=1, num_stages=stages, resident_rows=resident,
+      streamed_rows=streamed, head_dim=head_dim, itemsize=itemsize,
+      resident_stats=0 if dkdv else consumers * block_q,  # a copy each
+      streamed_stats=block_q if dkdv else 0) + (
+          len(outputs) * resident * streamed * itemsize)  # the exchange
   if smem > _SMEM_LIMIT_BYTES:
     raise NotImplementedError(
-        f"shared K/V rows with block_q {block_q}, block_kv {block_kv} at "
-        f"head_dim {head_dim} need {smem} bytes of shared memory; sm90 has "
+        f"{what} with block_q {block_q}, block_kv {block_kv} at head_dim "
+        f"{head_dim} need {smem} bytes of shared memory; sm90 has "
         f"{_SMEM_LIMIT_BYTES}")
   return _Static(block_q=block_q, block_kv=block_kv, num_consumers=consumers,
                  num_stages=stages, num_q_blocks=num_q_blocks,
-                 num_kv_blocks=pl.cdiv(kv_len, block_kv), head_dim=head_dim,
-                 group=group, scale=float(scale),
-                 scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
-                 dtype=jnp.dtype(query.dtype), outputs=("dk", "dv"),
-                 shared_rows=True)
+                 num_kv_blocks=num_kv_blocks, head_dim=head_dim, group=group,
+                 scale=float(scale), scale_log2=float(scale) * _LOG2E,
+                 is_causal=bool(is_causal), dtype=jnp.dtype(query.dtype),
+                 outputs=outputs, shared_rows=True)
 
 
 # Swizzles (bytes) that a part of the exchanged Pᵀ and dSᵀ, one swizzle row
@@ -764,15 +794,8 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
                                streamed_rows=static.block_q)
     inputs += (plan, *(segments or ()))
   if static.shared_rows:
-    # Pᵀ's parts, then dSᵀ's: one ref each, so that wgmma operands need
-    # no constant indices (which `pl.run_state` cannot take).
-    q_part = static.block_q // consumers
-    part = plgpu.SMEM((static.block_kv, q_part), static.dtype,
-                      transforms=_exchange_transforms(static.dtype, q_part))
-    scratch += tuple(part for _ in range(2 * consumers)) + (
-        plgpu.Barrier(num_arrivals=consumers, num_barriers=1),  # exchanged
-        plgpu.Barrier(num_arrivals=consumers, num_barriers=1),  # exchange_free
-    )
+    scratch += _exchange_scratch(static, static.block_kv,
+                                 static.block_q // consumers, kinds=2)
   out_type = tuple(jax.ShapeDtypeStruct(key.shape, key.dtype)
                    for _ in static.outputs)
   if static.fused_dq:
@@ -1161,6 +1184,61 @@ def _walk_group(walk: _Walk, step_body, arrived, consumed, slot_of,
   return lax.fori_loop(0, static.group, head_body, grads)
 
 
+def _exchange_scratch(static: _Static, rows: int, part_columns: int, *,
+                      kinds: int):
+  """Shared rows' exchange (`_Exchange`): `kinds` score tiles, each in one
+  16-bit [rows, part_columns] part per consumer (a ref each, so that wgmma
+  operands need no constant indices, which `pl.run_state` cannot take),
+  then the barriers `exchanged` and `free`."""
+  consumers = static.num_consumers
+  part = plgpu.SMEM((rows, part_columns), static.dtype,
+                    transforms=_exchange_transforms(static.dtype,
+                                                    part_columns))
+  return tuple(part for _ in range(kinds * consumers)) + tuple(
+      plgpu.Barrier(num_arrivals=consumers, num_barriers=1)
+      for _ in range(2))
+
+
+class _Exchange(NamedTuple):
+  """How shared rows' consumers pass score parts to each other.
+
+  Each step, consumer c stores its parts (`put`) and waits until every
+  consumer has (`exchanged`), then reads all of them with its wgmmas, and
+  says so once they are done (`release`, on `free`). Before storing it
+  waits on `free` for the previous step's reads. `free` is seeded once a
+  tile (`begin`) and its last phase awaited at the end (`end`), so that both
+  barriers run through whole phases per tile (persistent grids), and no
+  consumer leaves a tile before every consumer's last read.
+  """
+  parts: tuple     # parts[kind][consumer]: [rows, part_columns] refs
+  exchanged: Any   # barrier: every consumer stored this step's parts
+  free: Any        # barrier: every consumer's wgmmas read the last ones
+
+  @classmethod
+  def of(cls, refs, *, kinds: int, consumers: int) -> "_Exchange":
+    parts = tuple(tuple(refs[k * consumers:(k + 1) * consumers])
+                  for k in range(kinds))
+    exchanged, free = refs[kinds * consumers:kinds * consumers + 2]
+    return cls(parts, exchanged.at[0], free.at[0])
+
+  def begin(self):
+    plgpu.barrier_arrive(self.free)  # the seed: nothing to read yet
+
+  def put(self, c: int, values):
+    plgpu.barrier_wait(self.free)
+    for parts, value in zip(self.parts, values):
+      parts[c][...] = value
+    plgpu.commit_smem()  # read by every consumer's wgmma
+    plgpu.barrier_arrive(self.exchanged)
+    plgpu.barrier_wait(self.exchanged)
+
+  def release(self):
+    plgpu.barrier_arrive(self.free)
+
+  def end(self):
+    plgpu.barrier_wait(self.free)
+
+
 def _column_part(c: int, static: _Static):
   """Consumer c's head_dim columns under shared K/V rows."""
   part = static.head_dim // static.num_consumers
@@ -1179,19 +1257,12 @@ def _dkdv_consume_shared(c: int, k_smem, v_smem, q_ring, do_ring, stats_ring,
     Pᵀ_c, dSᵀ_c  into the exchange; wait for every consumer's
     dV[:, d_c] += Σ_k Pᵀ_k dO[r_k, d_c],  dK[:, d_c] += Σ_k dSᵀ_k Q[r_k, d_c]
   so each consumer sums the same products in the same order as the
-  consumer that owns all the columns would. `exchange_refs`: the 16-bit
-  [block_kv, block_q / n] parts of Pᵀ (one per consumer), then of dSᵀ,
-  and the barriers `exchanged` (every part stored) and `exchange_free` (every
-  consumer's wgmmas read the previous step's parts). `exchange_free` is
-  seeded once a tile and its last phase awaited at the end, so that both
-  barriers run through whole phases per tile (persistent grids) and no
-  consumer leaves a tile before every consumer's last read.
+  consumer that owns all the columns would. `exchange_refs`: the
+  `_exchange_scratch` of Pᵀ's and dSᵀ's [block_kv, block_q / n] parts.
   """
   consumers = static.num_consumers
-  p_parts = exchange_refs[:consumers]
-  ds_parts = exchange_refs[consumers:2 * consumers]
-  exchanged, exchange_free = (barrier.at[0] for barrier in
-                              exchange_refs[2 * consumers:])
+  exchange = _Exchange.of(exchange_refs, kinds=2, consumers=consumers)
+  p_parts, ds_parts = exchange.parts
   q_part = static.block_q // consumers
   rows = lambda k: pl.ds(k * q_part, q_part)
   columns = _column_part(c, static)
@@ -1233,25 +1304,20 @@ def _dkdv_consume_shared(c: int, k_smem, v_smem, q_ring, do_ring, stats_ring,
     if delta is None:
       delta = column_stats(stats, 1)
     ds_t = _score_gradient(p_t, dp_t, _cols(delta, shape), None)
-    plgpu.barrier_wait(exchange_free)
-    p_parts[c][...] = p_t.astype(static.dtype)
-    ds_parts[c][...] = ds_t.astype(static.dtype)
-    plgpu.commit_smem()  # read by every consumer's wgmma
-    plgpu.barrier_arrive(exchanged)
-    plgpu.barrier_wait(exchanged)
+    exchange.put(c, [p_t.astype(static.dtype), ds_t.astype(static.dtype)])
     grads = _wgmma_accumulate_sums(grads, [
         [(ds_parts[k], q_tile.at[rows(k), columns])   # dK
          for k in range(consumers)],
         [(p_parts[k], do_tile.at[rows(k), columns])    # dV
          for k in range(consumers)]])
     plgpu.barrier_arrive(consumed.at[slot])
-    plgpu.barrier_arrive(exchange_free)
+    exchange.release()
     return grads
 
-  plgpu.barrier_arrive(exchange_free)  # the seed: nothing to read yet
+  exchange.begin()
   grads = _walk_group(walk, step_body, arrived, consumed, slot_of, static,
                       (zeros, zeros))
-  plgpu.barrier_wait(exchange_free)  # every consumer's last reads are done
+  exchange.end()
   dk, dv = grads
   return dk * static.scale, dv
 
@@ -1476,8 +1542,12 @@ def launch_dq(query, key, value, d_out, stats, static: _Static, *, plan=None,
   batch, q_len, num_heads, head_dim = query.shape
   consumers, stages = static.num_consumers, static.num_stages
   transforms = _tile_transforms(static.dtype)
-  resident = plgpu.SMEM((consumers, static.block_q, head_dim), static.dtype,
-                        transforms=transforms)
+  resident_shape = (consumers, static.block_q, head_dim)
+  if static.shared_rows:  # as in `launch_dkdv`
+    resident_shape = (consumers, static.block_q, head_dim // consumers)
+    transforms = _exchange_transforms(static.dtype,
+                                      static.block_kv // consumers)
+  resident = plgpu.SMEM(resident_shape, static.dtype, transforms=transforms)
   streamed = plgpu.SMEM((stages, static.block_kv, head_dim), static.dtype,
                         transforms=transforms)
   scratch = (
@@ -1498,12 +1568,15 @@ def launch_dq(query, key, value, d_out, stats, static: _Static, *, plan=None,
     scratch += _ranged_scratch(static, resident_rows=static.block_q,
                                streamed_rows=static.block_kv)
     inputs += (plan, *(segments or ()))
+  if static.shared_rows:
+    scratch += _exchange_scratch(static, static.block_q,
+                                 static.block_kv // consumers, kinds=1)
   return plgpu.kernel(
       functools.partial(_dq_kernel, static=static),
       out_type=jax.ShapeDtypeStruct(query.shape, query.dtype),
       scratch_types=scratch,
       # Launched batch fastest, q_tile slowest (Pallas reverses the grid).
-      **_grid(static, (pl.cdiv(q_len, consumers * static.block_q),
+      **_grid(static, (pl.cdiv(q_len, static.q_rows_per_cta),
                        num_heads, batch), ("q_tile", "head", "batch")),
       num_threads=consumers + 1,
       thread_name="wg",
@@ -1522,7 +1595,7 @@ def _dq_kernel(*refs, static: _Static):
                              refs[num_inputs + 1:])
   wg = lax.axis_index("wg")
   batch_size, q_len, num_heads, _ = inputs[0].shape
-  num_tiles = pl.cdiv(static.num_q_blocks, static.num_consumers)
+  num_tiles = pl.cdiv(q_len, static.q_rows_per_cta)
 
   def tile(batch, head, q_tile, wg, base, consumer):
     if not static.persistent:
@@ -1544,18 +1617,54 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
   q_ref, k_ref, v_ref, do_ref, stats_ref = inputs[:5]
   (q_smem, do_smem, stats_smem, k_ring, v_ring, q_arrived, do_arrived,
    stats_arrived, k_arrived, v_arrived, consumed) = scratch[:11]
-  rows_per_tile = static.num_consumers * static.block_q
-  tile_start = q_tile * rows_per_tile
+  tile_start = q_tile * static.q_rows_per_cta
   plan, ids = _ranged_refs(static, inputs[5:], scratch[11:], batch=batch,
                            tile=q_tile, own_is_query=True)
   num_steps = None
   if plan is None:
     # The last consumer's rows come last, so it sees the most K/V tiles.
-    last_start = tile_start + (static.num_consumers - 1) * static.block_q
+    last_start = tile_start + (static.q_rows_per_cta - static.block_q)
     num_steps = _num_kv_blocks_seen(last_start, static)
   arrived = (k_arrived, v_arrived) + _ids_arrived(ids)
 
+  def _shared_consumer(c: int):
+    q_rows = pl.ds(tile_start, static.block_q)
+    columns = _column_part(c, static)
+    # Each consumer loads its column part of Q and dO (persistent: once
+    # its own dQ part has left through Q's) and its own copy of the
+    # rows' statistics, and waits for every part.
+    for ref, smem, barrier in ((q_ref, q_smem, q_arrived),
+                               (do_ref, do_smem, do_arrived)):
+      plgpu.copy_gmem_to_smem(ref.at[batch, q_rows, head, columns],
+                              smem.at[c], barrier.at[c])
+    plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, q_rows],
+                            stats_smem.at[c], stats_arrived.at[c])
+    for barrier in (q_arrived, do_arrived):
+      for other in range(static.num_consumers):
+        plgpu.barrier_wait(barrier.at[other])
+    plgpu.barrier_wait(stats_arrived.at[c])
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    lse_log2 = plgpu.layout_cast(stats_smem[c, 0], row_layout)
+    delta = plgpu.layout_cast(stats_smem[c, 1], row_layout)
+    walk = _Walk(0, num_steps, _dq_causal_runs(tile_start, num_steps, static),
+                 None)
+    dq = _dq_consume_shared(c, q_smem, do_smem, lse_log2, delta, k_ring,
+                            v_ring, arrived, consumed, scratch[11:],
+                            walk=walk, q_start=tile_start, static=static,
+                            base=base)
+    # Every consumer is past its last step: Q is dead, and each part of dQ
+    # goes out through its part of Q.
+    q_smem[c] = dq.astype(static.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem.at[c], dq_ref.at[batch, q_rows, head,
+                                                    columns])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=base is not None)
+
   def _consumer():
+    if static.shared_rows:  # static consumer numbers: static column slices
+      for c in range(static.num_consumers):
+        pl.when(wg == c)(functools.partial(_shared_consumer, c))
+      return
     q_start = tile_start + wg * static.block_q
     q_rows = pl.ds(q_start, static.block_q)
     own_q, own_do, own_stats = q_smem.at[wg], do_smem.at[wg], stats_smem.at[wg]
@@ -1672,6 +1781,83 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
       _SKIP: skip_body, _UNMASKED: functools.partial(step_body, masked=False),
       _MASKED: functools.partial(step_body, masked=True)}, dq)
   return dq * static.scale
+
+
+def _dq_consume_shared(c: int, q_smem, do_smem, lse_log2, delta, k_ring,
+                       v_ring, arrived, consumed, exchange_refs, *,
+                       walk: _Walk, q_start, static: _Static, base=None):
+  """Consumer c of a dQ tile with shared Q rows (`_Static.shared_rows`):
+  its columns d_c of dQ (f32, scaled), [block_q, head_dim / n].
+
+  Q and dO are resident in column parts p; per step, with K/V rows r_c
+  (its part of the step's K/V tile):
+    S_c = Σ_p Q_p K[r_c, d_p]ᵀ, dP_c = Σ_p dO_p V[r_c, d_p]ᵀ
+    dS_c into the exchange; wait for every consumer's
+    dQ[:, d_c] += Σ_k dS_k K[r_k, d_c]
+  `exchange_refs`: the `_exchange_scratch` of dS's [block_q, block_kv / n]
+  parts.
+  """
+  consumers = static.num_consumers
+  exchange = _Exchange.of(exchange_refs, kinds=1, consumers=consumers)
+  (ds_parts,) = exchange.parts
+  kv_part = static.block_kv // consumers
+  rows = lambda k: pl.ds(k * kv_part, kv_part)
+  columns = _column_part(c, static)
+  shape = (static.block_q, kv_part)
+  dq = plgpu.layout_cast(
+      jnp.zeros((static.block_q, static.head_dim // consumers), jnp.float32),
+      plgpu.Layout.WGMMA)
+  slot_of = lambda step: lax.rem(step if base is None else base + step,
+                                 static.num_stages)
+
+  def step_body(step, dq, *, masked):
+    slot = slot_of(step)
+    for barrier in arrived:
+      plgpu.barrier_wait(barrier.at[slot])
+    k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
+    products = [[(smem.at[p], tile.at[rows(c), _column_part(p, static)]
+                  .transpose((1, 0))) for p in range(consumers)]
+                for smem, tile in ((q_smem, k_tile), (do_smem, v_tile))]
+
+    def probabilities(s):
+      p, _ = _probabilities(s, lse_log2, _rows, None, static)
+      if masked:
+        p = jnp.where(_causal_mask_part(q_start, step, c * kv_part, shape,
+                                        static), p, 0.0)
+      return p
+
+    if static.overlap_softmax:
+      p, dp = _wgmma_then(shape, products, probabilities)
+    else:
+      s, dp = _wgmma_fresh(shape, products)
+      p = probabilities(s)
+    ds = _score_gradient(p, dp, _rows(delta, shape), None)
+    exchange.put(c, [ds.astype(static.dtype)])
+    (dq,) = _wgmma_accumulate_sums((dq,), [
+        [(ds_parts[k], k_tile.at[rows(k), columns]) for k in range(consumers)]])
+    plgpu.barrier_arrive(consumed.at[slot])
+    exchange.release()
+    return dq
+
+  def skip_body(step, dq):
+    _skip_step(arrived, consumed, slot_of(step))
+    return dq
+
+  exchange.begin()
+  dq = _walk_runs(walk.runs, {
+      _SKIP: skip_body, _UNMASKED: functools.partial(step_body, masked=False),
+      _MASKED: functools.partial(step_body, masked=True)}, dq)
+  exchange.end()
+  return dq * static.scale
+
+
+def _causal_mask_part(q_start, step, kv_offset: int, shape,
+                      static: _Static):
+  """[block_q, kv part]: True where query q_start + r may attend key
+  step * block_kv + kv_offset + c (a consumer's part of an S tile)."""
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  return rows + q_start >= cols + (step * static.block_kv + kv_offset)
 
 
 def _dq_causal_runs(q_start, num_steps, static: _Static):
