@@ -216,13 +216,14 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
       # GRID_OUT: another file (say one half of the grid per GPU, by
       # GRID_ARGS="--causal full"; merge with run_grid --include).
       # GRID_ROUNDS: time each cell's implementations that many times in
-      # turn, each keeping its median (run_grid --rounds).
+      # turn, each keeping its median (run_grid --rounds). GRID_IMPLS:
+      # another list of implementations.
       timeout $((${GRID_BUDGET:-100} + 40)) python3 -m benchmarks.run_grid \
         ${GRID_ARGS:---resume} --time-budget ${GRID_BUDGET:-100} \
         --rounds ${GRID_ROUNDS:-1} \
         --out ${GRID_OUT:-benchmarks/results/h200.json} \
-        --impls jax_flash_mosaic jax_flash_triton cudnn tokamax_mosaic tokamax_triton \
-        pallas_triton_mha pallas_mgpu xla matmul > "$LOGS/grid.log" 2>&1
+        --impls ${GRID_IMPLS:-jax_flash_mosaic jax_flash_triton cudnn tokamax_mosaic tokamax_triton \
+        pallas_triton_mha pallas_mgpu xla matmul} > "$LOGS/grid.log" 2>&1
       cp ${GRID_OUT:-benchmarks/results/h200.json} "$OUT/"; tail -45 "$LOGS/grid.log" ;;
   esac
 done
