@@ -347,3 +347,37 @@ def test_backward_breakdown_times_every_piece(head_dim, want, monkeypatch,
   assert names == ["forward", "row statistics", "delta by XLA", *want,
                    "backward",
                    "jax_flash_mosaic fwd", "jax_flash_mosaic fwd_bwd"]
+
+
+def test_ncu_summary_reads_both_exports(tmp_path):
+  """Nsight Compute's raw page (one row per kernel, a units row) and its
+  SASS source page (a block per kernel) become tables: duration in ms
+  whatever the unit, stall shares of the samples, the worst instructions
+  first."""
+  from benchmarks import ncu_summary
+  raw = tmp_path / "raw.csv"
+  raw.write_text(
+      '"ID","Kernel Name","gpu__time_duration.sum",'
+      '"sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",'
+      '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"\n'
+      '"","","usecond","%","inst"\n'
+      '"0","dkdv_kernel","6,510.5","70.1","2.16"\n'
+      '"1","dq_kernel","4190","88.0","2.31"\n')
+  table = ncu_summary.metrics_table(str(raw)).splitlines()
+  assert table[0] == "| kernel | ms | tensor % | stall barrier |"
+  assert table[2] == "| dkdv_kernel | 6.511 | 70.1 | 2.16 |"
+  assert table[3] == "| dq_kernel | 4.190 | 88 | 2.31 |"
+  sass = tmp_path / "sass.csv"
+  columns = ('"Address","Source","Warp Stall Sampling (All Samples)",'
+             '"stall_barrier","stall_short_sb","stall_barrier (Not Issued)"\n')
+  sass.write_text(
+      '"Kernel Name","ours",\n' + columns
+      + '"0x1","BRA 0x2","10","10","0","3"\n'
+      + '"0x2","FFMA R7, R1, -R10","30","0","30","0"\n'
+      + '"Kernel Name","theirs",\n' + columns
+      + '"0x1","HGMMA","4","4","0","0"\n')
+  report = ncu_summary.stalls_report(str(sass), top=1)
+  assert "### ours" in report and "### theirs" in report
+  assert "40 samples. By reason: short_sb 75.0%, barrier 25.0%" in report
+  assert "| 75.0% | `FFMA R7, R1, -R10` | short_sb 30, barrier 0 |" in report
+  assert "BRA" not in report.split("### theirs")[0]  # top=1: only the worst
