@@ -61,8 +61,10 @@ CONSUMERS_SPACE = dict(num_consumers=(2, 3), block_kv=(64, 128))
 # `hw_turns`), with the default consumers (three at d=64, always a ring).
 TURNS_SPACE = dict(ring_turns=(False, True), hw_turns=(False, True))
 # Shared K/V rows in the dK/dV kernel (`backward._Static.shared_rows`), on
-# either grid.
+# either grid; and shared Q rows in the dQ kernel with them.
 SHARED_SPACE = dict(shared_rows=(False, True), persistent=(False, True))
+SHARED_Q_SPACE = dict(shared_rows=(True,), shared_q_rows=(False, True),
+                      persistent=(False,))
 # The dK/dV kernel's row statistics read before its matmuls
 # (`backward._Static.prefetch_stats`), default grid.
 PREFETCH_SPACE = dict(prefetch_stats=(False, True))
@@ -123,6 +125,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_turns": _forward(TURNS_SPACE),
            "backward_launch": _backward(LAUNCH_SPACE),
            "backward_shared": _backward(SHARED_SPACE),
+           "backward_shared_q": _backward(SHARED_Q_SPACE),
            "backward_prefetch": _backward(PREFETCH_SPACE)}
 
 

@@ -1,12 +1,13 @@
 """The backward's kernels with shared rows (`backward._Static.shared_rows`).
 
-dK/dV: both consumers take the CTA's K/V rows; each computes Sᵀ and dPᵀ for
-half of the step's Q rows and dK and dV for half of the head_dim columns,
-the halves of Pᵀ and dSᵀ meeting in shared memory. At head_dim 256 that is
-one dK/dV pass with two consumers, where the default runs two passes (dK,
-dV) with one. dQ likewise: both consumers take the CTA's Q rows, each with
-half of the step's K/V rows for S and dP and half of dQ's columns, dS
-exchanged. Cross-lowered for CUDA on CPU; checked against the reference,
+dK/dV (`shared_rows`): both consumers take the CTA's K/V rows; each computes
+Sᵀ and dPᵀ for half of the step's Q rows and dK and dV for half of the
+head_dim columns, the halves of Pᵀ and dSᵀ meeting in shared memory. At
+head_dim 256 that is one dK/dV pass with two consumers, where two passes
+(dK, dV) with one ran before. dQ likewise (`shared_q_rows`, off by
+default): both consumers take the CTA's Q rows, each with half of the
+step's K/V rows for S and dP and half of dQ's columns, dS exchanged.
+Cross-lowered for CUDA on CPU; checked against the reference,
 the launch grid and the default kernels on a GPU.
 """
 from __future__ import annotations
@@ -48,6 +49,10 @@ def test_shared_rows_lower_as_one_dkdv_pass(head_dim, is_causal, persistent,
   lowered = _lowered(head_dim, is_causal, shared_rows=True,
                      persistent=persistent)
   assert _kernels(lowered.as_text()) == {"dq", "dkdv"}
+  both = _lowered(head_dim, is_causal, shared_rows=True, shared_q_rows=True,
+                  persistent=persistent)
+  assert _kernels(both.as_text()) == {"dq", "dkdv"}
+  assert both.as_text() != lowered.as_text()
   assert [g.shape for g in lowered.out_info] == [
       s.shape for s in _structs(head_dim=head_dim, q_len=512,
                                 kv_len=768)[:3]]
@@ -101,23 +106,25 @@ def test_shared_q_rows_refuse_what_they_do_not_cover(kwargs, match):
                        **tiles)
 
 
-def test_shared_rows_refuse_the_fused_dq(cuda_lowering):
+@pytest.mark.parametrize("option", ["shared_rows", "shared_q_rows"])
+def test_shared_rows_refuse_the_fused_dq(option, cuda_lowering):
   with pytest.raises(NotImplementedError, match="fused dQ"):
-    _lowered(128, False, shared_rows=True, fused_dq=True, persistent=False)
+    _lowered(128, False, fused_dq=True, persistent=False, **{option: True})
 
 
 def test_shared_rows_default_follows_the_measured_table():
   """Shipped at head_dim 256 where the launch grid runs (kv_len above
-  1024): both kernels with shared rows, dK and dV in one pass. Up to 1024
-  the persistent default keeps the two-pass kernels; other head dims
-  never share."""
+  1024): the dK/dV kernel with shared rows, dK and dV in one pass; the dQ
+  kernel as before (shared Q rows measured slower). Up to 1024 the
+  persistent default keeps the two-pass kernels; other head dims never
+  share."""
   assert backward.SHARED_ROWS_HEAD_DIMS == (256,)
   def kernels(head_dim, seq):
     q, kv = _structs(head_dim=head_dim, q_len=seq, kv_len=seq)[:2]
     dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=False)
     return dq.shared_rows, [config.outputs for config in dkdv], [
         config.shared_rows for config in dkdv]
-  assert kernels(256, 2048) == (True, [("dk", "dv")], [True])
+  assert kernels(256, 2048) == (False, [("dk", "dv")], [True])
   assert kernels(256, 1024) == (False, [("dk",), ("dv",)], [False, False])
   assert kernels(128, 2048) == (False, [("dk", "dv")], [False])
 
@@ -158,13 +165,15 @@ def _attention_with(**backward_kwargs):
     Case(1, 1024, 448, 4, 1, 256),    # MQA, q_len > kv_len, 7 K/V tiles
     Case(2, 512, 768, 8, 2, 128),
 ], ids=str)
-def test_shared_rows_match_reference_on_gpu(case, is_causal):
+@pytest.mark.parametrize("shared_q_rows", [False, True])
+def test_shared_rows_match_reference_on_gpu(case, is_causal, shared_q_rows):
   """Forward and shared-rows backward against jax.vjp of the reference,
   with random cotangents of the output and the LSE, in both dtypes, on the
   launch grid (the persistent grid equals it bit for bit: below)."""
   _require_sm90()
   attention = jax.jit(functools.partial(
-      _attention_with(shared_rows=True, persistent=False),
+      _attention_with(shared_rows=True, shared_q_rows=shared_q_rows,
+                      persistent=False),
       is_causal=is_causal))
   for dtype in (jnp.bfloat16, jnp.float16):
     check_against_reference(attention, case, dtype, is_causal=is_causal)
@@ -183,7 +192,8 @@ def test_shared_rows_are_deterministic_and_the_grid_on_gpu(is_causal):
   out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
   run = lambda **kwargs: jax.jit(functools.partial(
       backward.mosaic_backward, scale=scale, is_causal=is_causal,
-      shared_rows=True, **kwargs))(q, k, v, out, lse, d_out)
+      shared_rows=True, shared_q_rows=True, **kwargs))(q, k, v, out, lse,
+                                                       d_out)
   want = run(persistent=False)
   for got in (run(persistent=False), run(persistent=True, num_ctas=3)):
     for a, b, name in zip(got, want, ("dq", "dk", "dv")):
@@ -204,7 +214,8 @@ def test_shared_rows_agree_with_the_default_kernels_on_gpu():
   out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=True)
   run = lambda shared: jax.jit(functools.partial(
       backward.mosaic_backward, scale=scale, is_causal=True,
-      shared_rows=shared, persistent=False))(q, k, v, out, lse, d_out)
+      shared_rows=shared, shared_q_rows=shared, persistent=False))(
+          q, k, v, out, lse, d_out)
   for a, b, name in zip(run(True), run(False), ("dq", "dk", "dv")):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-3 * np.abs(b).max(),

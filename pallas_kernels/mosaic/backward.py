@@ -128,13 +128,15 @@ FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384}
 _DQ_PIECE = 64
 
 
-# Shared rows in both backward kernels (`mosaic_backward(shared_rows=None)`),
+# Shared K/V rows in the dK/dV kernel (`mosaic_backward(shared_rows=None)`),
 # by head dim, on the launch grid (the persistent grid, the default up to
-# kv_len 1024, keeps the default kernels). Measured on the H200 with shared
-# rows in the dK/dV kernel alone (results/h200_mosaic_shared.md, backward
-# alone, full / causal): head_dim 256 at 16k 310 / 312 -> 352 / 346
-# TFLOP/s, at 4k 288 / 258 -> 331 / 280; at 1k, on the persistent grid,
-# 253 / 195 -> 256 / 191.
+# kv_len 1024, keeps the two passes). Measured on the H200
+# (results/h200_mosaic_shared_dkdv.md, backward alone, full / causal):
+# head_dim 256 at 16k 310 / 312 -> 352 / 346 TFLOP/s, at 4k 288 / 258 ->
+# 331 / 280; at 1k, on the persistent grid, 253 / 195 -> 256 / 191. Shared
+# Q rows in the dQ kernel as well (`shared_q_rows`) were slower than its one
+# consumer: 340 / 343 at 16k, 318 / 279 at 4k
+# (results/h200_mosaic_shared_both.md).
 SHARED_ROWS_HEAD_DIMS: tuple[int, ...] = (256,)
 
 
@@ -222,10 +224,11 @@ class _Static:
   # part of the step's Q rows, and dK and dV for its part of the head_dim
   # columns; the parts of Pᵀ and dSᵀ meet in shared memory
   # (`_dkdv_consume_shared`). So dK and dV fit one pass where a consumer
-  # could not hold both whole (head_dim 256), with two consumers. The dQ
-  # kernel likewise: the consumers share block_q Q rows, each computing S
-  # and dP for part of the step's K/V rows and dQ for part of the columns,
-  # dS exchanged (`_dq_consume_shared`).
+  # could not hold both whole (head_dim 256), with two consumers. In the dQ
+  # kernel (`mosaic_backward(shared_q_rows=True)`) likewise: the consumers
+  # share block_q Q rows, each computing S and dP for part of the step's
+  # K/V rows and dQ for part of the columns, dS exchanged
+  # (`_dq_consume_shared`).
   shared_rows: bool = False
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
@@ -258,6 +261,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     num_ctas: int | None = None,
                     fused_dq: bool | None = None, tile_fastest: bool = False,
                     shared_rows: bool | None = None,
+                    shared_q_rows: bool = False,
                     prefetch_stats: bool = False):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
@@ -307,6 +311,9 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       one pass where dK and dV do not fit one consumer (head_dim 256).
       Not with `fused_dq`. None: where measured faster
       (`shared_rows_by_default`).
+    shared_q_rows: the dQ kernel's consumers likewise share `block_q` Q
+      rows (two consumers at head_dim 256 instead of one); measured slower,
+      so off by default.
     prefetch_stats: the dK/dV kernel reads each step's lse and delta before
       its matmuls are issued (see `_Static`); the same results either way.
 
@@ -328,7 +335,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       heavy_first=heavy_first, overlap_softmax=overlap_softmax,
       persistent=persistent, num_ctas=num_ctas, fused_dq=fused_dq,
       tile_fastest=tile_fastest, shared_rows=shared_rows,
-      prefetch_stats=prefetch_stats)
+      shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -338,7 +345,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               heavy_first: bool = True, overlap_softmax: bool = True,
               persistent: bool | None = None, num_ctas: int | None = None,
               fused_dq: bool | None = None, tile_fastest: bool = False,
-              shared_rows: bool | None = None, prefetch_stats: bool = False):
+              shared_rows: bool | None = None, shared_q_rows: bool = False,
+              prefetch_stats: bool = False):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -359,7 +367,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  overlap_softmax=overlap_softmax, persistent=persistent,
                  num_ctas=num_ctas, fused_dq=fused_dq,
                  tile_fastest=tile_fastest, shared_rows=shared_rows,
-                 prefetch_stats=prefetch_stats, **tiles)
+                 shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
+                 **tiles)
 
 
 def gradients(query, key, value, d_out, stats, dq_config: _Static | None,
@@ -511,15 +520,16 @@ def statics(query, key, *, heavy_first: bool = True,
             overlap_softmax: bool = False, persistent: bool = False,
             num_ctas: int | None = None, fused_dq: bool = False,
             tile_fastest: bool = False, shared_rows: bool = False,
-            prefetch_stats: bool = False, **tiles):
+            shared_q_rows: bool = False, prefetch_stats: bool = False,
+            **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax),
                  tile_fastest=bool(tile_fastest))
   dkdv_options = dict(options, prefetch_stats=bool(prefetch_stats))
   if fused_dq:
-    if shared_rows:
-      raise NotImplementedError("the fused dQ has no shared K/V rows")
+    if shared_rows or shared_q_rows:
+      raise NotImplementedError("the fused dQ has no shared rows")
     if persistent or tile_fastest:
       raise NotImplementedError(
           "the fused dQ runs on the launch grid in its own order only: its "
@@ -529,7 +539,7 @@ def statics(query, key, *, heavy_first: bool = True,
     return None, [dataclasses.replace(config, **dkdv_options) for config in
                   dkdv_statics(query, key, fused_dq=True, **tiles)]
   dq_config = dataclasses.replace(
-      dq_static(query, key, shared_rows=shared_rows, **tiles),
+      dq_static(query, key, shared_rows=shared_q_rows, **tiles),
       heavy_first=bool(heavy_first), **options)
   dkdv_configs = [dataclasses.replace(config, **dkdv_options)
                   for config in dkdv_statics(query, key,
@@ -1224,10 +1234,11 @@ class _Exchange(NamedTuple):
   def begin(self):
     plgpu.barrier_arrive(self.free)  # the seed: nothing to read yet
 
-  def put(self, c: int, values):
+  def put(self, c: int, values, dtype):
+    """Stores consumer c's f32 `values`, one per kind, in `dtype`."""
     plgpu.barrier_wait(self.free)
     for parts, value in zip(self.parts, values):
-      parts[c][...] = value
+      parts[c][...] = value.astype(dtype)
     plgpu.commit_smem()  # read by every consumer's wgmma
     plgpu.barrier_arrive(self.exchanged)
     plgpu.barrier_wait(self.exchanged)
@@ -1304,7 +1315,7 @@ def _dkdv_consume_shared(c: int, k_smem, v_smem, q_ring, do_ring, stats_ring,
     if delta is None:
       delta = column_stats(stats, 1)
     ds_t = _score_gradient(p_t, dp_t, _cols(delta, shape), None)
-    exchange.put(c, [p_t.astype(static.dtype), ds_t.astype(static.dtype)])
+    exchange.put(c, [p_t, ds_t], static.dtype)
     grads = _wgmma_accumulate_sums(grads, [
         [(ds_parts[k], q_tile.at[rows(k), columns])   # dK
          for k in range(consumers)],
@@ -1832,7 +1843,7 @@ def _dq_consume_shared(c: int, q_smem, do_smem, lse_log2, delta, k_ring,
       s, dp = _wgmma_fresh(shape, products)
       p = probabilities(s)
     ds = _score_gradient(p, dp, _rows(delta, shape), None)
-    exchange.put(c, [ds.astype(static.dtype)])
+    exchange.put(c, [ds], static.dtype)
     (dq,) = _wgmma_accumulate_sums((dq,), [
         [(ds_parts[k], k_tile.at[rows(k), columns]) for k in range(consumers)]])
     plgpu.barrier_arrive(consumed.at[slot])
