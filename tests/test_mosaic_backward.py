@@ -151,29 +151,31 @@ def test_bad_residuals_raise(change, error):
                     scale=0.125, is_causal=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _mosaic_attention(q, k, v, is_causal):
-  """(out, lse [B, Tq, N]): the Mosaic forward with the Mosaic backward."""
-  out, lse = mosaic_forward(q, k, v, scale=q.shape[-1]**-0.5,
-                            is_causal=is_causal)
-  return out, jnp.transpose(lse, (0, 2, 1))
+def mosaic_attention_with(**backward_kwargs):
+  """(q, k, v, is_causal) -> (out, lse [B, Tq, N]): the Mosaic forward, with
+  the Mosaic backward called with `backward_kwargs`."""
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+  def attention(q, k, v, is_causal):
+    return forward(q, k, v, is_causal)[0]
+
+  def forward(q, k, v, is_causal):
+    out, lse = mosaic_forward(q, k, v, scale=q.shape[-1]**-0.5,
+                              is_causal=is_causal)
+    return (out, jnp.transpose(lse, (0, 2, 1))), (q, k, v, out, lse)
+
+  def backward(is_causal, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    d_out, d_lse = cotangents
+    return mosaic_backward(q, k, v, out, lse, d_out,
+                           jnp.transpose(d_lse, (0, 2, 1)),
+                           scale=q.shape[-1]**-0.5, is_causal=is_causal,
+                           **backward_kwargs)
+
+  attention.defvjp(forward, backward)
+  return attention
 
 
-def _mosaic_attention_fwd(q, k, v, is_causal):
-  out, lse = mosaic_forward(q, k, v, scale=q.shape[-1]**-0.5,
-                            is_causal=is_causal)
-  return (out, jnp.transpose(lse, (0, 2, 1))), (q, k, v, out, lse)
-
-
-def _mosaic_attention_bwd(is_causal, residuals, cotangents):
-  q, k, v, out, lse = residuals
-  d_out, d_lse = cotangents
-  return mosaic_backward(q, k, v, out, lse, d_out,
-                         jnp.transpose(d_lse, (0, 2, 1)),
-                         scale=q.shape[-1]**-0.5, is_causal=is_causal)
-
-
-_mosaic_attention.defvjp(_mosaic_attention_fwd, _mosaic_attention_bwd)
+_mosaic_attention = mosaic_attention_with()
 
 
 def _require_sm90():
@@ -200,6 +202,20 @@ def test_mosaic_backward_matches_reference_on_gpu(case, is_causal, dtype):
   check_against_reference(attention, case, dtype, is_causal=is_causal)
 
 
+def _assert_bitwise_either_way(option, head_dim, is_causal, seed, **kwargs):
+  """dq, dk, dv with `option` on equal those with it off, bit for bit."""
+  _require_sm90()
+  case = Case(2, 1024, 1536, 8, 2, head_dim)
+  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, seed)
+  scale = head_dim**-0.5
+  out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
+  run = lambda on: jax.jit(functools.partial(
+      mosaic_backward, scale=scale, is_causal=is_causal, **{option: on},
+      **kwargs))(q, k, v, out, lse, d_out)
+  for a, b, name in zip(run(True), run(False), ("dq", "dk", "dv")):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -208,39 +224,23 @@ def test_overlapped_backward_is_bitwise_the_default_on_gpu(head_dim,
   """`overlap_softmax` reorders when the matmuls are waited for, not what
   is computed: the gradients equal the default kernels' bit for bit (a
   register read before its wgmma finished would not)."""
-  _require_sm90()
-  case = Case(2, 1024, 1536, 8, 2, head_dim)
-  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 9)
-  scale = head_dim**-0.5
-  out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
-  run = lambda overlap: jax.jit(functools.partial(
-      mosaic_backward, scale=scale, is_causal=is_causal,
-      overlap_softmax=overlap))(q, k, v, out, lse, d_out)
-  for a, b, name in zip(run(True), run(False), ("dq", "dk", "dv")):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  _assert_bitwise_either_way("overlap_softmax", head_dim, is_causal, 9)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim, kwargs", [
     (64, {}), (128, {}), (256, {}), (128, dict(overlap_softmax=False)),
-    (64, dict(fused_dq=True, block_q=128)), (256, dict(shared_rows=True)),
+    (64, dict(fused_dq=True, block_q=128)), (256, dict(shared_rows=False)),
 ], ids=str)
 def test_prefetched_stats_are_bitwise_the_default_on_gpu(head_dim, kwargs,
                                                          is_causal):
   """`prefetch_stats` moves the dK/dV kernel's reads of lse and delta
   ahead of its matmuls, not what is computed: dq, dk, dv equal the kernels
-  without it bit for bit, in every dK/dV form it applies to."""
-  _require_sm90()
-  case = Case(2, 1024, 1536, 8, 2, head_dim)
-  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 17)
-  scale = head_dim**-0.5
-  out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
-  run = lambda prefetch: jax.jit(functools.partial(
-      mosaic_backward, scale=scale, is_causal=is_causal,
-      prefetch_stats=prefetch, **kwargs))(q, k, v, out, lse, d_out)
-  for a, b, name in zip(run(True), run(False), ("dq", "dk", "dv")):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  without it bit for bit, in every dK/dV form it applies to (head_dim 256:
+  shared rows by default at this kv_len, and the two passes)."""
+  _assert_bitwise_either_way("prefetch_stats", head_dim, is_causal, 17,
+                             **kwargs)
 
 
 def test_prefetched_stats_change_only_the_dkdv_kernels(cuda_lowering):

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import compat as versions
 from tests.attention_checks import Case, check_against_reference, random_inputs
 
 try:
@@ -28,7 +27,8 @@ try:
 except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
 
-from tests.test_mosaic_backward import _kernels, _structs
+from tests.test_mosaic_backward import (_kernels, _require_sm90, _structs,
+                                        mosaic_attention_with)
 
 
 def _lowered(head_dim, is_causal, **kwargs):
@@ -72,38 +72,27 @@ def test_shared_rows_lower_as_one_dkdv_pass(head_dim, is_causal, persistent,
   assert dq.outputs == ("dq",) and dq.shared_rows
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(head_dim=64), "64-column tiles"),           # 32 columns a consumer
-    (dict(block_q=128), "shared memory"),             # 2 x 2 x 128 x 256 ring
-    (dict(kv_len=800), "multiple of block_kv"),
-    (dict(spec=object()), "ranged"),
+@pytest.mark.parametrize("kernel, kwargs, match", [
+    ("dkdv", dict(head_dim=64), "64-column tiles"),   # 32 columns a consumer
+    ("dkdv", dict(block_q=128), "shared memory"),     # 2 x 2 x 128 x 256 ring
+    ("dkdv", dict(kv_len=800), "multiple of block_kv"),
+    ("dkdv", dict(spec=object()), "ranged"),
+    ("dq", dict(head_dim=64), "64-column tiles"),
+    ("dq", dict(block_kv=128), "shared memory"),
+    ("dq", dict(q_len=300), "multiple of block_q"),
 ])
-def test_shared_rows_refuse_what_they_do_not_cover(kwargs, match):
+def test_shared_rows_refuse_what_they_do_not_cover(kernel, kwargs, match):
   """NotImplementedError, so that a dispatcher can fall back."""
-  head_dim = kwargs.pop("head_dim", 256)
-  kv_len = kwargs.pop("kv_len", 768)
-  q, kv = _structs(head_dim=head_dim, kv_len=kv_len)[:2]
+  shape = dict(head_dim=256, q_len=512, kv_len=768)
+  shape.update((name, kwargs.pop(name)) for name in list(kwargs)
+               if name in shape)
+  q, kv = _structs(**shape)[:2]
   tiles = dict(block_q=64, block_kv=64, max_concurrent_steps=2)
   tiles.update(kwargs)
+  statics = (backward.dkdv_statics if kernel == "dkdv"
+             else backward.dq_static)
   with pytest.raises(NotImplementedError, match=match):
-    backward.dkdv_statics(q, kv, scale=0.1, is_causal=False,
-                          shared_rows=True, **tiles)
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(head_dim=64), "64-column tiles"),
-    (dict(block_kv=128), "shared memory"),            # 2 x 2 x 128 x 256 ring
-    (dict(q_len=300), "multiple of block_q"),
-])
-def test_shared_q_rows_refuse_what_they_do_not_cover(kwargs, match):
-  head_dim = kwargs.pop("head_dim", 256)
-  q_len = kwargs.pop("q_len", 512)
-  q, kv = _structs(head_dim=head_dim, q_len=q_len)[:2]
-  tiles = dict(block_q=64, block_kv=64, max_concurrent_steps=2)
-  tiles.update(kwargs)
-  with pytest.raises(NotImplementedError, match=match):
-    backward.dq_static(q, kv, scale=0.1, is_causal=False, shared_rows=True,
-                       **tiles)
+    statics(q, kv, scale=0.1, is_causal=False, shared_rows=True, **tiles)
 
 
 @pytest.mark.parametrize("option", ["shared_rows", "shared_q_rows"])
@@ -129,34 +118,6 @@ def test_shared_rows_default_follows_the_measured_table():
   assert kernels(128, 2048) == (False, [("dk", "dv")], [False])
 
 
-def _require_sm90():
-  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
-    pytest.skip("the Mosaic backward needs sm90 (wgmma, TMA, setmaxnreg)")
-
-
-def _attention_with(**backward_kwargs):
-  """(out, lse [B, Tq, N]) by the Mosaic forward, with the Mosaic backward
-  called with `backward_kwargs`."""
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-  def attention(q, k, v, is_causal):
-    return forward(q, k, v, is_causal)[0]
-
-  def forward(q, k, v, is_causal):
-    out, lse = mosaic_forward(q, k, v, scale=q.shape[-1]**-0.5,
-                              is_causal=is_causal)
-    return (out, jnp.transpose(lse, (0, 2, 1))), (q, k, v, out, lse)
-
-  def backward_(is_causal, residuals, cotangents):
-    q, k, v, out, lse = residuals
-    d_out, d_lse = cotangents
-    return backward.mosaic_backward(
-        q, k, v, out, lse, d_out, jnp.transpose(d_lse, (0, 2, 1)),
-        scale=q.shape[-1]**-0.5, is_causal=is_causal, **backward_kwargs)
-
-  attention.defvjp(forward, backward_)
-  return attention
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("case", [
@@ -172,8 +133,8 @@ def test_shared_rows_match_reference_on_gpu(case, is_causal, shared_q_rows):
   launch grid (the persistent grid equals it bit for bit: below)."""
   _require_sm90()
   attention = jax.jit(functools.partial(
-      _attention_with(shared_rows=True, shared_q_rows=shared_q_rows,
-                      persistent=False),
+      mosaic_attention_with(shared_rows=True, shared_q_rows=shared_q_rows,
+                            persistent=False),
       is_causal=is_causal))
   for dtype in (jnp.bfloat16, jnp.float16):
     check_against_reference(attention, case, dtype, is_causal=is_causal)

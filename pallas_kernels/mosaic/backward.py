@@ -970,16 +970,11 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   def _shared_consumer(c: int):
     kv_rows = pl.ds(tile_start, static.block_kv)
     columns = _column_part(c, static)
-    # Each consumer loads its column part of the rows (on a persistent
-    # grid, once its own stores from it have left: see the end), and waits
-    # for all of them.
-    for ref, smem, barrier in ((k_ref, k_smem, k_arrived),
-                               (v_ref, v_smem, v_arrived)):
-      plgpu.copy_gmem_to_smem(ref.at[batch, kv_rows, kv_head, columns],
-                              smem.at[c], barrier.at[c])
-    for barrier in (k_arrived, v_arrived):
-      for other in range(static.num_consumers):
-        plgpu.barrier_wait(barrier.at[other])
+    # On a persistent grid, once its own stores from them have left (see
+    # the end).
+    _load_column_parts(c, ((k_ref, k_smem, k_arrived),
+                           (v_ref, v_smem, v_arrived)),
+                       batch=batch, rows=kv_rows, head=kv_head, static=static)
     walk = _Walk(first, per_head,
                  _dkdv_causal_runs(tile_start, first, static), None)
     grads = _dkdv_consume_shared(
@@ -1248,6 +1243,20 @@ class _Exchange(NamedTuple):
 
   def end(self):
     plgpu.barrier_wait(self.free)
+
+
+def _load_column_parts(c: int, tensors, *, batch, rows, head,
+                       static: _Static):
+  """Shared rows: consumer c loads its column part of each resident tensor
+  ((gmem ref, smem parts, arrival barriers) in `tensors`) by TMA, then
+  waits for every consumer's parts."""
+  columns = _column_part(c, static)
+  for ref, smem, arrived in tensors:
+    plgpu.copy_gmem_to_smem(ref.at[batch, rows, head, columns], smem.at[c],
+                            arrived.at[c])
+  for _, _, arrived in tensors:
+    for other in range(static.num_consumers):
+      plgpu.barrier_wait(arrived.at[other])
 
 
 def _column_part(c: int, static: _Static):
@@ -1641,18 +1650,13 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
   def _shared_consumer(c: int):
     q_rows = pl.ds(tile_start, static.block_q)
     columns = _column_part(c, static)
-    # Each consumer loads its column part of Q and dO (persistent: once
-    # its own dQ part has left through Q's) and its own copy of the
-    # rows' statistics, and waits for every part.
-    for ref, smem, barrier in ((q_ref, q_smem, q_arrived),
-                               (do_ref, do_smem, do_arrived)):
-      plgpu.copy_gmem_to_smem(ref.at[batch, q_rows, head, columns],
-                              smem.at[c], barrier.at[c])
+    # Its own copy of the rows' statistics; Q and dO in parts (persistent:
+    # once its own dQ part has left through Q's).
     plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, q_rows],
                             stats_smem.at[c], stats_arrived.at[c])
-    for barrier in (q_arrived, do_arrived):
-      for other in range(static.num_consumers):
-        plgpu.barrier_wait(barrier.at[other])
+    _load_column_parts(c, ((q_ref, q_smem, q_arrived),
+                           (do_ref, do_smem, do_arrived)),
+                       batch=batch, rows=q_rows, head=head, static=static)
     plgpu.barrier_wait(stats_arrived.at[c])
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     lse_log2 = plgpu.layout_cast(stats_smem[c, 0], row_layout)
