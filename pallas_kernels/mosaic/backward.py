@@ -47,7 +47,13 @@ previous tile's end instead of costing a launch and a fill.
 
 When the two f32 accumulators dK and dV of a consumer do not fit its
 registers (head_dim 256: 2 * 64 x 256 f32 is 256 registers per thread), the
-dK/dV kernel runs twice, once per output; the dV pass then skips dPᵀ.
+dK/dV kernel either runs twice, once per output (the dV pass then skips
+dPᵀ), with one consumer; or, with shared rows (`_Static.shared_rows`, the
+default at head_dim 256 on the launch grid), once, its two consumers
+sharing one copy of the K/V rows: each computes the scores of half of the
+step's Q rows and dK and dV for half of the columns, and the halves of Pᵀ
+and dSᵀ meet in shared memory (`_Exchange`). The dQ kernel can share its
+Q rows the same way (`shared_q_rows`; measured slower, off).
 
 Causal (top-left aligned, as `jax.nn.dot_product_attention`): query i
 attends keys j <= i. Tiles wholly above the diagonal are left out of the
