@@ -27,7 +27,8 @@ try:
 except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
 
-from tests.test_mosaic_backward import (_kernels, _require_sm90, _structs,
+from tests.test_mosaic_backward import (_api_layout, _kernels, _require_sm90,
+                                        _structs, backward_kernels,
                                         mosaic_attention_with)
 
 
@@ -181,3 +182,39 @@ def test_shared_rows_agree_with_the_default_kernels_on_gpu():
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-3 * np.abs(b).max(),
                                err_msg=name)
+
+
+def _public_attention(is_causal):
+  """`flash_attention` on its Mosaic path."""
+  import jax_flash
+  return jax.jit(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=is_causal, return_residual=True,
+      implementation="mosaic"))
+
+
+def test_the_mosaic_route_takes_shared_rows_at_d256(cuda_lowering):
+  """The shipped default through the route `flash_attention` takes
+  (`mosaic.attention.mosaic_attention`), no switch turned: at head_dim 256
+  and kv_len 2048 the backward lowers to one dK/dV kernel (and the dQ
+  kernel); at kv_len 1024 (persistent) to the two passes."""
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import attention as mosaic_attention
+  route = jax.jit(lambda q, k, v: _api_layout(*mosaic_attention.
+      mosaic_attention(q, k, v, scale=0.0625, is_causal=False,
+                       backward_blocks=BlockSizes.get_default(256))))
+  assert backward_kernels(route, Case(1, 2048, 2048, 4, 2, 256)) == {
+      "dq", "dkdv"}
+  assert backward_kernels(route, Case(1, 1024, 1024, 4, 2, 256)) == {
+      "dq", "dk", "dv"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flash_attention_default_at_d256_on_gpu(is_causal):
+  """`flash_attention` at head_dim 256, kv_len 2048 (shared rows by
+  default), GQA 2:1, q_len not the kv_len: output, LSE and gradients obey
+  the tolerance rule."""
+  _require_sm90()
+  check_against_reference(_public_attention(is_causal),
+                          Case(1, 1536, 2048, 4, 2, 256), jnp.bfloat16,
+                          is_causal=is_causal)
