@@ -146,11 +146,10 @@ _DQ_PIECE = 64
 SHARED_ROWS_HEAD_DIMS: tuple[int, ...] = (256,)
 
 
-def shared_rows_by_default(*, head_dim: int, kv_len: int,
-                           persistent: bool) -> bool:
+def shared_rows_by_default(*, head_dim: int, persistent: bool) -> bool:
   """Whether `mosaic_backward(shared_rows=None)` shares the dK/dV kernel's
-  K/V rows between its consumers."""
-  del kv_len
+  K/V rows between its consumers (on the launch grid; which grid runs is
+  decided first, by `persistent_by_default`)."""
   return head_dim in SHARED_ROWS_HEAD_DIMS and not persistent
 
 
@@ -368,7 +367,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
         head_dim=head_dim, kv_len=kv_len, is_causal=is_causal)
   if shared_rows is None:
     shared_rows = not fused_dq and shared_rows_by_default(
-        head_dim=head_dim, kv_len=kv_len, persistent=persistent)
+        head_dim=head_dim, persistent=persistent)
   return statics(query, key, heavy_first=heavy_first,
                  overlap_softmax=overlap_softmax, persistent=persistent,
                  num_ctas=num_ctas, fused_dq=fused_dq,
