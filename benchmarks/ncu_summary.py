@@ -23,14 +23,15 @@ import sys
 # column -> ncu metric of the raw page
 METRICS = {
     "ms": "gpu__time_duration.sum",
-    "tensor %": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
+    "tensor %":
+        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
     "smem read %": "l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed",
     "L2 %": "lts__t_sectors.avg.pct_of_peak_sustained_elapsed",
     "regs": "launch__registers_per_thread",
     "local sectors": "l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum",
 }
-STALLS = ("long_scoreboard", "barrier", "short_scoreboard", "wait", "mio_throttle",
-          "gmma", "dispatch_stall", "math_pipe_throttle")
+STALLS = ("long_scoreboard", "barrier", "short_scoreboard", "wait",
+          "mio_throttle", "gmma", "dispatch_stall", "math_pipe_throttle")
 
 
 def _stall_metric(reason: str) -> str:

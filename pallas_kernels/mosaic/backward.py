@@ -1304,7 +1304,8 @@ def _dkdv_consume_shared(c: int, k_smem, v_smem, q_ring, do_ring, stats_ring,
     slot = slot_of(head_base + i)
     for barrier in arrived:
       plgpu.barrier_wait(barrier.at[slot])
-    q_tile, do_tile, stats = q_ring.at[slot], do_ring.at[slot], stats_ring.at[slot]
+    q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
+    stats = stats_ring.at[slot]
     lse_log2 = delta = None
     if static.prefetch_stats:  # see `_Static.prefetch_stats`
       lse_log2, delta = column_stats(stats, 0), column_stats(stats, 1)
