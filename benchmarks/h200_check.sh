@@ -60,7 +60,7 @@ for step in "$@"; do
     mosaic_tests)  # the Mosaic kernels alone (backward and FP8 are new)
       python3 -m pytest -m gpu -n 4 -q -rf --tb=short --timeout 150 -p no:cacheprovider \
         --durations=10 -p no:benchmark tests/test_mosaic_lowering.py \
-        tests/test_mosaic_backward.py tests/test_mosaic_fp8.py tests/test_mosaic_masked*.py \
+        tests/test_mosaic_backward.py tests/test_mosaic_shared_rows.py tests/test_mosaic_fp8.py tests/test_mosaic_masked*.py \
         > "$OUT/pytest_mosaic.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_mosaic.log" | tail -30 ;;
     mosaic)  # the Hopper path against cuDNN and tokamax, seq 16k
