@@ -6,6 +6,7 @@ without a GPU; PTX generation and the run itself need the `-m gpu` test.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import jax
@@ -251,6 +252,17 @@ def test_persistent_forward_lowers(head_dim, num_ctas, is_causal,
     assert (_lower(head_dim, is_causal) == text) == persistent_default
 
 
+def _forward_runner(head_dim, is_causal, *, seed):
+  """`run(**options) -> (out, lse)`: `mosaic_forward` with `options` on one
+  set of random GQA 4:1 inputs (b2, q1024, k1536, h8:2), for comparing
+  options bit for bit. Skips without sm90."""
+  _require_sm90()
+  q, k, v, _, _ = random_inputs(Case(2, 1024, 1536, 8, 2, head_dim),
+                                jnp.bfloat16, seed)
+  return lambda **kwargs: jax.jit(lambda q, k, v: mosaic_forward(
+      q, k, v, scale=head_dim**-0.5, is_causal=is_causal, **kwargs))(q, k, v)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -259,11 +271,7 @@ def test_persistent_forward_is_bitwise_the_grid_on_gpu(head_dim, is_causal):
   out and lse equal it bit for bit, for CTAs walking 1 to 32 tiles (a
   barrier phase or ring slot off by one across tiles would not); and the
   reference agrees, through `flash_attention`, in both dtypes."""
-  _require_sm90()
-  q, k, v, _, _ = random_inputs(Case(2, 1024, 1536, 8, 2, head_dim),
-                                jnp.bfloat16, 4)
-  run = lambda **kwargs: jax.jit(lambda q, k, v: mosaic_forward(
-      q, k, v, scale=head_dim**-0.5, is_causal=is_causal, **kwargs))(q, k, v)
+  run = _forward_runner(head_dim, is_causal, seed=4)
   want = run(persistent=False)
   for num_ctas in (*PERSISTENT_CTAS, 7):
     for a, b in zip(run(persistent=True, num_ctas=num_ctas), want):
@@ -438,12 +446,8 @@ def test_three_consumers_are_bitwise_two_on_gpu(head_dim, block_kv,
   1024 ends each head on a short tile (5 x 192 + 64 rows). A turn barrier
   off by a phase would hang or race, a wrong spare consumer would store
   stale rows."""
-  _require_sm90()
-  q, k, v, _, _ = random_inputs(Case(2, 1024, 1536, 8, 2, head_dim),
-                                jnp.bfloat16, 5)
-  run = lambda **kwargs: jax.jit(lambda q, k, v: mosaic_forward(
-      q, k, v, scale=head_dim**-0.5, is_causal=is_causal, block_kv=block_kv,
-      **kwargs))(q, k, v)
+  run = functools.partial(_forward_runner(head_dim, is_causal, seed=5),
+                          block_kv=block_kv)
   want = run(num_consumers=2, persistent=False)
   for kwargs in (dict(persistent=False), dict(persistent=True, num_ctas=1),
                  dict(persistent=True, num_ctas=7), dict(persistent=True)):
@@ -537,11 +541,7 @@ def test_turn_variants_are_bitwise_the_default_on_gpu(head_dim, is_causal):
   and lse equal the default's bit for bit, on the launch grid and a
   persistent grid of 7 CTAs (a ring barrier off by a turn would hang or,
   on hardware barriers, let a consumer run ahead out of turn)."""
-  _require_sm90()
-  q, k, v, _, _ = random_inputs(Case(2, 1024, 1536, 8, 2, head_dim),
-                                jnp.bfloat16, 6)
-  run = lambda **kwargs: jax.jit(lambda q, k, v: mosaic_forward(
-      q, k, v, scale=head_dim**-0.5, is_causal=is_causal, **kwargs))(q, k, v)
+  run = _forward_runner(head_dim, is_causal, seed=6)
   want = run(persistent=False)
   for variant in TURN_VARIANTS:
     if variant["num_consumers"] == 3 and head_dim != 64:

@@ -1115,16 +1115,18 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     products = [(k_smem, q_tile.transpose((1, 0)))]          # Sᵀ = K Qᵀ
     if "dk" in static.outputs:
       products.append((v_smem, do_tile.transpose((1, 0))))   # dPᵀ = V dOᵀ
-    prefetched = None
+    # Row statistic n (0: lse, 1: delta) of the step's Q rows, read from
+    # the ring when the step needs it, or up front (`prefetch_stats`: then
+    # `prefetched` holds them, delta only when dK is an output).
+    column_stat = lambda n: plgpu.layout_cast(stats_ring[slot, n],
+                                              plgpu.Layout.WGMMA.reduce(0))
+    prefetched = {}
     if static.prefetch_stats:  # see `_Static.prefetch_stats`
-      prefetched = [plgpu.layout_cast(stats_ring[slot, n],
-                                      plgpu.Layout.WGMMA.reduce(0))
-                    for n in range(1 + ("dk" in static.outputs))]
+      prefetched = {n: column_stat(n)
+                    for n in range(1 + ("dk" in static.outputs))}
 
     def probabilities(s_t):
-      lse_log2 = plgpu.layout_cast(stats_ring[slot, 0],
-                                   plgpu.Layout.WGMMA.reduce(0)
-                                   ) if prefetched is None else prefetched[0]
+      lse_log2 = prefetched[0] if prefetched else column_stat(0)
       p_t, slope = _probabilities(s_t, lse_log2, _cols, walk.values, static)
       if masked:
         p_t = jnp.where(tile_mask(q_block, slot), p_t, 0.0)
@@ -1139,7 +1141,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       grads = _dkdv_accumulate_overlapped(
           grads, p_t, dp_t, slope, q_tile, do_tile, stats_ring.at[slot],
           static, ds_smem=ds_smem,
-          delta=None if prefetched is None else prefetched[-1])
+          delta=prefetched.get(1))
       plgpu.barrier_arrive(consumed.at[slot])
       return finish(grads, step)
     s_t, *dp_t = _wgmma_fresh(shape, products)
@@ -1149,9 +1151,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       if name == "dv":
         updates.append((p_t.astype(static.dtype), do_tile))  # dV += Pᵀ dO
       else:
-        delta = plgpu.layout_cast(stats_ring[slot, 1],
-                                  plgpu.Layout.WGMMA.reduce(0)
-                                  ) if prefetched is None else prefetched[1]
+        delta = prefetched[1] if prefetched else column_stat(1)
         ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, s_t.shape), slope)
         ds_t = ds_t.astype(static.dtype)
         updates.append((ds_t, q_tile))  # dK += dSᵀ Q
