@@ -126,7 +126,8 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
       done ;;
     ncu)  # Nsight Compute's full set on each kernel of NCU_CELLS
           # (mode:seq:head_dim[:causal]), ours beside the peers (NCU_IMPLS;
-          # NCU_KERNELS: a regex of kernel names); each kernel's details
+          # NCU_KERNELS: a regex of kernel names; NCU_ARGS: more
+          # ncu_kernels arguments); each kernel's details
           # page and raw metrics come back
       ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       for cell in ${NCU_CELLS:-fwd_bwd:16384:128 fwd:16384:256}; do
@@ -136,7 +137,7 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
           ${NCU_KERNELS:+--kernel-name "regex:$NCU_KERNELS"} \
           --set full --import-source yes -f -o "/tmp/$name" python3 -m benchmarks.ncu_kernels --mode "$mode" \
           --seq "$seq" --head-dim "$d" ${causal:+--causal} \
-          --impls ${NCU_IMPLS:-jax_flash_mosaic cudnn tokamax_mosaic} > "$LOGS/$name.log" 2>&1
+          --impls ${NCU_IMPLS:-jax_flash_mosaic cudnn tokamax_mosaic} ${NCU_ARGS:-} > "$LOGS/$name.log" 2>&1
         tail -5 "$LOGS/$name.log"
         "$ncu_bin" --import "/tmp/$name.ncu-rep" --page details > "$OUT/$name.txt" 2>&1
         "$ncu_bin" --import "/tmp/$name.ncu-rep" --page raw --csv > "$OUT/${name}_raw.csv" 2>&1

@@ -48,7 +48,13 @@ def main(argv=None) -> int:
                       help="batch * seq_len")
   parser.add_argument("--impls", nargs="+",
                       default=["jax_flash_mosaic", "cudnn", "tokamax_mosaic"])
+  parser.add_argument("--fused-dq", action="store_true",
+                      help="our Mosaic backward fuses dQ into the dK/dV "
+                      "kernel at this head dim (mosaic_backward(fused_dq))")
   args = parser.parse_args(argv)
+  if args.fused_dq:  # the dispatch's table, so the public call takes it
+    from pallas_kernels.mosaic import backward
+    backward.FUSED_DQ_MIN_KV_LEN[args.head_dim] = 1
   cell = common.Cell.standard(args.mode, args.seq, args.head_dim,
                               args.causal, tokens=args.tokens)
   start, stop = _profiler()

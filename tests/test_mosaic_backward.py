@@ -245,7 +245,8 @@ def test_prefetched_stats_are_bitwise_the_default_on_gpu(head_dim, kwargs,
 
 def test_prefetched_stats_change_only_the_dkdv_kernels(cuda_lowering):
   """The option reaches the dK/dV kernels (their code differs), not the dQ
-  kernel, and it is off unless asked for."""
+  kernel; by default it is on where it was measured faster (head_dim 64)
+  and off elsewhere."""
   from pallas_kernels.mosaic import backward
   q, kv = _structs(head_dim=128)[:2]
   dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=True,
@@ -254,6 +255,10 @@ def test_prefetched_stats_change_only_the_dkdv_kernels(cuda_lowering):
   assert not dq.prefetch_stats
   dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=True)
   assert not any(config.prefetch_stats for config in dkdv)
+  q64, kv64 = _structs(head_dim=64)[:2]
+  for is_causal in (False, True):
+    _, dkdv = backward.configure(q64, kv64, scale=0.1, is_causal=is_causal)
+    assert all(config.prefetch_stats for config in dkdv)
   assert _lower(128, True, prefetch_stats=True) != _lower(128, True)
 
 

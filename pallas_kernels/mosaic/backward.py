@@ -144,6 +144,13 @@ _DQ_PIECE = 64
 # consumer: 340 / 343 at 16k, 318 / 279 at 4k
 # (results/h200_mosaic_shared_both.md).
 SHARED_ROWS_HEAD_DIMS: tuple[int, ...] = (256,)
+# The dK/dV kernel's row statistics read before its matmuls
+# (`mosaic_backward(prefetch_stats=None)`), by head dim. Measured on the
+# H200 (results/h200_mosaic_prefetch.md, backward alone, full / causal,
+# TFLOP/s, off -> on): head_dim 64 at 16k 372 / 358 -> 381 / 372, at 4k
+# 314 / 280 -> 324 / 305; head_dim 128 at 16k 463 / 462 -> 441 / 474, at 4k
+# 410 / 408 -> 381 / 380; head_dim 256 slower at both lengths (-2% to -10%).
+PREFETCH_STATS_HEAD_DIMS: tuple[int, ...] = (64,)
 
 
 def shared_rows_by_default(*, head_dim: int, persistent: bool) -> bool:
@@ -151,6 +158,12 @@ def shared_rows_by_default(*, head_dim: int, persistent: bool) -> bool:
   K/V rows between its consumers (on the launch grid; which grid runs is
   decided first, by `persistent_by_default`)."""
   return head_dim in SHARED_ROWS_HEAD_DIMS and not persistent
+
+
+def prefetch_stats_by_default(*, head_dim: int) -> bool:
+  """Whether `mosaic_backward(prefetch_stats=None)` reads the dK/dV
+  kernel's row statistics before its matmuls."""
+  return head_dim in PREFETCH_STATS_HEAD_DIMS
 
 
 def persistent_by_default(*, head_dim: int, kv_len: int,
@@ -267,7 +280,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     fused_dq: bool | None = None, tile_fastest: bool = False,
                     shared_rows: bool | None = None,
                     shared_q_rows: bool = False,
-                    prefetch_stats: bool = False):
+                    prefetch_stats: bool | None = None):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -321,6 +334,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       so off by default.
     prefetch_stats: the dK/dV kernel reads each step's lse and delta before
       its matmuls are issued (see `_Static`); the same results either way.
+      None: where measured faster (`prefetch_stats_by_default`).
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -351,7 +365,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               persistent: bool | None = None, num_ctas: int | None = None,
               fused_dq: bool | None = None, tile_fastest: bool = False,
               shared_rows: bool | None = None, shared_q_rows: bool = False,
-              prefetch_stats: bool = False):
+              prefetch_stats: bool | None = None):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -368,6 +382,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   if shared_rows is None:
     shared_rows = not fused_dq and shared_rows_by_default(
         head_dim=head_dim, persistent=persistent)
+  if prefetch_stats is None:
+    prefetch_stats = prefetch_stats_by_default(head_dim=head_dim)
   return statics(query, key, heavy_first=heavy_first,
                  overlap_softmax=overlap_softmax, persistent=persistent,
                  num_ctas=num_ctas, fused_dq=fused_dq,
