@@ -38,6 +38,8 @@ FORWARD_ORDER_SPACE = dict(heavy_first=(False, True), persistent=(False,))
 # Consumer schedule variants of the forward (`forward.KernelStatic`), default
 # tiles: an A/B of the same kind.
 SCHEDULE_SPACE = dict(fence_softmax=(False, True), split_handover=(False, True))
+# P's row sum after P V is issued (`forward.KernelStatic.late_row_sum`).
+LATE_SUM_SPACE = dict(late_row_sum=(False, True))
 # The forward's intra-warpgroup overlap (`forward.KernelStatic`).
 FORWARD_OVERLAP_SPACE = dict(overlap_scores=(False, True))
 # The backward's overlap within a consumer (`backward._Static`).
@@ -68,6 +70,10 @@ SHARED_Q_SPACE = dict(shared_rows=(True,), shared_q_rows=(False, True),
 # The dK/dV kernel's row statistics read before its matmuls
 # (`backward._Static.prefetch_stats`), default grid.
 PREFETCH_SPACE = dict(prefetch_stats=(False, True))
+# The backward's Q tile height (head_dim 64 ships 128 rows,
+# `attention.backward_tiles`), each with its defaults (64 rows: prefetched
+# row statistics; 128 rows at 16k: the fused dQ).
+WIDE_Q_SPACE = dict(block_q=(64, 128))
 # Three consumers' K/V ring depth (they leave room for 4 stages at d=64).
 CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
                              max_concurrent_steps=(2, 3, 4))
@@ -126,7 +132,9 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_launch": _backward(LAUNCH_SPACE),
            "backward_shared": _backward(SHARED_SPACE),
            "backward_shared_q": _backward(SHARED_Q_SPACE),
-           "backward_prefetch": _backward(PREFETCH_SPACE)}
+           "backward_prefetch": _backward(PREFETCH_SPACE),
+           "backward_wide_q": _backward(WIDE_Q_SPACE),
+           "forward_late_sum": _forward(LATE_SUM_SPACE)}
 
 
 def main(argv=None) -> int:

@@ -245,8 +245,9 @@ def test_prefetched_stats_are_bitwise_the_default_on_gpu(head_dim, kwargs,
 
 def test_prefetched_stats_change_only_the_dkdv_kernels(cuda_lowering):
   """The option reaches the dK/dV kernels (their code differs), not the dQ
-  kernel; by default it is on where it was measured faster (head_dim 64)
-  and off elsewhere."""
+  kernel; by default it is on where it was measured faster (head_dim 64
+  with 64-row Q tiles: not the dispatch's 128-row ones) and off
+  elsewhere."""
   from pallas_kernels.mosaic import backward
   q, kv = _structs(head_dim=128)[:2]
   dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=True,
@@ -257,8 +258,10 @@ def test_prefetched_stats_change_only_the_dkdv_kernels(cuda_lowering):
   assert not any(config.prefetch_stats for config in dkdv)
   q64, kv64 = _structs(head_dim=64)[:2]
   for is_causal in (False, True):
-    _, dkdv = backward.configure(q64, kv64, scale=0.1, is_causal=is_causal)
-    assert all(config.prefetch_stats for config in dkdv)
+    for block_q, on in ((64, True), (128, False)):
+      _, dkdv = backward.configure(q64, kv64, scale=0.1, is_causal=is_causal,
+                                   block_q=block_q)
+      assert all(config.prefetch_stats == on for config in dkdv)
   assert _lower(128, True, prefetch_stats=True) != _lower(128, True)
 
 

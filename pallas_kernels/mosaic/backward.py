@@ -145,12 +145,15 @@ _DQ_PIECE = 64
 # (results/h200_mosaic_shared_both.md).
 SHARED_ROWS_HEAD_DIMS: tuple[int, ...] = (256,)
 # The dK/dV kernel's row statistics read before its matmuls
-# (`mosaic_backward(prefetch_stats=None)`), by head dim. Measured on the
-# H200 (results/h200_mosaic_prefetch.md, backward alone, full / causal,
-# TFLOP/s, off -> on): head_dim 64 at 16k 372 / 358 -> 381 / 372, at 4k
-# 314 / 280 -> 324 / 305; head_dim 128 at 16k 463 / 462 -> 441 / 474, at 4k
-# 410 / 408 -> 381 / 380; head_dim 256 slower at both lengths (-2% to -10%).
-PREFETCH_STATS_HEAD_DIMS: tuple[int, ...] = (64,)
+# (`mosaic_backward(prefetch_stats=None)`), by (head_dim, block_q): what
+# it holds while the matmuls run grows with block_q. Measured on the H200
+# (results/h200_mosaic_prefetch.md, backward alone, full / causal, TFLOP/s,
+# off -> on), 64-row Q tiles: head_dim 64 at 16k 372 / 358 -> 381 / 372,
+# at 4k 314 / 280 -> 324 / 305, at 1k 276 / 222 -> 314 / 229; head_dim 128
+# at 16k 463 / 462 -> 441 / 474, at 4k 410 / 408 -> 381 / 380; head_dim
+# 256 2-10% slower. With head_dim 64's 128-row Q tiles (the dispatch's,
+# `attention.backward_tiles`) the whole fwd+bwd fell to half speed.
+PREFETCH_STATS_TILES: tuple[tuple[int, int], ...] = ((64, 64),)
 
 
 def shared_rows_by_default(*, head_dim: int, persistent: bool) -> bool:
@@ -160,10 +163,10 @@ def shared_rows_by_default(*, head_dim: int, persistent: bool) -> bool:
   return head_dim in SHARED_ROWS_HEAD_DIMS and not persistent
 
 
-def prefetch_stats_by_default(*, head_dim: int) -> bool:
+def prefetch_stats_by_default(*, head_dim: int, block_q: int) -> bool:
   """Whether `mosaic_backward(prefetch_stats=None)` reads the dK/dV
   kernel's row statistics before its matmuls."""
-  return head_dim in PREFETCH_STATS_HEAD_DIMS
+  return (head_dim, block_q) in PREFETCH_STATS_TILES
 
 
 def persistent_by_default(*, head_dim: int, kv_len: int,
@@ -383,7 +386,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
     shared_rows = not fused_dq and shared_rows_by_default(
         head_dim=head_dim, persistent=persistent)
   if prefetch_stats is None:
-    prefetch_stats = prefetch_stats_by_default(head_dim=head_dim)
+    prefetch_stats = prefetch_stats_by_default(head_dim=head_dim,
+                                               block_q=block_q)
   return statics(query, key, heavy_first=heavy_first,
                  overlap_softmax=overlap_softmax, persistent=persistent,
                  num_ctas=num_ctas, fused_dq=fused_dq,
