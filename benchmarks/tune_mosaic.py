@@ -9,15 +9,20 @@ max_concurrent_steps) of `FORWARD_SPACE` for `mosaic_forward` (timing the
 forward) and of `BACKWARD_SPACE` for `mosaic_backward` (timing the backward
 alone, on residuals from one forward). A candidate the kernel refuses (too
 much shared memory or too many registers: NotImplementedError) is recorded
-with its reason. One candidate at a time, compiled then timed, so nothing
-else runs on the GPU while it is timed. The best per (kernel, head_dim) is
-the best geometric mean of its causal and non-causal TFLOP/s.
+with its reason. A cell's candidates are compiled first, then timed one
+at a time, so nothing else runs on the GPU while one is timed; with
+`--rounds N` they are timed N times in turn (A, B, A, B, ...), each keeping
+the median of its rounds, since the GPU's clocks drift between candidates
+timed one after another (single A/Bs of a few % flipped sign between
+runs). The best per (kernel, head_dim) is the best geometric mean of its
+causal and non-causal TFLOP/s.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import math
+import statistics
 import sys
 import time
 
@@ -149,6 +154,11 @@ def main(argv=None) -> int:
                       default=["forward", "backward"])
   parser.add_argument("--budget", type=float, default=400.0,
                       help="seconds; the JSON keeps what was measured")
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="time each cell's candidates this many times in "
+                      "turn; each keeps the median of its rounds")
+  parser.add_argument("--causal", nargs="+", choices=("full", "causal"),
+                      help="only these of each kernel's causal values")
   parser.add_argument("--out",
                       default="benchmarks/results/h200_mosaic_sweep.json")
   parser.add_argument("--render", nargs="+", metavar="JSON",
@@ -161,29 +171,52 @@ def main(argv=None) -> int:
   result = {**common.run_header("benchmarks.tune_mosaic", argv),
             "seq_len": args.seq, "trials": []}
   deadline = time.monotonic() + args.budget
-  jobs = [(kernel, head_dim, causal, blocks)
-          for kernel in args.kernels for head_dim in args.head_dims
-          for causal in KERNELS[kernel][3]
-          for blocks in candidates(KERNELS[kernel][1])]
-  for kernel, head_dim, causal, blocks in common.progress(jobs, desc="sweep"):
+  wanted = {"full": False, "causal": True}
+  cells = [(kernel, head_dim, causal)
+           for kernel in args.kernels for head_dim in args.head_dims
+           for causal in KERNELS[kernel][3]
+           if not args.causal or causal in {wanted[c] for c in args.causal}]
+  for kernel, head_dim, causal in common.progress(cells, desc="sweep"):
     if time.monotonic() > deadline:
       break
-    build, _, flops_factor, _ = KERNELS[kernel]
-    cell = common.Cell.standard("fwd", args.seq, head_dim, causal)
-    trial = {"kernel": kernel, "head_dim": head_dim, "causal": causal,
-             "seq": args.seq, **blocks}
-    try:
-      fn, inputs = build(cell, blocks)
-      ms = common.time_fn(fn, *inputs)
-      trial.update(ms=ms, tflops=flops_factor * cell.flops / (ms * 1e-3)
-                   / 1e12)
-    except Exception as e:  # refused or failed: recorded, the sweep goes on
-      trial["error"] = common.describe_error(e)
-    result["trials"].append(trial)
+    result["trials"] += sweep_cell(kernel, args.seq, head_dim, causal,
+                                   rounds=max(1, args.rounds))
     common.write_json(args.out, result)
   for line in best_lines(result["trials"]):
     print(line)
   return 0
+
+
+def sweep_cell(kernel: str, seq: int, head_dim: int, causal: bool, *,
+               rounds: int = 1) -> list[dict]:
+  """One cell's trials: every candidate of `kernel`'s space built (a
+  refusal or failure recorded as its "error"), then all timed `rounds`
+  times in turn, each trial keeping the median of its rounds."""
+  build, space, flops_factor, _ = KERNELS[kernel]
+  cell = common.Cell.standard("fwd", seq, head_dim, causal)
+  runs = []
+  for blocks in candidates(space):
+    trial = {"kernel": kernel, "head_dim": head_dim, "causal": causal,
+             "seq": seq, **blocks}
+    try:
+      runs.append((trial, *build(cell, blocks), []))
+    except Exception as e:  # refused: recorded, the sweep goes on
+      trial["error"] = common.describe_error(e)
+      runs.append((trial, None, None, None))
+  for _ in range(rounds):
+    for trial, fn, inputs, samples in runs:
+      if fn is None or "error" in trial:
+        continue
+      try:
+        samples.append(common.time_fn(fn, *inputs))
+      except Exception as e:  # failed to compile or run
+        trial["error"] = common.describe_error(e)
+  for trial, _, _, samples in runs:
+    if samples and "error" not in trial:
+      ms = statistics.median(samples)
+      trial.update(ms=ms, tflops=flops_factor * cell.flops / (ms * 1e-3)
+                   / 1e12, **({"rounds": rounds} if rounds > 1 else {}))
+  return [run[0] for run in runs]
 
 
 def write_tables(parts: list[str], out: str) -> str:
@@ -197,7 +230,7 @@ def write_tables(parts: list[str], out: str) -> str:
   common.write_json(out, merged)
   option_names = sorted({n for t in merged["trials"] for n in t}
                         - {"kernel", "head_dim", "causal", "ms", "tflops",
-                           "error", "seq"})
+                           "error", "seq", "rounds"})
   rows = [[t["kernel"], t.get("seq", merged["seq_len"]), t["head_dim"],
            t["causal"],
            ", ".join(f"{n}={t[n]}" for n in option_names if n in t),
@@ -223,16 +256,17 @@ def write_tables(parts: list[str], out: str) -> str:
 
 def best_lines(trials: list[dict]) -> list[str]:
   """The best candidate per (kernel, head_dim): geometric mean over the
-  kernel's causal values (candidates measured for all of them only)."""
+  causal values measured (candidates measured for all of them only)."""
   lines = []
-  groups = {}
+  groups, measured = {}, {}
   for t in trials:
     if "tflops" in t:
       key = (t["kernel"], t.get("seq", 0), t["head_dim"])
       blocks = tuple((n, t[n]) for n in KERNELS[t["kernel"]][1] if n in t)
       groups.setdefault(key, {}).setdefault(blocks, []).append(t["tflops"])
+      measured.setdefault(key, set()).add(t["causal"])
   for (kernel, seq, head_dim), by_blocks in sorted(groups.items()):
-    causal_values = KERNELS[kernel][3]
+    causal_values = sorted(measured[(kernel, seq, head_dim)])
     scored = {b: math.prod(v) ** (1 / len(v)) for b, v in by_blocks.items()
               if len(v) == len(causal_values)}
     if scored:

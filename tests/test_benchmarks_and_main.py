@@ -135,6 +135,33 @@ def test_mosaic_sweep_picks_the_best_geometric_mean():
                              "{'persistent': False} 580")
 
 
+def test_mosaic_sweep_times_candidates_in_turn(monkeypatch):
+  """With rounds, a cell's candidates are timed A, B, A, B, ... and each
+  keeps the median of its rounds; a refused candidate keeps its reason."""
+  from benchmarks import common, tune_mosaic
+  order, times = [], {1: iter([5.0, 1.0, 2.0]), 2: iter([4.0, 4.0, 9.0])}
+
+  def build(cell, blocks):
+    if blocks["block_q"] == 3:
+      raise NotImplementedError("too many registers")
+    return (lambda: None), (blocks["block_q"],)
+
+  def time_fn(fn, block_q):
+    order.append(block_q)
+    return next(times[block_q])
+
+  monkeypatch.setitem(tune_mosaic.KERNELS, "toy",
+                      (build, dict(block_q=(1, 2, 3)), 1.0, (False,)))
+  monkeypatch.setattr(common, "time_fn", time_fn)
+  trials = tune_mosaic.sweep_cell("toy", 1024, 64, False, rounds=3)
+  assert order == [1, 2, 1, 2, 1, 2]
+  assert [t.get("ms") for t in trials] == [2.0, 4.0, None]
+  assert "too many registers" in trials[2]["error"]
+  assert trials[0]["rounds"] == 3
+  [line] = tune_mosaic.best_lines(trials)
+  assert line.startswith("toy seq 1024 d64: {'block_q': 1}")
+
+
 def test_roofline_counts_each_tensor_once():
   from benchmarks.roofline import cell_bytes
   tensor = 2 * 1024 * 16 * 128 * 2  # one bf16 [2, 1024, 16, 128]
