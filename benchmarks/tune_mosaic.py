@@ -43,8 +43,6 @@ FORWARD_ORDER_SPACE = dict(heavy_first=(False, True), persistent=(False,))
 # Consumer schedule variants of the forward (`forward.KernelStatic`), default
 # tiles: an A/B of the same kind.
 SCHEDULE_SPACE = dict(fence_softmax=(False, True), split_handover=(False, True))
-# P's row sum after P V is issued (`forward.KernelStatic.late_row_sum`).
-LATE_SUM_SPACE = dict(late_row_sum=(False, True))
 # The forward's intra-warpgroup overlap (`forward.KernelStatic`).
 FORWARD_OVERLAP_SPACE = dict(overlap_scores=(False, True))
 # The backward's overlap within a consumer (`backward._Static`).
@@ -138,8 +136,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_shared": _backward(SHARED_SPACE),
            "backward_shared_q": _backward(SHARED_Q_SPACE),
            "backward_prefetch": _backward(PREFETCH_SPACE),
-           "backward_wide_q": _backward(WIDE_Q_SPACE),
-           "forward_late_sum": _forward(LATE_SUM_SPACE)}
+           "backward_wide_q": _backward(WIDE_Q_SPACE)}
 
 
 def main(argv=None) -> int:

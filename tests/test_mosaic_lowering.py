@@ -80,13 +80,12 @@ PLAIN_SCHEDULE = dict(fence_softmax=False, split_handover=False)
 SCHEDULE_VARIANTS = [dict(fence_softmax=True, split_handover=False),
                      dict(split_handover=True),
                      dict(fence_softmax=True, split_handover=True),
-                     dict(overlap_scores=True),
-                     dict(late_row_sum=True)]
+                     dict(overlap_scores=True)]
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("variant", SCHEDULE_VARIANTS,
-                         ids=["fence", "split", "both", "overlap", "late"])
+                         ids=["fence", "split", "both", "overlap"])
 def test_schedule_variants_lower_and_change_the_kernel(variant, is_causal,
                                                        lowering_semantics):
   """The consumer schedule variants (`forward.KernelStatic`) lower in both

@@ -222,10 +222,6 @@ class KernelStatic:
   # the whole rendezvous.
   fence_softmax: bool = False
   split_handover: bool = False
-  # `late_row_sum`: P's row sum joins l after P V is issued, not before, so
-  # that its adds and shuffles run under the matmul (tokamax's forward
-  # orders it so above head_dim 128). Plain schedule, not `overlap_scores`.
-  late_row_sum: bool = False
   # FlashAttention-3's intra-warpgroup overlap (§3.2), off (measured 1-4%
   # over the plain schedule, less than `split_handover`): step j issues S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} together, and runs
   # the softmax of S_j while P_{j-1} V_{j-1} is still on the tensor cores
@@ -292,7 +288,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    overlap_scores: bool = False, persistent: bool | None = None,
                    num_ctas: int | None = None, tile_fastest: bool = False,
                    num_consumers: int | None = None, ring_turns: bool = False,
-                   hw_turns: bool = False, late_row_sum: bool = False):
+                   hw_turns: bool = False):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -332,8 +328,6 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       are the same either way, so the results are bitwise the same.
     ring_turns, hw_turns: how the consumers take turns (see
       `KernelStatic`); not with `overlap_scores`. Bitwise the same.
-    late_row_sum: P's row sum after P V is issued (see `KernelStatic`);
-      not with `overlap_scores`.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -357,10 +351,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if num_consumers != NUM_CONSUMERS and overlap_scores:
     raise NotImplementedError(
         f"overlap_scores runs {NUM_CONSUMERS} consumers, not {num_consumers}")
-  if (ring_turns or hw_turns or late_row_sum) and overlap_scores:
+  if (ring_turns or hw_turns) and overlap_scores:
     raise NotImplementedError(
-        "overlap_scores has its own schedule: no ring_turns, hw_turns or "
-        "late_row_sum")
+        "overlap_scores takes its own turns: no ring_turns or hw_turns")
   static = check_supported(query, key, value, scale=scale,
                            is_causal=is_causal, block_q=block_q,
                            block_kv=block_kv,
@@ -372,8 +365,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                overlap_scores=bool(overlap_scores),
                                tile_fastest=bool(tile_fastest),
                                ring_turns=bool(ring_turns),
-                               hw_turns=bool(hw_turns),
-                               late_row_sum=bool(late_row_sum))
+                               hw_turns=bool(hw_turns))
   if persistent is None:
     persistent = persistent_by_default(
         is_causal=is_causal, head_dim=query.shape[-1], kv_len=key.shape[1],
@@ -1150,11 +1142,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       scale_log2 = scale_log2 * (q_factor * k_factor)
     m_new, alpha, p = _exponentiate(s, m, scale_log2)
     acc = acc * _rows(alpha, acc.shape)
-    p_f32 = p
-    if static.late_row_sum:
-      l = l * alpha  # P's row sum follows in `accumulate`
-    else:
-      l = l * alpha + p.sum(axis=1)
+    l = l * alpha + p.sum(axis=1)
     p = p.astype(static.dtype)
     if static.fence_softmax:
       acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
@@ -1167,22 +1155,15 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     turn.before_values(step, functools.partial(plgpu.barrier_wait,
                                                v_arrived.at[slot]))
 
-    def accumulate(refs):
-      o_ref, l_ref = refs
+    def accumulate(o_ref):
       v_tile = v_smem.at[slot]
       if fp8 is not None:  # stored [head_dim, block_kv]: K-major for wgmma
         v_tile = v_tile.transpose((1, 0))
       plgpu.wgmma(o_ref, p, v_tile)
-      if l_ref is not None:
-        l_ref[...] += p_f32.sum(axis=1)
       # Wait for K_{j+1} while P V_j runs on the tensor cores.
       wait_next_k(step)
 
-    if static.late_row_sum:
-      acc, l = pl.run_state(accumulate)((plgpu.ACC.init(acc), l))
-    else:
-      acc = pl.run_state(lambda o_ref: accumulate((o_ref, None)))(
-          plgpu.ACC.init(acc))
+    acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
     plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
     return acc, m_new, l
 
