@@ -77,6 +77,10 @@ PREFETCH_SPACE = dict(prefetch_stats=(False, True))
 # `attention.backward_tiles`), each with its defaults (64 rows: prefetched
 # row statistics; 128 rows at 16k: the fused dQ).
 WIDE_Q_SPACE = dict(block_q=(64, 128))
+# Resident tiles' descriptors recomputed each step
+# (`backward._Static.opaque_resident`), in the two kernels and fused.
+OPAQUE_SPACE = dict(fused_dq=(False, True), opaque_resident=(False, True),
+                    persistent=(False,))
 # Three consumers' K/V ring depth (they leave room for 4 stages at d=64).
 CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
                              max_concurrent_steps=(2, 3, 4))
@@ -136,7 +140,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_shared": _backward(SHARED_SPACE),
            "backward_shared_q": _backward(SHARED_Q_SPACE),
            "backward_prefetch": _backward(PREFETCH_SPACE),
-           "backward_wide_q": _backward(WIDE_Q_SPACE)}
+           "backward_wide_q": _backward(WIDE_Q_SPACE),
+           "backward_opaque": _backward(OPAQUE_SPACE)}
 
 
 def main(argv=None) -> int:

@@ -50,7 +50,8 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
   blocks = {name: shape_and_blocks.pop(name)
             for name in ("block_q", "block_kv", "max_concurrent_steps",
                          "overlap_softmax", "fused_dq", "persistent",
-                         "tile_fastest", "prefetch_stats")
+                         "tile_fastest", "prefetch_stats", "opaque_resident",
+                         "shared_rows")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
 
@@ -263,6 +264,34 @@ def test_prefetched_stats_change_only_the_dkdv_kernels(cuda_lowering):
                                    block_q=block_q)
       assert all(config.prefetch_stats == on for config in dkdv)
   assert _lower(128, True, prefetch_stats=True) != _lower(128, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (128, dict(fused_dq=True)), (128, {}), (64, {}),
+    (128, dict(persistent=True)),
+], ids=str)
+def test_opaque_resident_is_bitwise_the_default_on_gpu(head_dim, kwargs,
+                                                       is_causal):
+  """`opaque_resident` changes where the resident tiles' descriptors are
+  computed, not what is computed: dq, dk, dv equal the kernels without it
+  bit for bit (an index off by the zero would not), fused dQ included."""
+  _assert_bitwise_either_way("opaque_resident", head_dim, is_causal, 19,
+                             **kwargs)
+
+
+def test_opaque_resident_lowers_where_it_fits(cuda_lowering):
+  """The option changes the dK/dV kernel of the plain and fused forms, and
+  refuses what it does not cover: shared rows, and the fused dQ at d=64's
+  128-row Q tiles, whose shared memory has no room for the zero's cell."""
+  for kwargs in (dict(fused_dq=True), {}):
+    assert (_lower(128, True, opaque_resident=True, **kwargs)
+            != _lower(128, True, **kwargs))
+  with pytest.raises(NotImplementedError, match="shared rows"):
+    _lower(256, False, opaque_resident=True, shared_rows=True)
+  with pytest.raises(NotImplementedError, match="zero's cell"):
+    _lower(64, False, opaque_resident=True, fused_dq=True, block_q=128)
 
 
 @pytest.mark.gpu

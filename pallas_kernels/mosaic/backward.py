@@ -224,6 +224,17 @@ class _Static:
   # first FFMAs waiting on the lse load). Costs their registers (16 each
   # at block_q 64) while the matmuls run.
   prefetch_stats: bool = False
+  # dK/dV kernel, plain form: the consumers index their resident K and V
+  # rows each step with a zero read from shared memory (the last scratch
+  # buffer; shared memory, which the kernel's barriers and copies may write
+  # for all the compiler knows), so that it cannot hoist those tiles' wgmma
+  # descriptors out of the step loop. Hoisted, they are loop invariants
+  # that hold registers across every matmul: in the fused dQ at d=128
+  # (Nsight Compute, session 11) ptxas spilled them and reloaded them each
+  # step from L2, ~190 bytes per thread per step, and the wgmma issues
+  # stalled on the reloads. Recomputed, a descriptor costs a few integer
+  # operations per matmul.
+  opaque_resident: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
   # (`forward.persistent_schedule`), so that a tile's start (its resident
   # loads, the ring's fill) overlaps the previous tile's end. Plain form.
@@ -283,7 +294,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     fused_dq: bool | None = None, tile_fastest: bool = False,
                     shared_rows: bool | None = None,
                     shared_q_rows: bool = False,
-                    prefetch_stats: bool | None = None):
+                    prefetch_stats: bool | None = None,
+                    opaque_resident: bool = False):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -338,6 +350,9 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     prefetch_stats: the dK/dV kernel reads each step's lse and delta before
       its matmuls are issued (see `_Static`); the same results either way.
       None: where measured faster (`prefetch_stats_by_default`).
+    opaque_resident: the dK/dV kernel recomputes its resident tiles' wgmma
+      descriptors each step instead of holding them (see `_Static`); the
+      same results either way. Not with shared rows.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -357,7 +372,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       heavy_first=heavy_first, overlap_softmax=overlap_softmax,
       persistent=persistent, num_ctas=num_ctas, fused_dq=fused_dq,
       tile_fastest=tile_fastest, shared_rows=shared_rows,
-      shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats)
+      shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
+      opaque_resident=opaque_resident)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -368,7 +384,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               persistent: bool | None = None, num_ctas: int | None = None,
               fused_dq: bool | None = None, tile_fastest: bool = False,
               shared_rows: bool | None = None, shared_q_rows: bool = False,
-              prefetch_stats: bool | None = None):
+              prefetch_stats: bool | None = None,
+              opaque_resident: bool = False):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -393,6 +410,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  num_ctas=num_ctas, fused_dq=fused_dq,
                  tile_fastest=tile_fastest, shared_rows=shared_rows,
                  shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
+                 opaque_resident=opaque_resident,
                  **tiles)
 
 
@@ -546,12 +564,18 @@ def statics(query, key, *, heavy_first: bool = True,
             num_ctas: int | None = None, fused_dq: bool = False,
             tile_fastest: bool = False, shared_rows: bool = False,
             shared_q_rows: bool = False, prefetch_stats: bool = False,
+            opaque_resident: bool = False,
             **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax),
                  tile_fastest=bool(tile_fastest))
-  dkdv_options = dict(options, prefetch_stats=bool(prefetch_stats))
+  dkdv_options = dict(options, prefetch_stats=bool(prefetch_stats),
+                      opaque_resident=bool(opaque_resident))
+  if opaque_resident and (shared_rows or tiles.get("spec") is not None):
+    raise NotImplementedError(
+        "opaque_resident: the plain dK/dV consumers only (not shared rows, "
+        "not the ranged kernel)")
   if fused_dq:
     if shared_rows or shared_q_rows:
       raise NotImplementedError("the fused dQ has no shared rows")
@@ -562,13 +586,15 @@ def statics(query, key, *, heavy_first: bool = True,
     if tiles.get("spec") is not None:
       raise NotImplementedError("the ranged backward has no fused dQ")
     return None, [dataclasses.replace(config, **dkdv_options) for config in
-                  dkdv_statics(query, key, fused_dq=True, **tiles)]
+                  dkdv_statics(query, key, fused_dq=True,
+                               opaque_resident=opaque_resident, **tiles)]
   dq_config = dataclasses.replace(
       dq_static(query, key, shared_rows=shared_q_rows, **tiles),
       heavy_first=bool(heavy_first), **options)
   dkdv_configs = [dataclasses.replace(config, **dkdv_options)
-                  for config in dkdv_statics(query, key,
-                                             shared_rows=shared_rows, **tiles)]
+                  for config in dkdv_statics(
+                      query, key, shared_rows=shared_rows,
+                      opaque_resident=opaque_resident, **tiles)]
   if persistent:
     batch, _, num_heads, _ = query.shape
     kv_len, num_kv_heads = key.shape[1], key.shape[2]
@@ -624,10 +650,13 @@ def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
 def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
                  max_concurrent_steps, spec=None,
                  fused_dq: bool = False,
-                 shared_rows: bool = False) -> list[_Static]:
+                 shared_rows: bool = False,
+                 opaque_resident: bool = False) -> list[_Static]:
   """One pass computing dK and dV, or one pass each if registers demand;
   `fused_dq`: the one pass that also sums dQ (raises where there is none);
-  `shared_rows`: the one pass with shared K/V rows (likewise).
+  `shared_rows`: the one pass with shared K/V rows (likewise);
+  `opaque_resident`: with the shared memory of its zero's cell (raises
+  where it would cost a consumer).
   """
   if shared_rows:
     return [_shared_rows_static(
@@ -670,6 +699,11 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
               if fused_dq else 0)
   consumers = _num_consumers(_tiled_length(kv_len, block_kv, spec), block_kv,
                              smem_of)
+  if opaque_resident and smem_of(consumers) + _ZERO_CELL_BYTES > (
+      _SMEM_LIMIT_BYTES):
+    raise NotImplementedError(
+        f"opaque_resident: no shared memory left for its zero's cell with "
+        f"block_q {block_q}, block_kv {block_kv} at head_dim {head_dim}")
   if fused_dq and (_dq_pieces(block_q, head_dim) % consumers
                    or block_kv % _DQ_PIECE):
     raise NotImplementedError(
@@ -770,6 +804,11 @@ def _fused_dq_smem_bytes(*, num_consumers, block_q, block_kv, head_dim,
               + block_q * head_dim * 4)
 
 
+# `_Static.opaque_resident`'s int32 zero: a scratch buffer of its own, so
+# aligned like the others (Mosaic GPU lays them out at 1 KiB boundaries).
+_ZERO_CELL_BYTES = 1024
+
+
 def _dq_pieces(block_q: int, head_dim: int) -> int:
   """[_DQ_PIECE, _DQ_PIECE] pieces of a [block_q, head_dim] dQ tile."""
   return pl.cdiv(block_q, _DQ_PIECE) * pl.cdiv(head_dim, _DQ_PIECE)
@@ -847,6 +886,8 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
         plgpu.Barrier(num_barriers=2),                        # stage_free
     )
     out_type = (jax.ShapeDtypeStruct(query.shape, jnp.float32),) + out_type
+  if static.opaque_resident:  # a zero (see `_Static.opaque_resident`)
+    scratch += (plgpu.SMEM((1,), jnp.int32),)
   results = plgpu.kernel(
       functools.partial(_dkdv_kernel, static=static),
       out_type=out_type,
@@ -977,10 +1018,18 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       tile_mask = lambda i, slot: _variant_mask_t(
           kv_start, i, static, _tile_values(walk.values, own_ids, ids, slot,
                                             shape, own_is_query=False))
+    resident = None
+    if static.opaque_resident:  # see `_Static.opaque_resident`
+      zero_smem = scratch[-1]
+      zero_smem[...] = jnp.zeros((1,), jnp.int32)
+
+      def resident():
+        zero = zero_smem[0]  # read each step: the compiler cannot fold it
+        return k_smem.at[wg + zero], v_smem.at[wg + zero], zero
     grads = _dkdv_consume(own_k, own_v, q_ring, do_ring, stats_ring, arrived,
                           consumed, walk=walk, tile_mask=tile_mask,
                           static=static, base=base, fused=fused, wg=wg,
-                          q_of=q_of)
+                          q_of=q_of, resident=resident)
     # K and V are dead: write the gradients through their buffers.
     staged = {"dk": own_k, "dv": own_v}
     for name, grad in zip(static.outputs, grads):
@@ -1108,7 +1157,7 @@ def _fused_runs(kv_start, first, static: _Static):
 def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
                   consumed, *, walk: _Walk, tile_mask, static: _Static,
                   base=None, fused: _FusedDq | None = None, wg=None,
-                  q_of=None):
+                  q_of=None, resident=None):
   """Consumer: dK, dV (f32, unscaled dK) of its `block_kv` K/V rows.
 
   Walks the producer's steps: for each query head of the group, Q tiles
@@ -1117,6 +1166,8 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
   the ring slots count on from `base`. Fused dQ (`fused`): each step also
   stages consumer `wg`'s pieces of the CTA's dS K for the Q tile
   (`_stage_dq`), and the walk's positions are Q tiles `q_of(position)`.
+  `resident` (`_Static.opaque_resident`): called each step, returns that
+  step's views of the K and V rows and the zero that offsets them.
   """
   slot_of = lambda step: lax.rem(step if base is None else base + step,
                                  static.num_stages)
@@ -1129,12 +1180,14 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     step = head_base + i
     q_block = i if q_of is None else q_of(i)
     slot = slot_of(step)
+    k_rows, v_rows, offset = (k_smem, v_smem, 0) if resident is None else (
+        resident())
     for barrier in arrived:
       plgpu.barrier_wait(barrier.at[slot])
     q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
-    products = [(k_smem, q_tile.transpose((1, 0)))]          # Sᵀ = K Qᵀ
+    products = [(k_rows, q_tile.transpose((1, 0)))]          # Sᵀ = K Qᵀ
     if "dk" in static.outputs:
-      products.append((v_smem, do_tile.transpose((1, 0))))   # dPᵀ = V dOᵀ
+      products.append((v_rows, do_tile.transpose((1, 0))))   # dPᵀ = V dOᵀ
     # Row statistic n (0: lse, 1: delta) of the step's Q rows, read from
     # the ring when the step needs it, or up front (`prefetch_stats`: then
     # `prefetched` holds them, delta only when dK is an output).
@@ -1163,7 +1216,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
           static, ds_smem=ds_smem,
           delta=prefetched.get(1))
       plgpu.barrier_arrive(consumed.at[slot])
-      return finish(grads, step)
+      return finish(grads, step, offset)
     s_t, *dp_t = _wgmma_fresh(shape, products)
     p_t, slope = probabilities(s_t)
     updates = []
@@ -1179,11 +1232,11 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
           ds_smem[...] = ds_t
     grads = _wgmma_accumulate(grads, updates)
     plgpu.barrier_arrive(consumed.at[slot])
-    return finish(grads, step)
+    return finish(grads, step, offset)
 
-  def finish(grads, step):
+  def finish(grads, step, offset):
     if fused is not None:
-      _stage_dq(fused, wg, step=step, static=static)
+      _stage_dq(fused, wg, step=step, static=static, offset=offset)
     return grads
 
   grads = _walk_group(walk, step_body, arrived, consumed, slot_of, static,
@@ -1413,9 +1466,10 @@ def _pieces_of(wg: int, static: _Static):
   return _pieces(static)[wg::static.num_consumers]
 
 
-def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static):
+def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static, offset=0):
   """Consumer wg, after storing its dSᵀ of `step` in `fused.ds`: computes
-  its pieces of the CTA's dS K and stages them for the writer."""
+  its pieces of the CTA's dS K and stages them for the writer. `offset`:
+  a zero the K rows are indexed by (`_Static.opaque_resident`)."""
   parity = lax.rem(step, 2)
   plgpu.commit_smem()  # this consumer's dSᵀ, read by every consumer's wgmma
   plgpu.barrier_arrive(fused.ds_stored.at[parity])
@@ -1429,7 +1483,7 @@ def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static):
     for number, row, col in _pieces_of(wg, static):
       stage[number] = _wgmma_sum((_DQ_PIECE, _DQ_PIECE), [
           (ds.at[k, :, pl.ds(row * _DQ_PIECE, _DQ_PIECE)].transpose((1, 0)),
-           fused.k.at[k, :, pl.ds(col * _DQ_PIECE, _DQ_PIECE)])
+           fused.k.at[k + offset, :, pl.ds(col * _DQ_PIECE, _DQ_PIECE)])
           for k in range(static.num_consumers)])
 
   for c in range(static.num_consumers):
