@@ -55,6 +55,7 @@ def main(argv=None) -> int:
   if args.fused_dq:  # the dispatch's table, so the public call takes it
     from pallas_kernels.mosaic import backward
     backward.FUSED_DQ_MIN_KV_LEN[args.head_dim] = 1
+    backward.FUSED_DQ_CAUSAL_HEAD_DIMS += (args.head_dim,)
   cell = common.Cell.standard(args.mode, args.seq, args.head_dim,
                               args.causal, tokens=args.tokens)
   start, stop = _profiler()

@@ -287,7 +287,7 @@ def test_opaque_resident_lowers_where_it_fits(cuda_lowering):
   128-row Q tiles, whose shared memory has no room for the zero's cell."""
   for kwargs in (dict(fused_dq=True), {}):
     assert (_lower(128, True, opaque_resident=True, **kwargs)
-            != _lower(128, True, **kwargs))
+            != _lower(128, True, opaque_resident=False, **kwargs))
   with pytest.raises(NotImplementedError, match="shared rows"):
     _lower(256, False, opaque_resident=True, shared_rows=True)
   with pytest.raises(NotImplementedError, match="zero's cell"):
@@ -513,13 +513,22 @@ def test_fused_dq_refuses_what_it_does_not_cover(kwargs, match,
 
 
 def test_fused_dq_default_follows_its_table(cuda_lowering, monkeypatch):
-  """`fused_dq=None` fuses where `FUSED_DQ_MIN_KV_LEN` says, and never on a
-  persistent grid or at head_dim 256."""
+  """`fused_dq=None` fuses where `FUSED_DQ_MIN_KV_LEN` says (under causal
+  masking only at `FUSED_DQ_CAUSAL_HEAD_DIMS`), and never on a persistent
+  grid or at head_dim 256; `opaque_resident=None` goes with it at d=128."""
   from pallas_kernels.mosaic import backward
   monkeypatch.setattr(backward, "FUSED_DQ_MIN_KV_LEN", {128: 512, 64: 512})
-  default = lambda d, n, block_q=64: backward.fused_dq_by_default(
-      head_dim=d, kv_len=n, block_q=block_q)
+  default = lambda d, n, block_q=64, **kw: backward.fused_dq_by_default(
+      head_dim=d, kv_len=n, block_q=block_q, **kw)
   assert default(128, 512) and not default(128, 256)
+  assert not default(128, 512, is_causal=True)
+  assert default(64, 512, block_q=128, is_causal=True)
+  q, kv = _structs(head_dim=128, q_len=512, kv_len=512)[:2]
+  _, [fused] = backward.configure(q, kv, scale=0.1, is_causal=False)
+  assert fused.fused_dq and fused.opaque_resident
+  _, [plain] = backward.configure(q, kv, scale=0.1, is_causal=True)
+  assert not plain.fused_dq and not plain.opaque_resident
+  monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", (64, 128))
   assert not default(256, 4096)
   # head_dim 64 with 64-row Q tiles is one dQ piece: two consumers cannot
   # share it, so the default keeps the two kernels rather than refusing.
@@ -545,6 +554,7 @@ def test_tile_fastest_backward_lowers_and_changes_the_grids(cuda_lowering):
 def _fused_everywhere(monkeypatch):
   from pallas_kernels.mosaic import backward
   monkeypatch.setattr(backward, "FUSED_DQ_MIN_KV_LEN", {64: 0, 128: 0})
+  monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", (64, 128))
 
 
 def _assert_backward_is_fused(attention, case: Case):
@@ -590,15 +600,16 @@ def test_fused_dq_matches_reference_on_gpu(case, is_causal, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_fused_dq_default_at_long_kv_on_gpu(is_causal):
-  """The shipped default, no switch turned: `flash_attention` at head_dim
-  64 and kv_len 16384 (`FUSED_DQ_MIN_KV_LEN`) runs the fused backward, and
-  its output, LSE and gradients obey the tolerance rule (GQA 2:1, q_len
-  not the kv_len)."""
+@pytest.mark.parametrize("head_dim, is_causal",
+                         [(64, False), (64, True), (128, False)])
+def test_fused_dq_default_at_long_kv_on_gpu(head_dim, is_causal):
+  """The shipped default, no switch turned: `flash_attention` at kv_len
+  16384 (`FUSED_DQ_MIN_KV_LEN`; at head_dim 128 without a causal mask, with
+  `opaque_resident`) runs the fused backward, and its output, LSE and
+  gradients obey the tolerance rule (GQA 2:1, q_len not the kv_len)."""
   _require_sm90()
   import jax_flash
-  case = Case(1, 15360, 16384, 4, 2, 64)
+  case = Case(1, 15360, 16384, 4, 2, head_dim)
   attention = jax.jit(lambda q, k, v: jax_flash.flash_attention(
       q, k, v, is_causal=is_causal, return_residual=True,
       implementation="mosaic"))

@@ -124,9 +124,19 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # full / causal, against the two kernels: head_dim 64 (128-row Q tiles)
 # +6% / +10% at seq 16k (results/h200_mosaic_fused.md; +4% / +14% in
 # results/h200_mosaic_writer.md), -18% / -13% at 4k and -14% / -18% at 1k
-# (results/h200_mosaic_fused_short.md); head_dim 128 -11% / -24% at 16k.
-# Its GPU tests pass (session 8).
-FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384}
+# (results/h200_mosaic_fused_short.md); head_dim 128 -11% / -24% at 16k,
+# and with `opaque_resident` (session 11, results/h200_mosaic_opaque.md,
+# two rounds in turn) 447 -> 470 / 476 -> 458 at 16k, 412 -> 418 / 414 ->
+# 377 at 4k. Under causal masking only at FUSED_DQ_CAUSAL_HEAD_DIMS. Its
+# GPU tests pass (sessions 8 and 11).
+FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384, 128: 16384}
+FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64,)
+# `mosaic_backward(opaque_resident=None)`: on with the fused dQ at these
+# head dims. At d=128 it took the fused kernel from 397 / 351 to 470 / 458
+# TFLOP/s at 16k and from 315 / 260 to 418 / 377 at 4k (full / causal); the
+# two kernels gained nothing from it (447 / 476 -> 448 / 461 at 16k). At
+# d=64 the fused dQ's 128-row Q tiles leave no shared memory for it.
+OPAQUE_RESIDENT_FUSED_HEAD_DIMS: tuple[int, ...] = (128,)
 # The fused dQ splits each Q tile's dQ into [_DQ_PIECE, _DQ_PIECE] pieces,
 # shared out among the consumers: 64 rows, a wgmma's height, by 64 columns,
 # one 128-byte swizzle row of 16-bit K, so that a piece's slice of the
@@ -177,13 +187,22 @@ def persistent_by_default(*, head_dim: int, kv_len: int,
   return kv_len <= PERSISTENT_MAX_KV_LEN.get(head_dim, 0)
 
 
-def fused_dq_by_default(*, head_dim: int, kv_len: int, block_q: int) -> bool:
+def fused_dq_by_default(*, head_dim: int, kv_len: int, block_q: int,
+                        is_causal: bool = False) -> bool:
   """Whether `mosaic_backward(fused_dq=None)` fuses dQ into dK/dV: where
-  the table says, and where its dQ pieces share out between two consumers
+  the tables say, and where its dQ pieces share out between two consumers
   (else it would refuse the call, and the Triton backward would run)."""
   least = FUSED_DQ_MIN_KV_LEN.get(head_dim)
+  if is_causal and head_dim not in FUSED_DQ_CAUSAL_HEAD_DIMS:
+    return False
   return (least is not None and kv_len >= least
           and _dq_pieces(block_q, head_dim) % _MAX_CONSUMERS == 0)
+
+
+def opaque_resident_by_default(*, head_dim: int, fused_dq: bool) -> bool:
+  """Whether `mosaic_backward(opaque_resident=None)` recomputes the dK/dV
+  kernel's resident descriptors each step."""
+  return fused_dq and head_dim in OPAQUE_RESIDENT_FUSED_HEAD_DIMS
 
 
 # How a consumer treats a run of streamed steps (see `_walk_runs`).
@@ -295,7 +314,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     shared_rows: bool | None = None,
                     shared_q_rows: bool = False,
                     prefetch_stats: bool | None = None,
-                    opaque_resident: bool = False):
+                    opaque_resident: bool | None = None):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -335,7 +354,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       `_FusedDq`), so the results are deterministic; 5 matmuls per
       (Q tile, K/V tile) pair instead of 7 (the dQ kernel recomputes S, dP).
       Launch grid only, and only where dK and dV fit one pass (head_dim up
-      to 128). None: where measured faster (`fused_dq_by_default`).
+      to 128). None: where measured faster (`fused_dq_by_default`: from
+      kv_len 16384 at head_dim 64, and at 128 without a causal mask).
     tile_fastest: both kernels' launch grids in tile-fastest order (see
       `_Static`); the results are the same either way. Not with `fused_dq`,
       whose K/V tiles of a head must launch apart.
@@ -352,7 +372,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       None: where measured faster (`prefetch_stats_by_default`).
     opaque_resident: the dK/dV kernel recomputes its resident tiles' wgmma
       descriptors each step instead of holding them (see `_Static`); the
-      same results either way. Not with shared rows.
+      same results either way. Not with shared rows. None: where measured
+      faster (`opaque_resident_by_default`: the fused dQ at head_dim 128).
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -385,7 +406,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               fused_dq: bool | None = None, tile_fastest: bool = False,
               shared_rows: bool | None = None, shared_q_rows: bool = False,
               prefetch_stats: bool | None = None,
-              opaque_resident: bool = False):
+              opaque_resident: bool | None = None):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -395,7 +416,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   head_dim, kv_len = query.shape[-1], key.shape[1]
   if fused_dq is None:
     fused_dq = not persistent and fused_dq_by_default(
-        head_dim=head_dim, kv_len=kv_len, block_q=block_q)
+        head_dim=head_dim, kv_len=kv_len, block_q=block_q,
+        is_causal=is_causal)
   if persistent is None:
     persistent = not fused_dq and persistent_by_default(
         head_dim=head_dim, kv_len=kv_len, is_causal=is_causal)
@@ -405,6 +427,9 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   if prefetch_stats is None:
     prefetch_stats = prefetch_stats_by_default(head_dim=head_dim,
                                                block_q=block_q)
+  if opaque_resident is None:
+    opaque_resident = opaque_resident_by_default(head_dim=head_dim,
+                                                 fused_dq=fused_dq)
   return statics(query, key, heavy_first=heavy_first,
                  overlap_softmax=overlap_softmax, persistent=persistent,
                  num_ctas=num_ctas, fused_dq=fused_dq,
@@ -572,10 +597,6 @@ def statics(query, key, *, heavy_first: bool = True,
                  tile_fastest=bool(tile_fastest))
   dkdv_options = dict(options, prefetch_stats=bool(prefetch_stats),
                       opaque_resident=bool(opaque_resident))
-  if opaque_resident and (shared_rows or tiles.get("spec") is not None):
-    raise NotImplementedError(
-        "opaque_resident: the plain dK/dV consumers only (not shared rows, "
-        "not the ranged kernel)")
   if fused_dq:
     if shared_rows or shared_q_rows:
       raise NotImplementedError("the fused dQ has no shared rows")
@@ -588,6 +609,10 @@ def statics(query, key, *, heavy_first: bool = True,
     return None, [dataclasses.replace(config, **dkdv_options) for config in
                   dkdv_statics(query, key, fused_dq=True,
                                opaque_resident=opaque_resident, **tiles)]
+  if opaque_resident and (shared_rows or tiles.get("spec") is not None):
+    raise NotImplementedError(
+        "opaque_resident: the plain dK/dV consumers only (not shared rows, "
+        "not the ranged kernel)")
   dq_config = dataclasses.replace(
       dq_static(query, key, shared_rows=shared_q_rows, **tiles),
       heavy_first=bool(heavy_first), **options)
