@@ -252,8 +252,13 @@ class _Static:
   # (Nsight Compute, session 11) ptxas spilled them and reloaded them each
   # step from L2, ~190 bytes per thread per step, and the wgmma issues
   # stalled on the reloads. Recomputed, a descriptor costs a few integer
-  # operations per matmul.
+  # operations per matmul. `zero_in_gmem`: where shared memory has no room
+  # for the cell (the fused dQ at d=64's 128-row Q tiles), the zero is read
+  # from global memory instead (`launch_dkdv`'s last input; the compiler
+  # cannot hoist that load either, past the barriers' and copies' memory
+  # effects, as far as it sees through the kernel's argument pointers).
   opaque_resident: bool = False
+  zero_in_gmem: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
   # (`forward.persistent_schedule`), so that a tile's start (its resident
   # loads, the ring's fill) overlaps the previous tile's end. Plain form.
@@ -680,8 +685,8 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
   """One pass computing dK and dV, or one pass each if registers demand;
   `fused_dq`: the one pass that also sums dQ (raises where there is none);
   `shared_rows`: the one pass with shared K/V rows (likewise);
-  `opaque_resident`: with the shared memory of its zero's cell (raises
-  where it would cost a consumer).
+  `opaque_resident`: its zero in shared memory where its cell fits without
+  costing a consumer, else in global memory (`_Static.zero_in_gmem`).
   """
   if shared_rows:
     return [_shared_rows_static(
@@ -724,11 +729,8 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
               if fused_dq else 0)
   consumers = _num_consumers(_tiled_length(kv_len, block_kv, spec), block_kv,
                              smem_of)
-  if opaque_resident and smem_of(consumers) + _ZERO_CELL_BYTES > (
-      _SMEM_LIMIT_BYTES):
-    raise NotImplementedError(
-        f"opaque_resident: no shared memory left for its zero's cell with "
-        f"block_q {block_q}, block_kv {block_kv} at head_dim {head_dim}")
+  zero_in_gmem = bool(opaque_resident) and smem_of(consumers) + (
+      _ZERO_CELL_BYTES) > _SMEM_LIMIT_BYTES
   if fused_dq and (_dq_pieces(block_q, head_dim) % consumers
                    or block_kv % _DQ_PIECE):
     raise NotImplementedError(
@@ -743,7 +745,7 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
               group=group, scale=float(scale),
               scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
               dtype=jnp.dtype(query.dtype), outputs=outputs, spec=spec,
-              fused_dq=bool(fused_dq))
+              fused_dq=bool(fused_dq), zero_in_gmem=zero_in_gmem)
       for outputs in passes]
 
 
@@ -912,7 +914,10 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
     )
     out_type = (jax.ShapeDtypeStruct(query.shape, jnp.float32),) + out_type
   if static.opaque_resident:  # a zero (see `_Static.opaque_resident`)
-    scratch += (plgpu.SMEM((1,), jnp.int32),)
+    if static.zero_in_gmem:
+      inputs += (jnp.zeros((1,), jnp.int32),)
+    else:
+      scratch += (plgpu.SMEM((1,), jnp.int32),)
   results = plgpu.kernel(
       functools.partial(_dkdv_kernel, static=static),
       out_type=out_type,
@@ -941,7 +946,8 @@ def _dkdv_kernel(*refs, static: _Static):
   K/V tile j reads the Q tiles from j on, so tiles go in pairs), the ring
   of streamed steps running on across tiles (see `_produce`).
   """
-  num_inputs = 5 + static.ranged + 2 * static.segmented
+  num_inputs = (5 + static.ranged + 2 * static.segmented
+                + (static.opaque_resident and static.zero_in_gmem))
   names = ("dq_sum",) * static.fused_dq + static.outputs
   inputs = refs[:num_inputs]
   out_refs = dict(zip(names, refs[num_inputs:num_inputs + len(names)]))
@@ -1045,11 +1051,14 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                                             shape, own_is_query=False))
     resident = None
     if static.opaque_resident:  # see `_Static.opaque_resident`
-      zero_smem = scratch[-1]
-      zero_smem[...] = jnp.zeros((1,), jnp.int32)
+      if static.zero_in_gmem:
+        zero_ref = inputs[-1]
+      else:
+        zero_ref = scratch[-1]
+        zero_ref[...] = jnp.zeros((1,), jnp.int32)
 
       def resident():
-        zero = zero_smem[0]  # read each step: the compiler cannot fold it
+        zero = zero_ref[0]  # read each step: the compiler cannot fold it
         return k_smem.at[wg + zero], v_smem.at[wg + zero], zero
     grads = _dkdv_consume(own_k, own_v, q_ring, do_ring, stats_ring, arrived,
                           consumed, walk=walk, tile_mask=tile_mask,
