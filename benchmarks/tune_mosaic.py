@@ -81,10 +81,6 @@ WIDE_Q_SPACE = dict(block_q=(64, 128))
 # (`backward._Static.opaque_resident`), in the two kernels and fused.
 OPAQUE_SPACE = dict(fused_dq=(False, True), opaque_resident=(False, True),
                     persistent=(False,))
-# The same with head_dim 64's 128-row Q tiles, each on its default grid
-# (the fused dQ's zero in global memory there).
-OPAQUE_WIDE_SPACE = dict(block_q=(128,), fused_dq=(False, True),
-                         opaque_resident=(False, True))
 # Three consumers' K/V ring depth (they leave room for 4 stages at d=64).
 CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
                              max_concurrent_steps=(2, 3, 4))
@@ -145,8 +141,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_shared_q": _backward(SHARED_Q_SPACE),
            "backward_prefetch": _backward(PREFETCH_SPACE),
            "backward_wide_q": _backward(WIDE_Q_SPACE),
-           "backward_opaque": _backward(OPAQUE_SPACE),
-           "backward_opaque_wide": _backward(OPAQUE_WIDE_SPACE)}
+           "backward_opaque": _backward(OPAQUE_SPACE)}
 
 
 def main(argv=None) -> int:

@@ -271,7 +271,6 @@ def test_prefetched_stats_change_only_the_dkdv_kernels(cuda_lowering):
 @pytest.mark.parametrize("head_dim, kwargs", [
     (128, dict(fused_dq=True)), (128, {}), (64, {}),
     (128, dict(persistent=True)),
-    (64, dict(fused_dq=True, block_q=128)),  # the zero in global memory
 ], ids=str)
 def test_opaque_resident_is_bitwise_the_default_on_gpu(head_dim, kwargs,
                                                        is_causal):
@@ -283,22 +282,16 @@ def test_opaque_resident_is_bitwise_the_default_on_gpu(head_dim, kwargs,
 
 
 def test_opaque_resident_lowers_where_it_fits(cuda_lowering):
-  """The option changes the dK/dV kernel of the plain and fused forms, its
-  zero in shared memory, or in global memory where shared memory is full
-  (the fused dQ at d=64's 128-row Q tiles); it refuses shared rows."""
-  from pallas_kernels.mosaic import backward
-  for head_dim, kwargs in ((128, dict(fused_dq=True)), (128, {}),
-                           (64, dict(fused_dq=True, block_q=128))):
-    assert (_lower(head_dim, True, opaque_resident=True, **kwargs)
-            != _lower(head_dim, True, opaque_resident=False, **kwargs))
-  for head_dim, block_q, in_gmem in ((128, 64, False), (64, 128, True)):
-    q, kv = _structs(head_dim=head_dim)[:2]
-    _, [config] = backward.configure(q, kv, scale=0.1, is_causal=False,
-                                     fused_dq=True, block_q=block_q,
-                                     opaque_resident=True)
-    assert config.zero_in_gmem == in_gmem
+  """The option changes the dK/dV kernel of the plain and fused forms, and
+  refuses what it does not cover: shared rows, and the fused dQ at d=64's
+  128-row Q tiles, whose shared memory has no room for the zero's cell."""
+  for kwargs in (dict(fused_dq=True), {}):
+    assert (_lower(128, True, opaque_resident=True, **kwargs)
+            != _lower(128, True, opaque_resident=False, **kwargs))
   with pytest.raises(NotImplementedError, match="shared rows"):
     _lower(256, False, opaque_resident=True, shared_rows=True)
+  with pytest.raises(NotImplementedError, match="zero's cell"):
+    _lower(64, False, opaque_resident=True, fused_dq=True, block_q=128)
 
 
 @pytest.mark.gpu

@@ -135,7 +135,9 @@ FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64,)
 # head dims. At d=128 it took the fused kernel from 397 / 351 to 470 / 458
 # TFLOP/s at 16k and from 315 / 260 to 418 / 377 at 4k (full / causal); the
 # two kernels gained nothing from it (447 / 476 -> 448 / 461 at 16k). At
-# d=64 the fused dQ's 128-row Q tiles leave no shared memory for it.
+# d=64 the fused dQ's 128-row Q tiles leave no shared memory for its zero;
+# read from global memory instead it cost 25% (402 -> 300 at 16k full,
+# results/h200_mosaic_opaque_wide.md), so that form was not kept.
 OPAQUE_RESIDENT_FUSED_HEAD_DIMS: tuple[int, ...] = (128,)
 # The fused dQ splits each Q tile's dQ into [_DQ_PIECE, _DQ_PIECE] pieces,
 # shared out among the consumers: 64 rows, a wgmma's height, by 64 columns,
@@ -252,13 +254,8 @@ class _Static:
   # (Nsight Compute, session 11) ptxas spilled them and reloaded them each
   # step from L2, ~190 bytes per thread per step, and the wgmma issues
   # stalled on the reloads. Recomputed, a descriptor costs a few integer
-  # operations per matmul. `zero_in_gmem`: where shared memory has no room
-  # for the cell (the fused dQ at d=64's 128-row Q tiles), the zero is read
-  # from global memory instead (`launch_dkdv`'s last input; the compiler
-  # cannot hoist that load either, past the barriers' and copies' memory
-  # effects, as far as it sees through the kernel's argument pointers).
+  # operations per matmul.
   opaque_resident: bool = False
-  zero_in_gmem: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
   # (`forward.persistent_schedule`), so that a tile's start (its resident
   # loads, the ring's fill) overlaps the previous tile's end. Plain form.
@@ -685,8 +682,8 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
   """One pass computing dK and dV, or one pass each if registers demand;
   `fused_dq`: the one pass that also sums dQ (raises where there is none);
   `shared_rows`: the one pass with shared K/V rows (likewise);
-  `opaque_resident`: its zero in shared memory where its cell fits without
-  costing a consumer, else in global memory (`_Static.zero_in_gmem`).
+  `opaque_resident`: with the shared memory of its zero's cell (raises
+  where it would cost a consumer).
   """
   if shared_rows:
     return [_shared_rows_static(
@@ -729,8 +726,11 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
               if fused_dq else 0)
   consumers = _num_consumers(_tiled_length(kv_len, block_kv, spec), block_kv,
                              smem_of)
-  zero_in_gmem = bool(opaque_resident) and smem_of(consumers) + (
-      _ZERO_CELL_BYTES) > _SMEM_LIMIT_BYTES
+  if opaque_resident and smem_of(consumers) + _ZERO_CELL_BYTES > (
+      _SMEM_LIMIT_BYTES):
+    raise NotImplementedError(
+        f"opaque_resident: no shared memory left for its zero's cell with "
+        f"block_q {block_q}, block_kv {block_kv} at head_dim {head_dim}")
   if fused_dq and (_dq_pieces(block_q, head_dim) % consumers
                    or block_kv % _DQ_PIECE):
     raise NotImplementedError(
@@ -745,7 +745,7 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
               group=group, scale=float(scale),
               scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
               dtype=jnp.dtype(query.dtype), outputs=outputs, spec=spec,
-              fused_dq=bool(fused_dq), zero_in_gmem=zero_in_gmem)
+              fused_dq=bool(fused_dq))
       for outputs in passes]
 
 
@@ -914,10 +914,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
     )
     out_type = (jax.ShapeDtypeStruct(query.shape, jnp.float32),) + out_type
   if static.opaque_resident:  # a zero (see `_Static.opaque_resident`)
-    if static.zero_in_gmem:
-      inputs += (jnp.zeros((1,), jnp.int32),)
-    else:
-      scratch += (plgpu.SMEM((1,), jnp.int32),)
+    scratch += (plgpu.SMEM((1,), jnp.int32),)
   results = plgpu.kernel(
       functools.partial(_dkdv_kernel, static=static),
       out_type=out_type,
@@ -946,8 +943,7 @@ def _dkdv_kernel(*refs, static: _Static):
   K/V tile j reads the Q tiles from j on, so tiles go in pairs), the ring
   of streamed steps running on across tiles (see `_produce`).
   """
-  num_inputs = (5 + static.ranged + 2 * static.segmented
-                + (static.opaque_resident and static.zero_in_gmem))
+  num_inputs = 5 + static.ranged + 2 * static.segmented
   names = ("dq_sum",) * static.fused_dq + static.outputs
   inputs = refs[:num_inputs]
   out_refs = dict(zip(names, refs[num_inputs:num_inputs + len(names)]))
@@ -1051,14 +1047,11 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                                             shape, own_is_query=False))
     resident = None
     if static.opaque_resident:  # see `_Static.opaque_resident`
-      if static.zero_in_gmem:
-        zero_ref = inputs[-1]
-      else:
-        zero_ref = scratch[-1]
-        zero_ref[...] = jnp.zeros((1,), jnp.int32)
+      zero_smem = scratch[-1]
+      zero_smem[...] = jnp.zeros((1,), jnp.int32)
 
       def resident():
-        zero = zero_ref[0]  # read each step: the compiler cannot fold it
+        zero = zero_smem[0]  # read each step: the compiler cannot fold it
         return k_smem.at[wg + zero], v_smem.at[wg + zero], zero
     grads = _dkdv_consume(own_k, own_v, q_ring, do_ring, stats_ring, arrived,
                           consumed, walk=walk, tile_mask=tile_mask,
