@@ -831,8 +831,10 @@ def _fused_dq_smem_bytes(*, num_consumers, block_q, block_kv, head_dim,
               + block_q * head_dim * 4)
 
 
-# `_Static.opaque_resident`'s int32 zero: a scratch buffer of its own, so
-# aligned like the others (Mosaic GPU lays them out at 1 KiB boundaries).
+# `_Static.opaque_resident`'s int32 zero: a scratch buffer of its own,
+# padded to the alignment of the others (how much is Mosaic GPU's: at d=64's
+# fused 128-row Q tiles the cell took the kernel 144 bytes over the limit);
+# 1 KiB bounds it.
 _ZERO_CELL_BYTES = 1024
 
 
