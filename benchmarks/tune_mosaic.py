@@ -81,6 +81,10 @@ WIDE_Q_SPACE = dict(block_q=(64, 128))
 # (`backward._Static.opaque_resident`), in the two kernels and fused.
 OPAQUE_SPACE = dict(fused_dq=(False, True), opaque_resident=(False, True),
                     persistent=(False,))
+# The fused dQ's pieces a step later (`backward._Static.deferred_dq`),
+# against the fused kernel and the two kernels.
+DEFERRED_SPACE = dict(fused_dq=(False, True), deferred_dq=(False, True),
+                      persistent=(False,))
 # Three consumers' K/V ring depth (they leave room for 4 stages at d=64).
 CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
                              max_concurrent_steps=(2, 3, 4))
@@ -141,7 +145,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_shared_q": _backward(SHARED_Q_SPACE),
            "backward_prefetch": _backward(PREFETCH_SPACE),
            "backward_wide_q": _backward(WIDE_Q_SPACE),
-           "backward_opaque": _backward(OPAQUE_SPACE)}
+           "backward_opaque": _backward(OPAQUE_SPACE),
+           "backward_deferred": _backward(DEFERRED_SPACE)}
 
 
 def main(argv=None) -> int:

@@ -51,7 +51,7 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
             for name in ("block_q", "block_kv", "max_concurrent_steps",
                          "overlap_softmax", "fused_dq", "persistent",
                          "tile_fastest", "prefetch_stats", "opaque_resident",
-                         "shared_rows")
+                         "shared_rows", "deferred_dq")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
 
@@ -279,6 +279,31 @@ def test_opaque_resident_is_bitwise_the_default_on_gpu(head_dim, kwargs,
   bit for bit (an index off by the zero would not), fused dQ included."""
   _assert_bitwise_either_way("opaque_resident", head_dim, is_causal, 19,
                              **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (128, {}), (64, dict(block_q=128)),
+], ids=str)
+def test_deferred_dq_is_bitwise_the_fused_kernel_on_gpu(head_dim, kwargs,
+                                                        is_causal):
+  """`deferred_dq` computes each step's dQ pieces a step later, in the
+  same order and with the same operands: dq, dk, dv equal the fused
+  kernel's bit for bit (a piece read from a dSᵀ buffer already
+  overwritten would not)."""
+  _assert_bitwise_either_way("deferred_dq", head_dim, is_causal, 23,
+                             fused_dq=True, **kwargs)
+
+
+def test_deferred_dq_lowers_with_the_fused_dq_only(cuda_lowering):
+  """The option changes the fused kernel and refuses the two kernels."""
+  for head_dim, block_q in ((128, 64), (64, 128)):
+    assert (_lower(head_dim, True, fused_dq=True, block_q=block_q,
+                   deferred_dq=True)
+            != _lower(head_dim, True, fused_dq=True, block_q=block_q))
+  with pytest.raises(NotImplementedError, match="fused dQ only"):
+    _lower(128, False, fused_dq=False, deferred_dq=True)
 
 
 def test_opaque_resident_lowers_where_it_fits(cuda_lowering):

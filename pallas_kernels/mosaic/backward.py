@@ -256,6 +256,15 @@ class _Static:
   # stalled on the reloads. Recomputed, a descriptor costs a few integer
   # operations per matmul.
   opaque_resident: bool = False
+  # Fused dQ: a consumer computes its dQ pieces of step s during step s + 1
+  # (after that step's dK and dV), not at the end of step s. At step s the
+  # pieces need both consumers' dSᵀ of s, so each consumer waits there for
+  # the other every step, and their softmaxes stop alternating with each
+  # other's matmuls (Nsight Compute, session 11: the fused kernel at 55%
+  # of the tensor pipe). A step later the other's dSᵀ is long stored; what
+  # a consumer then waits for is the other having read the dSᵀ buffer it
+  # is about to overwrite (`_FusedDq.ds_read`), a step of slack.
+  deferred_dq: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
   # (`forward.persistent_schedule`), so that a tile's start (its resident
   # loads, the ring's fill) overlaps the previous tile's end. Plain form.
@@ -316,7 +325,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     shared_rows: bool | None = None,
                     shared_q_rows: bool = False,
                     prefetch_stats: bool | None = None,
-                    opaque_resident: bool | None = None):
+                    opaque_resident: bool | None = None,
+                    deferred_dq: bool = False):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -376,6 +386,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       descriptors each step instead of holding them (see `_Static`); the
       same results either way. Not with shared rows. None: where measured
       faster (`opaque_resident_by_default`: the fused dQ at head_dim 128).
+    deferred_dq: the fused dQ's pieces of a step computed during the next
+      (see `_Static`); the same results either way. Fused dQ only.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -396,7 +408,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       persistent=persistent, num_ctas=num_ctas, fused_dq=fused_dq,
       tile_fastest=tile_fastest, shared_rows=shared_rows,
       shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
-      opaque_resident=opaque_resident)
+      opaque_resident=opaque_resident, deferred_dq=deferred_dq)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -408,7 +420,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               fused_dq: bool | None = None, tile_fastest: bool = False,
               shared_rows: bool | None = None, shared_q_rows: bool = False,
               prefetch_stats: bool | None = None,
-              opaque_resident: bool | None = None):
+              opaque_resident: bool | None = None,
+              deferred_dq: bool = False):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -437,7 +450,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  num_ctas=num_ctas, fused_dq=fused_dq,
                  tile_fastest=tile_fastest, shared_rows=shared_rows,
                  shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
-                 opaque_resident=opaque_resident,
+                 opaque_resident=opaque_resident, deferred_dq=deferred_dq,
                  **tiles)
 
 
@@ -591,7 +604,7 @@ def statics(query, key, *, heavy_first: bool = True,
             num_ctas: int | None = None, fused_dq: bool = False,
             tile_fastest: bool = False, shared_rows: bool = False,
             shared_q_rows: bool = False, prefetch_stats: bool = False,
-            opaque_resident: bool = False,
+            opaque_resident: bool = False, deferred_dq: bool = False,
             **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
@@ -608,9 +621,14 @@ def statics(query, key, *, heavy_first: bool = True,
           "K/V tiles wait for each other in order")
     if tiles.get("spec") is not None:
       raise NotImplementedError("the ranged backward has no fused dQ")
-    return None, [dataclasses.replace(config, **dkdv_options) for config in
-                  dkdv_statics(query, key, fused_dq=True,
-                               opaque_resident=opaque_resident, **tiles)]
+    return None, [dataclasses.replace(config, **dkdv_options,
+                                      deferred_dq=bool(deferred_dq))
+                  for config in dkdv_statics(
+                      query, key, fused_dq=True,
+                      opaque_resident=opaque_resident,
+                      deferred_dq=deferred_dq, **tiles)]
+  if deferred_dq:
+    raise NotImplementedError("deferred_dq: the fused dQ only")
   if opaque_resident and (shared_rows or tiles.get("spec") is not None):
     raise NotImplementedError(
         "opaque_resident: the plain dK/dV consumers only (not shared rows, "
@@ -678,12 +696,14 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
                  max_concurrent_steps, spec=None,
                  fused_dq: bool = False,
                  shared_rows: bool = False,
-                 opaque_resident: bool = False) -> list[_Static]:
+                 opaque_resident: bool = False,
+                 deferred_dq: bool = False) -> list[_Static]:
   """One pass computing dK and dV, or one pass each if registers demand;
   `fused_dq`: the one pass that also sums dQ (raises where there is none);
   `shared_rows`: the one pass with shared K/V rows (likewise);
   `opaque_resident`: with the shared memory of its zero's cell (raises
-  where it would cost a consumer).
+  where it would cost a consumer); `deferred_dq`: with its two barriers
+  (16 bytes, which every fused form has room for).
   """
   if shared_rows:
     return [_shared_rows_static(
@@ -836,6 +856,9 @@ def _fused_dq_smem_bytes(*, num_consumers, block_q, block_kv, head_dim,
 # fused 128-row Q tiles the cell took the kernel 144 bytes over the limit);
 # 1 KiB bounds it.
 _ZERO_CELL_BYTES = 1024
+# The fused dQ's consumers meet on this hardware barrier after their last
+# pieces (`compat.named_barrier`: ids from 8 up are free).
+_PIECES_DONE_BARRIER = 8
 
 
 def _dq_pieces(block_q: int, head_dim: int) -> int:
@@ -914,6 +937,8 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
         plgpu.Barrier(num_arrivals=consumers, num_barriers=2),  # dq_staged
         plgpu.Barrier(num_barriers=2),                        # stage_free
     )
+    if static.deferred_dq:
+      scratch += (plgpu.Barrier(num_arrivals=consumers, num_barriers=2),)  # ds_read
     out_type = (jax.ShapeDtypeStruct(query.shape, jnp.float32),) + out_type
   if static.opaque_resident:  # a zero (see `_Static.opaque_resident`)
     scratch += (plgpu.SMEM((1,), jnp.int32),)
@@ -1014,7 +1039,8 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   fused = None
   if static.fused_dq:
     fused = _FusedDq(*scratch[11:16], k=k_smem, dq_sum=out_refs["dq_sum"],
-                     turns=None)  # the writer's alone: `_writer`
+                     turns=None,  # the writer's alone: `_writer`
+                     ds_read=scratch[16] if static.deferred_dq else None)
 
   def _consumer():
     if static.shared_rows:  # static consumer numbers: static column slices
@@ -1059,6 +1085,11 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                           consumed, walk=walk, tile_mask=tile_mask,
                           static=static, base=base, fused=fused, wg=wg,
                           q_of=q_of, resident=resident)
+    if fused is not None:
+      # The other consumers' last dQ pieces read this one's K rows: every
+      # consumer is past them before any overwrites its K with dK.
+      compat.named_barrier("sync", _PIECES_DONE_BARRIER,
+                           static.num_consumers * _THREADS_PER_WARPGROUP)
     # K and V are dead: write the gradients through their buffers.
     staged = {"dk": own_k, "dv": own_v}
     for name, grad in zip(static.outputs, grads):
@@ -1234,15 +1265,21 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         p_t = jnp.where(tile_mask(q_block, slot), p_t, 0.0)
       return p_t, slope
 
-    ds_smem = None
+    store_ds = None
     if fused is not None:  # this step's dSᵀ, for every consumer to read
       ds_smem = fused.ds.at[lax.rem(step, 2), wg]
+
+      def store_ds(ds_t):
+        if static.deferred_dq:  # every consumer's pieces of step - 2 read it
+          pl.when(step >= 2)(functools.partial(
+              plgpu.barrier_wait, fused.ds_read.at[lax.rem(step, 2)]))
+        ds_smem[...] = ds_t
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
       (p_t, slope), *dp_t = _wgmma_then(shape, products, probabilities)
       grads = _dkdv_accumulate_overlapped(
           grads, p_t, dp_t, slope, q_tile, do_tile, stats_ring.at[slot],
-          static, ds_smem=ds_smem,
+          static, store_ds=store_ds,
           delta=prefetched.get(1))
       plgpu.barrier_arrive(consumed.at[slot])
       return finish(grads, step, offset)
@@ -1257,8 +1294,8 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, s_t.shape), slope)
         ds_t = ds_t.astype(static.dtype)
         updates.append((ds_t, q_tile))  # dK += dSᵀ Q
-        if ds_smem is not None:
-          ds_smem[...] = ds_t
+        if store_ds is not None:
+          store_ds(ds_t)
     grads = _wgmma_accumulate(grads, updates)
     plgpu.barrier_arrive(consumed.at[slot])
     return finish(grads, step, offset)
@@ -1270,6 +1307,11 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
 
   grads = _walk_group(walk, step_body, arrived, consumed, slot_of, static,
                       grads)
+  if fused is not None and static.deferred_dq:  # the last step's pieces
+    last = static.group * walk.num_blocks - 1 - walk.first
+    offset = 0 if resident is None else resident()[2]
+    pl.when(last >= 0)(functools.partial(
+        _stage_dq_pieces, fused, wg, step=last, static=static, offset=offset))
   return tuple(grad * static.scale if name == "dk" else grad
                for name, grad in zip(static.outputs, grads))
 
@@ -1480,6 +1522,8 @@ class _FusedDq(NamedTuple):
   k: Any           # [consumers, block_kv, head_dim]: the CTA's K rows
   dq_sum: Any      # f32 [batch, q_len, num_heads, head_dim], global
   turns: Any       # int32 semaphores [batch * num_heads * num_q_blocks]
+  ds_read: Any = None  # barriers [2], an arrival per consumer: its pieces
+                       # read the dSᵀ tiles (`_Static.deferred_dq`)
 
 
 def _pieces(static: _Static):
@@ -1496,12 +1540,29 @@ def _pieces_of(wg: int, static: _Static):
 
 
 def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static, offset=0):
-  """Consumer wg, after storing its dSᵀ of `step` in `fused.ds`: computes
-  its pieces of the CTA's dS K and stages them for the writer. `offset`:
-  a zero the K rows are indexed by (`_Static.opaque_resident`)."""
+  """Consumer wg, after storing its dSᵀ of `step` in `fused.ds`: says so,
+  then computes its pieces of the CTA's dS K for `step` (deferred: for the
+  step before, and the last step's after the walk, `_stage_dq_pieces`).
+  `offset`: a zero the K rows are indexed by (`_Static.opaque_resident`)."""
   parity = lax.rem(step, 2)
   plgpu.commit_smem()  # this consumer's dSᵀ, read by every consumer's wgmma
   plgpu.barrier_arrive(fused.ds_stored.at[parity])
+  if not static.deferred_dq:
+    _stage_dq_pieces(fused, wg, step=step, static=static, offset=offset,
+                     parity=parity)
+    return
+  pl.when(step >= 1)(functools.partial(
+      _stage_dq_pieces, fused, wg, step=step - 1, static=static,
+      offset=offset))
+
+
+def _stage_dq_pieces(fused: _FusedDq, wg, *, step, static: _Static,
+                     offset=0, parity=None):
+  """Consumer wg's pieces of the CTA's dS K for `step` (`parity`: step's,
+  if computed), once every consumer stored its dSᵀ of `step`: computed and
+  staged for the writer."""
+  if parity is None:
+    parity = lax.rem(step, 2)
   plgpu.barrier_wait(fused.ds_stored.at[parity])
   # The writer has read this stage's pieces of step - 2.
   pl.when(step >= 2)(lambda: plgpu.barrier_wait(fused.stage_free.at[parity]))
@@ -1519,6 +1580,8 @@ def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static, offset=0):
     pl.when(wg == c)(functools.partial(compute, c))
   plgpu.commit_smem()  # the pieces, read by the writer's TMA
   plgpu.barrier_arrive(fused.staged.at[parity])
+  if fused.ds_read is not None:  # the pieces' wgmmas are done with dSᵀ
+    plgpu.barrier_arrive(fused.ds_read.at[parity])
 
 
 def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
@@ -1569,13 +1632,13 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
 
 
 def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
-                                stats, static: _Static, ds_smem=None,
+                                stats, static: _Static, store_ds=None,
                                 delta=None):
   """`grads` (in `static.outputs` order) plus this step's dV += Pᵀ dO and
   dK += dSᵀ Q, with dV's wgmma issued first, so that dS is computed while
   it runs. `dp_t` is [dPᵀ] when dK is an output, else []; `stats` is the
   step's [2, block_q] (lse, delta) slot, whose delta is read here unless
-  given (`delta`, prefetched); `ds_smem` (fused dQ) receives dSᵀ while
+  given (`delta`, prefetched); `store_ds` (fused dQ) takes dSᵀ while
   dK's wgmma runs."""
   def issue(grad_refs):
     named = dict(zip(static.outputs, grad_refs))
@@ -1588,8 +1651,8 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
       ds_t = _score_gradient(p_t, dp_t[0], _cols(step_delta, p_t.shape), slope)
       ds_t = ds_t.astype(static.dtype)
       plgpu.wgmma(named["dk"], ds_t, q_tile)
-      if ds_smem is not None:
-        ds_smem[...] = ds_t
+      if store_ds is not None:
+        store_ds(ds_t)
 
   return pl.run_state(issue)(tuple(plgpu.ACC.init(grad) for grad in grads))
 
