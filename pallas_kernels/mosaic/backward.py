@@ -92,7 +92,8 @@ from pallas_kernels.mosaic.forward import (
     _CONSUMER_REGISTERS, _PLAN_SCALARS, _PLAN_UNION, _PRODUCER_REGISTERS,
     _SMEM_LIMIT_BYTES, _LOG2E, _SUPPORTED_DTYPES, _SUPPORTED_HEAD_DIMS,
     _SWIZZLE_BYTES, PLAN_WIDTH, _Plan, _causal_mask, _cols, check_layout,
-    check_tiles, launch_grid, _read_plan, _rows, _variant_mask,
+    check_shared_memory, check_tiles, launch_grid, _read_plan, _rows,
+    _variant_mask,
     persistent_num_ctas, persistent_schedule, tile_index)
 from pallas_kernels.triton.delta import row_delta
 
@@ -818,11 +819,10 @@ def _shared_rows_static(query, key, *, scale, is_causal, block_q, block_kv,
       resident_stats=0 if dkdv else consumers * block_q,  # a copy each
       streamed_stats=block_q if dkdv else 0) + (
           len(outputs) * resident * streamed * itemsize)  # the exchange
-  if smem > _SMEM_LIMIT_BYTES:
-    raise NotImplementedError(
-        f"{what} with block_q {block_q}, block_kv {block_kv} at head_dim "
-        f"{head_dim} need {smem} bytes of shared memory; sm90 has "
-        f"{_SMEM_LIMIT_BYTES}")
+  check_shared_memory(
+      smem, _SMEM_LIMIT_BYTES,
+      f"{what} with block_q {block_q}, block_kv {block_kv} at head_dim "
+      f"{head_dim}")
   return _Static(block_q=block_q, block_kv=block_kv, num_consumers=consumers,
                  num_stages=stages, num_q_blocks=num_q_blocks,
                  num_kv_blocks=num_kv_blocks, head_dim=head_dim, group=group,
@@ -2012,8 +2012,9 @@ def _dq_consume_shared(c: int, q_smem, do_smem, lse_log2, delta, k_ring,
     def probabilities(s):
       p, _ = _probabilities(s, lse_log2, _rows, None, static)
       if masked:
-        p = jnp.where(_causal_mask_part(q_start, step, c * kv_part, shape,
-                                        static), p, 0.0)
+        p = jnp.where(_causal_mask(q_start, step, static,
+                                   kv_offset=c * kv_part, shape=shape),
+                      p, 0.0)
       return p
 
     if static.overlap_softmax:
@@ -2039,15 +2040,6 @@ def _dq_consume_shared(c: int, q_smem, do_smem, lse_log2, delta, k_ring,
       _MASKED: functools.partial(step_body, masked=True)}, dq)
   exchange.end()
   return dq * static.scale
-
-
-def _causal_mask_part(q_start, step, kv_offset: int, shape,
-                      static: _Static):
-  """[block_q, kv part]: True where query q_start + r may attend key
-  step * block_kv + kv_offset + c (a consumer's part of an S tile)."""
-  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-  return rows + q_start >= cols + (step * static.block_kv + kv_offset)
 
 
 def _dq_causal_runs(q_start, num_steps, static: _Static):

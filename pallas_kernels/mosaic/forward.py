@@ -589,11 +589,10 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
     smem_bytes += num_consumers * (
         block_q * head_dim * fp8_out_dtype.itemsize + block_q * block_kv
         + 4 * (num_q_blocks + num_kv_blocks + 32))
-  if smem_bytes > _FORWARD_SMEM_LIMIT_BYTES:
-    raise NotImplementedError(
-        f"block_q {block_q}, block_kv {block_kv}, {num_stages} stages at "
-        f"head_dim {head_dim} need {smem_bytes} bytes of shared memory; "
-        f"sm90 has {_FORWARD_SMEM_LIMIT_BYTES}")
+  check_shared_memory(
+      smem_bytes, _FORWARD_SMEM_LIMIT_BYTES,
+      f"block_q {block_q}, block_kv {block_kv}, {num_stages} stages at "
+      f"head_dim {head_dim}")
   return KernelStatic(block_q=block_q, block_kv=block_kv, num_stages=num_stages,
                  num_kv_blocks=num_kv_blocks, head_dim=head_dim,
                  group=num_heads // num_kv_heads,
@@ -602,6 +601,14 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
                  num_q_blocks=num_q_blocks if fp8 else 0, spec=spec,
                  scale=float(scale), num_consumers=num_consumers,
                  q_len=q_len)
+
+
+def check_shared_memory(needed: int, limit: int, tiles: str) -> None:
+  """NotImplementedError (a dispatcher falls back) where `tiles` need more
+  shared memory than `limit` bytes."""
+  if needed > limit:
+    raise NotImplementedError(f"{tiles} need {needed} bytes of shared "
+                              f"memory; sm90 has {limit}")
 
 
 def _smem_bytes(block_q, block_kv, num_stages, head_dim, itemsize,
@@ -1385,9 +1392,14 @@ def _variant_mask(q_start, step, static: KernelStatic, values):
                       cols + step * static.block_kv, values)
 
 
-def _causal_mask(q_start, step, static: KernelStatic):
-  """True where query q_start + r may attend key step * block_kv + c."""
-  shape = (static.block_q, static.block_kv)
+def _causal_mask(q_start, step, static, *, kv_offset: int = 0, shape=None):
+  """True where query q_start + r may attend key step * block_kv + c
+  (+ `kv_offset`: a part of the tile's keys, [block_q, part] `shape`)."""
+  shape = shape or (static.block_q, static.block_kv)
   rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
   cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-  return rows + q_start >= cols + step * static.block_kv
+  queries = rows + q_start
+  first_key = step * static.block_kv
+  if kv_offset:
+    first_key = first_key + kv_offset
+  return queries >= cols + first_key
