@@ -1085,12 +1085,10 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                           consumed, walk=walk, tile_mask=tile_mask,
                           static=static, base=base, fused=fused, wg=wg,
                           q_of=q_of, resident=resident)
-    if fused is not None and static.deferred_dq:
+    if fused is not None:
       # The other consumers' last dQ pieces read this one's K rows: every
-      # consumer is past them before any overwrites its K with dK. (The
-      # fused kernel without `deferred_dq` needs the same, and has not got
-      # it: a latent race, never seen in its GPU tests; NOTES, session 11.
-      # It goes in there once it has run on a GPU.)
+      # consumer is past them before any overwrites its K with dK (a race
+      # found by reading in session 11, never seen in a GPU test).
       compat.named_barrier("sync", _PIECES_DONE_BARRIER,
                            static.num_consumers * _THREADS_PER_WARPGROUP)
     # K and V are dead: write the gradients through their buffers.
