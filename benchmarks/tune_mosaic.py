@@ -85,6 +85,9 @@ OPAQUE_SPACE = dict(fused_dq=(False, True), opaque_resident=(False, True),
 # against the fused kernel and the two kernels.
 DEFERRED_SPACE = dict(fused_dq=(False, True), deferred_dq=(False, True),
                       persistent=(False,))
+# The same at head_dim 64's 128-row Q tiles (the fused dQ's there), fused.
+DEFERRED_WIDE_SPACE = dict(fused_dq=(True,), deferred_dq=(False, True),
+                           block_q=(128,), persistent=(False,))
 # Three consumers' K/V ring depth (they leave room for 4 stages at d=64).
 CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
                              max_concurrent_steps=(2, 3, 4))
@@ -146,7 +149,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_prefetch": _backward(PREFETCH_SPACE),
            "backward_wide_q": _backward(WIDE_Q_SPACE),
            "backward_opaque": _backward(OPAQUE_SPACE),
-           "backward_deferred": _backward(DEFERRED_SPACE)}
+           "backward_deferred": _backward(DEFERRED_SPACE),
+           "backward_deferred_wide": _backward(DEFERRED_WIDE_SPACE)}
 
 
 def main(argv=None) -> int:

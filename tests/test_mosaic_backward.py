@@ -301,7 +301,8 @@ def test_deferred_dq_lowers_with_the_fused_dq_only(cuda_lowering):
   for head_dim, block_q in ((128, 64), (64, 128)):
     assert (_lower(head_dim, True, fused_dq=True, block_q=block_q,
                    deferred_dq=True)
-            != _lower(head_dim, True, fused_dq=True, block_q=block_q))
+            != _lower(head_dim, True, fused_dq=True, block_q=block_q,
+                      deferred_dq=False))
   with pytest.raises(NotImplementedError, match="fused dQ only"):
     _lower(128, False, fused_dq=False, deferred_dq=True)
 
@@ -540,19 +541,24 @@ def test_fused_dq_refuses_what_it_does_not_cover(kwargs, match,
 def test_fused_dq_default_follows_its_table(cuda_lowering, monkeypatch):
   """`fused_dq=None` fuses where `FUSED_DQ_MIN_KV_LEN` says (under causal
   masking only at `FUSED_DQ_CAUSAL_HEAD_DIMS`), and never on a persistent
-  grid or at head_dim 256; `opaque_resident=None` goes with it at d=128."""
+  grid or at head_dim 256; `opaque_resident=None` and `deferred_dq=None`
+  go with it at d=128."""
   from pallas_kernels.mosaic import backward
   monkeypatch.setattr(backward, "FUSED_DQ_MIN_KV_LEN", {128: 512, 64: 512})
   default = lambda d, n, block_q=64, **kw: backward.fused_dq_by_default(
       head_dim=d, kv_len=n, block_q=block_q, **kw)
   assert default(128, 512) and not default(128, 256)
-  assert not default(128, 512, is_causal=True)
+  assert default(128, 512, is_causal=True)
   assert default(64, 512, block_q=128, is_causal=True)
   q, kv = _structs(head_dim=128, q_len=512, kv_len=512)[:2]
-  _, [fused] = backward.configure(q, kv, scale=0.1, is_causal=False)
-  assert fused.fused_dq and fused.opaque_resident
+  for is_causal in (False, True):
+    _, [fused] = backward.configure(q, kv, scale=0.1, is_causal=is_causal)
+    assert fused.fused_dq and fused.opaque_resident and fused.deferred_dq
+  q, kv = _structs(head_dim=128, q_len=256, kv_len=256)[:2]
   _, [plain] = backward.configure(q, kv, scale=0.1, is_causal=True)
-  assert not plain.fused_dq and not plain.opaque_resident
+  assert not (plain.fused_dq or plain.opaque_resident or plain.deferred_dq)
+  monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", (64,))
+  assert not default(128, 512, is_causal=True)
   monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", (64, 128))
   assert not default(256, 4096)
   # head_dim 64 with 64-row Q tiles is one dQ piece: two consumers cannot
@@ -626,11 +632,11 @@ def test_fused_dq_matches_reference_on_gpu(case, is_causal, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, is_causal",
-                         [(64, False), (64, True), (128, False)])
+                         [(64, False), (64, True), (128, False), (128, True)])
 def test_fused_dq_default_at_long_kv_on_gpu(head_dim, is_causal):
   """The shipped default, no switch turned: `flash_attention` at kv_len
-  16384 (`FUSED_DQ_MIN_KV_LEN`; at head_dim 128 without a causal mask, with
-  `opaque_resident`) runs the fused backward, and its output, LSE and
+  16384 (`FUSED_DQ_MIN_KV_LEN`; at head_dim 128 with `opaque_resident` and
+  `deferred_dq`) runs the fused backward, and its output, LSE and
   gradients obey the tolerance rule (GQA 2:1, q_len not the kv_len)."""
   _require_sm90()
   import jax_flash

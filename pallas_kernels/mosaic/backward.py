@@ -128,10 +128,12 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # (results/h200_mosaic_fused_short.md); head_dim 128 -11% / -24% at 16k,
 # and with `opaque_resident` (session 11, results/h200_mosaic_opaque.md,
 # two rounds in turn) 447 -> 470 / 476 -> 458 at 16k, 412 -> 418 / 414 ->
-# 377 at 4k. Under causal masking only at FUSED_DQ_CAUSAL_HEAD_DIMS. Its
-# GPU tests pass (sessions 8 and 11).
+# 377 at 4k; with `deferred_dq` as well (session 12,
+# results/h200_mosaic_deferred.md, two rounds in turn) 446 -> 468 / 459 ->
+# 471 at 16k, 419 -> 403 / 405 -> 393 at 4k. Under causal masking only at
+# FUSED_DQ_CAUSAL_HEAD_DIMS. Its GPU tests pass (sessions 8, 11 and 12).
 FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384, 128: 16384}
-FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64,)
+FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64, 128)
 # `mosaic_backward(opaque_resident=None)`: on with the fused dQ at these
 # head dims. At d=128 it took the fused kernel from 397 / 351 to 470 / 458
 # TFLOP/s at 16k and from 315 / 260 to 418 / 377 at 4k (full / causal); the
@@ -140,6 +142,11 @@ FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64,)
 # read from global memory instead it cost 25% (402 -> 300 at 16k full,
 # results/h200_mosaic_opaque_wide.md), so that form was not kept.
 OPAQUE_RESIDENT_FUSED_HEAD_DIMS: tuple[int, ...] = (128,)
+# `mosaic_backward(deferred_dq=None)`: on with the fused dQ at these head
+# dims. At d=128, 16k (fused with `opaque_resident`, against without):
+# 469 -> 468 full, 444 -> 471 causal; at 4k 410 -> 403 and 400 -> 393,
+# where the fused dQ is not the default (results/h200_mosaic_deferred.md).
+DEFERRED_DQ_FUSED_HEAD_DIMS: tuple[int, ...] = (128,)
 # The fused dQ splits each Q tile's dQ into [_DQ_PIECE, _DQ_PIECE] pieces,
 # shared out among the consumers: 64 rows, a wgmma's height, by 64 columns,
 # one 128-byte swizzle row of 16-bit K, so that a piece's slice of the
@@ -206,6 +213,12 @@ def opaque_resident_by_default(*, head_dim: int, fused_dq: bool) -> bool:
   """Whether `mosaic_backward(opaque_resident=None)` recomputes the dK/dV
   kernel's resident descriptors each step."""
   return fused_dq and head_dim in OPAQUE_RESIDENT_FUSED_HEAD_DIMS
+
+
+def deferred_dq_by_default(*, head_dim: int, fused_dq: bool) -> bool:
+  """Whether `mosaic_backward(deferred_dq=None)` computes the fused dQ's
+  pieces of a step during the next."""
+  return fused_dq and head_dim in DEFERRED_DQ_FUSED_HEAD_DIMS
 
 
 # How a consumer treats a run of streamed steps (see `_walk_runs`).
@@ -327,7 +340,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     shared_q_rows: bool = False,
                     prefetch_stats: bool | None = None,
                     opaque_resident: bool | None = None,
-                    deferred_dq: bool = False):
+                    deferred_dq: bool | None = None):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -368,7 +381,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (Q tile, K/V tile) pair instead of 7 (the dQ kernel recomputes S, dP).
       Launch grid only, and only where dK and dV fit one pass (head_dim up
       to 128). None: where measured faster (`fused_dq_by_default`: from
-      kv_len 16384 at head_dim 64, and at 128 without a causal mask).
+      kv_len 16384 at head_dims 64 and 128).
     tile_fastest: both kernels' launch grids in tile-fastest order (see
       `_Static`); the results are the same either way. Not with `fused_dq`,
       whose K/V tiles of a head must launch apart.
@@ -388,7 +401,9 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       same results either way. Not with shared rows. None: where measured
       faster (`opaque_resident_by_default`: the fused dQ at head_dim 128).
     deferred_dq: the fused dQ's pieces of a step computed during the next
-      (see `_Static`); the same results either way. Fused dQ only.
+      (see `_Static`); the same results either way. Fused dQ only. None:
+      where measured faster (`deferred_dq_by_default`: the fused dQ at
+      head_dim 128).
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -422,7 +437,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               shared_rows: bool | None = None, shared_q_rows: bool = False,
               prefetch_stats: bool | None = None,
               opaque_resident: bool | None = None,
-              deferred_dq: bool = False):
+              deferred_dq: bool | None = None):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -446,6 +461,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   if opaque_resident is None:
     opaque_resident = opaque_resident_by_default(head_dim=head_dim,
                                                  fused_dq=fused_dq)
+  if deferred_dq is None:
+    deferred_dq = deferred_dq_by_default(head_dim=head_dim, fused_dq=fused_dq)
   return statics(query, key, heavy_first=heavy_first,
                  overlap_softmax=overlap_softmax, persistent=persistent,
                  num_ctas=num_ctas, fused_dq=fused_dq,
