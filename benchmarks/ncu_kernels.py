@@ -51,7 +51,13 @@ def main(argv=None) -> int:
   parser.add_argument("--fused-dq", action="store_true",
                       help="our Mosaic backward fuses dQ into the dK/dV "
                       "kernel at this head dim (mosaic_backward(fused_dq))")
+  parser.add_argument("--two-consumers", action="store_true",
+                      help="our Mosaic forward with two consumer "
+                      "warpgroups at every head dim (not three at d=64)")
   args = parser.parse_args(argv)
+  if args.two_consumers:  # the forward's table, as --fused-dq does
+    from pallas_kernels.mosaic import forward
+    forward.THREE_CONSUMER_HEAD_DIMS = ()
   if args.fused_dq:  # the dispatch's table, so the public call takes it
     from pallas_kernels.mosaic import backward
     backward.FUSED_DQ_MIN_KV_LEN[args.head_dim] = 1
