@@ -1,0 +1,75 @@
+"""Does the grid's timing see the kernels, or the host between them?
+
+    python -m benchmarks.timing_probe --cells fwd:1024:64 fwd:1024:128 \
+        --impls jax_flash_mosaic tokamax_mosaic cudnn --out probe.json
+
+For short cells (a 0.3 ms forward at seq 1k) a timed sample of a few calls
+carries the host's launch and synchronisation latency, which need not be
+the same for every implementation. Each implementation of a cell is
+compiled as `run_grid` compiles it, then timed in turn (rounds) with
+samples of at least `--sample-ms` milliseconds each, once per value given
+(the grid's 2 ms first): if the ratios between implementations move with
+the sample length, the short samples measured the host, not the kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from benchmarks import common, peers
+from pallas_kernels import compat
+
+
+def _cell(spec: str) -> common.Cell:
+  """mode:seq:head_dim[:causal] -> the grid's cell."""
+  mode, seq, head_dim, *causal = spec.split(":")
+  return common.Cell.standard(mode, int(seq), int(head_dim), bool(causal))
+
+
+def main(argv=None) -> int:
+  """Times each cell's implementations at each sample length."""
+  compat.filter_known_warnings()
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0], epilog=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--cells", nargs="+", default=["fwd:1024:64"],
+                      help="mode:seq:head_dim[:causal]")
+  parser.add_argument("--impls", nargs="+", choices=list(peers.PEERS),
+                      default=["jax_flash_mosaic", "tokamax_mosaic", "cudnn"])
+  parser.add_argument("--sample-ms", nargs="+", type=float,
+                      default=[2.0, 50.0])
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--out", default="timing_probe.json")
+  args = parser.parse_args(argv)
+
+  rows = []
+  for spec in args.cells:
+    cell = _cell(spec)
+    built = {}
+    for name in args.impls:
+      try:
+        bench = getattr(peers, name)(cell)
+        built[name] = common.compile_benchmark(
+            lambda bench=bench: (bench.fn, bench.args))
+      except (peers.Unavailable, NotImplementedError) as e:
+        print(f"{cell.label()} {name}: {e}", file=sys.stderr)
+    for sample_ms in args.sample_ms:
+      times = {name: [] for name in built}
+      for _ in range(args.rounds):  # in turn, so that clock drift is shared
+        for name, (compiled, inputs) in built.items():
+          times[name].append(common.time_fn(
+              compiled, *inputs, min_sample_ms=sample_ms, max_inner=10_000))
+      for name, ms in times.items():
+        ms = statistics.median(ms)
+        rows.append(dict(cell=cell.label(), impl=name, sample_ms=sample_ms,
+                         ms=ms, tflops=cell.flops / ms / 1e9))
+        print(f"{cell.label():28s} {name:18s} sample {sample_ms:5.0f} ms: "
+              f"{ms:.4f} ms {cell.flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+    common.write_json(args.out, dict(
+        common.run_header("benchmarks.timing_probe", argv), rows=rows))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
