@@ -143,14 +143,17 @@ def attention_inputs(shape, dtype, seed: int = 0):
 
 
 def time_fn(fn: Callable, *args, warmup: int = 2, reps: int = 10,
-            min_sample_ms: float = 2.0, max_inner: int = 64) -> float:
+            min_sample_ms: float = 20.0, max_inner: int = 512) -> float:
   """Median wall time of `fn(*args)` in milliseconds.
 
   `fn` should be jitted (or an AOT-compiled executable); the first warm-up
   call compiles it. Each sample launches `inner` calls back to back and
   waits for the last one, with `inner` chosen so that a sample lasts at least
   `min_sample_ms`: a single short kernel would otherwise be dominated by the
-  host's dispatch and synchronisation latency.
+  host's dispatch and synchronisation latency. 20 ms: on the H200 a 2 ms
+  sample (5-6 calls of a 0.35 ms forward) still read every implementation
+  5-10% slower than a 50 ms one, and moved the ratios between them by up
+  to 4% (results/h200_timing_probe.md).
   """
   for _ in range(max(1, warmup)):
     jax.block_until_ready(fn(*args))

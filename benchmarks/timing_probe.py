@@ -66,9 +66,40 @@ def main(argv=None) -> int:
                          ms=ms, tflops=cell.flops / ms / 1e9))
         print(f"{cell.label():28s} {name:18s} sample {sample_ms:5.0f} ms: "
               f"{ms:.4f} ms {cell.flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
-    common.write_json(args.out, dict(
-        common.run_header("benchmarks.timing_probe", argv), rows=rows))
+    result = dict(common.run_header("benchmarks.timing_probe", argv),
+                  rows=rows)
+    common.write_json(args.out, result)
+    with open(args.out.removesuffix(".json") + ".md", "w") as f:
+      f.write(table(result))
   return 0
+
+
+def table(result: dict) -> str:
+  """Markdown: one row per (cell, sample length), TFLOP/s per
+  implementation and each one's ratio to the fastest of the others."""
+  impls = list(dict.fromkeys(row["impl"] for row in result["rows"]))
+  by_key = {}
+  for row in result["rows"]:
+    by_key.setdefault((row["cell"], row["sample_ms"]), {})[row["impl"]] = (
+        row["tflops"])
+  lines = [f"# Timing probe ({result['device']}, JAX {result['jax_version']})",
+           "", f"Command: `{result['command']}`", "",
+           "TFLOP/s by the minimum length of a timed sample (0: one call "
+           "and its synchronisation); in brackets, the ratio to the fastest "
+           "other implementation.", "",
+           "| cell | sample ms | " + " | ".join(impls) + " |",
+           "|---|---|" + "---|" * len(impls)]
+  for (cell, sample_ms), got in by_key.items():
+    cells = []
+    for name in impls:
+      if name not in got:
+        cells.append("—")
+        continue
+      others = [v for k, v in got.items() if k != name]
+      ratio = f" ({got[name] / max(others):.2f})" if others else ""
+      cells.append(f"{got[name]:.0f}{ratio}")
+    lines.append(f"| {cell} | {sample_ms:g} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
