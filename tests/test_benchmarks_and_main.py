@@ -408,3 +408,42 @@ def test_ncu_summary_reads_both_exports(tmp_path):
   assert "40 samples. By reason: short_sb 75.0%, barrier 25.0%" in report
   assert "| 75.0% | `FFMA R7, R1, -R10` | short_sb 30, barrier 0 |" in report
   assert "BRA" not in report.split("### theirs")[0]  # top=1: only the worst
+
+
+def test_timing_probe_times_each_sample_length_in_turn(tmp_path, monkeypatch):
+  """`benchmarks.timing_probe` times every implementation of a cell at each
+  sample length, in rounds (A B, A B, ...), keeps the median per
+  implementation, and its table gives each one's ratio to the fastest of
+  the others; an implementation that cannot run is left out."""
+  import types
+  from benchmarks import peers, timing_probe
+  built = lambda name: (lambda cell: types.SimpleNamespace(fn=name, args=()))
+  monkeypatch.setattr(peers, "cudnn", built("cudnn"))
+  monkeypatch.setattr(peers, "xla", built("xla"))
+
+  def unavailable(cell):
+    raise peers.Unavailable("not here")
+  monkeypatch.setattr(peers, "tokamax_mosaic", unavailable)
+  monkeypatch.setattr(common, "compile_benchmark",
+                      lambda build: (build()[0], ()))
+  # (name, sample_ms) -> the ms each of three rounds reads, in order.
+  reads = {("cudnn", 2.0): [2.0, 9.0, 4.0], ("xla", 2.0): [1.0, 1.0, 1.0],
+           ("cudnn", 50.0): [1.0, 1.0, 1.0], ("xla", 50.0): [3.0, 2.0, 2.0]}
+  calls = []
+
+  def fake_time_fn(name, *inputs, min_sample_ms, max_inner):
+    calls.append((name, min_sample_ms))
+    return reads[(name, min_sample_ms)].pop(0)
+  monkeypatch.setattr(common, "time_fn", fake_time_fn)
+  out = str(tmp_path / "probe.json")
+  assert timing_probe.main(["--cells", "fwd:1024:64", "--impls", "cudnn",
+                            "xla", "tokamax_mosaic", "--out", out]) == 0
+  assert calls == [("cudnn", 2.0), ("xla", 2.0)] * 3 + [
+      ("cudnn", 50.0), ("xla", 50.0)] * 3
+  rows = json.load(open(out))["rows"]
+  assert {(r["impl"], r["sample_ms"]): r["ms"] for r in rows} == {
+      ("cudnn", 2.0): 4.0, ("xla", 2.0): 1.0, ("cudnn", 50.0): 1.0,
+      ("xla", 50.0): 2.0}
+  text = open(out.removesuffix(".json") + ".md").read()
+  assert "| fwd full d64 s1024 | 2 |" in text and "(0.25)" in text
+  assert "(4.00)" in text and "| cell | sample ms | cudnn | xla |" in text
