@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -230,6 +230,22 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
         --out ${GRID_OUT:-benchmarks/results/h200.json} \
         --impls ${GRID_IMPLS:-jax_flash_mosaic jax_flash_triton cudnn tokamax_mosaic tokamax_triton \
         pallas_triton_mha pallas_mgpu xla matmul} > "$LOGS/grid.log" 2>&1
-      cp ${GRID_OUT:-benchmarks/results/h200.json} "$OUT/"; tail -45 "$LOGS/grid.log" ;;
+      grid_out=${GRID_OUT:-benchmarks/results/h200.json}
+      [ "$(dirname "$grid_out")" -ef "$OUT" ] || cp "$grid_out" "$OUT/"
+      tail -n 45 "$LOGS/grid.log" ;;
+    grid_halves)  # the whole grid on a two-GPU host in about 4 minutes:
+                  # non-causal cells on GPU 0, causal on GPU 1 (GRID_ROUNDS,
+                  # default 2, and GRID_BUDGET as for grid), then one file,
+                  # $OUT/h200.json (render it where matplotlib is:
+                  # python -m benchmarks.render)
+      for half in full causal; do
+        gpu=0; [ $half = causal ] && gpu=1
+        CUDA_VISIBLE_DEVICES=$gpu SKIP_INSTALL=1 GRID_ROUNDS=${GRID_ROUNDS:-2} \
+          GRID_BUDGET=${GRID_BUDGET:-430} GRID_ARGS="--no-render --causal $half" \
+          GRID_OUT="$OUT/grid_$half.json" bash "$0" grid > "$LOGS/grid_$half.txt" 2>&1 &
+      done
+      wait
+      python3 -m benchmarks.run_grid --include "$OUT/grid_full.json" "$OUT/grid_causal.json" \
+        --time-budget 0 --no-render --out "$OUT/h200.json" 2>&1 | tail -n 45 ;;
   esac
 done
