@@ -88,12 +88,29 @@ DEFERRED_SPACE = dict(fused_dq=(False, True), deferred_dq=(False, True),
 # The same at head_dim 64's 128-row Q tiles (the fused dQ's there), fused.
 DEFERRED_WIDE_SPACE = dict(fused_dq=(True,), deferred_dq=(False, True),
                            block_q=(128,), persistent=(False,))
+# Both backward kernels' launch order at seq 16k, where d=64 and d=128 fuse
+# dQ (which has its own order): the two kernels in either order, and the
+# default (`backward.configure`).
+TILE_ORDER_CANDIDATES = [dict(persistent=False, fused_dq=False,
+                              tile_fastest=False),
+                         dict(persistent=False, fused_dq=False,
+                              tile_fastest=True),
+                         dict()]
+# The same with head_dim 64's 128-row Q tiles (the dispatch's there).
+TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
+                              for c in TILE_ORDER_CANDIDATES]
+# The launch order alone with those tiles (seq 4k: nothing fused there).
+LAUNCH_WIDE_SPACE = dict(LAUNCH_SPACE, block_q=(128,))
 # Three consumers' K/V ring depth (they leave room for 4 stages at d=64).
 CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
                              max_concurrent_steps=(2, 3, 4))
 
 
-def candidates(space: dict) -> list[dict]:
+def candidates(space: dict | list[dict]) -> list[dict]:
+  """Every combination of a space's values, or a list of candidates as
+  given."""
+  if isinstance(space, list):
+    return space
   return [dict(zip(space, values))
           for values in itertools.product(*space.values())]
 
@@ -150,7 +167,10 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_wide_q": _backward(WIDE_Q_SPACE),
            "backward_opaque": _backward(OPAQUE_SPACE),
            "backward_deferred": _backward(DEFERRED_SPACE),
-           "backward_deferred_wide": _backward(DEFERRED_WIDE_SPACE)}
+           "backward_deferred_wide": _backward(DEFERRED_WIDE_SPACE),
+           "backward_tile_order": _backward(TILE_ORDER_CANDIDATES),
+           "backward_tile_order_wide": _backward(TILE_ORDER_WIDE_CANDIDATES),
+           "backward_launch_wide": _backward(LAUNCH_WIDE_SPACE)}
 
 
 def main(argv=None) -> int:

@@ -296,6 +296,20 @@ def test_deferred_dq_is_bitwise_the_fused_kernel_on_gpu(head_dim, kwargs,
                              fused_dq=True, **kwargs)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (64, dict(block_q=128)), (128, {}), (256, {}),
+], ids=str)
+def test_tile_fastest_is_bitwise_the_default_on_gpu(head_dim, kwargs,
+                                                    is_causal):
+  """`tile_fastest` changes only which CTAs run together: the two kernels'
+  gradients equal the default order's bit for bit (at d=256 with the
+  shared-rows dK/dV kernel)."""
+  _assert_bitwise_either_way("tile_fastest", head_dim, is_causal, 29,
+                             persistent=False, fused_dq=False, **kwargs)
+
+
 def test_deferred_dq_lowers_with_the_fused_dq_only(cuda_lowering):
   """The option changes the fused kernel and refuses the two kernels."""
   for head_dim, block_q in ((128, 64), (64, 128)):
