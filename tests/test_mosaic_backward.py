@@ -559,6 +559,7 @@ def test_fused_dq_default_follows_its_table(cuda_lowering, monkeypatch):
   go with it at d=128."""
   from pallas_kernels.mosaic import backward
   monkeypatch.setattr(backward, "FUSED_DQ_MIN_KV_LEN", {128: 512, 64: 512})
+  monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", (64, 128))
   default = lambda d, n, block_q=64, **kw: backward.fused_dq_by_default(
       head_dim=d, kv_len=n, block_q=block_q, **kw)
   assert default(128, 512) and not default(128, 256)
@@ -568,9 +569,12 @@ def test_fused_dq_default_follows_its_table(cuda_lowering, monkeypatch):
   for is_causal in (False, True):
     _, [fused] = backward.configure(q, kv, scale=0.1, is_causal=is_causal)
     assert fused.fused_dq and fused.opaque_resident and fused.deferred_dq
-  q, kv = _structs(head_dim=128, q_len=256, kv_len=256)[:2]
-  _, [plain] = backward.configure(q, kv, scale=0.1, is_causal=True)
+    assert not fused.tile_fastest  # the fused dQ keeps its own order
+  q, kv = _structs(head_dim=128, q_len=2048, kv_len=256)[:2]
+  dq, [plain] = backward.configure(q, kv, scale=0.1, is_causal=True,
+                                   persistent=False)
   assert not (plain.fused_dq or plain.opaque_resident or plain.deferred_dq)
+  assert plain.tile_fastest and dq.tile_fastest  # two kernels, launch grid
   monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", (64,))
   assert not default(128, 512, is_causal=True)
   monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", (64, 128))
@@ -591,7 +595,7 @@ def test_tile_fastest_backward_lowers_and_changes_the_grids(cuda_lowering):
   passes; the fused dQ, whose K/V tiles wait for each other, refuses it."""
   for head_dim in (128, 256):
     text = lambda **kw: _lower(head_dim, True, persistent=False, **kw)
-    assert text(tile_fastest=True) != text()
+    assert text(tile_fastest=True) != text(tile_fastest=False)
   with pytest.raises(NotImplementedError, match="own order"):
     _lower(128, False, fused_dq=True, tile_fastest=True)
 
@@ -645,12 +649,14 @@ def test_fused_dq_matches_reference_on_gpu(case, is_causal, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, is_causal",
-                         [(64, False), (64, True), (128, False), (128, True)])
-def test_fused_dq_default_at_long_kv_on_gpu(head_dim, is_causal):
-  """The shipped default, no switch turned: `flash_attention` at kv_len
-  16384 (`FUSED_DQ_MIN_KV_LEN`; at head_dim 128 with `opaque_resident` and
-  `deferred_dq`) runs the fused backward, and its output, LSE and
+@pytest.mark.parametrize("head_dim, is_causal, kernels", [
+    (64, False, {"dq_dkdv"}), (64, True, {"dq_dkdv"}),
+    (128, False, {"dq", "dkdv"}), (128, True, {"dq", "dkdv"}),
+])
+def test_backward_default_at_long_kv_on_gpu(head_dim, is_causal, kernels):
+  """The shipped defaults, no switch turned: `flash_attention` at kv_len
+  16384 runs the fused backward at head_dim 64 (`FUSED_DQ_MIN_KV_LEN`) and
+  the two kernels launched tile-fastest at 128, and its output, LSE and
   gradients obey the tolerance rule (GQA 2:1, q_len not the kv_len)."""
   _require_sm90()
   import jax_flash
@@ -658,7 +664,7 @@ def test_fused_dq_default_at_long_kv_on_gpu(head_dim, is_causal):
   attention = jax.jit(lambda q, k, v: jax_flash.flash_attention(
       q, k, v, is_causal=is_causal, return_residual=True,
       implementation="mosaic"))
-  _assert_backward_is_fused(attention, case)
+  assert backward_kernels(attention, case) == kernels
   check_against_reference(attention, case, jnp.bfloat16, is_causal=is_causal)
 
 

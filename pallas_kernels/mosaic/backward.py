@@ -130,10 +130,14 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # two rounds in turn) 447 -> 470 / 476 -> 458 at 16k, 412 -> 418 / 414 ->
 # 377 at 4k; with `deferred_dq` as well (session 12,
 # results/h200_mosaic_deferred.md, two rounds in turn) 446 -> 468 / 459 ->
-# 471 at 16k, 419 -> 403 / 405 -> 393 at 4k. Under causal masking only at
+# 471 at 16k, 419 -> 403 / 405 -> 393 at 4k. Then the two kernels launched
+# tile-fastest (`TILE_FASTEST_BY_DEFAULT`) caught up: 463 / 482 against the
+# fused kernel's 460 / 460 at 16k (results/h200_mosaic_order.md), so d=128
+# runs the two kernels again; d=64's fused kernel stays ahead (415 / 372
+# against 406 / 355). Under causal masking only at
 # FUSED_DQ_CAUSAL_HEAD_DIMS. Its GPU tests pass (sessions 8, 11 and 12).
-FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384, 128: 16384}
-FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64, 128)
+FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384}
+FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64,)
 # `mosaic_backward(opaque_resident=None)`: on with the fused dQ at these
 # head dims. At d=128 it took the fused kernel from 397 / 351 to 470 / 458
 # TFLOP/s at 16k and from 315 / 260 to 418 / 377 at 4k (full / causal); the
@@ -144,9 +148,21 @@ FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64, 128)
 OPAQUE_RESIDENT_FUSED_HEAD_DIMS: tuple[int, ...] = (128,)
 # `mosaic_backward(deferred_dq=None)`: on with the fused dQ at these head
 # dims. At d=128, 16k (fused with `opaque_resident`, against without):
-# 469 -> 468 full, 444 -> 471 causal; at 4k 410 -> 403 and 400 -> 393,
-# where the fused dQ is not the default (results/h200_mosaic_deferred.md).
+# 469 -> 468 full, 444 -> 471 causal; at 4k 410 -> 403 and 400 -> 393
+# (results/h200_mosaic_deferred.md). At d=64 (128-row Q tiles) it cost
+# 16-33% (results/h200_mosaic_deferred_wide.md).
 DEFERRED_DQ_FUSED_HEAD_DIMS: tuple[int, ...] = (128,)
+# `mosaic_backward(tile_fastest=None)`: the two kernels' launch grids with a
+# head's tiles launched together, so that the CTAs running at once stream
+# the same head's Q and dO (dK/dV kernel) or K and V (dQ kernel) through
+# L2, rather than the same tile of as many heads. Measured on the H200
+# (session 12, backward alone, two rounds in turn, full / causal, TFLOP/s,
+# results/h200_mosaic_order.md): at 4k d=64 (128-row Q tiles) 360 / 305 ->
+# 394 / 312, d=128 409 / 397 -> 443 / 419, d=256 323 / 298 -> 346 / 306;
+# at 16k d=64 397 / 351 -> 406 / 355, d=128 452 / 460 -> 463 / 482, d=256
+# 355 / 342 -> 361 / 348. Bitwise the other order (GPU test). Not on the
+# persistent grid (its own walk) nor with the fused dQ (its own order).
+TILE_FASTEST_BY_DEFAULT = True
 # The fused dQ splits each Q tile's dQ into [_DQ_PIECE, _DQ_PIECE] pieces,
 # shared out among the consumers: 64 rows, a wgmma's height, by 64 columns,
 # one 128-byte swizzle row of 16-bit K, so that a piece's slice of the
@@ -213,6 +229,12 @@ def opaque_resident_by_default(*, head_dim: int, fused_dq: bool) -> bool:
   """Whether `mosaic_backward(opaque_resident=None)` recomputes the dK/dV
   kernel's resident descriptors each step."""
   return fused_dq and head_dim in OPAQUE_RESIDENT_FUSED_HEAD_DIMS
+
+
+def tile_fastest_by_default(*, persistent: bool, fused_dq: bool) -> bool:
+  """Whether `mosaic_backward(tile_fastest=None)` launches the two
+  kernels' launch grids tile-fastest."""
+  return TILE_FASTEST_BY_DEFAULT and not (persistent or fused_dq)
 
 
 def deferred_dq_by_default(*, head_dim: int, fused_dq: bool) -> bool:
@@ -335,7 +357,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     heavy_first: bool = True, overlap_softmax: bool = True,
                     persistent: bool | None = None,
                     num_ctas: int | None = None,
-                    fused_dq: bool | None = None, tile_fastest: bool = False,
+                    fused_dq: bool | None = None,
+                    tile_fastest: bool | None = None,
                     shared_rows: bool | None = None,
                     shared_q_rows: bool = False,
                     prefetch_stats: bool | None = None,
@@ -381,10 +404,11 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (Q tile, K/V tile) pair instead of 7 (the dQ kernel recomputes S, dP).
       Launch grid only, and only where dK and dV fit one pass (head_dim up
       to 128). None: where measured faster (`fused_dq_by_default`: from
-      kv_len 16384 at head_dims 64 and 128).
+      kv_len 16384 at head_dim 64).
     tile_fastest: both kernels' launch grids in tile-fastest order (see
       `_Static`); the results are the same either way. Not with `fused_dq`,
-      whose K/V tiles of a head must launch apart.
+      whose K/V tiles of a head must launch apart. None: on the launch grid
+      without the fused dQ (`tile_fastest_by_default`).
     shared_rows: the dK/dV kernel's two consumers share `block_kv` K/V
       rows, each computing half of dK's and dV's columns (see `_Static`):
       one pass where dK and dV do not fit one consumer (head_dim 256).
@@ -433,7 +457,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               block_kv: int = 64, max_concurrent_steps: int = 2,
               heavy_first: bool = True, overlap_softmax: bool = True,
               persistent: bool | None = None, num_ctas: int | None = None,
-              fused_dq: bool | None = None, tile_fastest: bool = False,
+              fused_dq: bool | None = None,
+              tile_fastest: bool | None = None,
               shared_rows: bool | None = None, shared_q_rows: bool = False,
               prefetch_stats: bool | None = None,
               opaque_resident: bool | None = None,
@@ -463,6 +488,9 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                                                  fused_dq=fused_dq)
   if deferred_dq is None:
     deferred_dq = deferred_dq_by_default(head_dim=head_dim, fused_dq=fused_dq)
+  if tile_fastest is None:
+    tile_fastest = tile_fastest_by_default(persistent=persistent,
+                                           fused_dq=fused_dq)
   return statics(query, key, heavy_first=heavy_first,
                  overlap_softmax=overlap_softmax, persistent=persistent,
                  num_ctas=num_ctas, fused_dq=fused_dq,
