@@ -285,6 +285,12 @@ def write_tables(parts: list[str], out: str) -> str:
   return text
 
 
+def option_names(space: dict | list[dict]) -> list[str]:
+  """The options a space (or list of candidates) sets, in order."""
+  return list(dict.fromkeys(name for blocks in candidates(space)
+                            for name in blocks))
+
+
 def best_lines(trials: list[dict]) -> list[str]:
   """The best candidate per (kernel, head_dim): geometric mean over the
   causal values measured (candidates measured for all of them only)."""
@@ -293,7 +299,8 @@ def best_lines(trials: list[dict]) -> list[str]:
   for t in trials:
     if "tflops" in t:
       key = (t["kernel"], t.get("seq", 0), t["head_dim"])
-      blocks = tuple((n, t[n]) for n in KERNELS[t["kernel"]][1] if n in t)
+      blocks = tuple((n, t[n]) for n in option_names(KERNELS[t["kernel"]][1])
+                     if n in t)
       groups.setdefault(key, {}).setdefault(blocks, []).append(t["tflops"])
       measured.setdefault(key, set()).add(t["causal"])
   for (kernel, seq, head_dim), by_blocks in sorted(groups.items()):

@@ -131,10 +131,10 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # 377 at 4k; with `deferred_dq` as well (session 12,
 # results/h200_mosaic_deferred.md, two rounds in turn) 446 -> 468 / 459 ->
 # 471 at 16k, 419 -> 403 / 405 -> 393 at 4k. Then the two kernels launched
-# tile-fastest (`TILE_FASTEST_BY_DEFAULT`) caught up: 463 / 482 against the
-# fused kernel's 460 / 460 at 16k (results/h200_mosaic_order.md), so d=128
-# runs the two kernels again; d=64's fused kernel stays ahead (415 / 372
-# against 406 / 355). Under causal masking only at
+# tile-fastest (`TILE_FASTEST_BY_DEFAULT`) caught up: 463 / 482 against
+# the fused kernel's 460 / 460 at 16k (results/h200_mosaic_tile_order.md),
+# so d=128 runs the two kernels again; d=64's fused kernel stays ahead
+# (415 / 372 against 406 / 355). Under causal masking only at
 # FUSED_DQ_CAUSAL_HEAD_DIMS. Its GPU tests pass (sessions 8, 11 and 12).
 FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384}
 FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64,)
@@ -157,7 +157,7 @@ DEFERRED_DQ_FUSED_HEAD_DIMS: tuple[int, ...] = (128,)
 # the same head's Q and dO (dK/dV kernel) or K and V (dQ kernel) through
 # L2, rather than the same tile of as many heads. Measured on the H200
 # (session 12, backward alone, two rounds in turn, full / causal, TFLOP/s,
-# results/h200_mosaic_order.md): at 4k d=64 (128-row Q tiles) 360 / 305 ->
+# results/h200_mosaic_tile_order.md): at 4k d=64 (128-row Q tiles) 360 / 305 ->
 # 394 / 312, d=128 409 / 397 -> 443 / 419, d=256 323 / 298 -> 346 / 306;
 # at 16k d=64 397 / 351 -> 406 / 355, d=128 452 / 460 -> 463 / 482, d=256
 # 355 / 342 -> 361 / 348. Bitwise the other order (GPU test). Not on the
