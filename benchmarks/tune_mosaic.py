@@ -96,6 +96,10 @@ TILE_ORDER_CANDIDATES = [dict(persistent=False, fused_dq=False,
                          dict(persistent=False, fused_dq=False,
                               tile_fastest=True),
                          dict()]
+# The fused dQ against the two kernels launched tile-fastest.
+FUSED_ORDER_CANDIDATES = [dict(persistent=False, fused_dq=False,
+                               tile_fastest=True),
+                          dict(persistent=False, fused_dq=True)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -170,7 +174,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_deferred_wide": _backward(DEFERRED_WIDE_SPACE),
            "backward_tile_order": _backward(TILE_ORDER_CANDIDATES),
            "backward_tile_order_wide": _backward(TILE_ORDER_WIDE_CANDIDATES),
-           "backward_launch_wide": _backward(LAUNCH_WIDE_SPACE)}
+           "backward_launch_wide": _backward(LAUNCH_WIDE_SPACE),
+           "backward_fused_order": _backward(FUSED_ORDER_CANDIDATES)}
 
 
 def main(argv=None) -> int:
