@@ -100,6 +100,9 @@ TILE_ORDER_CANDIDATES = [dict(persistent=False, fused_dq=False,
 FUSED_ORDER_CANDIDATES = [dict(persistent=False, fused_dq=False,
                                tile_fastest=True),
                           dict(persistent=False, fused_dq=True)]
+# The forward's default grid against the launch grid launched tile-fastest.
+FORWARD_TILE_ORDER_CANDIDATES = [dict(), dict(persistent=False,
+                                              tile_fastest=True)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -175,7 +178,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_tile_order": _backward(TILE_ORDER_CANDIDATES),
            "backward_tile_order_wide": _backward(TILE_ORDER_WIDE_CANDIDATES),
            "backward_launch_wide": _backward(LAUNCH_WIDE_SPACE),
-           "backward_fused_order": _backward(FUSED_ORDER_CANDIDATES)}
+           "backward_fused_order": _backward(FUSED_ORDER_CANDIDATES),
+           "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES)}
 
 
 def main(argv=None) -> int:

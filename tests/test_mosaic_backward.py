@@ -651,13 +651,15 @@ def test_fused_dq_matches_reference_on_gpu(case, is_causal, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, is_causal, kernels", [
     (64, False, {"dq_dkdv"}), (64, True, {"dq_dkdv"}),
-    (128, False, {"dq", "dkdv"}), (128, True, {"dq", "dkdv"}),
+    (128, False, {"dq_dkdv"}), (128, True, {"dq", "dkdv"}),
 ])
 def test_backward_default_at_long_kv_on_gpu(head_dim, is_causal, kernels):
   """The shipped defaults, no switch turned: `flash_attention` at kv_len
-  16384 runs the fused backward at head_dim 64 (`FUSED_DQ_MIN_KV_LEN`) and
-  the two kernels launched tile-fastest at 128, and its output, LSE and
-  gradients obey the tolerance rule (GQA 2:1, q_len not the kv_len)."""
+  16384 runs the fused backward at head_dim 64 and, without a causal mask,
+  at 128 (`FUSED_DQ_MIN_KV_LEN`; there with `opaque_resident` and
+  `deferred_dq`), else the two kernels launched tile-fastest, and its
+  output, LSE and gradients obey the tolerance rule (GQA 2:1, q_len not
+  the kv_len)."""
   _require_sm90()
   import jax_flash
   case = Case(1, 15360, 16384, 4, 2, head_dim)

@@ -133,10 +133,12 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # 471 at 16k, 419 -> 403 / 405 -> 393 at 4k. Then the two kernels launched
 # tile-fastest (`TILE_FASTEST_BY_DEFAULT`) caught up: 463 / 482 against
 # the fused kernel's 460 / 460 at 16k (results/h200_mosaic_tile_order.md),
-# so d=128 runs the two kernels again; d=64's fused kernel stays ahead
-# (415 / 372 against 406 / 355). Under causal masking only at
-# FUSED_DQ_CAUSAL_HEAD_DIMS. Its GPU tests pass (sessions 8, 11 and 12).
-FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384}
+# and in three rounds 459 / 476 against 469 / 469
+# (results/h200_mosaic_fused_order.md): d=128 fuses without a causal mask
+# only. d=64's fused kernel stays ahead (415 / 372 against 406 / 355).
+# Under causal masking only at FUSED_DQ_CAUSAL_HEAD_DIMS. Its GPU tests
+# pass (sessions 8, 11 and 12).
+FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384, 128: 16384}
 FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64,)
 # `mosaic_backward(opaque_resident=None)`: on with the fused dQ at these
 # head dims. At d=128 it took the fused kernel from 397 / 351 to 470 / 458
@@ -404,7 +406,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (Q tile, K/V tile) pair instead of 7 (the dQ kernel recomputes S, dP).
       Launch grid only, and only where dK and dV fit one pass (head_dim up
       to 128). None: where measured faster (`fused_dq_by_default`: from
-      kv_len 16384 at head_dim 64).
+      kv_len 16384 at head_dim 64, and at 128 without a causal mask).
     tile_fastest: both kernels' launch grids in tile-fastest order (see
       `_Static`); the results are the same either way. Not with `fused_dq`,
       whose K/V tiles of a head must launch apart. None: on the launch grid
