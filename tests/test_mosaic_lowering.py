@@ -280,6 +280,19 @@ def test_persistent_forward_is_bitwise_the_grid_on_gpu(head_dim, is_causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_tile_fastest_forward_is_bitwise_the_default_order_on_gpu(
+    head_dim, is_causal):
+  """The launch grid launched tile-fastest runs the same tiles in another
+  order: out and lse equal the default order's bit for bit."""
+  run = _forward_runner(head_dim, is_causal, seed=31)
+  want = run(persistent=False, tile_fastest=False)
+  for a, b in zip(run(persistent=False, tile_fastest=True), want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", [
     Case(2, 512, 1024, 8, 2, 128),    # GQA 4:1, kv_len > q_len
     Case(1, 1024, 512, 4, 1, 256),    # MQA, q_len > kv_len
