@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -123,6 +123,11 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
       CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab forward_order \
         "tests/test_mosaic_lowering.py -k tile_fastest" forward_tile_order \
         --head-dims 128 256 --causal causal --rounds 3 ;;
+    masked_order)  # the ranged (masked) kernels launched tile-fastest,
+                   # on a causal 1k window: bitwise tests, then the A/B
+      CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab masked_order \
+        "tests/test_mosaic_masked.py tests/test_mosaic_masked_backward.py -k tile_fastest" \
+        "masked_forward_order masked_backward_order" --rounds 3 ;;
     prefetch)  # the dK/dV kernel's lse and delta read before its matmuls
       gated_ab prefetch "tests/test_mosaic_backward.py -k prefetched" backward_prefetch ;;
     shared)  # shared K/V rows in the dK/dV kernel (one pass at d=256)

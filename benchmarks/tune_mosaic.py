@@ -142,6 +142,41 @@ def backward_benchmark(cell: common.Cell, blocks: dict):
   return fn, (q, k, v, out, lse, d_out)
 
 
+# The ranged (masked) kernels' launch order, on a causal sliding window of
+# MASKED_WINDOW keys (`masked.mosaic_forward_masked`,
+# `masked_backward.mosaic_backward_masked`). Their TFLOP/s use the causal
+# count, of which a window does a fraction: compare candidates only.
+MASKED_WINDOW = 1024
+MASKED_ORDER_SPACE = dict(tile_fastest=(False, True))
+
+
+def _window_spec(cell: common.Cell):
+  from jax_flash import masking
+  return masking.MaskSpec(q_len=cell.seq_len, kv_len=cell.seq_len,
+                          is_causal=True, window=(MASKED_WINDOW, 0))
+
+
+def masked_forward_benchmark(cell: common.Cell, blocks: dict):
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
+  spec = _window_spec(cell)
+  fn = jax.jit(lambda q, k, v: mosaic_forward_masked(
+      q, k, v, scale=cell.head_dim**-0.5, spec=spec, **blocks))
+  return fn, (q, k, v)
+
+
+def masked_backward_benchmark(cell: common.Cell, blocks: dict):
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
+  q, k, v, d_out = common.attention_inputs(cell.shape, cell.dtype)
+  scale, spec = cell.head_dim**-0.5, _window_spec(cell)
+  out, lse = jax.jit(lambda q, k, v: mosaic_forward_masked(
+      q, k, v, scale=scale, spec=spec))(q, k, v)
+  fn = jax.jit(lambda *a: mosaic_backward_masked(
+      *a, scale=scale, spec=spec, **blocks))
+  return fn, (q, k, v, out, lse, d_out)
+
+
 def _forward(space, causal=(False, True)):
   return forward_benchmark, space, 1.0, causal
 
@@ -179,7 +214,11 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_tile_order_wide": _backward(TILE_ORDER_WIDE_CANDIDATES),
            "backward_launch_wide": _backward(LAUNCH_WIDE_SPACE),
            "backward_fused_order": _backward(FUSED_ORDER_CANDIDATES),
-           "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES)}
+           "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),
+           "masked_forward_order": (masked_forward_benchmark,
+                                    MASKED_ORDER_SPACE, 1.0, (True,)),
+           "masked_backward_order": (masked_backward_benchmark,
+                                     MASKED_ORDER_SPACE, 2.5, (True,))}
 
 
 def main(argv=None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_flash
@@ -14,7 +15,7 @@ from jax_flash import masking
 from jax_flash.validation import Operands
 from pallas_kernels import compat as versions
 from pallas_kernels.config import BlockSizes
-from tests.attention_checks import Case, check_against_reference
+from tests.attention_checks import Case, check_against_reference, random_inputs
 
 try:
   from pallas_kernels.mosaic import attention as mosaic_attention_module
@@ -64,6 +65,52 @@ def test_masked_forward_lowers_for_cuda(head_dim, name, lowering_semantics):
   out, lse = lowered.out_info
   assert out.shape == q.shape and lse.shape == (2, 4, q_len)
   assert "mosaic_flash_forward" in lowered.as_text()
+
+
+def _masked_forward(name, head_dim, **options):
+  """`forward(q, k, v)`: the masked forward for VARIANTS[name], and the
+  shapes (b2, h4:2) it takes."""
+  q_len, kv_len, fields, values = VARIANTS[name]
+  spec = masking.MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
+  operands = _operands(values)
+
+  def forward(q, k, v):
+    return mosaic_forward_masked(
+        q, k, v, scale=head_dim**-0.5, spec=spec, q_offset=operands.q_offset,
+        q_lengths=operands.q_lengths, kv_lengths=operands.kv_lengths,
+        q_segments=operands.q_segments, kv_segments=operands.kv_segments,
+        **options)
+  return forward, Case(2, q_len, kv_len, 4, 2, head_dim)
+
+
+@pytest.mark.parametrize("name, head_dim", [("segments", 64),
+                                            ("causal window", 256)])
+def test_tile_fastest_masked_forward_lowers(name, head_dim, cuda_lowering):
+  """`tile_fastest` launches the ranged forward's grid in the other order:
+  another module."""
+  def text(**options):
+    forward, case = _masked_forward(name, head_dim, **options)
+    q = jax.ShapeDtypeStruct((2, case.q_len, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, case.kv_len, 2, head_dim), jnp.bfloat16)
+    return jax.jit(forward).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert text(tile_fastest=True) != text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, head_dim", [("segments", 64),
+                                            ("bottom-right causal", 128),
+                                            ("causal window", 256)])
+def test_tile_fastest_masked_forward_is_bitwise_on_gpu(name, head_dim):
+  """The ranged forward launched tile-fastest: out and lse equal the
+  default order's bit for bit."""
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic forward needs sm90")
+  forward, case = _masked_forward(name, head_dim)
+  fast, _ = _masked_forward(name, head_dim, tile_fastest=True)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, 41)
+  for a, b in zip(jax.jit(fast)(q, k, v), jax.jit(forward)(q, k, v)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,

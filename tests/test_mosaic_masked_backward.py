@@ -30,6 +30,7 @@ try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from pallas_kernels.mosaic import attention as mosaic_attention_module
   from pallas_kernels.mosaic import backward, compat, forward
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
   from pallas_kernels.mosaic.masked_backward import (
       mosaic_backward_masked, padded_statistics, plan_rows)
 except ImportError as e:  # a jaxlib built without Mosaic GPU
@@ -499,6 +500,16 @@ def test_masked_backward_lowers_other_calls(name, kwargs, cuda_lowering):
 
 
 @pytest.mark.parametrize("name, head_dim", [("combined", 64),
+                                            ("causal window", 256)])
+def test_tile_fastest_masked_backward_lowers(name, head_dim, cuda_lowering):
+  """`tile_fastest` launches the ranged kernels' grids in the other order:
+  another module, the same kernels."""
+  text = _lower(name, head_dim, tile_fastest=True)
+  assert _kernels(text) == _expected_kernels(head_dim)
+  assert text != _lower(name, head_dim)
+
+
+@pytest.mark.parametrize("name, head_dim", [("combined", 64),
                                             ("soft cap", 128),
                                             ("segments", 256)])
 def test_overlapped_masked_backward_lowers(name, head_dim,
@@ -687,6 +698,27 @@ def test_masked_backward_matches_reference_on_gpu(name, dtype, monkeypatch):
   attention = _masked_attention(**variants)
   _assert_uses_masked_backward(attention, case, dtype)
   check_against_reference(attention, case, dtype, seed=7, **variants)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, head_dim", [("combined", 64),
+                                            ("causal window", 128),
+                                            ("segments", 256)])
+def test_tile_fastest_masked_backward_is_bitwise_on_gpu(name, head_dim):
+  """The ranged kernels launched tile-fastest run the same tiles in another
+  order: dq, dk, dv equal the default order's bit for bit."""
+  _require_sm90()
+  spec, operands = _spec_and_operands(name)
+  case = Case(2, spec.q_len, spec.kv_len, 4, 2, head_dim)
+  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 37)
+  scale = head_dim**-0.5
+  out, lse = mosaic_forward_masked(q, k, v, scale=scale, spec=spec,
+                                   **_operand_kwargs(operands))
+  run = lambda on: jax.jit(lambda *a: mosaic_backward_masked(
+      *a, scale=scale, spec=spec, tile_fastest=on,
+      **_operand_kwargs(operands)))(q, k, v, out, lse, d_out)
+  for a, b, grad in zip(run(True), run(False), ("dq", "dk", "dv")):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=grad)
 
 
 @pytest.mark.gpu

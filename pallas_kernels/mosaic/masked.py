@@ -25,7 +25,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                           q_lengths=None, kv_lengths=None, q_segments=None,
                           kv_segments=None, block_q: int = 64,
                           block_kv: int | None = None,
-                          max_concurrent_steps: int = 2):
+                          max_concurrent_steps: int = 2,
+                          tile_fastest: bool = False):
   """`forward.mosaic_forward` with masks, score capping and any lengths.
 
   The masks are `jax_flash.masking`'s (the one definition): `spec` may use
@@ -43,6 +44,10 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     spec: `masking.MaskSpec` for (q_len, kv_len).
     q_offset, q_lengths, kv_lengths: int32 [batch] or None, as the spec says.
     q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
+    tile_fastest: launch a head's query tiles together (see
+      `forward.KernelStatic`); the same results either way. Off: not yet
+      measured for the ranged kernel (the plain one's launch grid gained
+      1-2% causal at 16k, results/h200_mosaic_forward_tile_order.md).
 
   Returns:
     (out [batch, q_len, num_heads, head_dim], lse float32
@@ -62,6 +67,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                                    block_kv=block_kv,
                                    max_concurrent_steps=max_concurrent_steps,
                                    spec=spec)
+  static = dataclasses.replace(static, tile_fastest=bool(tile_fastest))
   plan = plan_rows(static, query.shape[0], q_offset=q_offset,
                    q_lengths=q_lengths, kv_lengths=kv_lengths,
                    q_segments=q_segments, kv_segments=kv_segments)

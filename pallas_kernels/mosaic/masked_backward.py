@@ -37,7 +37,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                            q_segments=None, kv_segments=None,
                            block_q: int = 64, block_kv: int = 64,
                            max_concurrent_steps: int = 2,
-                           overlap_softmax: bool = False):
+                           overlap_softmax: bool = False,
+                           tile_fastest: bool = False):
   """Gradients of `masked.mosaic_forward_masked`'s output for q, k and v.
 
   Args:
@@ -58,6 +59,9 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
     q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
     block_q, block_kv, max_concurrent_steps, overlap_softmax: as
       `backward.mosaic_backward`.
+    tile_fastest: as `backward.mosaic_backward`'s; off here until measured
+      for the ranged kernels (the plain ones gained 2-9%,
+      results/h200_mosaic_tile_order.md).
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -82,7 +86,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                spec=spec)
   # Configuring raises for tiles that do not fit, before any work is traced.
   dq_config, dkdv_configs = backward.statics(
-      query, key, overlap_softmax=overlap_softmax, **tiles)
+      query, key, overlap_softmax=overlap_softmax,
+      tile_fastest=tile_fastest, **tiles)
   dq_plan, dkdv_plan = plan_rows(
       spec, query.shape[0], block_q=block_q, block_kv=block_kv,
       dq_consumers=dq_config.num_consumers,
