@@ -17,7 +17,7 @@ import argparse
 import statistics
 import sys
 
-from benchmarks import common, peers
+from benchmarks import common, peers, render
 from pallas_kernels import compat
 
 
@@ -82,25 +82,23 @@ def table(result: dict) -> str:
   for row in result["rows"]:
     by_key.setdefault((row["cell"], row["sample_ms"]), {})[row["impl"]] = (
         row["tflops"])
-  lines = [f"# Timing probe ({result['device']}, JAX {result['jax_version']})",
-           "", f"Command: `{result['command']}`", "",
-           "TFLOP/s by the minimum length of a timed sample (0: one call "
-           "and its synchronisation); in brackets, the ratio to the fastest "
-           "other implementation.", "",
-           "| cell | sample ms | " + " | ".join(impls) + " |",
-           "|---|---|" + "---|" * len(impls)]
-  for (cell, sample_ms), got in by_key.items():
-    cells = []
-    for name in impls:
-      if name not in got:
-        cells.append("—")
-        continue
-      others = [v for k, v in got.items() if k != name]
-      ratio = f" ({got[name] / max(others):.2f})" if others else ""
-      cells.append(f"{got[name]:.0f}{ratio}")
-    lines.append(f"| {cell} | {sample_ms:g} | " + " | ".join(cells) + " |")
-  return "\n".join(lines) + "\n"
 
+  def entry(got, name):
+    if name not in got:
+      return "—"
+    others = [v for k, v in got.items() if k != name]
+    ratio = f" ({got[name] / max(others):.2f})" if others else ""
+    return f"{got[name]:.0f}{ratio}"
+
+  rows = [[cell, f"{sample_ms:g}", *(entry(got, name) for name in impls)]
+          for (cell, sample_ms), got in by_key.items()]
+  return "\n".join([
+      f"# Timing probe ({result['device']}, JAX {result['jax_version']})", "",
+      f"Command: `{result['command']}`", "",
+      "TFLOP/s by the minimum length of a timed sample (0: one call and its "
+      "synchronisation); in brackets, the ratio to the fastest other "
+      "implementation.", "",
+      render.markdown_table(["cell", "sample ms", *impls], rows), ""])
 
 if __name__ == "__main__":
   sys.exit(main())
