@@ -88,9 +88,9 @@ DEFERRED_SPACE = dict(fused_dq=(False, True), deferred_dq=(False, True),
 # The same at head_dim 64's 128-row Q tiles (the fused dQ's there), fused.
 DEFERRED_WIDE_SPACE = dict(fused_dq=(True,), deferred_dq=(False, True),
                            block_q=(128,), persistent=(False,))
-# Both backward kernels' launch order at seq 16k, where d=64 and d=128 fuse
-# dQ (which has its own order): the two kernels in either order, and the
-# default (`backward.configure`).
+# Both backward kernels' launch order at seq 16k, where the default may be
+# the fused dQ (which has its own order): the two kernels in either order,
+# and the default (`backward.configure`).
 TILE_ORDER_CANDIDATES = [dict(persistent=False, fused_dq=False,
                               tile_fastest=False),
                          dict(persistent=False, fused_dq=False,
