@@ -100,7 +100,9 @@ TILE_ORDER_CANDIDATES = [dict(persistent=False, fused_dq=False,
 FUSED_ORDER_CANDIDATES = [dict(persistent=False, fused_dq=False,
                                tile_fastest=True),
                           dict(persistent=False, fused_dq=True)]
-# The forward's default grid against the launch grid launched tile-fastest.
+# The forward's default grid against the launch grid launched tile-fastest
+# (sessions 12 and 13; since then the second is the default for causal d=128
+# from 16k and d=256 above 4k, so `{}` there runs it too).
 FORWARD_TILE_ORDER_CANDIDATES = [dict(), dict(persistent=False,
                                               tile_fastest=True)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
@@ -238,15 +240,18 @@ def main(argv=None) -> int:
                       "turn; each keeps the median of its rounds")
   parser.add_argument("--causal", nargs="+", choices=("full", "causal"),
                       help="only these of each kernel's causal values")
-  parser.add_argument("--out",
-                      default="benchmarks/results/h200_mosaic_sweep.json")
+  parser.add_argument("--out", help="the sweep's JSON (default "
+                      "benchmarks/results/h200_mosaic_sweep.json)")
   parser.add_argument("--render", nargs="+", metavar="JSON",
                       help="measure nothing: write the sweeps in these files "
                       "(say, one per GPU) as one JSON and table at the last")
   args = parser.parse_args(argv)
   if args.render:
+    if args.out:  # the merged file is --render's last path, not --out
+      parser.error("--render writes its last JSON path; drop --out")
     print(write_tables(args.render[:-1] or args.render, args.render[-1]))
     return 0
+  args.out = args.out or "benchmarks/results/h200_mosaic_sweep.json"
   result = {**common.run_header("benchmarks.tune_mosaic", argv),
             "seq_len": args.seq, "trials": []}
   deadline = time.monotonic() + args.budget
@@ -302,6 +307,8 @@ def write_tables(parts: list[str], out: str) -> str:
   """Merges sweep files into `out` (their trials in order, their commands
   listed) and writes `out`'s .md: the best per (kernel, head_dim), then
   every trial. Returns the markdown."""
+  if not out.endswith(".json"):  # twice a slip here overwrote a part file
+    raise ValueError(f"the merged file must be a .json path, got {out!r}")
   results = [render.load(p) for p in parts]
   merged = {**results[0], "trials": [t for r in results for t in r["trials"]]}
   if len(results) > 1:

@@ -162,6 +162,32 @@ def test_mosaic_sweep_times_candidates_in_turn(monkeypatch):
   assert line.startswith("toy seq 1024 d64: {'block_q': 1}")
 
 
+def test_mosaic_sweep_render_refuses_to_overwrite_a_part(tmp_path, capsys):
+  """`--render A B` merges A into B (the last path, a JSON) and B's table;
+  with `--out` (a slip made twice) or a non-JSON last path it refuses,
+  leaving the parts as they were."""
+  import json
+
+  import pytest
+
+  from benchmarks import tune_mosaic
+  part = tmp_path / "part.json"
+  trial = dict(kernel="forward", head_dim=64, causal=False, block_q=64,
+               ms=1.0, tflops=500.0)
+  part.write_text(json.dumps(dict(device="d", jax_version="v", command="c",
+                                  seq_len=1024, trials=[trial])))
+  before = part.read_text()
+  with pytest.raises(SystemExit):
+    tune_mosaic.main(["--render", str(part), str(tmp_path / "m.json"),
+                      "--out", str(tmp_path / "other.json")])
+  with pytest.raises(ValueError, match="json"):
+    tune_mosaic.write_tables([str(part)], str(tmp_path / "m.md"))
+  assert part.read_text() == before
+  assert tune_mosaic.main(["--render", str(part), str(tmp_path / "m.json")]) == 0
+  assert "500" in (tmp_path / "m.md").read_text()
+  assert part.read_text() == before
+
+
 def test_roofline_counts_each_tensor_once():
   from benchmarks.roofline import cell_bytes
   tensor = 2 * 1024 * 16 * 128 * 2  # one bf16 [2, 1024, 16, 128]

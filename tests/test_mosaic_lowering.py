@@ -68,9 +68,24 @@ def test_tile_fastest_launch_order_lowers_and_changes_the_grid(cuda_lowering):
   which it leaves alone."""
   for causal in (False, True):
     text = lambda **kw: _lower(128, causal, persistent=False, **kw)
-    assert text(tile_fastest=True) != text()
+    assert text(tile_fastest=True) != text(tile_fastest=False)
   assert (_lower(64, True, persistent=True, num_ctas=3, tile_fastest=True)
-          == _lower(64, True, persistent=True, num_ctas=3))
+          == _lower(64, True, persistent=True, num_ctas=3, tile_fastest=False))
+
+
+def test_tile_fastest_default_is_the_causal_launch_grid(cuda_lowering):
+  """By default a causal call on the launch grid launches tile-fastest (the
+  session 13 A/B); a non-causal one keeps the launch grid's other order
+  (the persistent grid is its default)."""
+  from pallas_kernels.mosaic import forward
+  assert forward.tile_fastest_by_default(is_causal=True, persistent=False)
+  assert not forward.tile_fastest_by_default(is_causal=True, persistent=True)
+  assert not forward.tile_fastest_by_default(is_causal=False,
+                                             persistent=False)
+  causal = lambda **kw: _lower(256, True, persistent=False, **kw)
+  assert causal() == causal(tile_fastest=True) != causal(tile_fastest=False)
+  full = lambda **kw: _lower(128, False, persistent=False, **kw)
+  assert full() == full(tile_fastest=False)
 
 
 # The forward's consumer schedules: the plain one (each consumer waits for V
@@ -340,7 +355,7 @@ def test_persistent_default_follows_the_measured_table():
   assert all(default(False, d, n) for d in (64, 128, 256)
              for n in (128, 1024, 16384))
   assert default(True, 64, 1024) and default(True, 64, 16384)
-  assert default(True, 128, 16384)
+  assert default(True, 128, 8192) and not default(True, 128, 16384)
   assert default(True, 256, 4096) and not default(True, 256, 16384)
   assert not default(False, 128, 1024, overlap_scores=True)
 

@@ -502,11 +502,12 @@ def test_masked_backward_lowers_other_calls(name, kwargs, cuda_lowering):
 @pytest.mark.parametrize("name, head_dim", [("combined", 64),
                                             ("causal window", 256)])
 def test_tile_fastest_masked_backward_lowers(name, head_dim, cuda_lowering):
-  """`tile_fastest` launches the ranged kernels' grids in the other order:
-  another module, the same kernels."""
-  text = _lower(name, head_dim, tile_fastest=True)
+  """`tile_fastest` (the default) launches the ranged kernels' grids in the
+  other order: another module, the same kernels."""
+  text = _lower(name, head_dim, tile_fastest=False)
   assert _kernels(text) == _expected_kernels(head_dim)
   assert text != _lower(name, head_dim)
+  assert _lower(name, head_dim) == _lower(name, head_dim, tile_fastest=True)
 
 
 @pytest.mark.parametrize("name, head_dim", [("combined", 64),

@@ -147,9 +147,21 @@ PERSISTENT_BY_DEFAULT = True
 # launch grid's heavy-first order, session 6's A/Bs on the H200 at seq
 # 1k/4k/16k (results/h200_mosaic_persistent*.md): head_dim 64 +7/-5/0%
 # beside another GPU's load, +12/+2% at 4k/16k alone; 128 +18/+11/+10%;
-# 256 +40/+3/-7%, and -2/-4.5% at 4k/16k alone. The longest kv_len per head
-# dim at which it is the default (None: every length):
-PERSISTENT_CAUSAL_MAX_KV_LEN = {64: None, 128: None, 256: 4096}
+# 256 +40/+3/-7%, and -2/-4.5% at 4k/16k alone. Session 13 measured it
+# against the launch grid launched tile-fastest (`TILE_FASTEST_CAUSAL`), which
+# won at 16k: d=128 575 -> 590 and d=256 604 -> 618 TFLOP/s, while the
+# persistent grid kept 4k (d=128 541 against 498, d=256 537 against 523;
+# results/h200_mosaic_forward_order.md, three rounds). The longest kv_len
+# per head dim at which it is the default (None: every length):
+PERSISTENT_CAUSAL_MAX_KV_LEN = {64: None, 128: 8192, 256: 4096}
+# `mosaic_forward(tile_fastest=None)`: causal calls on the launch grid launch
+# a head's query tiles together, so that the CTAs at work at once stream the
+# same K/V through L2 (as the backward's kernels do since session 12): +2.3%
+# at d=256 and +2.6% at d=128 (against the persistent grid) at 16k, three
+# rounds each in two sessions (results/h200_mosaic_forward_tile_order.md,
+# h200_mosaic_forward_order.md). Non-causal calls run the persistent grid,
+# which walks tiles tile-fastest already.
+TILE_FASTEST_CAUSAL = True
 
 
 def persistent_by_default(*, is_causal: bool, head_dim: int, kv_len: int,
@@ -161,6 +173,12 @@ def persistent_by_default(*, is_causal: bool, head_dim: int, kv_len: int,
     return True
   limit = PERSISTENT_CAUSAL_MAX_KV_LEN.get(head_dim, 0)
   return limit is None or kv_len <= limit
+
+
+def tile_fastest_by_default(*, is_causal: bool, persistent: bool) -> bool:
+  """Whether `mosaic_forward(tile_fastest=None)` launches the launch grid
+  tile-fastest (the persistent grid has its own order)."""
+  return TILE_FASTEST_CAUSAL and is_causal and not persistent
 
 
 def consumers_by_default(*, head_dim: int, q_len: int, is_causal: bool,
@@ -286,7 +304,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    max_concurrent_steps: int = 2, heavy_first: bool = True,
                    fence_softmax: bool = False, split_handover: bool = True,
                    overlap_scores: bool = False, persistent: bool | None = None,
-                   num_ctas: int | None = None, tile_fastest: bool = False,
+                   num_ctas: int | None = None,
+                   tile_fastest: bool | None = None,
                    num_consumers: int | None = None, ring_turns: bool = False,
                    hw_turns: bool = False):
   """FlashAttention-3 forward on sm90.
@@ -322,7 +341,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       (`persistent_by_default`).
     num_ctas: CTAs of the persistent grid; None: the GPU's SM count.
     tile_fastest: the launch grid's CTAs in tile-fastest order (see
-      `KernelStatic`); the results are the same either way.
+      `KernelStatic`); the results are the same either way. None: causal
+      calls on the launch grid (`tile_fastest_by_default`).
     num_consumers: consumer warpgroups, 2 or 3 (3: not with
       `overlap_scores`); None: `consumers_by_default`. Each row's sums
       are the same either way, so the results are bitwise the same.
@@ -363,13 +383,16 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                fence_softmax=bool(fence_softmax),
                                split_handover=bool(split_handover),
                                overlap_scores=bool(overlap_scores),
-                               tile_fastest=bool(tile_fastest),
                                ring_turns=bool(ring_turns),
                                hw_turns=bool(hw_turns))
   if persistent is None:
     persistent = persistent_by_default(
         is_causal=is_causal, head_dim=query.shape[-1], kv_len=key.shape[1],
         overlap_scores=overlap_scores)
+  if tile_fastest is None:
+    tile_fastest = tile_fastest_by_default(is_causal=is_causal,
+                                           persistent=persistent)
+  static = dataclasses.replace(static, tile_fastest=bool(tile_fastest))
   if persistent:
     static = persistent_static(static, query.shape, num_ctas)
   return launch(static, query, key, value)

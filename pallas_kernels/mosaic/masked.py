@@ -45,9 +45,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     q_offset, q_lengths, kv_lengths: int32 [batch] or None, as the spec says.
     q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
     tile_fastest: launch a head's query tiles together (see
-      `forward.KernelStatic`); the same results either way. Off: not yet
-      measured for the ranged kernel (the plain one's launch grid gained
-      1-2% causal at 16k, results/h200_mosaic_forward_tile_order.md).
+      `forward.KernelStatic`); the same results either way. Off: on a
+      causal 1k window it moved -1.1% to +1.8% (results/
+      h200_mosaic_masked_order.md, three rounds), no clear gain.
 
   Returns:
     (out [batch, q_len, num_heads, head_dim], lse float32
