@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe tests mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -128,6 +128,10 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
       CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab masked_order \
         "tests/test_mosaic_masked.py tests/test_mosaic_masked_backward.py -k tile_fastest" \
         "masked_forward_order masked_backward_order" --rounds 3 ;;
+    one_stage)  # head_dim 256's forward on 128-row K/V tiles in one stage
+                # (session 13): reference tests, then the A/B at 16k/4k/1k
+      gated_ab one_stage "tests/test_mosaic_lowering.py -k one_stage" \
+        forward_one_stage --head-dims 256 --rounds 2 ;;
     prefetch)  # the dK/dV kernel's lse and delta read before its matmuls
       gated_ab prefetch "tests/test_mosaic_backward.py -k prefetched" backward_prefetch ;;
     shared)  # shared K/V rows in the dK/dV kernel (one pass at d=256)

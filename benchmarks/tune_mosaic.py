@@ -105,6 +105,12 @@ FUSED_ORDER_CANDIDATES = [dict(persistent=False, fused_dq=False,
 # from 16k and d=256 above 4k, so `{}` there runs it too).
 FORWARD_TILE_ORDER_CANDIDATES = [dict(), dict(persistent=False,
                                               tile_fastest=True)]
+# head_dim 256's forward with 128-row K/V tiles in one stage (K and V
+# refilled apart, each as soon as both consumers are done with it) against
+# its default 64-row tiles in two: S = Q Kᵀ at N=128 reads 96 KB of shared
+# memory per 64x128x256 product where N=64 reads 64 KB per half as much work.
+FORWARD_ONE_STAGE_CANDIDATES = [dict(),
+                                dict(block_kv=128, max_concurrent_steps=1)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -217,6 +223,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_launch_wide": _backward(LAUNCH_WIDE_SPACE),
            "backward_fused_order": _backward(FUSED_ORDER_CANDIDATES),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),
+           "forward_one_stage": _forward(FORWARD_ONE_STAGE_CANDIDATES),
            "masked_forward_order": (masked_forward_benchmark,
                                     MASKED_ORDER_SPACE, 1.0, (True,)),
            "masked_backward_order": (masked_backward_benchmark,
