@@ -129,9 +129,14 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
         "tests/test_mosaic_masked.py tests/test_mosaic_masked_backward.py -k tile_fastest" \
         "masked_forward_order masked_backward_order" --rounds 3 ;;
     one_stage)  # head_dim 256's forward on 128-row K/V tiles in one stage
-                # (session 13): reference tests, then the A/B at 16k/4k/1k
-      gated_ab one_stage "tests/test_mosaic_lowering.py -k one_stage" \
-        forward_one_stage --head-dims 256 --rounds 2 ;;
+                # (session 13: 29-31% slower; its reference tests were
+                # removed with it, so this is the A/B alone)
+      for seq in ${CONSUMERS_SEQS:-16384 4096 1024}; do
+        timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 \
+          --kernels forward_one_stage --head-dims 256 --rounds 2 \
+          --out "$OUT/h200_mosaic_one_stage_$seq.json" > "$LOGS/one_stage_$seq.log" 2>&1
+        grep "^forward" "$LOGS/one_stage_$seq.log"
+      done ;;
     prefetch)  # the dK/dV kernel's lse and delta read before its matmuls
       gated_ab prefetch "tests/test_mosaic_backward.py -k prefetched" backward_prefetch ;;
     shared)  # shared K/V rows in the dK/dV kernel (one pass at d=256)

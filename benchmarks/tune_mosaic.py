@@ -109,6 +109,8 @@ FORWARD_TILE_ORDER_CANDIDATES = [dict(), dict(persistent=False,
 # refilled apart, each as soon as both consumers are done with it) against
 # its default 64-row tiles in two: S = Q Kᵀ at N=128 reads 96 KB of shared
 # memory per 64x128x256 product where N=64 reads 64 KB per half as much work.
+# Measured in session 13 (results/h200_mosaic_one_stage.md): 29-31% slower
+# at 1k-16k; the one stage leaves each K and V load exposed.
 FORWARD_ONE_STAGE_CANDIDATES = [dict(),
                                 dict(block_kv=128, max_concurrent_steps=1)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).

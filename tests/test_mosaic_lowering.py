@@ -16,7 +16,6 @@ import pytest
 
 import jax_flash
 from pallas_kernels import compat as versions
-from jax_flash.reference import naive_attention
 from tests.attention_checks import Case, check_against_reference, random_inputs
 
 try:
@@ -306,57 +305,6 @@ def test_tile_fastest_forward_is_bitwise_the_default_order_on_gpu(
   want = run(persistent=False, tile_fastest=False)
   for a, b in zip(run(persistent=False, tile_fastest=True), want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-# head_dim 256 with 128-row K/V tiles in one stage
-# (`tune_mosaic.FORWARD_ONE_STAGE_CANDIDATES`): K and V refilled apart.
-ONE_STAGE_256 = dict(block_kv=128, max_concurrent_steps=1)
-
-
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_one_stage_forward_lowers(is_causal, persistent, cuda_lowering):
-  text = _lower(256, is_causal, persistent=persistent, **ONE_STAGE_256)
-  assert _KERNEL_NAME in text
-  assert text != _lower(256, is_causal, persistent=persistent)
-
-
-def _check_forward_against_reference(run, case, dtype, is_causal, seed):
-  """`run(q, k, v) -> (out, lse [B, N, Tq])` against the reference by the
-  tolerance rule (forward only: out and lse)."""
-  q, k, v, _, _ = random_inputs(case, dtype, seed)
-  out, lse = run(q, k, v)
-  up = lambda x: x.astype(jnp.float32)
-  reference = jax.jit(lambda q, k, v, dtype: naive_attention(
-      q, k, v, is_causal=is_causal, compute_dtype=dtype), static_argnums=3)
-  exact = reference(up(q), up(k), up(v), jnp.float32)
-  naive = reference(q, k, v, dtype)
-  ours = (out, jnp.swapaxes(lse, 1, 2))
-  for name, a, want, low in zip(("out", "lse"), ours, exact, naive):
-    err = float(jnp.max(jnp.abs(up(a) - up(want))))
-    yardstick = float(jnp.max(jnp.abs(up(low) - up(want))))
-    assert err <= 2 * yardstick + (1e-5 if name == "lse" else 2e-3), (
-        name, err, yardstick)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [
-    Case(2, 1024, 1536, 8, 2, 256),   # GQA 4:1, kv_len > q_len
-    Case(1, 1024, 512, 4, 1, 256),    # MQA, q_len > kv_len: 4 K/V tiles
-    Case(3, 384, 640, 5, 5, 256),     # odd tile counts
-], ids=str)
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_one_stage_forward_matches_reference_on_gpu(case, is_causal,
-                                                    persistent):
-  """The one-stage ring (a slot refilled while the other consumer may still
-  read it would show here) against the reference, both grids, bf16."""
-  _require_sm90()
-  run = jax.jit(lambda q, k, v: mosaic_forward(
-      q, k, v, scale=case.head_dim**-0.5, is_causal=is_causal,
-      persistent=persistent, **ONE_STAGE_256))
-  _check_forward_against_reference(run, case, jnp.bfloat16, is_causal,
-                                   seed=41)
 
 
 @pytest.mark.gpu
