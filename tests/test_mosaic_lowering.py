@@ -308,6 +308,31 @@ def test_tile_fastest_forward_is_bitwise_the_default_order_on_gpu(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, kv_len", [(128, 16384), (256, 8192)])
+def test_causal_forward_default_at_long_kv_on_gpu(head_dim, kv_len):
+  """The shipped causal default at long kv_len, no switch turned (session
+  13: the launch grid, tile-fastest): `flash_attention`'s output, LSE and
+  gradients obey the tolerance rule (GQA 2:1), and its forward is bitwise
+  `mosaic_forward(persistent=False, tile_fastest=True)`."""
+  _require_sm90()
+  from pallas_kernels.mosaic import forward
+  assert not forward.persistent_by_default(is_causal=True, head_dim=head_dim,
+                                           kv_len=kv_len)
+  case = Case(1, kv_len, kv_len, 4, 2, head_dim)
+  attention = jax.jit(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=True, return_residual=True, implementation="mosaic"))
+  check_against_reference(attention, case, jnp.bfloat16, is_causal=True)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, 43)
+  out, lse = attention(q, k, v)
+  want_out, want_lse = jax.jit(lambda q, k, v: mosaic_forward(
+      q, k, v, scale=head_dim**-0.5, is_causal=True, persistent=False,
+      tile_fastest=True))(q, k, v)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+  np.testing.assert_array_equal(np.asarray(lse),
+                                np.asarray(jnp.swapaxes(want_lse, 1, 2)))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", [
     Case(2, 512, 1024, 8, 2, 128),    # GQA 4:1, kv_len > q_len
     Case(1, 1024, 512, 4, 1, 256),    # MQA, q_len > kv_len
