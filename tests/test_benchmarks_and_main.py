@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import os
 import subprocess
 import sys
@@ -186,6 +187,21 @@ def test_mosaic_sweep_render_refuses_to_overwrite_a_part(tmp_path, capsys):
   assert tune_mosaic.main(["--render", str(part), str(tmp_path / "m.json")]) == 0
   assert "500" in (tmp_path / "m.md").read_text()
   assert part.read_text() == before
+
+
+def test_gpu_test_halves_cover_every_gpu_test_file():
+  """`h200_check.sh tests_halves` splits the GPU suite between two GPUs:
+  every test file with a GPU test is in exactly one half."""
+  import re
+  script = (pathlib.Path(ROOT) / "benchmarks" / "h200_check.sh").read_text()
+  block = script[script.index("tests_halves)"):]
+  block = block[:block.index(";;")]
+  listed = re.findall(r"tests/test_\w+\.py", block)
+  with_gpu = sorted(p.relative_to(ROOT).as_posix()
+                    for p in (pathlib.Path(ROOT) / "tests").glob("test_*.py")
+                    if re.search(r"^(@pytest\.mark\.gpu|pytestmark = "
+                                 r"pytest\.mark\.gpu)", p.read_text(), re.M))
+  assert sorted(listed) == with_gpu
 
 
 def test_roofline_counts_each_tensor_once():
