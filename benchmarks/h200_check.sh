@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests tests_halves mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe tests tests_halves mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -150,6 +150,12 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
           --out "$OUT/h200_mosaic_one_stage_$seq.json" > "$LOGS/one_stage_$seq.log" 2>&1
         grep "^forward" "$LOGS/one_stage_$seq.log"
       done ;;
+    turn_cost)  # what the fused dQ's fixed order costs (session 13's
+                # diagnostic: the unordered variant's dQ is wrong), d=128
+                # full, backward alone, 4k and 16k, three rounds
+      timeout 300 python3 -m benchmarks.fused_turn_cost --seqs 4096 16384 \
+        --head-dim 128 --out "$OUT/h200_fused_turn_cost.json" \
+        > "$LOGS/turn_cost.log" 2>&1; tail -n 8 "$LOGS/turn_cost.log" ;;
     prefetch)  # the dK/dV kernel's lse and delta read before its matmuls
       gated_ab prefetch "tests/test_mosaic_backward.py -k prefetched" backward_prefetch ;;
     shared)  # shared K/V rows in the dK/dV kernel (one pass at d=256)
