@@ -54,19 +54,22 @@ for step in "$@"; do
   echo "== $step (GPU ${CUDA_VISIBLE_DEVICES:-all}) $(date +%T)"
   case $step in
     tests)  # per-test limit instead of an outer kill (see above)
-      python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
+      python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} -q -rf --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
         --durations=15 -p no:benchmark ${GPU_TESTS:-tests/test_gpu.py tests/test_mosaic_*.py} > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;
     tests_halves)  # `tests` on a two-GPU host, the suite split by file
                    # (whole, it outgrew one 10-minute call at -n 8 in
-                   # session 13): backward files on GPU 0, the rest on 1;
-                   # logs $OUT/gpu0/pytest_gpu.log and $OUT/gpu1/...
+                   # session 13): backward files on GPU 0 (141 tests),
+                   # the rest on 1 (133); 12 workers each (16 CPU cores a
+                   # GPU; at 8 a half would take about 500 s); logs
+                   # $OUT/gpu0/pytest_gpu.log and $OUT/gpu1/...
       halves=("tests/test_mosaic_backward.py tests/test_mosaic_masked_backward.py tests/test_mosaic_shared_rows.py tests/test_residual_backward.py tests/test_delta.py"
               "tests/test_gpu.py tests/test_mosaic_lowering.py tests/test_mosaic_masked.py tests/test_mosaic_fp8.py tests/test_flax_layers.py")
       for gpu in 0 1; do
         mkdir -p "$OUT/gpu$gpu"
         CUDA_VISIBLE_DEVICES=$gpu SKIP_INSTALL=1 OUT="$OUT/gpu$gpu" \
-          GPU_TESTS="${halves[$gpu]}" bash "$0" tests > "$LOGS/tests_gpu$gpu.txt" 2>&1 &
+          TEST_WORKERS=${TEST_WORKERS:-12} GPU_TESTS="${halves[$gpu]}" \
+          bash "$0" tests > "$LOGS/tests_gpu$gpu.txt" 2>&1 &
       done
       wait
       tail -n 12 "$LOGS"/tests_gpu0.txt "$LOGS"/tests_gpu1.txt ;;
