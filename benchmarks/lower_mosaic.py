@@ -5,8 +5,9 @@
 Lowers the forward (defaults, `overlap_scores`, `fence_softmax` +
 `split_handover`, grid launch order, the persistent grid on and off,
 tile-fastest launch, two consumers where three are the default, ring and
-hardware-barrier turns), the backward (defaults, `overlap_softmax`, the
-persistent grid, tile-fastest launch, the fused dQ below head_dim 256), and
+hardware-barrier turns, no automatic barriers), the backward (defaults,
+`overlap_softmax`, the persistent grid, tile-fastest launch, no automatic
+barriers, the fused dQ below head_dim 256, with and without them), and
 the masked
 forward and backward (defaults and `overlap_softmax`), at head dims 64, 128
 and 256, causal or not, and prints one line per kernel; exits non-zero if
@@ -40,10 +41,13 @@ FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
                    dict(persistent=False),
                    dict(persistent=False, tile_fastest=True),
                    dict(num_consumers=2), dict(num_consumers=2, ring_turns=True),
-                   dict(hw_turns=True), dict(hw_turns=True, persistent=False))
+                   dict(hw_turns=True), dict(hw_turns=True, persistent=False),
+                   dict(auto_barriers=False),
+                   dict(auto_barriers=False, persistent=False))
 BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True),
                     dict(persistent=True, num_ctas=3),
-                    dict(persistent=False, tile_fastest=True))
+                    dict(persistent=False, tile_fastest=True),
+                    dict(auto_barriers=False))
 
 
 def lowers(fn, *shapes) -> str | None:
@@ -66,7 +70,8 @@ def kernels(head_dim: int):
              lambda q, k, v, c=causal, o=options: mosaic_forward(
                  q, k, v, scale=0.1, is_causal=c, **o), (q, kv, kv))
     fused = dict(fused_dq=True, block_q=128 if head_dim == 64 else 64)
-    for options in BACKWARD_OPTIONS + ((fused,) if head_dim < 256 else ()):
+    fused_forms = (fused, dict(fused, auto_barriers=False))
+    for options in BACKWARD_OPTIONS + (fused_forms if head_dim < 256 else ()):
       yield (f"backward d{head_dim} causal={causal} {options}",
              lambda q, k, v, out, d_out, c=causal, o=options: mosaic_backward(
                  q, k, v, out, jnp.zeros(lse.shape, lse.dtype), d_out,

@@ -113,6 +113,12 @@ FORWARD_TILE_ORDER_CANDIDATES = [dict(), dict(persistent=False,
 # at 1k-16k; the one stage leaves each K and V load exposed.
 FORWARD_ONE_STAGE_CANDIDATES = [dict(),
                                 dict(block_kv=128, max_concurrent_steps=1)]
+# Mosaic GPU's automatic barriers off (`KernelStatic.auto_barriers`,
+# `backward._Static.auto_barriers`) against the defaults, forward and
+# backward; the backward also at head_dim 64's 128-row Q tiles (the
+# dispatch's there, fused from 16k).
+AUTO_BARRIERS_SPACE = dict(auto_barriers=(True, False))
+AUTO_BARRIERS_WIDE_SPACE = dict(AUTO_BARRIERS_SPACE, block_q=(128,))
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -226,6 +232,9 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_fused_order": _backward(FUSED_ORDER_CANDIDATES),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),
            "forward_one_stage": _forward(FORWARD_ONE_STAGE_CANDIDATES),
+           "forward_auto_barriers": _forward(AUTO_BARRIERS_SPACE),
+           "backward_auto_barriers": _backward(AUTO_BARRIERS_SPACE),
+           "backward_auto_barriers_wide": _backward(AUTO_BARRIERS_WIDE_SPACE),
            "masked_forward_order": (masked_forward_benchmark,
                                     MASKED_ORDER_SPACE, 1.0, (True,)),
            "masked_backward_order": (masked_backward_benchmark,

@@ -333,6 +333,14 @@ class _Static:
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
   spec: Any = None
+  # Mosaic GPU's automatic barriers (`CompilerParams.unsafe_no_auto_barriers`
+  # off): a warpgroup barrier before and after every store to shared memory
+  # and before every TMA load. The kernels order their shared memory by
+  # `commit_smem` (a fence and a warpgroup barrier) before every TMA store
+  # and wgmma that reads what threads wrote, and by mbarriers across
+  # warpgroups, so they may not need them: False drops them (tokamax's
+  # kernels run so). Off until its bitwise GPU tests and A/B have run.
+  auto_barriers: bool = True
 
   @property
   def ranged(self) -> bool:
@@ -365,7 +373,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     shared_q_rows: bool = False,
                     prefetch_stats: bool | None = None,
                     opaque_resident: bool | None = None,
-                    deferred_dq: bool | None = None):
+                    deferred_dq: bool | None = None,
+                    auto_barriers: bool = True):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -430,6 +439,9 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (see `_Static`); the same results either way. Fused dQ only. None:
       where measured faster (`deferred_dq_by_default`: the fused dQ at
       head_dim 128).
+    auto_barriers: False compiles both kernels without Mosaic GPU's
+      automatic barriers (see `_Static`); bitwise the same if the kernels
+      need none.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -450,7 +462,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       persistent=persistent, num_ctas=num_ctas, fused_dq=fused_dq,
       tile_fastest=tile_fastest, shared_rows=shared_rows,
       shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
-      opaque_resident=opaque_resident, deferred_dq=deferred_dq)
+      opaque_resident=opaque_resident, deferred_dq=deferred_dq,
+      auto_barriers=auto_barriers)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -464,7 +477,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               shared_rows: bool | None = None, shared_q_rows: bool = False,
               prefetch_stats: bool | None = None,
               opaque_resident: bool | None = None,
-              deferred_dq: bool | None = None):
+              deferred_dq: bool | None = None, auto_barriers: bool = True):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -499,7 +512,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  tile_fastest=tile_fastest, shared_rows=shared_rows,
                  shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
                  opaque_resident=opaque_resident, deferred_dq=deferred_dq,
-                 **tiles)
+                 auto_barriers=auto_barriers, **tiles)
 
 
 def gradients(query, key, value, d_out, stats, dq_config: _Static | None,
@@ -653,11 +666,12 @@ def statics(query, key, *, heavy_first: bool = True,
             tile_fastest: bool = False, shared_rows: bool = False,
             shared_q_rows: bool = False, prefetch_stats: bool = False,
             opaque_resident: bool = False, deferred_dq: bool = False,
-            **tiles):
+            auto_barriers: bool = True, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax),
-                 tile_fastest=bool(tile_fastest))
+                 tile_fastest=bool(tile_fastest),
+                 auto_barriers=bool(auto_barriers))
   dkdv_options = dict(options, prefetch_stats=bool(prefetch_stats),
                       opaque_resident=bool(opaque_resident))
   if fused_dq:
@@ -1003,7 +1017,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
       thread_name="wg",
       kernel_name=_kernel_name(
           static, "".join(("dq_",) * static.fused_dq + static.outputs)),
-      compiler_params=compat.compiler_params(approx_math=True),
+      compiler_params=_compiler_params(static),
   )(*inputs)
   return tuple(results)
 
@@ -1821,7 +1835,7 @@ def launch_dq(query, key, value, d_out, stats, static: _Static, *, plan=None,
       num_threads=consumers + 1,
       thread_name="wg",
       kernel_name=_kernel_name(static, "dq"),
-      compiler_params=compat.compiler_params(approx_math=True),
+      compiler_params=_compiler_params(static),
   )(*inputs)
 
 
@@ -2279,6 +2293,12 @@ def _persistent(static: _Static, num_ctas, *, tiles_per_head: int,
                              num_ctas=persistent_num_ctas(
                                  num_ctas, paired=static.is_causal,
                                  num_tiles=batch * num_heads * tiles_per_head))
+
+
+def _compiler_params(static: _Static):
+  """Both kernels' Mosaic GPU compiler parameters (`_Static.auto_barriers`)."""
+  return compat.compiler_params(
+      approx_math=True, unsafe_no_auto_barriers=not static.auto_barriers)
 
 
 def _kernel_name(static: _Static, outputs: str) -> str:

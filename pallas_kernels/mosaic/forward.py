@@ -277,6 +277,9 @@ class KernelStatic:
   # tokamax's forward takes its turns so. Scheduling only: bitwise the same.
   ring_turns: bool = False
   hw_turns: bool = False
+  # Mosaic GPU's automatic barriers, as `backward._Static.auto_barriers`
+  # (False: `CompilerParams.unsafe_no_auto_barriers`). Off until measured.
+  auto_barriers: bool = True
 
   @property
   def ranged(self) -> bool:
@@ -307,7 +310,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    num_ctas: int | None = None,
                    tile_fastest: bool | None = None,
                    num_consumers: int | None = None, ring_turns: bool = False,
-                   hw_turns: bool = False):
+                   hw_turns: bool = False, auto_barriers: bool = True):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -348,6 +351,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       are the same either way, so the results are bitwise the same.
     ring_turns, hw_turns: how the consumers take turns (see
       `KernelStatic`); not with `overlap_scores`. Bitwise the same.
+    auto_barriers: False compiles without Mosaic GPU's automatic barriers
+      (see `KernelStatic`); bitwise the same if the kernel needs none.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -384,7 +389,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                split_handover=bool(split_handover),
                                overlap_scores=bool(overlap_scores),
                                ring_turns=bool(ring_turns),
-                               hw_turns=bool(hw_turns))
+                               hw_turns=bool(hw_turns),
+                               auto_barriers=bool(auto_barriers))
   if persistent is None:
     persistent = persistent_by_default(
         is_causal=is_causal, head_dim=query.shape[-1], kv_len=key.shape[1],
@@ -527,7 +533,8 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
       num_threads=consumers + 1,
       thread_name="wg",
       kernel_name="mosaic_flash_forward",
-      compiler_params=compat.compiler_params(approx_math=True),
+      compiler_params=compat.compiler_params(
+          approx_math=True, unsafe_no_auto_barriers=not static.auto_barriers),
   )(*inputs)
 
 
