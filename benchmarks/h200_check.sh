@@ -174,11 +174,14 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
         done
       fi ;;
     turn_cost)  # what the fused dQ's fixed order costs (session 13's
-                # diagnostic: the unordered variant's dQ is wrong), d=128
+                # diagnostic: the unordered candidate's dQ is wrong), d=128
                 # full, backward alone, 4k and 16k, three rounds
-      timeout 300 python3 -m benchmarks.fused_turn_cost --seqs 4096 16384 \
-        --head-dim 128 --out "$OUT/h200_fused_turn_cost.json" \
-        > "$LOGS/turn_cost.log" 2>&1; tail -n 8 "$LOGS/turn_cost.log" ;;
+      for seq in 4096 16384; do
+        timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 \
+          --kernels backward_turn_cost --head-dims 128 --causal full --rounds 3 \
+          --out "$OUT/h200_mosaic_turn_cost_$seq.json" > "$LOGS/turn_cost_$seq.log" 2>&1
+        tail -n 8 "$LOGS/turn_cost_$seq.log"
+      done ;;
     prefetch)  # the dK/dV kernel's lse and delta read before its matmuls
       gated_ab prefetch "tests/test_mosaic_backward.py -k prefetched" backward_prefetch ;;
     shared)  # shared K/V rows in the dK/dV kernel (one pass at d=256)

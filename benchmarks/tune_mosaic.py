@@ -20,11 +20,13 @@ causal and non-causal TFLOP/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import statistics
 import sys
 import time
+from unittest import mock
 
 import jax
 
@@ -119,6 +121,17 @@ FORWARD_ONE_STAGE_CANDIDATES = [dict(),
 # dispatch's there, fused from 16k).
 AUTO_BARRIERS_SPACE = dict(auto_barriers=(True, False))
 AUTO_BARRIERS_WIDE_SPACE = dict(AUTO_BARRIERS_SPACE, block_q=(128,))
+# What the fused dQ's fixed order costs (`turn_cost_benchmark`): the fused
+# kernel as shipped, the same without its turn waits (a diagnostic: its dQ
+# is wrong), and the two kernels. cuDNN's backward, one kernel adding dQ in
+# any order, took 2.27 ms at d=128 4k against our two kernels' 2.75 under
+# ncu (results/h200_ncu_4k.md): if the unordered kernel gets near it and
+# the shipped one does not, determinism's order is the lever (e.g. fewer,
+# coarser turns); if neither does, the kernel's steps are.
+TURN_COST_CANDIDATES = [dict(fused_dq=True, persistent=False),
+                        dict(fused_dq=True, persistent=False,
+                             unordered_turns=True),
+                        dict(fused_dq=False, persistent=False)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -193,6 +206,28 @@ def masked_backward_benchmark(cell: common.Cell, blocks: dict):
   return fn, (q, k, v, out, lse, d_out)
 
 
+@contextlib.contextmanager
+def turns_removed():
+  """While a fused backward is traced: its writers' turn waits do nothing,
+  so every writer adds as soon as its pieces are staged (dQ WRONG: the
+  first K/V tile stores where it should add first, and adds race)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  with mock.patch.object(plgpu, "semaphore_wait",
+                         lambda *args, **kwargs: None):
+    yield
+
+
+def turn_cost_benchmark(cell: common.Cell, blocks: dict):
+  """`backward_benchmark`; with `unordered_turns`, compiled (so traced)
+  under `turns_removed`."""
+  blocks = dict(blocks)
+  if not blocks.pop("unordered_turns", False):
+    return backward_benchmark(cell, blocks)
+  fn, args = backward_benchmark(cell, blocks)
+  with turns_removed():
+    return fn.lower(*args).compile(), args
+
+
 def _forward(space, causal=(False, True)):
   return forward_benchmark, space, 1.0, causal
 
@@ -235,6 +270,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_auto_barriers": _forward(AUTO_BARRIERS_SPACE),
            "backward_auto_barriers": _backward(AUTO_BARRIERS_SPACE),
            "backward_auto_barriers_wide": _backward(AUTO_BARRIERS_WIDE_SPACE),
+           "backward_turn_cost": (turn_cost_benchmark,
+                                  TURN_COST_CANDIDATES, 2.5, (False, True)),
            "masked_forward_order": (masked_forward_benchmark,
                                     MASKED_ORDER_SPACE, 1.0, (True,)),
            "masked_backward_order": (masked_backward_benchmark,

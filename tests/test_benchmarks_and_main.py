@@ -163,14 +163,10 @@ def test_mosaic_sweep_times_candidates_in_turn(monkeypatch):
   assert line.startswith("toy seq 1024 d64: {'block_q': 1}")
 
 
-def test_mosaic_sweep_render_refuses_to_overwrite_a_part(tmp_path, capsys):
+def test_mosaic_sweep_render_refuses_to_overwrite_a_part(tmp_path):
   """`--render A B` merges A into B (the last path, a JSON) and B's table;
   with `--out` (a slip made twice) or a non-JSON last path it refuses,
   leaving the parts as they were."""
-  import json
-
-  import pytest
-
   from benchmarks import tune_mosaic
   part = tmp_path / "part.json"
   trial = dict(kernel="forward", head_dim=64, causal=False, block_q=64,

@@ -725,13 +725,13 @@ def test_warp_map_probe_ships_layout_on_gpu():
   assert probe_warp_map.run_one("separate") == "ok"
 
 
-def test_fused_turn_cost_diagnostic_removes_only_the_turn_waits(
+def test_turn_cost_diagnostic_removes_only_the_turn_waits(
     cuda_lowering):
-  """`benchmarks.fused_turn_cost`'s unordered variant is the fused kernel
-  without its turn waits: traced under its patch the module changes (the
-  patch reaches the kernel), and the two-kernel backward does not (it has
-  no turns)."""
-  from benchmarks.fused_turn_cost import turns_removed
+  """`tune_mosaic --kernels backward_turn_cost`'s unordered candidate is
+  the fused kernel without its turn waits: traced under its patch the
+  module changes (the patch reaches the kernel), and the two-kernel
+  backward does not (it has no turns)."""
+  from benchmarks.tune_mosaic import turns_removed
   fused = lambda: _lower(128, False, fused_dq=True, persistent=False)
   two = lambda: _lower(128, False, fused_dq=False, persistent=False)
   shipped, plain = fused(), two()

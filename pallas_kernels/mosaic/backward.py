@@ -92,7 +92,8 @@ from pallas_kernels.mosaic.forward import (
     _CONSUMER_REGISTERS, _PLAN_SCALARS, _PLAN_UNION, _PRODUCER_REGISTERS,
     _SMEM_LIMIT_BYTES, _LOG2E, _SUPPORTED_DTYPES, _SUPPORTED_HEAD_DIMS,
     _SWIZZLE_BYTES, PLAN_WIDTH, _Plan, _causal_mask, _cols, check_layout,
-    check_shared_memory, check_tiles, launch_grid, _read_plan, _rows,
+    check_shared_memory, check_tiles, compiler_params, launch_grid,
+    _read_plan, _rows,
     _variant_mask,
     persistent_num_ctas, persistent_schedule, tile_index)
 from pallas_kernels.triton.delta import row_delta
@@ -1017,7 +1018,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
       thread_name="wg",
       kernel_name=_kernel_name(
           static, "".join(("dq_",) * static.fused_dq + static.outputs)),
-      compiler_params=_compiler_params(static),
+      compiler_params=compiler_params(static),
   )(*inputs)
   return tuple(results)
 
@@ -1835,7 +1836,7 @@ def launch_dq(query, key, value, d_out, stats, static: _Static, *, plan=None,
       num_threads=consumers + 1,
       thread_name="wg",
       kernel_name=_kernel_name(static, "dq"),
-      compiler_params=_compiler_params(static),
+      compiler_params=compiler_params(static),
   )(*inputs)
 
 
@@ -2293,12 +2294,6 @@ def _persistent(static: _Static, num_ctas, *, tiles_per_head: int,
                              num_ctas=persistent_num_ctas(
                                  num_ctas, paired=static.is_causal,
                                  num_tiles=batch * num_heads * tiles_per_head))
-
-
-def _compiler_params(static: _Static):
-  """Both kernels' Mosaic GPU compiler parameters (`_Static.auto_barriers`)."""
-  return compat.compiler_params(
-      approx_math=True, unsafe_no_auto_barriers=not static.auto_barriers)
 
 
 def _kernel_name(static: _Static, outputs: str) -> str:

@@ -533,9 +533,15 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
       num_threads=consumers + 1,
       thread_name="wg",
       kernel_name="mosaic_flash_forward",
-      compiler_params=compat.compiler_params(
-          approx_math=True, unsafe_no_auto_barriers=not static.auto_barriers),
+      compiler_params=compiler_params(static),
   )(*inputs)
+
+
+def compiler_params(static) -> plgpu.CompilerParams:
+  """Mosaic GPU's compiler parameters of every kernel here and in
+  `backward` (both statics carry `auto_barriers`)."""
+  return compat.compiler_params(
+      approx_math=True, unsafe_no_auto_barriers=not static.auto_barriers)
 
 
 def check_layout(query, key, value) -> tuple[int, int]:
