@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests tests_halves mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage auto_barriers turn_cost prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe tests tests_halves mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage auto_barriers turn_cost fused_stalls prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -182,6 +182,12 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
           --out "$OUT/h200_mosaic_turn_cost_$seq.json" > "$LOGS/turn_cost_$seq.log" 2>&1
         tail -n 8 "$LOGS/turn_cost_$seq.log"
       done ;;
+    fused_stalls)  # session 14's two from the fused dQ's stall samples
+                   # (stage_free_on_read, prefetch_lse): bitwise tests,
+                   # then the A/B at d=128 without a mask, three rounds
+      CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab fused_stalls \
+        "tests/test_mosaic_backward.py::test_stage_free_on_read_is_bitwise_the_fused_kernel_on_gpu tests/test_mosaic_backward.py::test_prefetched_lse_is_bitwise_the_default_on_gpu" \
+        backward_fused_stalls --head-dims 128 --causal full --rounds 3 ;;
     prefetch)  # the dK/dV kernel's lse and delta read before its matmuls
       gated_ab prefetch "tests/test_mosaic_backward.py -k prefetched" backward_prefetch ;;
     shared)  # shared K/V rows in the dK/dV kernel (one pass at d=256)

@@ -47,7 +47,7 @@ FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
 BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True),
                     dict(persistent=True, num_ctas=3),
                     dict(persistent=False, tile_fastest=True),
-                    dict(auto_barriers=False))
+                    dict(auto_barriers=False), dict(prefetch_lse=True))
 
 
 def lowers(fn, *shapes) -> str | None:
@@ -70,7 +70,8 @@ def kernels(head_dim: int):
              lambda q, k, v, c=causal, o=options: mosaic_forward(
                  q, k, v, scale=0.1, is_causal=c, **o), (q, kv, kv))
     fused = dict(fused_dq=True, block_q=128 if head_dim == 64 else 64)
-    fused_forms = (fused, dict(fused, auto_barriers=False))
+    fused_forms = (fused, dict(fused, auto_barriers=False),
+                   dict(fused, stage_free_on_read=True, prefetch_lse=True))
     for options in BACKWARD_OPTIONS + (fused_forms if head_dim < 256 else ()):
       yield (f"backward d{head_dim} causal={causal} {options}",
              lambda q, k, v, out, d_out, c=causal, o=options: mosaic_backward(

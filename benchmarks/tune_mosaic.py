@@ -115,6 +115,21 @@ FORWARD_TILE_ORDER_CANDIDATES = [dict(), dict(persistent=False,
 # at 1k-16k; the one stage leaves each K and V load exposed.
 FORWARD_ONE_STAGE_CANDIDATES = [dict(),
                                 dict(block_kv=128, max_concurrent_steps=1)]
+# Session 14's two from the fused dQ's stall samples at d=128 4k: the
+# writer freeing each stage of dQ pieces once read
+# (`backward._Static.stage_free_on_read`), and lse read before the matmuls
+# (`backward._Static.prefetch_lse`), fused, against the two kernels as
+# they are (the default at 4k) and with lse read early too.
+FUSED_STALLS_CANDIDATES = [
+    dict(fused_dq=True, persistent=False),
+    dict(fused_dq=True, persistent=False, stage_free_on_read=True),
+    dict(fused_dq=True, persistent=False, stage_free_on_read=True,
+         prefetch_lse=True),
+    dict(fused_dq=False, persistent=False),
+    dict(fused_dq=False, persistent=False, prefetch_lse=True)]
+# lse read early in the two kernels' dK/dV kernel (`backward._Static.
+# prefetch_lse`), wherever the fused kernel is not the question.
+PREFETCH_LSE_SPACE = dict(prefetch_lse=(False, True), fused_dq=(False,))
 # Mosaic GPU's automatic barriers off (`KernelStatic.auto_barriers`,
 # `backward._Static.auto_barriers`) against the defaults, forward and
 # backward; the backward also at head_dim 64's 128-row Q tiles (the
@@ -269,6 +284,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_one_stage": _forward(FORWARD_ONE_STAGE_CANDIDATES),
            "forward_auto_barriers": _forward(AUTO_BARRIERS_SPACE),
            "backward_auto_barriers": _backward(AUTO_BARRIERS_SPACE),
+           "backward_fused_stalls": _backward(FUSED_STALLS_CANDIDATES),
+           "backward_prefetch_lse": _backward(PREFETCH_LSE_SPACE),
            "backward_auto_barriers_wide": _backward(AUTO_BARRIERS_WIDE_SPACE),
            "backward_turn_cost": (turn_cost_benchmark,
                                   TURN_COST_CANDIDATES, 2.5, (False, True)),

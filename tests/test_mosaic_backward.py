@@ -52,6 +52,7 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
                          "overlap_softmax", "fused_dq", "persistent",
                          "tile_fastest", "prefetch_stats", "opaque_resident",
                          "shared_rows", "deferred_dq", "auto_barriers",
+                         "prefetch_lse", "stage_free_on_read",
                          "num_ctas")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
@@ -204,8 +205,10 @@ def test_mosaic_backward_matches_reference_on_gpu(case, is_causal, dtype):
   check_against_reference(attention, case, dtype, is_causal=is_causal)
 
 
-def _assert_bitwise_either_way(option, head_dim, is_causal, seed, **kwargs):
-  """dq, dk, dv with `option` on equal those with it off, bit for bit."""
+def _assert_bitwise_either_way(option, head_dim, is_causal, seed, *,
+                               runs: int = 1, **kwargs):
+  """dq, dk, dv with `option` on equal those with it off, bit for bit, in
+  each of `runs` runs with it on (a race shows in some runs only)."""
   _require_sm90()
   case = Case(2, 1024, 1536, 8, 2, head_dim)
   q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, seed)
@@ -214,8 +217,11 @@ def _assert_bitwise_either_way(option, head_dim, is_causal, seed, **kwargs):
   run = lambda on: jax.jit(functools.partial(
       mosaic_backward, scale=scale, is_causal=is_causal, **{option: on},
       **kwargs))(q, k, v, out, lse, d_out)
-  for a, b, name in zip(run(True), run(False), ("dq", "dk", "dv")):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  want = run(False)
+  for attempt in range(runs):
+    for a, b, name in zip(run(True), want, ("dq", "dk", "dv")):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                    err_msg=f"{name}, run {attempt}")
 
 
 @pytest.mark.gpu
@@ -309,6 +315,82 @@ def test_tile_fastest_is_bitwise_the_default_on_gpu(head_dim, kwargs,
   shared-rows dK/dV kernel)."""
   _assert_bitwise_either_way("tile_fastest", head_dim, is_causal, 29,
                              persistent=False, fused_dq=False, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (128, {}), (128, dict(deferred_dq=False)), (64, dict(block_q=128)),
+], ids=str)
+def test_stage_free_on_read_is_bitwise_the_fused_kernel_on_gpu(
+    head_dim, kwargs, is_causal):
+  """`stage_free_on_read` frees each stage of dQ pieces once the writer's
+  TMA has read it: dq, dk, dv equal the fused kernel's bit for bit, three
+  runs in a row (pieces overwritten before they were read, or a turn
+  handed on before its adds landed, would not)."""
+  _assert_bitwise_either_way("stage_free_on_read", head_dim, is_causal, 53,
+                             runs=3, fused_dq=True, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (128, dict(fused_dq=True)), (128, dict(fused_dq=False, persistent=False)),
+    (128, dict(overlap_softmax=False, fused_dq=False)),
+    (128, dict(persistent=True, num_ctas=5)),
+    (64, dict(fused_dq=True, block_q=128)), (256, {}),
+], ids=str)
+def test_prefetched_lse_is_bitwise_the_default_on_gpu(head_dim, kwargs,
+                                                      is_causal):
+  """`prefetch_lse` moves the dK/dV kernel's read of lse ahead of its
+  matmuls: the gradients equal the kernels' without it bit for bit, in
+  the fused, plain and (d=256) shared-rows consumers."""
+  _assert_bitwise_either_way("prefetch_lse", head_dim, is_causal, 59,
+                             **kwargs)
+
+
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (128, dict(fused_dq=True)), (128, dict(fused_dq=False)), (256, {}),
+], ids=str)
+def test_prefetched_lse_lowers_and_changes_the_dkdv_kernels(head_dim, kwargs,
+                                                            cuda_lowering):
+  assert (_lower(head_dim, True, prefetch_lse=True, **kwargs)
+          != _lower(head_dim, True, prefetch_lse=False, **kwargs))
+
+
+def test_prefetched_lse_default_follows_its_table(cuda_lowering):
+  """`prefetch_lse=None` reads lse early in the two kernels' dK/dV kernel
+  at head_dim 128 with 64-row Q tiles without a causal mask
+  (`PREFETCH_LSE_TILES`), on either grid; not in the fused kernel, nor
+  elsewhere; never in the dQ kernel."""
+  from pallas_kernels.mosaic import backward
+  q, kv = _structs(head_dim=128)[:2]
+  for is_causal in (False, True):
+    for persistent in (False, True):
+      dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=is_causal,
+                                    persistent=persistent)
+      assert all(config.prefetch_lse != is_causal for config in dkdv)
+      assert not dq.prefetch_lse
+    _, [fused] = backward.configure(q, kv, scale=0.1, is_causal=is_causal,
+                                    fused_dq=True)
+    assert not fused.prefetch_lse
+    assert not backward.prefetch_lse_by_default(
+        head_dim=128, block_q=128, fused_dq=False, is_causal=is_causal)
+  for head_dim in (64, 256):
+    q, kv = _structs(head_dim=head_dim)[:2]
+    _, dkdv = backward.configure(q, kv, scale=0.1, is_causal=False)
+    assert not any(config.prefetch_lse for config in dkdv)
+
+
+def test_stage_free_on_read_lowers_with_the_fused_dq_only(cuda_lowering):
+  """The option changes the fused kernel (either piece schedule) and
+  refuses the two kernels."""
+  for kwargs in (dict(), dict(deferred_dq=False)):
+    assert (_lower(128, False, fused_dq=True, stage_free_on_read=True,
+                   **kwargs)
+            != _lower(128, False, fused_dq=True, **kwargs))
+  with pytest.raises(NotImplementedError, match="fused dQ only"):
+    _lower(128, False, fused_dq=False, stage_free_on_read=True)
 
 
 def test_deferred_dq_lowers_with_the_fused_dq_only(cuda_lowering):
@@ -652,13 +734,13 @@ def test_fused_dq_matches_reference_on_gpu(case, is_causal, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, is_causal, kernels", [
     (64, False, {"dq_dkdv"}), (64, True, {"dq_dkdv"}),
-    (128, False, {"dq_dkdv"}), (128, True, {"dq", "dkdv"}),
+    (128, False, {"dq", "dkdv"}), (128, True, {"dq", "dkdv"}),
 ])
 def test_backward_default_at_long_kv_on_gpu(head_dim, is_causal, kernels):
   """The shipped defaults, no switch turned: `flash_attention` at kv_len
-  16384 runs the fused backward at head_dim 64 and, without a causal mask,
-  at 128 (`FUSED_DQ_MIN_KV_LEN`; there with `opaque_resident` and
-  `deferred_dq`), else the two kernels launched tile-fastest, and its
+  16384 runs the fused backward at head_dim 64 (`FUSED_DQ_MIN_KV_LEN`),
+  else the two kernels launched tile-fastest (at 128 with lse read early,
+  `PREFETCH_LSE_TILES`), and its
   output, LSE and gradients obey the tolerance rule (GQA 2:1, q_len not
   the kv_len)."""
   _require_sm90()

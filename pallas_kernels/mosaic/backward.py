@@ -137,9 +137,13 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # and in three rounds 459 / 476 against 469 / 469
 # (results/h200_mosaic_fused_order.md): d=128 fuses without a causal mask
 # only. d=64's fused kernel stays ahead (415 / 372 against 406 / 355).
+# Session 14: with lse read early (`PREFETCH_LSE_TILES`) the two kernels
+# passed the fused one at d=128 without a mask too, 501 against 473 at 16k
+# and 453 against 429 at 4k (three rounds, results/h200_mosaic_fused_stalls.md),
+# so d=128 no longer fuses by default.
 # Under causal masking only at FUSED_DQ_CAUSAL_HEAD_DIMS. Its GPU tests
 # pass (sessions 8, 11 and 12).
-FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384, 128: 16384}
+FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384}
 FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64,)
 # `mosaic_backward(opaque_resident=None)`: on with the fused dQ at these
 # head dims. At d=128 it took the fused kernel from 397 / 351 to 470 / 458
@@ -193,6 +197,17 @@ SHARED_ROWS_HEAD_DIMS: tuple[int, ...] = (256,)
 # 256 2-10% slower. With head_dim 64's 128-row Q tiles (the dispatch's,
 # `attention.backward_tiles`) the whole fwd+bwd fell to half speed.
 PREFETCH_STATS_TILES: tuple[tuple[int, int], ...] = ((64, 64),)
+# lse alone read early (`mosaic_backward(prefetch_lse=None)`), by
+# (head_dim, block_q), in the two kernels' dK/dV kernel without a causal
+# mask (not the fused one's, whose registers are fuller: there it cost
+# 7-9%). Measured on the H200 (session 14, backward alone, TFLOP/s, off ->
+# on): d=128 without a mask, three rounds in turn
+# (results/h200_mosaic_fused_stalls.md), 424 -> 453 at 4k and 463 -> 501 at
+# 16k; two rounds (results/h200_mosaic_prefetch_lse.md) 378 -> 402 at 1k
+# (persistent grid), 438 -> 457 at 4k, 459 -> 488 at 16k. Under causal
+# masking 305 -> 299, 423 -> 417, 475 -> 482, and at d=256 -3% to +1%:
+# off there.
+PREFETCH_LSE_TILES: tuple[tuple[int, int], ...] = ((128, 64),)
 
 
 def shared_rows_by_default(*, head_dim: int, persistent: bool) -> bool:
@@ -206,6 +221,15 @@ def prefetch_stats_by_default(*, head_dim: int, block_q: int) -> bool:
   """Whether `mosaic_backward(prefetch_stats=None)` reads the dK/dV
   kernel's row statistics before its matmuls."""
   return (head_dim, block_q) in PREFETCH_STATS_TILES
+
+
+def prefetch_lse_by_default(*, head_dim: int, block_q: int, fused_dq: bool,
+                            is_causal: bool) -> bool:
+  """Whether `mosaic_backward(prefetch_lse=None)` reads the dK/dV kernel's
+  lse before its matmuls (two kernels without a causal mask only, where
+  `PREFETCH_LSE_TILES` says)."""
+  return (not (fused_dq or is_causal)
+          and (head_dim, block_q) in PREFETCH_LSE_TILES)
 
 
 def persistent_by_default(*, head_dim: int, kv_len: int,
@@ -284,6 +308,12 @@ class _Static:
   # first FFMAs waiting on the lse load). Costs their registers (16 each
   # at block_q 64) while the matmuls run.
   prefetch_stats: bool = False
+  # dK/dV kernel: read lse alone before the step's wgmmas (delta when dS
+  # needs it), so that the load P's first FFMAs wait on hides behind the
+  # matmuls at half `prefetch_stats`' registers (Nsight Compute, fused dQ
+  # at d=128 4k, session 14: 10% of the consumers' stall samples were P's
+  # FFMAs waiting on that load).
+  prefetch_lse: bool = False
   # dK/dV kernel, plain form: the consumers index their resident K and V
   # rows each step with a zero read from shared memory (the last scratch
   # buffer; shared memory, which the kernel's barriers and copies may write
@@ -304,6 +334,12 @@ class _Static:
   # a consumer then waits for is the other having read the dSᵀ buffer it
   # is about to overwrite (`_FusedDq.ds_read`), a step of slack.
   deferred_dq: bool = False
+  # Fused dQ: the writer frees a stage of dQ pieces as soon as its TMA has
+  # read it, not once the adds have reached global memory (which the turn
+  # hand-on still waits for). A consumer reuses a stage two steps on; with
+  # the stage held until the adds land, consumers stalled on it (Nsight
+  # Compute at d=128 4k, session 14: 9% of their stall samples).
+  stage_free_on_read: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
   # (`forward.persistent_schedule`), so that a tile's start (its resident
   # loads, the ring's fill) overlaps the previous tile's end. Plain form.
@@ -375,6 +411,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     prefetch_stats: bool | None = None,
                     opaque_resident: bool | None = None,
                     deferred_dq: bool | None = None,
+                    prefetch_lse: bool | None = None,
+                    stage_free_on_read: bool = False,
                     auto_barriers: bool = True):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
@@ -440,6 +478,12 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (see `_Static`); the same results either way. Fused dQ only. None:
       where measured faster (`deferred_dq_by_default`: the fused dQ at
       head_dim 128).
+    prefetch_lse: as `prefetch_stats` for lse alone (see `_Static`). None:
+      where measured faster (`prefetch_lse_by_default`: the two kernels at
+      head_dim 128 with 64-row Q tiles, without a causal mask).
+    stage_free_on_read: the fused dQ's writer frees each stage of pieces
+      once read rather than once added (see `_Static`); the same results
+      either way. Fused dQ only.
     auto_barriers: False compiles both kernels without Mosaic GPU's
       automatic barriers (see `_Static`); bitwise the same if the kernels
       need none.
@@ -464,6 +508,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       tile_fastest=tile_fastest, shared_rows=shared_rows,
       shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
       opaque_resident=opaque_resident, deferred_dq=deferred_dq,
+      prefetch_lse=prefetch_lse, stage_free_on_read=stage_free_on_read,
       auto_barriers=auto_barriers)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
@@ -478,7 +523,9 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               shared_rows: bool | None = None, shared_q_rows: bool = False,
               prefetch_stats: bool | None = None,
               opaque_resident: bool | None = None,
-              deferred_dq: bool | None = None, auto_barriers: bool = True):
+              deferred_dq: bool | None = None,
+              prefetch_lse: bool | None = None,
+              stage_free_on_read: bool = False, auto_barriers: bool = True):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -499,6 +546,10 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   if prefetch_stats is None:
     prefetch_stats = prefetch_stats_by_default(head_dim=head_dim,
                                                block_q=block_q)
+  if prefetch_lse is None:
+    prefetch_lse = prefetch_lse_by_default(head_dim=head_dim, block_q=block_q,
+                                           fused_dq=fused_dq,
+                                           is_causal=is_causal)
   if opaque_resident is None:
     opaque_resident = opaque_resident_by_default(head_dim=head_dim,
                                                  fused_dq=fused_dq)
@@ -513,6 +564,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  tile_fastest=tile_fastest, shared_rows=shared_rows,
                  shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
                  opaque_resident=opaque_resident, deferred_dq=deferred_dq,
+                 prefetch_lse=prefetch_lse,
+                 stage_free_on_read=stage_free_on_read,
                  auto_barriers=auto_barriers, **tiles)
 
 
@@ -667,6 +720,7 @@ def statics(query, key, *, heavy_first: bool = True,
             tile_fastest: bool = False, shared_rows: bool = False,
             shared_q_rows: bool = False, prefetch_stats: bool = False,
             opaque_resident: bool = False, deferred_dq: bool = False,
+            prefetch_lse: bool = False, stage_free_on_read: bool = False,
             auto_barriers: bool = True, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
@@ -674,6 +728,7 @@ def statics(query, key, *, heavy_first: bool = True,
                  tile_fastest=bool(tile_fastest),
                  auto_barriers=bool(auto_barriers))
   dkdv_options = dict(options, prefetch_stats=bool(prefetch_stats),
+                      prefetch_lse=bool(prefetch_lse),
                       opaque_resident=bool(opaque_resident))
   if fused_dq:
     if shared_rows or shared_q_rows:
@@ -684,14 +739,16 @@ def statics(query, key, *, heavy_first: bool = True,
           "K/V tiles wait for each other in order")
     if tiles.get("spec") is not None:
       raise NotImplementedError("the ranged backward has no fused dQ")
-    return None, [dataclasses.replace(config, **dkdv_options,
-                                      deferred_dq=bool(deferred_dq))
+    return None, [dataclasses.replace(
+        config, **dkdv_options, deferred_dq=bool(deferred_dq),
+        stage_free_on_read=bool(stage_free_on_read))
                   for config in dkdv_statics(
                       query, key, fused_dq=True,
                       opaque_resident=opaque_resident,
                       deferred_dq=deferred_dq, **tiles)]
-  if deferred_dq:
-    raise NotImplementedError("deferred_dq: the fused dQ only")
+  if deferred_dq or stage_free_on_read:
+    raise NotImplementedError(
+        "deferred_dq and stage_free_on_read: the fused dQ only")
   if opaque_resident and (shared_rows or tiles.get("spec") is not None):
     raise NotImplementedError(
         "opaque_resident: the plain dK/dV consumers only (not shared rows, "
@@ -1320,9 +1377,11 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     if static.prefetch_stats:  # see `_Static.prefetch_stats`
       prefetched = {n: column_stat(n)
                     for n in range(1 + ("dk" in static.outputs))}
+    elif static.prefetch_lse:
+      prefetched = {0: column_stat(0)}
 
     def probabilities(s_t):
-      lse_log2 = prefetched[0] if prefetched else column_stat(0)
+      lse_log2 = prefetched[0] if 0 in prefetched else column_stat(0)
       p_t, slope = _probabilities(s_t, lse_log2, _cols, walk.values, static)
       if masked:
         p_t = jnp.where(tile_mask(q_block, slot), p_t, 0.0)
@@ -1353,7 +1412,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       if name == "dv":
         updates.append((p_t.astype(static.dtype), do_tile))  # dV += Pᵀ dO
       else:
-        delta = prefetched[1] if prefetched else column_stat(1)
+        delta = prefetched[1] if 1 in prefetched else column_stat(1)
         ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, s_t.shape), slope)
         ds_t = ds_t.astype(static.dtype)
         updates.append((ds_t, q_tile))  # dK += dSᵀ Q
@@ -1516,6 +1575,8 @@ def _dkdv_consume_shared(c: int, k_smem, v_smem, q_ring, do_ring, stats_ring,
     lse_log2 = delta = None
     if static.prefetch_stats:  # see `_Static.prefetch_stats`
       lse_log2, delta = column_stats(stats, 0), column_stats(stats, 1)
+    elif static.prefetch_lse:
+      lse_log2 = column_stats(stats, 0)
 
     def probabilities(s_t):
       lse = column_stats(stats, 0) if lse_log2 is None else lse_log2
@@ -1679,6 +1740,16 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
       pl.when(jnp.logical_not(first))(functools.partial(
           plgpu.copy_smem_to_gmem, src, dst, commit_group=last,
           reduction_op="add"))
+    if static.stage_free_on_read:
+      # This step's stage has been read: free it (but for the last step's,
+      # which no consumer waits for; the arrivals match the waits). Then,
+      # once the previous step's adds are in memory, hand its Q tile on.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      pl.when(step < num_steps - 1)(functools.partial(
+          plgpu.barrier_arrive, fused.stage_free.at[parity]))
+      plgpu.wait_smem_to_gmem(1, wait_read_only=False)
+      pl.when(step > 0)(functools.partial(hand_on, handed))
+      return turn
     # All groups but this step's are done: the previous step's adds are
     # in memory, and its stage has been read.
     plgpu.wait_smem_to_gmem(1, wait_read_only=False)
