@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests tests_halves mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage auto_barriers turn_cost fused_stalls prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage auto_barriers turn_cost fused_stalls prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -54,22 +54,24 @@ for step in "$@"; do
   echo "== $step (GPU ${CUDA_VISIBLE_DEVICES:-all}) $(date +%T)"
   case $step in
     tests)  # per-test limit instead of an outer kill (see above)
-      python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} -q -rf --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
-        --durations=15 -p no:benchmark ${GPU_TESTS:-tests/test_gpu.py tests/test_mosaic_*.py} > "$OUT/pytest_gpu.log" 2>&1
+      # -v: every test's outcome by name, so a run cut short still says
+      # which ran (TEST_SHARD: one part of the suite, see tests_shards).
+      python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} -q -rfE --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
+        --durations=15 -p no:benchmark ${TEST_SHARD:+--shard $TEST_SHARD} -v \
+        ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;
-    tests_halves)  # `tests` on a two-GPU host, the suite split by file
-                   # (whole, it outgrew one 10-minute call at -n 8 in
-                   # session 13): backward files on GPU 0 (141 tests),
-                   # the rest on 1 (133); 12 workers each (16 CPU cores a
-                   # GPU; at 8 a half would take about 500 s); logs
-                   # $OUT/gpu0/pytest_gpu.log and $OUT/gpu1/...
-      halves=("tests/test_mosaic_backward.py tests/test_mosaic_masked_backward.py tests/test_mosaic_shared_rows.py tests/test_residual_backward.py tests/test_delta.py"
-              "tests/test_gpu.py tests/test_mosaic_lowering.py tests/test_mosaic_masked.py tests/test_mosaic_fp8.py tests/test_flax_layers.py")
+    tests_shards)  # `tests` on a two-GPU host, a part of the suite on
+                   # each GPU (`pytest --shard I/N`, tests/conftest.py):
+                   # whole, it is ~14 minutes of a two-GPU host (session
+                   # 14: 198 tests in 540 s, 12 workers a GPU), so one call
+                   # runs TEST_SHARDS="0/4 1/4" (the default), the next
+                   # "2/4 3/4"; logs $OUT/gpu0/pytest_gpu.log, $OUT/gpu1/...
+      shards=(${TEST_SHARDS:-0/4 1/4})
       for gpu in 0 1; do
         mkdir -p "$OUT/gpu$gpu"
         CUDA_VISIBLE_DEVICES=$gpu SKIP_INSTALL=1 OUT="$OUT/gpu$gpu" \
-          TEST_WORKERS=${TEST_WORKERS:-12} GPU_TESTS="${halves[$gpu]}" \
-          bash "$0" tests > "$LOGS/tests_gpu$gpu.txt" 2>&1 &
+          TEST_WORKERS=${TEST_WORKERS:-12} GPU_TESTS="${GPU_TESTS:-tests}" \
+          TEST_SHARD=${shards[$gpu]} bash "$0" tests > "$LOGS/tests_gpu$gpu.txt" 2>&1 &
       done
       wait
       tail -n 12 "$LOGS"/tests_gpu0.txt "$LOGS"/tests_gpu1.txt ;;

@@ -11,7 +11,35 @@ compat.filter_known_warnings()
 ON_GPU = compat.has_gpu()
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+      "--shard", default=None, metavar="I/N",
+      help="run only part I of N (0-based) of the selected tests: every N-th "
+           "by node id, from the I-th; the N parts partition the selection "
+           "(the GPU suite outgrew one device call: benchmarks/h200_check.sh "
+           "tests_shards)")
+
+
+def shard_of(nodeids, shard: str) -> set[str]:
+  """The node ids of part `shard` ("I/N") of `nodeids`: every N-th by
+  sorted node id, from the I-th, so that a test's many parametrizations
+  spread over the parts."""
+  try:
+    index, count = (int(n) for n in shard.split("/"))
+  except ValueError:
+    raise pytest.UsageError(f"--shard wants I/N, got {shard!r}") from None
+  if not 0 <= index < count:
+    raise pytest.UsageError(f"--shard {shard!r}: I must be in [0, N)")
+  return set(sorted(nodeids)[index::count])
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items):
+  if shard := config.getoption("--shard"):
+    keep = shard_of([item.nodeid for item in items], shard)
+    config.hook.pytest_deselected(
+        items=[item for item in items if item.nodeid not in keep])
+    items[:] = [item for item in items if item.nodeid in keep]
   if ON_GPU:
     return
   skip = pytest.mark.skip(reason="needs an NVIDIA GPU (jax.default_backend() "

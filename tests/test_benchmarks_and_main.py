@@ -185,19 +185,33 @@ def test_mosaic_sweep_render_refuses_to_overwrite_a_part(tmp_path):
   assert part.read_text() == before
 
 
-def test_gpu_test_halves_cover_every_gpu_test_file():
-  """`h200_check.sh tests_halves` splits the GPU suite between two GPUs:
-  every test file with a GPU test is in exactly one half."""
+def _collected(*args) -> list[str]:
+  """Node ids `pytest --collect-only` selects from tests/ with `args`."""
+  run = subprocess.run(
+      [sys.executable, "-m", "pytest", "--collect-only", "-q",
+       "-p", "no:cacheprovider", "-p", "no:randomly", *args, "tests"],
+      cwd=ROOT, capture_output=True, text=True, check=True)
+  return [line for line in run.stdout.splitlines() if "::" in line]
+
+
+def test_gpu_test_shards_partition_the_gpu_suite():
+  """`pytest --shard I/N` (tests/conftest.py) splits a selection into N
+  disjoint parts that together are all of it, and `h200_check.sh
+  tests_shards`' two calls (its default shards and the ones its comment
+  names for the next call) run every part of the GPU suite."""
   import re
+  from tests.conftest import shard_of
+  gpu = _collected("-m", "gpu")
+  assert len(gpu) > 100
+  parts = [shard_of(gpu, f"{i}/4") for i in range(4)]
+  assert sum(map(len, parts)) == len(gpu) and set().union(*parts) == set(gpu)
+  assert max(map(len, parts)) - min(map(len, parts)) <= 1
+  assert set(_collected("-m", "gpu", "--shard", "1/4")) == parts[1]
   script = (pathlib.Path(ROOT) / "benchmarks" / "h200_check.sh").read_text()
-  block = script[script.index("tests_halves)"):]
+  block = script[script.index("\n    tests_shards)"):]
   block = block[:block.index(";;")]
-  listed = re.findall(r"tests/test_\w+\.py", block)
-  with_gpu = sorted(p.relative_to(ROOT).as_posix()
-                    for p in (pathlib.Path(ROOT) / "tests").glob("test_*.py")
-                    if re.search(r"^(@pytest\.mark\.gpu|pytestmark = "
-                                 r"pytest\.mark\.gpu)", p.read_text(), re.M))
-  assert sorted(listed) == with_gpu
+  named = set(re.findall(r"\b[0-3]/4\b", block))
+  assert named == {"0/4", "1/4", "2/4", "3/4"}
 
 
 def test_roofline_counts_each_tensor_once():
