@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage auto_barriers turn_cost fused_stalls prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage auto_barriers turn_cost fused_stalls early_delta lean prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -44,7 +44,7 @@ gated_ab() {
     timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 \
       --kernels $kernels "$@" --out "$OUT/h200_mosaic_${name}_$seq.json" \
       > "$LOGS/${name}_$seq.log" 2>&1
-    grep "^forward" "$LOGS/${name}_$seq.log"
+    grep -E "^(forward|backward)" "$LOGS/${name}_$seq.log"
   done
 }
 for step in "$@"; do
@@ -190,6 +190,24 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
       CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab fused_stalls \
         "tests/test_mosaic_backward.py::test_stage_free_on_read_is_bitwise_the_fused_kernel_on_gpu tests/test_mosaic_backward.py::test_prefetched_lse_is_bitwise_the_default_on_gpu" \
         backward_fused_stalls --head-dims 128 --causal full --rounds 3 ;;
+    early_delta)  # delta read early in the dK/dV kernel, and the
+                  # consumers at 240 registers (session 14, not yet run on
+                  # a GPU): bitwise tests, then the A/B at d=128 without a
+                  # mask against the default, three rounds
+      CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab early_delta \
+        "tests/test_mosaic_backward.py::test_early_delta_is_bitwise_the_default_on_gpu tests/test_mosaic_backward.py::test_lean_producer_is_bitwise_the_default_on_gpu" \
+        backward_early_delta --head-dims 128 --causal full --rounds 3 ;;
+    lean)  # the consumers at 240 registers elsewhere: d=128 causal, d=256,
+           # d=64's 128-row Q tiles (run early_delta first: its tests)
+      for seq in ${CONSUMERS_SEQS:-16384 4096 1024}; do
+        timeout 200 python3 -m benchmarks.tune_mosaic --seq $seq --budget 170 --rounds 2 \
+          --kernels backward_lean --head-dims 128 256 \
+          --out "$OUT/h200_mosaic_lean_$seq.json" > "$LOGS/lean_$seq.log" 2>&1
+        timeout 120 python3 -m benchmarks.tune_mosaic --seq $seq --budget 100 --rounds 2 \
+          --kernels backward_lean_wide --head-dims 64 \
+          --out "$OUT/h200_mosaic_lean64_$seq.json" > "$LOGS/lean64_$seq.log" 2>&1
+        grep -h "^backward" "$LOGS/lean_$seq.log" "$LOGS/lean64_$seq.log"
+      done ;;
     prefetch)  # the dK/dV kernel's lse and delta read before its matmuls
       gated_ab prefetch "tests/test_mosaic_backward.py -k prefetched" backward_prefetch ;;
     shared)  # shared K/V rows in the dK/dV kernel (one pass at d=256)

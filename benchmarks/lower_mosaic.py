@@ -47,7 +47,9 @@ FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
 BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True),
                     dict(persistent=True, num_ctas=3),
                     dict(persistent=False, tile_fastest=True),
-                    dict(auto_barriers=False), dict(prefetch_lse=True))
+                    dict(auto_barriers=False), dict(prefetch_lse=True),
+                    dict(early_delta=True),
+                    dict(early_delta=True, lean_producer=True, fused_dq=False))
 
 
 def lowers(fn, *shapes) -> str | None:

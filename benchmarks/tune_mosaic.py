@@ -130,6 +130,20 @@ FUSED_STALLS_CANDIDATES = [
 # lse read early in the two kernels' dK/dV kernel (`backward._Static.
 # prefetch_lse`), wherever the fused kernel is not the question.
 PREFETCH_LSE_SPACE = dict(prefetch_lse=(False, True), fused_dq=(False,))
+# delta read early as well (`backward._Static.early_delta`: before P's
+# exponentials; `prefetch_stats`: before the matmuls, with lse), against
+# the default two kernels at d=128 without a mask (lse early).
+# With the consumers at 240 registers and the producer at 24
+# (`lean_producer`), which gives delta (and lse) read early their room.
+DELTA_CANDIDATES = [
+    dict(fused_dq=False), dict(fused_dq=False, early_delta=True),
+    dict(fused_dq=False, lean_producer=True),
+    dict(fused_dq=False, lean_producer=True, early_delta=True),
+    dict(fused_dq=False, prefetch_lse=False, prefetch_stats=True)]
+# `lean_producer` alone, wherever the two kernels run (d=64's 128-row Q
+# tiles: `backward_lean_wide`).
+LEAN_SPACE = dict(lean_producer=(False, True), fused_dq=(False,))
+LEAN_WIDE_SPACE = dict(LEAN_SPACE, block_q=(128,))
 # Mosaic GPU's automatic barriers off (`KernelStatic.auto_barriers`,
 # `backward._Static.auto_barriers`) against the defaults, forward and
 # backward; the backward also at head_dim 64's 128-row Q tiles (the
@@ -286,6 +300,9 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_auto_barriers": _backward(AUTO_BARRIERS_SPACE),
            "backward_fused_stalls": _backward(FUSED_STALLS_CANDIDATES),
            "backward_prefetch_lse": _backward(PREFETCH_LSE_SPACE),
+           "backward_early_delta": _backward(DELTA_CANDIDATES),
+           "backward_lean": _backward(LEAN_SPACE),
+           "backward_lean_wide": _backward(LEAN_WIDE_SPACE),
            "backward_auto_barriers_wide": _backward(AUTO_BARRIERS_WIDE_SPACE),
            "backward_turn_cost": (turn_cost_benchmark,
                                   TURN_COST_CANDIDATES, 2.5, (False, True)),

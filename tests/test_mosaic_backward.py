@@ -52,7 +52,8 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
                          "overlap_softmax", "fused_dq", "persistent",
                          "tile_fastest", "prefetch_stats", "opaque_resident",
                          "shared_rows", "deferred_dq", "auto_barriers",
-                         "prefetch_lse", "stage_free_on_read",
+                         "prefetch_lse", "stage_free_on_read", "early_delta",
+                         "lean_producer",
                          "num_ctas")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
@@ -356,6 +357,68 @@ def test_prefetched_lse_lowers_and_changes_the_dkdv_kernels(head_dim, kwargs,
                                                             cuda_lowering):
   assert (_lower(head_dim, True, prefetch_lse=True, **kwargs)
           != _lower(head_dim, True, prefetch_lse=False, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (128, dict(fused_dq=False, persistent=False)),
+    (128, dict(persistent=True, num_ctas=5)),
+    (128, dict(fused_dq=False, prefetch_lse=False)), (128, dict(fused_dq=True)),
+], ids=str)
+def test_early_delta_is_bitwise_the_default_on_gpu(head_dim, kwargs,
+                                                   is_causal):
+  """`early_delta` moves the dK/dV kernel's read of delta before P's
+  exponentials: the gradients equal the kernels' without it bit for bit,
+  with and without lse read early, two kernels and fused."""
+  _assert_bitwise_either_way("early_delta", head_dim, is_causal, 61,
+                             **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(fused_dq=False), dict(fused_dq=True)],
+                         ids=str)
+def test_early_delta_lowers_and_changes_the_dkdv_kernel(kwargs,
+                                                        cuda_lowering):
+  assert (_lower(128, False, early_delta=True, **kwargs)
+          != _lower(128, False, early_delta=False, **kwargs))
+
+
+LEAN_FORMS = [
+    (128, dict(fused_dq=False, persistent=False)),
+    (128, dict(persistent=True, num_ctas=5)),
+    (128, dict(fused_dq=False, early_delta=True)),
+    (64, dict(block_q=128, fused_dq=False)), (256, {}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, kwargs", LEAN_FORMS, ids=str)
+def test_lean_producer_is_bitwise_the_default_on_gpu(head_dim, kwargs,
+                                                     is_causal):
+  """`lean_producer` moves registers from the producers to the consumers
+  (setmaxnreg): the gradients equal the default's bit for bit, two runs
+  (a register budget that did not add up would hang or corrupt)."""
+  _assert_bitwise_either_way("lean_producer", head_dim, is_causal, 67,
+                             runs=2, **kwargs)
+
+
+@pytest.mark.parametrize("head_dim, kwargs", LEAN_FORMS, ids=str)
+def test_lean_producer_lowers_and_changes_both_kernels(head_dim, kwargs,
+                                                       cuda_lowering):
+  """The option changes both kernels (their register budgets) and refuses
+  the fused dQ, whose four warpgroups have none to spare."""
+  assert (_lower(head_dim, True, lean_producer=True, **kwargs)
+          != _lower(head_dim, True, **kwargs))
+  from pallas_kernels.mosaic import backward
+  assert (2 * backward._LEAN_CONSUMER_REGISTERS
+          + backward._LEAN_PRODUCER_REGISTERS
+          == 2 * backward._CONSUMER_REGISTERS + backward._PRODUCER_REGISTERS)
+
+
+def test_lean_producer_refuses_the_fused_dq(cuda_lowering):
+  with pytest.raises(NotImplementedError, match="two kernels only"):
+    _lower(128, False, fused_dq=True, lean_producer=True)
 
 
 def test_prefetched_lse_default_follows_its_table(cuda_lowering):

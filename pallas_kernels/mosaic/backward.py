@@ -110,6 +110,11 @@ _THREADS_PER_WARPGROUP = 128
 # the producer: 2 * 232 + 24 + 24 = 512 per thread slot (see forward's
 # `_CONSUMER_REGISTERS`). 24 is setmaxnreg's least; both only issue TMA.
 _FUSED_PRODUCER_REGISTERS = 24
+# `_Static.lean_producer`: FlashAttention-3's split of three warpgroups,
+# 2 * 240 + 24 = 504 registers a thread slot, the budget a 384-thread CTA
+# launches with (168 each), as the default 2 * 232 + 40.
+_LEAN_CONSUMER_REGISTERS = 240
+_LEAN_PRODUCER_REGISTERS = 24
 # The persistent grid (`mosaic_backward(persistent=None)`), by head dim: the
 # longest kv_len at which it is the default. Session 6's A/B on the H200
 # (results/h200_mosaic_persistent_backward.md, backward alone, 64 x 64
@@ -314,6 +319,18 @@ class _Static:
   # at d=128 4k, session 14: 10% of the consumers' stall samples were P's
   # FFMAs waiting on that load).
   prefetch_lse: bool = False
+  # dK/dV kernel (plain and fused consumers): read delta as soon as Sᵀ is
+  # ready, before P's exponentials, not after dV's wgmma is issued, so
+  # that its load hides behind them (the fused dQ's stall samples, session
+  # 14: 2% of the consumers' on dS's FADDs waiting for it). Costs its 16
+  # registers (block_q 64) through P.
+  early_delta: bool = False
+  # Both kernels (not the fused dQ, whose four warpgroups have 512 registers
+  # a thread slot shared 232/232/24/24): the producer at 24 registers (it
+  # only issues TMA; it may spill) and the consumers at 240 instead of 40
+  # and 232, so that lse and delta read early (`prefetch_lse`,
+  # `early_delta`) have room.
+  lean_producer: bool = False
   # dK/dV kernel, plain form: the consumers index their resident K and V
   # rows each step with a zero read from shared memory (the last scratch
   # buffer; shared memory, which the kernel's barriers and copies may write
@@ -412,6 +429,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     opaque_resident: bool | None = None,
                     deferred_dq: bool | None = None,
                     prefetch_lse: bool | None = None,
+                    early_delta: bool = False,
+                    lean_producer: bool = False,
                     stage_free_on_read: bool = False,
                     auto_barriers: bool = True):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
@@ -481,6 +500,11 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     prefetch_lse: as `prefetch_stats` for lse alone (see `_Static`). None:
       where measured faster (`prefetch_lse_by_default`: the two kernels at
       head_dim 128 with 64-row Q tiles, without a causal mask).
+    early_delta: the dK/dV kernel reads delta before P's exponentials
+      (see `_Static`); the same results either way.
+    lean_producer: both kernels' producers at 24 registers and consumers
+      at 240 (see `_Static`); the same results either way. Not with
+      `fused_dq`.
     stage_free_on_read: the fused dQ's writer frees each stage of pieces
       once read rather than once added (see `_Static`); the same results
       either way. Fused dQ only.
@@ -508,7 +532,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       tile_fastest=tile_fastest, shared_rows=shared_rows,
       shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
       opaque_resident=opaque_resident, deferred_dq=deferred_dq,
-      prefetch_lse=prefetch_lse, stage_free_on_read=stage_free_on_read,
+      prefetch_lse=prefetch_lse, early_delta=early_delta,
+      lean_producer=lean_producer, stage_free_on_read=stage_free_on_read,
       auto_barriers=auto_barriers)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
@@ -524,8 +549,9 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               prefetch_stats: bool | None = None,
               opaque_resident: bool | None = None,
               deferred_dq: bool | None = None,
-              prefetch_lse: bool | None = None,
-              stage_free_on_read: bool = False, auto_barriers: bool = True):
+              prefetch_lse: bool | None = None, early_delta: bool = False,
+              lean_producer: bool = False, stage_free_on_read: bool = False,
+              auto_barriers: bool = True):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -564,7 +590,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  tile_fastest=tile_fastest, shared_rows=shared_rows,
                  shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
                  opaque_resident=opaque_resident, deferred_dq=deferred_dq,
-                 prefetch_lse=prefetch_lse,
+                 prefetch_lse=prefetch_lse, early_delta=early_delta,
+                 lean_producer=lean_producer,
                  stage_free_on_read=stage_free_on_read,
                  auto_barriers=auto_barriers, **tiles)
 
@@ -720,19 +747,26 @@ def statics(query, key, *, heavy_first: bool = True,
             tile_fastest: bool = False, shared_rows: bool = False,
             shared_q_rows: bool = False, prefetch_stats: bool = False,
             opaque_resident: bool = False, deferred_dq: bool = False,
-            prefetch_lse: bool = False, stage_free_on_read: bool = False,
+            prefetch_lse: bool = False, early_delta: bool = False,
+            lean_producer: bool = False, stage_free_on_read: bool = False,
             auto_barriers: bool = True, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax),
                  tile_fastest=bool(tile_fastest),
+                 lean_producer=bool(lean_producer),
                  auto_barriers=bool(auto_barriers))
   dkdv_options = dict(options, prefetch_stats=bool(prefetch_stats),
                       prefetch_lse=bool(prefetch_lse),
+                      early_delta=bool(early_delta),
                       opaque_resident=bool(opaque_resident))
   if fused_dq:
     if shared_rows or shared_q_rows:
       raise NotImplementedError("the fused dQ has no shared rows")
+    if lean_producer:
+      raise NotImplementedError(
+          "lean_producer: the two kernels only (the fused dQ's four "
+          "warpgroups share their registers otherwise)")
     if persistent or tile_fastest:
       raise NotImplementedError(
           "the fused dQ runs on the launch grid in its own order only: its "
@@ -1126,14 +1160,17 @@ def _each_tile(tile, wg, *, static: _Static, tile_axes, num_tiles, num_heads,
     if consumer:  # the last tile's gradients reach memory
       plgpu.wait_smem_to_gmem(0)
 
+  consumer_registers, producer_registers = (
+      (_LEAN_CONSUMER_REGISTERS, _LEAN_PRODUCER_REGISTERS)
+      if static.lean_producer else (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS))
   pl.when(wg < static.num_consumers)(
-      lambda: run(_CONSUMER_REGISTERS, "increase", True))
+      lambda: run(consumer_registers, "increase", True))
   if static.fused_dq:  # the producer, and the dQ writer after it
     pl.when(wg >= static.num_consumers)(
         lambda: run(_FUSED_PRODUCER_REGISTERS, "decrease", False))
   else:
     pl.when(wg == static.num_consumers)(
-        lambda: run(_PRODUCER_REGISTERS, "decrease", False))
+        lambda: run(producer_registers, "decrease", False))
 
 
 def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
@@ -1380,12 +1417,17 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     elif static.prefetch_lse:
       prefetched = {0: column_stat(0)}
 
+    read_delta_early = (static.early_delta and "dk" in static.outputs
+                        and 1 not in prefetched)
+
     def probabilities(s_t):
+      """(Pᵀ, its slope, delta if `early_delta` reads it here, or None)."""
       lse_log2 = prefetched[0] if 0 in prefetched else column_stat(0)
+      delta = column_stat(1) if read_delta_early else None  # for dS, after P
       p_t, slope = _probabilities(s_t, lse_log2, _cols, walk.values, static)
       if masked:
         p_t = jnp.where(tile_mask(q_block, slot), p_t, 0.0)
-      return p_t, slope
+      return p_t, slope, delta
 
     store_ds = None
     if fused is not None:  # this step's dSᵀ, for every consumer to read
@@ -1398,21 +1440,23 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         ds_smem[...] = ds_t
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
-      (p_t, slope), *dp_t = _wgmma_then(shape, products, probabilities)
+      (p_t, slope, delta), *dp_t = _wgmma_then(shape, products,
+                                               probabilities)
       grads = _dkdv_accumulate_overlapped(
           grads, p_t, dp_t, slope, q_tile, do_tile, stats_ring.at[slot],
           static, store_ds=store_ds,
-          delta=prefetched.get(1))
+          delta=prefetched.get(1, delta))
       plgpu.barrier_arrive(consumed.at[slot])
       return finish(grads, step, offset)
     s_t, *dp_t = _wgmma_fresh(shape, products)
-    p_t, slope = probabilities(s_t)
+    p_t, slope, delta = probabilities(s_t)
     updates = []
     for name in static.outputs:
       if name == "dv":
         updates.append((p_t.astype(static.dtype), do_tile))  # dV += Pᵀ dO
       else:
-        delta = prefetched[1] if 1 in prefetched else column_stat(1)
+        if delta is None:
+          delta = prefetched[1] if 1 in prefetched else column_stat(1)
         ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, s_t.shape), slope)
         ds_t = ds_t.astype(static.dtype)
         updates.append((ds_t, q_tile))  # dK += dSᵀ Q
