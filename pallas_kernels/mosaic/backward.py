@@ -323,13 +323,13 @@ class _Static:
   # ready, before P's exponentials, not after dV's wgmma is issued, so
   # that its load hides behind them (the fused dQ's stall samples, session
   # 14: 2% of the consumers' on dS's FADDs waiting for it). Costs its 16
-  # registers (block_q 64) through P.
+  # registers (block_q 64) through P. Not yet run on a GPU.
   early_delta: bool = False
   # Both kernels (not the fused dQ, whose four warpgroups have 512 registers
   # a thread slot shared 232/232/24/24): the producer at 24 registers (it
-  # only issues TMA; it may spill) and the consumers at 240 instead of 40
+  # only issues TMA; it may spill) and the consumers at 240, instead of 40
   # and 232, so that lse and delta read early (`prefetch_lse`,
-  # `early_delta`) have room.
+  # `early_delta`) have room. Not yet run on a GPU.
   lean_producer: bool = False
   # dK/dV kernel, plain form: the consumers index their resident K and V
   # rows each step with a zero read from shared memory (the last scratch
@@ -355,7 +355,9 @@ class _Static:
   # read it, not once the adds have reached global memory (which the turn
   # hand-on still waits for). A consumer reuses a stage two steps on; with
   # the stage held until the adds land, consumers stalled on it (Nsight
-  # Compute at d=128 4k, session 14: 9% of their stall samples).
+  # Compute at d=128 4k, session 14: 9% of their stall samples). Bitwise
+  # the fused kernel (6 GPU tests, three runs each); measured -5% at 4k
+  # and +3% at 16k (results/h200_mosaic_fused_stalls.md): off.
   stage_free_on_read: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
   # (`forward.persistent_schedule`), so that a tile's start (its resident
@@ -393,7 +395,10 @@ class _Static:
   # `commit_smem` (a fence and a warpgroup barrier) before every TMA store
   # and wgmma that reads what threads wrote, and by mbarriers across
   # warpgroups, so they may not need them: False drops them (tokamax's
-  # kernels run so). Off until its bitwise GPU tests and A/B have run.
+  # kernels run so). Its 22 bitwise GPU tests pass (session 14); the A/B
+  # (results/h200_mosaic_auto_barriers.md, two rounds) moved the backward
+  # by -1.7% to +3.8% per cell, about +1% on average, within a single
+  # A/B's spread: left on, the barriers are not what holds it back.
   auto_barriers: bool = True
 
   @property
