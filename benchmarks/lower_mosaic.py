@@ -73,7 +73,8 @@ def kernels(head_dim: int):
                  q, k, v, scale=0.1, is_causal=c, **o), (q, kv, kv))
     fused = dict(fused_dq=True, block_q=128 if head_dim == 64 else 64)
     fused_forms = (fused, dict(fused, auto_barriers=False),
-                   dict(fused, stage_free_on_read=True, prefetch_lse=True))
+                   dict(fused, stage_free_on_read=True, prefetch_lse=True),
+                   dict(fused, deferred_dq=True, merged_pieces=True))
     for options in BACKWARD_OPTIONS + (fused_forms if head_dim < 256 else ()):
       yield (f"backward d{head_dim} causal={causal} {options}",
              lambda q, k, v, out, d_out, c=causal, o=options: mosaic_backward(

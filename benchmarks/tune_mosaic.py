@@ -140,6 +140,19 @@ DELTA_CANDIDATES = [
     dict(fused_dq=False, lean_producer=True),
     dict(fused_dq=False, lean_producer=True, early_delta=True),
     dict(fused_dq=False, prefetch_lse=False, prefetch_stats=True)]
+# The fused dQ's piece issued with the next step's dV and dK
+# (`backward._Static.merged_pieces`) against the fused kernel without it
+# and the two kernels (the default at d=128); at d=64's 128-row Q tiles
+# (`backward_merged_wide`) against the fused kernel as shipped there (not
+# deferred) and deferred.
+MERGED_CANDIDATES = [
+    dict(fused_dq=True, persistent=False),
+    dict(fused_dq=True, persistent=False, merged_pieces=True),
+    dict(fused_dq=False, persistent=False)]
+MERGED_WIDE_CANDIDATES = [
+    dict(fused_dq=True, block_q=128),
+    dict(fused_dq=True, block_q=128, deferred_dq=True),
+    dict(fused_dq=True, block_q=128, deferred_dq=True, merged_pieces=True)]
 # `lean_producer` alone, wherever the two kernels run (d=64's 128-row Q
 # tiles: `backward_lean_wide`).
 LEAN_SPACE = dict(lean_producer=(False, True), fused_dq=(False,))
@@ -302,6 +315,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_prefetch_lse": _backward(PREFETCH_LSE_SPACE),
            "backward_early_delta": _backward(DELTA_CANDIDATES),
            "backward_lean": _backward(LEAN_SPACE),
+           "backward_merged": _backward(MERGED_CANDIDATES),
+           "backward_merged_wide": _backward(MERGED_WIDE_CANDIDATES),
            "backward_lean_wide": _backward(LEAN_WIDE_SPACE),
            "backward_auto_barriers_wide": _backward(AUTO_BARRIERS_WIDE_SPACE),
            "backward_turn_cost": (turn_cost_benchmark,

@@ -53,7 +53,7 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
                          "tile_fastest", "prefetch_stats", "opaque_resident",
                          "shared_rows", "deferred_dq", "auto_barriers",
                          "prefetch_lse", "stage_free_on_read", "early_delta",
-                         "lean_producer",
+                         "lean_producer", "merged_pieces",
                          "num_ctas")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
@@ -381,6 +381,41 @@ def test_early_delta_lowers_and_changes_the_dkdv_kernel(kwargs,
                                                         cuda_lowering):
   assert (_lower(128, False, early_delta=True, **kwargs)
           != _lower(128, False, early_delta=False, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (128, {}), (64, dict(block_q=128)),
+], ids=str)
+def test_merged_pieces_are_bitwise_the_deferred_kernel_on_gpu(
+    head_dim, kwargs, is_causal):
+  """`merged_pieces` issues each step's dQ piece with the next step's dV
+  and dK, from a column slice chosen by the consumer's index: dq, dk, dv
+  equal the deferred fused kernel's bit for bit, three runs (a piece from
+  the wrong slice, a dSᵀ read before it was stored, or a stage
+  overwritten before the writer read it would not)."""
+  _assert_bitwise_either_way("merged_pieces", head_dim, is_causal, 71,
+                             runs=3, fused_dq=True, deferred_dq=True,
+                             **kwargs)
+
+
+def test_merged_pieces_lower_where_each_consumer_has_one_piece(
+    lowering_semantics):
+  """The option changes the deferred fused kernel at d=128 and at d=64's
+  128-row Q tiles (one dQ piece a consumer), in both lowering semantics,
+  and refuses the rest."""
+  for head_dim, block_q in ((128, 64), (64, 128)):
+    fused = dict(fused_dq=True, deferred_dq=True, block_q=block_q)
+    assert (_lower(head_dim, True, merged_pieces=True, **fused)
+            != _lower(head_dim, True, **fused))
+  for kwargs, match in ((dict(fused_dq=True, deferred_dq=False), "deferred"),
+                        (dict(fused_dq=True, overlap_softmax=False),
+                         "overlap_softmax"),
+                        (dict(fused_dq=True, block_q=128), "one dQ piece"),
+                        (dict(fused_dq=False), "fused dQ only")):
+    with pytest.raises(NotImplementedError, match=match):
+      _lower(128, False, merged_pieces=True, **kwargs)
 
 
 LEAN_FORMS = [

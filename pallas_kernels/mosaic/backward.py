@@ -359,6 +359,13 @@ class _Static:
   # the fused kernel (6 GPU tests, three runs each); measured -5% at 4k
   # and +3% at 16k (results/h200_mosaic_fused_stalls.md): off.
   stage_free_on_read: bool = False
+  # Fused dQ, deferred, one dQ piece a consumer: step s - 1's piece is
+  # issued in the same wgmma group as step s's dV and dK, one wait for all
+  # three, instead of issued and waited for on its own after them (the
+  # fused kernel's stall samples, session 14: 6% of the consumers' on that
+  # wait, 6% more on dV/dK's); the tensor cores then have 768 clocks queued
+  # a consumer step. Not yet run on a GPU.
+  merged_pieces: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
   # (`forward.persistent_schedule`), so that a tile's start (its resident
   # loads, the ring's fill) overlaps the previous tile's end. Plain form.
@@ -437,6 +444,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     early_delta: bool = False,
                     lean_producer: bool = False,
                     stage_free_on_read: bool = False,
+                    merged_pieces: bool = False,
                     auto_barriers: bool = True):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
@@ -513,6 +521,9 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     stage_free_on_read: the fused dQ's writer frees each stage of pieces
       once read rather than once added (see `_Static`); the same results
       either way. Fused dQ only.
+    merged_pieces: the fused dQ issues each step's dQ piece with the next
+      step's dV and dK (see `_Static`); the same results either way. With
+      `deferred_dq` and one piece a consumer only.
     auto_barriers: False compiles both kernels without Mosaic GPU's
       automatic barriers (see `_Static`); bitwise the same if the kernels
       need none.
@@ -539,7 +550,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       opaque_resident=opaque_resident, deferred_dq=deferred_dq,
       prefetch_lse=prefetch_lse, early_delta=early_delta,
       lean_producer=lean_producer, stage_free_on_read=stage_free_on_read,
-      auto_barriers=auto_barriers)
+      merged_pieces=merged_pieces, auto_barriers=auto_barriers)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -556,7 +567,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               deferred_dq: bool | None = None,
               prefetch_lse: bool | None = None, early_delta: bool = False,
               lean_producer: bool = False, stage_free_on_read: bool = False,
-              auto_barriers: bool = True):
+              merged_pieces: bool = False, auto_barriers: bool = True):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -598,6 +609,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  prefetch_lse=prefetch_lse, early_delta=early_delta,
                  lean_producer=lean_producer,
                  stage_free_on_read=stage_free_on_read,
+                 merged_pieces=merged_pieces,
                  auto_barriers=auto_barriers, **tiles)
 
 
@@ -754,7 +766,8 @@ def statics(query, key, *, heavy_first: bool = True,
             opaque_resident: bool = False, deferred_dq: bool = False,
             prefetch_lse: bool = False, early_delta: bool = False,
             lean_producer: bool = False, stage_free_on_read: bool = False,
-            auto_barriers: bool = True, **tiles):
+            merged_pieces: bool = False, auto_barriers: bool = True,
+            **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax),
@@ -778,16 +791,25 @@ def statics(query, key, *, heavy_first: bool = True,
           "K/V tiles wait for each other in order")
     if tiles.get("spec") is not None:
       raise NotImplementedError("the ranged backward has no fused dQ")
+    if merged_pieces and not (deferred_dq and overlap_softmax):
+      raise NotImplementedError(
+          "merged_pieces: with deferred_dq and overlap_softmax only")
+    if merged_pieces and (_dq_pieces(tiles["block_q"], query.shape[-1])
+                          != _MAX_CONSUMERS):
+      raise NotImplementedError(
+          "merged_pieces: one dQ piece a consumer only")
     return None, [dataclasses.replace(
         config, **dkdv_options, deferred_dq=bool(deferred_dq),
-        stage_free_on_read=bool(stage_free_on_read))
+        stage_free_on_read=bool(stage_free_on_read),
+        merged_pieces=bool(merged_pieces))
                   for config in dkdv_statics(
                       query, key, fused_dq=True,
                       opaque_resident=opaque_resident,
                       deferred_dq=deferred_dq, **tiles)]
-  if deferred_dq or stage_free_on_read:
+  if deferred_dq or stage_free_on_read or merged_pieces:
     raise NotImplementedError(
-        "deferred_dq and stage_free_on_read: the fused dQ only")
+        "deferred_dq, stage_free_on_read and merged_pieces: the fused dQ "
+        "only")
   if opaque_resident and (shared_rows or tiles.get("spec") is not None):
     raise NotImplementedError(
         "opaque_resident: the plain dK/dV consumers only (not shared rows, "
@@ -1447,11 +1469,19 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     if static.overlap_softmax:
       (p_t, slope, delta), *dp_t = _wgmma_then(shape, products,
                                                probabilities)
+      piece = None
+      if fused is not None and static.merged_pieces:
+        piece = functools.partial(_issue_merged_piece, fused, wg, step=step,
+                                  static=static, offset=offset)
       grads = _dkdv_accumulate_overlapped(
           grads, p_t, dp_t, slope, q_tile, do_tile, stats_ring.at[slot],
           static, store_ds=store_ds,
-          delta=prefetched.get(1, delta))
+          delta=prefetched.get(1, delta), piece=piece)
       plgpu.barrier_arrive(consumed.at[slot])
+      if piece is not None:
+        *grads, piece_value = grads
+        _stage_merged_piece(fused, wg, piece_value, step=step)
+        return tuple(grads)
       return finish(grads, step, offset)
     s_t, *dp_t = _wgmma_fresh(shape, products)
     p_t, slope, delta = probabilities(s_t)
@@ -1757,6 +1787,53 @@ def _stage_dq_pieces(fused: _FusedDq, wg, *, step, static: _Static,
     plgpu.barrier_arrive(fused.ds_read.at[parity])
 
 
+def _merged_piece_slices(wg, static: _Static):
+  """Consumer wg's one piece (`_Static.merged_pieces`): its number (= wg)
+  and its rows and columns of the dQ tile, as slices."""
+  row, col = lax.div(wg, pl.cdiv(static.head_dim, _DQ_PIECE)), lax.rem(
+      wg, pl.cdiv(static.head_dim, _DQ_PIECE))
+  return (pl.ds(row * _DQ_PIECE, _DQ_PIECE), pl.ds(col * _DQ_PIECE, _DQ_PIECE))
+
+
+def _issue_merged_piece(fused: _FusedDq, wg, acc_ref, *, step,
+                        static: _Static, offset=0):
+  """Issues consumer wg's piece of the CTA's dS K for step - 1 into
+  `acc_ref`, once every consumer stored its dSᵀ of step - 1 and the writer
+  freed that stage (`_Static.merged_pieces`). At step 0 it computes from a
+  dSᵀ buffer no one stored (nothing waited for, the result is staged
+  where no one reads it, see `_stage_merged_piece`), so that the wgmma
+  group has the same shape every step."""
+  parity = lax.rem(step + 1, 2)  # step - 1's, for step >= 0
+  pl.when(step >= 1)(functools.partial(plgpu.barrier_wait,
+                                       fused.ds_stored.at[parity]))
+  # The writer has read this stage's pieces of step - 3.
+  pl.when(step >= 3)(functools.partial(plgpu.barrier_wait,
+                                       fused.stage_free.at[parity]))
+  rows, cols = _merged_piece_slices(wg, static)
+  ds = fused.ds.at[parity]
+  for k in range(static.num_consumers):
+    plgpu.wgmma(acc_ref, ds.at[k, :, rows].transpose((1, 0)),
+                fused.k.at[k + offset, :, cols])
+
+
+def _stage_merged_piece(fused: _FusedDq, wg, value, *, step):
+  """After the step's wgmmas (`_Static.merged_pieces`): stages consumer
+  wg's piece of step - 1 for the writer and says that this consumer's dSᵀ
+  of `step` is stored and its piece of step - 1 is staged and done with
+  that step's dSᵀ. At step 0 the piece is garbage and lands in the stage of
+  parity 1, which the writer reads only once step 1's pieces are staged
+  there (at step 2)."""
+  parity = lax.rem(step + 1, 2)
+  fused.stage.at[parity][wg] = value
+  plgpu.commit_smem()  # this dSᵀ for every consumer's wgmma, the piece for TMA
+  plgpu.barrier_arrive(fused.ds_stored.at[lax.rem(step, 2)])
+
+  @pl.when(step >= 1)
+  def _():
+    plgpu.barrier_arrive(fused.staged.at[parity])
+    plgpu.barrier_arrive(fused.ds_read.at[parity])
+
+
 def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
               static: _Static):
   """The dQ writer of K/V tile `order`: for each step, once the consumers
@@ -1816,14 +1893,22 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
 
 def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
                                 stats, static: _Static, store_ds=None,
-                                delta=None):
+                                delta=None, piece=None):
   """`grads` (in `static.outputs` order) plus this step's dV += Pᵀ dO and
   dK += dSᵀ Q, with dV's wgmma issued first, so that dS is computed while
   it runs. `dp_t` is [dPᵀ] when dK is an output, else []; `stats` is the
   step's [2, block_q] (lse, delta) slot, whose delta is read here unless
   given (`delta`, prefetched); `store_ds` (fused dQ) takes dSᵀ while
-  dK's wgmma runs."""
-  def issue(grad_refs):
+  dK's wgmma runs. `piece(acc_ref)` (`_Static.merged_pieces`) issues a
+  [_DQ_PIECE, _DQ_PIECE] product after them, into a fresh accumulator
+  returned after the gradients, all waited for at once."""
+  accs = [plgpu.ACC.init(grad) for grad in grads]
+  if piece is not None:
+    accs.append(plgpu.ACC.init(plgpu.layout_cast(
+        jnp.zeros((_DQ_PIECE, _DQ_PIECE), jnp.float32), plgpu.Layout.WGMMA)))
+
+  def issue(acc_refs):
+    grad_refs = acc_refs[:len(grads)]
     named = dict(zip(static.outputs, grad_refs))
     if "dv" in named:
       plgpu.wgmma(named["dv"], p_t.astype(static.dtype), do_tile)
@@ -1836,8 +1921,10 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
       plgpu.wgmma(named["dk"], ds_t, q_tile)
       if store_ds is not None:
         store_ds(ds_t)
+    if piece is not None:
+      piece(acc_refs[-1])
 
-  return pl.run_state(issue)(tuple(plgpu.ACC.init(grad) for grad in grads))
+  return pl.run_state(issue)(tuple(accs))
 
 
 def _dkdv_causal_runs(kv_start, first, static: _Static):
