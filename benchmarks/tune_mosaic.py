@@ -148,6 +148,8 @@ DELTA_CANDIDATES = [
 MERGED_CANDIDATES = [
     dict(fused_dq=True, persistent=False),
     dict(fused_dq=True, persistent=False, merged_pieces=True),
+    dict(fused_dq=True, persistent=False, merged_pieces=True,
+         stage_free_on_read=True),
     dict(fused_dq=False, persistent=False)]
 MERGED_WIDE_CANDIDATES = [
     dict(fused_dq=True, block_q=128),

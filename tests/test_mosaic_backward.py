@@ -386,7 +386,7 @@ def test_early_delta_lowers_and_changes_the_dkdv_kernel(kwargs,
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim, kwargs", [
-    (128, {}), (64, dict(block_q=128)),
+    (128, {}), (64, dict(block_q=128)), (128, dict(stage_free_on_read=True)),
 ], ids=str)
 def test_merged_pieces_are_bitwise_the_deferred_kernel_on_gpu(
     head_dim, kwargs, is_causal):
