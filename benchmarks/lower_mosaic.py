@@ -43,7 +43,10 @@ FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
                    dict(num_consumers=2), dict(num_consumers=2, ring_turns=True),
                    dict(hw_turns=True), dict(hw_turns=True, persistent=False),
                    dict(auto_barriers=False),
-                   dict(auto_barriers=False, persistent=False))
+                   dict(auto_barriers=False, persistent=False),
+                   dict(lean_producer=True, num_consumers=2),
+                   dict(lean_producer=True, num_consumers=2, persistent=False,
+                        overlap_scores=True))
 BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True),
                     dict(persistent=True, num_ctas=3),
                     dict(persistent=False, tile_fastest=True),

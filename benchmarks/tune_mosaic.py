@@ -159,6 +159,13 @@ MERGED_WIDE_CANDIDATES = [
 # tiles: `backward_lean_wide`).
 LEAN_SPACE = dict(lean_producer=(False, True), fused_dq=(False,))
 LEAN_WIDE_SPACE = dict(LEAN_SPACE, block_q=(128,))
+# The forward's consumers at 240 registers (`KernelStatic.lean_producer`),
+# and with them the intra-warpgroup overlap (`overlap_scores`, launch grid),
+# which holds the next step's S as well, against the default.
+FORWARD_LEAN_CANDIDATES = [
+    dict(), dict(lean_producer=True),
+    dict(persistent=False, overlap_scores=True),
+    dict(persistent=False, overlap_scores=True, lean_producer=True)]
 # Mosaic GPU's automatic barriers off (`KernelStatic.auto_barriers`,
 # `backward._Static.auto_barriers`) against the defaults, forward and
 # backward; the backward also at head_dim 64's 128-row Q tiles (the
@@ -317,6 +324,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_prefetch_lse": _backward(PREFETCH_LSE_SPACE),
            "backward_early_delta": _backward(DELTA_CANDIDATES),
            "backward_lean": _backward(LEAN_SPACE),
+           "forward_lean": _forward(FORWARD_LEAN_CANDIDATES),
            "backward_merged": _backward(MERGED_CANDIDATES),
            "backward_merged_wide": _backward(MERGED_WIDE_CANDIDATES),
            "backward_lean_wide": _backward(LEAN_WIDE_SPACE),

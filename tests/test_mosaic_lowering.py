@@ -335,6 +335,33 @@ def test_auto_barriers_off_forward_is_bitwise_on_gpu(head_dim, is_causal,
                                     err_msg=f"run {attempt}")
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_lean_producer_lowers_and_changes_the_forward(head_dim,
+                                                      cuda_lowering):
+  """`lean_producer` (consumers at 240 registers, the producer at 24)
+  lowers on either grid and is another kernel; three consumers refuse it
+  (their budget is 3 * 160 + 32)."""
+  for persistent in (False, True):
+    text = lambda **kw: _lower(head_dim, False, persistent=persistent, **kw)
+    assert text(lean_producer=True) != text()
+  with pytest.raises(NotImplementedError, match="lean_producer"):
+    _lower(64, False, num_consumers=3, lean_producer=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_lean_producer_forward_is_bitwise_on_gpu(head_dim, is_causal,
+                                                 persistent):
+  """With the consumers at 240 registers out and lse equal the default's
+  bit for bit (a register budget that did not add up would hang)."""
+  run = _forward_runner(head_dim, is_causal, seed=59)
+  want = run(persistent=persistent)
+  for a, b in zip(run(persistent=persistent, lean_producer=True), want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, kv_len", [(128, 16384), (256, 8192)])
 def test_causal_forward_default_at_long_kv_on_gpu(head_dim, kv_len):

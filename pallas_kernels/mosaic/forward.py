@@ -100,6 +100,16 @@ _PRODUCER_REGISTERS = 40
 # (64) and P (32 in 16 bits).
 _REGISTERS_BY_CONSUMERS = {2: (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS),
                            3: (160, 32)}
+# `KernelStatic.lean_producer`, two consumers: FlashAttention-3's split,
+# 2 * 240 + 24 = 504 as well.
+_LEAN_REGISTERS = (240, 24)
+
+
+def _registers(static: "KernelStatic") -> tuple[int, int]:
+  """(consumer, producer) registers a thread after setmaxnreg."""
+  if static.lean_producer:
+    return _LEAN_REGISTERS
+  return _REGISTERS_BY_CONSUMERS[static.num_consumers]
 # `mosaic_forward(num_consumers=None)` runs three consumers at these head
 # dims (`consumers_by_default`). Session 9's A/B on the H200, the forward
 # alone, full / causal (results/h200_mosaic_consumers.md): head_dim 64 at
@@ -282,6 +292,11 @@ class KernelStatic:
   # 14 (results/h200_mosaic_auto_barriers.md): d=128 -4% / -2% at 4k
   # without them (full / causal), d=256 0% / -1%: left on.
   auto_barriers: bool = True
+  # Two consumers at 240 registers and the producer at 24 (FlashAttention-
+  # 3's split) instead of 232 and 40: room for O, S and the softmax at
+  # head_dim 256 (128 + 32 f32 registers before P). Scheduling only:
+  # bitwise the same. Not yet run on a GPU.
+  lean_producer: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -312,7 +327,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    num_ctas: int | None = None,
                    tile_fastest: bool | None = None,
                    num_consumers: int | None = None, ring_turns: bool = False,
-                   hw_turns: bool = False, auto_barriers: bool = True):
+                   hw_turns: bool = False, auto_barriers: bool = True,
+                   lean_producer: bool = False):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -355,6 +371,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       `KernelStatic`); not with `overlap_scores`. Bitwise the same.
     auto_barriers: False compiles without Mosaic GPU's automatic barriers
       (see `KernelStatic`); bitwise the same if the kernel needs none.
+    lean_producer: the consumers at 240 registers, the producer at 24
+      (see `KernelStatic`); two consumers only. Bitwise the same.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -378,6 +396,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if num_consumers != NUM_CONSUMERS and overlap_scores:
     raise NotImplementedError(
         f"overlap_scores runs {NUM_CONSUMERS} consumers, not {num_consumers}")
+  if lean_producer and num_consumers != NUM_CONSUMERS:
+    raise NotImplementedError(
+        f"lean_producer: {NUM_CONSUMERS} consumers, not {num_consumers}")
   if (ring_turns or hw_turns) and overlap_scores:
     raise NotImplementedError(
         "overlap_scores takes its own turns: no ring_turns or hw_turns")
@@ -392,7 +413,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                overlap_scores=bool(overlap_scores),
                                ring_turns=bool(ring_turns),
                                hw_turns=bool(hw_turns),
-                               auto_barriers=bool(auto_barriers))
+                               auto_barriers=bool(auto_barriers),
+                               lean_producer=bool(lean_producer))
   if persistent is None:
     persistent = persistent_by_default(
         is_causal=is_causal, head_dim=query.shape[-1], kv_len=key.shape[1],
@@ -757,8 +779,7 @@ def _forward_kernel(*refs, static: KernelStatic):
     segment_refs = _SegmentRefs(inputs[4].at[batch], inputs[5].at[batch],
                                 *scratch[12:16])
 
-  consumer_registers, producer_registers = _REGISTERS_BY_CONSUMERS[
-      static.num_consumers]
+  consumer_registers, producer_registers = _registers(static)
 
   @pl.when(wg < static.num_consumers)
   def _consumer():
@@ -892,8 +913,7 @@ def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
   tiles = persistent_tiles(q_ref.shape, static, lax.axis_index("cta"))
   wg = lax.axis_index("wg")
 
-  consumer_registers, producer_registers = _REGISTERS_BY_CONSUMERS[
-      static.num_consumers]
+  consumer_registers, producer_registers = _registers(static)
 
   @pl.when(wg < static.num_consumers)
   def _consumer():
