@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage auto_barriers turn_cost fused_stalls early_delta lean merged forward_lean prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage auto_barriers turn_cost fused_stalls early_delta lean merged forward_lean prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -60,6 +60,18 @@ for step in "$@"; do
         --durations=15 -p no:benchmark ${TEST_SHARD:+--shard $TEST_SHARD} -v \
         ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;
+    pair)  # two lists of steps side by side on a two-GPU host: GPU0_STEPS
+           # on GPU 0 and GPU1_STEPS on GPU 1 (each with its own OUT,
+           # $OUT/gpu0 and $OUT/gpu1, and logs), e.g. GPU0_STEPS=early_delta
+           # GPU1_STEPS=merged
+      for gpu in 0 1; do
+        steps_var=GPU${gpu}_STEPS
+        mkdir -p "$OUT/gpu$gpu"
+        CUDA_VISIBLE_DEVICES=$gpu SKIP_INSTALL=1 OUT="$OUT/gpu$gpu" \
+          bash "$0" ${!steps_var:-} > "$OUT/gpu$gpu/steps.log" 2>&1 &
+      done
+      wait
+      tail -n 30 "$OUT"/gpu0/steps.log "$OUT"/gpu1/steps.log ;;
     tests_shards)  # `tests` on a two-GPU host, a part of the suite on
                    # each GPU (`pytest --shard I/N`, tests/conftest.py):
                    # whole, it is ~14 minutes of a two-GPU host (session
@@ -356,5 +368,6 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
       wait
       python3 -m benchmarks.run_grid --include "$OUT/grid_full.json" "$OUT/grid_causal.json" \
         --time-budget 0 --no-render --out "$OUT/h200.json" 2>&1 | tail -n 45 ;;
+    *) echo "unknown step: $step (see the STEPs at the top)" ;;
   esac
 done
