@@ -38,7 +38,7 @@ gated_ab() {
     -p no:benchmark $tests > "$OUT/pytest_$name.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_$name.log" | tail -15
   if grep -qE "failed|error" "$OUT/pytest_$name.log"; then
-    echo "$name: tests failed, no A/B"; return
+    echo "$name: tests failed, no A/B"; return 1
   fi
   for seq in ${CONSUMERS_SEQS:-16384 4096 1024}; do
     timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 \
@@ -56,14 +56,15 @@ for step in "$@"; do
     tests)  # per-test limit instead of an outer kill (see above)
       # -v: every test's outcome by name, so a run cut short still says
       # which ran (TEST_SHARD: one part of the suite, see tests_shards).
-      python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} -q -rfE --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
+      python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} -rfE --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
         --durations=15 -p no:benchmark ${TEST_SHARD:+--shard $TEST_SHARD} -v \
         ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;
     pair)  # two lists of steps side by side on a two-GPU host: GPU0_STEPS
-           # on GPU 0 and GPU1_STEPS on GPU 1 (each with its own OUT,
-           # $OUT/gpu0 and $OUT/gpu1, and logs), e.g. GPU0_STEPS=early_delta
-           # GPU1_STEPS=merged
+           # on GPU 0 and GPU1_STEPS on GPU 1 (each with its own OUT and
+           # logs), e.g. GPU0_STEPS=early_delta GPU1_STEPS=merged; each
+           # GPU's files come back as one archive, $OUT/gpu0.tgz and
+           # $OUT/gpu1.tgz (at most 8 files come back from $OUT)
       for gpu in 0 1; do
         steps_var=GPU${gpu}_STEPS
         mkdir -p "$OUT/gpu$gpu"
@@ -71,7 +72,10 @@ for step in "$@"; do
           bash "$0" ${!steps_var:-} > "$OUT/gpu$gpu/steps.log" 2>&1 &
       done
       wait
-      tail -n 30 "$OUT"/gpu0/steps.log "$OUT"/gpu1/steps.log ;;
+      tail -n 30 "$OUT"/gpu0/steps.log "$OUT"/gpu1/steps.log
+      for gpu in 0 1; do
+        tar czf "$OUT/gpu$gpu.tgz" -C "$OUT" "gpu$gpu" && rm -rf "${OUT:?}/gpu$gpu"
+      done ;;
     tests_shards)  # `tests` on a two-GPU host, a part of the suite on
                    # each GPU (`pytest --shard I/N`, tests/conftest.py):
                    # whole, it is ~14 minutes of a two-GPU host (session
@@ -80,6 +84,7 @@ for step in "$@"; do
                    # "2/4 3/4"; logs $OUT/gpu0/pytest_gpu.log, $OUT/gpu1/...
       shards=(${TEST_SHARDS:-0/4 1/4})
       for gpu in 0 1; do
+        [ -n "${shards[$gpu]:-}" ] || continue  # one shard: GPU 0 alone
         mkdir -p "$OUT/gpu$gpu"
         CUDA_VISIBLE_DEVICES=$gpu SKIP_INSTALL=1 OUT="$OUT/gpu$gpu" \
           TEST_WORKERS=${TEST_WORKERS:-12} GPU_TESTS="${GPU_TESTS:-tests}" \
@@ -215,11 +220,11 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
              # kernels) and at d=64's 128-row tiles, three rounds
       CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab merged \
         tests/test_mosaic_backward.py::test_merged_pieces_are_bitwise_the_deferred_kernel_on_gpu \
-        backward_merged --head-dims 128 --causal full --rounds 3
-      timeout 150 python3 -m benchmarks.tune_mosaic --seq 16384 --budget 120 --rounds 3 \
-        --kernels backward_merged_wide --head-dims 64 \
-        --out "$OUT/h200_mosaic_merged64_16384.json" > "$LOGS/merged64.log" 2>&1
-      grep "^backward" "$LOGS/merged64.log" ;;
+        backward_merged --head-dims 128 --causal full --rounds 3 \
+        && timeout 150 python3 -m benchmarks.tune_mosaic --seq 16384 --budget 120 --rounds 3 \
+          --kernels backward_merged_wide --head-dims 64 \
+          --out "$OUT/h200_mosaic_merged64_16384.json" > "$LOGS/merged64.log" 2>&1 \
+        && grep "^backward" "$LOGS/merged64.log" ;;
     forward_lean)  # the forward's consumers at 240 registers, alone and
                    # with overlap_scores (session 14, not yet run on a
                    # GPU): bitwise tests, then the A/B at d=128/256,

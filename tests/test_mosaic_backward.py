@@ -412,10 +412,14 @@ def test_merged_pieces_lower_where_each_consumer_has_one_piece(
   for kwargs, match in ((dict(fused_dq=True, deferred_dq=False), "deferred"),
                         (dict(fused_dq=True, overlap_softmax=False),
                          "overlap_softmax"),
-                        (dict(fused_dq=True, block_q=128), "one dQ piece"),
+                        # kv_len 192: three K/V tiles, one consumer, two
+                        # pieces for it
+                        (dict(fused_dq=True, kv_len=192), "one dQ piece"),
                         (dict(fused_dq=False), "fused dQ only")):
     with pytest.raises(NotImplementedError, match=match):
       _lower(128, False, merged_pieces=True, **kwargs)
+  with pytest.raises(NotImplementedError, match="shared rows"):
+    _lower(256, False, early_delta=True, shared_rows=True)
 
 
 LEAN_FORMS = [

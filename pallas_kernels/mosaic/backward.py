@@ -794,22 +794,30 @@ def statics(query, key, *, heavy_first: bool = True,
     if merged_pieces and not (deferred_dq and overlap_softmax):
       raise NotImplementedError(
           "merged_pieces: with deferred_dq and overlap_softmax only")
-    if merged_pieces and (_dq_pieces(tiles["block_q"], query.shape[-1])
-                          != _MAX_CONSUMERS):
-      raise NotImplementedError(
-          "merged_pieces: one dQ piece a consumer only")
-    return None, [dataclasses.replace(
+    fused_configs = [dataclasses.replace(
         config, **dkdv_options, deferred_dq=bool(deferred_dq),
         stage_free_on_read=bool(stage_free_on_read),
         merged_pieces=bool(merged_pieces))
-                  for config in dkdv_statics(
-                      query, key, fused_dq=True,
-                      opaque_resident=opaque_resident,
-                      deferred_dq=deferred_dq, **tiles)]
+                     for config in dkdv_statics(
+                         query, key, fused_dq=True,
+                         opaque_resident=opaque_resident,
+                         deferred_dq=deferred_dq, **tiles)]
+    # One piece a consumer, counted with the consumers the kernel gets
+    # (one, where kv_len is not a multiple of two K/V tiles).
+    if merged_pieces and any(
+        _dq_pieces(config.block_q, config.head_dim) != config.num_consumers
+        for config in fused_configs):
+      raise NotImplementedError(
+          "merged_pieces: one dQ piece a consumer only")
+    return None, fused_configs
   if deferred_dq or stage_free_on_read or merged_pieces:
     raise NotImplementedError(
         "deferred_dq, stage_free_on_read and merged_pieces: the fused dQ "
         "only")
+  if early_delta and shared_rows:
+    raise NotImplementedError(
+        "early_delta: the plain and fused dK/dV consumers only (not shared "
+        "rows)")
   if opaque_resident and (shared_rows or tiles.get("spec") is not None):
     raise NotImplementedError(
         "opaque_resident: the plain dK/dV consumers only (not shared rows, "
@@ -1822,7 +1830,7 @@ def _stage_merged_piece(fused: _FusedDq, wg, value, *, step):
   of `step` is stored and its piece of step - 1 is staged and done with
   that step's dSᵀ. At step 0 the piece is garbage and lands in the stage of
   parity 1, which the writer reads only once step 1's pieces are staged
-  there (at step 2)."""
+  there (at step 2, or after the walk when step 1 is the last)."""
   parity = lax.rem(step + 1, 2)
   fused.stage.at[parity][wg] = value
   plgpu.commit_smem()  # this dSᵀ for every consumer's wgmma, the piece for TMA
@@ -1868,7 +1876,8 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
           reduction_op="add"))
     if static.stage_free_on_read:
       # This step's stage has been read: free it (but for the last step's,
-      # which no consumer waits for; the arrivals match the waits). Then,
+      # which no consumer waits for: as many arrivals as the default
+      # path's, the last of them unwaited for too). Then,
       # once the previous step's adds are in memory, hand its Q tile on.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       pl.when(step < num_steps - 1)(functools.partial(
