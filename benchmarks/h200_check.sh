@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage auto_barriers turn_cost fused_stalls early_delta lean merged forward_lean prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost fused_stalls early_delta lean merged forward_lean prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -172,26 +172,6 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
           --out "$OUT/h200_mosaic_one_stage_$seq.json" > "$LOGS/one_stage_$seq.log" 2>&1
         grep "^forward" "$LOGS/one_stage_$seq.log"
       done ;;
-    auto_barriers)  # the kernels without Mosaic GPU's automatic barriers
-                    # (session 13, untested on a GPU): bitwise tests (3
-                    # runs each), then the A/B at 16k/4k/1k, two rounds
-      python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout 240 -p no:cacheprovider \
-        -p no:benchmark tests/test_mosaic_lowering.py tests/test_mosaic_backward.py \
-        -k auto_barriers > "$OUT/pytest_auto_barriers.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_auto_barriers.log" | tail -15
-      if grep -qE "failed|error" "$OUT/pytest_auto_barriers.log"; then
-        echo "auto_barriers: tests failed, no A/B"
-      else
-        for seq in ${CONSUMERS_SEQS:-16384 4096 1024}; do
-          timeout 200 python3 -m benchmarks.tune_mosaic --seq $seq --budget 170 --rounds 2 \
-            --kernels forward_auto_barriers backward_auto_barriers --head-dims 128 256 \
-            --out "$OUT/h200_mosaic_auto_barriers_$seq.json" > "$LOGS/auto_barriers_$seq.log" 2>&1
-          timeout 120 python3 -m benchmarks.tune_mosaic --seq $seq --budget 100 --rounds 2 \
-            --kernels forward_auto_barriers backward_auto_barriers_wide --head-dims 64 \
-            --out "$OUT/h200_mosaic_auto_barriers64_$seq.json" > "$LOGS/auto_barriers64_$seq.log" 2>&1
-          grep -h "^\(forward\|backward\)" "$LOGS/auto_barriers_$seq.log" "$LOGS/auto_barriers64_$seq.log"
-        done
-      fi ;;
     turn_cost)  # what the fused dQ's fixed order costs (session 13's
                 # diagnostic: the unordered candidate's dQ is wrong), d=128
                 # full, backward alone, 4k and 16k, three rounds

@@ -42,15 +42,13 @@ FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
                    dict(persistent=False, tile_fastest=True),
                    dict(num_consumers=2), dict(num_consumers=2, ring_turns=True),
                    dict(hw_turns=True), dict(hw_turns=True, persistent=False),
-                   dict(auto_barriers=False),
-                   dict(auto_barriers=False, persistent=False),
                    dict(lean_producer=True, num_consumers=2),
                    dict(lean_producer=True, num_consumers=2, persistent=False,
                         overlap_scores=True))
 BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True),
                     dict(persistent=True, num_ctas=3),
                     dict(persistent=False, tile_fastest=True),
-                    dict(auto_barriers=False), dict(prefetch_lse=True),
+                    dict(prefetch_lse=True),
                     dict(early_delta=True),
                     dict(early_delta=True, lean_producer=True, fused_dq=False))
 
@@ -75,7 +73,7 @@ def kernels(head_dim: int):
              lambda q, k, v, c=causal, o=options: mosaic_forward(
                  q, k, v, scale=0.1, is_causal=c, **o), (q, kv, kv))
     fused = dict(fused_dq=True, block_q=128 if head_dim == 64 else 64)
-    fused_forms = (fused, dict(fused, auto_barriers=False),
+    fused_forms = (fused,
                    dict(fused, stage_free_on_read=True, prefetch_lse=True),
                    dict(fused, deferred_dq=True, merged_pieces=True))
     for options in BACKWARD_OPTIONS + (fused_forms if head_dim < 256 else ()):

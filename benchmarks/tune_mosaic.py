@@ -166,12 +166,6 @@ FORWARD_LEAN_CANDIDATES = [
     dict(), dict(lean_producer=True),
     dict(persistent=False, overlap_scores=True),
     dict(persistent=False, overlap_scores=True, lean_producer=True)]
-# Mosaic GPU's automatic barriers off (`KernelStatic.auto_barriers`,
-# `backward._Static.auto_barriers`) against the defaults, forward and
-# backward; the backward also at head_dim 64's 128-row Q tiles (the
-# dispatch's there, fused from 16k).
-AUTO_BARRIERS_SPACE = dict(auto_barriers=(True, False))
-AUTO_BARRIERS_WIDE_SPACE = dict(AUTO_BARRIERS_SPACE, block_q=(128,))
 # What the fused dQ's fixed order costs (`turn_cost_benchmark`): the fused
 # kernel as shipped, the same without its turn waits (a diagnostic: its dQ
 # is wrong), and the two kernels. cuDNN's backward, one kernel adding dQ in
@@ -318,8 +312,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_fused_order": _backward(FUSED_ORDER_CANDIDATES),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),
            "forward_one_stage": _forward(FORWARD_ONE_STAGE_CANDIDATES),
-           "forward_auto_barriers": _forward(AUTO_BARRIERS_SPACE),
-           "backward_auto_barriers": _backward(AUTO_BARRIERS_SPACE),
            "backward_fused_stalls": _backward(FUSED_STALLS_CANDIDATES),
            "backward_prefetch_lse": _backward(PREFETCH_LSE_SPACE),
            "backward_early_delta": _backward(DELTA_CANDIDATES),
@@ -328,7 +320,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_merged": _backward(MERGED_CANDIDATES),
            "backward_merged_wide": _backward(MERGED_WIDE_CANDIDATES),
            "backward_lean_wide": _backward(LEAN_WIDE_SPACE),
-           "backward_auto_barriers_wide": _backward(AUTO_BARRIERS_WIDE_SPACE),
            "backward_turn_cost": (turn_cost_benchmark,
                                   TURN_COST_CANDIDATES, 2.5, (False, True)),
            "masked_forward_order": (masked_forward_benchmark,

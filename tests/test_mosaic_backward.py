@@ -51,7 +51,7 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
             for name in ("block_q", "block_kv", "max_concurrent_steps",
                          "overlap_softmax", "fused_dq", "persistent",
                          "tile_fastest", "prefetch_stats", "opaque_resident",
-                         "shared_rows", "deferred_dq", "auto_barriers",
+                         "shared_rows", "deferred_dq",
                          "prefetch_lse", "stage_free_on_read", "early_delta",
                          "lean_producer", "merged_pieces",
                          "num_ctas")
@@ -450,8 +450,8 @@ def test_lean_producer_lowers_and_changes_both_kernels(head_dim, kwargs,
   assert (_lower(head_dim, True, lean_producer=True, **kwargs)
           != _lower(head_dim, True, **kwargs))
   from pallas_kernels.mosaic import backward
-  assert (2 * backward._LEAN_CONSUMER_REGISTERS
-          + backward._LEAN_PRODUCER_REGISTERS
+  consumer, producer = backward._LEAN_REGISTERS
+  assert (2 * consumer + producer
           == 2 * backward._CONSUMER_REGISTERS + backward._PRODUCER_REGISTERS)
 
 
@@ -923,43 +923,3 @@ def test_turn_cost_diagnostic_removes_only_the_turn_waits(
     assert fused() != shipped
     assert two() == plain
   assert fused() == shipped
-
-
-# Mosaic GPU's automatic barriers off (`_Static.auto_barriers`), in every
-# backward form the defaults run: the fused dQ (d=64's 128-row Q tiles,
-# d=128), the two kernels on either grid, shared rows at d=256.
-AUTO_BARRIER_FORMS = [
-    (64, dict(fused_dq=True, block_q=128)), (128, dict(fused_dq=True)),
-    (128, dict(fused_dq=False, persistent=False)),
-    (128, dict(persistent=True, num_ctas=5)), (256, {}),
-]
-
-
-@pytest.mark.parametrize("head_dim, kwargs", AUTO_BARRIER_FORMS, ids=str)
-def test_auto_barriers_off_lowers_and_changes_the_kernels(head_dim, kwargs,
-                                                          cuda_lowering):
-  assert (_lower(head_dim, True, auto_barriers=False, **kwargs)
-          != _lower(head_dim, True, **kwargs))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, kwargs", AUTO_BARRIER_FORMS, ids=str)
-def test_auto_barriers_off_is_bitwise_the_default_on_gpu(head_dim, kwargs,
-                                                         is_causal):
-  """Without the automatic barriers the kernels compute the same sums in
-  the same order: dq, dk, dv equal the default's bit for bit, three runs
-  in a row (a shared-memory race the barriers were hiding would not)."""
-  _require_sm90()
-  case = Case(2, 1024, 1536, 8, 2, head_dim)
-  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 47)
-  scale = head_dim**-0.5
-  out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
-  run = lambda on: jax.jit(functools.partial(
-      mosaic_backward, scale=scale, is_causal=is_causal, auto_barriers=on,
-      **kwargs))(q, k, v, out, lse, d_out)
-  want = run(True)
-  for attempt in range(3):
-    for a, b, name in zip(run(False), want, ("dq", "dk", "dv")):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
-                                    err_msg=f"{name}, run {attempt}")

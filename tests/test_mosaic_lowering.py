@@ -307,32 +307,6 @@ def test_tile_fastest_forward_is_bitwise_the_default_order_on_gpu(
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_auto_barriers_off_lowers_and_changes_the_forward(head_dim, persistent,
-                                                          cuda_lowering):
-  """`auto_barriers=False` (no Mosaic GPU automatic barriers) lowers on
-  either grid, causal (d=64: three consumers) and not, and is another
-  kernel."""
-  for causal in (False, True):
-    text = lambda **kw: _lower(head_dim, causal, persistent=persistent, **kw)
-    assert text(auto_barriers=False) != text()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_auto_barriers_off_forward_is_bitwise_on_gpu(head_dim, is_causal,
-                                                     persistent):
-  """Without the automatic barriers out and lse equal the default's bit
-  for bit, three runs in a row (a race they were hiding would not)."""
-  run = _forward_runner(head_dim, is_causal, seed=53)
-  want = run(persistent=persistent)
-  for attempt in range(3):
-    for a, b in zip(run(persistent=persistent, auto_barriers=False), want):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
-                                    err_msg=f"run {attempt}")
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])

@@ -89,10 +89,11 @@ from jax_flash import masking
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.forward import (
-    _CONSUMER_REGISTERS, _PLAN_SCALARS, _PLAN_UNION, _PRODUCER_REGISTERS,
+    _CONSUMER_REGISTERS, _LEAN_REGISTERS, _PLAN_SCALARS, _PLAN_UNION,
+    _PRODUCER_REGISTERS,
     _SMEM_LIMIT_BYTES, _LOG2E, _SUPPORTED_DTYPES, _SUPPORTED_HEAD_DIMS,
     _SWIZZLE_BYTES, PLAN_WIDTH, _Plan, _causal_mask, _cols, check_layout,
-    check_shared_memory, check_tiles, compiler_params, launch_grid,
+    check_shared_memory, check_tiles, launch_grid,
     _read_plan, _rows,
     _variant_mask,
     persistent_num_ctas, persistent_schedule, tile_index)
@@ -110,11 +111,6 @@ _THREADS_PER_WARPGROUP = 128
 # the producer: 2 * 232 + 24 + 24 = 512 per thread slot (see forward's
 # `_CONSUMER_REGISTERS`). 24 is setmaxnreg's least; both only issue TMA.
 _FUSED_PRODUCER_REGISTERS = 24
-# `_Static.lean_producer`: FlashAttention-3's split of three warpgroups,
-# 2 * 240 + 24 = 504 registers a thread slot, the budget a 384-thread CTA
-# launches with (168 each), as the default 2 * 232 + 40.
-_LEAN_CONSUMER_REGISTERS = 240
-_LEAN_PRODUCER_REGISTERS = 24
 # The persistent grid (`mosaic_backward(persistent=None)`), by head dim: the
 # longest kv_len at which it is the default. Session 6's A/B on the H200
 # (results/h200_mosaic_persistent_backward.md, backward alone, 64 x 64
@@ -328,8 +324,10 @@ class _Static:
   # Both kernels (not the fused dQ, whose four warpgroups have 512 registers
   # a thread slot shared 232/232/24/24): the producer at 24 registers (it
   # only issues TMA; it may spill) and the consumers at 240, instead of 40
-  # and 232, so that lse and delta read early (`prefetch_lse`,
-  # `early_delta`) have room. Not yet run on a GPU.
+  # and 232 (`forward._LEAN_REGISTERS`: 2 * 240 + 24 = 504, a 384-thread
+  # CTA's launch budget of 168 a thread, as 2 * 232 + 40), so that lse and
+  # delta read early (`prefetch_lse`, `early_delta`) have room. Not yet run
+  # on a GPU.
   lean_producer: bool = False
   # dK/dV kernel, plain form: the consumers index their resident K and V
   # rows each step with a zero read from shared memory (the last scratch
@@ -396,17 +394,6 @@ class _Static:
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
   spec: Any = None
-  # Mosaic GPU's automatic barriers (`CompilerParams.unsafe_no_auto_barriers`
-  # off): a warpgroup barrier before and after every store to shared memory
-  # and before every TMA load. The kernels order their shared memory by
-  # `commit_smem` (a fence and a warpgroup barrier) before every TMA store
-  # and wgmma that reads what threads wrote, and by mbarriers across
-  # warpgroups, so they may not need them: False drops them (tokamax's
-  # kernels run so). Its 22 bitwise GPU tests pass (session 14); the A/B
-  # (results/h200_mosaic_auto_barriers.md, two rounds) moved the backward
-  # by -1.7% to +3.8% per cell, about +1% on average, within a single
-  # A/B's spread: left on, the barriers are not what holds it back.
-  auto_barriers: bool = True
 
   @property
   def ranged(self) -> bool:
@@ -444,8 +431,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     early_delta: bool = False,
                     lean_producer: bool = False,
                     stage_free_on_read: bool = False,
-                    merged_pieces: bool = False,
-                    auto_barriers: bool = True):
+                    merged_pieces: bool = False):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -524,9 +510,6 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     merged_pieces: the fused dQ issues each step's dQ piece with the next
       step's dV and dK (see `_Static`); the same results either way. With
       `deferred_dq` and one piece a consumer only.
-    auto_barriers: False compiles both kernels without Mosaic GPU's
-      automatic barriers (see `_Static`); bitwise the same if the kernels
-      need none.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -550,7 +533,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       opaque_resident=opaque_resident, deferred_dq=deferred_dq,
       prefetch_lse=prefetch_lse, early_delta=early_delta,
       lean_producer=lean_producer, stage_free_on_read=stage_free_on_read,
-      merged_pieces=merged_pieces, auto_barriers=auto_barriers)
+      merged_pieces=merged_pieces)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -567,7 +550,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               deferred_dq: bool | None = None,
               prefetch_lse: bool | None = None, early_delta: bool = False,
               lean_producer: bool = False, stage_free_on_read: bool = False,
-              merged_pieces: bool = False, auto_barriers: bool = True):
+              merged_pieces: bool = False):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -609,8 +592,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  prefetch_lse=prefetch_lse, early_delta=early_delta,
                  lean_producer=lean_producer,
                  stage_free_on_read=stage_free_on_read,
-                 merged_pieces=merged_pieces,
-                 auto_barriers=auto_barriers, **tiles)
+                 merged_pieces=merged_pieces, **tiles)
 
 
 def gradients(query, key, value, d_out, stats, dq_config: _Static | None,
@@ -766,14 +748,12 @@ def statics(query, key, *, heavy_first: bool = True,
             opaque_resident: bool = False, deferred_dq: bool = False,
             prefetch_lse: bool = False, early_delta: bool = False,
             lean_producer: bool = False, stage_free_on_read: bool = False,
-            merged_pieces: bool = False, auto_barriers: bool = True,
-            **tiles):
+            merged_pieces: bool = False, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
   options = dict(overlap_softmax=bool(overlap_softmax),
                  tile_fastest=bool(tile_fastest),
-                 lean_producer=bool(lean_producer),
-                 auto_barriers=bool(auto_barriers))
+                 lean_producer=bool(lean_producer))
   dkdv_options = dict(options, prefetch_stats=bool(prefetch_stats),
                       prefetch_lse=bool(prefetch_lse),
                       early_delta=bool(early_delta),
@@ -1144,7 +1124,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
       thread_name="wg",
       kernel_name=_kernel_name(
           static, "".join(("dq_",) * static.fused_dq + static.outputs)),
-      compiler_params=compiler_params(static),
+      compiler_params=compat.compiler_params(approx_math=True),
   )(*inputs)
   return tuple(results)
 
@@ -1196,8 +1176,8 @@ def _each_tile(tile, wg, *, static: _Static, tile_axes, num_tiles, num_heads,
       plgpu.wait_smem_to_gmem(0)
 
   consumer_registers, producer_registers = (
-      (_LEAN_CONSUMER_REGISTERS, _LEAN_PRODUCER_REGISTERS)
-      if static.lean_producer else (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS))
+      _LEAN_REGISTERS if static.lean_producer  # (see `_Static`)
+      else (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS))
   pl.when(wg < static.num_consumers)(
       lambda: run(consumer_registers, "increase", True))
   if static.fused_dq:  # the producer, and the dQ writer after it
@@ -1737,11 +1717,16 @@ class _FusedDq(NamedTuple):
                        # read the dSᵀ tiles (`_Static.deferred_dq`)
 
 
+def _piece_position(number, static: _Static):
+  """(row, column) of dQ piece `number` (a Python or traced int) in the
+  [block_q, head_dim] tile, row-major, counted in pieces."""
+  return divmod(number, pl.cdiv(static.head_dim, _DQ_PIECE))
+
+
 def _pieces(static: _Static):
   """The [_DQ_PIECE, _DQ_PIECE] pieces of the [block_q, head_dim] dQ tile,
   row-major: (number, row, column), row and column counted in pieces."""
-  columns = pl.cdiv(static.head_dim, _DQ_PIECE)
-  return [(n, *divmod(n, columns))
+  return [(n, *_piece_position(n, static))
           for n in range(_dq_pieces(static.block_q, static.head_dim))]
 
 
@@ -1798,8 +1783,7 @@ def _stage_dq_pieces(fused: _FusedDq, wg, *, step, static: _Static,
 def _merged_piece_slices(wg, static: _Static):
   """Consumer wg's one piece (`_Static.merged_pieces`): its number (= wg)
   and its rows and columns of the dQ tile, as slices."""
-  row, col = lax.div(wg, pl.cdiv(static.head_dim, _DQ_PIECE)), lax.rem(
-      wg, pl.cdiv(static.head_dim, _DQ_PIECE))
+  row, col = _piece_position(wg, static)
   return (pl.ds(row * _DQ_PIECE, _DQ_PIECE), pl.ds(col * _DQ_PIECE, _DQ_PIECE))
 
 
@@ -2052,7 +2036,7 @@ def launch_dq(query, key, value, d_out, stats, static: _Static, *, plan=None,
       num_threads=consumers + 1,
       thread_name="wg",
       kernel_name=_kernel_name(static, "dq"),
-      compiler_params=compiler_params(static),
+      compiler_params=compat.compiler_params(approx_math=True),
   )(*inputs)
 
 

@@ -110,6 +110,8 @@ def _registers(static: "KernelStatic") -> tuple[int, int]:
   if static.lean_producer:
     return _LEAN_REGISTERS
   return _REGISTERS_BY_CONSUMERS[static.num_consumers]
+
+
 # `mosaic_forward(num_consumers=None)` runs three consumers at these head
 # dims (`consumers_by_default`). Session 9's A/B on the H200, the forward
 # alone, full / causal (results/h200_mosaic_consumers.md): head_dim 64 at
@@ -287,11 +289,6 @@ class KernelStatic:
   # tokamax's forward takes its turns so. Scheduling only: bitwise the same.
   ring_turns: bool = False
   hw_turns: bool = False
-  # Mosaic GPU's automatic barriers, as `backward._Static.auto_barriers`
-  # (False: `CompilerParams.unsafe_no_auto_barriers`). Measured in session
-  # 14 (results/h200_mosaic_auto_barriers.md): d=128 -4% / -2% at 4k
-  # without them (full / causal), d=256 0% / -1%: left on.
-  auto_barriers: bool = True
   # Two consumers at 240 registers and the producer at 24 (FlashAttention-
   # 3's split) instead of 232 and 40: room for O, S and the softmax at
   # head_dim 256 (128 + 32 f32 registers before P). Scheduling only:
@@ -327,8 +324,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    num_ctas: int | None = None,
                    tile_fastest: bool | None = None,
                    num_consumers: int | None = None, ring_turns: bool = False,
-                   hw_turns: bool = False, auto_barriers: bool = True,
-                   lean_producer: bool = False):
+                   hw_turns: bool = False, lean_producer: bool = False):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -369,8 +365,6 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       are the same either way, so the results are bitwise the same.
     ring_turns, hw_turns: how the consumers take turns (see
       `KernelStatic`); not with `overlap_scores`. Bitwise the same.
-    auto_barriers: False compiles without Mosaic GPU's automatic barriers
-      (see `KernelStatic`); bitwise the same if the kernel needs none.
     lean_producer: the consumers at 240 registers, the producer at 24
       (see `KernelStatic`); two consumers only. Bitwise the same.
 
@@ -413,7 +407,6 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                overlap_scores=bool(overlap_scores),
                                ring_turns=bool(ring_turns),
                                hw_turns=bool(hw_turns),
-                               auto_barriers=bool(auto_barriers),
                                lean_producer=bool(lean_producer))
   if persistent is None:
     persistent = persistent_by_default(
@@ -557,15 +550,8 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
       num_threads=consumers + 1,
       thread_name="wg",
       kernel_name="mosaic_flash_forward",
-      compiler_params=compiler_params(static),
+      compiler_params=compat.compiler_params(approx_math=True),
   )(*inputs)
-
-
-def compiler_params(static) -> plgpu.CompilerParams:
-  """Mosaic GPU's compiler parameters of every kernel here and in
-  `backward` (both statics carry `auto_barriers`)."""
-  return compat.compiler_params(
-      approx_math=True, unsafe_no_auto_barriers=not static.auto_barriers)
 
 
 def check_layout(query, key, value) -> tuple[int, int]:
