@@ -408,7 +408,7 @@ def test_merged_pieces_lower_where_each_consumer_has_one_piece(
   for head_dim, block_q in ((128, 64), (64, 128)):
     fused = dict(fused_dq=True, deferred_dq=True, block_q=block_q)
     assert (_lower(head_dim, True, merged_pieces=True, **fused)
-            != _lower(head_dim, True, **fused))
+            != _lower(head_dim, True, merged_pieces=False, **fused))
   for kwargs, match in ((dict(fused_dq=True, deferred_dq=False), "deferred"),
                         (dict(fused_dq=True, overlap_softmax=False),
                          "overlap_softmax"),
@@ -448,11 +448,43 @@ def test_lean_producer_lowers_and_changes_both_kernels(head_dim, kwargs,
   """The option changes both kernels (their register budgets) and refuses
   the fused dQ, whose four warpgroups have none to spare."""
   assert (_lower(head_dim, True, lean_producer=True, **kwargs)
-          != _lower(head_dim, True, **kwargs))
+          != _lower(head_dim, True, lean_producer=False, **kwargs))
   from pallas_kernels.mosaic import backward
   consumer, producer = backward._LEAN_REGISTERS
   assert (2 * consumer + producer
           == 2 * backward._CONSUMER_REGISTERS + backward._PRODUCER_REGISTERS)
+
+
+def test_lean_producer_and_merged_pieces_defaults(cuda_lowering):
+  """`lean_producer=None` is on with the two kernels (either grid, shared
+  rows too) and off in the fused kernel; `merged_pieces=None` is on in
+  the deferred fused kernel at d=128 where each consumer has one dQ piece,
+  and off (not refused) where kv_len leaves one consumer two pieces; and
+  `fused_dq=None` does not fuse where kv_len gives one consumer."""
+  from pallas_kernels.mosaic import backward
+
+  def configs(head_dim, kv_len, **kwargs):
+    q, kv = _structs(head_dim=head_dim, q_len=256, kv_len=kv_len)[:2]
+    dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=False,
+                                  **kwargs)
+    return [dq] + dkdv if dq is not None else dkdv
+
+  for head_dim, kwargs in ((128, dict(persistent=False)),
+                           (128, dict(persistent=True)), (256, {}),
+                           (64, dict(block_q=128, fused_dq=False))):
+    assert all(c.lean_producer and not c.merged_pieces
+               for c in configs(head_dim, 512, **kwargs))
+  [fused] = configs(128, 512, fused_dq=True)
+  assert fused.merged_pieces and fused.deferred_dq and not fused.lean_producer
+  [fused] = configs(128, 192, fused_dq=True)   # one consumer, two pieces
+  assert fused.num_consumers == 1 and not fused.merged_pieces
+  [fused] = configs(64, 512, fused_dq=True, block_q=128)  # not deferred
+  assert not (fused.merged_pieces or fused.deferred_dq)
+  assert not any(c.lean_producer for c in configs(128, 512, fused_dq=True,
+                                                  lean_producer=False))
+  default = lambda n: backward.fused_dq_by_default(
+      head_dim=128, kv_len=n, block_q=64, block_kv=64)
+  assert default(16384) and not default(16384 + 64) and not default(8192)
 
 
 def test_lean_producer_refuses_the_fused_dq(cuda_lowering):
@@ -836,13 +868,14 @@ def test_fused_dq_matches_reference_on_gpu(case, is_causal, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, is_causal, kernels", [
     (64, False, {"dq_dkdv"}), (64, True, {"dq_dkdv"}),
-    (128, False, {"dq", "dkdv"}), (128, True, {"dq", "dkdv"}),
+    (128, False, {"dq_dkdv"}), (128, True, {"dq", "dkdv"}),
 ])
 def test_backward_default_at_long_kv_on_gpu(head_dim, is_causal, kernels):
   """The shipped defaults, no switch turned: `flash_attention` at kv_len
-  16384 runs the fused backward at head_dim 64 (`FUSED_DQ_MIN_KV_LEN`),
-  else the two kernels launched tile-fastest (at 128 with lse read early,
-  `PREFETCH_LSE_TILES`), and its
+  16384 runs the fused backward at head_dim 64 and at 128 without a mask
+  (`FUSED_DQ_MIN_KV_LEN`; at 128 with its pieces merged,
+  `MERGED_PIECES_HEAD_DIMS`), else the two kernels launched tile-fastest
+  with lean producers (`LEAN_PRODUCER_BY_DEFAULT`), and its
   output, LSE and gradients obey the tolerance rule (GQA 2:1, q_len not
   the kv_len)."""
   _require_sm90()

@@ -142,9 +142,14 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # passed the fused one at d=128 without a mask too, 501 against 473 at 16k
 # and 453 against 429 at 4k (three rounds, results/h200_mosaic_fused_stalls.md),
 # so d=128 no longer fuses by default.
+# Session 15: with each step's dQ piece issued beside the next step's dV
+# and dK (`MERGED_PIECES_HEAD_DIMS`) the fused kernel passed them again at
+# 16k, 504 and 508 against 498 and 498 (two A/Bs of three rounds,
+# results/h200_mosaic_merged.md), but not at 4k (451 against 450, and the
+# two kernels with `LEAN_PRODUCER_BY_DEFAULT` 475): d=128 fuses from 16k.
 # Under causal masking only at FUSED_DQ_CAUSAL_HEAD_DIMS. Its GPU tests
 # pass (sessions 8, 11 and 12).
-FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384}
+FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384, 128: 16384}
 FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64,)
 # `mosaic_backward(opaque_resident=None)`: on with the fused dQ at these
 # head dims. At d=128 it took the fused kernel from 397 / 351 to 470 / 458
@@ -209,6 +214,23 @@ PREFETCH_STATS_TILES: tuple[tuple[int, int], ...] = ((64, 64),)
 # masking 305 -> 299, 423 -> 417, 475 -> 482, and at d=256 -3% to +1%:
 # off there.
 PREFETCH_LSE_TILES: tuple[tuple[int, int], ...] = ((128, 64),)
+# `mosaic_backward(lean_producer=None)`: the two kernels' consumers at 240
+# registers and producers at 24 (the fused dQ has none to spare). Measured
+# on the H200 (session 15, backward alone, geomean of full and causal,
+# two rounds, off -> on, TFLOP/s, results/h200_mosaic_lean.md): d=64
+# (128-row Q tiles) 391 -> 392 at 16k, 367 -> 372 at 4k, 283 -> 293 at
+# 1k; d=128 492 -> 494, 441 -> 446, 354 -> 358; d=256 357 -> 363, 328 ->
+# 341, 241 -> 249. At d=128 without a mask, three rounds, twice
+# (results/h200_mosaic_early_delta.md): 499 -> 496 at 16k, 462 -> 475 and
+# 465 -> 473 at 4k, 400 -> 404 at 1k. Not yet in the ranged kernels.
+LEAN_PRODUCER_BY_DEFAULT = True
+# `mosaic_backward(merged_pieces=None)`: on with the fused (deferred) dQ at
+# these head dims where each consumer has one dQ piece. At d=128 without a
+# mask (session 15, three rounds, twice, results/h200_mosaic_merged.md):
+# the fused kernel 482 -> 504 and 478 -> 508 at 16k, 439 -> 451 at 4k. At
+# d=64's 128-row Q tiles it needs `deferred_dq`, which costs more there
+# (402 not deferred, 327 deferred, 345 deferred and merged, at 16k).
+MERGED_PIECES_HEAD_DIMS: tuple[int, ...] = (128,)
 
 
 def shared_rows_by_default(*, head_dim: int, persistent: bool) -> bool:
@@ -233,6 +255,24 @@ def prefetch_lse_by_default(*, head_dim: int, block_q: int, fused_dq: bool,
           and (head_dim, block_q) in PREFETCH_LSE_TILES)
 
 
+def lean_producer_by_default(*, fused_dq: bool) -> bool:
+  """Whether `mosaic_backward(lean_producer=None)` moves registers from
+  the producers to the consumers (the two kernels only)."""
+  return LEAN_PRODUCER_BY_DEFAULT and not fused_dq
+
+
+def merged_pieces_by_default(*, head_dim: int, fused_dq: bool,
+                             deferred_dq: bool,
+                             overlap_softmax: bool) -> bool | None:
+  """`mosaic_backward(merged_pieces=None)`: None (on where each consumer
+  has one dQ piece, which `statics` decides) for the deferred fused dQ at
+  `MERGED_PIECES_HEAD_DIMS`, else False."""
+  if (fused_dq and deferred_dq and overlap_softmax
+      and head_dim in MERGED_PIECES_HEAD_DIMS):
+    return None
+  return False
+
+
 def persistent_by_default(*, head_dim: int, kv_len: int,
                           is_causal: bool = False) -> bool:
   """Whether `mosaic_backward(persistent=None)` runs the persistent grid."""
@@ -242,14 +282,17 @@ def persistent_by_default(*, head_dim: int, kv_len: int,
 
 
 def fused_dq_by_default(*, head_dim: int, kv_len: int, block_q: int,
-                        is_causal: bool = False) -> bool:
+                        block_kv: int = 64, is_causal: bool = False) -> bool:
   """Whether `mosaic_backward(fused_dq=None)` fuses dQ into dK/dV: where
-  the tables say, and where its dQ pieces share out between two consumers
-  (else it would refuse the call, and the Triton backward would run)."""
+  the tables say, where its dQ pieces share out between two consumers
+  (else it would refuse the call, and the Triton backward would run), and
+  where kv_len gives it two consumers (with one it was never measured
+  against the two kernels)."""
   least = FUSED_DQ_MIN_KV_LEN.get(head_dim)
   if is_causal and head_dim not in FUSED_DQ_CAUSAL_HEAD_DIMS:
     return False
   return (least is not None and kv_len >= least
+          and kv_len % (_MAX_CONSUMERS * block_kv) == 0
           and _dq_pieces(block_q, head_dim) % _MAX_CONSUMERS == 0)
 
 
@@ -429,9 +472,9 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     deferred_dq: bool | None = None,
                     prefetch_lse: bool | None = None,
                     early_delta: bool = False,
-                    lean_producer: bool = False,
+                    lean_producer: bool | None = None,
                     stage_free_on_read: bool = False,
-                    merged_pieces: bool = False):
+                    merged_pieces: bool | None = None):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -503,13 +546,15 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (see `_Static`); the same results either way.
     lean_producer: both kernels' producers at 24 registers and consumers
       at 240 (see `_Static`); the same results either way. Not with
-      `fused_dq`.
+      `fused_dq`. None: with the two kernels (`lean_producer_by_default`).
     stage_free_on_read: the fused dQ's writer frees each stage of pieces
       once read rather than once added (see `_Static`); the same results
       either way. Fused dQ only.
     merged_pieces: the fused dQ issues each step's dQ piece with the next
       step's dV and dK (see `_Static`); the same results either way. With
-      `deferred_dq` and one piece a consumer only.
+      `deferred_dq` and one piece a consumer only. None: with the deferred
+      fused dQ at head_dim 128 where each consumer has one piece
+      (`merged_pieces_by_default`).
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -549,8 +594,9 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               opaque_resident: bool | None = None,
               deferred_dq: bool | None = None,
               prefetch_lse: bool | None = None, early_delta: bool = False,
-              lean_producer: bool = False, stage_free_on_read: bool = False,
-              merged_pieces: bool = False):
+              lean_producer: bool | None = None,
+              stage_free_on_read: bool = False,
+              merged_pieces: bool | None = None):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -561,7 +607,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   if fused_dq is None:
     fused_dq = not persistent and fused_dq_by_default(
         head_dim=head_dim, kv_len=kv_len, block_q=block_q,
-        is_causal=is_causal)
+        block_kv=block_kv, is_causal=is_causal)
   if persistent is None:
     persistent = not fused_dq and persistent_by_default(
         head_dim=head_dim, kv_len=kv_len, is_causal=is_causal)
@@ -583,6 +629,12 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   if tile_fastest is None:
     tile_fastest = tile_fastest_by_default(persistent=persistent,
                                            fused_dq=fused_dq)
+  if lean_producer is None:
+    lean_producer = lean_producer_by_default(fused_dq=fused_dq)
+  if merged_pieces is None:  # stays None where `statics` decides
+    merged_pieces = merged_pieces_by_default(
+        head_dim=head_dim, fused_dq=fused_dq, deferred_dq=deferred_dq,
+        overlap_softmax=overlap_softmax)
   return statics(query, key, heavy_first=heavy_first,
                  overlap_softmax=overlap_softmax, persistent=persistent,
                  num_ctas=num_ctas, fused_dq=fused_dq,
@@ -748,9 +800,10 @@ def statics(query, key, *, heavy_first: bool = True,
             opaque_resident: bool = False, deferred_dq: bool = False,
             prefetch_lse: bool = False, early_delta: bool = False,
             lean_producer: bool = False, stage_free_on_read: bool = False,
-            merged_pieces: bool = False, **tiles):
+            merged_pieces: bool | None = False, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
-  are their keyword arguments. Fused dQ: (None, [the one fused pass])."""
+  are their keyword arguments. Fused dQ: (None, [the one fused pass]);
+  `merged_pieces=None` there: on where each consumer has one dQ piece."""
   options = dict(overlap_softmax=bool(overlap_softmax),
                  tile_fastest=bool(tile_fastest),
                  lean_producer=bool(lean_producer))
@@ -774,22 +827,23 @@ def statics(query, key, *, heavy_first: bool = True,
     if merged_pieces and not (deferred_dq and overlap_softmax):
       raise NotImplementedError(
           "merged_pieces: with deferred_dq and overlap_softmax only")
-    fused_configs = [dataclasses.replace(
-        config, **dkdv_options, deferred_dq=bool(deferred_dq),
-        stage_free_on_read=bool(stage_free_on_read),
-        merged_pieces=bool(merged_pieces))
-                     for config in dkdv_statics(
-                         query, key, fused_dq=True,
-                         opaque_resident=opaque_resident,
-                         deferred_dq=deferred_dq, **tiles)]
+    fused_configs = dkdv_statics(query, key, fused_dq=True,
+                                 opaque_resident=opaque_resident,
+                                 deferred_dq=deferred_dq, **tiles)
     # One piece a consumer, counted with the consumers the kernel gets
     # (one, where kv_len is not a multiple of two K/V tiles).
-    if merged_pieces and any(
-        _dq_pieces(config.block_q, config.head_dim) != config.num_consumers
-        for config in fused_configs):
+    one_piece_each = all(
+        _dq_pieces(config.block_q, config.head_dim) == config.num_consumers
+        for config in fused_configs)
+    if merged_pieces is None:
+      merged_pieces = one_piece_each
+    elif merged_pieces and not one_piece_each:
       raise NotImplementedError(
           "merged_pieces: one dQ piece a consumer only")
-    return None, fused_configs
+    return None, [dataclasses.replace(
+        config, **dkdv_options, deferred_dq=bool(deferred_dq),
+        stage_free_on_read=bool(stage_free_on_read),
+        merged_pieces=bool(merged_pieces)) for config in fused_configs]
   if deferred_dq or stage_free_on_read or merged_pieces:
     raise NotImplementedError(
         "deferred_dq, stage_free_on_read and merged_pieces: the fused dQ "
