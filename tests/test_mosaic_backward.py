@@ -457,17 +457,23 @@ def test_lean_producer_lowers_and_changes_both_kernels(head_dim, kwargs,
 
 def test_lean_producer_and_merged_pieces_defaults(cuda_lowering):
   """`lean_producer=None` is on with the two kernels (either grid, shared
-  rows too) and off in the fused kernel; `merged_pieces=None` is on in
+  rows too; under causal masking not at d=128) and off in the fused kernel; `merged_pieces=None` is on in
   the deferred fused kernel at d=128 where each consumer has one dQ piece,
   and off (not refused) where kv_len leaves one consumer two pieces; and
   `fused_dq=None` does not fuse where kv_len gives one consumer."""
   from pallas_kernels.mosaic import backward
 
-  def configs(head_dim, kv_len, **kwargs):
+  def configs(head_dim, kv_len, is_causal=False, **kwargs):
     q, kv = _structs(head_dim=head_dim, q_len=256, kv_len=kv_len)[:2]
-    dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=False,
+    dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=is_causal,
                                   **kwargs)
     return [dq] + dkdv if dq is not None else dkdv
+
+  # Under causal masking at d=64 and 256 (`LEAN_PRODUCER_CAUSAL_HEAD_DIMS`).
+  for head_dim, lean in ((64, True), (128, False), (256, True)):
+    assert all(c.lean_producer == lean
+               for c in configs(head_dim, 512, is_causal=True,
+                                fused_dq=False))
 
   for head_dim, kwargs in ((128, dict(persistent=False)),
                            (128, dict(persistent=True)), (256, {}),

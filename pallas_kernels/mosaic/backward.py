@@ -222,8 +222,13 @@ PREFETCH_LSE_TILES: tuple[tuple[int, int], ...] = ((128, 64),)
 # 1k; d=128 492 -> 494, 441 -> 446, 354 -> 358; d=256 357 -> 363, 328 ->
 # 341, 241 -> 249. At d=128 without a mask, three rounds, twice
 # (results/h200_mosaic_early_delta.md): 499 -> 496 at 16k, 462 -> 475 and
-# 465 -> 473 at 4k, 400 -> 404 at 1k. Not yet in the ranged kernels.
+# 465 -> 473 at 4k, 400 -> 404 at 1k. Cell by cell it is +2% to +5% at
+# d=256, +1% to +3% at d=128 without a mask, +1% to +4% at d=64 under
+# causal masking, -1% to +6% at d=64 without one, and at d=128 under
+# causal masking -1.0%, -0.5%, +0.2% at 1k, 4k, 16k: off there. Not yet in
+# the ranged kernels.
 LEAN_PRODUCER_BY_DEFAULT = True
+LEAN_PRODUCER_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64, 256)
 # `mosaic_backward(merged_pieces=None)`: on with the fused (deferred) dQ at
 # these head dims where each consumer has one dQ piece. At d=128 without a
 # mask (session 15, three rounds, twice, results/h200_mosaic_merged.md):
@@ -255,9 +260,13 @@ def prefetch_lse_by_default(*, head_dim: int, block_q: int, fused_dq: bool,
           and (head_dim, block_q) in PREFETCH_LSE_TILES)
 
 
-def lean_producer_by_default(*, fused_dq: bool) -> bool:
+def lean_producer_by_default(*, head_dim: int, fused_dq: bool,
+                             is_causal: bool) -> bool:
   """Whether `mosaic_backward(lean_producer=None)` moves registers from
-  the producers to the consumers (the two kernels only)."""
+  the producers to the consumers (the two kernels only; under causal
+  masking at `LEAN_PRODUCER_CAUSAL_HEAD_DIMS`)."""
+  if is_causal and head_dim not in LEAN_PRODUCER_CAUSAL_HEAD_DIMS:
+    return False
   return LEAN_PRODUCER_BY_DEFAULT and not fused_dq
 
 
@@ -546,7 +555,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (see `_Static`); the same results either way.
     lean_producer: both kernels' producers at 24 registers and consumers
       at 240 (see `_Static`); the same results either way. Not with
-      `fused_dq`. None: with the two kernels (`lean_producer_by_default`).
+      `fused_dq`. None: with the two kernels, but not at head_dim 128
+      under causal masking (`lean_producer_by_default`).
     stage_free_on_read: the fused dQ's writer frees each stage of pieces
       once read rather than once added (see `_Static`); the same results
       either way. Fused dQ only.
@@ -630,7 +640,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
     tile_fastest = tile_fastest_by_default(persistent=persistent,
                                            fused_dq=fused_dq)
   if lean_producer is None:
-    lean_producer = lean_producer_by_default(fused_dq=fused_dq)
+    lean_producer = lean_producer_by_default(
+        head_dim=head_dim, fused_dq=fused_dq, is_causal=is_causal)
   if merged_pieces is None:  # stays None where `statics` decides
     merged_pieces = merged_pieces_by_default(
         head_dim=head_dim, fused_dq=fused_dq, deferred_dq=deferred_dq,
