@@ -166,6 +166,13 @@ FORWARD_LEAN_CANDIDATES = [
     dict(), dict(lean_producer=True),
     dict(persistent=False, overlap_scores=True),
     dict(persistent=False, overlap_scores=True, lean_producer=True)]
+# One stage of wide K/V tiles (`forward.WIDE_KV_HEAD_DIMS`), with and
+# without lean producers, against the default before it (`dict()` while
+# the table is empty); at d=256 the 256-row form does not fit.
+FORWARD_WIDE_KV_CANDIDATES = [
+    dict(), dict(block_kv=128, max_concurrent_steps=1, lean_producer=False),
+    dict(block_kv=128, max_concurrent_steps=1, lean_producer=True),
+    dict(block_kv=256, max_concurrent_steps=1, lean_producer=True)]
 # What the fused dQ's fixed order costs (`turn_cost_benchmark`): the fused
 # kernel as shipped, the same without its turn waits (a diagnostic: its dQ
 # is wrong), and the two kernels. cuDNN's backward, one kernel adding dQ in
@@ -317,6 +324,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_early_delta": _backward(DELTA_CANDIDATES),
            "backward_lean": _backward(LEAN_SPACE),
            "forward_lean": _forward(FORWARD_LEAN_CANDIDATES),
+           "forward_wide_kv": _forward(FORWARD_WIDE_KV_CANDIDATES),
            "backward_merged": _backward(MERGED_CANDIDATES),
            "backward_merged_wide": _backward(MERGED_WIDE_CANDIDATES),
            "backward_lean_wide": _backward(LEAN_WIDE_SPACE),
