@@ -112,9 +112,15 @@ FORWARD_TILE_ORDER_CANDIDATES = [dict(), dict(persistent=False,
 # its default 64-row tiles in two: S = Q Kᵀ at N=128 reads 96 KB of shared
 # memory per 64x128x256 product where N=64 reads 64 KB per half as much work.
 # Measured in session 13 (results/h200_mosaic_one_stage.md): 29-31% slower
-# at 1k-16k; the one stage leaves each K and V load exposed.
-FORWARD_ONE_STAGE_CANDIDATES = [dict(),
-                                dict(block_kv=128, max_concurrent_steps=1)]
+# at 1k-16k; the one stage leaves each K and V load exposed. Session 15
+# (results/h200_mosaic_forward_wide_kv.md, run as `forward_wide_kv` at
+# 46ebeea) added the consumers at 240 registers, which the N=128 S needs:
+# +2% at 4k without a mask, -10% to -23% in the other cells; and at d=128 a
+# one-stage 256-row form (-10% to -18%).
+FORWARD_ONE_STAGE_CANDIDATES = [
+    dict(), dict(block_kv=128, max_concurrent_steps=1, lean_producer=False),
+    dict(block_kv=128, max_concurrent_steps=1, lean_producer=True),
+    dict(block_kv=256, max_concurrent_steps=1, lean_producer=True)]
 # Session 14's two from the fused dQ's stall samples at d=128 4k: the
 # writer freeing each stage of dQ pieces once read
 # (`backward._Static.stage_free_on_read`), and lse read before the matmuls
@@ -166,13 +172,6 @@ FORWARD_LEAN_CANDIDATES = [
     dict(), dict(lean_producer=True),
     dict(persistent=False, overlap_scores=True),
     dict(persistent=False, overlap_scores=True, lean_producer=True)]
-# One stage of wide K/V tiles (`forward.WIDE_KV_HEAD_DIMS`), with and
-# without lean producers, against the default before it (`dict()` while
-# the table is empty); at d=256 the 256-row form does not fit.
-FORWARD_WIDE_KV_CANDIDATES = [
-    dict(), dict(block_kv=128, max_concurrent_steps=1, lean_producer=False),
-    dict(block_kv=128, max_concurrent_steps=1, lean_producer=True),
-    dict(block_kv=256, max_concurrent_steps=1, lean_producer=True)]
 # What the fused dQ's fixed order costs (`turn_cost_benchmark`): the fused
 # kernel as shipped, the same without its turn waits (a diagnostic: its dQ
 # is wrong), and the two kernels. cuDNN's backward, one kernel adding dQ in
@@ -324,7 +323,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_early_delta": _backward(DELTA_CANDIDATES),
            "backward_lean": _backward(LEAN_SPACE),
            "forward_lean": _forward(FORWARD_LEAN_CANDIDATES),
-           "forward_wide_kv": _forward(FORWARD_WIDE_KV_CANDIDATES),
            "backward_merged": _backward(MERGED_CANDIDATES),
            "backward_merged_wide": _backward(MERGED_WIDE_CANDIDATES),
            "backward_lean_wide": _backward(LEAN_WIDE_SPACE),

@@ -336,61 +336,6 @@ def test_lean_producer_forward_is_bitwise_on_gpu(head_dim, is_causal,
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_wide_kv_tiles_default_follows_its_table(cuda_lowering, monkeypatch):
-  """`mosaic_forward(block_kv=None, max_concurrent_steps=None)` runs one
-  stage of 128-row K/V tiles with lean producers at `WIDE_KV_HEAD_DIMS`
-  where kv_len is whole tiles and two consumers run, else the two-stage
-  default; the lowered default is the explicit form."""
-  from pallas_kernels.mosaic import forward
-  monkeypatch.setattr(forward, "WIDE_KV_HEAD_DIMS", (256,))
-  tiles = lambda d, n, c=2: forward.forward_tiles_by_default(
-      head_dim=d, kv_len=n, num_consumers=c)
-  assert tiles(256, 4096) == (128, 1, True)
-  assert tiles(256, 4096 + 64) == (64, 2, False)
-  assert tiles(128, 4096) == (128, 2, False)
-  assert tiles(64, 4096, 3) == (128, 2, False)
-  assert (_lower(256, False) == _lower(256, False, block_kv=128,
-                                       max_concurrent_steps=1,
-                                       lean_producer=True)
-          != _lower(256, False, block_kv=64, max_concurrent_steps=2))
-  monkeypatch.setattr(forward, "WIDE_KV_HEAD_DIMS", ())
-  assert _lower(256, True) == _lower(256, True, block_kv=64,
-                                     max_concurrent_steps=2,
-                                     lean_producer=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [
-    Case(1, 1024, 512, 4, 1, 256),    # MQA, q_len > kv_len
-    Case(2, 512, 1024, 8, 2, 256),    # GQA 4:1, kv_len > q_len
-    Case(1, 2048, 2048, 4, 2, 128),   # one stage at d=128 as well
-], ids=str)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_wide_kv_forward_matches_reference_on_gpu(case, dtype, is_causal,
-                                                  monkeypatch):
-  """One stage of 128-row K/V tiles with lean producers
-  (`WIDE_KV_HEAD_DIMS` on) through `flash_attention`: output, LSE and
-  gradients against the reference."""
-  from pallas_kernels.mosaic import forward
-  monkeypatch.setattr(forward, "WIDE_KV_HEAD_DIMS", (128, 256))
-  _check_mosaic_against_reference(case, dtype, is_causal)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_wide_kv_lean_producer_is_bitwise_on_gpu(is_causal, persistent):
-  """One stage of 128-row K/V tiles at d=256: with lean producers out and
-  lse equal the kernel's without them bit for bit (its O, S and P need the
-  240 registers; a budget that did not add up would hang or spill)."""
-  run = _forward_runner(256, is_causal, seed=61)
-  wide = dict(block_kv=128, max_concurrent_steps=1, persistent=persistent)
-  want = run(lean_producer=False, **wide)
-  for a, b in zip(run(lean_producer=True, **wide), want):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, kv_len", [(128, 16384), (256, 8192)])
 def test_causal_forward_default_at_long_kv_on_gpu(head_dim, kv_len):

@@ -207,33 +207,6 @@ def consumers_by_default(*, head_dim: int, q_len: int, is_causal: bool,
   return 3
 
 
-# One stage of 128-row K/V tiles (`mosaic_forward(block_kv=None,
-# max_concurrent_steps=None)`), with the consumers at 240 registers
-# (`lean_producer`), at these head dims. K and V have slots and barriers of
-# their own, so one stage still overlaps: step j + 1's K loads once every
-# consumer has read step j's K (while step j's softmax and P V run), and V
-# likewise. At head_dim 256 two stages of 64-row tiles (the other default)
-# issue S = Q Kᵀ as N=64 wgmmas and rescale the 64 x 256 f32 O every 64
-# keys; cuDNN's forward there runs 128-row K/V tiles in 232 KiB of shared
-# memory and executes 29% fewer instructions than ours for 9% fewer cycles
-# (Nsight Compute, session 15, results/h200_ncu_fwd256_4k.md).
-WIDE_KV_HEAD_DIMS: tuple[int, ...] = ()
-_WIDE_KV_TILES = (128, 1)  # (block_kv, max_concurrent_steps)
-
-
-def forward_tiles_by_default(*, head_dim: int, kv_len: int,
-                             num_consumers: int) -> tuple[int, int, bool]:
-  """(block_kv, max_concurrent_steps, lean_producer) for
-  `mosaic_forward`'s Nones: one stage of 128-row K/V tiles with lean
-  producers at `WIDE_KV_HEAD_DIMS` (two consumers, kv_len whole tiles),
-  else `default_block_kv` in two stages."""
-  block_kv, stages = _WIDE_KV_TILES
-  if (head_dim in WIDE_KV_HEAD_DIMS and num_consumers == NUM_CONSUMERS
-      and kv_len % block_kv == 0):
-    return block_kv, stages, True
-  return default_block_kv(head_dim), 2, False
-
-
 def default_block_kv(head_dim: int) -> int:
   """K/V tile that fits two pipeline stages in shared memory at this head dim.
 
@@ -345,15 +318,13 @@ class KernelStatic:
 
 def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    block_q: int = 64, block_kv: int | None = None,
-                   max_concurrent_steps: int | None = None,
-                   heavy_first: bool = True,
+                   max_concurrent_steps: int = 2, heavy_first: bool = True,
                    fence_softmax: bool = False, split_handover: bool = True,
                    overlap_scores: bool = False, persistent: bool | None = None,
                    num_ctas: int | None = None,
                    tile_fastest: bool | None = None,
                    num_consumers: int | None = None, ring_turns: bool = False,
-                   hw_turns: bool = False,
-                   lean_producer: bool | None = None):
+                   hw_turns: bool = False, lean_producer: bool = False):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -374,11 +345,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
 
     block_q: query rows per consumer warpgroup; the CTA tile is
       num_consumers * block_q.
-    block_kv: K/V rows per pipeline stage.
+    block_kv: K/V rows per pipeline stage; None picks `default_block_kv`.
     max_concurrent_steps: depth of the K/V ring (TMA stages in flight).
-      block_kv and max_concurrent_steps both None: `forward_tiles_by_default`
-      (one stage of 128-row tiles at `WIDE_KV_HEAD_DIMS`); else None
-      picks `default_block_kv` and two stages.
     heavy_first: under causal masking, launch the query tiles with the most
       K/V blocks first (`tile_index`); False launches them in order.
     fence_softmax, split_handover, overlap_scores: consumer schedule
@@ -398,8 +366,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     ring_turns, hw_turns: how the consumers take turns (see
       `KernelStatic`); not with `overlap_scores`. Bitwise the same.
     lean_producer: the consumers at 240 registers, the producer at 24
-      (see `KernelStatic`); two consumers only. Bitwise the same. None:
-      with the wide K/V tiles of `forward_tiles_by_default`.
+      (see `KernelStatic`); two consumers only. Bitwise the same.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -411,21 +378,12 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       head dim, lengths not multiples of the tiles, non-positive scale, tiles
       that do not fit in shared memory), so that a dispatcher falls back.
   """
+  if block_kv is None:
+    block_kv = default_block_kv(query.shape[-1])
   if num_consumers is None:
     num_consumers = consumers_by_default(
         head_dim=query.shape[-1], q_len=query.shape[1], is_causal=is_causal,
         block_q=block_q, overlap_scores=overlap_scores)
-  if block_kv is None and max_concurrent_steps is None:
-    block_kv, max_concurrent_steps, wide_lean = forward_tiles_by_default(
-        head_dim=query.shape[-1], kv_len=key.shape[1],
-        num_consumers=num_consumers)
-    if lean_producer is None:
-      lean_producer = wide_lean
-  if block_kv is None:
-    block_kv = default_block_kv(query.shape[-1])
-  if max_concurrent_steps is None:
-    max_concurrent_steps = 2
-  lean_producer = bool(lean_producer)
   if num_consumers not in _REGISTERS_BY_CONSUMERS:
     raise ValueError(f"num_consumers must be one of "
                      f"{tuple(_REGISTERS_BY_CONSUMERS)}, got {num_consumers}")
