@@ -44,7 +44,10 @@ FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
                    dict(hw_turns=True), dict(hw_turns=True, persistent=False),
                    dict(lean_producer=True, num_consumers=2),
                    dict(lean_producer=True, num_consumers=2, persistent=False,
-                        overlap_scores=True))
+                        overlap_scores=True),
+                   dict(sum_after_pv=True),
+                   dict(sum_after_pv=True, persistent=False,
+                        lean_producer=True, num_consumers=2))
 BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True),
                     dict(persistent=True, num_ctas=3),
                     dict(persistent=False, tile_fastest=True),

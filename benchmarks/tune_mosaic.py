@@ -172,6 +172,14 @@ FORWARD_LEAN_CANDIDATES = [
     dict(), dict(lean_producer=True),
     dict(persistent=False, overlap_scores=True),
     dict(persistent=False, overlap_scores=True, lean_producer=True)]
+# P's row sum after P V is issued (`forward.KernelStatic.sum_after_pv`,
+# tokamax's order above head_dim 128), alone and with lean producers,
+# against the default; the ncu of the d=256 forward at 4k
+# (results/h200_ncu_fwd256_4k.md) shows our consumers polling barriers
+# where cuDNN's wait on their wgmmas.
+FORWARD_SUM_AFTER_PV_CANDIDATES = [
+    dict(), dict(sum_after_pv=True),
+    dict(sum_after_pv=True, lean_producer=True)]
 # What the fused dQ's fixed order costs (`turn_cost_benchmark`): the fused
 # kernel as shipped, the same without its turn waits (a diagnostic: its dQ
 # is wrong), and the two kernels. cuDNN's backward, one kernel adding dQ in
@@ -323,6 +331,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_early_delta": _backward(DELTA_CANDIDATES),
            "backward_lean": _backward(LEAN_SPACE),
            "forward_lean": _forward(FORWARD_LEAN_CANDIDATES),
+           "forward_sum_after_pv": _forward(FORWARD_SUM_AFTER_PV_CANDIDATES),
            "backward_merged": _backward(MERGED_CANDIDATES),
            "backward_merged_wide": _backward(MERGED_WIDE_CANDIDATES),
            "backward_lean_wide": _backward(LEAN_WIDE_SPACE),

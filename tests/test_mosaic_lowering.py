@@ -322,6 +322,40 @@ def test_lean_producer_lowers_and_changes_the_forward(head_dim,
     _lower(64, False, num_consumers=3, lean_producer=True)
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_sum_after_pv_lowers_and_changes_the_forward(head_dim,
+                                                     lowering_semantics):
+  """`sum_after_pv` (P's row sum after P V is issued) lowers on either
+  grid, with lean producers too, and is another kernel; `overlap_scores`,
+  which orders its steps its own way, refuses it."""
+  for kwargs in (dict(persistent=False), dict(persistent=True),
+                 dict(lean_producer=True)):
+    text = lambda **kw: _lower(head_dim, True, **kwargs, **kw)
+    assert text(sum_after_pv=True) != text()
+  with pytest.raises(NotImplementedError, match="sum_after_pv"):
+    _lower(head_dim, False, persistent=False, overlap_scores=True,
+           sum_after_pv=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kwargs", [
+    dict(persistent=False), dict(persistent=True),
+    dict(lean_producer=True),
+], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sum_after_pv_forward_is_bitwise_on_gpu(head_dim, is_causal, kwargs):
+  """P's row sum taken while P V runs is the same sum: out and lse equal
+  the default order's bit for bit (a sum read from the wrong registers, or
+  l carried wrongly through the wgmma's scope, would not)."""
+  if kwargs.get("lean_producer") and head_dim == 64:
+    pytest.skip("d=64 runs three consumers; lean_producer takes two")
+  run = _forward_runner(head_dim, is_causal, seed=67)
+  want = run(**kwargs)
+  for a, b in zip(run(sum_after_pv=True, **kwargs), want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("is_causal", [False, True])

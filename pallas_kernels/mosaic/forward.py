@@ -294,6 +294,11 @@ class KernelStatic:
   # head_dim 256 (128 + 32 f32 registers before P). Scheduling only:
   # bitwise the same. Not yet run on a GPU.
   lean_producer: bool = False
+  # P's row sum taken after P V is issued, while the wgmma runs, rather
+  # than before (tokamax's sm90 forward orders it so above head_dim 128).
+  # The same operations: bitwise the same. Not with `overlap_scores`.
+  # Not yet run on a GPU.
+  sum_after_pv: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -324,7 +329,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    num_ctas: int | None = None,
                    tile_fastest: bool | None = None,
                    num_consumers: int | None = None, ring_turns: bool = False,
-                   hw_turns: bool = False, lean_producer: bool = False):
+                   hw_turns: bool = False, lean_producer: bool = False,
+                   sum_after_pv: bool = False):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -367,6 +373,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       `KernelStatic`); not with `overlap_scores`. Bitwise the same.
     lean_producer: the consumers at 240 registers, the producer at 24
       (see `KernelStatic`); two consumers only. Bitwise the same.
+    sum_after_pv: P's row sum after P V is issued (see `KernelStatic`);
+      not with `overlap_scores`. Bitwise the same.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -396,6 +404,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if (ring_turns or hw_turns) and overlap_scores:
     raise NotImplementedError(
         "overlap_scores takes its own turns: no ring_turns or hw_turns")
+  if sum_after_pv and overlap_scores:
+    raise NotImplementedError(
+        "sum_after_pv: the plain step only (overlap_scores has its own order)")
   static = check_supported(query, key, value, scale=scale,
                            is_causal=is_causal, block_q=block_q,
                            block_kv=block_kv,
@@ -407,7 +418,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                overlap_scores=bool(overlap_scores),
                                ring_turns=bool(ring_turns),
                                hw_turns=bool(hw_turns),
-                               lean_producer=bool(lean_producer))
+                               lean_producer=bool(lean_producer),
+                               sum_after_pv=bool(sum_after_pv))
   if persistent is None:
     persistent = persistent_by_default(
         is_causal=is_causal, head_dim=query.shape[-1], kv_len=key.shape[1],
@@ -1193,7 +1205,11 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       scale_log2 = scale_log2 * (q_factor * k_factor)
     m_new, alpha, p = _exponentiate(s, m, scale_log2)
     acc = acc * _rows(alpha, acc.shape)
-    l = l * alpha + p.sum(axis=1)
+    p_f32 = p
+    if static.sum_after_pv:
+      l = l * alpha
+    else:
+      l = l * alpha + p.sum(axis=1)
     p = p.astype(static.dtype)
     if static.fence_softmax:
       acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
@@ -1206,15 +1222,21 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     turn.before_values(step, functools.partial(plgpu.barrier_wait,
                                                v_arrived.at[slot]))
 
-    def accumulate(o_ref):
+    def accumulate(o_ref, l_ref=None):
       v_tile = v_smem.at[slot]
       if fp8 is not None:  # stored [head_dim, block_kv]: K-major for wgmma
         v_tile = v_tile.transpose((1, 0))
       plgpu.wgmma(o_ref, p, v_tile)
+      if l_ref is not None:  # `sum_after_pv`: while P V_j runs
+        l_ref[...] = l_ref[...] + p_f32.sum(axis=1)
       # Wait for K_{j+1} while P V_j runs on the tensor cores.
       wait_next_k(step)
 
-    acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
+    if static.sum_after_pv:
+      acc, l = pl.run_state(lambda refs: accumulate(*refs))(
+          (plgpu.ACC.init(acc), l))
+    else:
+      acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
     plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
     return acc, m_new, l
 
