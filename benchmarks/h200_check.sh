@@ -188,14 +188,14 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
         "tests/test_mosaic_backward.py::test_stage_free_on_read_is_bitwise_the_fused_kernel_on_gpu tests/test_mosaic_backward.py::test_prefetched_lse_is_bitwise_the_default_on_gpu" \
         backward_fused_stalls --head-dims 128 --causal full --rounds 3 ;;
     early_delta)  # delta read early in the dK/dV kernel, and the
-                  # consumers at 240 registers (session 14, not yet run on
-                  # a GPU): bitwise tests, then the A/B at d=128 without a
-                  # mask against the default, three rounds
+                  # consumers at 240 registers (session 14's, run in
+                  # session 15): bitwise tests, then the A/B at d=128
+                  # without a mask against the default, three rounds
       CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab early_delta \
         "tests/test_mosaic_backward.py::test_early_delta_is_bitwise_the_default_on_gpu tests/test_mosaic_backward.py::test_lean_producer_is_bitwise_the_default_on_gpu" \
         backward_early_delta --head-dims 128 --causal full --rounds 3 ;;
     merged)  # the fused dQ's piece issued with the next step's dV and dK
-             # (session 14, not yet run on a GPU): bitwise tests, then
+             # (session 14's, run in session 15): bitwise tests, then
              # the A/B at d=128 without a mask (fused, merged, the two
              # kernels) and at d=64's 128-row tiles, three rounds
       CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab merged \
@@ -206,8 +206,8 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
           --out "$OUT/h200_mosaic_merged64_16384.json" > "$LOGS/merged64.log" 2>&1 \
         && grep "^backward" "$LOGS/merged64.log" ;;
     forward_lean)  # the forward's consumers at 240 registers, alone and
-                   # with overlap_scores (session 14, not yet run on a
-                   # GPU): bitwise tests, then the A/B at d=128/256,
+                   # with overlap_scores (session 14's, run in session
+                   # 15): bitwise tests, then the A/B at d=128/256,
                    # 16k/4k/1k, two rounds
       gated_ab forward_lean \
         tests/test_mosaic_lowering.py::test_lean_producer_forward_is_bitwise_on_gpu \

@@ -53,7 +53,8 @@ BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True),
                     dict(persistent=False, tile_fastest=True),
                     dict(prefetch_lse=True),
                     dict(early_delta=True),
-                    dict(early_delta=True, lean_producer=True, fused_dq=False))
+                    dict(early_delta=True, lean_producer=True, fused_dq=False),
+                    dict(lean_producer=False, fused_dq=False))
 
 
 def lowers(fn, *shapes) -> str | None:
@@ -75,7 +76,8 @@ def kernels(head_dim: int):
       yield (f"forward d{head_dim} causal={causal} {options}",
              lambda q, k, v, c=causal, o=options: mosaic_forward(
                  q, k, v, scale=0.1, is_causal=c, **o), (q, kv, kv))
-    fused = dict(fused_dq=True, block_q=128 if head_dim == 64 else 64)
+    fused = dict(fused_dq=True, block_q=128 if head_dim == 64 else 64,
+                 merged_pieces=False)
     fused_forms = (fused,
                    dict(fused, stage_free_on_read=True, prefetch_lse=True),
                    dict(fused, deferred_dq=True, merged_pieces=True))

@@ -86,7 +86,7 @@ OPAQUE_SPACE = dict(fused_dq=(False, True), opaque_resident=(False, True),
 # The fused dQ's pieces a step later (`backward._Static.deferred_dq`),
 # against the fused kernel and the two kernels.
 DEFERRED_SPACE = dict(fused_dq=(False, True), deferred_dq=(False, True),
-                      persistent=(False,))
+                      persistent=(False,), merged_pieces=(False,))
 # The same at head_dim 64's 128-row Q tiles (the fused dQ's there), fused.
 DEFERRED_WIDE_SPACE = dict(fused_dq=(True,), deferred_dq=(False, True),
                            block_q=(128,), persistent=(False,))
@@ -114,9 +114,10 @@ FORWARD_TILE_ORDER_CANDIDATES = [dict(), dict(persistent=False,
 # Measured in session 13 (results/h200_mosaic_one_stage.md): 29-31% slower
 # at 1k-16k; the one stage leaves each K and V load exposed. Session 15
 # (results/h200_mosaic_forward_wide_kv.md, run as `forward_wide_kv` at
-# 46ebeea) added the consumers at 240 registers, which the N=128 S needs:
-# +2% at 4k without a mask, -10% to -23% in the other cells; and at d=128 a
-# one-stage 256-row form (-10% to -18%).
+# 46ebeea) added the consumers at 240 registers, which the N=128 S needs,
+# per cell: +1.9% at 4k without a mask, -9.6% to -22.6% in the other
+# five; at d=128 one stage of 128-row tiles -0.3% to -8.6%, of 256-row
+# tiles -9.5% to -26.2%.
 FORWARD_ONE_STAGE_CANDIDATES = [
     dict(), dict(block_kv=128, max_concurrent_steps=1, lean_producer=False),
     dict(block_kv=128, max_concurrent_steps=1, lean_producer=True),
@@ -126,13 +127,16 @@ FORWARD_ONE_STAGE_CANDIDATES = [
 # (`backward._Static.stage_free_on_read`), and lse read before the matmuls
 # (`backward._Static.prefetch_lse`), fused, against the two kernels as
 # they are (the default at 4k) and with lse read early too.
+# (Pinned as they ran in session 14: no merged pieces, no lean producers.)
 FUSED_STALLS_CANDIDATES = [
-    dict(fused_dq=True, persistent=False),
-    dict(fused_dq=True, persistent=False, stage_free_on_read=True),
+    dict(fused_dq=True, persistent=False, merged_pieces=False),
     dict(fused_dq=True, persistent=False, stage_free_on_read=True,
-         prefetch_lse=True),
-    dict(fused_dq=False, persistent=False),
-    dict(fused_dq=False, persistent=False, prefetch_lse=True)]
+         merged_pieces=False),
+    dict(fused_dq=True, persistent=False, stage_free_on_read=True,
+         prefetch_lse=True, merged_pieces=False),
+    dict(fused_dq=False, persistent=False, lean_producer=False),
+    dict(fused_dq=False, persistent=False, prefetch_lse=True,
+         lean_producer=False)]
 # lse read early in the two kernels' dK/dV kernel (`backward._Static.
 # prefetch_lse`), wherever the fused kernel is not the question.
 PREFETCH_LSE_SPACE = dict(prefetch_lse=(False, True), fused_dq=(False,))
@@ -142,17 +146,19 @@ PREFETCH_LSE_SPACE = dict(prefetch_lse=(False, True), fused_dq=(False,))
 # With the consumers at 240 registers and the producer at 24
 # (`lean_producer`), which gives delta (and lse) read early their room.
 DELTA_CANDIDATES = [
-    dict(fused_dq=False), dict(fused_dq=False, early_delta=True),
+    dict(fused_dq=False, lean_producer=False),
+    dict(fused_dq=False, early_delta=True, lean_producer=False),
     dict(fused_dq=False, lean_producer=True),
     dict(fused_dq=False, lean_producer=True, early_delta=True),
-    dict(fused_dq=False, prefetch_lse=False, prefetch_stats=True)]
+    dict(fused_dq=False, prefetch_lse=False, prefetch_stats=True,
+         lean_producer=False)]
 # The fused dQ's piece issued with the next step's dV and dK
 # (`backward._Static.merged_pieces`) against the fused kernel without it
 # and the two kernels (the default at d=128); at d=64's 128-row Q tiles
 # (`backward_merged_wide`) against the fused kernel as shipped there (not
 # deferred) and deferred.
 MERGED_CANDIDATES = [
-    dict(fused_dq=True, persistent=False),
+    dict(fused_dq=True, persistent=False, merged_pieces=False),
     dict(fused_dq=True, persistent=False, merged_pieces=True),
     dict(fused_dq=True, persistent=False, merged_pieces=True,
          stage_free_on_read=True),

@@ -456,8 +456,9 @@ def test_lean_producer_lowers_and_changes_both_kernels(head_dim, kwargs,
 
 
 def test_lean_producer_and_merged_pieces_defaults(cuda_lowering):
-  """`lean_producer=None` is on with the two kernels (either grid, shared
-  rows too; under causal masking not at d=128) and off in the fused kernel; `merged_pieces=None` is on in
+  """`lean_producer=None` is on with the two kernels (either grid; shared
+  rows at d=256 from kv_len 2048; under causal masking not at d=128) and
+  off in the fused kernel; `merged_pieces=None` is on in
   the deferred fused kernel at d=128 where each consumer has one dQ piece,
   and off (not refused) where kv_len leaves one consumer two pieces; and
   `fused_dq=None` does not fuse where kv_len gives one consumer."""
@@ -475,17 +476,22 @@ def test_lean_producer_and_merged_pieces_defaults(cuda_lowering):
                for c in configs(head_dim, 512, is_causal=True,
                                 fused_dq=False))
 
-  for head_dim, kwargs in ((128, dict(persistent=False)),
-                           (128, dict(persistent=True)), (256, {}),
-                           (64, dict(block_q=128, fused_dq=False))):
+  for head_dim, kv_len, kwargs in ((128, 512, dict(persistent=False)),
+                                   (128, 512, dict(persistent=True)),
+                                   (256, 512, {}), (256, 2048, {}),
+                                   (64, 512, dict(block_q=128,
+                                                  fused_dq=False))):
     assert all(c.lean_producer and not c.merged_pieces
-               for c in configs(head_dim, 512, **kwargs))
+               for c in configs(head_dim, kv_len, **kwargs))
+  assert all(c.shared_rows for c in configs(256, 2048)[1:])
   [fused] = configs(128, 512, fused_dq=True)
   assert fused.merged_pieces and fused.deferred_dq and not fused.lean_producer
   [fused] = configs(128, 192, fused_dq=True)   # one consumer, two pieces
   assert fused.num_consumers == 1 and not fused.merged_pieces
   [fused] = configs(64, 512, fused_dq=True, block_q=128)  # not deferred
   assert not (fused.merged_pieces or fused.deferred_dq)
+  [fused] = configs(128, 512, fused_dq=True, deferred_dq=False)
+  assert not fused.merged_pieces  # it needs the deferred pieces
   assert not any(c.lean_producer for c in configs(128, 512, fused_dq=True,
                                                   lean_producer=False))
   default = lambda n: backward.fused_dq_by_default(
@@ -536,8 +542,9 @@ def test_stage_free_on_read_lowers_with_the_fused_dq_only(cuda_lowering):
 def test_deferred_dq_lowers_with_the_fused_dq_only(cuda_lowering):
   """The option changes the fused kernel and refuses the two kernels."""
   for head_dim, block_q in ((128, 64), (64, 128)):
+    # merged_pieces off: at d=128 it follows deferred_dq by default.
     assert (_lower(head_dim, True, fused_dq=True, block_q=block_q,
-                   deferred_dq=True)
+                   deferred_dq=True, merged_pieces=False)
             != _lower(head_dim, True, fused_dq=True, block_q=block_q,
                       deferred_dq=False))
   with pytest.raises(NotImplementedError, match="fused dQ only"):

@@ -371,15 +371,18 @@ class _Static:
   # ready, before P's exponentials, not after dV's wgmma is issued, so
   # that its load hides behind them (the fused dQ's stall samples, session
   # 14: 2% of the consumers' on dS's FADDs waiting for it). Costs its 16
-  # registers (block_q 64) through P. Not yet run on a GPU.
+  # registers (block_q 64) through P. Bitwise the default (GPU tests,
+  # session 15); measured 1-5% slower at d=128 (results/h200_mosaic_
+  # early_delta.md): off.
   early_delta: bool = False
   # Both kernels (not the fused dQ, whose four warpgroups have 512 registers
   # a thread slot shared 232/232/24/24): the producer at 24 registers (it
   # only issues TMA; it may spill) and the consumers at 240, instead of 40
   # and 232 (`forward._LEAN_REGISTERS`: 2 * 240 + 24 = 504, a 384-thread
   # CTA's launch budget of 168 a thread, as 2 * 232 + 40), so that lse and
-  # delta read early (`prefetch_lse`, `early_delta`) have room. Not yet run
-  # on a GPU.
+  # delta read early (`prefetch_lse`, `early_delta`) have room. Bitwise the
+  # default (GPU tests, session 15); the default where measured faster
+  # (`LEAN_PRODUCER_BY_DEFAULT`).
   lean_producer: bool = False
   # dK/dV kernel, plain form: the consumers index their resident K and V
   # rows each step with a zero read from shared memory (the last scratch
@@ -414,7 +417,8 @@ class _Static:
   # three, instead of issued and waited for on its own after them (the
   # fused kernel's stall samples, session 14: 6% of the consumers' on that
   # wait, 6% more on dV/dK's); the tensor cores then have 768 clocks queued
-  # a consumer step. Not yet run on a GPU.
+  # a consumer step. Bitwise the deferred kernel (GPU tests, three runs,
+  # session 15); the default at `MERGED_PIECES_HEAD_DIMS`.
   merged_pieces: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
   # (`forward.persistent_schedule`), so that a tile's start (its resident
@@ -846,8 +850,8 @@ def statics(query, key, *, heavy_first: bool = True,
     one_piece_each = all(
         _dq_pieces(config.block_q, config.head_dim) == config.num_consumers
         for config in fused_configs)
-    if merged_pieces is None:
-      merged_pieces = one_piece_each
+    if merged_pieces is None:  # where it fits (the checks above, too)
+      merged_pieces = one_piece_each and deferred_dq and overlap_softmax
     elif merged_pieces and not one_piece_each:
       raise NotImplementedError(
           "merged_pieces: one dQ piece a consumer only")

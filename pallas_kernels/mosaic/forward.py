@@ -292,12 +292,14 @@ class KernelStatic:
   # Two consumers at 240 registers and the producer at 24 (FlashAttention-
   # 3's split) instead of 232 and 40: room for O, S and the softmax at
   # head_dim 256 (128 + 32 f32 registers before P). Scheduling only:
-  # bitwise the same. Not yet run on a GPU.
+  # bitwise the same (GPU tests, session 15); measured -1% to +2%
+  # (results/h200_mosaic_forward_lean.md): off.
   lean_producer: bool = False
   # P's row sum taken after P V is issued, while the wgmma runs, rather
   # than before (tokamax's sm90 forward orders it so above head_dim 128).
-  # The same operations: bitwise the same. Not with `overlap_scores`.
-  # Not yet run on a GPU.
+  # The same expression, `l * alpha + rowsum(P)`, moved: expected bitwise
+  # the same (its GPU test says). Not with `overlap_scores`. Not yet run
+  # on a GPU.
   sum_after_pv: bool = False
 
   @property
@@ -374,7 +376,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     lean_producer: the consumers at 240 registers, the producer at 24
       (see `KernelStatic`); two consumers only. Bitwise the same.
     sum_after_pv: P's row sum after P V is issued (see `KernelStatic`);
-      not with `overlap_scores`. Bitwise the same.
+      not with `overlap_scores`. Expected bitwise the same.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -1206,9 +1208,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     m_new, alpha, p = _exponentiate(s, m, scale_log2)
     acc = acc * _rows(alpha, acc.shape)
     p_f32 = p
-    if static.sum_after_pv:
-      l = l * alpha
-    else:
+    if not static.sum_after_pv:
       l = l * alpha + p.sum(axis=1)
     p = p.astype(static.dtype)
     if static.fence_softmax:
@@ -1228,7 +1228,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
         v_tile = v_tile.transpose((1, 0))
       plgpu.wgmma(o_ref, p, v_tile)
       if l_ref is not None:  # `sum_after_pv`: while P V_j runs
-        l_ref[...] = l_ref[...] + p_f32.sum(axis=1)
+        l_ref[...] = l_ref[...] * alpha + p_f32.sum(axis=1)
       # Wait for K_{j+1} while P V_j runs on the tensor cores.
       wait_next_k(step)
 
