@@ -1,0 +1,332 @@
+"""JAX 0.10.2's private Mosaic GPU interpreter, taught what our forward uses.
+
+JAX ships an interpreter for Pallas Mosaic GPU kernels
+(`jax._src.pallas.mosaic_gpu.interpret`: private) that runs a kernel on the
+CPU, simulating shared memory, warpgroup threads, mbarriers, TMA and wgmma.
+Under it `pallas_kernels.mosaic.forward` stops at what it lacks; `install()`
+monkeypatches these into it (tests/test_mosaic_interpret.py uses them to
+check the Mosaic forward's numerics in CI, without a GPU):
+
+* `JaxprInterpreter.interpret`, wrapped: three primitives that the stock
+  loop would send to `_interpret_arithmetic_primitive` (which gets no
+  ordering token, so that its callbacks could run before the kernel's
+  inputs are copied into shared memory: a wgmma then read NaN) are handled
+  with the kernel's token:
+    - `run_state_p` (`pl.run_state`, our wgmma accumulators): each value
+      operand becomes a thread-private REGS buffer holding it, as
+      `run_scoped` does for a `plgpu.ACC`; the body is interpreted; the
+      outputs are the buffers' final contents (the interpreter's wgmma is
+      synchronous, so nothing is in flight by then);
+    - `layout_cast_p` (`plgpu.layout_cast`): a layout hint, the value;
+    - `wgmma_accumulator_store_p` (`acc_ref[...] = value`): a swap into the
+      accumulator's buffer (the stock interpreter only loads).
+  Every other equation goes to the stock loop, unchanged.
+* `JaxprInterpreter._interpret_wgmma_ref_p`: also takes an LHS held in
+  registers (`wgmma(o_ref, p, v_smem.at[slot])`) and a trailing
+  `.transpose(...)` on an operand (`k_smem.at[slot].transpose((1, 0))`).
+  The product is the stock one's: acc += a @ b in acc's dtype.
+* `shared_memory.Barrier.deallocate`: the stock one raises when a thread
+  that waited on a barrier did not wait on every phase. Hardware has no
+  such rule and our K/V ring breaks it by design: the producer waits on a
+  slot's "consumed" barrier only before refilling that slot, so the last
+  `num_stages` consumptions are never awaited. These trailing phases are
+  counted in `UNOBSERVED_TRAILING_PHASES` instead. A wait that skips a
+  phase, or a phase completed twice between waits, still raises.
+
+Each simulated warpgroup is a host thread whose kernel blocks inside XLA
+callbacks (barrier waits), and XLA's CPU runtime runs about one more of
+them at once than the machine has cores: more warpgroups than
+`MAX_WARPGROUPS` can deadlock (measured on 2 cores: 3 warpgroups ran 8 of
+8 times, 4 hung about one run in three; on 1 core 3 hung at once).
+
+What the interpreter cannot check: wgmma runs synchronously there, so
+`wait_n` and the overlap of wgmma groups are not exercised; inline PTX
+(`compat.named_barrier`, the forward's `hw_turns`) cannot run.
+
+Written against JAX 0.10.2's private modules: `WHY_NOT` says why the patch
+is unavailable elsewhere, and the tests skip with it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PATCHED_JAX_VERSION = "0.10.2"
+# Warpgroups (consumers and the producer) that run without deadlock here.
+MAX_WARPGROUPS = len(os.sched_getaffinity(0)) + 1
+WHY_NOT: str | None = None
+if jax.__version__ != PATCHED_JAX_VERSION:
+  WHY_NOT = (f"the Mosaic GPU interpreter patch is written against JAX "
+             f"{PATCHED_JAX_VERSION}'s private modules; this is JAX "
+             f"{jax.__version__}")
+else:
+  try:
+    from jax._src import callback
+    from jax._src import core as jax_core
+    from jax._src import source_info_util
+    from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+    from jax._src.pallas.mosaic_gpu import core as mgpu_core
+    from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gc
+    from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret as ji
+    from jax._src.pallas.mosaic_gpu.interpret import shared_memory as gpu_memory
+    from jax._src.pallas.mosaic_gpu.interpret.params import (
+        InterpretGPUParams, force_gpu_interpret_mode)
+    from jax._src.state import discharge as state_discharge
+    from jax._src.state import types as state_types
+  except ImportError as e:  # a jaxlib without Mosaic GPU, or moved modules
+    WHY_NOT = f"the Mosaic GPU interpreter is not importable: {e}"
+
+
+
+# --------------------------------------------------------------------------
+# REGS buffers (thread-private; own id sequence, see gc._allocate_buffer)
+
+def _alloc_regs(self, token, value, source_info):
+  token, request = gc.call_make_allocation_request_array(
+      token=token, device_id=jnp.int32(self.device_info.device_id),
+      memory_space_id=gc.get_memory_space_idx(mgpu_core.MemorySpace.REGS), thread_id=jnp.int32(self.thread_id),
+      initial_ref_count=1)
+  return gc.call_allocate_buffer(
+      token=token, device_id=jnp.int32(self.device_info.device_id),
+      grid_point_coords=self.grid_point_coords, thread_id=self.thread_id,
+      allocation_request_as_array=request, value=value,
+      source_info=source_info)
+
+
+def _free_regs(self, token, key, source_info):
+  return gc.call_deallocate_buffer(
+      token=token, device_id=jnp.int32(self.device_info.device_id),
+      grid_point_coords=self.grid_point_coords, thread_id=self.thread_id,
+      allocation_key_as_array=key, source_info=source_info)
+
+
+# --------------------------------------------------------------------------
+# run_state
+
+def _interpret_run_state_p(self, eqn, token, invals):
+  if not all(eqn.params["is_initialized"]):
+    raise NotImplementedError("run_state with uninitialized refs")
+  args, owned = [], []
+  for var, val in zip(eqn.invars, invals):
+    if isinstance(var.aval, state_types.AbstractRef):  # an outer ref: its key
+      args.append(val)
+      owned.append(False)
+    else:
+      token, key = _alloc_regs(self, token, val, eqn.source_info)
+      args.append(key)
+      owned.append(True)
+  token, _ = self.interpret(eqn.params["jaxpr"], token, *args)
+  outs = []
+  for var, key, own in zip(eqn.invars, args, owned):
+    if not own:
+      outs.append(key)
+      continue
+    token, value = gc.call_get(
+        token=token, result_shape_and_dtype=var.aval,
+        device_id=jnp.int32(self.device_info.device_id),
+        grid_point_coords=self.grid_point_coords, thread_id=self.thread_id,
+        allocation_key_as_array=key, transforms=(),
+        source_info=eqn.source_info)
+    token = _free_regs(self, token, key, eqn.source_info)
+    outs.append(value)
+  return token, outs
+
+
+def _patched_interpret(self, jaxpr, token, *args):
+  """The stock loop, but with run_state and layout_cast taken out of it."""
+  special = (state_discharge.run_state_p, mgpu_core.layout_cast_p,
+             gpu_primitives.wgmma_accumulator_store_p)
+  if not any(e.primitive in special for e in jaxpr.eqns):
+    return _STOCK_INTERPRET(self, jaxpr, token, *args)
+  # Interpret the equations in runs: maximal runs of ordinary equations go
+  # to the stock loop (as a sub-jaxpr over the live variables), the special
+  # ones are handled here, the token threaded through all of them.
+  env = {}
+  def read(v):
+    return v.val if isinstance(v, jax_core.Literal) else env[v]
+  for v, a in zip(jaxpr.constvars + jaxpr.invars, args):
+    env[v] = a
+  eqns = list(jaxpr.eqns)
+  i = 0
+  while i < len(eqns):
+    eqn = eqns[i]
+    if eqn.primitive in special:
+      invals = [read(v) for v in eqn.invars]
+      with source_info_util.user_context(
+          eqn.source_info.traceback, name_stack=eqn.source_info.name_stack):
+        if eqn.primitive is mgpu_core.layout_cast_p:
+          outs = [invals[0]]
+        elif eqn.primitive is gpu_primitives.wgmma_accumulator_store_p:
+          token, old = gc.call_swap(
+              token=token, result_shape_and_dtype=eqn.outvars[0].aval,
+              device_id=jnp.int32(self.device_info.device_id),
+              grid_point_coords=self.grid_point_coords,
+              thread_id=self.thread_id, allocation_key_as_array=invals[0],
+              transforms=(), val=invals[1], mask=None,
+              source_info=eqn.source_info)
+          outs = [old]
+        else:
+          token, outs = _interpret_run_state_p(self, eqn, token, invals)
+      for v, o in zip(eqn.outvars, outs):
+        env[v] = o
+      i += 1
+      continue
+    j = i
+    while j < len(eqns) and eqns[j].primitive not in special:
+      j += 1
+    run = eqns[i:j]
+    defined = set()
+    free = []
+    for e in run:
+      for v in e.invars:
+        if (isinstance(v, jax_core.Var) and v not in defined
+            and v not in free):
+          free.append(v)
+      defined.update(e.outvars)
+    # Outputs of the run: everything it defines that is used later.
+    later = set()
+    for e in eqns[j:]:
+      later.update(v for v in e.invars if isinstance(v, jax_core.Var))
+    later.update(v for v in jaxpr.outvars if isinstance(v, jax_core.Var))
+    outs = [v for e in run for v in e.outvars
+            if v in later and not isinstance(v, jax_core.DropVar)]
+    sub = jax_core.Jaxpr([], free, outs, run)
+    token, vals = _STOCK_INTERPRET(self, sub, token, *[env[v] for v in free])
+    for v, val in zip(outs, vals):
+      env[v] = val
+    i = j
+  return token, [read(v) for v in jaxpr.outvars]
+
+
+# --------------------------------------------------------------------------
+# wgmma
+
+def _split_transpose(transforms):
+  """(leading transforms, permutation or None) for a trailing transpose."""
+  transforms = tuple(transforms)
+  perm = None
+  while transforms and isinstance(transforms[-1],
+                                  state_types.TransposeTransform):
+    p = transforms[-1].permutation
+    perm = p if perm is None else tuple(p[i] for i in perm)
+    transforms = transforms[:-1]
+  if any(isinstance(t, state_types.TransposeTransform) for t in transforms):
+    raise NotImplementedError(f"transpose before indexing: {transforms}")
+  return transforms, perm
+
+
+def _wgmma_callback(*, token, device_id, grid_point_coords, thread_id,
+                    acc_allocation_key_as_array, acc_transforms, acc_dtype,
+                    a_allocation_key_as_array, a_transforms, a_value,
+                    b_allocation_key_as_array, b_transforms,
+                    a_perm, b_perm, source_info=None):
+  device_id = int(device_id)
+  thread_id = int(thread_id)
+  grid_point_coords = tuple(int(x) for x in grid_point_coords)
+  sm = gc._get_shared_memory()
+  gtid = sm.get_global_thread_id(device_id, thread_id)
+  info = interpret_utils.GPULoggingInfo(
+      device_id=device_id, grid_point_coords=grid_point_coords,
+      thread_id=thread_id, source_info=source_info)
+
+  def read(key_arr, transforms, perm):
+    key = gc.HostAllocationKey.from_array(key_arr)
+    transforms = jax.tree.map(int, gc._remove_noop_transforms(transforms))
+    val, _, _ = sm.get_buffer_content(
+        key, interpret_utils.to_range(transforms), gtid, logging_info=info)
+    assert val is not None
+    return val if perm is None else np.transpose(val, perm)
+
+  if a_value is not None:
+    a = np.asarray(a_value)
+  else:
+    a = read(a_allocation_key_as_array, a_transforms, a_perm)
+  b = read(b_allocation_key_as_array, b_transforms, b_perm)
+  acc_key = gc.HostAllocationKey.from_array(acc_allocation_key_as_array)
+  acc_range = interpret_utils.to_range(
+      jax.tree.map(int, gc._remove_noop_transforms(acc_transforms)))
+  acc, _, _ = sm.get_buffer_content(acc_key, acc_range, gtid,
+                                    logging_info=info)
+  res = acc + np.matmul(a, b, dtype=acc_dtype)
+  sm.store_buffer_content(acc_key, acc_range, res, gtid, logging_info=info)
+  return token
+
+
+def _patched_wgmma_ref_p(self, eqn, token, get_invals):
+  assert eqn.primitive is gpu_primitives.wgmma_ref_p
+  acc, a, b, *leaves = get_invals()
+  empty = jax.tree.structure([])
+  acc_t, a_t, b_t = jax.tree.unflatten(
+      jax.tree_util.treedef_tuple((
+          eqn.params["acc_transforms_tree"] or empty,
+          eqn.params["a_transforms_tree"] or empty,
+          eqn.params["b_transforms_tree"] or empty)), leaves)
+  a_t, a_perm = _split_transpose(a_t)
+  b_t, b_perm = _split_transpose(b_t)
+  a_is_value = not isinstance(eqn.invars[1].aval, state_types.AbstractRef)
+  if a_is_value and (a_t or a_perm):
+    raise NotImplementedError("transforms on a register-held wgmma LHS")
+  return callback.io_callback(
+      functools.partial(_wgmma_callback, acc_dtype=eqn.invars[0].aval.dtype,
+                        a_perm=a_perm, b_perm=b_perm,
+                        source_info=eqn.source_info),
+      gc.TOKEN_SHAPE_DTYPE,
+      token=token, device_id=self.device_info.device_id,
+      grid_point_coords=self.grid_point_coords, thread_id=self.thread_id,
+      acc_allocation_key_as_array=acc, acc_transforms=acc_t,
+      a_allocation_key_as_array=None if a_is_value else a,
+      a_transforms=a_t, a_value=a if a_is_value else None,
+      b_allocation_key_as_array=b, b_transforms=b_t,
+      ordered=True), []
+
+
+# --------------------------------------------------------------------------
+# Barrier deallocation
+
+UNOBSERVED_TRAILING_PHASES = 0
+
+
+def _patched_barrier_deallocate(self):
+  global UNOBSERVED_TRAILING_PHASES
+  with self.cv:
+    self.ref_count -= 1
+    if self.ref_count > 0:
+      return
+    for next_phase in self.next_awaited_phase_by_thread:
+      observed = next_phase - 1
+      if 0 < observed < self.phase:
+        UNOBSERVED_TRAILING_PHASES += self.phase - observed
+
+
+_STOCK_INTERPRET = None
+
+
+def install() -> None:
+  """Applies the patches (once); raises RuntimeError with `WHY_NOT` where
+  they cannot apply."""
+  global _STOCK_INTERPRET
+  if WHY_NOT is not None:
+    raise RuntimeError(WHY_NOT)
+  if _STOCK_INTERPRET is not None:
+    return
+  _STOCK_INTERPRET = ji.JaxprInterpreter.interpret
+  gpu_memory.Barrier.deallocate = _patched_barrier_deallocate
+  ji.JaxprInterpreter.interpret = _patched_interpret
+  ji.JaxprInterpreter._interpret_wgmma_ref_p = _patched_wgmma_ref_p
+
+
+def interpreted():
+  """A context in which Mosaic GPU kernels run under the interpreter."""
+  install()
+  return force_gpu_interpret_mode(InterpretGPUParams())
+
+
+def reset() -> None:
+  """Clears the interpreter's state after a failed kernel (else the next
+  run reports the last one's leftovers)."""
+  gc.reset_gpu_interpret_mode_state()
