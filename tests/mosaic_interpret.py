@@ -82,15 +82,16 @@ else:
     WHY_NOT = f"the Mosaic GPU interpreter is not importable: {e}"
 
 
-
 # --------------------------------------------------------------------------
 # REGS buffers (thread-private; own id sequence, see gc._allocate_buffer)
 
 def _alloc_regs(self, token, value, source_info):
+  """(token, key) of a new REGS buffer of thread `self.thread_id` holding
+  `value` (`self`: the `JaxprInterpreter`)."""
   token, request = gc.call_make_allocation_request_array(
       token=token, device_id=jnp.int32(self.device_info.device_id),
-      memory_space_id=gc.get_memory_space_idx(mgpu_core.MemorySpace.REGS), thread_id=jnp.int32(self.thread_id),
-      initial_ref_count=1)
+      memory_space_id=gc.get_memory_space_idx(mgpu_core.MemorySpace.REGS),
+      thread_id=jnp.int32(self.thread_id), initial_ref_count=1)
   return gc.call_allocate_buffer(
       token=token, device_id=jnp.int32(self.device_info.device_id),
       grid_point_coords=self.grid_point_coords, thread_id=self.thread_id,
@@ -109,6 +110,8 @@ def _free_regs(self, token, key, source_info):
 # run_state
 
 def _interpret_run_state_p(self, eqn, token, invals):
+  """(token, outputs) of a `run_state` equation: value operands become
+  REGS buffers for the body, then the buffers' final contents."""
   if not all(eqn.params["is_initialized"]):
     raise NotImplementedError("run_state with uninitialized refs")
   args, owned = [], []
