@@ -307,8 +307,6 @@ def test_tile_fastest_forward_is_bitwise_the_default_order_on_gpu(
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-
-
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_lean_producer_lowers_and_changes_the_forward(head_dim,
                                                       cuda_lowering):

@@ -270,16 +270,15 @@ def lean_producer_by_default(*, head_dim: int, fused_dq: bool,
   return LEAN_PRODUCER_BY_DEFAULT and not fused_dq
 
 
-def merged_pieces_by_default(*, head_dim: int, fused_dq: bool,
-                             deferred_dq: bool,
-                             overlap_softmax: bool) -> bool | None:
-  """`mosaic_backward(merged_pieces=None)`: None (on where each consumer
-  has one dQ piece, which `statics` decides) for the deferred fused dQ at
-  `MERGED_PIECES_HEAD_DIMS`, else False."""
-  if (fused_dq and deferred_dq and overlap_softmax
-      and head_dim in MERGED_PIECES_HEAD_DIMS):
-    return None
-  return False
+def merged_pieces_by_default(*, head_dim: int, deferred_dq: bool,
+                             overlap_softmax: bool,
+                             one_piece_each: bool) -> bool:
+  """Whether the fused dQ with `mosaic_backward(merged_pieces=None)`
+  merges its pieces: deferred, at `MERGED_PIECES_HEAD_DIMS`, where each
+  consumer has one dQ piece (decided in `statics`, which knows the
+  consumers)."""
+  return (deferred_dq and overlap_softmax and one_piece_each
+          and head_dim in MERGED_PIECES_HEAD_DIMS)
 
 
 def persistent_by_default(*, head_dim: int, kv_len: int,
@@ -646,10 +645,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   if lean_producer is None:
     lean_producer = lean_producer_by_default(
         head_dim=head_dim, fused_dq=fused_dq, is_causal=is_causal)
-  if merged_pieces is None:  # stays None where `statics` decides
-    merged_pieces = merged_pieces_by_default(
-        head_dim=head_dim, fused_dq=fused_dq, deferred_dq=deferred_dq,
-        overlap_softmax=overlap_softmax)
+  # merged_pieces=None goes on: `statics` decides it with the consumers.
   return statics(query, key, heavy_first=heavy_first,
                  overlap_softmax=overlap_softmax, persistent=persistent,
                  num_ctas=num_ctas, fused_dq=fused_dq,
@@ -850,8 +846,10 @@ def statics(query, key, *, heavy_first: bool = True,
     one_piece_each = all(
         _dq_pieces(config.block_q, config.head_dim) == config.num_consumers
         for config in fused_configs)
-    if merged_pieces is None:  # where it fits (the checks above, too)
-      merged_pieces = one_piece_each and deferred_dq and overlap_softmax
+    if merged_pieces is None:
+      merged_pieces = merged_pieces_by_default(
+          head_dim=fused_configs[0].head_dim, deferred_dq=deferred_dq,
+          overlap_softmax=overlap_softmax, one_piece_each=one_piece_each)
     elif merged_pieces and not one_piece_each:
       raise NotImplementedError(
           "merged_pieces: one dQ piece a consumer only")
