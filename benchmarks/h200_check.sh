@@ -34,7 +34,7 @@ fi
 # the rest of the arguments) at each of CONSUMERS_SEQS (16k, 4k, 1k).
 gated_ab() {
   local name=$1 tests=$2 kernels=$3; shift 3
-  python3 -m pytest -m gpu -n 8 -q -rf --tb=short --timeout 150 -p no:cacheprovider \
+  python3 -m pytest -m gpu -n 8 --dist load -q -rf --tb=short --timeout 150 -p no:cacheprovider \
     -p no:benchmark $tests > "$OUT/pytest_$name.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_$name.log" | tail -15
   if grep -qE "failed|error" "$OUT/pytest_$name.log"; then
@@ -56,7 +56,9 @@ for step in "$@"; do
     tests)  # per-test limit instead of an outer kill (see above)
       # -v: every test's outcome by name, so a run cut short still says
       # which ran (TEST_SHARD: one part of the suite, see tests_shards).
-      python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} -rfE --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
+      # --dist load: pyproject's loadfile would give each file to one
+      # worker (session 15: 2 of 12 workers busy, 7.5 min for 37 tests).
+      python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} --dist load -rfE --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
         --durations=15 -p no:benchmark ${TEST_SHARD:+--shard $TEST_SHARD} -v \
         ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;

@@ -118,10 +118,10 @@ FORWARD_TILE_ORDER_CANDIDATES = [dict(), dict(persistent=False,
 # per cell: +1.9% at 4k without a mask, -9.6% to -22.6% in the other
 # five; at d=128 one stage of 128-row tiles -0.3% to -8.6%, of 256-row
 # tiles -9.5% to -26.2%.
-FORWARD_ONE_STAGE_CANDIDATES = [
+FORWARD_ONE_STAGE_CANDIDATES = [dict(c, sum_after_pv=False) for c in (
     dict(), dict(block_kv=128, max_concurrent_steps=1, lean_producer=False),
     dict(block_kv=128, max_concurrent_steps=1, lean_producer=True),
-    dict(block_kv=256, max_concurrent_steps=1, lean_producer=True)]
+    dict(block_kv=256, max_concurrent_steps=1, lean_producer=True))]
 # Session 14's two from the fused dQ's stall samples at d=128 4k: the
 # writer freeing each stage of dQ pieces once read
 # (`backward._Static.stage_free_on_read`), and lse read before the matmuls
@@ -175,16 +175,19 @@ LEAN_WIDE_SPACE = dict(LEAN_SPACE, block_q=(128,))
 # and with them the intra-warpgroup overlap (`overlap_scores`, launch grid),
 # which holds the next step's S as well, against the default.
 FORWARD_LEAN_CANDIDATES = [
-    dict(), dict(lean_producer=True),
+    dict(sum_after_pv=False), dict(lean_producer=True, sum_after_pv=False),
     dict(persistent=False, overlap_scores=True),
     dict(persistent=False, overlap_scores=True, lean_producer=True)]
 # P's row sum after P V is issued (`forward.KernelStatic.sum_after_pv`,
 # tokamax's order above head_dim 128), alone and with lean producers,
 # against the default; the ncu of the d=256 forward at 4k
 # (results/h200_ncu_fwd256_4k.md) shows our consumers polling barriers
-# where cuDNN's wait on their wgmmas.
+# where cuDNN's wait on their wgmmas. Session 16, without a mask
+# (results/h200_mosaic_sum_after_pv.md): d=128 +2.3% at 4k and +2.0% at
+# 16k (the default there since), d=256 -2.8% and -1.2%. These three lists
+# are pinned as they ran, with the row sum before P V.
 FORWARD_SUM_AFTER_PV_CANDIDATES = [
-    dict(), dict(sum_after_pv=True),
+    dict(sum_after_pv=False), dict(sum_after_pv=True),
     dict(sum_after_pv=True, lean_producer=True)]
 # What the fused dQ's fixed order costs (`turn_cost_benchmark`): the fused
 # kernel as shipped, the same without its turn waits (a diagnostic: its dQ

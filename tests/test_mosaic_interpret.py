@@ -50,8 +50,10 @@ CASES = [
                                              ring_turns=True)),
     (Case(1, 128, 128, 2, 2, 64), False, dict(num_ctas=2,
                                               sum_after_pv=True)),
-    # head_dim 128's 128-row K/V tiles.
+    # head_dim 128's 128-row K/V tiles; without a mask its default takes
+    # the row sum after P V (`forward.SUM_AFTER_PV_HEAD_DIMS`).
     (Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False)),
+    (Case(1, 128, 256, 1, 1, 128), False, dict(num_ctas=2)),
 ]
 
 

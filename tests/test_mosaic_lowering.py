@@ -329,10 +329,27 @@ def test_sum_after_pv_lowers_and_changes_the_forward(head_dim,
   for kwargs in (dict(persistent=False), dict(persistent=True),
                  dict(lean_producer=True)):
     text = lambda **kw: _lower(head_dim, True, **kwargs, **kw)
-    assert text(sum_after_pv=True) != text()
+    assert text(sum_after_pv=True) != text(sum_after_pv=False)
   with pytest.raises(NotImplementedError, match="sum_after_pv"):
     _lower(head_dim, False, persistent=False, overlap_scores=True,
            sum_after_pv=True)
+
+
+def test_sum_after_pv_default_is_d128_without_a_mask(cuda_lowering):
+  """By default the row sum follows P V at head_dim 128 without a causal
+  mask only (session 16's A/B), and never under `overlap_scores` (which
+  refuses it: the default must not ask for it there)."""
+  from pallas_kernels.mosaic import forward
+  default = lambda d, causal, **kw: forward.sum_after_pv_by_default(
+      head_dim=d, is_causal=causal, **kw)
+  assert default(128, False)
+  assert not default(128, True)
+  assert not default(64, False) and not default(256, False)
+  assert not default(128, False, overlap_scores=True)
+  for causal in (False, True):
+    text = lambda **kw: _lower(128, causal, **kw)
+    assert text() == text(sum_after_pv=not causal)
+  _lower(128, False, persistent=False, overlap_scores=True)  # no raise
 
 
 @pytest.mark.gpu
@@ -349,7 +366,7 @@ def test_sum_after_pv_forward_is_bitwise_on_gpu(head_dim, is_causal, kwargs):
   if kwargs.get("lean_producer") and head_dim == 64:
     pytest.skip("d=64 runs three consumers; lean_producer takes two")
   run = _forward_runner(head_dim, is_causal, seed=67)
-  want = run(**kwargs)
+  want = run(sum_after_pv=False, **kwargs)
   for a, b in zip(run(sum_after_pv=True, **kwargs), want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

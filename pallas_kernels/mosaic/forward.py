@@ -174,6 +174,14 @@ PERSISTENT_CAUSAL_MAX_KV_LEN = {64: None, 128: 8192, 256: 4096}
 # h200_mosaic_forward_order.md). Non-causal calls run the persistent grid,
 # which walks tiles tile-fastest already.
 TILE_FASTEST_CAUSAL = True
+# `mosaic_forward(sum_after_pv=None)` takes P's row sum after P V is issued
+# at these head dims without a causal mask: at d=128 +2.3% at 4k (576 ->
+# 590 TFLOP/s) and +2.0% at 16k (587 -> 599), two rounds each, one run; at
+# d=256 -2.8% and -1.2% (tokamax's sm90 forward does it above 128 only).
+# Bitwise the same as the default order at every head dim, on both grids
+# (GPU tests, session 16). Unmeasured under causal masking and at 1k.
+# results/h200_mosaic_sum_after_pv.md.
+SUM_AFTER_PV_HEAD_DIMS = (128,)
 
 
 def persistent_by_default(*, is_causal: bool, head_dim: int, kv_len: int,
@@ -191,6 +199,15 @@ def tile_fastest_by_default(*, is_causal: bool, persistent: bool) -> bool:
   """Whether `mosaic_forward(tile_fastest=None)` launches the launch grid
   tile-fastest (the persistent grid has its own order)."""
   return TILE_FASTEST_CAUSAL and is_causal and not persistent
+
+
+def sum_after_pv_by_default(*, head_dim: int, is_causal: bool,
+                            overlap_scores: bool = False) -> bool:
+  """Whether `mosaic_forward(sum_after_pv=None)` takes P's row sum after
+  P V is issued (`SUM_AFTER_PV_HEAD_DIMS`; never with `overlap_scores`,
+  which orders its steps its own way)."""
+  return (head_dim in SUM_AFTER_PV_HEAD_DIMS and not is_causal
+          and not overlap_scores)
 
 
 def consumers_by_default(*, head_dim: int, q_len: int, is_causal: bool,
@@ -298,8 +315,8 @@ class KernelStatic:
   # P's row sum taken after P V is issued, while the wgmma runs, rather
   # than before (tokamax's sm90 forward orders it so above head_dim 128).
   # The same expression, `l * alpha + rowsum(P)`, moved: expected bitwise
-  # the same (its GPU test says). Not with `overlap_scores`. Not yet run
-  # on a GPU.
+  # the same: bitwise, GPU tests of session 16. Not with `overlap_scores`.
+  # Default where measured faster (`SUM_AFTER_PV_HEAD_DIMS`).
   sum_after_pv: bool = False
 
   @property
@@ -332,7 +349,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    tile_fastest: bool | None = None,
                    num_consumers: int | None = None, ring_turns: bool = False,
                    hw_turns: bool = False, lean_producer: bool = False,
-                   sum_after_pv: bool = False):
+                   sum_after_pv: bool | None = None):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -376,7 +393,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     lean_producer: the consumers at 240 registers, the producer at 24
       (see `KernelStatic`); two consumers only. Bitwise the same.
     sum_after_pv: P's row sum after P V is issued (see `KernelStatic`);
-      not with `overlap_scores`. Expected bitwise the same.
+      not with `overlap_scores`. Bitwise the same. None: where measured
+      faster (`sum_after_pv_by_default`).
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -406,6 +424,10 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if (ring_turns or hw_turns) and overlap_scores:
     raise NotImplementedError(
         "overlap_scores takes its own turns: no ring_turns or hw_turns")
+  if sum_after_pv is None:
+    sum_after_pv = sum_after_pv_by_default(
+        head_dim=query.shape[-1], is_causal=is_causal,
+        overlap_scores=overlap_scores)
   if sum_after_pv and overlap_scores:
     raise NotImplementedError(
         "sum_after_pv: the plain step only (overlap_scores has its own order)")
