@@ -12,6 +12,13 @@
 # after it.
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# The GPU tests' compilations, shared between pytest workers (and calls of
+# one machine): many tests compile the same default kernel or reference at
+# one shape (e.g. every bitwise test's `want`), and the suite is bound by
+# compiling (session 16: 12-14 workers a GPU, 100-260 s a test). Keyed by
+# the computation, so a changed kernel compiles afresh. Tests only; the
+# benchmarks compile as a user would.
+TEST_CACHE="JAX_COMPILATION_CACHE_DIR=/tmp/jax_test_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # Benchmark logs stay here (their tails are printed); at most 8 files come
 # back from $OUT, so it holds only results and the pytest logs.
@@ -34,7 +41,7 @@ fi
 # the rest of the arguments) at each of CONSUMERS_SEQS (16k, 4k, 1k).
 gated_ab() {
   local name=$1 tests=$2 kernels=$3; shift 3
-  python3 -m pytest -m gpu -n 8 --dist load -q -rf --tb=short --timeout 150 -p no:cacheprovider \
+  env $TEST_CACHE python3 -m pytest -m gpu -n 8 --dist load -q -rf --tb=short --timeout 150 -p no:cacheprovider \
     -p no:benchmark $tests > "$OUT/pytest_$name.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_$name.log" | tail -15
   if grep -qE "failed|error" "$OUT/pytest_$name.log"; then
@@ -58,7 +65,7 @@ for step in "$@"; do
       # which ran (TEST_SHARD: one part of the suite, see tests_shards).
       # --dist load: pyproject's loadfile would give each file to one
       # worker (session 15: 2 of 12 workers busy, 7.5 min for 37 tests).
-      python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} --dist load -rfE --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
+      env $TEST_CACHE python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} --dist load -rfE --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
         --durations=15 -p no:benchmark ${TEST_SHARD:+--shard $TEST_SHARD} -v \
         ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;
@@ -84,6 +91,10 @@ for step in "$@"; do
                    # 14: 198 tests in 540 s, 12 workers a GPU), so one call
                    # runs TEST_SHARDS="0/4 1/4" (the default), the next
                    # "2/4 3/4"; logs $OUT/gpu0/pytest_gpu.log, $OUT/gpu1/...
+                   # Session 16: the whole suite took three calls (~26
+                   # GPU-host minutes); `python -m benchmarks.gpu_tests_left
+                   # LOGS --out FILE` lists what a cut-off run left, and
+                   # GPU_TESTS=@FILE TEST_SHARDS="0/2 1/2" runs just that.
       shards=(${TEST_SHARDS:-0/4 1/4})
       for gpu in 0 1; do
         [ -n "${shards[$gpu]:-}" ] || continue  # one shard: GPU 0 alone

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from benchmarks import common, memory, render, run_grid, tune_blocks
+from benchmarks import (common, gpu_tests_left, memory, render, run_grid,
+                        tune_blocks)
 from pallas_kernels import compat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,6 +31,24 @@ def test_attention_flops_is_flash_attentions_count():
   cell = common.Cell.standard("fwd", 4096, 128, False)
   assert (cell.batch, cell.num_heads) == (4, 16)
   assert cell.flops == 4 * 16384 * 4096 * 2048
+
+
+def test_gpu_tests_left_reads_both_verbose_formats():
+  """Outcomes from pytest-xdist's `-v` lines and one process's, ids with
+  spaces and brackets; failures and tests cut off count as not done."""
+  log = "\n".join([
+      "[gw3] [ 41%] PASSED tests/test_a.py::t[(2, 97, 3, 40)] ",
+      "[gw1] [ 42%] SKIPPED tests/test_a.py::u[64-True-{'lean': True}] ",
+      "[gw2] [ 43%] FAILED tests/test_a.py::v[x] ",
+      "tests/test_b.py::w[False] PASSED                       [ 50%]",
+      "tests/test_b.py::w[True] SKIPPED (no sm90)             [100%]",
+      "tests/test_b.py::x[y] ",  # started, never finished
+  ])
+  assert gpu_tests_left.outcomes(log) == {
+      "tests/test_a.py::t[(2, 97, 3, 40)]": "PASSED",
+      "tests/test_a.py::u[64-True-{'lean': True}]": "SKIPPED",
+      "tests/test_b.py::w[False]": "PASSED",
+      "tests/test_b.py::w[True]": "SKIPPED"}
 
 
 @pytest.fixture(scope="module")
