@@ -63,10 +63,13 @@ for step in "$@"; do
     tests)  # per-test limit instead of an outer kill (see above)
       # -v: every test's outcome by name, so a run cut short still says
       # which ran (TEST_SHARD: one part of the suite, see tests_shards).
-      # --dist load: pyproject's loadfile would give each file to one
-      # worker (session 15: 2 of 12 workers busy, 7.5 min for 37 tests).
+      # --dist load: pyproject's loadfile gives each file to one worker
+      # (session 15: 2 of 12 workers busy, 7.5 min for 37 tests). Overall
+      # no faster (session 16: 197 tests in 600 s, 14 workers a GPU;
+      # session 14 by file: 198 in 540 s): the host's CPUs bound it,
+      # compiling. --compile-times says how much (tests/compile_times.py).
       env $TEST_CACHE python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} --dist load -rfE --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
-        --durations=15 -p no:benchmark ${TEST_SHARD:+--shard $TEST_SHARD} -v \
+        --durations=15 --compile-times 30 -p no:benchmark ${TEST_SHARD:+--shard $TEST_SHARD} -v \
         ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;
     pair)  # two lists of steps side by side on a two-GPU host: GPU0_STEPS

@@ -8,6 +8,9 @@ from pallas_kernels import compat
 
 compat.filter_known_warnings()
 
+# `--compile-times N`: tracing, lowering and compile seconds per test.
+pytest_plugins = ["tests.compile_times"]
+
 ON_GPU = compat.has_gpu()
 
 

@@ -51,6 +51,24 @@ def test_gpu_tests_left_reads_both_verbose_formats():
       "tests/test_b.py::w[True]": "SKIPPED"}
 
 
+def test_compile_times_lists_the_tests_that_compile_longest():
+  """`pytest --compile-times N` (tests/compile_times.py) sums JAX's compile
+  events per test and lists the longest, in one process as under xdist."""
+  for workers in ("0", "2"):
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", workers,
+         "-p", "no:cacheprovider", "--compile-times", "2",
+         "tests/test_delta.py", "-k", "float32_row_sum"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:]
+    summary = run.stdout.split("compile time, ")[-1]
+    assert summary.startswith("15 tests"), run.stdout[-2000:]
+    listed = [line for line in summary.splitlines()
+              if "tests/test_delta.py::test_row_delta" in line]
+    assert len(listed) == 2, summary
+    assert float(listed[0].split()[0]) > 0
+
+
 @pytest.fixture(scope="module")
 def grid_json(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("grid") / "smoke.json")

@@ -1,0 +1,112 @@
+"""`pytest --compile-times N`: where a test run's time goes to compiling.
+
+The GPU suite takes longer than a device call, and each of its tests 100-260
+s on a shared two-GPU host (results/h200_gpu_tests.md): compiling (Mosaic,
+Triton and XLA) or running? With the option, each test's call records the
+seconds JAX reports (`jax.monitoring`) for tracing, lowering to MLIR and the
+backend's compile, and how many compilations the persistent cache served;
+the terminal summary lists the N tests with the most compile time and the
+run's totals beside its test time. The records travel in the reports'
+`user_properties`, so pytest-xdist's workers report them too.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import jax
+import pytest
+
+# JAX's duration events (jax._src.dispatch), by the phase they time.
+_PHASES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+           "/jax/core/compile/backend_compile_duration": "compile"}
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_PROPERTY = "compile_seconds"
+
+
+@dataclasses.dataclass
+class _Clock:
+  """Seconds per phase, and persistent-cache hits, since the last reset."""
+  seconds: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+  cache_hits: int = 0
+
+  def on_duration(self, event, duration, **_):
+    if phase := _PHASES.get(event):
+      self.seconds[phase] += duration
+
+  def on_event(self, event, **_):
+    if event == _CACHE_HIT:
+      self.cache_hits += 1
+
+  def take(self) -> dict:
+    record = dict(self.seconds, cache_hits=self.cache_hits)
+    self.seconds.clear()
+    self.cache_hits = 0
+    return record
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+      "--compile-times", type=int, default=0, metavar="N",
+      help="record JAX's tracing, lowering and compile seconds per test and "
+           "list the N tests that compile longest (0: off)")
+
+
+def pytest_configure(config):
+  if config.getoption("--compile-times"):
+    clock = _Clock()
+    jax.monitoring.register_event_duration_secs_listener(clock.on_duration)
+    jax.monitoring.register_event_listener(clock.on_event)
+    config.stash[_CLOCK] = clock
+
+
+_CLOCK = pytest.StashKey[_Clock]()
+# (node id, call seconds, record) of each test's call, as reported here: by
+# every test in one process, by the workers' reports in xdist's controller.
+_RECORDS: list = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+  clock = item.config.stash.get(_CLOCK, None)
+  if clock is not None:
+    clock.take()  # what setup compiled belongs to no call
+  yield
+  if clock is not None:
+    item.user_properties.append((_PROPERTY, clock.take()))
+
+
+def pytest_runtest_logreport(report):
+  if report.when != "call":
+    return
+  for name, record in report.user_properties:
+    if name == _PROPERTY:
+      _RECORDS.append((report.nodeid, report.duration, record))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  most = config.getoption("--compile-times")
+  records = _RECORDS
+  if not most or not records:
+    return
+  write = terminalreporter.write_line
+  total = collections.Counter()
+  for _, _, record in records:
+    total.update(record)
+  test_seconds = sum(duration for _, duration, _ in records)
+  compile_seconds = sum(total[phase] for phase in _PHASES.values())
+  terminalreporter.section(f"compile time, {len(records)} tests")
+  write(f"tests' calls {test_seconds:.0f} s; of that JAX traced "
+        f"{total['trace']:.0f} s, lowered {total['lower']:.0f} s, compiled "
+        f"{total['compile']:.0f} s ({compile_seconds / max(test_seconds, 1e-9):.0%});"
+        f" persistent-cache hits {total['cache_hits']}")
+  ranked = sorted(records, key=lambda r: -sum(
+      r[2].get(phase, 0.0) for phase in _PHASES.values()))
+  for nodeid, duration, record in ranked[:most]:
+    spent = sum(record.get(phase, 0.0) for phase in _PHASES.values())
+    write(f"{spent:7.1f} s of {duration:6.1f} s  compile "
+          f"{record.get('compile', 0.0):6.1f}  lower "
+          f"{record.get('lower', 0.0):5.1f}  hits "
+          f"{record.get('cache_hits', 0):3d}  {nodeid}")
