@@ -497,10 +497,11 @@ def test_lean_producer_and_merged_pieces_defaults(cuda_lowering):
 def test_lean_producer_refuses_the_fused_dq(cuda_lowering):
   """The fused dQ's four warpgroups have no registers to spare; the lean
   split spends the same budget as the default one."""
-  from pallas_kernels.mosaic import backward
-  consumer, producer = backward._LEAN_REGISTERS
-  assert (2 * consumer + producer
-          == 2 * backward._CONSUMER_REGISTERS + backward._PRODUCER_REGISTERS)
+  from pallas_kernels.mosaic import forward
+  consumer, producer = forward.register_split(lean=True)
+  default_consumer, default_producer = forward.register_split(lean=False)
+  assert (consumer, producer) != (default_consumer, default_producer)
+  assert 2 * consumer + producer == 2 * default_consumer + default_producer
   with pytest.raises(NotImplementedError, match="two kernels only"):
     _lower(128, False, fused_dq=True, lean_producer=True)
 

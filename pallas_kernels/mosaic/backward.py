@@ -89,11 +89,9 @@ from jax_flash import masking
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.forward import (
-    _CONSUMER_REGISTERS, _LEAN_REGISTERS, _PLAN_SCALARS, _PLAN_UNION,
-    _PRODUCER_REGISTERS,
-    _SMEM_LIMIT_BYTES, _LOG2E, _SUPPORTED_DTYPES, _SUPPORTED_HEAD_DIMS,
-    _SWIZZLE_BYTES, PLAN_WIDTH, _Plan, _causal_mask, _cols, check_layout,
-    check_shared_memory, check_tiles, launch_grid,
+    _PLAN_SCALARS, _PLAN_UNION, _SMEM_LIMIT_BYTES, _LOG2E, _SUPPORTED_DTYPES,
+    _SUPPORTED_HEAD_DIMS, _SWIZZLE_BYTES, PLAN_WIDTH, _Plan, _causal_mask, _cols, check_layout,
+    check_shared_memory, check_tiles, launch_grid, register_split,
     _read_plan, _rows,
     _variant_mask,
     persistent_num_ctas, persistent_schedule, tile_index)
@@ -102,14 +100,14 @@ from pallas_kernels.triton.delta import row_delta
 _MAX_CONSUMERS = 2
 # f32 registers per consumer thread that the wgmma accumulators (the
 # [rows, head_dim] dK/dV or dQ sums and the [rows, cols] S and dP tiles) may
-# take of `_CONSUMER_REGISTERS`; the rest holds P and dS in 16 bits, the
-# softmax statistics and addresses. A [m, n] f32 accumulator of one
+# take of `forward._CONSUMER_REGISTERS`; the rest holds P and dS in 16
+# bits, the softmax statistics and addresses. A [m, n] f32 accumulator of one
 # warpgroup is m * n / 128 registers per thread.
 _ACCUMULATOR_REGISTERS = 192
 _THREADS_PER_WARPGROUP = 128
 # The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
-# the producer: 2 * 232 + 24 + 24 = 512 per thread slot (see forward's
-# `_CONSUMER_REGISTERS`). 24 is setmaxnreg's least; both only issue TMA.
+# the producer: 2 * 232 + 24 + 24 = 512 per thread slot (see
+# `forward._CONSUMER_REGISTERS`). 24 is setmaxnreg's least; both only issue TMA.
 _FUSED_PRODUCER_REGISTERS = 24
 # The persistent grid (`mosaic_backward(persistent=None)`), by head dim: the
 # longest kv_len at which it is the default. Session 6's A/B on the H200
@@ -1242,9 +1240,8 @@ def _each_tile(tile, wg, *, static: _Static, tile_axes, num_tiles, num_heads,
     if consumer:  # the last tile's gradients reach memory
       plgpu.wait_smem_to_gmem(0)
 
-  consumer_registers, producer_registers = (
-      _LEAN_REGISTERS if static.lean_producer  # (see `_Static`)
-      else (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS))
+  consumer_registers, producer_registers = register_split(
+      lean=static.lean_producer)  # (see `_Static`)
   pl.when(wg < static.num_consumers)(
       lambda: run(consumer_registers, "increase", True))
   if static.fused_dq:  # the producer, and the dQ writer after it
@@ -1832,12 +1829,10 @@ def _stage_dq_pieces(fused: _FusedDq, wg, *, step, static: _Static,
   ds, stage = fused.ds.at[parity], fused.stage.at[parity]
 
   def compute(wg: int):
-    # Static slices: the k-th slice of the CTA's K/V rows is consumer k's.
-    for number, row, col in _pieces_of(wg, static):
-      stage[number] = _wgmma_sum((_DQ_PIECE, _DQ_PIECE), [
-          (ds.at[k, :, pl.ds(row * _DQ_PIECE, _DQ_PIECE)].transpose((1, 0)),
-           fused.k.at[k + offset, :, pl.ds(col * _DQ_PIECE, _DQ_PIECE)])
-          for k in range(static.num_consumers)])
+    # Static slices: a Python branch per consumer.
+    for number, _, _ in _pieces_of(wg, static):
+      stage[number] = _wgmma_sum((_DQ_PIECE, _DQ_PIECE), list(
+          _piece_operands(fused, ds, number, static=static, offset=offset)))
 
   for c in range(static.num_consumers):
     pl.when(wg == c)(functools.partial(compute, c))
@@ -1847,11 +1842,25 @@ def _stage_dq_pieces(fused: _FusedDq, wg, *, step, static: _Static,
     plgpu.barrier_arrive(fused.ds_read.at[parity])
 
 
-def _merged_piece_slices(wg, static: _Static):
-  """Consumer wg's one piece (`_Static.merged_pieces`): its number (= wg)
-  and its rows and columns of the dQ tile, as slices."""
-  row, col = _piece_position(wg, static)
-  return (pl.ds(row * _DQ_PIECE, _DQ_PIECE), pl.ds(col * _DQ_PIECE, _DQ_PIECE))
+def _piece_operands(fused: _FusedDq, ds, number, *, static: _Static,
+                    offset=0):
+  """Yields the wgmma operands whose products sum to dQ piece `number` (a
+  Python or traced int) of the CTA's dS K: for each consumer k, the
+  piece's rows of k's dSᵀ [block_kv / consumers, block_q] in `ds`,
+  transposed, and the piece's columns of k's K rows (the k-th slice of
+  the CTA's K/V rows is consumer k's). `offset`: see `_stage_dq`.
+
+  A generator, so that an index computed for operand k is computed where
+  the caller takes it: the merged path issues each wgmma as it goes, the
+  staged path lists them before its accumulator's scope (the kernels'
+  jaxprs as before this helper).
+  """
+  row, col = _piece_position(number, static)
+  rows = pl.ds(row * _DQ_PIECE, _DQ_PIECE)
+  cols = pl.ds(col * _DQ_PIECE, _DQ_PIECE)
+  for k in range(static.num_consumers):
+    yield (ds.at[k, :, rows].transpose((1, 0)),
+           fused.k.at[k + offset, :, cols])
 
 
 def _issue_merged_piece(fused: _FusedDq, wg, acc_ref, *, step,
@@ -1868,11 +1877,10 @@ def _issue_merged_piece(fused: _FusedDq, wg, acc_ref, *, step,
   # The writer has read this stage's pieces of step - 3.
   pl.when(step >= 3)(functools.partial(plgpu.barrier_wait,
                                        fused.stage_free.at[parity]))
-  rows, cols = _merged_piece_slices(wg, static)
-  ds = fused.ds.at[parity]
-  for k in range(static.num_consumers):
-    plgpu.wgmma(acc_ref, ds.at[k, :, rows].transpose((1, 0)),
-                fused.k.at[k + offset, :, cols])
+  # Consumer wg's one piece is number wg.
+  for lhs, rhs in _piece_operands(fused, fused.ds.at[parity], wg,
+                                  static=static, offset=offset):
+    plgpu.wgmma(acc_ref, lhs, rhs)
 
 
 def _stage_merged_piece(fused: _FusedDq, wg, value, *, step):

@@ -105,11 +105,21 @@ _REGISTERS_BY_CONSUMERS = {2: (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS),
 _LEAN_REGISTERS = (240, 24)
 
 
-def _registers(static: "KernelStatic") -> tuple[int, int]:
-  """(consumer, producer) registers a thread after setmaxnreg."""
-  if static.lean_producer:
+def register_split(*, lean: bool, num_consumers: int = NUM_CONSUMERS
+                   ) -> tuple[int, int]:
+  """(consumer, producer) registers a thread after setmaxnreg, for
+  `num_consumers` consumers and one producer warpgroup (`lean`: the
+  producer at setmaxnreg's least, two consumers only). The backward's two
+  kernels take the two-consumer split whatever their consumer count."""
+  if lean:
     return _LEAN_REGISTERS
-  return _REGISTERS_BY_CONSUMERS[static.num_consumers]
+  return _REGISTERS_BY_CONSUMERS[num_consumers]
+
+
+def _registers(static: "KernelStatic") -> tuple[int, int]:
+  """`register_split` of the forward's `static`."""
+  return register_split(lean=static.lean_producer,
+                        num_consumers=static.num_consumers)
 
 
 # `mosaic_forward(num_consumers=None)` runs three consumers at these head
