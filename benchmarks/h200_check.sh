@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost fused_stalls early_delta lean merged forward_lean sum_after_pv prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost fused_stalls early_delta lean merged forward_lean sum_after_pv sum_after_pv_rest prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -229,11 +229,21 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
         tests/test_mosaic_lowering.py::test_lean_producer_forward_is_bitwise_on_gpu \
         forward_lean --head-dims 128 256 --rounds 2 ;;
     sum_after_pv)  # the forward's row sum after P V is issued (session
-                   # 15, not yet run on a GPU): bitwise tests, then the
-                   # A/B at d=128/256, 16k/4k/1k, two rounds
+                   # 15): bitwise tests, then the A/B at d=128/256,
+                   # 16k/4k/1k, two rounds (session 16 ran 4k and 16k
+                   # without a mask: d=128's default since)
       gated_ab sum_after_pv \
         "tests/test_mosaic_lowering.py -k sum_after_pv" \
         forward_sum_after_pv --head-dims 256 128 --rounds 2 ;;
+    sum_after_pv_rest)  # where session 16 did not measure it: d=128
+                        # causal, d=64, and 1k (its tests passed then)
+      for seq in ${CONSUMERS_SEQS:-16384 4096 1024}; do
+        timeout 170 python3 -m benchmarks.tune_mosaic --seq $seq --budget 140 \
+          --kernels forward_sum_after_pv --head-dims 128 64 --rounds 2 \
+          --out "$OUT/h200_mosaic_sum_after_pv_rest_$seq.json" \
+          > "$LOGS/sum_after_pv_rest_$seq.log" 2>&1
+        grep -E "^forward" "$LOGS/sum_after_pv_rest_$seq.log"
+      done ;;
     lean)  # the consumers at 240 registers elsewhere: d=128 causal, d=256,
            # d=64's 128-row Q tiles (run early_delta first: its tests)
       for seq in ${CONSUMERS_SEQS:-16384 4096 1024}; do
