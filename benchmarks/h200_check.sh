@@ -236,10 +236,11 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
         "tests/test_mosaic_lowering.py -k sum_after_pv" \
         forward_sum_after_pv --head-dims 256 128 --rounds 2 ;;
     sum_after_pv_rest)  # where session 16 did not measure it: d=128
-                        # causal, d=64, and 1k (its tests passed then)
+                        # causal, d=64, 1k, and 16k again (its tests
+                        # passed then); three rounds
       for seq in ${CONSUMERS_SEQS:-16384 4096 1024}; do
-        timeout 170 python3 -m benchmarks.tune_mosaic --seq $seq --budget 140 \
-          --kernels forward_sum_after_pv --head-dims 128 64 --rounds 2 \
+        timeout 230 python3 -m benchmarks.tune_mosaic --seq $seq --budget 200 \
+          --kernels forward_sum_after_pv --head-dims 128 64 --rounds ${ROUNDS:-3} \
           --out "$OUT/h200_mosaic_sum_after_pv_rest_$seq.json" \
           > "$LOGS/sum_after_pv_rest_$seq.log" 2>&1
         grep -E "^forward" "$LOGS/sum_after_pv_rest_$seq.log"

@@ -188,9 +188,12 @@ TILE_FASTEST_CAUSAL = True
 # at these head dims without a causal mask: at d=128 +2.3% at 4k (576 ->
 # 590 TFLOP/s) and +2.0% at 16k (587 -> 599), two rounds each, one run; at
 # d=256 -2.8% and -1.2% (tokamax's sm90 forward does it above 128 only).
-# Bitwise the same as the default order at every head dim, on both grids
-# (GPU tests, session 16). Unmeasured under causal masking and at 1k.
-# results/h200_mosaic_sum_after_pv.md.
+# Session 11's form of it (`late_row_sum`, removed: it re-associated the
+# sum) measured d=128 without a mask +1.6% at 1k, +2.6% at 4k and -1.6%
+# at 16k, three rounds (results/h200_mosaic_late_sum_r3.md): 4k agrees,
+# 16k does not. Bitwise the same as the default order at every head dim,
+# on both grids (GPU tests, session 16). Under causal masking session 11
+# measured -2% to +1.6%: off. results/h200_mosaic_sum_after_pv.md.
 SUM_AFTER_PV_HEAD_DIMS = (128,)
 
 
