@@ -32,6 +32,25 @@ check the Mosaic forward's numerics in CI, without a GPU):
   `num_stages` consumptions are never awaited. These trailing phases are
   counted in `UNOBSERVED_TRAILING_PHASES` instead. A wait that skips a
   phase, or a phase completed twice between waits, still raises.
+* TMA at the ends of the global arrays. The masked kernels
+  (`masked.mosaic_forward_masked`, `masked_backward`) pad rows only to the
+  TMA row tiling (8) and read and write whole 64-row tiles, relying on
+  TMA: a load fills what lies past the end of the global array with zeros,
+  a store drops it. The stock interpreter raises on such a load (in one
+  warpgroup's thread: the others then wait on their barriers forever, the
+  test hangs), or with `out_of_bounds_reads="uninitialized"` fills every
+  out-of-bounds read, of any kind, with `uninitialized_memory`; and it
+  drops the whole store, in-bounds rows too, without a word
+  (`Buffer.__setitem__` refuses a range partly out of bounds,
+  `copy_smem_to_gmem` ignores the refusal: the masked forward's ragged
+  last tile came out as its output buffer's initial contents). So:
+    - `gpu_callbacks._handle_out_of_bounds_read`, while a TMA load runs
+      on this host thread (`DeviceLocalMemoryTransfer.execute`, wrapped
+      to say so): the in-bounds part, zeros past it. Any other
+      out-of-bounds read still raises, and unwritten shared memory still
+      reads NaN;
+    - `gpu_callbacks.copy_smem_to_gmem`: the stock store, but a range
+      partly past the end writes its in-bounds part.
 
 Each simulated warpgroup is a host thread whose kernel blocks inside XLA
 callbacks (barrier waits), and XLA's CPU runtime runs about one more of
@@ -50,6 +69,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -306,21 +326,95 @@ def _patched_barrier_deallocate(self):
         UNOBSERVED_TRAILING_PHASES += self.phase - observed
 
 
+# --------------------------------------------------------------------------
+# TMA at the ends of the global arrays
+
+# Set on a simulated thread's host thread while its TMA load runs: the
+# stock transfer reads its source through `gc._get`, which is also every
+# plain load's, so only this says that an out-of-bounds read is a TMA one.
+_IN_TMA_LOAD = threading.local()
+
+
+def _patched_transfer_execute(self, token):
+  _IN_TMA_LOAD.active = True
+  try:
+    return _STOCK_TRANSFER_EXECUTE(self, token)
+  finally:
+    _IN_TMA_LOAD.active = False
+
+
+def _patched_handle_out_of_bounds_read(ret, full_read_shape, shape, dtype,
+                                       *args, **kwargs):
+  """A TMA load's read: `ret`, its in-bounds part (None where none is; TMA
+  coordinates are never negative here, so it is the leading corner),
+  padded with zeros to `full_read_shape`. Any other read: the stock
+  handling."""
+  if not getattr(_IN_TMA_LOAD, "active", False):
+    return _STOCK_HANDLE_OUT_OF_BOUNDS_READ(ret, full_read_shape, shape,
+                                            dtype, *args, **kwargs)
+  value = np.zeros(full_read_shape, dtype)
+  if ret is not None:
+    value[tuple(slice(n) for n in ret.shape)] = ret
+  return value
+
+
+def _clipped_copy_smem_to_gmem(*, token, device_id, grid_point_coords,
+                               thread_id, src_allocation_key_as_array,
+                               src_transforms, dst_allocation_key_as_array,
+                               dst_transforms, predicate, source_info,
+                               commit_group, reduction_op):
+  """`gc.copy_smem_to_gmem` (synchronous, no race detection, as the stock
+  one), but a store partly past the end of `dst` writes its in-bounds
+  part, as TMA does."""
+  del commit_group
+  if predicate is not None or reduction_op is not None:
+    raise NotImplementedError("TMA store with a predicate or a reduction")
+  device_id, thread_id = int(device_id), int(thread_id)
+  sm = gc._get_shared_memory()
+  gtid = sm.get_global_thread_id(device_id, thread_id)
+  info = interpret_utils.GPULoggingInfo(
+      device_id=device_id,
+      grid_point_coords=tuple(int(x) for x in grid_point_coords),
+      thread_id=thread_id, source_info=source_info)
+  to_range = lambda transforms: interpret_utils.to_range(
+      jax.tree.map(int, gc._remove_noop_transforms(transforms)))
+  val, _, _ = sm.get_buffer_content(
+      gc.HostAllocationKey.from_array(src_allocation_key_as_array),
+      to_range(src_transforms), gtid, logging_info=info)
+  assert val is not None
+  dst_key = gc.HostAllocationKey.from_array(dst_allocation_key_as_array)
+  dst_range = to_range(dst_transforms)
+  in_bounds, _, _ = sm.store_buffer_content(dst_key, dst_range, val, gtid,
+                                            logging_info=info)
+  if not in_bounds:  # nothing was written: write what lies in bounds
+    with sm.lock:
+      sm.mem[dst_key].set_in_bounds_portion(dst_range, val)
+  return token
+
+
 _STOCK_INTERPRET = None
+_STOCK_TRANSFER_EXECUTE = None
+_STOCK_HANDLE_OUT_OF_BOUNDS_READ = None
 
 
 def install() -> None:
   """Applies the patches (once); raises RuntimeError with `WHY_NOT` where
   they cannot apply."""
-  global _STOCK_INTERPRET
+  global _STOCK_INTERPRET, _STOCK_TRANSFER_EXECUTE
+  global _STOCK_HANDLE_OUT_OF_BOUNDS_READ
   if WHY_NOT is not None:
     raise RuntimeError(WHY_NOT)
   if _STOCK_INTERPRET is not None:
     return
   _STOCK_INTERPRET = ji.JaxprInterpreter.interpret
+  _STOCK_TRANSFER_EXECUTE = gc.DeviceLocalMemoryTransfer.execute
+  _STOCK_HANDLE_OUT_OF_BOUNDS_READ = gc._handle_out_of_bounds_read
   gpu_memory.Barrier.deallocate = _patched_barrier_deallocate
   ji.JaxprInterpreter.interpret = _patched_interpret
   ji.JaxprInterpreter._interpret_wgmma_ref_p = _patched_wgmma_ref_p
+  gc.DeviceLocalMemoryTransfer.execute = _patched_transfer_execute
+  gc._handle_out_of_bounds_read = _patched_handle_out_of_bounds_read
+  gc.copy_smem_to_gmem = _clipped_copy_smem_to_gmem
 
 
 def interpreted():

@@ -4,7 +4,8 @@ interpreter (`tests/mosaic_interpret.py` teaches it what the kernels use).
 The interpreter simulates the kernels' threads, shared memory, barriers, TMA
 and wgmma, so these tests run the real kernel bodies (warp specialisation,
 the K/V ring, online softmax, causal block skipping, the persistent walk;
-the backward's dQ and dK/dV kernels) at small shapes, against the reference
+the backward's dQ and dK/dV kernels; the masked forward's and backward's
+plan rows, masks and ragged tiles) at small shapes, against the reference
 with FlashAttention's tolerance rule. What it cannot see (wgmma pipelining, shared-memory limits,
 registers, speed) stays with `-m gpu` on an H200.
 """
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_flash import validation
 from jax_flash.reference import naive_attention
 from tests import mosaic_interpret
 from tests.attention_checks import (Case, assert_within_rule,
@@ -83,6 +85,71 @@ def test_interpreted_mosaic_forward_matches_reference(case, is_causal,
     assert_within_rule(name, ours, exact[i], lowp[i])
 
 
+def _segment_ids(*run_lengths):
+  """int32 [1, sum(run_lengths)]: ids 0, 1, ... in runs of these lengths."""
+  ids = np.repeat(np.arange(len(run_lengths)), run_lengths)
+  return jnp.asarray(ids[None], jnp.int32)
+
+
+# name: (case, `flash_attention` mask arguments) for `mosaic_forward_masked`,
+# the masks as jax_flash passes them (`validation.normalise_call`); lengths
+# that are not multiples of the 64-row tiles (TMA reads past the end fill
+# zeros, writes past it are dropped: `mosaic_interpret`'s TMA patches).
+MASKED_VARIANTS = {
+    "ragged causal": (Case(1, 100, 150, 1, 1, 64), dict(is_causal=True)),
+    # q_offset = kv_len - q_len, GQA 2:1.
+    "bottom-right causal": (Case(1, 100, 200, 2, 1, 64),
+                            dict(is_causal=True, q_offset=jnp.array([100]))),
+    # Blocks left of the window skipped, its edge masked.
+    "causal window": (Case(1, 150, 150, 1, 1, 64),
+                      dict(is_causal=True, local_window_size=(40, 0))),
+    # Per batch: rows past q_length attend to nothing (lse -inf), keys past
+    # kv_length are masked, both inside a tile.
+    "lengths": (Case(2, 120, 130, 1, 1, 64),
+                dict(query_seq_lengths=jnp.array([70, 120]),
+                     key_value_seq_lengths=jnp.array([130, 50]))),
+    # Not causal, so that it reads the ragged K/V tail.
+    "soft cap": (Case(1, 97, 170, 1, 1, 64), dict(logits_soft_cap=5.0)),
+    # A query's and a key's ids, boundaries inside tiles.
+    "segments": (Case(1, 100, 150, 1, 1, 64),
+                 dict(segment_ids=(_segment_ids(30, 50, 20),
+                                   _segment_ids(90, 20, 40)))),
+}
+
+
+def _masked_call(q, k, v, variants):
+  """(scale, spec, keyword operands) of the masked Mosaic kernels for
+  `flash_attention`'s mask arguments `variants`, as jax_flash makes them."""
+  call = validation.normalise_call(q, k, v, **variants)
+  o = call.operands
+  return call.scale, call.spec, dict(
+      q_offset=o.q_offset, q_lengths=o.q_lengths, kv_lengths=o.kv_lengths,
+      q_segments=o.q_segments, kv_segments=o.kv_segments)
+
+
+@pytest.mark.parametrize("name", list(MASKED_VARIANTS))
+def test_interpreted_mosaic_forward_masked_matches_reference(name):
+  """`mosaic_forward_masked`'s out and lse against the float32 reference
+  for the same mask arguments, within twice the plain bf16 computation's
+  error."""
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  case, variants = MASKED_VARIANTS[name]
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
+  scale, spec, operands = _masked_call(q, k, v, variants)
+  try:
+    with mosaic_interpret.interpreted():
+      out, lse = mosaic_forward_masked(q, k, v, scale=scale, spec=spec,
+                                       **operands)
+      out, lse = np.asarray(out, np.float32), np.asarray(lse)
+  finally:
+    mosaic_interpret.reset()
+  lse = np.swapaxes(lse, 1, 2)  # [batch, q_len, heads], as the reference's
+  exact = naive_attention(q, k, v, compute_dtype=jnp.float32, **variants)
+  lowp = naive_attention(q, k, v, compute_dtype=jnp.bfloat16, **variants)
+  for i, (output, ours) in enumerate((("out", out), ("lse", lse))):
+    assert_within_rule(output, ours, exact[i], lowp[i])
+
+
 # (case, is_causal, mosaic_backward options): the two kernels (dQ, and
 # dK/dV); the fused dQ's semaphores are beyond the interpreter.
 BACKWARD_CASES = [
@@ -130,3 +197,46 @@ def test_interpreted_mosaic_backward_matches_reference(case, is_causal,
     mosaic_interpret.reset()
   for name, ours in zip(("dq", "dk", "dv"), grads):
     assert_within_rule(name, ours, exact[name], lowp[name])
+
+
+@pytest.mark.parametrize("name", ["ragged causal", "lengths"])
+def test_interpreted_mosaic_backward_masked_matches_reference(name,
+                                                              monkeypatch):
+  """`mosaic_backward_masked`'s dq, dk, dv (its plan rows, padded
+  statistics and ranged kernels) under a random cotangent of out and of
+  lse, against the float32 reference's, within twice the plain bf16
+  computation's error. As above, `row_statistics` runs outside the
+  interpreter, on the arguments that the masked backward passes it."""
+  from pallas_kernels.mosaic import backward
+  from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
+  case, variants = MASKED_VARIANTS[name]
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=11)
+
+  def reference(compute_dtype):
+    cast = lambda x: x.astype(compute_dtype)
+    return forward_and_grads(
+        lambda q, k, v: naive_attention(q, k, v, compute_dtype=compute_dtype,
+                                        **variants),
+        cast(q), cast(k), cast(v), cast(d_out), d_lse)
+
+  exact, lowp = reference(jnp.float32), reference(jnp.bfloat16)
+  # The kernels' layouts: out like q, lse and d_lse [batch, heads, q_len].
+  args = (exact["out"].astype(q.dtype), jnp.swapaxes(exact["lse"], 1, 2),
+          d_out, jnp.swapaxes(d_lse, 1, 2))
+  stats = backward.row_statistics(*args)
+
+  def precomputed_statistics(*given):
+    assert all(a is b for a, b in zip(given, args, strict=True))
+    return stats
+
+  monkeypatch.setattr(backward, "row_statistics", precomputed_statistics)
+  scale, spec, operands = _masked_call(q, k, v, variants)
+  try:
+    with mosaic_interpret.interpreted():
+      grads = mosaic_backward_masked(q, k, v, *args, scale=scale, spec=spec,
+                                     **operands)
+      grads = [np.asarray(g, np.float32) for g in grads]
+  finally:
+    mosaic_interpret.reset()
+  for grad, ours in zip(("dq", "dk", "dv"), grads):
+    assert_within_rule(grad, ours, exact[grad], lowp[grad])
