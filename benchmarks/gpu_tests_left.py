@@ -1,6 +1,6 @@
 """The GPU tests that logs of `pytest -m gpu -v` runs did not pass or skip.
 
-    python -m benchmarks.gpu_tests_left LOG... [--out FILE]
+    python -m benchmarks.gpu_tests_left LOG... [--out FILE]   # LOG.gz too
 
 The GPU suite takes more than one device call (README, "Tests"), and a call
 cut off by its limit leaves part of it unrun. This collects the suite's
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import re
 import subprocess
 import sys
@@ -33,7 +34,8 @@ def gpu_test_ids() -> list[str]:
       [sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q",
        "-n", "0", "-p", "no:cacheprovider"],
       check=True, capture_output=True, text=True).stdout
-  return [line for line in listing.splitlines() if "::" in line]
+  return list(dict.fromkeys(line for line in listing.splitlines()
+                            if line.startswith("tests/") and "::" in line))
 
 
 def outcomes(log_text: str) -> dict[str, str]:
@@ -54,8 +56,12 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   done = {}
   for path in args.logs:
-    with open(path, encoding="utf-8", errors="replace") as log:
-      done.update(outcomes(log.read()))
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as log:
+      found = outcomes(log.read())
+    if not found:  # not a `pytest -v` log: say so rather than count none
+      parser.error(f"{path}: no PASSED or SKIPPED lines of `pytest -v`")
+    done.update(found)
   every = gpu_test_ids()
   unknown = sorted(set(done) - set(every))
   if unknown:  # a renamed or removed test: say so rather than miscount

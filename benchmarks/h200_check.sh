@@ -16,9 +16,11 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 # one machine): many tests compile the same default kernel or reference at
 # one shape (e.g. every bitwise test's `want`), and the suite is bound by
 # compiling (session 16: 12-14 workers a GPU, 100-260 s a test). Keyed by
-# the computation, so a changed kernel compiles afresh. Tests only; the
-# benchmarks compile as a user would.
-TEST_CACHE="JAX_COMPILATION_CACHE_DIR=/tmp/jax_test_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5"
+# the computation, so a changed kernel compiles afresh. It keeps XLA's and
+# Triton's compiles, not Mosaic GPU's (compiled at a kernel's first run,
+# tests/compile_times.py). Tests only; the benchmarks compile as a user
+# would. TEST_CACHE= (empty) turns it off, for an A/B.
+TEST_CACHE=${TEST_CACHE-"JAX_COMPILATION_CACHE_DIR=/tmp/jax_test_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5"}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # Benchmark logs stay here (their tails are printed); at most 8 files come
 # back from $OUT, so it holds only results and the pytest logs.

@@ -184,7 +184,7 @@ FORWARD_LEAN_CANDIDATES = [
 # (results/h200_ncu_fwd256_4k.md) shows our consumers polling barriers
 # where cuDNN's wait on their wgmmas. Session 16, without a mask
 # (results/h200_mosaic_sum_after_pv.md): d=128 +2.3% at 4k and +2.0% at
-# 16k (the default there since), d=256 -2.8% and -1.2%; session 11's form
+# 16k (the default there since), d=256 -2.7% and -1.2%; session 11's form
 # (`late_row_sum`, results/h200_mosaic_late_sum_r3.md) read d=128 -1.6% at
 # 16k and +2.6% at 4k. These three lists
 # are pinned as they ran, with the row sum before P V.

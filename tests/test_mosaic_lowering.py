@@ -355,7 +355,7 @@ def test_sum_after_pv_default_is_d128_without_a_mask(cuda_lowering):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kwargs", [
     dict(persistent=False), dict(persistent=True),
-    dict(lean_producer=True),
+    dict(lean_producer=True), dict(lean_producer=True, persistent=False),
 ], ids=str)
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -185,9 +185,10 @@ PERSISTENT_CAUSAL_MAX_KV_LEN = {64: None, 128: 8192, 256: 4096}
 # which walks tiles tile-fastest already.
 TILE_FASTEST_CAUSAL = True
 # `mosaic_forward(sum_after_pv=None)` takes P's row sum after P V is issued
-# at these head dims without a causal mask: at d=128 +2.3% at 4k (576 ->
+# at these head dims without a causal mask (this kernel only: the ranged
+# and FP8 kernels keep the sum before P V): at d=128 +2.3% at 4k (576 ->
 # 590 TFLOP/s) and +2.0% at 16k (587 -> 599), two rounds each, one run; at
-# d=256 -2.8% and -1.2% (tokamax's sm90 forward does it above 128 only).
+# d=256 -2.7% and -1.2% (tokamax's sm90 forward does it above 128 only).
 # Session 11's form of it (`late_row_sum`, removed: it re-associated the
 # sum) measured d=128 without a mask +1.6% at 1k, +2.6% at 4k and -1.6%
 # at 16k, three rounds (results/h200_mosaic_late_sum_r3.md): 4k agrees,
