@@ -1,4 +1,4 @@
-"""JAX 0.10.2's private Mosaic GPU interpreter, taught what our forward uses.
+"""JAX 0.10.2's private Mosaic GPU interpreter, taught what our kernels use.
 
 JAX ships an interpreter for Pallas Mosaic GPU kernels
 (`jax._src.pallas.mosaic_gpu.interpret`: private) that runs a kernel on the
@@ -50,17 +50,52 @@ check the Mosaic forward's numerics in CI, without a GPU):
       out-of-bounds read still raises, and unwritten shared memory still
       reads NaN;
     - `gpu_callbacks.copy_smem_to_gmem`: the stock store, but a range
-      partly past the end writes its in-bounds part.
+      partly past the end writes its in-bounds part; and with
+      `reduction_op="add"` (the fused backward's dQ writer, which the
+      stock one refuses) an atomic read-add-write of that part.
+* The fused backward's cross-CTA order (`backward._write_dq`): in the
+  wrapped `interpret`, with the kernel's token, as above,
+    - `get_global` of a semaphore array (`plgpu.SemaphoreType.REGULAR`,
+      which the stock interpreter cannot allocate: its callbacks fail to
+      lower with "SemaphoreEffect"): an id given when the kernel is
+      traced, so that every grid point and thread sees one int32 array,
+      zero at first use and dropped when the launch ends
+      (`gc._clean_up_shared_memory`, wrapped), as Mosaic GPU zeroes a
+      launch's semaphores;
+    - `semaphore_signal` (an atomic add that wakes the waiters) and
+      `semaphore_wait` (blocks the warpgroup's host thread until the value
+      is reached, then subtracts it if `decrement`). Grid points run one
+      after another (the interpreter's `fori_loop`), in the order CUDA
+      launches them (the last grid axis fastest), so a CTA waits only for
+      itself or for earlier CTAs: the fused kernel's turns (K/V tile j
+      after tile j - 1) are always already handed on, and a wait on a
+      later CTA would never return (the test then times out);
+    - `compat.named_barrier`'s inline PTX (`bar.sync` / `bar.arrive`, the
+      fused consumers' meeting before K becomes dK, and the forward's
+      `hw_turns`), recognised by its code object: a barrier of the CTA's
+      host threads, 128 threads a warpgroup. Made a no-op, the deferred
+      fused forms' dq goes wrong: the race it guards against happens here
+      too.
 
 Each simulated warpgroup is a host thread whose kernel blocks inside XLA
-callbacks (barrier waits), and XLA's CPU runtime runs about one more of
-them at once than the machine has cores: more warpgroups than
-`MAX_WARPGROUPS` can deadlock (measured on 2 cores: 3 warpgroups ran 8 of
-8 times, 4 hung about one run in three; on 1 core 3 hung at once).
+callbacks (barrier waits), and XLA's CPU client runs about one more of
+them at once than its thread pool has threads: more warpgroups than
+`MAX_WARPGROUPS` can deadlock (measured on 2 cores with the default pool,
+one thread a core: 3 warpgroups ran 8 of 8 times, 4 hung 4 runs of 6; on
+1 core 3 hung at once). The pool's size is the environment's `PJRT_NPROC`
+when the client is made; importing this module before any JAX computation
+sets it to `CPU_CLIENT_THREADS` (4 warpgroups then ran 5 of 5 times on 2
+cores, and the fused backward's three forms with them 5 of 5), and
+`MAX_WARPGROUPS` follows the pool the client has (conftest makes the
+client first: tests/test_mosaic_interpret.py runs the wide forms in a
+child process).
 
 What the interpreter cannot check: wgmma runs synchronously there, so
-`wait_n` and the overlap of wgmma groups are not exercised; inline PTX
-(`compat.named_barrier`, the forward's `hw_turns`) cannot run.
+`wait_n` and the overlap of wgmma groups are not exercised; TMA stores are
+synchronous too, so `wait_smem_to_gmem` orders nothing; sequential grid
+points cannot race, so the fused dQ's turns are never contended (a writer
+that did not wait would pass); inline PTX other than `named_barrier`
+cannot run.
 
 Written against JAX 0.10.2's private modules: `WHY_NOT` says why the patch
 is unavailable elsewhere, and the tests skip with it.
@@ -68,16 +103,37 @@ is unavailable elsewhere, and the tests skip with it.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import threading
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 PATCHED_JAX_VERSION = "0.10.2"
-# Warpgroups (consumers and the producer) that run without deadlock here.
-MAX_WARPGROUPS = len(os.sched_getaffinity(0)) + 1
+# Threads of the CPU client's pool asked for (`PJRT_NPROC`, read when the
+# client is made), enough for the fused backward's four warpgroups.
+CPU_CLIENT_THREADS = 8
+
+
+def _cpu_client_threads() -> int:
+  """The CPU client's thread pool size: `CPU_CLIENT_THREADS` if the client
+  is not made yet (this sets `PJRT_NPROC` for it), else the one it got
+  (`PJRT_NPROC` or `NPROC` as set then, else the cores)."""
+  from jax._src import xla_bridge
+  if not xla_bridge.backends_are_initialized():
+    os.environ.setdefault("PJRT_NPROC", str(CPU_CLIENT_THREADS))
+  for name in ("PJRT_NPROC", "NPROC"):
+    if os.environ.get(name, "").isdigit():
+      return int(os.environ[name])
+  return len(os.sched_getaffinity(0))
+
+
+# Warpgroups (consumers, the producer, the fused dQ writer) that run
+# without deadlock here.
+MAX_WARPGROUPS = _cpu_client_threads() + 1
 WHY_NOT: str | None = None
 if jax.__version__ != PATCHED_JAX_VERSION:
   WHY_NOT = (f"the Mosaic GPU interpreter patch is written against JAX "
@@ -88,6 +144,8 @@ else:
     from jax._src import callback
     from jax._src import core as jax_core
     from jax._src import source_info_util
+    from jax._src.pallas import core as pallas_core
+    from jax._src.pallas import primitives as pallas_primitives
     from jax._src.pallas.mosaic.interpret import utils as interpret_utils
     from jax._src.pallas.mosaic_gpu import core as mgpu_core
     from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
@@ -100,6 +158,17 @@ else:
     from jax._src.state import types as state_types
   except ImportError as e:  # a jaxlib without Mosaic GPU, or moved modules
     WHY_NOT = f"the Mosaic GPU interpreter is not importable: {e}"
+
+
+if WHY_NOT is None:
+  from pallas_kernels.mosaic import compat as mosaic_compat
+  _NAMED_BARRIER_EMIT = next(
+      c for c in mosaic_compat.named_barrier.__code__.co_consts
+      if isinstance(c, types.CodeType) and c.co_name == "emit")
+  _SEMAPHORE_PRIMITIVES = (
+      pallas_primitives.get_global_p, gpu_primitives.semaphore_signal_p,
+      gpu_primitives.semaphore_wait_p, pallas_primitives.semaphore_signal_p,
+      pallas_primitives.semaphore_wait_p)
 
 
 # --------------------------------------------------------------------------
@@ -163,8 +232,11 @@ def _interpret_run_state_p(self, eqn, token, invals):
 def _patched_interpret(self, jaxpr, token, *args):
   """The stock loop, but with run_state and layout_cast taken out of it."""
   special = (state_discharge.run_state_p, mgpu_core.layout_cast_p,
-             gpu_primitives.wgmma_accumulator_store_p)
-  if not any(e.primitive in special for e in jaxpr.eqns):
+             gpu_primitives.wgmma_accumulator_store_p, *_SEMAPHORE_PRIMITIVES)
+  is_special = lambda e: (e.primitive in special
+                          or (e.primitive is gpu_primitives.inline_mgpu_p
+                              and _named_barrier_of(e) is not None))
+  if not any(is_special(e) for e in jaxpr.eqns):
     return _STOCK_INTERPRET(self, jaxpr, token, *args)
   # Interpret the equations in runs: maximal runs of ordinary equations go
   # to the stock loop (as a sub-jaxpr over the live variables), the special
@@ -178,7 +250,7 @@ def _patched_interpret(self, jaxpr, token, *args):
   i = 0
   while i < len(eqns):
     eqn = eqns[i]
-    if eqn.primitive in special:
+    if is_special(eqn):
       invals = [read(v) for v in eqn.invars]
       with source_info_util.user_context(
           eqn.source_info.traceback, name_stack=eqn.source_info.name_stack):
@@ -193,6 +265,12 @@ def _patched_interpret(self, jaxpr, token, *args):
               transforms=(), val=invals[1], mask=None,
               source_info=eqn.source_info)
           outs = [old]
+        elif eqn.primitive is gpu_primitives.inline_mgpu_p:
+          token, outs = _interpret_named_barrier(self, eqn, token,
+                                                 _named_barrier_of(eqn))
+        elif eqn.primitive in _SEMAPHORE_PRIMITIVES:
+          token, outs = _interpret_semaphore_primitive(self, eqn, token,
+                                                       invals)
         else:
           token, outs = _interpret_run_state_p(self, eqn, token, invals)
       for v, o in zip(eqn.outvars, outs):
@@ -200,7 +278,7 @@ def _patched_interpret(self, jaxpr, token, *args):
       i += 1
       continue
     j = i
-    while j < len(eqns) and eqns[j].primitive not in special:
+    while j < len(eqns) and not is_special(eqns[j]):
       j += 1
     run = eqns[i:j]
     defined = set()
@@ -309,6 +387,163 @@ def _patched_wgmma_ref_p(self, eqn, token, get_invals):
 
 
 # --------------------------------------------------------------------------
+# Global semaphores (`pl.get_global(plgpu.SemaphoreType.REGULAR(shape))`)
+
+class _Semaphores:
+  """The int32 values of the launch's global semaphore arrays, by the id
+  that their `get_global` equation got when the kernel was traced (every
+  grid point and thread runs that one trace, so all see one array), made
+  zero on first use and dropped when the launch ends, as Mosaic GPU zeroes
+  a launch's semaphores."""
+
+  def __init__(self):
+    self.cv = threading.Condition()
+    self.values: dict[int, np.ndarray] = {}
+
+  def array(self, sem_id: int, shape) -> np.ndarray:
+    """The array `sem_id` (call with `self.cv` held)."""
+    if sem_id not in self.values:
+      self.values[sem_id] = np.zeros(shape, np.int32)
+    return self.values[sem_id]
+
+  def clear(self):
+    with self.cv:
+      self.values.clear()
+
+
+_SEMAPHORES = _Semaphores()
+_NEXT_SEMAPHORE_ID = iter(range(1 << 30))
+
+
+def _semaphore_index(transforms):
+  """The numpy index of an `.at[...]` view of a semaphore array."""
+  return interpret_utils.to_range(
+      jax.tree.map(int, gc._remove_noop_transforms(transforms)))
+
+
+def _semaphore_signal_callback(token, sem_id, transforms, inc, *, shape):
+  with _SEMAPHORES.cv:
+    _SEMAPHORES.array(int(sem_id), shape)[_semaphore_index(transforms)] += (
+        int(inc))
+    _SEMAPHORES.cv.notify_all()
+  return token
+
+
+def _semaphore_wait_callback(token, sem_id, transforms, value, *, shape,
+                             decrement):
+  """Blocks this warpgroup's host thread until the semaphore reaches
+  `value`. The grid points run one after another (the interpreter's
+  `fori_loop` over them), so only a thread of the same CTA, or an earlier
+  CTA, can have raised it: a wait on a later CTA never returns."""
+  index, value = _semaphore_index(transforms), int(value)
+  with _SEMAPHORES.cv:
+    sems = _SEMAPHORES.array(int(sem_id), shape)
+    _SEMAPHORES.cv.wait_for(lambda: sems[index] >= value)
+    if decrement:
+      sems[index] -= value
+  return token
+
+
+def _interpret_semaphore_primitive(self, eqn, token, invals):
+  """(token, outputs) of `get_global` (of a semaphore array: its id) and
+  of `plgpu.semaphore_signal` / `semaphore_wait` (or Pallas's): an atomic
+  add that wakes the waiters, and a wait for the value, minus it after
+  if `decrement`. `memory_scope` has nothing to order here: every load
+  and store, TMA ones included, is done by the time its callback returns.
+  """
+  if eqn.primitive is pallas_primitives.get_global_p:
+    what = eqn.params["what"]
+    if not jnp.issubdtype(what.dtype, pallas_core.semaphore):
+      raise NotImplementedError(f"get_global of {what}")
+    return token, [jnp.int32(next(_NEXT_SEMAPHORE_ID))]
+  args = jax.tree.unflatten(eqn.params["args_tree"], invals)
+  shape = jax.tree.unflatten(eqn.params["args_tree"],
+                             [v.aval for v in eqn.invars])[0].shape
+  if eqn.primitive in (gpu_primitives.semaphore_signal_p,
+                       pallas_primitives.semaphore_signal_p):
+    sem, transforms, inc, device_id, core_index = args
+    if device_id is not None or core_index is not None:
+      raise NotImplementedError("a remote or per-core semaphore signal")
+    callback_fn = functools.partial(_semaphore_signal_callback, shape=shape)
+  else:
+    sem, transforms, value, decrement = args
+    callback_fn = functools.partial(_semaphore_wait_callback, shape=shape,
+                                    decrement=bool(decrement))
+    inc = value
+  token = callback.io_callback(callback_fn, gc.TOKEN_SHAPE_DTYPE, token, sem,
+                               transforms, inc, ordered=True)
+  return token, []
+
+
+def _patched_clean_up_shared_memory(token):
+  _SEMAPHORES.clear()
+  _NAMED_BARRIERS.clear()
+  return _STOCK_CLEAN_UP_SHARED_MEMORY(token)
+
+
+# --------------------------------------------------------------------------
+# Named hardware barriers (`compat.named_barrier`: inline PTX `bar.sync` /
+# `bar.arrive`)
+
+_THREADS_PER_WARPGROUP = 128
+
+
+def _named_barrier_of(eqn):
+  """(operation, barrier id, thread count) if `eqn` is the `inline_mgpu`
+  of `compat.named_barrier` (its `emit`, by code object), else None."""
+  fn = eqn.params.get("mgpu_fn")
+  if getattr(fn, "__code__", None) is not _NAMED_BARRIER_EMIT:
+    return None
+  cells = inspect.getclosurevars(fn).nonlocals
+  return cells["operation"], cells["barrier_id"], cells["num_threads"]
+
+
+class _NamedBarriers:
+  """A CTA's hardware barriers by (device, grid point, id): each warpgroup
+  counts 128 threads; `sync` waits for the count to reach the barrier's,
+  `arrive` only counts; a full count starts the next phase."""
+
+  def __init__(self):
+    self.cv = threading.Condition()
+    self.state: dict[tuple, list[int]] = {}  # key: [count, phase]
+
+  def __call__(self, token, device_id, grid_point_coords, *, operation,
+               barrier_id, num_threads):
+    key = (int(device_id), tuple(int(x) for x in grid_point_coords),
+           barrier_id)
+    with self.cv:
+      state = self.state.setdefault(key, [0, 0])
+      phase = state[1]
+      state[0] += _THREADS_PER_WARPGROUP
+      if state[0] > num_threads:
+        raise RuntimeError(f"named barrier {barrier_id}: more than "
+                           f"{num_threads} threads arrived in a phase")
+      if state[0] == num_threads:
+        state[0], state[1] = 0, phase + 1
+        self.cv.notify_all()
+      elif operation == "sync":
+        self.cv.wait_for(lambda: state[1] != phase)
+    return token
+
+  def clear(self):
+    with self.cv:
+      self.state.clear()
+
+
+_NAMED_BARRIERS = _NamedBarriers()
+
+
+def _interpret_named_barrier(self, eqn, token, barrier):
+  operation, barrier_id, num_threads = barrier
+  token = callback.io_callback(
+      functools.partial(_NAMED_BARRIERS, operation=operation,
+                        barrier_id=barrier_id, num_threads=num_threads),
+      gc.TOKEN_SHAPE_DTYPE, token, self.device_info.device_id,
+      self.grid_point_coords, ordered=True)
+  return token, []
+
+
+# --------------------------------------------------------------------------
 # Barrier deallocation
 
 UNOBSERVED_TRAILING_PHASES = 0
@@ -367,8 +602,9 @@ def _clipped_copy_smem_to_gmem(*, token, device_id, grid_point_coords,
   one), but a store partly past the end of `dst` writes its in-bounds
   part, as TMA does."""
   del commit_group
-  if predicate is not None or reduction_op is not None:
-    raise NotImplementedError("TMA store with a predicate or a reduction")
+  if predicate is not None or reduction_op not in (None, "add"):
+    raise NotImplementedError(
+        f"TMA store with a predicate or a {reduction_op} reduction")
   device_id, thread_id = int(device_id), int(thread_id)
   sm = gc._get_shared_memory()
   gtid = sm.get_global_thread_id(device_id, thread_id)
@@ -384,6 +620,16 @@ def _clipped_copy_smem_to_gmem(*, token, device_id, grid_point_coords,
   assert val is not None
   dst_key = gc.HostAllocationKey.from_array(dst_allocation_key_as_array)
   dst_range = to_range(dst_transforms)
+  if reduction_op == "add":
+    # The read and the write under the memory's lock, so that the add is
+    # atomic, as TMA's is; in dst's dtype; only the in-bounds part (the
+    # buffer's read returns that part, at the range's leading corner).
+    with sm.lock:
+      buffer = sm.mem[dst_key]
+      old = buffer[dst_range]
+      added = old + val[tuple(slice(n) for n in old.shape)].astype(old.dtype)
+      buffer.set_in_bounds_portion(dst_range, added)
+    return token
   in_bounds, _, _ = sm.store_buffer_content(dst_key, dst_range, val, gtid,
                                             logging_info=info)
   if not in_bounds:  # nothing was written: write what lies in bounds
@@ -395,13 +641,14 @@ def _clipped_copy_smem_to_gmem(*, token, device_id, grid_point_coords,
 _STOCK_INTERPRET = None
 _STOCK_TRANSFER_EXECUTE = None
 _STOCK_HANDLE_OUT_OF_BOUNDS_READ = None
+_STOCK_CLEAN_UP_SHARED_MEMORY = None
 
 
 def install() -> None:
   """Applies the patches (once); raises RuntimeError with `WHY_NOT` where
   they cannot apply."""
   global _STOCK_INTERPRET, _STOCK_TRANSFER_EXECUTE
-  global _STOCK_HANDLE_OUT_OF_BOUNDS_READ
+  global _STOCK_HANDLE_OUT_OF_BOUNDS_READ, _STOCK_CLEAN_UP_SHARED_MEMORY
   if WHY_NOT is not None:
     raise RuntimeError(WHY_NOT)
   if _STOCK_INTERPRET is not None:
@@ -409,12 +656,14 @@ def install() -> None:
   _STOCK_INTERPRET = ji.JaxprInterpreter.interpret
   _STOCK_TRANSFER_EXECUTE = gc.DeviceLocalMemoryTransfer.execute
   _STOCK_HANDLE_OUT_OF_BOUNDS_READ = gc._handle_out_of_bounds_read
+  _STOCK_CLEAN_UP_SHARED_MEMORY = gc._clean_up_shared_memory
   gpu_memory.Barrier.deallocate = _patched_barrier_deallocate
   ji.JaxprInterpreter.interpret = _patched_interpret
   ji.JaxprInterpreter._interpret_wgmma_ref_p = _patched_wgmma_ref_p
   gc.DeviceLocalMemoryTransfer.execute = _patched_transfer_execute
   gc._handle_out_of_bounds_read = _patched_handle_out_of_bounds_read
   gc.copy_smem_to_gmem = _clipped_copy_smem_to_gmem
+  gc._clean_up_shared_memory = _patched_clean_up_shared_memory
 
 
 def interpreted():
@@ -427,3 +676,5 @@ def reset() -> None:
   """Clears the interpreter's state after a failed kernel (else the next
   run reports the last one's leftovers)."""
   gc.reset_gpu_interpret_mode_state()
+  _SEMAPHORES.clear()
+  _NAMED_BARRIERS.clear()

@@ -4,12 +4,23 @@ interpreter (`tests/mosaic_interpret.py` teaches it what the kernels use).
 The interpreter simulates the kernels' threads, shared memory, barriers, TMA
 and wgmma, so these tests run the real kernel bodies (warp specialisation,
 the K/V ring, online softmax, causal block skipping, the persistent walk;
-the backward's dQ and dK/dV kernels; the masked forward's and backward's
-plan rows, masks and ragged tiles) at small shapes, against the reference
-with FlashAttention's tolerance rule. What it cannot see (wgmma pipelining, shared-memory limits,
-registers, speed) stays with `-m gpu` on an H200.
+the backward's dQ and dK/dV kernels, and the fused one with its dQ writer's
+semaphores and reduce-adds; the masked forward's and backward's plan rows,
+masks and ragged tiles) at small shapes, against the reference with
+FlashAttention's tolerance rule. What it cannot see (wgmma pipelining,
+shared-memory limits, registers, speed) stays with `-m gpu` on an H200.
+
+Kernels of more warpgroups than this process's CPU client can run
+(`mosaic_interpret.MAX_WARPGROUPS`, set by its thread pool, which conftest
+makes before this module can size it) skip here, and
+`test_interpreted_wide_forms_in_a_larger_pool` runs them in a pytest child
+whose client gets `mosaic_interpret.CPU_CLIENT_THREADS` threads.
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -40,16 +51,17 @@ CASES = [
     (Case(1, 128, 256, 2, 1, 64), True, dict(persistent=False)),
     (Case(1, 256, 128, 1, 1, 64), True, dict(persistent=False)),
     # Three consumers (d=64's default from q_len 1024) on a short tile;
-    # four warpgroups, skipped where they could deadlock
-    # (`mosaic_interpret.MAX_WARPGROUPS`).
+    # four warpgroups (`_skip_if_too_wide`).
     (Case(1, 192, 128, 1, 1, 64), False, dict(persistent=False,
                                               num_consumers=3)),
-    # The consumer schedules: the intra-warpgroup overlap, ring turns, and
-    # P's row sum after P V.
+    # The consumer schedules: the intra-warpgroup overlap, ring turns,
+    # turns on hardware barriers, and P's row sum after P V.
     (Case(1, 128, 256, 1, 1, 64), True, dict(persistent=False,
                                              overlap_scores=True)),
     (Case(1, 128, 128, 1, 1, 64), True, dict(persistent=False,
                                              ring_turns=True)),
+    (Case(1, 128, 128, 1, 1, 64), True, dict(persistent=False,
+                                             hw_turns=True)),
     (Case(1, 128, 128, 2, 2, 64), False, dict(num_ctas=2,
                                               sum_after_pv=True)),
     # head_dim 128's 128-row K/V tiles; without a mask its default takes
@@ -59,15 +71,22 @@ CASES = [
 ]
 
 
+def _skip_if_too_wide(warpgroups: int) -> None:
+  """Skips a kernel of `warpgroups` warpgroups that could deadlock this
+  process's interpreter (`test_interpreted_wide_forms_in_a_larger_pool`
+  runs it)."""
+  if warpgroups > mosaic_interpret.MAX_WARPGROUPS:
+    pytest.skip(f"{warpgroups} warpgroups could deadlock the interpreter on "
+                f"a CPU client of {mosaic_interpret.MAX_WARPGROUPS - 1} "
+                f"threads; run in a child with more")
+
+
 @pytest.mark.parametrize("case, is_causal, options", CASES, ids=str)
 def test_interpreted_mosaic_forward_matches_reference(case, is_causal,
                                                       options):
   """out and lse against the float32 reference, within twice the plain
   bf16 computation's error (DESIGN's rule)."""
-  warpgroups = options.get("num_consumers", 2) + 1
-  if warpgroups > mosaic_interpret.MAX_WARPGROUPS:
-    pytest.skip(f"{warpgroups} warpgroups could deadlock the interpreter on "
-                f"{mosaic_interpret.MAX_WARPGROUPS - 1} cores")
+  _skip_if_too_wide(options.get("num_consumers", 2) + 1)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=7)
   try:
     with mosaic_interpret.interpreted():
@@ -151,7 +170,7 @@ def test_interpreted_mosaic_forward_masked_matches_reference(name):
 
 
 # (case, is_causal, mosaic_backward options): the two kernels (dQ, and
-# dK/dV); the fused dQ's semaphores are beyond the interpreter.
+# dK/dV); the fused kernel's are FUSED_BACKWARD_CASES.
 BACKWARD_CASES = [
     # d=64's 128-row Q tiles on the persistent grid (its default up to
     # kv_len 1024), GQA 2:1.
@@ -163,14 +182,31 @@ BACKWARD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case, is_causal, options", BACKWARD_CASES, ids=str)
-def test_interpreted_mosaic_backward_matches_reference(case, is_causal,
-                                                       options):
-  """dq, dk, dv of the two Mosaic backward kernels under a random
-  cotangent of out and of lse, against the float32 reference's, within
-  twice the plain bf16 computation's error. delta (`row_statistics`, a
-  Triton kernel the Mosaic GPU interpreter cannot take) is computed
-  outside it."""
+# (case, is_causal, mosaic_backward options) of the fused kernel
+# (`fused_dq=True`: dK/dV and a dQ writer, four warpgroups). Two K/V tiles
+# of two 64-row consumers, so that the second tile's writer waits for the
+# first's turn on each Q tile and reduce-adds onto its stores; two Q tiles.
+FUSED_BACKWARD_CASES = [
+    # d=64's 128-row Q tiles (two dQ pieces), GQA 2:1, causal (the walk
+    # down from the last Q tile, masked steps).
+    (Case(1, 256, 256, 2, 1, 64), True, dict(block_q=128)),
+    # Pieces of a step computed during the next and issued beside its
+    # wgmmas; stages freed as soon as read.
+    (Case(1, 256, 256, 1, 1, 64), False,
+     dict(block_q=128, deferred_dq=True, overlap_softmax=True,
+          merged_pieces=True, stage_free_on_read=True)),
+    # d=128's fused defaults (64-row Q tiles, deferred and merged pieces,
+    # the opaque resident rows).
+    (Case(1, 128, 256, 1, 1, 128), False, dict()),
+]
+
+
+def _backward_test(case, is_causal, options):
+  """Asserts dq, dk, dv of `mosaic_backward`'s kernels for `options`
+  (`backward.configure`'s) under a random cotangent of out and of lse
+  against the float32 reference's, within twice the plain bf16
+  computation's error. delta (`row_statistics`, a Triton kernel the Mosaic
+  GPU interpreter cannot take) is computed outside it."""
   from pallas_kernels.mosaic import backward
   q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=11)
 
@@ -197,6 +233,45 @@ def test_interpreted_mosaic_backward_matches_reference(case, is_causal,
     mosaic_interpret.reset()
   for name, ours in zip(("dq", "dk", "dv"), grads):
     assert_within_rule(name, ours, exact[name], lowp[name])
+
+
+@pytest.mark.parametrize("case, is_causal, options", BACKWARD_CASES, ids=str)
+def test_interpreted_mosaic_backward_matches_reference(case, is_causal,
+                                                       options):
+  """The two Mosaic backward kernels' dq, dk, dv (`_backward_test`)."""
+  _backward_test(case, is_causal, options)
+
+
+@pytest.mark.parametrize("case, is_causal, options", FUSED_BACKWARD_CASES,
+                         ids=str)
+def test_interpreted_mosaic_fused_backward_matches_reference(case, is_causal,
+                                                             options):
+  """The fused kernel's dq, dk, dv (`_backward_test`): its dQ, a sum over
+  K/V tiles by reduce-adds in the order of the turn semaphores."""
+  _skip_if_too_wide(4)  # two consumers, the producer, the dQ writer
+  _backward_test(case, is_causal, dict(options, fused_dq=True))
+
+
+def test_interpreted_wide_forms_in_a_larger_pool():
+  """Runs the tests that skip here for want of CPU client threads
+  (`_skip_if_too_wide`: the three-consumer forward, the fused backward) in
+  a pytest child whose client has `mosaic_interpret.CPU_CLIENT_THREADS`;
+  they must all pass there."""
+  if mosaic_interpret.MAX_WARPGROUPS >= 4:
+    pytest.skip("the wide forms run in this process")
+  selected = "fused_backward or num_consumers"
+  env = dict(os.environ,
+             PJRT_NPROC=str(mosaic_interpret.CPU_CLIENT_THREADS))
+  child = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p",
+       "no:cacheprovider", "-k", selected, __file__],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      env=env, capture_output=True, text=True, timeout=300, check=False)
+  summary = child.stdout.strip().splitlines()[-1] if child.stdout else ""
+  expected = len(FUSED_BACKWARD_CASES) + sum(
+      "num_consumers" in options for _, _, options in CASES)
+  assert child.returncode == 0 and summary.startswith(
+      f"{expected} passed"), child.stdout[-4000:] + child.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name", ["ragged causal", "lengths"])
