@@ -579,14 +579,20 @@ def _patched_transfer_execute(self, token):
 
 
 def _patched_handle_out_of_bounds_read(ret, full_read_shape, shape, dtype,
-                                       *args, **kwargs):
-  """A TMA load's read: `ret`, its in-bounds part (None where none is; TMA
-  coordinates are never negative here, so it is the leading corner),
-  padded with zeros to `full_read_shape`. Any other read: the stock
-  handling."""
+                                       allocation_key, read_range, *args,
+                                       **kwargs):
+  """A TMA load's read: `ret`, its in-bounds part (None where none is),
+  padded with zeros to `full_read_shape`. Its coordinates must not be
+  negative (our kernels' never are), so the in-bounds part is the leading
+  corner. Any other read: the stock handling."""
   if not getattr(_IN_TMA_LOAD, "active", False):
-    return _STOCK_HANDLE_OUT_OF_BOUNDS_READ(ret, full_read_shape, shape,
-                                            dtype, *args, **kwargs)
+    return _STOCK_HANDLE_OUT_OF_BOUNDS_READ(
+        ret, full_read_shape, shape, dtype, allocation_key, read_range,
+        *args, **kwargs)
+  starts = [r.start if isinstance(r, slice) else r for r in read_range]
+  if any(start is not None and start < 0 for start in starts):
+    raise IndexError(f"TMA load at negative coordinates {read_range} of "
+                     f"{allocation_key}: the zero fill assumes none")
   value = np.zeros(full_read_shape, dtype)
   if ret is not None:
     value[tuple(slice(n) for n in ret.shape)] = ret
@@ -678,3 +684,15 @@ def reset() -> None:
   gc.reset_gpu_interpret_mode_state()
   _SEMAPHORES.clear()
   _NAMED_BARRIERS.clear()
+
+
+def run(fn, *args, **kwargs) -> list[np.ndarray]:
+  """`fn(*args, **kwargs)` (kernels and the code around them) under the
+  interpreter, its outputs as float32 numpy arrays, in order; the
+  interpreter's state is reset after, failed or not."""
+  try:
+    with interpreted():
+      outputs = fn(*args, **kwargs)
+      return [np.asarray(x, np.float32) for x in outputs]
+  finally:
+    reset()

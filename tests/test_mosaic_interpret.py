@@ -88,13 +88,9 @@ def test_interpreted_mosaic_forward_matches_reference(case, is_causal,
   bf16 computation's error (DESIGN's rule)."""
   _skip_if_too_wide(options.get("num_consumers", 2) + 1)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=7)
-  try:
-    with mosaic_interpret.interpreted():
-      out, lse = mosaic_forward(q, k, v, scale=case.head_dim**-0.5,
-                                is_causal=is_causal, **options)
-      out, lse = np.asarray(out, np.float32), np.asarray(lse)
-  finally:
-    mosaic_interpret.reset()
+  out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
+                                  scale=case.head_dim**-0.5,
+                                  is_causal=is_causal, **options)
   lse = np.swapaxes(lse, 1, 2)  # [batch, q_len, heads], as the reference's
   exact = naive_attention(q, k, v, is_causal=is_causal,
                           compute_dtype=jnp.float32)
@@ -155,13 +151,8 @@ def test_interpreted_mosaic_forward_masked_matches_reference(name):
   case, variants = MASKED_VARIANTS[name]
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
   scale, spec, operands = _masked_call(q, k, v, variants)
-  try:
-    with mosaic_interpret.interpreted():
-      out, lse = mosaic_forward_masked(q, k, v, scale=scale, spec=spec,
-                                       **operands)
-      out, lse = np.asarray(out, np.float32), np.asarray(lse)
-  finally:
-    mosaic_interpret.reset()
+  out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
+                                  scale=scale, spec=spec, **operands)
   lse = np.swapaxes(lse, 1, 2)  # [batch, q_len, heads], as the reference's
   exact = naive_attention(q, k, v, compute_dtype=jnp.float32, **variants)
   lowp = naive_attention(q, k, v, compute_dtype=jnp.bfloat16, **variants)
@@ -224,13 +215,8 @@ def _backward_test(case, is_causal, options):
       q, k, scale=case.head_dim**-0.5, is_causal=is_causal, **options)
   stats = backward.row_statistics(out.astype(q.dtype), lse_t, d_out,
                                   jnp.swapaxes(d_lse, 1, 2))
-  try:
-    with mosaic_interpret.interpreted():
-      grads = backward.gradients(q, k, v, d_out, stats, dq_config,
-                                 dkdv_configs)
-      grads = [np.asarray(g, np.float32) for g in grads]
-  finally:
-    mosaic_interpret.reset()
+  grads = mosaic_interpret.run(backward.gradients, q, k, v, d_out, stats,
+                               dq_config, dkdv_configs)
   for name, ours in zip(("dq", "dk", "dv"), grads):
     assert_within_rule(name, ours, exact[name], lowp[name])
 
@@ -306,12 +292,7 @@ def test_interpreted_mosaic_backward_masked_matches_reference(name,
 
   monkeypatch.setattr(backward, "row_statistics", precomputed_statistics)
   scale, spec, operands = _masked_call(q, k, v, variants)
-  try:
-    with mosaic_interpret.interpreted():
-      grads = mosaic_backward_masked(q, k, v, *args, scale=scale, spec=spec,
-                                     **operands)
-      grads = [np.asarray(g, np.float32) for g in grads]
-  finally:
-    mosaic_interpret.reset()
+  grads = mosaic_interpret.run(mosaic_backward_masked, q, k, v, *args,
+                               scale=scale, spec=spec, **operands)
   for grad, ours in zip(("dq", "dk", "dv"), grads):
     assert_within_rule(grad, ours, exact[grad], lowp[grad])
