@@ -93,6 +93,11 @@ def pytest_runtest_logreport(report):
       _RECORDS.append((report.nodeid, report.duration, record))
 
 
+def _compile_seconds(record: dict) -> float:
+  """A record's trace, lower and compile seconds together."""
+  return sum(record.get(phase, 0.0) for phase in _PHASES.values())
+
+
 def pytest_terminal_summary(terminalreporter, config):
   most = config.getoption("--compile-times")
   records = _RECORDS
@@ -103,17 +108,16 @@ def pytest_terminal_summary(terminalreporter, config):
   for _, _, record in records:
     total.update(record)
   test_seconds = sum(duration for _, duration, _ in records)
-  compile_seconds = sum(total[phase] for phase in _PHASES.values())
+  compile_seconds = _compile_seconds(total)
   terminalreporter.section(f"compile time, {len(records)} tests")
   share = compile_seconds / max(test_seconds, 1e-9)
   write(f"tests' calls {test_seconds:.0f} s; of that JAX traced "
         f"{total['trace']:.0f} s, lowered {total['lower']:.0f} s, compiled "
         f"{total['compile']:.0f} s: the three {share:.0%} of the calls; "
         f"persistent-cache hits {total['cache_hits']}")
-  ranked = sorted(records, key=lambda r: -sum(
-      r[2].get(phase, 0.0) for phase in _PHASES.values()))
+  ranked = sorted(records, key=lambda r: -_compile_seconds(r[2]))
   for nodeid, duration, record in ranked[:most]:
-    spent = sum(record.get(phase, 0.0) for phase in _PHASES.values())
+    spent = _compile_seconds(record)
     write(f"{spent:7.1f} s of {duration:6.1f} s  compile "
           f"{record.get('compile', 0.0):6.1f}  lower "
           f"{record.get('lower', 0.0):5.1f}  hits "

@@ -172,6 +172,34 @@ if WHY_NOT is None:
 
 
 # --------------------------------------------------------------------------
+# Host-side helpers of the callbacks below
+
+def _range_of(transforms):
+  """The numpy index of a buffer's `.at[...]` transforms (traced ints as
+  Python ones)."""
+  return interpret_utils.to_range(
+      jax.tree.map(int, gc._remove_noop_transforms(transforms)))
+
+
+def _host_context(device_id, grid_point_coords, thread_id, source_info):
+  """(shared memory, global thread id, logging info) of a callback's
+  simulated thread."""
+  device_id, thread_id = int(device_id), int(thread_id)
+  sm = gc._get_shared_memory()
+  info = interpret_utils.GPULoggingInfo(
+      device_id=device_id,
+      grid_point_coords=tuple(int(x) for x in grid_point_coords),
+      thread_id=thread_id, source_info=source_info)
+  return sm, sm.get_global_thread_id(device_id, thread_id), info
+
+
+def _clear_launch_state():
+  """Drops the semaphores and named barriers of the launch that ended."""
+  _SEMAPHORES.clear()
+  _NAMED_BARRIERS.clear()
+
+
+# --------------------------------------------------------------------------
 # REGS buffers (thread-private; own id sequence, see gc._allocate_buffer)
 
 def _alloc_regs(self, token, value, source_info):
@@ -230,7 +258,9 @@ def _interpret_run_state_p(self, eqn, token, invals):
 
 
 def _patched_interpret(self, jaxpr, token, *args):
-  """The stock loop, but with run_state and layout_cast taken out of it."""
+  """The stock loop, but with the equations it cannot take (run_state,
+  layout_cast, the accumulator store, semaphores, `named_barrier`'s
+  inline PTX) handled here, in the kernel's token chain."""
   special = (state_discharge.run_state_p, mgpu_core.layout_cast_p,
              gpu_primitives.wgmma_accumulator_store_p, *_SEMAPHORE_PRIMITIVES)
   is_special = lambda e: (e.primitive in special
@@ -326,20 +356,13 @@ def _wgmma_callback(*, token, device_id, grid_point_coords, thread_id,
                     a_allocation_key_as_array, a_transforms, a_value,
                     b_allocation_key_as_array, b_transforms,
                     a_perm, b_perm, source_info=None):
-  device_id = int(device_id)
-  thread_id = int(thread_id)
-  grid_point_coords = tuple(int(x) for x in grid_point_coords)
-  sm = gc._get_shared_memory()
-  gtid = sm.get_global_thread_id(device_id, thread_id)
-  info = interpret_utils.GPULoggingInfo(
-      device_id=device_id, grid_point_coords=grid_point_coords,
-      thread_id=thread_id, source_info=source_info)
+  sm, gtid, info = _host_context(device_id, grid_point_coords, thread_id,
+                                 source_info)
 
   def read(key_arr, transforms, perm):
     key = gc.HostAllocationKey.from_array(key_arr)
-    transforms = jax.tree.map(int, gc._remove_noop_transforms(transforms))
     val, _, _ = sm.get_buffer_content(
-        key, interpret_utils.to_range(transforms), gtid, logging_info=info)
+        key, _range_of(transforms), gtid, logging_info=info)
     assert val is not None
     return val if perm is None else np.transpose(val, perm)
 
@@ -349,8 +372,7 @@ def _wgmma_callback(*, token, device_id, grid_point_coords, thread_id,
     a = read(a_allocation_key_as_array, a_transforms, a_perm)
   b = read(b_allocation_key_as_array, b_transforms, b_perm)
   acc_key = gc.HostAllocationKey.from_array(acc_allocation_key_as_array)
-  acc_range = interpret_utils.to_range(
-      jax.tree.map(int, gc._remove_noop_transforms(acc_transforms)))
+  acc_range = _range_of(acc_transforms)
   acc, _, _ = sm.get_buffer_content(acc_key, acc_range, gtid,
                                     logging_info=info)
   res = acc + np.matmul(a, b, dtype=acc_dtype)
@@ -415,15 +437,9 @@ _SEMAPHORES = _Semaphores()
 _NEXT_SEMAPHORE_ID = iter(range(1 << 30))
 
 
-def _semaphore_index(transforms):
-  """The numpy index of an `.at[...]` view of a semaphore array."""
-  return interpret_utils.to_range(
-      jax.tree.map(int, gc._remove_noop_transforms(transforms)))
-
-
 def _semaphore_signal_callback(token, sem_id, transforms, inc, *, shape):
   with _SEMAPHORES.cv:
-    _SEMAPHORES.array(int(sem_id), shape)[_semaphore_index(transforms)] += (
+    _SEMAPHORES.array(int(sem_id), shape)[_range_of(transforms)] += (
         int(inc))
     _SEMAPHORES.cv.notify_all()
   return token
@@ -435,7 +451,7 @@ def _semaphore_wait_callback(token, sem_id, transforms, value, *, shape,
   `value`. The grid points run one after another (the interpreter's
   `fori_loop` over them), so only a thread of the same CTA, or an earlier
   CTA, can have raised it: a wait on a later CTA never returns."""
-  index, value = _semaphore_index(transforms), int(value)
+  index, value = _range_of(transforms), int(value)
   with _SEMAPHORES.cv:
     sems = _SEMAPHORES.array(int(sem_id), shape)
     _SEMAPHORES.cv.wait_for(lambda: sems[index] >= value)
@@ -476,8 +492,7 @@ def _interpret_semaphore_primitive(self, eqn, token, invals):
 
 
 def _patched_clean_up_shared_memory(token):
-  _SEMAPHORES.clear()
-  _NAMED_BARRIERS.clear()
+  _clear_launch_state()
   return _STOCK_CLEAN_UP_SHARED_MEMORY(token)
 
 
@@ -611,21 +626,14 @@ def _clipped_copy_smem_to_gmem(*, token, device_id, grid_point_coords,
   if predicate is not None or reduction_op not in (None, "add"):
     raise NotImplementedError(
         f"TMA store with a predicate or a {reduction_op} reduction")
-  device_id, thread_id = int(device_id), int(thread_id)
-  sm = gc._get_shared_memory()
-  gtid = sm.get_global_thread_id(device_id, thread_id)
-  info = interpret_utils.GPULoggingInfo(
-      device_id=device_id,
-      grid_point_coords=tuple(int(x) for x in grid_point_coords),
-      thread_id=thread_id, source_info=source_info)
-  to_range = lambda transforms: interpret_utils.to_range(
-      jax.tree.map(int, gc._remove_noop_transforms(transforms)))
+  sm, gtid, info = _host_context(device_id, grid_point_coords, thread_id,
+                                 source_info)
   val, _, _ = sm.get_buffer_content(
       gc.HostAllocationKey.from_array(src_allocation_key_as_array),
-      to_range(src_transforms), gtid, logging_info=info)
+      _range_of(src_transforms), gtid, logging_info=info)
   assert val is not None
   dst_key = gc.HostAllocationKey.from_array(dst_allocation_key_as_array)
-  dst_range = to_range(dst_transforms)
+  dst_range = _range_of(dst_transforms)
   if reduction_op == "add":
     # The read and the write under the memory's lock, so that the add is
     # atomic, as TMA's is; in dst's dtype; only the in-bounds part (the
@@ -682,8 +690,7 @@ def reset() -> None:
   """Clears the interpreter's state after a failed kernel (else the next
   run reports the last one's leftovers)."""
   gc.reset_gpu_interpret_mode_state()
-  _SEMAPHORES.clear()
-  _NAMED_BARRIERS.clear()
+  _clear_launch_state()
 
 
 def run(fn, *args, **kwargs) -> list[np.ndarray]:

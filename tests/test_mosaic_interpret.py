@@ -91,11 +91,16 @@ def test_interpreted_mosaic_forward_matches_reference(case, is_causal,
   out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
                                   scale=case.head_dim**-0.5,
                                   is_causal=is_causal, **options)
+  _assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal)
+
+
+def _assert_forward_within_rule(q, k, v, out, lse, **variants):
+  """Asserts a kernel's out and lse ([batch, heads, q_len]) against the
+  float32 reference with `flash_attention`'s arguments `variants`, within
+  twice the plain bf16 computation's error (DESIGN's rule)."""
   lse = np.swapaxes(lse, 1, 2)  # [batch, q_len, heads], as the reference's
-  exact = naive_attention(q, k, v, is_causal=is_causal,
-                          compute_dtype=jnp.float32)
-  lowp = naive_attention(q, k, v, is_causal=is_causal,
-                         compute_dtype=jnp.bfloat16)
+  exact = naive_attention(q, k, v, compute_dtype=jnp.float32, **variants)
+  lowp = naive_attention(q, k, v, compute_dtype=jnp.bfloat16, **variants)
   for i, (name, ours) in enumerate((("out", out), ("lse", lse))):
     assert_within_rule(name, ours, exact[i], lowp[i])
 
@@ -135,11 +140,9 @@ MASKED_VARIANTS = {
 def _masked_call(q, k, v, variants):
   """(scale, spec, keyword operands) of the masked Mosaic kernels for
   `flash_attention`'s mask arguments `variants`, as jax_flash makes them."""
+  from pallas_kernels.mosaic.attention import masked_operand_kwargs
   call = validation.normalise_call(q, k, v, **variants)
-  o = call.operands
-  return call.scale, call.spec, dict(
-      q_offset=o.q_offset, q_lengths=o.q_lengths, kv_lengths=o.kv_lengths,
-      q_segments=o.q_segments, kv_segments=o.kv_segments)
+  return call.scale, call.spec, masked_operand_kwargs(call.operands)
 
 
 @pytest.mark.parametrize("name", list(MASKED_VARIANTS))
@@ -153,11 +156,7 @@ def test_interpreted_mosaic_forward_masked_matches_reference(name):
   scale, spec, operands = _masked_call(q, k, v, variants)
   out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
                                   scale=scale, spec=spec, **operands)
-  lse = np.swapaxes(lse, 1, 2)  # [batch, q_len, heads], as the reference's
-  exact = naive_attention(q, k, v, compute_dtype=jnp.float32, **variants)
-  lowp = naive_attention(q, k, v, compute_dtype=jnp.bfloat16, **variants)
-  for i, (output, ours) in enumerate((("out", out), ("lse", lse))):
-    assert_within_rule(output, ours, exact[i], lowp[i])
+  _assert_forward_within_rule(q, k, v, out, lse, **variants)
 
 
 # (case, is_causal, mosaic_backward options): the two kernels (dQ, and
@@ -192,6 +191,19 @@ FUSED_BACKWARD_CASES = [
 ]
 
 
+def _references(q, k, v, d_out, d_lse, **variants):
+  """(float32, bf16) `forward_and_grads` of the reference with
+  `flash_attention`'s arguments `variants`, under cotangents d_out and
+  d_lse ([batch, q_len, heads])."""
+  def reference(compute_dtype):
+    cast = lambda x: x.astype(compute_dtype)
+    return forward_and_grads(
+        lambda q, k, v: naive_attention(q, k, v, compute_dtype=compute_dtype,
+                                        **variants),
+        cast(q), cast(k), cast(v), cast(d_out), d_lse)
+  return reference(jnp.float32), reference(jnp.bfloat16)
+
+
 def _backward_test(case, is_causal, options):
   """Asserts dq, dk, dv of `mosaic_backward`'s kernels for `options`
   (`backward.configure`'s) under a random cotangent of out and of lse
@@ -200,15 +212,7 @@ def _backward_test(case, is_causal, options):
   GPU interpreter cannot take) is computed outside it."""
   from pallas_kernels.mosaic import backward
   q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=11)
-
-  def reference(compute_dtype):
-    cast = lambda x: x.astype(compute_dtype)
-    return forward_and_grads(
-        lambda q, k, v: naive_attention(q, k, v, is_causal=is_causal,
-                                        compute_dtype=compute_dtype),
-        cast(q), cast(k), cast(v), cast(d_out), d_lse)
-
-  exact, lowp = reference(jnp.float32), reference(jnp.bfloat16)
+  exact, lowp = _references(q, k, v, d_out, d_lse, is_causal=is_causal)
   out, lse = exact["out"], exact["lse"]
   lse_t = jnp.swapaxes(lse, 1, 2)  # [batch, heads, q_len], the kernels'
   dq_config, dkdv_configs = backward.configure(
@@ -272,15 +276,7 @@ def test_interpreted_mosaic_backward_masked_matches_reference(name,
   from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
   case, variants = MASKED_VARIANTS[name]
   q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=11)
-
-  def reference(compute_dtype):
-    cast = lambda x: x.astype(compute_dtype)
-    return forward_and_grads(
-        lambda q, k, v: naive_attention(q, k, v, compute_dtype=compute_dtype,
-                                        **variants),
-        cast(q), cast(k), cast(v), cast(d_out), d_lse)
-
-  exact, lowp = reference(jnp.float32), reference(jnp.bfloat16)
+  exact, lowp = _references(q, k, v, d_out, d_lse, **variants)
   # The kernels' layouts: out like q, lse and d_lse [batch, heads, q_len].
   args = (exact["out"].astype(q.dtype), jnp.swapaxes(exact["lse"], 1, 2),
           d_out, jnp.swapaxes(d_lse, 1, 2))

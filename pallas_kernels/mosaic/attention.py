@@ -198,6 +198,15 @@ def _bwd(scale, is_causal, backward_blocks, backward, residuals, cotangents):
 flash_attention_mosaic.defvjp(_fwd, _bwd)
 
 
+def masked_operand_kwargs(operands: Operands) -> dict:
+  """The masked Mosaic kernels' keyword operands (q_offset, q_lengths,
+  kv_lengths: int32 [batch] or None; the segment ids) from `operands`."""
+  return dict(q_offset=operands.q_offset, q_lengths=operands.q_lengths,
+              kv_lengths=operands.kv_lengths,
+              q_segments=operands.q_segments,
+              kv_segments=operands.kv_segments)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def flash_attention_mosaic_masked(query, key, value, operands: Operands,
                                   scale: float, spec: MaskSpec,
@@ -211,11 +220,7 @@ def flash_attention_mosaic_masked(query, key, value, operands: Operands,
   returns (out [B, Tq, N, D], lse float32 [B, N, Tq]).
   """
   return mosaic_forward_masked(query, key, value, scale=scale, spec=spec,
-                               q_offset=operands.q_offset,
-                               q_lengths=operands.q_lengths,
-                               kv_lengths=operands.kv_lengths,
-                               q_segments=operands.q_segments,
-                               kv_segments=operands.kv_segments)
+                               **masked_operand_kwargs(operands))
 
 
 def _masked_fwd(query, key, value, operands, scale, spec, backward_blocks):
@@ -231,9 +236,7 @@ def _masked_bwd(scale, spec, backward_blocks, residuals, cotangents):
     try:
       dq, dk, dv = mosaic_backward_masked(
           query, key, value, out, lse, d_out, d_lse, scale=scale, spec=spec,
-          q_offset=operands.q_offset, q_lengths=operands.q_lengths,
-          kv_lengths=operands.kv_lengths, q_segments=operands.q_segments,
-          kv_segments=operands.kv_segments)
+          **masked_operand_kwargs(operands))
       return dq, dk, dv, None
     except NotImplementedError:
       pass  # a call the masked Mosaic backward does not cover: Triton's

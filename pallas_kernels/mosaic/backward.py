@@ -90,24 +90,24 @@ from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.forward import (
     _PLAN_SCALARS, _PLAN_UNION, _SMEM_LIMIT_BYTES, _LOG2E, _SUPPORTED_DTYPES,
-    _SUPPORTED_HEAD_DIMS, _SWIZZLE_BYTES, PLAN_WIDTH, _Plan, _causal_mask, _cols, check_layout,
-    check_shared_memory, check_tiles, launch_grid, register_split,
-    _read_plan, _rows,
-    _variant_mask,
-    persistent_num_ctas, persistent_schedule, tile_index)
+    _SUPPORTED_HEAD_DIMS, _SWIZZLE_BYTES, PLAN_WIDTH, _Plan, _causal_mask,
+    _cols, check_layout, check_shared_memory, check_tiles, launch_grid,
+    register_split, _read_plan, _rows, _variant_mask, persistent_num_ctas,
+    persistent_schedule, tile_index)
 from pallas_kernels.triton.delta import row_delta
 
 _MAX_CONSUMERS = 2
 # f32 registers per consumer thread that the wgmma accumulators (the
 # [rows, head_dim] dK/dV or dQ sums and the [rows, cols] S and dP tiles) may
 # take of `forward._CONSUMER_REGISTERS`; the rest holds P and dS in 16
-# bits, the softmax statistics and addresses. A [m, n] f32 accumulator of one
-# warpgroup is m * n / 128 registers per thread.
+# bits, the softmax statistics and addresses. A [m, n] f32 accumulator of
+# one warpgroup is m * n / 128 registers per thread.
 _ACCUMULATOR_REGISTERS = 192
 _THREADS_PER_WARPGROUP = 128
 # The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
 # the producer: 2 * 232 + 24 + 24 = 512 per thread slot (see
-# `forward._CONSUMER_REGISTERS`). 24 is setmaxnreg's least; both only issue TMA.
+# `forward._CONSUMER_REGISTERS`). 24 is setmaxnreg's least; both only
+# issue TMA.
 _FUSED_PRODUCER_REGISTERS = 24
 # The persistent grid (`mosaic_backward(persistent=None)`), by head dim: the
 # longest kv_len at which it is the default. Session 6's A/B on the H200

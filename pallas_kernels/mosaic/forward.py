@@ -328,8 +328,8 @@ class KernelStatic:
   lean_producer: bool = False
   # P's row sum taken after P V is issued, while the wgmma runs, rather
   # than before (tokamax's sm90 forward orders it so above head_dim 128).
-  # The same expression, `l * alpha + rowsum(P)`, moved: expected bitwise
-  # the same: bitwise, GPU tests of session 16. Not with `overlap_scores`.
+  # The same expression, `l * alpha + rowsum(P)`, moved: bitwise the same
+  # (GPU tests, session 16). Not with `overlap_scores`.
   # Default where measured faster (`SUM_AFTER_PV_HEAD_DIMS`).
   sum_after_pv: bool = False
 
