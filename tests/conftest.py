@@ -1,10 +1,25 @@
 """Shared test helpers: random inputs, the tolerance rule, GPU gating."""
 from __future__ import annotations
 
-import jax
-import pytest
+import os
 
-from pallas_kernels import compat
+# XLA's GPU autotuner compiles and times candidate kernels for every new
+# matmul shape, in every process; with pytest-xdist's workers sharing a GPU
+# it was most of the GPU suite's time (session 17 on the H200: three heavy
+# tests 105 s -> 43 s in one process, and the whole suite, which had taken
+# three 10-minute calls of a two-GPU host, ran in 3 min 9 s). Tests need
+# right numbers, not the fastest matmul, and level 0 also gives every
+# process the same reference kernels. Set before any backend starts; a
+# level the caller set in XLA_FLAGS stays.
+if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(
+      filter(None, [os.environ.get("XLA_FLAGS"),
+                    "--xla_gpu_autotune_level=0"]))
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import pytest  # noqa: E402
+
+from pallas_kernels import compat  # noqa: E402
 
 compat.filter_known_warnings()
 
