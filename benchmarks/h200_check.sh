@@ -15,7 +15,9 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 # The GPU tests' compilations, shared between pytest workers (and calls of
 # one machine): many tests compile the same default kernel or reference at
 # one shape (e.g. every bitwise test's `want`), and the suite is bound by
-# compiling (session 16: 12-14 workers a GPU, 100-260 s a test). Keyed by
+# compiling (session 16: 12-14 workers a GPU, 100-260 s a test, most of it
+# XLA's autotuner, which tests/conftest.py turns off since session 17:
+# the whole suite then ran in 3 min 9 s on two GPUs). Keyed by
 # the computation, so a changed kernel compiles afresh. It keeps XLA's and
 # Triton's compiles, not Mosaic GPU's (compiled at a kernel's first run,
 # tests/compile_times.py). Tests only; the benchmarks compile as a user
@@ -68,8 +70,10 @@ for step in "$@"; do
       # --dist load: pyproject's loadfile gives each file to one worker
       # (session 15: 2 of 12 workers busy, 7.5 min for 37 tests). Overall
       # no faster (session 16: 197 tests in 600 s, 14 workers a GPU;
-      # session 14 by file: 198 in 540 s): the host's CPUs bound it,
-      # compiling. --compile-times says how much (tests/compile_times.py).
+      # session 14 by file: 198 in 540 s): compiling bound it, mostly
+      # XLA's autotuner (off in tests/conftest.py since session 17: 348
+      # tests in 3 min 9 s, 12 workers on each of two GPUs).
+      # --compile-times says how much (tests/compile_times.py).
       env $TEST_CACHE python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} --dist load -rfE --tb=short --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider \
         --durations=15 --compile-times 30 -p no:benchmark ${TEST_SHARD:+--shard $TEST_SHARD} -v \
         ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.log" 2>&1
@@ -92,15 +96,13 @@ for step in "$@"; do
       done ;;
     tests_shards)  # `tests` on a two-GPU host, a part of the suite on
                    # each GPU (`pytest --shard I/N`, tests/conftest.py):
-                   # whole, it is ~14 minutes of a two-GPU host (session
-                   # 14: 198 tests in 540 s, 12 workers a GPU), so one call
-                   # runs TEST_SHARDS="0/4 1/4" (the default), the next
-                   # "2/4 3/4"; logs $OUT/gpu0/pytest_gpu.log, $OUT/gpu1/...
-                   # Session 16: the whole suite took three calls (~26
-                   # GPU-host minutes); `python -m benchmarks.gpu_tests_left
-                   # LOGS --out FILE` lists what a cut-off run left, and
-                   # GPU_TESTS=@FILE TEST_SHARDS="0/2 1/2" runs just that.
-      shards=(${TEST_SHARDS:-0/4 1/4})
+                   # TEST_SHARDS="0/2 1/2" (the default) runs it all, about
+                   # 3.5 minutes with XLA's autotuner off (session 17; with
+                   # it on, session 16 needed three 10-minute calls). Logs
+                   # $OUT/gpu0/pytest_gpu.log, $OUT/gpu1/...; `python -m
+                   # benchmarks.gpu_tests_left LOGS --out FILE` lists what a
+                   # cut-off run left, and GPU_TESTS=@FILE runs just that.
+      shards=(${TEST_SHARDS:-0/2 1/2})
       for gpu in 0 1; do
         [ -n "${shards[$gpu]:-}" ] || continue  # one shard: GPU 0 alone
         mkdir -p "$OUT/gpu$gpu"
