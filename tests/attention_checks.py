@@ -75,6 +75,23 @@ def assert_within_rule(name: str, ours, exact, naive) -> tuple[float, float]:
   return err, yardstick
 
 
+def _reference(compute_dtype, **variants):
+  """`forward_and_grads` of the plain reference in `compute_dtype`, jitted:
+  op by op, each of the reference's many small ops would be compiled on its
+  own (minutes on a GPU for the whole suite)."""
+  def run(q, k, v):
+    return naive_attention(q, k, v, compute_dtype=compute_dtype, **variants)
+  return jax.jit(functools.partial(forward_and_grads, run))
+
+
+@functools.cache
+def _cached_reference(compute_dtype, variants: tuple):
+  """`_reference` once per dtype and (hashable) variants, so that tests at
+  the same shapes (the float32 one of each dtype's test, the sharding
+  checks of one case) compile it once."""
+  return _reference(compute_dtype, **dict(variants))
+
+
 def check_against_reference(attention, case: Case, dtype, *, seed: int = 0,
                             f32_tol: float = 2e-5, **variants):
   """Asserts that `attention(q, k, v) -> (out, lse)` obeys the tolerance rule.
@@ -85,13 +102,12 @@ def check_against_reference(attention, case: Case, dtype, *, seed: int = 0,
   Returns the errors, for the caller to print.
   """
   q, k, v, d_out, d_lse = random_inputs(case, dtype, seed)
-
-  def reference_in(compute_dtype):
-    def run(q, k, v):
-      return naive_attention(q, k, v, compute_dtype=compute_dtype, **variants)
-    # Jitted: op by op, each of the reference's many small ops would be
-    # compiled on its own (minutes on a GPU for the whole suite).
-    return jax.jit(functools.partial(forward_and_grads, run))
+  items = tuple(sorted(variants.items()))
+  try:  # hashable variants (flags, numbers, functions) share one jit
+    hash(items)
+    reference_in = lambda compute: _cached_reference(compute, items)
+  except TypeError:  # arrays among them
+    reference_in = lambda compute: _reference(compute, **variants)
 
   ours = forward_and_grads(attention, q, k, v, d_out, d_lse)
   up = lambda x: x.astype(jnp.float32)

@@ -3,6 +3,24 @@ from __future__ import annotations
 
 import os
 
+
+def _default_xla_flag(name: str, value: str) -> None:
+  """Adds `--name=value` to XLA_FLAGS unless the caller set `name` there."""
+  if name not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        filter(None, [os.environ.get("XLA_FLAGS"), f"--{name}={value}"]))
+
+
+def _gpu_plugin_installed() -> bool:
+  """Whether JAX will find a PJRT plugin (jax[cuda12] and jax[cuda13]
+  install one; the H200 host's is `xla_cuda13`), asked without starting a
+  backend."""
+  import importlib.metadata
+  import importlib.util
+  return (importlib.util.find_spec("jax_plugins") is not None
+          or bool(importlib.metadata.entry_points(group="jax_plugins")))
+
+
 # XLA's GPU autotuner compiles and times candidate kernels for every new
 # matmul shape, in every process; with pytest-xdist's workers sharing a GPU
 # it was most of the GPU suite's time (session 17 on the H200: three heavy
@@ -11,10 +29,28 @@ import os
 # right numbers, not the fastest matmul, and level 0 also gives every
 # process the same reference kernels. Set before any backend starts; a
 # level the caller set in XLA_FLAGS stays.
-if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = " ".join(
-      filter(None, [os.environ.get("XLA_FLAGS"),
-                    "--xla_gpu_autotune_level=0"]))
+_default_xla_flag("xla_gpu_autotune_level", "0")
+
+# The CPU suite is bound by XLA:CPU compiling the interpret-mode kernels
+# and the references (`--compile-times`: 88% of the tests' calls), not by
+# running them at their small shapes. Without LLVM's optimisations (JAX's
+# `jax_disable_most_optimizations`) and with XLA:CPU's element emitters in
+# place of its slower-compiling MLIR fusion emitters, the same HLO (no
+# fast math either way) compiles in about a quarter of the time, and the
+# default run took 5 min 45 s to 6 min instead of 11 min 5 s on 2 cores.
+# Results move by float32 rounding only (errors against the reference of
+# 1.4e-6 became 1.7e-6 in one case, under a bound of 2e-5), and a
+# perturbed kernel fails the same tests either way. Only where no GPU
+# plugin is installed (CI's CPU-only jaxlib 0.10.2, where the flag was
+# checked): a GPU host compiles as before. Exported, so that the tests'
+# child processes (the sharding worker, the notebook, `python -m
+# jax_flash`, ...) get them too; a value the caller set stays
+# (JAX_DISABLE_MOST_OPTIMIZATIONS=0 and
+# XLA_FLAGS=--xla_cpu_use_fusion_emitters=true restore XLA's defaults).
+CPU_ONLY = not _gpu_plugin_installed()
+if CPU_ONLY:
+  os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+  _default_xla_flag("xla_cpu_use_fusion_emitters", "false")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
@@ -22,6 +58,10 @@ import pytest  # noqa: E402
 from pallas_kernels import compat  # noqa: E402
 
 compat.filter_known_warnings()
+if CPU_ONLY:  # in case a plugin imported jax before the variable was set
+  jax.config.update("jax_disable_most_optimizations",
+                    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower()
+                    in ("1", "true", "t", "yes", "y", "on"))
 
 # `--compile-times N`: tracing, lowering and compile seconds per test.
 pytest_plugins = ["tests.compile_times"]

@@ -287,8 +287,10 @@ def test_grid_halves_measured_apart_merge_into_one_file(tmp_path):
 def test_sequence_parallel_smoke_on_four_host_devices(tmp_path):
   """Issue 7's script end to end on CPU host devices (tiny sizes)."""
   out = tmp_path / "sp.json"
-  env = {**os.environ,
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  env = {**os.environ,  # conftest's XLA_FLAGS stay
+         "XLA_FLAGS": " ".join(filter(None, [
+             os.environ.get("XLA_FLAGS"),
+             "--xla_force_host_platform_device_count=4"]))}
   proc = subprocess.run(
       [sys.executable, "-m", "benchmarks.sequence_parallel", "--smoke",
        "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
