@@ -5,8 +5,10 @@
 For the shapes of the numerics notebook's sweep (batch 1, 2 heads, head dim
 128, float16/bfloat16/float32) and a few of the test suite's, prints per
 shape: the compile time of the jitted forward, of the jitted forward+VJP,
-and the run time of each after compilation, first and second (a Mosaic GPU
-kernel compiles at its first run, so the difference is its compile). Written because the notebook's
+and the run time of each after compilation, first and second (were a
+kernel compiled at its first run, as session 16 read jaxlib 0.10.2's Mosaic
+GPU custom call, the difference would be that compile; on the H200 with
+JAX 0.11.2 there is none: both runs under 5 ms). Written because the notebook's
 first sweep cell never finished on the H200 within 240 s: this tells a slow
 compile from a hang. With `--hang-after S`, a step that takes longer than S
 seconds dumps every thread's Python traceback and exits (faulthandler), so a
@@ -59,8 +61,8 @@ def probe(shape, dtype: str, *, is_causal: bool, hang_after: float) -> dict:
     start = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     result[f"{name} first run s"] = time.perf_counter() - start
-    # A Mosaic GPU kernel compiles at its first run (not in XLA's compile
-    # above): the first run less the second is that compile.
+    # Anything compiled at the first run rather than in XLA's compile above
+    # shows as the first run less the second.
     start = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     result[f"{name} second run s"] = time.perf_counter() - start
