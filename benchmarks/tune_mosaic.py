@@ -191,14 +191,6 @@ FORWARD_LEAN_CANDIDATES = [
 FORWARD_SUM_AFTER_PV_CANDIDATES = [
     dict(sum_after_pv=False), dict(sum_after_pv=True),
     dict(sum_after_pv=True, lean_producer=True)]
-# Two consumers that take no turns (`forward.KernelStatic.free_turns`)
-# against the rendezvous, on both grids: the d=256 forward's largest
-# consumer stalls are the rendezvous' polls (session 15's ncu export, read
-# in session 17), yet its tensor pipe idles 25% of the time.
-FORWARD_FREE_TURNS_CANDIDATES = [
-    dict(), dict(free_turns=True),
-    dict(persistent=False, tile_fastest=True),
-    dict(persistent=False, tile_fastest=True, free_turns=True)]
 # What the fused dQ's fixed order costs (`turn_cost_benchmark`): the fused
 # kernel as shipped, the same without its turn waits (a diagnostic: its dQ
 # is wrong), and the two kernels. cuDNN's backward, one kernel adding dQ in
@@ -351,7 +343,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_lean": _backward(LEAN_SPACE),
            "forward_lean": _forward(FORWARD_LEAN_CANDIDATES),
            "forward_sum_after_pv": _forward(FORWARD_SUM_AFTER_PV_CANDIDATES),
-           "forward_free_turns": _forward(FORWARD_FREE_TURNS_CANDIDATES),
            "backward_merged": _backward(MERGED_CANDIDATES),
            "backward_merged_wide": _backward(MERGED_WIDE_CANDIDATES),
            "backward_lean_wide": _backward(LEAN_WIDE_SPACE),

@@ -55,7 +55,7 @@ CASES = [
     (Case(1, 192, 128, 1, 1, 64), False, dict(persistent=False,
                                               num_consumers=3)),
     # The consumer schedules: the intra-warpgroup overlap, ring turns,
-    # turns on hardware barriers, P's row sum after P V, and no turns.
+    # turns on hardware barriers, and P's row sum after P V.
     (Case(1, 128, 256, 1, 1, 64), True, dict(persistent=False,
                                              overlap_scores=True)),
     (Case(1, 128, 128, 1, 1, 64), True, dict(persistent=False,
@@ -64,11 +64,6 @@ CASES = [
                                              hw_turns=True)),
     (Case(1, 128, 128, 2, 2, 64), False, dict(num_ctas=2,
                                               sum_after_pv=True)),
-    # No turns at all, on both grids (several tiles a CTA on the second).
-    (Case(1, 128, 256, 1, 1, 64), True, dict(persistent=False,
-                                             free_turns=True)),
-    (Case(1, 256, 256, 2, 2, 64), False, dict(num_ctas=2,
-                                              free_turns=True)),
     # head_dim 128's 128-row K/V tiles; without a mask its default takes
     # the row sum after P V (`forward.SUM_AFTER_PV_HEAD_DIMS`).
     (Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False)),

@@ -375,32 +375,6 @@ def test_sum_after_pv_forward_is_bitwise_on_gpu(head_dim, is_causal, kwargs):
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_free_turns_forward_is_bitwise_on_gpu(head_dim, is_causal,
-                                              persistent):
-  """Consumers that take no turns compute the same tiles: out and lse equal
-  the default's bit for bit (a consumer that read a K or V slot before its
-  tile arrived, or after the producer refilled it, would not)."""
-  run = _forward_runner(head_dim, is_causal, seed=71)
-  want = run(persistent=persistent)
-  for a, b in zip(run(persistent=persistent, free_turns=True), want):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_free_turns_takes_no_other_turns(cuda_lowering):
-  """`free_turns` lowers a kernel of its own, and refuses the options that
-  take turns some other way, and three consumers."""
-  assert _lower(256, False, free_turns=True) != _lower(256, False)
-  for kwargs in (dict(ring_turns=True), dict(hw_turns=True),
-                 dict(overlap_scores=True, persistent=False),
-                 dict(num_consumers=3)):
-    with pytest.raises(NotImplementedError, match="free_turns"):
-      _lower(64, False, free_turns=True, **kwargs)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim", [128, 256])
 def test_lean_producer_forward_is_bitwise_on_gpu(head_dim, is_causal,
                                                  persistent):
   """With the consumers at 240 registers out and lse equal the default's

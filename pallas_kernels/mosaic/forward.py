@@ -320,14 +320,6 @@ class KernelStatic:
   # tokamax's forward takes its turns so. Scheduling only: bitwise the same.
   ring_turns: bool = False
   hw_turns: bool = False
-  # Two consumers that take no turns at all (`turns.FreeTurns`): each
-  # issues its matmuls as soon as its own data and softmax allow, and the
-  # tensor cores interleave the two warpgroups' wgmmas as they come. Asked
-  # by the d=256 forward's stall samples (session 15's ncu export, read in
-  # session 17): its two largest consumer waits are the rendezvous (9.5%
-  # and 6.0% of samples), not K or V arriving. Scheduling only: bitwise
-  # the same.
-  free_turns: bool = False
   # Two consumers at 240 registers and the producer at 24 (FlashAttention-
   # 3's split) instead of 232 and 40: room for O, S and the softmax at
   # head_dim 256 (128 + 32 f32 registers before P). Scheduling only:
@@ -371,7 +363,6 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    tile_fastest: bool | None = None,
                    num_consumers: int | None = None, ring_turns: bool = False,
                    hw_turns: bool = False, lean_producer: bool = False,
-                   free_turns: bool = False,
                    sum_after_pv: bool | None = None):
   """FlashAttention-3 forward on sm90.
 
@@ -415,8 +406,6 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       `KernelStatic`); not with `overlap_scores`. Bitwise the same.
     lean_producer: the consumers at 240 registers, the producer at 24
       (see `KernelStatic`); two consumers only. Bitwise the same.
-    free_turns: two consumers that take no turns (see `KernelStatic`); not
-      with ring_turns, hw_turns or overlap_scores. Bitwise the same.
     sum_after_pv: P's row sum after P V is issued (see `KernelStatic`);
       not with `overlap_scores`. Bitwise the same. None: where measured
       faster (`sum_after_pv_by_default`).
@@ -449,11 +438,6 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if (ring_turns or hw_turns) and overlap_scores:
     raise NotImplementedError(
         "overlap_scores takes its own turns: no ring_turns or hw_turns")
-  if free_turns and (ring_turns or hw_turns or overlap_scores
-                     or num_consumers != NUM_CONSUMERS):
-    raise NotImplementedError(
-        f"free_turns: {NUM_CONSUMERS} consumers that take no turns, so no "
-        "ring_turns, hw_turns or overlap_scores")
   if sum_after_pv is None:
     sum_after_pv = sum_after_pv_by_default(
         head_dim=query.shape[-1], is_causal=is_causal,
@@ -472,7 +456,6 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                overlap_scores=bool(overlap_scores),
                                ring_turns=bool(ring_turns),
                                hw_turns=bool(hw_turns),
-                               free_turns=bool(free_turns),
                                lean_producer=bool(lean_producer),
                                sum_after_pv=bool(sum_after_pv))
   if persistent is None:

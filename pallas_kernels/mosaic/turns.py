@@ -1,7 +1,7 @@
 """How the forward's consumer warpgroups take turns on the tensor cores.
 
 FlashAttention-3 §3.1: while one consumer's matmuls run, the others do
-their softmax. The ways here (`forward.KernelStatic`):
+their softmax. Two ways here (`forward.KernelStatic`):
 
   rendezvous  two consumers meet at one two-arrival mbarrier, twice a step
               (`Rendezvous`; the default of two)
@@ -9,9 +9,8 @@ their softmax. The ways here (`forward.KernelStatic`):
               and passes the turn to the next (`RingTurns`; three
               consumers always, two with `ring_turns`), on one-arrival
               mbarriers or, with `hw_turns`, on the CTA's hardware barriers
-  none        two consumers issue as they can (`FreeTurns`, `free_turns`)
 
-All have one interface, which `forward._consume` calls at fixed points of
+Both have one interface, which `forward._consume` calls at fixed points of
 its step (`consumer_turns` builds the right one): `begin()` before S_0,
 `after_scores(step)` once S_step is issued, `before_values(step, wait)`
 before P_step V_step (`wait()` awaits V's tile there), `end()` after the
@@ -191,34 +190,11 @@ class Rendezvous:
       wait_for_values()
 
 
-class FreeTurns:
-  """Two consumers that take no turns (`forward.KernelStatic.free_turns`):
-  each issues its matmuls when its own data and softmax allow, and the
-  tensor cores interleave the two warpgroups' wgmmas. Only V's tile is
-  awaited before P V."""
-
-  def begin(self):
-    pass
-
-  def end(self):
-    pass
-
-  def after_scores(self, step):
-    del step
-
-  def before_values(self, step, wait_for_values):
-    del step
-    wait_for_values()
-
-
 def consumer_turns(barriers, *, wg, num_steps, num_shared, static,
                    ranged: bool):
   """The turn-taking of consumer `wg` (`barriers`: from `turns_of`):
-  `RingTurns` where `static.ring`, `FreeTurns` where `static.free_turns`,
-  else `Rendezvous`. `num_steps`: its K/V blocks; `num_shared`: warpgroup
-  0's (None in the ranged kernel)."""
-  if static.free_turns:
-    return FreeTurns()
+  `RingTurns` where `static.ring`, else `Rendezvous`. `num_steps`: its K/V
+  blocks; `num_shared`: warpgroup 0's (None in the ranged kernel)."""
   if static.ring:
     return RingTurns(barriers, wg=wg, num_steps=num_steps,
                      num_shared=num_shared, static=static)
