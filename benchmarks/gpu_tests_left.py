@@ -2,8 +2,9 @@
 
     python -m benchmarks.gpu_tests_left LOG... [--out FILE]   # LOG.gz too
 
-The GPU suite takes more than one device call (README, "Tests"), and a call
-cut off by its limit leaves part of it unrun. This collects the suite's
+A device call cut off by its limit leaves part of the GPU suite unrun
+(session 16 needed three calls; since session 17 it fits one, README,
+"Tests"). This collects the suite's
 GPU tests here (collection needs no GPU), reads the outcome lines of the
 logs (`PASSED` or `SKIPPED` then a node id, as `-v` prints them, with or
 without pytest-xdist's worker prefix), and writes the rest, one node id a

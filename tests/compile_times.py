@@ -11,9 +11,11 @@ run's totals beside its test time. The records travel in the reports'
 
 Mosaic GPU kernels: session 16 read jaxlib 0.10.2 as compiling them when
 their custom call first runs, which this report could not have seen. On
-the H200 (JAX 0.11.2, session 17, `benchmarks.compile_probe`) a jitted
-forward's or forward+VJP's first run took no longer than its second (under
-5 ms, after 1-4 s of compile), so there their compile falls within XLA's
+the H200 (JAX 0.11.2, session 17, `benchmarks.compile_probe`: bf16,
+head_dim 128, seq 128-1024, `flash_attention`'s default path, which there
+is Mosaic's though the probe did not check it) a jitted forward's or
+forward+VJP's first run took no longer than its second (under 5 ms,
+after 1-4 s of compile), so there their compile falls within XLA's
 compile phase, which this report sums.
 """
 from __future__ import annotations

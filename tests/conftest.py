@@ -32,7 +32,8 @@ def _gpu_plugin_installed() -> bool:
 _default_xla_flag("xla_gpu_autotune_level", "0")
 
 # The CPU suite is bound by XLA:CPU compiling the interpret-mode kernels
-# and the references (`--compile-times`: 88% of the tests' calls), not by
+# and the references (`--compile-times`: XLA's compile 60% of the tests'
+# calls, 88% with tracing and lowering), not by
 # running them at their small shapes. Without LLVM's optimisations (JAX's
 # `jax_disable_most_optimizations`) and with XLA:CPU's element emitters in
 # place of its slower-compiling MLIR fusion emitters, the same HLO (no
@@ -42,15 +43,32 @@ _default_xla_flag("xla_gpu_autotune_level", "0")
 # 1.4e-6 became 1.7e-6 in one case, under a bound of 2e-5), and a
 # perturbed kernel fails the same tests either way. Only where no GPU
 # plugin is installed (CI's CPU-only jaxlib 0.10.2, where the flag was
-# checked): a GPU host compiles as before. Exported, so that the tests'
-# child processes (the sharding worker, the notebook, `python -m
-# jax_flash`, ...) get them too; a value the caller set stays
-# (JAX_DISABLE_MOST_OPTIMIZATIONS=0 and
-# XLA_FLAGS=--xla_cpu_use_fusion_emitters=true restore XLA's defaults).
+# checked): a GPU host compiles as before. The emitter flag only on
+# jaxlib 0.10, where it was checked: XLA aborts a process whose XLA_FLAGS
+# names a flag it does not know. Exported, so that the tests' child
+# processes (the sharding worker, the notebook, ...) get them too; a value
+# the caller set stays (JAX_DISABLE_MOST_OPTIMIZATIONS=0 and
+# XLA_FLAGS=--xla_cpu_use_fusion_emitters=true restore XLA's defaults, as
+# the test of `python -m jax_flash` does for its child).
 CPU_ONLY = not _gpu_plugin_installed()
+_FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
+
+
+def xla_default_env() -> dict[str, str]:
+  """This process's environment for a child that compiles with XLA's
+  default settings (not the faster-compiling ones above)."""
+  env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="0")
+  env["XLA_FLAGS"] = " ".join(flag for flag in env.get("XLA_FLAGS", "").split()
+                              if flag != _FAST_COMPILE_FLAG)
+  return env
+
+
 if CPU_ONLY:
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-  _default_xla_flag("xla_cpu_use_fusion_emitters", "false")
+  import importlib.metadata
+  if importlib.metadata.version("jaxlib").startswith("0.10."):
+    name, value = _FAST_COMPILE_FLAG.removeprefix("--").split("=")
+    _default_xla_flag(name, value)
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
@@ -74,8 +92,17 @@ def pytest_addoption(parser):
       "--shard", default=None, metavar="I/N",
       help="run only part I of N (0-based) of the selected tests: every N-th "
            "by node id, from the I-th; the N parts partition the selection "
-           "(the GPU suite outgrew one device call: benchmarks/h200_check.sh "
-           "tests_shards)")
+           "(benchmarks/h200_check.sh tests_shards: one half of the GPU "
+           "suite on each GPU of a two-GPU host)")
+
+
+def pytest_report_header(config):
+  """Which compile settings this run took (the CPU ones apply only where
+  no GPU plugin is installed)."""
+  del config
+  return (f"jax-flash tests: CPU_ONLY={CPU_ONLY}, JAX_DISABLE_MOST_"
+          f"OPTIMIZATIONS={os.environ.get('JAX_DISABLE_MOST_OPTIMIZATIONS')}"
+          f", XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
 
 
 def shard_of(nodeids, shard: str) -> set[str]:

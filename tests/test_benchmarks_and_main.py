@@ -133,8 +133,13 @@ def test_memory_and_tune_blocks_smoke(tmp_path):
 
 
 def test_python_m_jax_flash_passes_and_prints_the_table():
+  """The main job, compiled with XLA's default settings (the rest of the
+  CPU suite compiles faster without most optimisations, tests/conftest.py),
+  so that a miscompile under the defaults users run would show here."""
+  from tests.conftest import xla_default_env
   proc = subprocess.run([sys.executable, "-m", "jax_flash"], cwd=ROOT,
-                        capture_output=True, text=True, timeout=240)
+                        capture_output=True, text=True, timeout=240,
+                        env=xla_default_env())
   assert proc.returncode == 0, proc.stdout + proc.stderr
   for text in ("triton", "xla", "err/bound", "PASS"):
     assert text in proc.stdout
