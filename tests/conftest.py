@@ -1,6 +1,8 @@
 """Shared test helpers: random inputs, the tolerance rule, GPU gating."""
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 
 
@@ -15,8 +17,6 @@ def _gpu_plugin_installed() -> bool:
   """Whether JAX will find a PJRT plugin (jax[cuda12] and jax[cuda13]
   install one; the H200 host's is `xla_cuda13`), asked without starting a
   backend."""
-  import importlib.metadata
-  import importlib.util
   return (importlib.util.find_spec("jax_plugins") is not None
           or bool(importlib.metadata.entry_points(group="jax_plugins")))
 
@@ -48,8 +48,9 @@ _default_xla_flag("xla_gpu_autotune_level", "0")
 # names a flag it does not know. Exported, so that the tests' child
 # processes (the sharding worker, the notebook, ...) get them too; a value
 # the caller set stays (JAX_DISABLE_MOST_OPTIMIZATIONS=0 and
-# XLA_FLAGS=--xla_cpu_use_fusion_emitters=true restore XLA's defaults, as
-# the test of `python -m jax_flash` does for its child).
+# XLA_FLAGS=--xla_cpu_use_fusion_emitters=true restore XLA's defaults;
+# `xla_default_env` gives a child them, as the test of `python -m
+# jax_flash` does).
 CPU_ONLY = not _gpu_plugin_installed()
 _FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 
@@ -65,7 +66,6 @@ def xla_default_env() -> dict[str, str]:
 
 if CPU_ONLY:
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-  import importlib.metadata
   if importlib.metadata.version("jaxlib").startswith("0.10."):
     name, value = _FAST_COMPILE_FLAG.removeprefix("--").split("=")
     _default_xla_flag(name, value)
