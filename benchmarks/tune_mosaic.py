@@ -191,13 +191,6 @@ FORWARD_LEAN_CANDIDATES = [
 FORWARD_SUM_AFTER_PV_CANDIDATES = [
     dict(sum_after_pv=False), dict(sum_after_pv=True),
     dict(sum_after_pv=True, lean_producer=True)]
-# Q's leading head-dim columns as S's register operand
-# (`forward.KernelStatic.q_registers`), against Q all in shared memory:
-# session 15's ncu put the d=256 forward's S (N=64, both operands in shared
-# memory: 128 B/clk, all of it, while the TMA writes K and V) where cuDNN
-# issues N=128. Counts above a head dim are refused (recorded).
-FORWARD_Q_REGISTERS_CANDIDATES = [dict(q_registers=c)
-                                  for c in (0, 64, 128, 192, 256)]
 # What the fused dQ's fixed order costs (`turn_cost_benchmark`): the fused
 # kernel as shipped, the same without its turn waits (a diagnostic: its dQ
 # is wrong), and the two kernels. cuDNN's backward, one kernel adding dQ in
@@ -350,7 +343,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_lean": _backward(LEAN_SPACE),
            "forward_lean": _forward(FORWARD_LEAN_CANDIDATES),
            "forward_sum_after_pv": _forward(FORWARD_SUM_AFTER_PV_CANDIDATES),
-           "forward_q_registers": _forward(FORWARD_Q_REGISTERS_CANDIDATES),
            "backward_merged": _backward(MERGED_CANDIDATES),
            "backward_merged_wide": _backward(MERGED_WIDE_CANDIDATES),
            "backward_lean_wide": _backward(LEAN_WIDE_SPACE),

@@ -64,11 +64,6 @@ CASES = [
                                              hw_turns=True)),
     (Case(1, 128, 128, 2, 2, 64), False, dict(num_ctas=2,
                                               sum_after_pv=True)),
-    # Q's leading columns in registers for S: all of them (d=64, the
-    # persistent grid), and half, the rest from shared memory (d=128).
-    (Case(1, 128, 128, 2, 2, 64), False, dict(num_ctas=2, q_registers=64)),
-    (Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False,
-                                             q_registers=64)),
     # head_dim 128's 128-row K/V tiles; without a mask its default takes
     # the row sum after P V (`forward.SUM_AFTER_PV_HEAD_DIMS`).
     (Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False)),

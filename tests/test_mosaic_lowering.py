@@ -352,43 +352,6 @@ def test_sum_after_pv_default_is_d128_without_a_mask(cuda_lowering):
   _lower(128, False, persistent=False, overlap_scores=True)  # no raise
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_q_registers_lowers_and_changes_the_forward(head_dim,
-                                                    lowering_semantics):
-  """`q_registers` (Q's leading columns as S's register operand) lowers
-  for every multiple of 64 up to head_dim, on either grid, and is another
-  kernel; other counts are a ValueError naming it, and `overlap_scores`
-  (its own step) refuses it."""
-  for persistent in (False, True):
-    text = lambda **kw: _lower(head_dim, True, persistent=persistent, **kw)
-    default = text()
-    for cols in range(64, head_dim + 1, 64):
-      assert text(q_registers=cols) != default
-  for cols in (32, head_dim + 64, -64):
-    with pytest.raises(ValueError, match="q_registers"):
-      _lower(head_dim, False, q_registers=cols)
-  with pytest.raises(NotImplementedError, match="q_registers"):
-    _lower(head_dim, False, persistent=False, overlap_scores=True,
-           q_registers=64)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, cols", [(64, 64), (128, 64), (128, 128),
-                                            (256, 128), (256, 256)])
-def test_q_registers_forward_is_bitwise_on_gpu(head_dim, cols, is_causal,
-                                               persistent):
-  """S with Q's first `cols` columns from registers sums the same products
-  in the same order: out and lse equal Q-from-shared-memory's bit for bit
-  (a register tile in the wrong layout, or a K slice off by a column
-  block, would not)."""
-  run = _forward_runner(head_dim, is_causal, seed=71)
-  want = run(persistent=persistent)
-  for a, b in zip(run(persistent=persistent, q_registers=cols), want):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kwargs", [
     dict(persistent=False), dict(persistent=True),

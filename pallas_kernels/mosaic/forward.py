@@ -332,14 +332,6 @@ class KernelStatic:
   # (GPU tests, session 16). Not with `overlap_scores`.
   # Default where measured faster (`SUM_AFTER_PV_HEAD_DIMS`).
   sum_after_pv: bool = False
-  # Q's first `q_registers` head-dim columns held in registers for S = Q Kᵀ
-  # (wgmma's A from registers, loaded once a tile), the rest read from
-  # shared memory as before: an m64nNk16 with both operands in shared
-  # memory reads 64 x 16 of Q beside 16 x N of K, so at N=64 (head_dim 256's
-  # 64-row K tiles) S takes all of shared memory's ~128 B/clk while the TMA
-  # writes K and V into it too. A multiple of 64; 0: Q all in shared memory.
-  # The same products summed in the same order: bitwise the same.
-  q_registers: int = 0
 
   @property
   def ranged(self) -> bool:
@@ -371,7 +363,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    tile_fastest: bool | None = None,
                    num_consumers: int | None = None, ring_turns: bool = False,
                    hw_turns: bool = False, lean_producer: bool = False,
-                   sum_after_pv: bool | None = None, q_registers: int = 0):
+                   sum_after_pv: bool | None = None):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -417,9 +409,6 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     sum_after_pv: P's row sum after P V is issued (see `KernelStatic`);
       not with `overlap_scores`. Bitwise the same. None: where measured
       faster (`sum_after_pv_by_default`).
-    q_registers: Q's first head-dim columns held in registers for S (see
-      `KernelStatic`); a multiple of 64 up to head_dim; not with
-      `overlap_scores`. Bitwise the same.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -456,20 +445,12 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if sum_after_pv and overlap_scores:
     raise NotImplementedError(
         "sum_after_pv: the plain step only (overlap_scores has its own order)")
-  head_dim = query.shape[-1]
-  if q_registers % _TILE_MULTIPLE or not 0 <= q_registers <= head_dim:
-    raise ValueError(f"q_registers must be a multiple of {_TILE_MULTIPLE} "
-                     f"from 0 to head_dim {head_dim}, got {q_registers}")
-  if q_registers and overlap_scores:
-    raise NotImplementedError(
-        "q_registers: the plain step only (overlap_scores has its own)")
   static = check_supported(query, key, value, scale=scale,
                            is_causal=is_causal, block_q=block_q,
                            block_kv=block_kv,
                            max_concurrent_steps=max_concurrent_steps,
                            num_consumers=num_consumers)
   static = dataclasses.replace(static, heavy_first=bool(heavy_first),
-                               q_registers=int(q_registers),
                                fence_softmax=bool(fence_softmax),
                                split_handover=bool(split_handover),
                                overlap_scores=bool(overlap_scores),
@@ -1198,10 +1179,6 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     q_factor = _descale(fp8, q_start // block_q)
     v_factor = _descale(fp8, static.num_q_blocks + static.num_kv_blocks)
   plgpu.barrier_wait(q_arrived)
-  q_in_registers = None
-  if static.q_registers:
-    q_in_registers = plgpu.layout_cast(
-        q_smem[:, pl.ds(0, static.q_registers)], plgpu.Layout.WGMMA)
 
   turn = turns.consumer_turns(
       pingpong, wg=wg, num_steps=num_steps,
@@ -1240,7 +1217,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       wait_key_ids(slot)
 
     def scores(s_ref):
-      _issue_scores(s_ref, q_smem, q_in_registers, k_smem.at[slot])
+      plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
       turn.after_scores(step)
       return s_ref[...]
 
@@ -1476,23 +1453,6 @@ def _overlapped_steps(m, l, q_smem, k_smem, v_smem, k_arrived,
   # O starts at zero: a fresh accumulator (run_state's closure handling
   # trips over constant scalars in this lowering).
   pl.run_scoped(with_o, plgpu.ACC((block_q, static.head_dim), jnp.float32))
-
-
-def _issue_scores(s_ref, q_smem, q_in_registers, k_tile):
-  """Issues S += Q Kᵀ for one K tile [block_kv, head_dim]: Q from shared
-  memory, or its first columns from registers (`KernelStatic.q_registers`)
-  and the rest from shared memory, in two wgmmas over the head dim."""
-  if q_in_registers is None:
-    plgpu.wgmma(s_ref, q_smem, k_tile.transpose((1, 0)))
-    return
-  cols = q_in_registers.shape[1]
-  head_dim = q_smem.shape[1]
-  k_lead = k_tile.at[:, pl.ds(0, cols)]
-  plgpu.wgmma(s_ref, q_in_registers, k_lead.transpose((1, 0)))
-  if cols < head_dim:
-    rest = pl.ds(cols, head_dim - cols)
-    plgpu.wgmma(s_ref, q_smem.at[:, rest],
-                k_tile.at[:, rest].transpose((1, 0)))
 
 
 def _exponentiate(s, m, scale_log2):
