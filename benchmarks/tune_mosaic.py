@@ -191,6 +191,15 @@ FORWARD_LEAN_CANDIDATES = [
 FORWARD_SUM_AFTER_PV_CANDIDATES = [
     dict(sum_after_pv=False), dict(sum_after_pv=True),
     dict(sum_after_pv=True, lean_producer=True)]
+# O rescaled only at steps where some row's max moved
+# (`forward.KernelStatic.rescale_threshold`): never skipped (the default),
+# skipped where no max grew (bitwise the same), and FlashAttention-4's lazy
+# form (a row's max moves only by more than 8, log2 units). Session 15's
+# ncu of the d=256 forward at 4k: O's rescale is 128 FMUL a thread a
+# 64-key step, 69 M of its 260 M warp instructions against cuDNN's 52 M of
+# 185 M.
+FORWARD_RESCALE_CANDIDATES = [dict(rescale_threshold=t)
+                              for t in (None, 0.0, 8.0)]
 # What the fused dQ's fixed order costs (`turn_cost_benchmark`): the fused
 # kernel as shipped, the same without its turn waits (a diagnostic: its dQ
 # is wrong), and the two kernels. cuDNN's backward, one kernel adding dQ in
@@ -343,6 +352,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_lean": _backward(LEAN_SPACE),
            "forward_lean": _forward(FORWARD_LEAN_CANDIDATES),
            "forward_sum_after_pv": _forward(FORWARD_SUM_AFTER_PV_CANDIDATES),
+           "forward_rescale": _forward(FORWARD_RESCALE_CANDIDATES),
            "backward_merged": _backward(MERGED_CANDIDATES),
            "backward_merged_wide": _backward(MERGED_WIDE_CANDIDATES),
            "backward_lean_wide": _backward(LEAN_WIDE_SPACE),

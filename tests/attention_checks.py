@@ -63,6 +63,18 @@ def _max_err(a, b):
   return float(np.max(np.abs(a[finite] - b[finite])))
 
 
+def assert_forward_within_rule(q, k, v, out, lse, **variants) -> None:
+  """Asserts a kernel's out and lse ([batch, heads, q_len], as the kernels
+  return it) against the float32 reference with `flash_attention`'s
+  arguments `variants`, within twice the plain computation's error in the
+  inputs' dtype (DESIGN's rule)."""
+  lse = np.swapaxes(lse, 1, 2)  # [batch, q_len, heads], as the reference's
+  exact = naive_attention(q, k, v, compute_dtype=jnp.float32, **variants)
+  lowp = naive_attention(q, k, v, compute_dtype=q.dtype, **variants)
+  for i, (name, ours) in enumerate((("out", out), ("lse", lse))):
+    assert_within_rule(name, ours, exact[i], lowp[i])
+
+
 def assert_within_rule(name: str, ours, exact, naive) -> tuple[float, float]:
   """FlashAttention's tolerance rule for a 16-bit result `name`: its error
   against the float32 reference `exact` at most twice the plain

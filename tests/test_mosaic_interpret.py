@@ -29,8 +29,9 @@ import pytest
 from jax_flash import validation
 from jax_flash.reference import naive_attention
 from tests import mosaic_interpret
-from tests.attention_checks import (Case, assert_within_rule,
-                                    forward_and_grads, random_inputs)
+from tests.attention_checks import (Case, assert_forward_within_rule,
+                                    assert_within_rule, forward_and_grads,
+                                    random_inputs)
 
 if mosaic_interpret.WHY_NOT is not None:
   pytest.skip(mosaic_interpret.WHY_NOT, allow_module_level=True)
@@ -64,6 +65,12 @@ CASES = [
                                              hw_turns=True)),
     (Case(1, 128, 128, 2, 2, 64), False, dict(num_ctas=2,
                                               sum_after_pv=True)),
+    # O rescaled only at steps where a row's max moved (`rescale_threshold`):
+    # on any growth (the persistent grid, causal), and lazily, beyond 8.
+    (Case(1, 256, 256, 2, 2, 64), True, dict(num_ctas=2,
+                                             rescale_threshold=0.0)),
+    (Case(1, 128, 256, 1, 1, 128), False, dict(persistent=False,
+                                              rescale_threshold=8.0)),
     # head_dim 128's 128-row K/V tiles; without a mask its default takes
     # the row sum after P V (`forward.SUM_AFTER_PV_HEAD_DIMS`).
     (Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False)),
@@ -91,18 +98,21 @@ def test_interpreted_mosaic_forward_matches_reference(case, is_causal,
   out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
                                   scale=case.head_dim**-0.5,
                                   is_causal=is_causal, **options)
-  _assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal)
+  assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal)
 
 
-def _assert_forward_within_rule(q, k, v, out, lse, **variants):
-  """Asserts a kernel's out and lse ([batch, heads, q_len]) against the
-  float32 reference with `flash_attention`'s arguments `variants`, within
-  twice the plain bf16 computation's error (DESIGN's rule)."""
-  lse = np.swapaxes(lse, 1, 2)  # [batch, q_len, heads], as the reference's
-  exact = naive_attention(q, k, v, compute_dtype=jnp.float32, **variants)
-  lowp = naive_attention(q, k, v, compute_dtype=jnp.bfloat16, **variants)
-  for i, (name, ours) in enumerate((("out", out), ("lse", lse))):
-    assert_within_rule(name, ours, exact[i], lowp[i])
+@pytest.mark.parametrize("threshold", [0.0, 8.0])
+def test_interpreted_lazy_rescale_with_wide_scores(threshold):
+  """Scores 8x the usual spread, so that rows' maxima keep moving by more
+  than the threshold after the first K/V tile: both branches of the vote,
+  and P up to 2**8 between rescales, against the reference."""
+  case = Case(1, 256, 256, 1, 1, 64)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=11)
+  scale = 8 * case.head_dim**-0.5
+  out, lse = mosaic_interpret.run(mosaic_forward, q, k, v, scale=scale,
+                                  is_causal=True, num_ctas=2,
+                                  rescale_threshold=threshold)
+  assert_forward_within_rule(q, k, v, out, lse, is_causal=True, scale=scale)
 
 
 def _segment_ids(*run_lengths):
@@ -156,7 +166,7 @@ def test_interpreted_mosaic_forward_masked_matches_reference(name):
   scale, spec, operands = _masked_call(q, k, v, variants)
   out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
                                   scale=scale, spec=spec, **operands)
-  _assert_forward_within_rule(q, k, v, out, lse, **variants)
+  assert_forward_within_rule(q, k, v, out, lse, **variants)
 
 
 # (case, is_causal, mosaic_backward options): the two kernels (dQ, and

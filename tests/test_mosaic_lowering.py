@@ -16,7 +16,8 @@ import pytest
 
 import jax_flash
 from pallas_kernels import compat as versions
-from tests.attention_checks import Case, check_against_reference, random_inputs
+from tests.attention_checks import (Case, assert_forward_within_rule,
+                                    check_against_reference, random_inputs)
 
 try:
   from pallas_kernels.mosaic.forward import mosaic_forward
@@ -350,6 +351,64 @@ def test_sum_after_pv_default_is_d128_without_a_mask(cuda_lowering):
     text = lambda **kw: _lower(128, causal, **kw)
     assert text() == text(sum_after_pv=not causal)
   _lower(128, False, persistent=False, overlap_scores=True)  # no raise
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_rescale_threshold_lowers_and_changes_the_forward(head_dim,
+                                                          lowering_semantics):
+  """`rescale_threshold` (O rescaled only when a row's max moved) lowers on
+  either grid and with `sum_after_pv`, and is another kernel; a threshold
+  out of range is a ValueError naming it, and `overlap_scores` (its own
+  step) refuses it."""
+  for kwargs in (dict(persistent=False), dict(persistent=True),
+                 dict(sum_after_pv=True)):
+    text = lambda **kw: _lower(head_dim, True, **kwargs, **kw)
+    default = text()
+    for threshold in (0.0, 8.0):
+      assert text(rescale_threshold=threshold) != default
+  for threshold in (-1.0, 9.0, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="rescale_threshold"):
+      _lower(head_dim, False, rescale_threshold=threshold)
+  with pytest.raises(NotImplementedError, match="rescale_threshold"):
+    _lower(head_dim, False, persistent=False, overlap_scores=True,
+           rescale_threshold=0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_rescale_vote_forward_is_bitwise_on_gpu(head_dim, is_causal,
+                                                persistent):
+  """Threshold 0: the max moves on any growth, as without the option, and
+  only the multiply by alphas of exactly 1 is skipped: out and lse equal
+  the default's bit for bit (a vote that skipped a step where some row's
+  max moved would not)."""
+  run = _forward_runner(head_dim, is_causal, seed=73)
+  want = run(persistent=persistent)
+  for a, b in zip(run(persistent=persistent, rescale_threshold=0.0), want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spread", [1, 8])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_lazy_rescale_forward_matches_reference_on_gpu(head_dim, is_causal,
+                                                       spread):
+  """Threshold 8 (P up to 2**8 between rescales) against the float32
+  reference, within DESIGN's rule; at `spread` 8 the scores are 8x the
+  usual, so that rows' maxima keep moving by more than 8 after the first
+  K/V tile (GQA 4:1, kv_len > q_len)."""
+  _require_sm90()
+  q, k, v, _, _ = random_inputs(Case(2, 1024, 1536, 8, 2, head_dim),
+                                jnp.bfloat16, seed=79)
+  scale = spread * head_dim**-0.5
+  out, lse = jax.jit(lambda q, k, v: mosaic_forward(
+      q, k, v, scale=scale, is_causal=is_causal,
+      rescale_threshold=8.0))(q, k, v)
+  assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal,
+                             scale=scale)
 
 
 @pytest.mark.gpu

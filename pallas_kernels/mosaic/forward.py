@@ -155,6 +155,9 @@ _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # row of 32 floats is 128 bytes, a whole number of the warpgroup's copies.
 _DESCALE_WIDTH = 32
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# `rescale_threshold`'s bound: P's entries stay below 2**threshold, and
+# float16's largest is ~2**16 (bfloat16's ~2**128).
+_MAX_RESCALE_THRESHOLD = 8.0
 # The ranged kernel's int32 plan row per (batch, q tile), built by
 # `masked.plan_rows`: [lo, unmasked_lo, unmasked_hi, hi] of consumer 0 and
 # of consumer 1, the union [lo, hi) the producer loads, then q_offset,
@@ -332,6 +335,15 @@ class KernelStatic:
   # (GPU tests, session 16). Not with `overlap_scores`.
   # Default where measured faster (`SUM_AFTER_PV_HEAD_DIMS`).
   sum_after_pv: bool = False
+  # O's rescale skipped when no row's max moved (FlashAttention-4's lazy
+  # rescaling): a row keeps its running max until a tile's max exceeds it
+  # by more than `rescale_threshold` (log2 units; P's entries then stay
+  # below 2**threshold), and the consumer multiplies O only at steps where
+  # some row's max moved (a vote over its rows). 0.0: the max moves
+  # whenever it grows, as without the option, so only steps where no max
+  # grew skip the multiply: bitwise the same. None: rescale every step.
+  # Plain step only (not `overlap_scores`).
+  rescale_threshold: float | None = None
 
   @property
   def ranged(self) -> bool:
@@ -363,7 +375,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    tile_fastest: bool | None = None,
                    num_consumers: int | None = None, ring_turns: bool = False,
                    hw_turns: bool = False, lean_producer: bool = False,
-                   sum_after_pv: bool | None = None):
+                   sum_after_pv: bool | None = None,
+                   rescale_threshold: float | None = None):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -409,6 +422,11 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     sum_after_pv: P's row sum after P V is issued (see `KernelStatic`);
       not with `overlap_scores`. Bitwise the same. None: where measured
       faster (`sum_after_pv_by_default`).
+    rescale_threshold: O rescaled only when some row's max moves, and a
+      row's max moved only when it grows by more than this (log2 units,
+      >= 0; see `KernelStatic`); None rescales every step. 0.0 is bitwise
+      the same as None; a larger value changes only rounding. Not with
+      `overlap_scores`.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -445,12 +463,23 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if sum_after_pv and overlap_scores:
     raise NotImplementedError(
         "sum_after_pv: the plain step only (overlap_scores has its own order)")
+  if rescale_threshold is not None:
+    if not (math.isfinite(rescale_threshold) and 0 <= rescale_threshold
+            <= _MAX_RESCALE_THRESHOLD):
+      raise ValueError(
+          f"rescale_threshold must be None or from 0 to "
+          f"{_MAX_RESCALE_THRESHOLD} (log2 units), got {rescale_threshold}")
+    if overlap_scores:
+      raise NotImplementedError("rescale_threshold: the plain step only "
+                                "(overlap_scores has its own)")
+    rescale_threshold = float(rescale_threshold)
   static = check_supported(query, key, value, scale=scale,
                            is_causal=is_causal, block_q=block_q,
                            block_kv=block_kv,
                            max_concurrent_steps=max_concurrent_steps,
                            num_consumers=num_consumers)
   static = dataclasses.replace(static, heavy_first=bool(heavy_first),
+                               rescale_threshold=rescale_threshold,
                                fence_softmax=bool(fence_softmax),
                                split_handover=bool(split_handover),
                                overlap_scores=bool(overlap_scores),
@@ -1241,8 +1270,10 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     if fp8 is not None:  # the true scores: S times the Q and K factors
       k_factor = _descale(fp8, static.num_q_blocks + step)
       scale_log2 = scale_log2 * (q_factor * k_factor)
-    m_new, alpha, p = _exponentiate(s, m, scale_log2)
-    acc = acc * _rows(alpha, acc.shape)
+    m_new, alpha, p = _exponentiate(s, m, scale_log2,
+                                    threshold=static.rescale_threshold)
+    acc = _rescale(acc, alpha, m, m_new,
+                   vote=static.rescale_threshold is not None)
     p_f32 = p
     if not static.sum_after_pv:
       l = l * alpha + p.sum(axis=1)
@@ -1455,11 +1486,17 @@ def _overlapped_steps(m, l, q_smem, k_smem, v_smem, k_arrived,
   pl.run_scoped(with_o, plgpu.ACC((block_q, static.head_dim), jnp.float32))
 
 
-def _exponentiate(s, m, scale_log2):
+def _exponentiate(s, m, scale_log2, *, threshold: float | None = None):
   """Online softmax on a [block_q, block_kv] tile of scores (-inf where
   masked) against the running max `m` (log2 units): (m_new, alpha = the
-  factor for what was summed so far, p = the tile's exponentials, f32)."""
+  factor for what was summed so far, p = the tile's exponentials, f32).
+
+  With a `threshold` a row's max moves only when the tile's max exceeds it
+  by more than that (`KernelStatic.rescale_threshold`): its alpha is then
+  exactly 1 and its p below 2**threshold."""
   m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
+  if threshold:  # 0.0 moves on any growth: m_new as it is
+    m_new = jnp.where(m_new > m + threshold, m_new, m)
   # A row that has seen only masked keys keeps m = -inf; exponentiate
   # against 0 there so that it stays at p = 0, l = 0 instead of NaN.
   m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -1467,6 +1504,18 @@ def _exponentiate(s, m, scale_log2):
   # One FMA per score: s * (scale log2 e) - m (§3.1, exp2 on the MUFU).
   p = jnp.exp2(s * scale_log2 - _rows(m_ref, s.shape))
   return m_new, alpha, p
+
+
+def _rescale(acc, alpha, m, m_new, *, vote: bool):
+  """O [block_q, head_dim] times each row's alpha; with `vote`, only if
+  some row's max moved (a reduction over the warpgroup's rows, then a
+  branch): where none did every alpha is exactly 1, or 0 on a row that has
+  seen no key, whose O is still 0, so skipping is exact."""
+  if not vote:
+    return acc * _rows(alpha, acc.shape)
+  moved = jnp.max(jnp.where(m_new != m, 1.0, 0.0)) > 0.0
+  return lax.cond(moved, lambda acc: acc * _rows(alpha, acc.shape),
+                  lambda acc: acc, acc)
 
 
 def _descale(fp8: _Fp8Refs, i):
