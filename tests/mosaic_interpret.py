@@ -76,6 +76,10 @@ check the Mosaic forward's numerics in CI, without a GPU):
       host threads, 128 threads a warpgroup. Made a no-op, the deferred
       fused forms' dq goes wrong: the race it guards against happens here
       too.
+    - `forward.multiply_rows_in_threads` (the lazy rescale's branch in
+      each thread, Mosaic GPU code): its product, `acc * alpha[:, None]`,
+      which the branch equals since it skips only multiplies by exactly
+      1; whether it skips the right threads shows only on a GPU.
 
 Each simulated warpgroup is a host thread whose kernel blocks inside XLA
 callbacks (barrier waits), and XLA's CPU client runs about one more of
@@ -95,7 +99,7 @@ What the interpreter cannot check: wgmma runs synchronously there, so
 synchronous too, so `wait_smem_to_gmem` orders nothing; sequential grid
 points cannot race, so the fused dQ's turns are never contended (a writer
 that did not wait would pass); inline PTX other than `named_barrier`
-cannot run.
+cannot run, and `multiply_rows_in_threads` runs as its plain product.
 
 Written against JAX 0.10.2's private modules: `WHY_NOT` says why the patch
 is unavailable elsewhere, and the tests skip with it.
@@ -162,6 +166,7 @@ else:
 
 if WHY_NOT is None:
   from pallas_kernels.mosaic import compat as mosaic_compat
+  from pallas_kernels.mosaic import forward as mosaic_forward_module
   _NAMED_BARRIER_EMIT = next(
       c for c in mosaic_compat.named_barrier.__code__.co_consts
       if isinstance(c, types.CodeType) and c.co_name == "emit")
@@ -265,7 +270,8 @@ def _patched_interpret(self, jaxpr, token, *args):
              gpu_primitives.wgmma_accumulator_store_p, *_SEMAPHORE_PRIMITIVES)
   is_special = lambda e: (e.primitive in special
                           or (e.primitive is gpu_primitives.inline_mgpu_p
-                              and _named_barrier_of(e) is not None))
+                              and (_named_barrier_of(e) is not None
+                                   or _is_row_multiply(e))))
   if not any(is_special(e) for e in jaxpr.eqns):
     return _STOCK_INTERPRET(self, jaxpr, token, *args)
   # Interpret the equations in runs: maximal runs of ordinary equations go
@@ -295,6 +301,9 @@ def _patched_interpret(self, jaxpr, token, *args):
               transforms=(), val=invals[1], mask=None,
               source_info=eqn.source_info)
           outs = [old]
+        elif _is_row_multiply(eqn):
+          acc, alpha = invals
+          outs = [acc * alpha[:, None]]
         elif eqn.primitive is gpu_primitives.inline_mgpu_p:
           token, outs = _interpret_named_barrier(self, eqn, token,
                                                  _named_barrier_of(eqn))
@@ -511,6 +520,15 @@ def _named_barrier_of(eqn):
     return None
   cells = inspect.getclosurevars(fn).nonlocals
   return cells["operation"], cells["barrier_id"], cells["num_threads"]
+
+
+def _is_row_multiply(eqn) -> bool:
+  """Whether `eqn` is the forward's `multiply_rows_in_threads` (the lazy
+  rescale's in-thread branch): `acc * alpha[:, None]`, which is what the
+  branch computes, since it skips only multiplies by exactly 1."""
+  return (eqn.primitive is gpu_primitives.inline_mgpu_p
+          and eqn.params.get("mgpu_fn")
+          is mosaic_forward_module.multiply_rows_in_threads)
 
 
 class _NamedBarriers:

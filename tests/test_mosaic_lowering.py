@@ -356,7 +356,7 @@ def test_sum_after_pv_default_is_d128_without_a_mask(cuda_lowering):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_rescale_threshold_lowers_and_changes_the_forward(head_dim,
                                                           lowering_semantics):
-  """`rescale_threshold` (O rescaled only when a row's max moved) lowers on
+  """`rescale_threshold` (O rescaled only where a row's max moved) lowers on
   either grid and with `sum_after_pv`, and is another kernel; a threshold
   out of range is a ValueError naming it, and `overlap_scores` (its own
   step) refuses it."""
@@ -381,9 +381,10 @@ def test_rescale_threshold_lowers_and_changes_the_forward(head_dim,
 def test_rescale_vote_forward_is_bitwise_on_gpu(head_dim, is_causal,
                                                 persistent):
   """Threshold 0: the max moves on any growth, as without the option, and
-  only the multiply by alphas of exactly 1 is skipped: out and lse equal
-  the default's bit for bit (a vote that skipped a step where some row's
-  max moved would not)."""
+  only multiplies by alphas of exactly 1 are skipped: out and lse equal
+  the default's bit for bit (a thread that skipped its multiply where one
+  of its rows' max moved, or a branch that returned the wrong registers,
+  would not)."""
   run = _forward_runner(head_dim, is_causal, seed=73)
   want = run(persistent=persistent)
   for a, b in zip(run(persistent=persistent, rescale_threshold=0.0), want):

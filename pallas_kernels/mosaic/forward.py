@@ -71,7 +71,11 @@ from typing import Any, NamedTuple
 
 import jax
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, scf, vector
+from jax.experimental.mosaic import gpu as mgpu
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -335,14 +339,15 @@ class KernelStatic:
   # (GPU tests, session 16). Not with `overlap_scores`.
   # Default where measured faster (`SUM_AFTER_PV_HEAD_DIMS`).
   sum_after_pv: bool = False
-  # O's rescale skipped when no row's max moved (FlashAttention-4's lazy
+  # O's rescale skipped where no row's max moved (FlashAttention-4's lazy
   # rescaling): a row keeps its running max until a tile's max exceeds it
   # by more than `rescale_threshold` (log2 units; P's entries then stay
-  # below 2**threshold), and the consumer multiplies O only at steps where
-  # some row's max moved (a vote over its rows). 0.0: the max moves
-  # whenever it grows, as without the option, so only steps where no max
-  # grew skip the multiply: bitwise the same. None: rescale every step.
-  # Plain step only (not `overlap_scores`).
+  # below 2**threshold), and each thread multiplies its part of O only at
+  # steps where the max of one of its rows moved (a branch in the thread:
+  # `multiply_rows_in_threads`). 0.0: the max moves whenever it grows, as
+  # without the option, so only multiplies by exactly 1 are skipped:
+  # bitwise the same. None: rescale every step. Plain step only (not
+  # `overlap_scores`).
   rescale_threshold: float | None = None
 
   @property
@@ -1272,8 +1277,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       scale_log2 = scale_log2 * (q_factor * k_factor)
     m_new, alpha, p = _exponentiate(s, m, scale_log2,
                                     threshold=static.rescale_threshold)
-    acc = _rescale(acc, alpha, m, m_new,
-                   vote=static.rescale_threshold is not None)
+    acc = _rescale(acc, alpha,
+                   skip_ones=static.rescale_threshold is not None)
     p_f32 = p
     if not static.sum_after_pv:
       l = l * alpha + p.sum(axis=1)
@@ -1506,16 +1511,46 @@ def _exponentiate(s, m, scale_log2, *, threshold: float | None = None):
   return m_new, alpha, p
 
 
-def _rescale(acc, alpha, m, m_new, *, vote: bool):
-  """O [block_q, head_dim] times each row's alpha; with `vote`, only if
-  some row's max moved (a reduction over the warpgroup's rows, then a
-  branch): where none did every alpha is exactly 1, or 0 on a row that has
-  seen no key, whose O is still 0, so skipping is exact."""
-  if not vote:
+def _rescale(acc, alpha, *, skip_ones: bool):
+  """O [block_q, head_dim] times each row's alpha [block_q]; with
+  `skip_ones`, each thread skips the multiply when every alpha of its rows
+  is exactly 1 (`_multiply_rows_in_threads`)."""
+  if not skip_ones:
     return acc * _rows(alpha, acc.shape)
-  moved = jnp.max(jnp.where(m_new != m, 1.0, 0.0)) > 0.0
-  return lax.cond(moved, lambda acc: acc * _rows(alpha, acc.shape),
-                  lambda acc: acc, acc)
+  return plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
+      return_type=plgpu.ShapeDtypeStruct(acc.shape, acc.dtype,
+                                         plgpu.Layout.WGMMA),
+  )(multiply_rows_in_threads)(acc, alpha)
+
+
+def multiply_rows_in_threads(_, acc, alpha):
+  """`acc * alpha[:, None]` on Mosaic GPU fragments (WGMMA layout, alpha
+  in its row layout), behind a branch in each thread: a thread multiplies
+  its registers only if one of its rows' alphas is not exactly 1. No
+  thread waits for another (a warpgroup-wide vote would need a reduction
+  through shared memory), a warp runs the multiply if any of its threads
+  does, and skipping a multiply by 1 is exact. Interpreted on a CPU as the
+  plain product (tests/mosaic_interpret.py knows this function)."""
+  one = arith.constant(ir.F32Type.get(), 1.0)
+  moved = None
+  for register in alpha.registers.flat:
+    for i in range(ir.VectorType(register.type).shape[0]):
+      differs = arith.cmpf(arith.CmpFPredicate.UNE,
+                           vector.extract(register, [], [i]), one)
+      moved = differs if moved is None else arith.ori(moved, differs)
+  registers = list(acc.registers.flat)
+  branch = scf.IfOp(moved, [r.type for r in registers], has_else=True)
+  with ir.InsertionPoint(branch.then_block):
+    product = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
+    scf.yield_(list(product.registers.flat))
+  with ir.InsertionPoint(branch.else_block):
+    scf.yield_(registers)
+  results = np.empty(len(registers), dtype=object)
+  results[:] = list(branch.results)
+  return mgpu.FragmentedArray(
+      _registers=results.reshape(acc.registers.shape), _layout=acc.layout,
+      _is_signed=None)
 
 
 def _descale(fp8: _Fp8Refs, i):
