@@ -48,8 +48,9 @@ FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
                    dict(sum_after_pv=True),
                    dict(sum_after_pv=True, persistent=False,
                         lean_producer=True, num_consumers=2),
-                   dict(rescale_threshold=0.0),
-                   dict(rescale_threshold=8.0, persistent=False))
+                   dict(lazy_rescale=True, rescale_threshold=0.0),
+                   dict(lazy_rescale=True, persistent=False),
+                   dict(lazy_rescale=False))
 BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True),
                     dict(persistent=True, num_ctas=3),
                     dict(persistent=False, tile_fastest=True),

@@ -192,14 +192,16 @@ FORWARD_SUM_AFTER_PV_CANDIDATES = [
     dict(sum_after_pv=False), dict(sum_after_pv=True),
     dict(sum_after_pv=True, lean_producer=True)]
 # O rescaled only at steps where some row's max moved
-# (`forward.KernelStatic.rescale_threshold`): never skipped (the default),
-# skipped where no max grew (bitwise the same), and FlashAttention-4's lazy
-# form (a row's max moves only by more than 8, log2 units). Session 15's
-# ncu of the d=256 forward at 4k: O's rescale is 128 FMUL a thread a
-# 64-key step, 69 M of its 260 M warp instructions against cuDNN's 52 M of
-# 185 M.
-FORWARD_RESCALE_CANDIDATES = [dict(rescale_threshold=t)
-                              for t in (None, 0.0, 8.0)]
+# (`forward.KernelStatic.rescale_threshold`): never skipped, skipped where
+# no max grew (bitwise the same), and FlashAttention-4's lazy form (a row's
+# max moves only by more than 8, log2 units). Session 15's ncu of the d=256
+# forward at 4k: O's rescale is 128 FMUL a thread a 64-key step, 69 M of
+# its 260 M warp instructions against cuDNN's 52 M of 185 M. Session 18
+# (results/h200_mosaic_rescale.md) made the lazy form the default at d=256
+# and at d=128 without a mask; the list is pinned as it ran.
+FORWARD_RESCALE_CANDIDATES = [
+    dict(lazy_rescale=False), dict(lazy_rescale=True, rescale_threshold=0.0),
+    dict(lazy_rescale=True, rescale_threshold=8.0)]
 # What the fused dQ's fixed order costs (`turn_cost_benchmark`): the fused
 # kernel as shipped, the same without its turn waits (a diagnostic: its dQ
 # is wrong), and the two kernels. cuDNN's backward, one kernel adding dQ in

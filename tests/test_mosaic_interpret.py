@@ -65,14 +65,16 @@ CASES = [
                                              hw_turns=True)),
     (Case(1, 128, 128, 2, 2, 64), False, dict(num_ctas=2,
                                               sum_after_pv=True)),
-    # O rescaled only at steps where a row's max moved (`rescale_threshold`):
-    # on any growth (the persistent grid, causal), and lazily, beyond 8.
-    (Case(1, 256, 256, 2, 2, 64), True, dict(num_ctas=2,
+    # O rescaled only at steps where a row's max moved (`lazy_rescale`): on
+    # any growth (the persistent grid, causal), and beyond 8 (the default
+    # threshold; d=128 without a mask has it by default, below).
+    (Case(1, 256, 256, 2, 2, 64), True, dict(num_ctas=2, lazy_rescale=True,
                                              rescale_threshold=0.0)),
     (Case(1, 128, 256, 1, 1, 128), False, dict(persistent=False,
-                                              rescale_threshold=8.0)),
+                                              lazy_rescale=True)),
     # head_dim 128's 128-row K/V tiles; without a mask its default takes
-    # the row sum after P V (`forward.SUM_AFTER_PV_HEAD_DIMS`).
+    # the row sum after P V (`forward.SUM_AFTER_PV_HEAD_DIMS`) and rescales
+    # O lazily (`forward.LAZY_RESCALE_DEFAULTS`).
     (Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False)),
     (Case(1, 128, 256, 1, 1, 128), False, dict(num_ctas=2)),
 ]
@@ -111,6 +113,7 @@ def test_interpreted_lazy_rescale_with_wide_scores(threshold):
   scale = 8 * case.head_dim**-0.5
   out, lse = mosaic_interpret.run(mosaic_forward, q, k, v, scale=scale,
                                   is_causal=True, num_ctas=2,
+                                  lazy_rescale=True,
                                   rescale_threshold=threshold)
   assert_forward_within_rule(q, k, v, out, lse, is_causal=True, scale=scale)
 

@@ -223,8 +223,10 @@ def test_schedule_variants_are_bitwise_the_default_on_gpu(head_dim,
   _require_sm90()
   q, k, v, _, _ = random_inputs(Case(2, 2048, 2048, 8, 2, head_dim),
                                 jnp.bfloat16, 3)
+  # O rescaled every step throughout: `overlap_scores` has no lazy form.
   run = lambda **variant: jax.jit(lambda q, k, v: mosaic_forward(
-      q, k, v, scale=head_dim**-0.5, is_causal=is_causal, **variant))(q, k, v)
+      q, k, v, scale=head_dim**-0.5, is_causal=is_causal, lazy_rescale=False,
+      **variant))(q, k, v)
   want = run(**PLAIN_SCHEDULE)
   for variant in (dict(), *SCHEDULE_VARIANTS):
     for a, b in zip(run(**variant), want):
@@ -354,31 +356,51 @@ def test_sum_after_pv_default_is_d128_without_a_mask(cuda_lowering):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_rescale_threshold_lowers_and_changes_the_forward(head_dim,
-                                                          lowering_semantics):
-  """`rescale_threshold` (O rescaled only where a row's max moved) lowers on
-  either grid and with `sum_after_pv`, and is another kernel; a threshold
-  out of range is a ValueError naming it, and `overlap_scores` (its own
-  step) refuses it."""
+def test_lazy_rescale_lowers_and_changes_the_forward(head_dim,
+                                                     lowering_semantics):
+  """`lazy_rescale` (O rescaled only where a row's max moved) lowers on
+  either grid and with `sum_after_pv`, at thresholds 0 and 8, and is
+  another kernel; a threshold out of range is a ValueError naming it, and
+  `overlap_scores` (its own step) refuses it."""
   for kwargs in (dict(persistent=False), dict(persistent=True),
                  dict(sum_after_pv=True)):
     text = lambda **kw: _lower(head_dim, True, **kwargs, **kw)
-    default = text()
+    plain = text(lazy_rescale=False)
     for threshold in (0.0, 8.0):
-      assert text(rescale_threshold=threshold) != default
+      assert text(lazy_rescale=True, rescale_threshold=threshold) != plain
   for threshold in (-1.0, 9.0, float("nan"), float("inf")):
     with pytest.raises(ValueError, match="rescale_threshold"):
-      _lower(head_dim, False, rescale_threshold=threshold)
-  with pytest.raises(NotImplementedError, match="rescale_threshold"):
+      _lower(head_dim, False, lazy_rescale=True, rescale_threshold=threshold)
+  with pytest.raises(NotImplementedError, match="lazy_rescale"):
     _lower(head_dim, False, persistent=False, overlap_scores=True,
-           rescale_threshold=0.0)
+           lazy_rescale=True)
+
+
+def test_lazy_rescale_default_follows_the_measured_table(cuda_lowering):
+  """By default O is rescaled lazily at d=256 and at d=128 without a mask
+  (session 18's A/B), at threshold 8, and never under `overlap_scores`
+  (which refuses it: the default must not ask for it there)."""
+  from pallas_kernels.mosaic import forward
+  default = lambda d, causal, **kw: forward.lazy_rescale_by_default(
+      head_dim=d, is_causal=causal, **kw)
+  assert default(256, False) and default(256, True) and default(128, False)
+  assert not default(128, True)
+  assert not default(64, False) and not default(64, True)
+  assert not default(256, False, overlap_scores=True)
+  for head_dim in (64, 128, 256):
+    for causal in (False, True):
+      want = default(head_dim, causal)
+      text = lambda **kw: _lower(head_dim, causal, **kw)
+      assert text() == text(lazy_rescale=want, rescale_threshold=8.0)
+      assert text() != text(lazy_rescale=not want)
+  _lower(256, False, persistent=False, overlap_scores=True)  # no raise
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_rescale_vote_forward_is_bitwise_on_gpu(head_dim, is_causal,
+def test_lazy_rescale_at_zero_is_bitwise_on_gpu(head_dim, is_causal,
                                                 persistent):
   """Threshold 0: the max moves on any growth, as without the option, and
   only multiplies by alphas of exactly 1 are skipped: out and lse equal
@@ -386,8 +408,9 @@ def test_rescale_vote_forward_is_bitwise_on_gpu(head_dim, is_causal,
   of its rows' max moved, or a branch that returned the wrong registers,
   would not)."""
   run = _forward_runner(head_dim, is_causal, seed=73)
-  want = run(persistent=persistent)
-  for a, b in zip(run(persistent=persistent, rescale_threshold=0.0), want):
+  want = run(persistent=persistent, lazy_rescale=False)
+  for a, b in zip(run(persistent=persistent, lazy_rescale=True,
+                      rescale_threshold=0.0), want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -406,7 +429,7 @@ def test_lazy_rescale_forward_matches_reference_on_gpu(head_dim, is_causal,
                                 jnp.bfloat16, seed=79)
   scale = spread * head_dim**-0.5
   out, lse = jax.jit(lambda q, k, v: mosaic_forward(
-      q, k, v, scale=scale, is_causal=is_causal,
+      q, k, v, scale=scale, is_causal=is_causal, lazy_rescale=True,
       rescale_threshold=8.0))(q, k, v)
   assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal,
                              scale=scale)

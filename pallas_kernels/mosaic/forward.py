@@ -203,6 +203,16 @@ TILE_FASTEST_CAUSAL = True
 # on both grids (GPU tests, session 16). Under causal masking session 11
 # measured -2% to +1.6%: off. results/h200_mosaic_sum_after_pv.md.
 SUM_AFTER_PV_HEAD_DIMS = (128,)
+# `mosaic_forward(lazy_rescale=None)` rescales O lazily (FlashAttention-4's
+# threshold, 8 in log2 units: `LAZY_RESCALE_THRESHOLD`) at these (head_dim,
+# is_causal). Session 18's A/B on the H200, two rounds, 16k / 4k / 1k
+# (results/h200_mosaic_rescale.md): d=256 +3.9 / +7.8 / +6.5% without a
+# mask and +4.3 / +2.2 / +4.1% causal; d=128 without a mask +3.1 / +4.2 /
+# +3.6%, causal -1.3 / -0.2 / -3.7%; d=64 +0.2 / +0.7 / -0.3% without a
+# mask and +1.1 / +1.3 / -7.6% causal. Session 15's ncu of the d=256
+# forward counted O's rescale as 69 M of its 260 M warp instructions.
+LAZY_RESCALE_DEFAULTS = frozenset({(256, False), (256, True), (128, False)})
+LAZY_RESCALE_THRESHOLD = 8.0
 
 
 def persistent_by_default(*, is_causal: bool, head_dim: int, kv_len: int,
@@ -228,6 +238,15 @@ def sum_after_pv_by_default(*, head_dim: int, is_causal: bool,
   P V is issued (`SUM_AFTER_PV_HEAD_DIMS`; never with `overlap_scores`,
   which orders its steps its own way)."""
   return (head_dim in SUM_AFTER_PV_HEAD_DIMS and not is_causal
+          and not overlap_scores)
+
+
+def lazy_rescale_by_default(*, head_dim: int, is_causal: bool,
+                            overlap_scores: bool = False) -> bool:
+  """Whether `mosaic_forward(lazy_rescale=None)` rescales O lazily
+  (`LAZY_RESCALE_DEFAULTS`; never with `overlap_scores`, which has its own
+  step)."""
+  return ((head_dim, bool(is_causal)) in LAZY_RESCALE_DEFAULTS
           and not overlap_scores)
 
 
@@ -340,14 +359,14 @@ class KernelStatic:
   # Default where measured faster (`SUM_AFTER_PV_HEAD_DIMS`).
   sum_after_pv: bool = False
   # O's rescale skipped where no row's max moved (FlashAttention-4's lazy
-  # rescaling): a row keeps its running max until a tile's max exceeds it
-  # by more than `rescale_threshold` (log2 units; P's entries then stay
-  # below 2**threshold), and each thread multiplies its part of O only at
-  # steps where the max of one of its rows moved (a branch in the thread:
-  # `multiply_rows_in_threads`). 0.0: the max moves whenever it grows, as
-  # without the option, so only multiplies by exactly 1 are skipped:
-  # bitwise the same. None: rescale every step. Plain step only (not
-  # `overlap_scores`).
+  # rescaling; `mosaic_forward(lazy_rescale=True)`): a row keeps its running
+  # max until a tile's max exceeds it by more than `rescale_threshold`
+  # (log2 units; P's entries then stay below 2**threshold), and each thread
+  # multiplies its part of O only at steps where the max of one of its rows
+  # moved (a branch in the thread: `multiply_rows_in_threads`). 0.0: the
+  # max moves whenever it grows, as without the option, so only multiplies
+  # by exactly 1 are skipped: bitwise the same. None: rescale every step.
+  # Plain step only (not `overlap_scores`).
   rescale_threshold: float | None = None
 
   @property
@@ -381,7 +400,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    num_consumers: int | None = None, ring_turns: bool = False,
                    hw_turns: bool = False, lean_producer: bool = False,
                    sum_after_pv: bool | None = None,
-                   rescale_threshold: float | None = None):
+                   lazy_rescale: bool | None = None,
+                   rescale_threshold: float = LAZY_RESCALE_THRESHOLD):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -427,11 +447,14 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     sum_after_pv: P's row sum after P V is issued (see `KernelStatic`);
       not with `overlap_scores`. Bitwise the same. None: where measured
       faster (`sum_after_pv_by_default`).
-    rescale_threshold: O rescaled only when some row's max moves, and a
-      row's max moved only when it grows by more than this (log2 units,
-      >= 0; see `KernelStatic`); None rescales every step. 0.0 is bitwise
-      the same as None; a larger value changes only rounding. Not with
-      `overlap_scores`.
+    lazy_rescale: O rescaled only where a row's max moved, and a row's max
+      moved only when it grows by more than `rescale_threshold` (see
+      `KernelStatic`); False rescales every step. Not with
+      `overlap_scores`. None: where measured faster
+      (`lazy_rescale_by_default`).
+    rescale_threshold: log2 units, 0 to 8. At 0 `lazy_rescale` is bitwise
+      the same as rescaling every step; a larger value changes rounding
+      only (P's entries stay below 2**threshold).
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -468,16 +491,20 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if sum_after_pv and overlap_scores:
     raise NotImplementedError(
         "sum_after_pv: the plain step only (overlap_scores has its own order)")
-  if rescale_threshold is not None:
+  if lazy_rescale is None:
+    lazy_rescale = lazy_rescale_by_default(
+        head_dim=query.shape[-1], is_causal=is_causal,
+        overlap_scores=overlap_scores)
+  if lazy_rescale:
     if not (math.isfinite(rescale_threshold) and 0 <= rescale_threshold
             <= _MAX_RESCALE_THRESHOLD):
       raise ValueError(
-          f"rescale_threshold must be None or from 0 to "
-          f"{_MAX_RESCALE_THRESHOLD} (log2 units), got {rescale_threshold}")
+          f"rescale_threshold must be from 0 to {_MAX_RESCALE_THRESHOLD} "
+          f"(log2 units), got {rescale_threshold}")
     if overlap_scores:
-      raise NotImplementedError("rescale_threshold: the plain step only "
+      raise NotImplementedError("lazy_rescale: the plain step only "
                                 "(overlap_scores has its own)")
-    rescale_threshold = float(rescale_threshold)
+  rescale_threshold = float(rescale_threshold) if lazy_rescale else None
   static = check_supported(query, key, value, scale=scale,
                            is_causal=is_causal, block_q=block_q,
                            block_kv=block_kv,
