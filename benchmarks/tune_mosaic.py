@@ -258,6 +258,8 @@ def backward_benchmark(cell: common.Cell, blocks: dict):
 # count, of which a window does a fraction: compare candidates only.
 MASKED_WINDOW = 1024
 MASKED_ORDER_SPACE = dict(tile_fastest=(False, True))
+# The ranged forward's O rescaled lazily (`lazy_rescale`, session 18).
+MASKED_RESCALE_SPACE = dict(lazy_rescale=(False, True))
 
 
 def _window_spec(cell: common.Cell):
@@ -362,6 +364,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                   TURN_COST_CANDIDATES, 2.5, (False, True)),
            "masked_forward_order": (masked_forward_benchmark,
                                     MASKED_ORDER_SPACE, 1.0, (True,)),
+           "masked_forward_rescale": (masked_forward_benchmark,
+                                      MASKED_RESCALE_SPACE, 1.0, (True,)),
            "masked_backward_order": (masked_backward_benchmark,
                                      MASKED_ORDER_SPACE, 2.5, (True,))}
 

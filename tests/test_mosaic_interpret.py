@@ -172,6 +172,20 @@ def test_interpreted_mosaic_forward_masked_matches_reference(name):
   assert_forward_within_rule(q, k, v, out, lse, **variants)
 
 
+@pytest.mark.parametrize("name", ["causal window", "soft cap"])
+def test_interpreted_lazy_rescale_masked_forward(name):
+  """The ranged forward with O rescaled lazily (`lazy_rescale`), against
+  the reference as above."""
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  case, variants = MASKED_VARIANTS[name]
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=13)
+  scale, spec, operands = _masked_call(q, k, v, variants)
+  out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
+                                  scale=scale, spec=spec, lazy_rescale=True,
+                                  **operands)
+  assert_forward_within_rule(q, k, v, out, lse, **variants)
+
+
 # (case, is_causal, mosaic_backward options): the two kernels (dQ, and
 # dK/dV); the fused kernel's are FUSED_BACKWARD_CASES.
 BACKWARD_CASES = [

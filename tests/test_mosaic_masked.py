@@ -5,17 +5,20 @@ a GPU. `implementation=None` routes calls to it only once
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash import masking
+from jax_flash import masking, validation
 from jax_flash.validation import Operands
 from pallas_kernels import compat as versions
 from pallas_kernels.config import BlockSizes
-from tests.attention_checks import Case, check_against_reference, random_inputs
+from tests.attention_checks import (Case, assert_forward_within_rule,
+                                    check_against_reference, random_inputs)
 
 try:
   from pallas_kernels.mosaic import attention as mosaic_attention_module
@@ -97,6 +100,18 @@ def test_tile_fastest_masked_forward_lowers(name, head_dim, cuda_lowering):
   assert text(tile_fastest=True) != text()
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_lazy_rescale_masked_forward_lowers(head_dim, cuda_lowering):
+  """`lazy_rescale` in the ranged forward: another module."""
+  def text(**options):
+    forward, case = _masked_forward("causal window", head_dim, **options)
+    q = jax.ShapeDtypeStruct((2, case.q_len, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, case.kv_len, 2, head_dim), jnp.bfloat16)
+    return jax.jit(forward).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert text(lazy_rescale=True) != text()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, head_dim", [("segments", 64),
                                             ("bottom-right causal", 128),
@@ -175,6 +190,27 @@ _GPU_VARIANTS = {
                              jnp.arange(8, dtype=jnp.int32), 256)[None]
                              .repeat(2, 0))),
 }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(_GPU_VARIANTS))
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_lazy_rescale_masked_forward_matches_reference_on_gpu(name,
+                                                              head_dim):
+  """The ranged forward with O rescaled lazily, on each mask variant (at
+  this head dim), against the float32 reference within DESIGN's rule."""
+  from pallas_kernels.mosaic.attention import masked_operand_kwargs
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic forward needs sm90")
+  case, variants = _GPU_VARIANTS[name]
+  case = dataclasses.replace(case, head_dim=head_dim)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, 43)
+  call = validation.normalise_call(q, k, v, **variants)
+  operands = masked_operand_kwargs(call.operands)
+  out, lse = jax.jit(lambda q, k, v: mosaic_forward_masked(
+      q, k, v, scale=call.scale, spec=call.spec, lazy_rescale=True,
+      **operands))(q, k, v)
+  assert_forward_within_rule(q, k, v, out, lse, **variants)
 
 
 @pytest.mark.gpu

@@ -26,7 +26,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                           kv_segments=None, block_q: int = 64,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2,
-                          tile_fastest: bool = False):
+                          tile_fastest: bool = False,
+                          lazy_rescale: bool = False):
   """`forward.mosaic_forward` with masks, score capping and any lengths.
 
   The masks are `jax_flash.masking`'s (the one definition): `spec` may use
@@ -48,6 +49,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       `forward.KernelStatic`); the same results either way. Off: on a
       causal 1k window it moved -1.1% to +1.8% (results/
       h200_mosaic_masked_order.md, three rounds), no clear gain.
+    lazy_rescale: O rescaled only where a row's max moved by more than
+      `forward.LAZY_RESCALE_THRESHOLD` (see `forward.KernelStatic`); the
+      results change by rounding only.
 
   Returns:
     (out [batch, q_len, num_heads, head_dim], lse float32
@@ -67,7 +71,10 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                                    block_kv=block_kv,
                                    max_concurrent_steps=max_concurrent_steps,
                                    spec=spec)
-  static = dataclasses.replace(static, tile_fastest=bool(tile_fastest))
+  static = dataclasses.replace(
+      static, tile_fastest=bool(tile_fastest),
+      rescale_threshold=(forward.LAZY_RESCALE_THRESHOLD if lazy_rescale
+                         else None))
   plan = plan_rows(static, query.shape[0], q_offset=q_offset,
                    q_lengths=q_lengths, kv_lengths=kv_lengths,
                    q_segments=q_segments, kv_segments=kv_segments)
