@@ -20,6 +20,13 @@ _RANGED_FEATURES = ("is_causal", "window", "has_q_offset", "has_q_lengths",
                     "has_kv_lengths", "has_segments", "logits_soft_cap")
 
 
+# `mosaic_forward_masked(lazy_rescale=None)` rescales O lazily at these head
+# dims. Session 18's A/B on a causal 1k window, two rounds, 16k / 4k
+# (results/h200_mosaic_rescale_masked.md): d=256 +7.1 / +6.1%, d=128
+# -1.4 / -0.8%, d=64 -7.9 / -7.5%.
+MASKED_LAZY_RESCALE_HEAD_DIMS = (256,)
+
+
 def mosaic_forward_masked(query, key, value, *, scale: float,
                           spec: masking.MaskSpec, q_offset=None,
                           q_lengths=None, kv_lengths=None, q_segments=None,
@@ -27,7 +34,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2,
                           tile_fastest: bool = False,
-                          lazy_rescale: bool = False):
+                          lazy_rescale: bool | None = None):
   """`forward.mosaic_forward` with masks, score capping and any lengths.
 
   The masks are `jax_flash.masking`'s (the one definition): `spec` may use
@@ -51,7 +58,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       h200_mosaic_masked_order.md, three rounds), no clear gain.
     lazy_rescale: O rescaled only where a row's max moved by more than
       `forward.LAZY_RESCALE_THRESHOLD` (see `forward.KernelStatic`); the
-      results change by rounding only.
+      results change by rounding only. None: at the head dims of
+      `MASKED_LAZY_RESCALE_HEAD_DIMS`.
 
   Returns:
     (out [batch, q_len, num_heads, head_dim], lse float32
@@ -71,6 +79,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                                    block_kv=block_kv,
                                    max_concurrent_steps=max_concurrent_steps,
                                    spec=spec)
+  if lazy_rescale is None:
+    lazy_rescale = query.shape[-1] in MASKED_LAZY_RESCALE_HEAD_DIMS
   static = dataclasses.replace(
       static, tile_fastest=bool(tile_fastest),
       rescale_threshold=(forward.LAZY_RESCALE_THRESHOLD if lazy_rescale
