@@ -5,7 +5,8 @@
 Lowers the forward (defaults, `overlap_scores`, `fence_softmax` +
 `split_handover`, grid launch order, the persistent grid on and off,
 tile-fastest launch, two consumers where three are the default, ring and
-hardware-barrier turns, no automatic barriers), the backward (defaults,
+hardware-barrier turns, lean producers, P's row sum after P V, O's
+lazy rescale on, off and at threshold 0), the backward (defaults,
 `overlap_softmax`, the persistent grid, tile-fastest launch, no automatic
 barriers, the fused dQ below head_dim 256, with and without them), and
 the masked

@@ -46,7 +46,8 @@ FORWARD_ORDER_SPACE = dict(heavy_first=(False, True), persistent=(False,))
 # tiles: an A/B of the same kind.
 SCHEDULE_SPACE = dict(fence_softmax=(False, True), split_handover=(False, True))
 # The forward's intra-warpgroup overlap (`forward.KernelStatic`).
-FORWARD_OVERLAP_SPACE = dict(overlap_scores=(False, True))
+# O rescaled every step on both sides: `overlap_scores` has no lazy form.
+FORWARD_OVERLAP_SPACE = dict(overlap_scores=(False, True), lazy_rescale=(False,))
 # The backward's overlap within a consumer (`backward._Static`).
 OVERLAP_SPACE = dict(overlap_softmax=(False, True))
 # The persistent grids (`forward.persistent_static`, `backward._persistent`).
@@ -118,7 +119,8 @@ FORWARD_TILE_ORDER_CANDIDATES = [dict(), dict(persistent=False,
 # per cell: +1.9% at 4k without a mask, -9.6% to -22.6% in the other
 # five; at d=128 one stage of 128-row tiles -0.3% to -8.6%, of 256-row
 # tiles -9.5% to -26.2%.
-FORWARD_ONE_STAGE_CANDIDATES = [dict(c, sum_after_pv=False) for c in (
+FORWARD_ONE_STAGE_CANDIDATES = [dict(c, sum_after_pv=False, lazy_rescale=False)
+                                for c in (
     dict(), dict(block_kv=128, max_concurrent_steps=1, lean_producer=False),
     dict(block_kv=128, max_concurrent_steps=1, lean_producer=True),
     dict(block_kv=256, max_concurrent_steps=1, lean_producer=True))]
@@ -174,10 +176,10 @@ LEAN_WIDE_SPACE = dict(LEAN_SPACE, block_q=(128,))
 # The forward's consumers at 240 registers (`KernelStatic.lean_producer`),
 # and with them the intra-warpgroup overlap (`overlap_scores`, launch grid),
 # which holds the next step's S as well, against the default.
-FORWARD_LEAN_CANDIDATES = [
+FORWARD_LEAN_CANDIDATES = [dict(c, lazy_rescale=False) for c in (
     dict(sum_after_pv=False), dict(lean_producer=True, sum_after_pv=False),
     dict(persistent=False, overlap_scores=True),
-    dict(persistent=False, overlap_scores=True, lean_producer=True)]
+    dict(persistent=False, overlap_scores=True, lean_producer=True))]
 # P's row sum after P V is issued (`forward.KernelStatic.sum_after_pv`,
 # tokamax's order above head_dim 128), alone and with lean producers,
 # against the default; the ncu of the d=256 forward at 4k
@@ -187,10 +189,11 @@ FORWARD_LEAN_CANDIDATES = [
 # 16k (the default there since), d=256 -2.7% and -1.2%; session 11's form
 # (`late_row_sum`, results/h200_mosaic_late_sum_r3.md) read d=128 -1.6% at
 # 16k and +2.6% at 4k. These three lists
-# are pinned as they ran, with the row sum before P V.
-FORWARD_SUM_AFTER_PV_CANDIDATES = [
+# are pinned as they ran, with the row sum before P V and (since session
+# 18's default) O rescaled every step.
+FORWARD_SUM_AFTER_PV_CANDIDATES = [dict(c, lazy_rescale=False) for c in (
     dict(sum_after_pv=False), dict(sum_after_pv=True),
-    dict(sum_after_pv=True, lean_producer=True)]
+    dict(sum_after_pv=True, lean_producer=True))]
 # O rescaled only at steps where some row's max moved
 # (`forward.KernelStatic.rescale_threshold`): never skipped, skipped where
 # no max grew (bitwise the same), and FlashAttention-4's lazy form (a row's

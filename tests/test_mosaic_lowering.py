@@ -366,8 +366,8 @@ def test_lazy_rescale_lowers_and_changes_the_forward(head_dim,
                  dict(sum_after_pv=True)):
     text = lambda **kw: _lower(head_dim, True, **kwargs, **kw)
     plain = text(lazy_rescale=False)
-    for threshold in (0.0, 8.0):
-      assert text(lazy_rescale=True, rescale_threshold=threshold) != plain
+    lazy = {t: text(lazy_rescale=True, rescale_threshold=t) for t in (0.0, 8.0)}
+    assert plain not in lazy.values() and lazy[0.0] != lazy[8.0]
   for threshold in (-1.0, 9.0, float("nan"), float("inf")):
     with pytest.raises(ValueError, match="rescale_threshold"):
       _lower(head_dim, False, lazy_rescale=True, rescale_threshold=threshold)

@@ -60,7 +60,14 @@ Schedule options of the plain form (`KernelStatic`: `overlap_scores`,
 FlashAttention-3's intra-warpgroup overlap, §3.2, in `_overlapped_steps`;
 `fence_softmax` and `split_handover`, two ways to place the hand-over;
 `split_handover` is on by default, the fastest on the H200). They move
-waits, not arithmetic: the results are bitwise the same.
+waits, not arithmetic: the results are bitwise the same, given the same
+rescale (`overlap_scores` has no lazy one, so against a default that
+rescales lazily, `lazy_rescale_by_default`, it differs by rounding).
+
+O's lazy rescale (`lazy_rescale`, FlashAttention-4's threshold): a row's
+running max moves only when a tile's max exceeds it by more than 8 (log2
+units), and each thread multiplies its part of O only where one of its
+rows' maxima moved (`multiply_rows_in_threads`).
 """
 from __future__ import annotations
 
@@ -427,8 +434,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     heavy_first: under causal masking, launch the query tiles with the most
       K/V blocks first (`tile_index`); False launches them in order.
     fence_softmax, split_handover, overlap_scores: consumer schedule
-      variants (see `KernelStatic`); the results are the same either way.
-      `split_handover` is the default: 1.3%, 2.0% and 7% faster than the
+      variants (see `KernelStatic`); the results are the same either way
+      (with `overlap_scores`, given `lazy_rescale=False`: it has no lazy
+      form). `split_handover` is the default: 1.3%, 2.0% and 7% faster than the
       plain hand-over at head_dim 64, 128, 256 (H200, seq 16k).
     persistent: one CTA per SM walks the tiles (`_persistent_kernel`);
       not with `overlap_scores`. None: where measured faster
@@ -1524,8 +1532,9 @@ def _exponentiate(s, m, scale_log2, *, threshold: float | None = None):
   factor for what was summed so far, p = the tile's exponentials, f32).
 
   With a `threshold` a row's max moves only when the tile's max exceeds it
-  by more than that (`KernelStatic.rescale_threshold`): its alpha is then
-  exactly 1 and its p below 2**threshold."""
+  by more than that (`KernelStatic.rescale_threshold`), and its p stays
+  below 2**threshold. A row whose max did not move has alpha exactly 1, or
+  0 while it has seen no key (its O and l are still 0)."""
   m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
   if threshold:  # 0.0 moves on any growth: m_new as it is
     m_new = jnp.where(m_new > m + threshold, m_new, m)
