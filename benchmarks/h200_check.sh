@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost fused_stalls early_delta lean merged forward_lean sum_after_pv sum_after_pv_rest rescale rescale_masked prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost fused_stalls early_delta lean merged forward_lean sum_after_pv sum_after_pv_rest rescale rescale_masked rescale_warp prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -263,6 +263,24 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
           > "$LOGS/rescale_$seq.log" 2>&1
         grep -E "^forward" "$LOGS/rescale_$seq.log"
       done ;;
+    rescale_warp)  # the lazy rescale's skip per warp against per thread
+                   # (built after session 18's GPU time): its bitwise GPU
+                   # tests, then the A/B at d=256/128, 16k 4k 1k, three rounds
+      env $TEST_CACHE python3 -m pytest -m gpu -n 8 --dist load -q -rf --tb=short --timeout 150 \
+        -p no:cacheprovider -p no:benchmark tests/test_mosaic_lowering.py -k per_warp \
+        > "$OUT/pytest_rescale_warp.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_rescale_warp.log" | tail -15
+      if grep -qE "failed|error" "$OUT/pytest_rescale_warp.log"; then
+        echo "rescale_warp: tests failed, no A/B"
+      else
+        for seq in ${RESCALE_SEQS:-16384 4096 1024}; do
+          timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 \
+            --kernels forward_rescale_warp --head-dims 256 128 --rounds ${ROUNDS:-3} \
+            --out "$OUT/h200_mosaic_rescale_warp_$seq.json" \
+            > "$LOGS/rescale_warp_$seq.log" 2>&1
+          grep -E "^forward" "$LOGS/rescale_warp_$seq.log"
+        done
+      fi ;;
     rescale_masked)  # the ranged (masked) forward's lazy rescale (session
                      # 18): its GPU tests, then the A/B on a causal 1k
                      # window at d=256/128/64, 16k and 4k, two rounds

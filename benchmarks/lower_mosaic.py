@@ -51,7 +51,8 @@ FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
                         lean_producer=True, num_consumers=2),
                    dict(lazy_rescale=True, rescale_threshold=0.0),
                    dict(lazy_rescale=True, persistent=False),
-                   dict(lazy_rescale=False))
+                   dict(lazy_rescale=False),
+                   dict(lazy_rescale=True, rescale_per_warp=True))
 BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True),
                     dict(persistent=True, num_ctas=3),
                     dict(persistent=False, tile_fastest=True),

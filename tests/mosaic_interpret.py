@@ -526,8 +526,9 @@ def _is_row_multiply(eqn) -> bool:
   """Whether `eqn` is the forward's `multiply_rows_in_threads` (the lazy
   rescale's in-thread branch): `acc * alpha[:, None]`, which is what the
   branch computes, since it skips only multiplies by exactly 1."""
+  fn = eqn.params.get("mgpu_fn")
   return (eqn.primitive is gpu_primitives.inline_mgpu_p
-          and eqn.params.get("mgpu_fn")
+          and getattr(fn, "func", fn)  # through functools.partial
           is mosaic_forward_module.multiply_rows_in_threads)
 
 

@@ -72,6 +72,9 @@ CASES = [
                                              rescale_threshold=0.0)),
     (Case(1, 128, 256, 1, 1, 128), False, dict(persistent=False,
                                               lazy_rescale=True)),
+    (Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False,
+                                             lazy_rescale=True,
+                                             rescale_per_warp=True)),
     # head_dim 128's 128-row K/V tiles; without a mask its default takes
     # the row sum after P V (`forward.SUM_AFTER_PV_HEAD_DIMS`) and rescales
     # O lazily (`forward.LAZY_RESCALE_DEFAULTS`).

@@ -376,6 +376,17 @@ def test_lazy_rescale_lowers_and_changes_the_forward(head_dim,
            lazy_rescale=True)
 
 
+def test_rescale_per_warp_lowers_and_changes_the_forward(cuda_lowering):
+  """The lazy rescale's skip decided per warp (a `vote.sync`) lowers and
+  is another kernel; without `lazy_rescale` it is a ValueError naming
+  it."""
+  for head_dim, causal in ((128, False), (256, True)):
+    text = lambda **kw: _lower(head_dim, causal, lazy_rescale=True, **kw)
+    assert text(rescale_per_warp=True) != text()
+  with pytest.raises(ValueError, match="rescale_per_warp"):
+    _lower(256, False, lazy_rescale=False, rescale_per_warp=True)
+
+
 def test_lazy_rescale_default_follows_the_measured_table(cuda_lowering):
   """By default O is rescaled lazily at d=256 and at d=128 without a mask
   (session 18's A/B), at threshold 8, and never under `overlap_scores`
@@ -411,6 +422,24 @@ def test_lazy_rescale_at_zero_is_bitwise_on_gpu(head_dim, is_causal,
   want = run(persistent=persistent, lazy_rescale=False)
   for a, b in zip(run(persistent=persistent, lazy_rescale=True,
                       rescale_threshold=0.0), want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_rescale_per_warp_is_bitwise_per_thread_on_gpu(head_dim, is_causal):
+  """Deciding the lazy rescale's skip per warp only adds multiplies by
+  exactly 1: out and lse equal the per-thread decision's bit for bit, at
+  scores 8x the usual spread so that maxima keep moving (a warp vote that
+  skipped where a thread needed its multiply would not)."""
+  _require_sm90()
+  q, k, v, _, _ = random_inputs(Case(2, 1024, 1536, 8, 2, head_dim),
+                                jnp.bfloat16, seed=83)
+  run = lambda **kw: jax.jit(lambda q, k, v: mosaic_forward(
+      q, k, v, scale=8 * head_dim**-0.5, is_causal=is_causal,
+      lazy_rescale=True, **kw))(q, k, v)
+  for a, b in zip(run(rescale_per_warp=True), run()):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

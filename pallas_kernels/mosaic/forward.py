@@ -79,7 +79,7 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, scf, vector
+from jax._src.lib.mlir.dialects import arith, nvvm, scf, vector
 from jax.experimental.mosaic import gpu as mgpu
 import jax.numpy as jnp
 import numpy as np
@@ -375,6 +375,10 @@ class KernelStatic:
   # by exactly 1 are skipped: bitwise the same. None: rescale every step.
   # Plain step only (not `overlap_scores`).
   rescale_threshold: float | None = None
+  # The lazy rescale's skip decided per warp (`vote.sync.any`) rather than
+  # per thread: no divergence before P V's warp-synchronous wgmma. Built in
+  # session 18 after its GPU budget was spent: lowered, not run on a GPU.
+  rescale_per_warp: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -408,7 +412,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    hw_turns: bool = False, lean_producer: bool = False,
                    sum_after_pv: bool | None = None,
                    lazy_rescale: bool | None = None,
-                   rescale_threshold: float = LAZY_RESCALE_THRESHOLD):
+                   rescale_threshold: float = LAZY_RESCALE_THRESHOLD,
+                   rescale_per_warp: bool = False):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -463,6 +468,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     rescale_threshold: log2 units, 0 to 8. At 0 `lazy_rescale` is bitwise
       the same as rescaling every step; a larger value changes rounding
       only (P's entries stay below 2**threshold).
+    rescale_per_warp: the lazy rescale's skip decided per warp instead of
+      per thread (see `KernelStatic`); bitwise the same. Only with
+      `lazy_rescale`.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -512,6 +520,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     if overlap_scores:
       raise NotImplementedError("lazy_rescale: the plain step only "
                                 "(overlap_scores has its own)")
+  if rescale_per_warp and not lazy_rescale:
+    raise ValueError("rescale_per_warp needs lazy_rescale")
   rescale_threshold = float(rescale_threshold) if lazy_rescale else None
   static = check_supported(query, key, value, scale=scale,
                            is_causal=is_causal, block_q=block_q,
@@ -520,6 +530,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                            num_consumers=num_consumers)
   static = dataclasses.replace(static, heavy_first=bool(heavy_first),
                                rescale_threshold=rescale_threshold,
+                               rescale_per_warp=bool(rescale_per_warp),
                                fence_softmax=bool(fence_softmax),
                                split_handover=bool(split_handover),
                                overlap_scores=bool(overlap_scores),
@@ -1313,7 +1324,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     m_new, alpha, p = _exponentiate(s, m, scale_log2,
                                     threshold=static.rescale_threshold)
     acc = _rescale(acc, alpha,
-                   skip_ones=static.rescale_threshold is not None)
+                   skip_ones=static.rescale_threshold is not None,
+                   per_warp=static.rescale_per_warp)
     p_f32 = p
     if not static.sum_after_pv:
       l = l * alpha + p.sum(axis=1)
@@ -1547,27 +1559,31 @@ def _exponentiate(s, m, scale_log2, *, threshold: float | None = None):
   return m_new, alpha, p
 
 
-def _rescale(acc, alpha, *, skip_ones: bool):
+def _rescale(acc, alpha, *, skip_ones: bool, per_warp: bool = False):
   """O [block_q, head_dim] times each row's alpha [block_q]; with
-  `skip_ones`, each thread skips the multiply when every alpha of its rows
-  is exactly 1 (`_multiply_rows_in_threads`)."""
+  `skip_ones`, each thread (`per_warp`: each warp) skips the multiply when
+  every alpha of its rows is exactly 1 (`multiply_rows_in_threads`)."""
   if not skip_ones:
     return acc * _rows(alpha, acc.shape)
   return plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
       return_type=plgpu.ShapeDtypeStruct(acc.shape, acc.dtype,
                                          plgpu.Layout.WGMMA),
-  )(multiply_rows_in_threads)(acc, alpha)
+  )(functools.partial(multiply_rows_in_threads, per_warp=per_warp))(
+      acc, alpha)
 
 
-def multiply_rows_in_threads(_, acc, alpha):
+def multiply_rows_in_threads(_, acc, alpha, *, per_warp: bool = False):
   """`acc * alpha[:, None]` on Mosaic GPU fragments (WGMMA layout, alpha
   in its row layout), behind a branch in each thread: a thread multiplies
   its registers only if one of its rows' alphas is not exactly 1. No
   thread waits for another (a warpgroup-wide vote would need a reduction
   through shared memory), a warp runs the multiply if any of its threads
-  does, and skipping a multiply by 1 is exact. Interpreted on a CPU as the
-  plain product (tests/mosaic_interpret.py knows this function)."""
+  does, and skipping a multiply by 1 is exact. `per_warp`: the warp's
+  threads first agree (`vote.sync.any`), so the branch never diverges
+  within a warp (the threads whose alphas are all 1 then multiply by 1).
+  Interpreted on a CPU as the plain product (tests/mosaic_interpret.py
+  knows this function)."""
   one = arith.constant(ir.F32Type.get(), 1.0)
   moved = None
   for register in alpha.registers.flat:
@@ -1575,6 +1591,9 @@ def multiply_rows_in_threads(_, acc, alpha):
       differs = arith.cmpf(arith.CmpFPredicate.UNE,
                            vector.extract(register, [], [i]), one)
       moved = differs if moved is None else arith.ori(moved, differs)
+  if per_warp:
+    every_lane = arith.constant(ir.IntegerType.get_signless(32), -1)
+    moved = nvvm.vote_sync(every_lane, moved, nvvm.VoteSyncKind.any)
   registers = list(acc.registers.flat)
   branch = scf.IfOp(moved, [r.type for r in registers], has_else=True)
   with ir.InsertionPoint(branch.then_block):
