@@ -55,7 +55,7 @@ gated_ab() {
     timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 \
       --kernels $kernels "$@" --out "$OUT/h200_mosaic_${name}_$seq.json" \
       > "$LOGS/${name}_$seq.log" 2>&1
-    grep -E "^(forward|backward)" "$LOGS/${name}_$seq.log"
+    grep -E "^(forward|backward|masked)" "$LOGS/${name}_$seq.log"
   done
 }
 for step in "$@"; do
@@ -251,50 +251,20 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
       done ;;
     rescale)  # O rescaled only where a row's max moved (session 18): its
               # GPU tests (bitwise at threshold 0, the reference at 8), then
-              # the A/B at d=256/128/64, RESCALE_SEQS (16k 4k 1k), two rounds
-      env $TEST_CACHE python3 -m pytest -m gpu -n 8 --dist load -q -rf --tb=short --timeout 150 \
-        -p no:cacheprovider -p no:benchmark tests/test_mosaic_lowering.py -k rescale \
-        > "$OUT/pytest_rescale.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_rescale.log" | tail -15
-      for seq in ${RESCALE_SEQS:-16384 4096 1024}; do
-        timeout 180 python3 -m benchmarks.tune_mosaic --seq $seq --budget 150 \
-          --kernels forward_rescale --head-dims ${RESCALE_DIMS:-256 128 64} --rounds ${ROUNDS:-2} \
-          --out "$OUT/h200_mosaic_rescale_$seq.json" \
-          > "$LOGS/rescale_$seq.log" 2>&1
-        grep -E "^forward" "$LOGS/rescale_$seq.log"
-      done ;;
-    rescale_warp)  # the lazy rescale's skip per warp against per thread
-                   # (built after session 18's GPU time): its bitwise GPU
-                   # tests, then the A/B at d=256/128, 16k 4k 1k, three rounds
-      env $TEST_CACHE python3 -m pytest -m gpu -n 8 --dist load -q -rf --tb=short --timeout 150 \
-        -p no:cacheprovider -p no:benchmark tests/test_mosaic_lowering.py -k per_warp \
-        > "$OUT/pytest_rescale_warp.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_rescale_warp.log" | tail -15
-      if grep -qE "failed|error" "$OUT/pytest_rescale_warp.log"; then
-        echo "rescale_warp: tests failed, no A/B"
-      else
-        for seq in ${RESCALE_SEQS:-16384 4096 1024}; do
-          timeout 150 python3 -m benchmarks.tune_mosaic --seq $seq --budget 120 \
-            --kernels forward_rescale_warp --head-dims 256 128 --rounds ${ROUNDS:-3} \
-            --out "$OUT/h200_mosaic_rescale_warp_$seq.json" \
-            > "$LOGS/rescale_warp_$seq.log" 2>&1
-          grep -E "^forward" "$LOGS/rescale_warp_$seq.log"
-        done
-      fi ;;
+              # the A/B at d=256/128/64, CONSUMERS_SEQS (16k 4k 1k), two rounds
+      gated_ab rescale "tests/test_mosaic_lowering.py -k rescale" \
+        forward_rescale --head-dims 256 128 64 --rounds ${ROUNDS:-2} ;;
     rescale_masked)  # the ranged (masked) forward's lazy rescale (session
                      # 18): its GPU tests, then the A/B on a causal 1k
-                     # window at d=256/128/64, 16k and 4k, two rounds
-      env $TEST_CACHE python3 -m pytest -m gpu -n 8 --dist load -q -rf --tb=short --timeout 150 \
-        -p no:cacheprovider -p no:benchmark tests/test_mosaic_masked.py -k lazy \
-        > "$OUT/pytest_rescale_masked.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_rescale_masked.log" | tail -15
-      for seq in ${RESCALE_SEQS:-16384 4096}; do
-        timeout 130 python3 -m benchmarks.tune_mosaic --seq $seq --budget 100 \
-          --kernels masked_forward_rescale --head-dims 256 128 64 --rounds ${ROUNDS:-2} \
-          --out "$OUT/h200_mosaic_rescale_masked_$seq.json" \
-          > "$LOGS/rescale_masked_$seq.log" 2>&1
-        grep -E "^masked" "$LOGS/rescale_masked_$seq.log"
-      done ;;
+                     # window at d=256/128/64, two rounds
+      CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab rescale_masked \
+        "tests/test_mosaic_masked.py -k lazy" masked_forward_rescale \
+        --head-dims 256 128 64 --rounds ${ROUNDS:-2} ;;
+    rescale_warp)  # the lazy rescale's skip per warp against per thread
+                   # (built after session 18's GPU time): its bitwise GPU
+                   # tests, then the A/B at d=256/128, three rounds
+      gated_ab rescale_warp "tests/test_mosaic_lowering.py -k per_warp" \
+        forward_rescale_warp --head-dims 256 128 --rounds ${ROUNDS:-3} ;;
     lean)  # the consumers at 240 registers elsewhere: d=128 causal, d=256,
            # d=64's 128-row Q tiles (run early_delta first: its tests)
       for seq in ${CONSUMERS_SEQS:-16384 4096 1024}; do
