@@ -202,14 +202,14 @@ FORWARD_SUM_AFTER_PV_CANDIDATES = [dict(c, lazy_rescale=False) for c in (
 # its 260 M warp instructions against cuDNN's 52 M of 185 M. Session 18
 # (results/h200_mosaic_rescale.md) made the lazy form the default at d=256
 # and at d=128 without a mask; the list is pinned as it ran.
+FORWARD_RESCALE_CANDIDATES = [
+    dict(lazy_rescale=False), dict(lazy_rescale=True, rescale_threshold=0.0),
+    dict(lazy_rescale=True, rescale_threshold=8.0)]
 # The lazy rescale's skip decided per warp (`rescale_per_warp`: a
 # `vote.sync.any`, no divergence before P V's wgmma) against per thread
 # (session 18's default). Built after session 18's GPU time: not yet run.
 FORWARD_RESCALE_WARP_CANDIDATES = [
     dict(lazy_rescale=True), dict(lazy_rescale=True, rescale_per_warp=True)]
-FORWARD_RESCALE_CANDIDATES = [
-    dict(lazy_rescale=False), dict(lazy_rescale=True, rescale_threshold=0.0),
-    dict(lazy_rescale=True, rescale_threshold=8.0)]
 # What the fused dQ's fixed order costs (`turn_cost_benchmark`): the fused
 # kernel as shipped, the same without its turn waits (a diagnostic: its dQ
 # is wrong), and the two kernels. cuDNN's backward, one kernel adding dQ in

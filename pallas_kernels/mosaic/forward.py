@@ -80,11 +80,11 @@ import jax
 from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, nvvm, scf, vector
+from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash import masking
 from pallas_kernels import compat as versions
