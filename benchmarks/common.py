@@ -155,13 +155,21 @@ def time_fn(fn: Callable, *args, warmup: int = 2, reps: int = 10,
   5-10% slower than a 50 ms one, and moved the ratios between them by up
   to 4% (results/h200_timing_probe.md).
   """
+  return statistics.median(time_samples(
+      fn, *args, warmup=warmup, reps=reps, min_sample_ms=min_sample_ms,
+      max_inner=max_inner))
+
+
+def time_samples(fn: Callable, *args, warmup: int = 2, reps: int = 10,
+                 min_sample_ms: float = 20.0, max_inner: int = 512
+                 ) -> list[float]:
+  """`time_fn`'s samples in the order taken: milliseconds per call."""
   for _ in range(max(1, warmup)):
     jax.block_until_ready(fn(*args))
   single = _sample_ms(fn, args, 1)
   inner = int(min(max_inner, max(1, math.ceil(min_sample_ms / max(single,
                                                                    1e-3)))))
-  samples = [_sample_ms(fn, args, inner) / inner for _ in range(max(1, reps))]
-  return statistics.median(samples)
+  return [_sample_ms(fn, args, inner) / inner for _ in range(max(1, reps))]
 
 
 def _sample_ms(fn, args, inner: int) -> float:

@@ -21,7 +21,7 @@ from benchmarks import common, peers, render
 from pallas_kernels import compat
 
 
-def _cell(spec: str) -> common.Cell:
+def parse_cell(spec: str) -> common.Cell:
   """mode:seq:head_dim[:causal] -> the grid's cell."""
   mode, seq, head_dim, *causal = spec.split(":")
   return common.Cell.standard(mode, int(seq), int(head_dim), bool(causal))
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
 
   rows = []
   for spec in args.cells:
-    cell = _cell(spec)
+    cell = parse_cell(spec)
     built = {}
     for name in args.impls:
       try:

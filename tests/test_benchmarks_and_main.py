@@ -544,3 +544,52 @@ def test_timing_probe_times_each_sample_length_in_turn(tmp_path, monkeypatch):
   text = open(out.removesuffix(".json") + ".md").read()
   assert "| fwd full d64 s1024 | 2 |" in text and "(0.25)" in text
   assert "(4.00)" in text and "| cell | sample ms | cudnn | xla |" in text
+
+
+def test_order_probe_times_each_implementation_after_each_condition(
+    tmp_path, monkeypatch):
+  """`benchmarks.order_probe` times each implementation right after the
+  cell's matmul, an idle pause and itself, conditions and implementations
+  interleaved over the rounds; its table gives each condition's median,
+  the ratio to the best other implementation under the same condition,
+  and the first sample's lag."""
+  import types
+  from benchmarks import order_probe, peers
+  built = lambda name: (lambda cell: types.SimpleNamespace(fn=name, args=()))
+  for name in ("cudnn", "xla", "matmul"):
+    monkeypatch.setattr(peers, name, built(name))
+  monkeypatch.setattr(common, "compile_benchmark",
+                      lambda build: (build()[0], ()))
+  events = []
+  monkeypatch.setattr(order_probe.time, "sleep",
+                      lambda s: events.append(("sleep", s)))
+  # Each implementation reads 1 ms a call, cudnn 2 ms right after the
+  # matmul, and xla's first sample is twice its others.
+  last = {"name": None}
+
+  def fake_samples(name, *inputs, reps=10, **kwargs):
+    events.append((name, reps))
+    slow = name == "cudnn" and last["name"] == "matmul"
+    last["name"] = name
+    first = 2.0 if name == "xla" else 1.0
+    return [first * (2.0 if slow else 1.0)] + [2.0 if slow else 1.0] * 9
+  monkeypatch.setattr(common, "time_samples", fake_samples)
+  out = str(tmp_path / "probe.json")
+  assert order_probe.main(["--cells", "fwd:1024:64", "--impls", "cudnn",
+                           "xla", "--rounds", "2", "--heat-ms", "100",
+                           "--idle-s", "0.5", "--out", out]) == 0
+  one_round = [("matmul", 5), ("cudnn", 10), ("matmul", 5), ("xla", 10),
+               ("sleep", 0.5), ("cudnn", 10), ("sleep", 0.5), ("xla", 10),
+               ("cudnn", 10), ("cudnn", 10), ("xla", 10), ("xla", 10)]
+  assert events == one_round * 2
+  rows = json.load(open(out))["rows"]
+  assert len(rows) == 12 and {r["round"] for r in rows} == {0, 1}
+  text = open(out.removesuffix(".json") + ".md").read()
+  flops = common.Cell.standard("fwd", 1024, 64, False).flops
+  fast, slow = f"{flops / 1e9:.0f}", f"{flops / 2e9:.0f}"
+  assert f"| fwd full d64 s1024 | cudnn | matmul | {slow} (0.500) | 1.000 |" \
+      in text
+  assert f"| fwd full d64 s1024 | cudnn | idle | {fast} (1.000) | 1.000 |" \
+      in text
+  assert f"| fwd full d64 s1024 | xla | matmul | {fast} (2.000) | 2.000 |" \
+      in text

@@ -72,9 +72,10 @@ CASES = [
                                              rescale_threshold=0.0)),
     (Case(1, 128, 256, 1, 1, 128), False, dict(persistent=False,
                                               lazy_rescale=True)),
+    # (decided per thread, not per warp as by default)
     (Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False,
                                              lazy_rescale=True,
-                                             rescale_per_warp=True)),
+                                             rescale_per_warp=False)),
     # head_dim 128's 128-row K/V tiles; without a mask its default takes
     # the row sum after P V (`forward.SUM_AFTER_PV_HEAD_DIMS`) and rescales
     # O lazily (`forward.LAZY_RESCALE_DEFAULTS`).

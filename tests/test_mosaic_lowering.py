@@ -377,12 +377,13 @@ def test_lazy_rescale_lowers_and_changes_the_forward(head_dim,
 
 
 def test_rescale_per_warp_lowers_and_changes_the_forward(cuda_lowering):
-  """The lazy rescale's skip decided per warp (a `vote.sync`) lowers and
-  is another kernel; without `lazy_rescale` it is a ValueError naming
-  it."""
+  """The lazy rescale's skip decided per warp (a `vote.sync`) lowers, is
+  another kernel than per thread, and is the default with the lazy
+  rescale; without `lazy_rescale` it is a ValueError naming it."""
   for head_dim, causal in ((128, False), (256, True)):
     text = lambda **kw: _lower(head_dim, causal, lazy_rescale=True, **kw)
-    assert text(rescale_per_warp=True) != text()
+    assert text(rescale_per_warp=False) != text()
+    assert text(rescale_per_warp=True) == text()  # the default
   with pytest.raises(ValueError, match="rescale_per_warp"):
     _lower(256, False, lazy_rescale=False, rescale_per_warp=True)
 
@@ -439,7 +440,7 @@ def test_rescale_per_warp_is_bitwise_per_thread_on_gpu(head_dim, is_causal):
   run = lambda **kw: jax.jit(lambda q, k, v: mosaic_forward(
       q, k, v, scale=8 * head_dim**-0.5, is_causal=is_causal,
       lazy_rescale=True, **kw))(q, k, v)
-  for a, b in zip(run(rescale_per_warp=True), run()):
+  for a, b in zip(run(rescale_per_warp=True), run(rescale_per_warp=False)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -376,8 +376,11 @@ class KernelStatic:
   # Plain step only (not `overlap_scores`).
   rescale_threshold: float | None = None
   # The lazy rescale's skip decided per warp (`vote.sync.any`) rather than
-  # per thread: no divergence before P V's warp-synchronous wgmma. Built in
-  # session 18 after its GPU budget was spent: lowered, not run on a GPU.
+  # per thread: no divergence before P V's warp-synchronous wgmma, which
+  # otherwise relies on ptxas reconverging the warp after the branch.
+  # `mosaic_forward`'s default with the lazy rescale since session 19
+  # (results/h200_mosaic_rescale_warp.md: -1.1% to +0.9% against per
+  # thread, three rounds; bitwise the same on the H200).
   rescale_per_warp: bool = False
 
   @property
@@ -413,7 +416,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    sum_after_pv: bool | None = None,
                    lazy_rescale: bool | None = None,
                    rescale_threshold: float = LAZY_RESCALE_THRESHOLD,
-                   rescale_per_warp: bool = False):
+                   rescale_per_warp: bool | None = None):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -470,7 +473,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       only (P's entries stay below 2**threshold).
     rescale_per_warp: the lazy rescale's skip decided per warp instead of
       per thread (see `KernelStatic`); bitwise the same. Only with
-      `lazy_rescale`.
+      `lazy_rescale`. None: per warp wherever the rescale is lazy.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -520,6 +523,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     if overlap_scores:
       raise NotImplementedError("lazy_rescale: the plain step only "
                                 "(overlap_scores has its own)")
+  if rescale_per_warp is None:
+    rescale_per_warp = lazy_rescale
   if rescale_per_warp and not lazy_rescale:
     raise ValueError("rescale_per_warp needs lazy_rescale")
   rescale_threshold = float(rescale_threshold) if lazy_rescale else None

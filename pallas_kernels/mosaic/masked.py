@@ -84,7 +84,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   static = dataclasses.replace(
       static, tile_fastest=bool(tile_fastest),
       rescale_threshold=(forward.LAZY_RESCALE_THRESHOLD if lazy_rescale
-                         else None))
+                         else None),
+      # As `forward.mosaic_forward` by default: the skip decided per warp.
+      rescale_per_warp=bool(lazy_rescale))
   plan = plan_rows(static, query.shape[0], q_offset=q_offset,
                    q_lengths=q_lengths, kv_lengths=kv_lengths,
                    q_segments=q_segments, kv_segments=kv_segments)
