@@ -13,7 +13,8 @@ cell's dense matmul (the grid's ceiling, run for `--heat-ms`), an idle
 pause (`--idle-s`), and itself (timed once before and discarded);
 conditions and implementations interleave over `--rounds`. Every sample is
 kept, so a ramp within a timing shows as its first samples against its
-median.
+median. `--settle-ms` gives each timing `common.time_fn`'s settle first:
+with it, the three conditions should read alike.
 """
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ def main(argv=None) -> int:
   parser.add_argument("--heat-ms", type=float, default=300.0,
                       help="how long the matmul runs before a timing")
   parser.add_argument("--idle-s", type=float, default=2.0)
+  parser.add_argument("--settle-ms", type=float, default=0.0,
+                      help="each timing's untimed run of the implementation "
+                      "itself first (`common.time_fn`'s settle_ms; 0: none, "
+                      "to see the predecessor's effect)")
   parser.add_argument("--out", default="order_probe.json")
   args = parser.parse_args(argv)
 
@@ -55,13 +60,14 @@ def main(argv=None) -> int:
       for condition in CONDITIONS:
         for name, (compiled, inputs) in built.items():
           if condition == "matmul":
-            common.time_samples(heater, *heater_args,
+            common.time_samples(heater, *heater_args, settle_ms=0.0,
                                 reps=max(1, round(args.heat_ms / 20)))
           elif condition == "idle":
             time.sleep(args.idle_s)
           else:
-            common.time_samples(compiled, *inputs)
-          samples = common.time_samples(compiled, *inputs)
+            common.time_samples(compiled, *inputs, settle_ms=0.0)
+          samples = common.time_samples(compiled, *inputs,
+                                        settle_ms=args.settle_ms)
           result["rows"].append(dict(
               cell=cell.label(), impl=name, condition=condition,
               round=round_, samples=samples, flops=cell.flops,

@@ -593,3 +593,28 @@ def test_order_probe_times_each_implementation_after_each_condition(
       in text
   assert f"| fwd full d64 s1024 | xla | matmul | {fast} (2.000) | 2.000 |" \
       in text
+
+
+def test_time_samples_settles_before_sampling(monkeypatch):
+  """Before its samples, `common.time_samples` runs the function untimed
+  for `settle_ms` (whole samples, so that the clocks follow its own power
+  draw); by default only on a GPU. A fake clock: each call takes 1 ms."""
+  clock = {"s": 0.0, "calls": 0}
+  monkeypatch.setattr(common.time, "perf_counter", lambda: clock["s"])
+
+  def fn():
+    clock["s"] += 1e-3
+    clock["calls"] += 1
+    return 0.0  # block_until_ready passes it through
+  timed = lambda **kw: common.time_samples(fn, warmup=2, reps=3,
+                                           min_sample_ms=4.0, **kw)
+  # 2 warm-up calls, 1 single call (1 ms, so samples of 4 calls), then
+  # three 4-ms samples to settle 10 ms, then the three timed samples.
+  assert timed(settle_ms=10.0) == pytest.approx([1.0, 1.0, 1.0])
+  assert clock["calls"] == 2 + 1 + 3 * 4 + 3 * 4
+  clock["calls"] = 0
+  assert timed(settle_ms=0.0) == pytest.approx([1.0, 1.0, 1.0])
+  assert clock["calls"] == 2 + 1 + 3 * 4
+  clock["calls"] = 0
+  timed()  # no GPU here: no settling by default
+  assert clock["calls"] == 2 + 1 + 3 * 4
