@@ -221,6 +221,13 @@ TURN_COST_CANDIDATES = [dict(fused_dq=True, persistent=False),
                         dict(fused_dq=True, persistent=False,
                              unordered_turns=True),
                         dict(fused_dq=False, persistent=False)]
+# head_dim 64's fused dQ (its default from 16k, causal or not) against the
+# two kernels as they stand since (lean producers; persistent under causal
+# masking, the launch grid tile-fastest without), on the dispatch's 128-row
+# Q tiles: its last A/Bs against them predate both (sessions 8-12).
+FUSED_RECHECK_WIDE_CANDIDATES = [
+    dict(block_q=128), dict(block_q=128, fused_dq=False),
+    dict(block_q=128, fused_dq=False, persistent=False)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -356,6 +363,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_tile_order_wide": _backward(TILE_ORDER_WIDE_CANDIDATES),
            "backward_launch_wide": _backward(LAUNCH_WIDE_SPACE),
            "backward_fused_order": _backward(FUSED_ORDER_CANDIDATES),
+           "backward_fused_recheck_wide": _backward(
+               FUSED_RECHECK_WIDE_CANDIDATES),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),
            "forward_one_stage": _forward(FORWARD_ONE_STAGE_CANDIDATES),
            "backward_fused_stalls": _backward(FUSED_STALLS_CANDIDATES),
