@@ -378,9 +378,12 @@ class KernelStatic:
   # The lazy rescale's skip decided per warp (`vote.sync.any`) rather than
   # per thread: no divergence before P V's warp-synchronous wgmma, which
   # otherwise relies on ptxas reconverging the warp after the branch.
-  # `mosaic_forward`'s default with the lazy rescale since session 19
-  # (results/h200_mosaic_rescale_warp.md: -1.1% to +0.9% against per
-  # thread, three rounds; bitwise the same on the H200).
+  # `mosaic_forward`'s default with the lazy rescale since session 19,
+  # for that safety: against per thread, three rounds, cell by cell -2.5%
+  # to +1.4% (d=256 causal -1.5% at 16k and -2.5% at 1k, cells at 1.05x
+  # the best peer and more; the geometric mean of the 12 cells +0.1%),
+  # results/h200_mosaic_rescale_warp.md; bitwise the same on the H200 (4
+  # GPU tests).
   rescale_per_warp: bool = False
 
   @property
