@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost fused_stalls early_delta lean merged forward_lean sum_after_pv sum_after_pv_rest rescale rescale_masked rescale_warp prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost fused_stalls early_delta lean merged forward_lean sum_after_pv sum_after_pv_rest rescale rescale_masked rescale_warp order_probe prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -261,7 +261,7 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
         "tests/test_mosaic_masked.py -k lazy" masked_forward_rescale \
         --head-dims 256 128 64 --rounds ${ROUNDS:-2} ;;
     rescale_warp)  # the lazy rescale's skip per warp against per thread
-                   # (built after session 18's GPU time): its bitwise GPU
+                   # (session 19; the default since): its bitwise GPU
                    # tests, then the A/B at d=256/128, three rounds
       gated_ab rescale_warp "tests/test_mosaic_lowering.py -k per_warp" \
         forward_rescale_warp --head-dims 256 128 --rounds ${ROUNDS:-3} ;;
@@ -406,6 +406,15 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
       wait
       python3 -m benchmarks.run_grid --include "$OUT/grid_full.json" "$OUT/grid_causal.json" \
         --time-budget 0 --no-render --out "$OUT/h200.json" 2>&1 | tail -n 45 ;;
+    order_probe)  # does the kernel timed before move a timing (session
+                  # 19: 5-10% after the dense matmul, the clocks follow the
+                  # power cap): raw, then with time_fn's settle
+      for settle in 0 250; do
+        timeout 200 python3 -m benchmarks.order_probe --cells ${PROBE_CELLS:-fwd:4096:128 fwd:1024:64} \
+          --impls jax_flash_mosaic cudnn tokamax_mosaic --rounds 2 --settle-ms $settle \
+          --out "$OUT/h200_order_probe_settle$settle.json" > "$LOGS/order_probe_$settle.log" 2>&1
+        tail -n 22 "$LOGS/order_probe_$settle.log"
+      done ;;
     *) echo "unknown step: $step (see the STEPs at the top)" ;;
   esac
 done

@@ -207,9 +207,12 @@ FORWARD_RESCALE_CANDIDATES = [
     dict(lazy_rescale=True, rescale_threshold=8.0)]
 # The lazy rescale's skip decided per warp (`rescale_per_warp`: a
 # `vote.sync.any`, no divergence before P V's wgmma) against per thread
-# (session 18's default). Built after session 18's GPU time: not yet run.
+# (session 18's default). Session 19 (results/h200_mosaic_rescale_warp.md,
+# three rounds): -2.5% to +1.4% cell by cell, +0.1% in the geometric mean;
+# the default since. Pinned as it ran.
 FORWARD_RESCALE_WARP_CANDIDATES = [
-    dict(lazy_rescale=True), dict(lazy_rescale=True, rescale_per_warp=True)]
+    dict(lazy_rescale=True, rescale_per_warp=False),
+    dict(lazy_rescale=True, rescale_per_warp=True)]
 # What the fused dQ's fixed order costs (`turn_cost_benchmark`): the fused
 # kernel as shipped, the same without its turn waits (a diagnostic: its dQ
 # is wrong), and the two kernels. cuDNN's backward, one kernel adding dQ in
@@ -224,7 +227,12 @@ TURN_COST_CANDIDATES = [dict(fused_dq=True, persistent=False),
 # head_dim 64's fused dQ (its default from 16k, causal or not) against the
 # two kernels as they stand since (lean producers; persistent under causal
 # masking, the launch grid tile-fastest without), on the dispatch's 128-row
-# Q tiles: its last A/Bs against them predate both (sessions 8-12).
+# Q tiles: its last A/Bs against them predate both (sessions 8-12). Session
+# 19 at 16k (results/h200_mosaic_fused_recheck_wide*.md, two runs of two
+# and three rounds): causal, the launch grid +3.0% / +1.9% over the fused
+# kernel, the persistent grid +2.7% / -1.3%; without a mask the two
+# kernels' two entries (the same kernel there) read 1.5% apart, +1.3%
+# and -0.3% against fused. Within the noise: the default stands.
 FUSED_RECHECK_WIDE_CANDIDATES = [
     dict(block_q=128), dict(block_q=128, fused_dq=False),
     dict(block_q=128, fused_dq=False, persistent=False)]
