@@ -30,14 +30,17 @@ from jax_flash import attention_reference, masking
 from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8, quantize_fp8
 
 
-def quantized_forward(q, k, v, *, is_causal: bool, per_block: bool):
-  """(out, lse [B, N, Tq]) of the FP8 forward on quantised q, k, v."""
+def quantized_forward(q, k, v, *, is_causal: bool, per_block: bool,
+                      **options):
+  """(out, lse [B, N, Tq]) of the FP8 forward on quantised q, k, v
+  (`options`: more of `mosaic_forward_fp8`'s, e.g. lazy_rescale)."""
   q8, q_descale = quantize_fp8(q, block_rows=64 if per_block else None)
   k8, k_descale = quantize_fp8(k)
   v8, v_descale = quantize_fp8(v)
   return mosaic_forward_fp8(q8, k8, v8, q_descale=q_descale,
                             k_descale=k_descale, v_descale=v_descale,
-                            scale=q.shape[-1]**-0.5, is_causal=is_causal)
+                            scale=q.shape[-1]**-0.5, is_causal=is_causal,
+                            **options)
 
 
 def naive_fp8(q, k, v, *, is_causal: bool, per_block: bool):
@@ -78,11 +81,13 @@ def naive_fp8(q, k, v, *, is_causal: bool, per_block: bool):
   return out / row_sum[..., None], lse
 
 
-def errors(q, k, v, *, is_causal: bool, per_block: bool) -> dict[str, float]:
-  """FP8, naive-FP8 and bf16 errors against float32 (see module doc)."""
+def errors(q, k, v, *, is_causal: bool, per_block: bool,
+           **options) -> dict[str, float]:
+  """FP8, naive-FP8 and bf16 errors against float32 (see module doc);
+  `options` go to the FP8 kernel."""
   f32 = lambda x: x.astype(jnp.float32)
   out8, lse8 = quantized_forward(q, k, v, is_causal=is_causal,
-                                 per_block=per_block)
+                                 per_block=per_block, **options)
   want, want_lse = attention_reference(f32(q), f32(k), f32(v),
                                        is_causal=is_causal,
                                        return_residual=True)

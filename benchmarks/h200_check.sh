@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost fused_stalls early_delta lean merged forward_lean sum_after_pv sum_after_pv_rest rescale rescale_masked rescale_warp order_probe prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost fused_stalls early_delta lean merged forward_lean sum_after_pv sum_after_pv_rest rescale rescale_masked rescale_warp fp8_rescale order_probe prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -260,6 +260,11 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
       CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab rescale_masked \
         "tests/test_mosaic_masked.py -k lazy" masked_forward_rescale \
         --head-dims 256 128 64 --rounds ${ROUNDS:-2} ;;
+    fp8_rescale)  # the FP8 forward's lazy rescale (session 19): its GPU
+                  # accuracy tests, then the A/B at d=256/128, 16k and 4k
+      CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab fp8_rescale \
+        "tests/test_mosaic_fp8.py -k lazy" forward_fp8_rescale \
+        --head-dims 256 128 --rounds ${ROUNDS:-2} ;;
     rescale_warp)  # the lazy rescale's skip per warp against per thread
                    # (session 19; the default since): its bitwise GPU
                    # tests, then the A/B at d=256/128, three rounds

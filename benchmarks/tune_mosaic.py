@@ -275,6 +275,23 @@ def backward_benchmark(cell: common.Cell, blocks: dict):
   return fn, (q, k, v, out, lse, d_out)
 
 
+def fp8_forward_benchmark(cell: common.Cell, blocks: dict):
+  """The FP8 forward on inputs quantised beforehand (per-tensor scales),
+  as `peers.jax_flash_mosaic_fp8` times it."""
+  from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8, quantize_fp8
+  q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
+  (q8, qs), (k8, ks), (v8, vs) = map(quantize_fp8, (q, k, v))
+  fn = jax.jit(lambda *a: mosaic_forward_fp8(
+      *a[:3], q_descale=a[3], k_descale=a[4], v_descale=a[5],
+      scale=cell.head_dim**-0.5, is_causal=cell.causal, **blocks))
+  return fn, (q8, k8, v8, qs, ks, vs)
+
+
+# The FP8 forward's lazy O rescale (`mosaic_forward_fp8(lazy_rescale=)`),
+# as the bf16 kernel's (session 18) but with P rounded to e4m3 after it.
+FP8_RESCALE_SPACE = dict(lazy_rescale=(False, True))
+
+
 # The ranged (masked) kernels' launch order, on a causal sliding window of
 # MASKED_WINDOW keys (`masked.mosaic_forward_masked`,
 # `masked_backward.mosaic_backward_masked`). Their TFLOP/s use the causal
@@ -388,6 +405,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_lean_wide": _backward(LEAN_WIDE_SPACE),
            "backward_turn_cost": (turn_cost_benchmark,
                                   TURN_COST_CANDIDATES, 2.5, (False, True)),
+           "forward_fp8_rescale": (fp8_forward_benchmark,
+                                   FP8_RESCALE_SPACE, 1.0, (False, True)),
            "masked_forward_order": (masked_forward_benchmark,
                                     MASKED_ORDER_SPACE, 1.0, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,

@@ -77,6 +77,17 @@ def test_fp8_forward_lowers_at_long_sequences(cuda_lowering):
   assert "mosaic_flash_forward" in lowered.as_text()
 
 
+def test_fp8_lazy_rescale_lowers_and_changes_the_kernel(cuda_lowering):
+  """`lazy_rescale` lowers at every head dim and is another kernel."""
+  for head_dim in (64, 128, 256):
+    q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
+    text = lambda **kw: jax.jit(lambda q, k, v: quantized_forward(
+        q, k, v, is_causal=head_dim == 128, per_block=True, **kw)).trace(
+            q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert text(lazy_rescale=True) != text()
+    assert text(lazy_rescale=False) == text()  # off by default
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(dtype=jnp.bfloat16), TypeError, "float8_e4m3fn"),
     (dict(out_dtype=jnp.float32), NotImplementedError, "out_dtype"),
@@ -112,6 +123,25 @@ def test_fp8_forward_accuracy_on_gpu(head_dim, is_causal, per_block):
     pytest.skip("the FP8 forward needs sm90 (FP8 wgmma)")
   q, k, v = random_qkv(1024, head_dim)
   e = errors(q, k, v, is_causal=is_causal, per_block=per_block)
+  assert np.isfinite(e["fp8_max"]), e
+  assert e["fp8_max"] <= 2 * e["naive_fp8_max"] + 1e-3, e
+  assert e["fp8_mean"] <= 2 * e["naive_fp8_mean"], e
+  assert e["fp8_lse_max"] <= 2 * e["naive_fp8_lse_max"] + 1e-3, e
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_lazy_rescale_accuracy_on_gpu(head_dim, is_causal):
+  """The lazy rescale (P up to 2**8 before its e4m3 rounding) within the
+  same bound as the default FP8 kernel: 2x the naive FP8 error. Per-block
+  Q scales, whose blocks' ranges differ by up to 16x (`random_qkv`), so
+  that maxima move on in some rows and not in others."""
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the FP8 forward needs sm90 (FP8 wgmma)")
+  q, k, v = random_qkv(1024, head_dim, seed=5)
+  e = errors(q, k, v, is_causal=is_causal, per_block=True,
+             lazy_rescale=True)
   assert np.isfinite(e["fp8_max"]), e
   assert e["fp8_max"] <= 2 * e["naive_fp8_max"] + 1e-3, e
   assert e["fp8_mean"] <= 2 * e["naive_fp8_mean"], e

@@ -6,6 +6,8 @@ quantises and lays out the inputs and descale rows.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from pallas_kernels.mosaic import forward
@@ -18,7 +20,8 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                        scale: float, is_causal: bool,
                        out_dtype=jnp.bfloat16, block_q: int = 64,
                        block_kv: int | None = None,
-                       max_concurrent_steps: int = 2):
+                       max_concurrent_steps: int = 2,
+                       lazy_rescale: bool = False):
   """FlashAttention-3 forward on float8_e4m3fn inputs (FA3 §3.3).
 
   Q·Kᵀ and P·V run as FP8 wgmma with float32 accumulation; P is rounded to
@@ -38,6 +41,11 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
     scale, is_causal, block_q, block_kv, max_concurrent_steps: as
       `forward.mosaic_forward` (block_kv: None picks `default_block_kv`).
     out_dtype: dtype of the output (bfloat16 or float16).
+    lazy_rescale: O rescaled only where a row's max moved by more than
+      `forward.LAZY_RESCALE_THRESHOLD` (see `forward.KernelStatic`; the
+      skip decided per warp). P, rounded to e4m3 before P V, then stays
+      below 2**8 = 256, within e4m3's 448, and keeps e4m3's relative
+      precision. Off by default until measured on the GPU.
 
   Returns:
     out [batch, q_len, num_heads, head_dim] in `out_dtype`, lse float32
@@ -54,6 +62,10 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                                    block_kv=block_kv,
                                    max_concurrent_steps=max_concurrent_steps,
                                    fp8_out_dtype=out_dtype)
+  if lazy_rescale:
+    static = dataclasses.replace(
+        static, rescale_threshold=forward.LAZY_RESCALE_THRESHOLD,
+        rescale_per_warp=True)
   descale = descale_rows(query.shape, key.shape, q_descale, k_descale,
                           v_descale, static)
   # [batch, kv_heads, head_dim, kv_len]: an XLA transpose, one pass over V
