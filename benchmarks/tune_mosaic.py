@@ -289,6 +289,7 @@ def fp8_forward_benchmark(cell: common.Cell, blocks: dict):
 
 # The FP8 forward's lazy O rescale (`mosaic_forward_fp8(lazy_rescale=)`),
 # as the bf16 kernel's (session 18) but with P rounded to e4m3 after it.
+# Session 19: the default at d=256 since (`fp8.FP8_LAZY_RESCALE_HEAD_DIMS`).
 FP8_RESCALE_SPACE = dict(lazy_rescale=(False, True))
 
 

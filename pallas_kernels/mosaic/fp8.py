@@ -14,6 +14,14 @@ from pallas_kernels.mosaic import forward
 
 # Largest finite e4m3 value: quantisation maps a block's amax onto it.
 FP8_MAX = 448.0
+# `mosaic_forward_fp8(lazy_rescale=None)` rescales O lazily at these head
+# dims. Session 19's A/B on the H200 (results/h200_mosaic_fp8_rescale*.md,
+# two runs, two and three rounds, per-tensor scales), lazy against every
+# step: d=256 +4.7 / +3.8% without a mask and +6.9 / +6.0% causal at 16k,
+# +4.0 / +2.6% and +0.6 / +3.1% at 4k, -1.5% and +0.9% at 1k; d=128 -5.9%
+# to -10.4% (where the bf16 kernel gains without a mask); d=64 -8.2% to
+# -14.6%.
+FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
 
 
 def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
@@ -21,7 +29,7 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                        out_dtype=jnp.bfloat16, block_q: int = 64,
                        block_kv: int | None = None,
                        max_concurrent_steps: int = 2,
-                       lazy_rescale: bool = False):
+                       lazy_rescale: bool | None = None):
   """FlashAttention-3 forward on float8_e4m3fn inputs (FA3 §3.3).
 
   Q·Kᵀ and P·V run as FP8 wgmma with float32 accumulation; P is rounded to
@@ -45,7 +53,7 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
       `forward.LAZY_RESCALE_THRESHOLD` (see `forward.KernelStatic`; the
       skip decided per warp). P, rounded to e4m3 before P V, then stays
       below 2**8 = 256, within e4m3's 448, and keeps e4m3's relative
-      precision. Off by default until measured on the GPU.
+      precision. None: at `FP8_LAZY_RESCALE_HEAD_DIMS`.
 
   Returns:
     out [batch, q_len, num_heads, head_dim] in `out_dtype`, lse float32
@@ -62,6 +70,8 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                                    block_kv=block_kv,
                                    max_concurrent_steps=max_concurrent_steps,
                                    fp8_out_dtype=out_dtype)
+  if lazy_rescale is None:
+    lazy_rescale = query.shape[-1] in FP8_LAZY_RESCALE_HEAD_DIMS
   if lazy_rescale:
     static = dataclasses.replace(
         static, rescale_threshold=forward.LAZY_RESCALE_THRESHOLD,
