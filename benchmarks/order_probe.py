@@ -18,13 +18,12 @@ with it, the three conditions should read alike.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
-from benchmarks import common, peers, render
-from benchmarks.timing_probe import parse_cell
+from benchmarks import common, render
+from benchmarks.timing_probe import build, parse_cell, probe_parser
 from pallas_kernels import compat
 
 CONDITIONS = ("matmul", "idle", "self")
@@ -32,14 +31,8 @@ CONDITIONS = ("matmul", "idle", "self")
 
 def main(argv=None) -> int:
   compat.filter_known_warnings()
-  parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0], epilog=__doc__,
-      formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--cells", nargs="+", default=["fwd:4096:128"],
-                      help="mode:seq:head_dim[:causal]")
-  parser.add_argument("--impls", nargs="+", choices=list(peers.PEERS),
-                      default=["jax_flash_mosaic", "cudnn", "tokamax_mosaic"])
-  parser.add_argument("--rounds", type=int, default=3)
+  parser = probe_parser(__doc__, cells=["fwd:4096:128"],
+                        impls=["jax_flash_mosaic", "cudnn", "tokamax_mosaic"])
   parser.add_argument("--heat-ms", type=float, default=300.0,
                       help="how long the matmul runs before a timing")
   parser.add_argument("--idle-s", type=float, default=2.0)
@@ -53,9 +46,8 @@ def main(argv=None) -> int:
   result = dict(common.run_header("benchmarks.order_probe", argv), rows=[])
   for spec in args.cells:
     cell = parse_cell(spec)
-    built = {name: _build(name, cell) for name in args.impls}
-    built = {name: b for name, b in built.items() if b is not None}
-    heater, heater_args = _build("matmul", cell)
+    built = build(cell, args.impls)
+    heater, heater_args = build(cell, ["matmul"])["matmul"]
     for round_ in range(args.rounds):
       for condition in CONDITIONS:
         for name, (compiled, inputs) in built.items():
@@ -82,16 +74,6 @@ def main(argv=None) -> int:
     f.write(text)
   print(text)
   return 0
-
-
-def _build(name: str, cell: common.Cell):
-  """(executable, inputs) of implementation `name` at `cell`, or None."""
-  try:
-    bench = getattr(peers, name)(cell)
-    return common.compile_benchmark(lambda: (bench.fn, bench.args))
-  except (peers.Unavailable, NotImplementedError) as e:
-    print(f"{cell.label()} {name}: {e}", file=sys.stderr)
-    return None
 
 
 def table(result: dict) -> str:

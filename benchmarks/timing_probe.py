@@ -27,33 +27,50 @@ def parse_cell(spec: str) -> common.Cell:
   return common.Cell.standard(mode, int(seq), int(head_dim), bool(causal))
 
 
+def probe_parser(doc: str, *, cells: list[str], impls: list[str]
+                 ) -> argparse.ArgumentParser:
+  """A probe's command line: `--cells` (mode:seq:head_dim[:causal]),
+  `--impls` and `--rounds`, with `doc` as its help."""
+  parser = argparse.ArgumentParser(
+      description=doc.splitlines()[0], epilog=doc,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--cells", nargs="+", default=cells,
+                      help="mode:seq:head_dim[:causal]")
+  parser.add_argument("--impls", nargs="+", choices=list(peers.PEERS),
+                      default=impls)
+  parser.add_argument("--rounds", type=int, default=3)
+  return parser
+
+
+def build(cell: common.Cell, names: list[str]) -> dict:
+  """name -> (executable, inputs) of each implementation that runs at
+  `cell`, compiled as `run_grid` compiles it; the others are named on
+  stderr and left out."""
+  built = {}
+  for name in names:
+    try:
+      bench = getattr(peers, name)(cell)
+      built[name] = common.compile_benchmark(
+          lambda bench=bench: (bench.fn, bench.args))
+    except (peers.Unavailable, NotImplementedError) as e:
+      print(f"{cell.label()} {name}: {e}", file=sys.stderr)
+  return built
+
+
 def main(argv=None) -> int:
   """Times each cell's implementations at each sample length."""
   compat.filter_known_warnings()
-  parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0], epilog=__doc__,
-      formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--cells", nargs="+", default=["fwd:1024:64"],
-                      help="mode:seq:head_dim[:causal]")
-  parser.add_argument("--impls", nargs="+", choices=list(peers.PEERS),
-                      default=["jax_flash_mosaic", "tokamax_mosaic", "cudnn"])
+  parser = probe_parser(__doc__, cells=["fwd:1024:64"],
+                        impls=["jax_flash_mosaic", "tokamax_mosaic", "cudnn"])
   parser.add_argument("--sample-ms", nargs="+", type=float,
                       default=[2.0, 50.0])
-  parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--out", default="timing_probe.json")
   args = parser.parse_args(argv)
 
   rows = []
   for spec in args.cells:
     cell = parse_cell(spec)
-    built = {}
-    for name in args.impls:
-      try:
-        bench = getattr(peers, name)(cell)
-        built[name] = common.compile_benchmark(
-            lambda bench=bench: (bench.fn, bench.args))
-      except (peers.Unavailable, NotImplementedError) as e:
-        print(f"{cell.label()} {name}: {e}", file=sys.stderr)
+    built = build(cell, args.impls)
     for sample_ms in args.sample_ms:
       times = {name: [] for name in built}
       for _ in range(args.rounds):  # in turn, so that clock drift is shared
