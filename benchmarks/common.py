@@ -145,8 +145,8 @@ def attention_inputs(shape, dtype, seed: int = 0):
 # How long each timing first runs its function back to back, untimed. The
 # H200 runs every kernel here at its power cap (700 W), and the clocks
 # follow the last few hundred milliseconds' draw: right after the dense
-# matmul, every attention kernel read 5-10% slower than after an idle
-# pause, its first sample 9-17% slower than its median (session 19,
+# matmul, every attention kernel read 2-12% slower than after an idle
+# pause, its first sample 8-17% slower than its median (session 19,
 # results/h200_order_probe.md). The grid times a cell's implementations
 # in a fixed order, so the one after the matmul (ours) always paid it.
 SETTLE_MS = 250.0

@@ -412,8 +412,10 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
       python3 -m benchmarks.run_grid --include "$OUT/grid_full.json" "$OUT/grid_causal.json" \
         --time-budget 0 --no-render --out "$OUT/h200.json" 2>&1 | tail -n 45 ;;
     order_probe)  # does the kernel timed before move a timing (session
-                  # 19: 5-10% after the dense matmul, the clocks follow the
-                  # power cap): raw, then with time_fn's settle
+                  # 19: 2-12% slower after the dense matmul than after a
+                  # pause, the clocks follow the power cap): raw, then with
+                  # time_fn's settle, 2 cells and 2 rounds each (session
+                  # 19's raw run: 3 cells with fwd:4096:256, 3 rounds)
       for settle in 0 250; do
         timeout 200 python3 -m benchmarks.order_probe --cells ${PROBE_CELLS:-fwd:4096:128 fwd:1024:64} \
           --impls jax_flash_mosaic cudnn tokamax_mosaic --rounds 2 --settle-ms $settle \

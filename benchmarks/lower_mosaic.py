@@ -52,7 +52,7 @@ FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
                    dict(lazy_rescale=True, rescale_threshold=0.0),
                    dict(lazy_rescale=True, persistent=False),
                    dict(lazy_rescale=False),
-                   dict(lazy_rescale=True, rescale_per_warp=True))
+                   dict(lazy_rescale=True, rescale_per_warp=False))
 BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True),
                     dict(persistent=True, num_ctas=3),
                     dict(persistent=False, tile_fastest=True),

@@ -47,7 +47,11 @@ def main(argv=None) -> int:
   for spec in args.cells:
     cell = parse_cell(spec)
     built = build(cell, args.impls)
-    heater, heater_args = build(cell, ["matmul"])["matmul"]
+    heater = build(cell, ["matmul"]).get("matmul")
+    if heater is None:
+      raise SystemExit(f"{cell.label()}: the dense matmul does not run here "
+                       "(see above), and it is the probe's heater")
+    heater, heater_args = heater
     for round_ in range(args.rounds):
       for condition in CONDITIONS:
         for name, (compiled, inputs) in built.items():

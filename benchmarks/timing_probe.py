@@ -10,6 +10,8 @@ compiled as `run_grid` compiles it, then timed in turn (rounds) with
 samples of at least `--sample-ms` milliseconds each, once per value given
 (the grid's 2 ms first): if the ratios between implementations move with
 the sample length, the short samples measured the host, not the kernels.
+Since session 19 each timing also settles first (`common.SETTLE_MS`);
+`results/h200_timing_probe.md` predates that.
 """
 from __future__ import annotations
 

@@ -203,8 +203,9 @@ FORWARD_SUM_AFTER_PV_CANDIDATES = [dict(c, lazy_rescale=False) for c in (
 # (results/h200_mosaic_rescale.md) made the lazy form the default at d=256
 # and at d=128 without a mask; the list is pinned as it ran.
 FORWARD_RESCALE_CANDIDATES = [
-    dict(lazy_rescale=False), dict(lazy_rescale=True, rescale_threshold=0.0),
-    dict(lazy_rescale=True, rescale_threshold=8.0)]
+    dict(lazy_rescale=False),
+    dict(lazy_rescale=True, rescale_threshold=0.0, rescale_per_warp=False),
+    dict(lazy_rescale=True, rescale_threshold=8.0, rescale_per_warp=False)]
 # The lazy rescale's skip decided per warp (`rescale_per_warp`: a
 # `vote.sync.any`, no divergence before P V's wgmma) against per thread
 # (session 18's default). Session 19 (results/h200_mosaic_rescale_warp.md,
@@ -229,10 +230,11 @@ TURN_COST_CANDIDATES = [dict(fused_dq=True, persistent=False),
 # masking, the launch grid tile-fastest without), on the dispatch's 128-row
 # Q tiles: its last A/Bs against them predate both (sessions 8-12). Session
 # 19 at 16k (results/h200_mosaic_fused_recheck_wide*.md, two runs of two
-# and three rounds): causal, the launch grid +3.0% / +1.9% over the fused
-# kernel, the persistent grid +2.7% / -1.3%; without a mask the two
-# kernels' two entries (the same kernel there) read 1.5% apart, +1.3%
-# and -0.3% against fused. Within the noise: the default stands.
+# and three rounds): causal, the launch grid +2.8% / +1.7% over the fused
+# kernel, the persistent grid +2.7% / -1.5%; without a mask the two
+# kernels' two entries (the same kernel there) read 1.6% apart in both
+# runs, +1.1 / -0.5% and +1.4 / -0.2% against fused. Within the noise:
+# the default stands.
 FUSED_RECHECK_WIDE_CANDIDATES = [
     dict(block_q=128), dict(block_q=128, fused_dq=False),
     dict(block_q=128, fused_dq=False, persistent=False)]
@@ -299,8 +301,11 @@ FP8_RESCALE_SPACE = dict(lazy_rescale=(False, True))
 # count, of which a window does a fraction: compare candidates only.
 MASKED_WINDOW = 1024
 MASKED_ORDER_SPACE = dict(tile_fastest=(False, True))
-# The ranged forward's O rescaled lazily (`lazy_rescale`, session 18).
-MASKED_RESCALE_SPACE = dict(lazy_rescale=(False, True))
+# The ranged forward's O rescaled lazily (`lazy_rescale`, session 18),
+# pinned as it ran: the skip per thread (per warp by default since session
+# 19, a form this A/B has not timed in the ranged kernel).
+MASKED_RESCALE_SPACE = [dict(lazy_rescale=False),
+                        dict(lazy_rescale=True, rescale_per_warp=False)]
 
 
 def _window_spec(cell: common.Cell):

@@ -615,6 +615,10 @@ def test_time_samples_settles_before_sampling(monkeypatch):
   clock["calls"] = 0
   assert timed(settle_ms=0.0) == pytest.approx([1.0, 1.0, 1.0])
   assert clock["calls"] == 2 + 1 + 3 * 4
-  clock["calls"] = 0
-  timed()  # no GPU here: no settling by default
-  assert clock["calls"] == 2 + 1 + 3 * 4
+  # By default: no settling off a GPU, SETTLE_MS on one.
+  for backend, settle_samples in (("cpu", 0), ("gpu", 63)):
+    monkeypatch.setattr(common.jax, "default_backend", lambda: backend)
+    clock["calls"] = 0
+    timed()
+    assert common.SETTLE_MS == 250.0
+    assert clock["calls"] == 2 + 1 + settle_samples * 4 + 3 * 4, backend

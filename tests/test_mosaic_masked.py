@@ -103,7 +103,8 @@ def test_tile_fastest_masked_forward_lowers(name, head_dim, cuda_lowering):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_lazy_rescale_masked_forward_lowers(head_dim, cuda_lowering):
   """`lazy_rescale` in the ranged forward: another module; by default on
-  at d=256 only (session 18's A/B)."""
+  at d=256 only (session 18's A/B), its skip decided per warp (as the
+  plain forward's since session 19), not per thread."""
   def text(**options):
     forward, case = _masked_forward("causal window", head_dim, **options)
     q = jax.ShapeDtypeStruct((2, case.q_len, 4, head_dim), jnp.bfloat16)
@@ -113,6 +114,11 @@ def test_lazy_rescale_masked_forward_lowers(head_dim, cuda_lowering):
   lazy, plain = text(lazy_rescale=True), text(lazy_rescale=False)
   assert lazy != plain
   assert text() == (lazy if head_dim == 256 else plain)
+  per_thread = text(lazy_rescale=True, rescale_per_warp=False)
+  assert per_thread not in (lazy, plain)
+  assert text(lazy_rescale=True, rescale_per_warp=True) == lazy
+  with pytest.raises(ValueError, match="rescale_per_warp"):
+    text(lazy_rescale=False, rescale_per_warp=True)
 
 
 @pytest.mark.gpu

@@ -29,7 +29,8 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                        out_dtype=jnp.bfloat16, block_q: int = 64,
                        block_kv: int | None = None,
                        max_concurrent_steps: int = 2,
-                       lazy_rescale: bool | None = None):
+                       lazy_rescale: bool | None = None,
+                       rescale_per_warp: bool | None = None):
   """FlashAttention-3 forward on float8_e4m3fn inputs (FA3 §3.3).
 
   Q·Kᵀ and P·V run as FP8 wgmma with float32 accumulation; P is rounded to
@@ -54,6 +55,9 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
       skip decided per warp). P, rounded to e4m3 before P V, then stays
       below 2**8 = 256, within e4m3's 448, and keeps e4m3's relative
       precision. None: at `FP8_LAZY_RESCALE_HEAD_DIMS`.
+    rescale_per_warp: the lazy rescale's skip decided per warp (bitwise
+      the per-thread skip); None: per warp wherever the rescale is lazy.
+      Only with `lazy_rescale`.
 
   Returns:
     out [batch, q_len, num_heads, head_dim] in `out_dtype`, lse float32
@@ -72,10 +76,14 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                                    fp8_out_dtype=out_dtype)
   if lazy_rescale is None:
     lazy_rescale = query.shape[-1] in FP8_LAZY_RESCALE_HEAD_DIMS
+  if rescale_per_warp is None:
+    rescale_per_warp = lazy_rescale
+  if rescale_per_warp and not lazy_rescale:
+    raise ValueError("rescale_per_warp needs lazy_rescale")
   if lazy_rescale:
     static = dataclasses.replace(
         static, rescale_threshold=forward.LAZY_RESCALE_THRESHOLD,
-        rescale_per_warp=True)
+        rescale_per_warp=bool(rescale_per_warp))
   descale = descale_rows(query.shape, key.shape, q_descale, k_descale,
                           v_descale, static)
   # [batch, kv_heads, head_dim, kv_len]: an XLA transpose, one pass over V

@@ -34,7 +34,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2,
                           tile_fastest: bool = False,
-                          lazy_rescale: bool | None = None):
+                          lazy_rescale: bool | None = None,
+                          rescale_per_warp: bool | None = None):
   """`forward.mosaic_forward` with masks, score capping and any lengths.
 
   The masks are `jax_flash.masking`'s (the one definition): `spec` may use
@@ -60,6 +61,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       `forward.LAZY_RESCALE_THRESHOLD` (see `forward.KernelStatic`); the
       results change by rounding only. None: at the head dims of
       `MASKED_LAZY_RESCALE_HEAD_DIMS`.
+    rescale_per_warp: the lazy rescale's skip decided per warp, as
+      `forward.mosaic_forward`'s (bitwise the per-thread skip); None: per
+      warp wherever the rescale is lazy. Only with `lazy_rescale`.
 
   Returns:
     (out [batch, q_len, num_heads, head_dim], lse float32
@@ -81,12 +85,15 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                                    spec=spec)
   if lazy_rescale is None:
     lazy_rescale = query.shape[-1] in MASKED_LAZY_RESCALE_HEAD_DIMS
+  if rescale_per_warp is None:
+    rescale_per_warp = lazy_rescale
+  if rescale_per_warp and not lazy_rescale:
+    raise ValueError("rescale_per_warp needs lazy_rescale")
   static = dataclasses.replace(
       static, tile_fastest=bool(tile_fastest),
       rescale_threshold=(forward.LAZY_RESCALE_THRESHOLD if lazy_rescale
                          else None),
-      # As `forward.mosaic_forward` by default: the skip decided per warp.
-      rescale_per_warp=bool(lazy_rescale))
+      rescale_per_warp=bool(rescale_per_warp))
   plan = plan_rows(static, query.shape[0], q_offset=q_offset,
                    q_lengths=q_lengths, kv_lengths=kv_lengths,
                    q_segments=q_segments, kv_segments=kv_segments)
