@@ -517,28 +517,18 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     lazy_rescale = lazy_rescale_by_default(
         head_dim=query.shape[-1], is_causal=is_causal,
         overlap_scores=overlap_scores)
-  if lazy_rescale:
-    if not (math.isfinite(rescale_threshold) and 0 <= rescale_threshold
-            <= _MAX_RESCALE_THRESHOLD):
-      raise ValueError(
-          f"rescale_threshold must be from 0 to {_MAX_RESCALE_THRESHOLD} "
-          f"(log2 units), got {rescale_threshold}")
-    if overlap_scores:
-      raise NotImplementedError("lazy_rescale: the plain step only "
-                                "(overlap_scores has its own)")
-  if rescale_per_warp is None:
-    rescale_per_warp = lazy_rescale
-  if rescale_per_warp and not lazy_rescale:
-    raise ValueError("rescale_per_warp needs lazy_rescale")
-  rescale_threshold = float(rescale_threshold) if lazy_rescale else None
+  if lazy_rescale and overlap_scores:
+    raise NotImplementedError("lazy_rescale: the plain step only "
+                              "(overlap_scores has its own)")
+  rescale = rescale_fields(lazy_rescale, rescale_per_warp,
+                           threshold=rescale_threshold)
   static = check_supported(query, key, value, scale=scale,
                            is_causal=is_causal, block_q=block_q,
                            block_kv=block_kv,
                            max_concurrent_steps=max_concurrent_steps,
                            num_consumers=num_consumers)
   static = dataclasses.replace(static, heavy_first=bool(heavy_first),
-                               rescale_threshold=rescale_threshold,
-                               rescale_per_warp=bool(rescale_per_warp),
+                               **rescale,
                                fence_softmax=bool(fence_softmax),
                                split_handover=bool(split_handover),
                                overlap_scores=bool(overlap_scores),
@@ -557,6 +547,25 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if persistent:
     static = persistent_static(static, query.shape, num_ctas)
   return launch(static, query, key, value)
+
+
+def rescale_fields(lazy_rescale: bool, rescale_per_warp: bool | None, *,
+                   threshold: float = LAZY_RESCALE_THRESHOLD) -> dict:
+  """`KernelStatic`'s `rescale_threshold` and `rescale_per_warp` for a
+  forward's `lazy_rescale` (decided), `rescale_per_warp` (None: per warp
+  wherever the rescale is lazy) and threshold (log2 units, 0 to 8; read
+  only when lazy). The plain, masked and FP8 forwards share them."""
+  if rescale_per_warp is None:
+    rescale_per_warp = lazy_rescale
+  if rescale_per_warp and not lazy_rescale:
+    raise ValueError("rescale_per_warp needs lazy_rescale")
+  if lazy_rescale and not (math.isfinite(threshold)
+                           and 0 <= threshold <= _MAX_RESCALE_THRESHOLD):
+    raise ValueError(
+        f"rescale_threshold must be from 0 to {_MAX_RESCALE_THRESHOLD} "
+        f"(log2 units), got {threshold}")
+  return dict(rescale_threshold=float(threshold) if lazy_rescale else None,
+              rescale_per_warp=bool(rescale_per_warp))
 
 
 def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None

@@ -76,14 +76,8 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                                    fp8_out_dtype=out_dtype)
   if lazy_rescale is None:
     lazy_rescale = query.shape[-1] in FP8_LAZY_RESCALE_HEAD_DIMS
-  if rescale_per_warp is None:
-    rescale_per_warp = lazy_rescale
-  if rescale_per_warp and not lazy_rescale:
-    raise ValueError("rescale_per_warp needs lazy_rescale")
-  if lazy_rescale:
-    static = dataclasses.replace(
-        static, rescale_threshold=forward.LAZY_RESCALE_THRESHOLD,
-        rescale_per_warp=bool(rescale_per_warp))
+  static = dataclasses.replace(
+      static, **forward.rescale_fields(lazy_rescale, rescale_per_warp))
   descale = descale_rows(query.shape, key.shape, q_descale, k_descale,
                           v_descale, static)
   # [batch, kv_heads, head_dim, kv_len]: an XLA transpose, one pass over V

@@ -85,15 +85,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                                    spec=spec)
   if lazy_rescale is None:
     lazy_rescale = query.shape[-1] in MASKED_LAZY_RESCALE_HEAD_DIMS
-  if rescale_per_warp is None:
-    rescale_per_warp = lazy_rescale
-  if rescale_per_warp and not lazy_rescale:
-    raise ValueError("rescale_per_warp needs lazy_rescale")
   static = dataclasses.replace(
       static, tile_fastest=bool(tile_fastest),
-      rescale_threshold=(forward.LAZY_RESCALE_THRESHOLD if lazy_rescale
-                         else None),
-      rescale_per_warp=bool(rescale_per_warp))
+      **forward.rescale_fields(lazy_rescale, rescale_per_warp))
   plan = plan_rows(static, query.shape[0], q_offset=q_offset,
                    q_lengths=q_lengths, kv_lengths=kv_lengths,
                    q_segments=q_segments, kv_segments=kv_segments)
