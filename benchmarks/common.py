@@ -191,6 +191,16 @@ def time_samples(fn: Callable, *args, warmup: int = 2, reps: int = 10,
   return [_sample_ms(fn, args, inner) / inner for _ in range(max(1, reps))]
 
 
+def round_order(items: list, round_index: int) -> list:
+  """The order in which round `round_index` times `items` (a cell's
+  implementations, a sweep's candidates): as given in even rounds,
+  reversed in odd ones (A B C, C B A, ...), so that over the rounds each
+  is timed early and late in its cell alike and none always follows the
+  same neighbour (the clocks follow the power draw of the last few hundred
+  milliseconds, see `SETTLE_MS`)."""
+  return list(items) if round_index % 2 == 0 else list(items)[::-1]
+
+
 def _sample_ms(fn, args, inner: int) -> float:
   start = time.perf_counter()
   for _ in range(inner):

@@ -14,7 +14,8 @@ or not, modes fwd and fwd_bwd. Each (cell, implementation) is compiled once
 (a cell's implementations concurrently), its memory read from XLA's
 analysis, then timed alone (median of `--reps` samples after `--warmup`
 calls). With `--rounds R` a cell's implementations are timed R times in
-turn (A B C, A B C, ...) and each keeps the median of its rounds, so that a
+turn, every other round reversed (A B C, C B A, ...; since session 19,
+`common.round_order`), and each keeps the median of its rounds, so that a
 drift of the GPU's clocks during the cell falls on every implementation
 alike rather than on whichever was timed then. A failure is recorded under
 "skipped" with its reason and the grid goes on. The JSON is rewritten after every cell, so a killed run keeps what
@@ -174,8 +175,9 @@ def _time_in_rounds(cell, builds: dict, args, result: dict
     except Exception as e:  # one peer's failure must not end the grid
       result["skipped"].append(
           common.skip_entry(impl, cell, common.describe_error(e)))
-  for _ in range(args.rounds):
-    for impl, (compiled, inputs) in list(runnable.items()):
+  for round_index in range(args.rounds):
+    for impl, (compiled, inputs) in common.round_order(
+        list(runnable.items()), round_index):
       try:
         rounds.setdefault(impl, []).append(common.measure(
             compiled, inputs, warmup=args.warmup, reps=args.reps))

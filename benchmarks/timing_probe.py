@@ -75,8 +75,9 @@ def main(argv=None) -> int:
     built = build(cell, args.impls)
     for sample_ms in args.sample_ms:
       times = {name: [] for name in built}
-      for _ in range(args.rounds):  # in turn, so that clock drift is shared
-        for name, (compiled, inputs) in built.items():
+      for round_index in range(args.rounds):  # in turn: drift is shared
+        for name, (compiled, inputs) in common.round_order(
+            list(built.items()), round_index):
           times[name].append(common.time_fn(
               compiled, *inputs, min_sample_ms=sample_ms, max_inner=10_000))
       for name, ms in times.items():

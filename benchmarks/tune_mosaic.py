@@ -11,7 +11,7 @@ alone, on residuals from one forward). A candidate the kernel refuses (too
 much shared memory or too many registers: NotImplementedError) is recorded
 with its reason. A cell's candidates are compiled first, then timed one
 at a time, so nothing else runs on the GPU while one is timed; with
-`--rounds N` they are timed N times in turn (A, B, A, B, ...), each keeping
+`--rounds N` they are timed N times in turn (A, B, B, A, ...), each keeping
 the median of its rounds, since the GPU's clocks drift between candidates
 timed one after another (single A/Bs of a few % flipped sign between
 runs). The best per (kernel, head_dim) is the best geometric mean of its
@@ -485,8 +485,8 @@ def sweep_cell(kernel: str, seq: int, head_dim: int, causal: bool, *,
     except Exception as e:  # refused: recorded, the sweep goes on
       trial["error"] = common.describe_error(e)
       runs.append((trial, None, None, None))
-  for _ in range(rounds):
-    for trial, fn, inputs, samples in runs:
+  for round_index in range(rounds):
+    for trial, fn, inputs, samples in common.round_order(runs, round_index):
       if fn is None or "error" in trial:
         continue
       try:

@@ -179,8 +179,9 @@ def test_mosaic_sweep_picks_the_best_geometric_mean():
 
 
 def test_mosaic_sweep_times_candidates_in_turn(monkeypatch):
-  """With rounds, a cell's candidates are timed A, B, A, B, ... and each
-  keeps the median of its rounds; a refused candidate keeps its reason."""
+  """With rounds, a cell's candidates are timed A, B, B, A, A, B, ... and
+  each keeps the median of its rounds; a refused candidate keeps its
+  reason."""
   from benchmarks import common, tune_mosaic
   order, times = [], {1: iter([5.0, 1.0, 2.0]), 2: iter([4.0, 4.0, 9.0])}
 
@@ -197,7 +198,7 @@ def test_mosaic_sweep_times_candidates_in_turn(monkeypatch):
                       (build, dict(block_q=(1, 2, 3)), 1.0, (False,)))
   monkeypatch.setattr(common, "time_fn", time_fn)
   trials = tune_mosaic.sweep_cell("toy", 1024, 64, False, rounds=3)
-  assert order == [1, 2, 1, 2, 1, 2]
+  assert order == [1, 2, 2, 1, 1, 2]
   assert [t.get("ms") for t in trials] == [2.0, 4.0, None]
   assert "too many registers" in trials[2]["error"]
   assert trials[0]["rounds"] == 3
@@ -378,7 +379,7 @@ def test_masks_benchmark_skips_what_a_backend_lacks(tmp_path, monkeypatch):
 
 def test_grid_rounds_interleave_and_keep_the_median(monkeypatch):
   """`--rounds`: a cell's implementations are timed in turn, round after
-  round; each keeps the median of its rounds; one that fails to build or
+  round, every other round in reverse; each keeps the median of its rounds; one that fails to build or
   to run is skipped and not timed again."""
   import argparse
   import concurrent.futures
@@ -406,7 +407,8 @@ def test_grid_rounds_interleave_and_keep_the_median(monkeypatch):
   result = {"skipped": []}
   records = run_grid._time_in_rounds(
       cell, builds, argparse.Namespace(rounds=3, warmup=1, reps=1), result)
-  assert calls == ["a", "b", "c", "a", "b", "c", "a", "b"]
+  # In turn, every other round reversed (`common.round_order`).
+  assert calls == ["a", "b", "c", "c", "b", "a", "a", "b"]
   assert {r.impl: r.ms for r in records} == {"a": 2.0, "b": 5.0}
   assert all(r.peak_gib == 1.5 for r in records)
   assert [(s["impl"], s["reason"].split(":")[0]) for s in result["skipped"]
@@ -509,7 +511,7 @@ def test_ncu_summary_reads_both_exports(tmp_path):
 
 def test_timing_probe_times_each_sample_length_in_turn(tmp_path, monkeypatch):
   """`benchmarks.timing_probe` times every implementation of a cell at each
-  sample length, in rounds (A B, A B, ...), keeps the median per
+  sample length, in rounds (A B, B A, A B, ...), keeps the median per
   implementation, and its table gives each one's ratio to the fastest of
   the others; an implementation that cannot run is left out."""
   import types
@@ -535,8 +537,9 @@ def test_timing_probe_times_each_sample_length_in_turn(tmp_path, monkeypatch):
   out = str(tmp_path / "probe.json")
   assert timing_probe.main(["--cells", "fwd:1024:64", "--impls", "cudnn",
                             "xla", "tokamax_mosaic", "--out", out]) == 0
-  assert calls == [("cudnn", 2.0), ("xla", 2.0)] * 3 + [
-      ("cudnn", 50.0), ("xla", 50.0)] * 3
+  in_turn = lambda ms: [("cudnn", ms), ("xla", ms), ("xla", ms),
+                        ("cudnn", ms), ("cudnn", ms), ("xla", ms)]
+  assert calls == in_turn(2.0) + in_turn(50.0)
   rows = json.load(open(out))["rows"]
   assert {(r["impl"], r["sample_ms"]): r["ms"] for r in rows} == {
       ("cudnn", 2.0): 4.0, ("xla", 2.0): 1.0, ("cudnn", 50.0): 1.0,
