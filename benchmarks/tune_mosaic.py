@@ -238,6 +238,21 @@ TURN_COST_CANDIDATES = [dict(fused_dq=True, persistent=False),
 FUSED_RECHECK_WIDE_CANDIDATES = [
     dict(block_q=128), dict(block_q=128, fused_dq=False),
     dict(block_q=128, fused_dq=False, persistent=False)]
+# The TMA ring's depth of head_dim 64's backward (128-row Q tiles), fused
+# (the 16k default) and as two kernels on the launch grid: session 5's
+# sweep of depths predates every later change to these kernels, and the
+# fused kernel was never swept (4 stages do not fit it).
+STAGES_WIDE_CANDIDATES = [
+    dict(block_q=128), dict(block_q=128, max_concurrent_steps=3)] + [
+    dict(block_q=128, fused_dq=False, persistent=False,
+         max_concurrent_steps=n) for n in (2, 3, 4)]
+# head_dim 128 under causal masking, where our backward ran 6% behind
+# cuDNN's at 16k in session 20 (474 against 507 TFLOP/s) but only 2%
+# without a mask: the options measured off there in earlier sessions, each
+# alone and two together, against the default (the two kernels, launch grid).
+CAUSAL_128_CANDIDATES = [
+    dict(), dict(persistent=True), dict(lean_producer=True),
+    dict(prefetch_lse=True), dict(lean_producer=True, prefetch_lse=True)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -396,6 +411,9 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_fused_order": _backward(FUSED_ORDER_CANDIDATES),
            "backward_fused_recheck_wide": _backward(
                FUSED_RECHECK_WIDE_CANDIDATES),
+           "backward_stages_wide": _backward(STAGES_WIDE_CANDIDATES),
+           "backward_causal_128": _backward(CAUSAL_128_CANDIDATES,
+                                            causal=(True,)),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),
            "forward_one_stage": _forward(FORWARD_ONE_STAGE_CANDIDATES),
            "backward_fused_stalls": _backward(FUSED_STALLS_CANDIDATES),

@@ -426,6 +426,7 @@ LEAN_FORMS = [
     (128, dict(fused_dq=False, persistent=False)),
     (128, dict(persistent=True, num_ctas=5)),
     (128, dict(fused_dq=False, early_delta=True)),
+    (128, dict(fused_dq=False, persistent=False, prefetch_lse=True)),
     (64, dict(block_q=128, fused_dq=False)), (256, {}),
 ]
 
@@ -452,7 +453,8 @@ def test_lean_producer_lowers_and_changes_both_kernels(head_dim, kwargs,
 
 def test_lean_producer_and_merged_pieces_defaults(cuda_lowering):
   """`lean_producer=None` is on with the two kernels (either grid; shared
-  rows at d=256 from kv_len 2048; under causal masking not at d=128) and
+  rows at d=256 from kv_len 2048; under causal masking at d=128 on the
+  launch grid only, with lse read early) and
   off in the fused kernel; `merged_pieces=None` is on in
   the deferred fused kernel at d=128 where each consumer has one dQ piece,
   and off (not refused) where kv_len leaves one consumer two pieces; and
@@ -470,6 +472,10 @@ def test_lean_producer_and_merged_pieces_defaults(cuda_lowering):
     assert all(c.lean_producer == lean
                for c in configs(head_dim, 512, is_causal=True,
                                 fused_dq=False))
+  # d=128 on the causal launch grid (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`).
+  dq, dkdv = configs(128, 2048, is_causal=True)
+  assert not (dq.persistent or dkdv.persistent or dkdv.fused_dq)
+  assert dq.lean_producer and dkdv.lean_producer and dkdv.prefetch_lse
 
   for head_dim, kv_len, kwargs in ((128, 512, dict(persistent=False)),
                                    (128, 512, dict(persistent=True)),
@@ -508,16 +514,17 @@ def test_lean_producer_refuses_the_fused_dq(cuda_lowering):
 
 def test_prefetched_lse_default_follows_its_table(cuda_lowering):
   """`prefetch_lse=None` reads lse early in the two kernels' dK/dV kernel
-  at head_dim 128 with 64-row Q tiles without a causal mask
-  (`PREFETCH_LSE_TILES`), on either grid; not in the fused kernel, nor
-  elsewhere; never in the dQ kernel."""
+  at head_dim 128 with 64-row Q tiles (`PREFETCH_LSE_TILES`), on either
+  grid without a causal mask and on the launch grid with one; not in the
+  fused kernel, nor elsewhere; never in the dQ kernel."""
   from pallas_kernels.mosaic import backward
   q, kv = _structs(head_dim=128)[:2]
   for is_causal in (False, True):
     for persistent in (False, True):
       dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=is_causal,
                                     persistent=persistent)
-      assert all(config.prefetch_lse != is_causal for config in dkdv)
+      want = not (is_causal and persistent)
+      assert dkdv and all(config.prefetch_lse == want for config in dkdv)
       assert not dq.prefetch_lse
     _, [fused] = backward.configure(q, kv, scale=0.1, is_causal=is_causal,
                                     fused_dq=True)
@@ -646,6 +653,26 @@ def test_wide_q_backward_at_d64_on_gpu(case, is_causal, monkeypatch):
         is_causal=is_causal)
 
 
+@pytest.mark.gpu
+def test_d64_causal_backward_at_16k_on_gpu():
+  """head_dim 64 under causal masking at kv_len 16384, where the default
+  is the two kernels on the launch grid (since session 20; the fused dQ
+  and the persistent grid before), through the dispatch in bfloat16 with
+  GQA 2:1, against the reference; and those kernels are what ran."""
+  _require_sm90()
+  from pallas_kernels.mosaic import backward
+  case = Case(1, 16384, 16384, 4, 2, 64)
+  q = jax.ShapeDtypeStruct((1, 16384, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 16384, 2, 64), jnp.bfloat16)
+  dq, [dkdv] = backward.configure(q, kv, scale=0.125, is_causal=True,
+                                  block_q=128, block_kv=64)
+  assert not (dkdv.fused_dq or dkdv.persistent or dq.persistent)
+  attention = functools.partial(_mosaic_attention, is_causal=True)
+  assert backward_kernels(attention, case) == {"dq", "dkdv"}
+  check_against_reference(jax.jit(attention), case, jnp.bfloat16,
+                          is_causal=True)
+
+
 def _api_layout(out, lse):
   return out, jnp.transpose(lse, (0, 2, 1))
 
@@ -741,13 +768,14 @@ def test_persistent_backward_is_bitwise_the_grid_on_gpu(head_dim, is_causal,
 def test_persistent_backward_default_follows_the_measured_table(
     cuda_lowering):
   """On where the A/B measured it faster (every head dim up to kv_len
-  1024; head_dim 64 under causal masking at any length), off elsewhere."""
+  1024; head_dim 64 under causal masking up to 8192), off elsewhere."""
   from pallas_kernels.mosaic import backward
   default = lambda d, n, c=False: backward.persistent_by_default(
       head_dim=d, kv_len=n, is_causal=c)
   assert default(128, 1024) and default(256, 512) and default(64, 1024)
   assert not default(128, 4096) and not default(256, 2048)
-  assert not default(64, 4096) and default(64, 16384, True)
+  assert not default(64, 4096) and default(64, 8192, True)
+  assert not default(64, 16384, True)
   assert not default(128, 4096, True)
   q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
@@ -807,8 +835,9 @@ def test_fused_dq_default_follows_its_table(cuda_lowering, monkeypatch):
                                    persistent=False)
   assert not (plain.fused_dq or plain.opaque_resident or plain.deferred_dq)
   assert plain.tile_fastest and dq.tile_fastest  # two kernels, launch grid
-  monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", (64,))
+  monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", ())
   assert not default(128, 512, is_causal=True)
+  assert not default(64, 512, block_q=128, is_causal=True)
   monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", (64, 128))
   assert not default(256, 4096)
   # head_dim 64 with 64-row Q tiles is one dQ piece: two consumers cannot

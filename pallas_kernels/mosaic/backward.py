@@ -116,10 +116,13 @@ _FUSED_PRODUCER_REGISTERS = 24
 # -3/-17%, -2/-5%; 256 +47/+17%, 0/+1%, 0/0%. Head_dim 64 ships 128-row Q
 # tiles (`attention.backward_tiles`); with those (session 7,
 # results/h200_mosaic_persistent_wide.md) +1/+6%, -4/+7%, -3/+3%: on up
-# to kv_len 1024, and under causal masking at any length
-# (`PERSISTENT_CAUSAL_HEAD_DIMS`).
+# to kv_len 1024, and under causal masking up to the kv_len in
+# `PERSISTENT_CAUSAL_MAX_KV_LEN`. At 16k the causal launch grid (tile-
+# fastest since session 12) passed the persistent one: 375 / 379 against
+# 374 / 367 TFLOP/s in session 19's two runs
+# (results/h200_mosaic_fused_recheck_wide*.md).
 PERSISTENT_MAX_KV_LEN = {64: 1024, 128: 1024, 256: 1024}
-PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
+PERSISTENT_CAUSAL_MAX_KV_LEN = {64: 8192}
 # The fused dQ (`mosaic_backward(fused_dq=None)`), by head dim: the shortest
 # kv_len at which it is the default. Measured on the H200, backward alone,
 # full / causal, against the two kernels: head_dim 64 (128-row Q tiles)
@@ -146,9 +149,15 @@ PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 # results/h200_mosaic_merged.md), but not at 4k (451 against 450, and the
 # two kernels with `LEAN_PRODUCER_BY_DEFAULT` 475): d=128 fuses from 16k.
 # Under causal masking only at FUSED_DQ_CAUSAL_HEAD_DIMS. Its GPU tests
-# pass (sessions 8, 11 and 12).
+# pass (sessions 8, 11 and 12). d=64 under causal masking fused until
+# session 20: at 16k the two kernels on the launch grid ran 384 against the
+# fused kernel's 371 TFLOP/s (settled, three rounds in alternating order,
+# results/h200_mosaic_stages_wide.md; +2.8% and +1.7% in session 19's two
+# unsettled runs). At d=64 the fused kernel's consumers spill (Nsight
+# Compute, session 20: 2.3e8 local-memory sectors a backward at 16k; the
+# two kernels' lean consumers have 240 registers, the fused kernel's 232).
 FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384, 128: 16384}
-FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64,)
+FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = ()
 # `mosaic_backward(opaque_resident=None)`: on with the fused dQ at these
 # head dims. At d=128 it took the fused kernel from 397 / 351 to 470 / 458
 # TFLOP/s at 16k and from 315 / 260 to 418 / 377 at 4k (full / causal); the
@@ -210,8 +219,14 @@ PREFETCH_STATS_TILES: tuple[tuple[int, int], ...] = ((64, 64),)
 # 16k; two rounds (results/h200_mosaic_prefetch_lse.md) 378 -> 402 at 1k
 # (persistent grid), 438 -> 457 at 4k, 459 -> 488 at 16k. Under causal
 # masking 305 -> 299, 423 -> 417, 475 -> 482, and at d=256 -3% to +1%:
-# off there.
+# off there. Session 20, d=128 under causal masking on the launch grid
+# (settled, three rounds in alternating order, backward alone,
+# results/h200_mosaic_causal_128.md): 409 -> 413 at 4k and 471 -> 477
+# at 16k alone, and 419 / 478 with `lean_producer` as well: both on there
+# (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`); the persistent grid (kv_len up to
+# 1024) keeps them off, unmeasured since.
 PREFETCH_LSE_TILES: tuple[tuple[int, int], ...] = ((128, 64),)
+CAUSAL_LAUNCH_LEAN_HEAD_DIMS: tuple[int, ...] = (128,)
 # `mosaic_backward(lean_producer=None)`: the two kernels' consumers at 240
 # registers and producers at 24 (the fused dQ has none to spare). Measured
 # on the H200 (session 15, backward alone, geomean of full and causal,
@@ -223,8 +238,9 @@ PREFETCH_LSE_TILES: tuple[tuple[int, int], ...] = ((128, 64),)
 # 465 -> 473 at 4k, 400 -> 404 at 1k. Cell by cell it is +2% to +5% at
 # d=256, +1% to +3% at d=128 without a mask, +1% to +4% at d=64 under
 # causal masking, -1% to +6% at d=64 without one, and at d=128 under
-# causal masking -1.0%, -0.5%, +0.2% at 1k, 4k, 16k: off there. Not yet in
-# the ranged kernels.
+# causal masking -1.0%, -0.5%, +0.2% at 1k, 4k, 16k: off there, but on
+# with `prefetch_lse` on the launch grid since session 20 (see
+# `CAUSAL_LAUNCH_LEAN_HEAD_DIMS`). Not yet in the ranged kernels.
 LEAN_PRODUCER_BY_DEFAULT = True
 LEAN_PRODUCER_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64, 256)
 # `mosaic_backward(merged_pieces=None)`: on with the fused (deferred) dQ at
@@ -249,21 +265,36 @@ def prefetch_stats_by_default(*, head_dim: int, block_q: int) -> bool:
   return (head_dim, block_q) in PREFETCH_STATS_TILES
 
 
+def _causal_launch_lean(*, head_dim: int, is_causal: bool,
+                        persistent: bool) -> bool:
+  """Whether a causal call runs lean producers with lse read early
+  (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`: on the launch grid at those head dims)."""
+  return (is_causal and not persistent
+          and head_dim in CAUSAL_LAUNCH_LEAN_HEAD_DIMS)
+
+
 def prefetch_lse_by_default(*, head_dim: int, block_q: int, fused_dq: bool,
-                            is_causal: bool) -> bool:
+                            is_causal: bool, persistent: bool = False) -> bool:
   """Whether `mosaic_backward(prefetch_lse=None)` reads the dK/dV kernel's
-  lse before its matmuls (two kernels without a causal mask only, where
-  `PREFETCH_LSE_TILES` says)."""
-  return (not (fused_dq or is_causal)
-          and (head_dim, block_q) in PREFETCH_LSE_TILES)
+  lse before its matmuls (the two kernels, where `PREFETCH_LSE_TILES`
+  says; under causal masking on the launch grid at
+  `CAUSAL_LAUNCH_LEAN_HEAD_DIMS` only)."""
+  if is_causal and not _causal_launch_lean(
+      head_dim=head_dim, is_causal=is_causal, persistent=persistent):
+    return False
+  return not fused_dq and (head_dim, block_q) in PREFETCH_LSE_TILES
 
 
 def lean_producer_by_default(*, head_dim: int, fused_dq: bool,
-                             is_causal: bool) -> bool:
+                             is_causal: bool, persistent: bool = False
+                             ) -> bool:
   """Whether `mosaic_backward(lean_producer=None)` moves registers from
   the producers to the consumers (the two kernels only; under causal
-  masking at `LEAN_PRODUCER_CAUSAL_HEAD_DIMS`)."""
-  if is_causal and head_dim not in LEAN_PRODUCER_CAUSAL_HEAD_DIMS:
+  masking at `LEAN_PRODUCER_CAUSAL_HEAD_DIMS`, and on the launch grid at
+  `CAUSAL_LAUNCH_LEAN_HEAD_DIMS`)."""
+  if is_causal and head_dim not in LEAN_PRODUCER_CAUSAL_HEAD_DIMS and not (
+      _causal_launch_lean(head_dim=head_dim, is_causal=is_causal,
+                          persistent=persistent)):
     return False
   return LEAN_PRODUCER_BY_DEFAULT and not fused_dq
 
@@ -282,7 +313,7 @@ def merged_pieces_by_default(*, head_dim: int, deferred_dq: bool,
 def persistent_by_default(*, head_dim: int, kv_len: int,
                           is_causal: bool = False) -> bool:
   """Whether `mosaic_backward(persistent=None)` runs the persistent grid."""
-  if is_causal and head_dim in PERSISTENT_CAUSAL_HEAD_DIMS:
+  if is_causal and kv_len <= PERSISTENT_CAUSAL_MAX_KV_LEN.get(head_dim, 0):
     return True
   return kv_len <= PERSISTENT_MAX_KV_LEN.get(head_dim, 0)
 
@@ -551,13 +582,14 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       head_dim 128).
     prefetch_lse: as `prefetch_stats` for lse alone (see `_Static`). None:
       where measured faster (`prefetch_lse_by_default`: the two kernels at
-      head_dim 128 with 64-row Q tiles, without a causal mask).
+      head_dim 128 with 64-row Q tiles, under causal masking on the launch
+      grid only).
     early_delta: the dK/dV kernel reads delta before P's exponentials
       (see `_Static`); the same results either way.
     lean_producer: both kernels' producers at 24 registers and consumers
       at 240 (see `_Static`); the same results either way. Not with
-      `fused_dq`. None: with the two kernels, but not at head_dim 128
-      under causal masking (`lean_producer_by_default`).
+      `fused_dq`. None: with the two kernels, but not on the persistent
+      grid at head_dim 128 under causal masking (`lean_producer_by_default`).
     stage_free_on_read: the fused dQ's writer frees each stage of pieces
       once read rather than once added (see `_Static`); the same results
       either way. Fused dQ only.
@@ -631,7 +663,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   if prefetch_lse is None:
     prefetch_lse = prefetch_lse_by_default(head_dim=head_dim, block_q=block_q,
                                            fused_dq=fused_dq,
-                                           is_causal=is_causal)
+                                           is_causal=is_causal,
+                                           persistent=persistent)
   if opaque_resident is None:
     opaque_resident = opaque_resident_by_default(head_dim=head_dim,
                                                  fused_dq=fused_dq)
@@ -642,7 +675,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                                            fused_dq=fused_dq)
   if lean_producer is None:
     lean_producer = lean_producer_by_default(
-        head_dim=head_dim, fused_dq=fused_dq, is_causal=is_causal)
+        head_dim=head_dim, fused_dq=fused_dq, is_causal=is_causal,
+        persistent=persistent)
   # merged_pieces=None goes on: `statics` decides it with the consumers.
   return statics(query, key, heavy_first=heavy_first,
                  overlap_softmax=overlap_softmax, persistent=persistent,
