@@ -253,19 +253,6 @@ STAGES_WIDE_CANDIDATES = [
 CAUSAL_128_CANDIDATES = [
     dict(), dict(persistent=True), dict(lean_producer=True),
     dict(prefetch_lse=True), dict(lean_producer=True, prefetch_lse=True)]
-# The fused dQ at head_dim 64 with 64-row Q tiles, its one dQ piece a step
-# taken in turns by the consumers (`backward._alternating_pieces`): with
-# 128-row tiles the fused kernel spills at any register budget up to 256
-# (ptxas, session 20), with 64-row ones its Sᵀ and dPᵀ take half the
-# registers. Against the defaults of session 20 (fused 128-row tiles
-# without a mask, the two kernels under causal masking at 16k).
-FUSED_64_CANDIDATES = [
-    dict(block_q=128), dict(block_q=128, fused_dq=False, persistent=False),
-    dict(block_q=64, fused_dq=True),
-    dict(block_q=64, fused_dq=True, prefetch_stats=False),
-    dict(block_q=64, fused_dq=True, deferred_dq=True),
-    dict(block_q=64, fused_dq=True, opaque_resident=True),
-    dict(block_q=64, fused_dq=True, max_concurrent_steps=3)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -425,7 +412,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_fused_recheck_wide": _backward(
                FUSED_RECHECK_WIDE_CANDIDATES),
            "backward_stages_wide": _backward(STAGES_WIDE_CANDIDATES),
-           "backward_fused_64": _backward(FUSED_64_CANDIDATES),
            "backward_causal_128": _backward(CAUSAL_128_CANDIDATES,
                                             causal=(True,)),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),

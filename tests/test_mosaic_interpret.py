@@ -223,11 +223,6 @@ FUSED_BACKWARD_CASES = [
     # d=128's fused defaults (64-row Q tiles, deferred and merged pieces,
     # the opaque resident rows).
     (Case(1, 128, 256, 1, 1, 128), False, dict()),
-    # d=64 with 64-row Q tiles: one dQ piece a step, the consumers taking
-    # it in turns (`backward._alternating_pieces`), four Q tiles; and the
-    # turns a step late (deferred).
-    (Case(1, 256, 256, 1, 1, 64), True, dict(block_q=64)),
-    (Case(1, 256, 256, 1, 1, 64), False, dict(block_q=64, deferred_dq=True)),
 ]
 
 

@@ -1019,14 +1019,13 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
     raise NotImplementedError(
         f"opaque_resident: no shared memory left for its zero's cell with "
         f"block_q {block_q}, block_kv {block_kv} at head_dim {head_dim}")
-  pieces = _dq_pieces(block_q, head_dim)
-  if fused_dq and ((pieces % consumers and pieces > 1)
+  if fused_dq and (_dq_pieces(block_q, head_dim) % consumers
                    or block_kv % _DQ_PIECE):
     raise NotImplementedError(
         f"the fused dQ shares the [{block_q}, {head_dim}] dQ tile among "
         f"{consumers} consumers in [{_DQ_PIECE}, {_DQ_PIECE}] pieces and "
         f"needs block_kv a multiple of {_DQ_PIECE} (got {block_kv}): "
-        f"the pieces must share out evenly (or be one, taken in turns)")
+        f"the pieces must share out evenly")
   return [
       _Static(block_q=block_q, block_kv=block_kv, num_consumers=consumers,
               num_stages=stages, num_q_blocks=num_q_blocks,
@@ -1830,19 +1829,8 @@ def _pieces(static: _Static):
 
 
 def _pieces_of(wg: int, static: _Static):
-  """Consumer wg's pieces: numbers wg, wg + num_consumers, ... (with
-  `_alternating_pieces`, the step's owner's: all of them)."""
+  """Consumer wg's pieces: numbers wg, wg + num_consumers, ..."""
   return _pieces(static)[wg::static.num_consumers]
-
-
-def _alternating_pieces(static: _Static) -> bool:
-  """Whether the fused dQ tile has fewer pieces than consumers (one:
-  head_dim 64 with 64-row Q tiles), so that they take turns by step:
-  consumer `step % num_consumers` computes the step's piece, the others
-  none. Over two steps each consumer's share is even again, and the
-  consumers' registers hold [64, 64] Sᵀ and dPᵀ instead of the [64, 128]
-  of 128-row Q tiles, which spill at head_dim 64 (session 20)."""
-  return _dq_pieces(static.block_q, static.head_dim) < static.num_consumers
 
 
 def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static, offset=0):
@@ -1874,17 +1862,14 @@ def _stage_dq_pieces(fused: _FusedDq, wg, *, step, static: _Static,
   pl.when(step >= 2)(lambda: plgpu.barrier_wait(fused.stage_free.at[parity]))
   ds, stage = fused.ds.at[parity], fused.stage.at[parity]
 
-  def compute(pieces):
-    for number, _, _ in pieces:
+  def compute(wg: int):
+    # Static slices: a Python branch per consumer.
+    for number, _, _ in _pieces_of(wg, static):
       stage[number] = _wgmma_sum((_DQ_PIECE, _DQ_PIECE), list(
           _piece_operands(fused, ds, number, static=static, offset=offset)))
 
-  if _alternating_pieces(static):  # the step's owner computes them all
-    pl.when(wg == lax.rem(step, static.num_consumers))(
-        functools.partial(compute, _pieces(static)))
-  else:  # static slices: a Python branch per consumer
-    for c in range(static.num_consumers):
-      pl.when(wg == c)(functools.partial(compute, _pieces_of(c, static)))
+  for c in range(static.num_consumers):
+    pl.when(wg == c)(functools.partial(compute, c))
   plgpu.commit_smem()  # the pieces, read by the writer's TMA
   plgpu.barrier_arrive(fused.staged.at[parity])
   if fused.ds_read is not None:  # the pieces' wgmmas are done with dSᵀ
