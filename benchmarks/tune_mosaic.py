@@ -253,6 +253,15 @@ STAGES_WIDE_CANDIDATES = [
 CAUSAL_128_CANDIDATES = [
     dict(), dict(persistent=True), dict(lean_producer=True),
     dict(prefetch_lse=True), dict(lean_producer=True, prefetch_lse=True)]
+# The dQ kernel on tiles of its own (`mosaic_backward(dq_tiles=)`), the
+# two kernels on the launch grid: 128 K/V rows a step (wgmma's N 128 for S
+# and dP, half the steps) against the dK/dV kernel's tiles.
+DQ_TILES_64_CANDIDATES = [
+    dict(block_q=128, fused_dq=False, persistent=False, dq_tiles=tiles)
+    for tiles in (None, (64, 128), (64, 64))]
+DQ_TILES_128_CANDIDATES = [
+    dict(fused_dq=False, persistent=False, dq_tiles=tiles)
+    for tiles in (None, (64, 128))]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -412,6 +421,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_fused_recheck_wide": _backward(
                FUSED_RECHECK_WIDE_CANDIDATES),
            "backward_stages_wide": _backward(STAGES_WIDE_CANDIDATES),
+           "backward_dq_tiles_64": _backward(DQ_TILES_64_CANDIDATES),
+           "backward_dq_tiles_128": _backward(DQ_TILES_128_CANDIDATES),
            "backward_causal_128": _backward(CAUSAL_128_CANDIDATES,
                                             causal=(True,)),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),

@@ -54,7 +54,7 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
                          "shared_rows", "deferred_dq",
                          "prefetch_lse", "stage_free_on_read", "early_delta",
                          "lean_producer", "merged_pieces",
-                         "num_ctas")
+                         "num_ctas", "dq_tiles")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
 
@@ -537,6 +537,31 @@ def test_prefetched_lse_default_follows_its_table(cuda_lowering):
     assert not any(config.prefetch_lse for config in dkdv)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_dq_tiles_lower_and_change_the_dq_kernel_only(is_causal,
+                                                      cuda_lowering):
+  """`dq_tiles` gives the dQ kernel tiles of its own: its lowered kernel
+  changes, the dK/dV kernel's does not; the fused kernel (no dQ kernel)
+  refuses it, and tiles the lengths do not divide are refused."""
+  from pallas_kernels.mosaic import backward
+  q, kv = _structs(head_dim=64, q_len=512, kv_len=512)[:2]
+  configs = lambda **kw: backward.configure(
+      q, kv, scale=0.1, is_causal=is_causal, block_q=128, persistent=False,
+      fused_dq=False, **kw)
+  (dq, [dkdv]), (own_dq, [own_dkdv]) = configs(), configs(dq_tiles=(64, 128))
+  assert (dq.block_q, dq.block_kv) == (128, 64)
+  assert (own_dq.block_q, own_dq.block_kv) == (64, 128) and own_dkdv == dkdv
+  text = lambda **kw: _lower(64, is_causal, q_len=512, kv_len=512,
+                             block_q=128, persistent=False, fused_dq=False,
+                             **kw)
+  assert text(dq_tiles=(64, 128)) != text()
+  with pytest.raises(NotImplementedError, match="two kernels only"):
+    _lower(64, is_causal, block_q=128, fused_dq=True, dq_tiles=(64, 128))
+  with pytest.raises(NotImplementedError, match="multiple of block_kv 256"):
+    _lower(64, is_causal, kv_len=384, block_q=128, fused_dq=False,
+           dq_tiles=(64, 256))
+
+
 def test_stage_free_on_read_lowers_with_the_fused_dq_only(cuda_lowering):
   """The option changes the fused kernel (either piece schedule) and
   refuses the two kernels."""
@@ -887,6 +912,24 @@ def test_fused_dq_matches_reference_on_gpu(case, is_causal, monkeypatch):
   _assert_backward_is_fused(attention, case)
   for dtype in (jnp.bfloat16, jnp.float16):
     check_against_reference(attention, case, dtype, is_causal=is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (64, dict(block_q=128, dq_tiles=(64, 128))),
+    (128, dict(dq_tiles=(64, 128))),
+], ids=str)
+def test_dq_tiles_match_reference_on_gpu(head_dim, kwargs, is_causal):
+  """The dQ kernel on tiles of its own (`dq_tiles`: 128 K/V rows a step)
+  beside the dK/dV kernel's: forward, LSE and gradients against the
+  reference (GQA 4:1, kv_len > q_len, launch grid)."""
+  _require_sm90()
+  attention = jax.jit(functools.partial(
+      mosaic_attention_with(fused_dq=False, persistent=False, **kwargs),
+      is_causal=is_causal))
+  check_against_reference(attention, Case(1, 1024, 1536, 8, 2, head_dim),
+                          jnp.bfloat16, is_causal=is_causal)
 
 
 @pytest.mark.gpu

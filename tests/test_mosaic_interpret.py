@@ -204,6 +204,11 @@ BACKWARD_CASES = [
     # d=128 on the launch grid, lse read early (its default without a mask)
     # and lean producers (bitwise scheduling, here the same numbers).
     (Case(1, 128, 256, 1, 1, 128), False, dict(persistent=False)),
+    # The dQ kernel on tiles of its own (`dq_tiles`): 64 Q rows a consumer,
+    # 128 K/V rows a step, beside dK/dV's 128-row Q steps; causal, so both
+    # kernels' diagonals differ.
+    (Case(1, 256, 256, 1, 1, 64), True,
+     dict(block_q=128, persistent=False, dq_tiles=(64, 128))),
 ]
 
 

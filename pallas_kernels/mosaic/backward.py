@@ -515,7 +515,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     early_delta: bool = False,
                     lean_producer: bool | None = None,
                     stage_free_on_read: bool = False,
-                    merged_pieces: bool | None = None):
+                    merged_pieces: bool | None = None,
+                    dq_tiles: tuple[int, int] | None = None):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -598,6 +599,9 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       `deferred_dq` and one piece a consumer only. None: with the deferred
       fused dQ at head_dim 128 where each consumer has one piece
       (`merged_pieces_by_default`).
+    dq_tiles: (block_q, block_kv) of the dQ kernel alone, where they differ
+      from the dK/dV kernel's (block_q, block_kv); the same results either
+      way. Two kernels only. None: the same tiles.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -607,9 +611,10 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       dim, lengths not multiples of the tiles, tiles that do not fit in
       shared memory or registers), so that a dispatcher falls back.
   """
-  check_supported(query, key, value, out, lse, d_out, d_lse,
-                  block_q=block_q, block_kv=block_kv,
-                  max_concurrent_steps=max_concurrent_steps)
+  for tiles in ((block_q, block_kv),) + ((dq_tiles,) if dq_tiles else ()):
+    check_supported(query, key, value, out, lse, d_out, d_lse,
+                    block_q=tiles[0], block_kv=tiles[1],
+                    max_concurrent_steps=max_concurrent_steps)
   # Configuring raises for tiles that do not fit, before any work is traced.
   dq_config, dkdv_configs = configure(
       query, key, scale=scale, is_causal=is_causal, block_q=block_q,
@@ -621,7 +626,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       opaque_resident=opaque_resident, deferred_dq=deferred_dq,
       prefetch_lse=prefetch_lse, early_delta=early_delta,
       lean_producer=lean_producer, stage_free_on_read=stage_free_on_read,
-      merged_pieces=merged_pieces)
+      merged_pieces=merged_pieces, dq_tiles=dq_tiles)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -639,7 +644,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               prefetch_lse: bool | None = None, early_delta: bool = False,
               lean_producer: bool | None = None,
               stage_free_on_read: bool = False,
-              merged_pieces: bool | None = None):
+              merged_pieces: bool | None = None,
+              dq_tiles: tuple[int, int] | None = None):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -687,7 +693,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  prefetch_lse=prefetch_lse, early_delta=early_delta,
                  lean_producer=lean_producer,
                  stage_free_on_read=stage_free_on_read,
-                 merged_pieces=merged_pieces, **tiles)
+                 merged_pieces=merged_pieces, dq_tiles=dq_tiles, **tiles)
 
 
 def gradients(query, key, value, d_out, stats, dq_config: _Static | None,
@@ -843,9 +849,11 @@ def statics(query, key, *, heavy_first: bool = True,
             opaque_resident: bool = False, deferred_dq: bool = False,
             prefetch_lse: bool = False, early_delta: bool = False,
             lean_producer: bool = False, stage_free_on_read: bool = False,
-            merged_pieces: bool | None = False, **tiles):
+            merged_pieces: bool | None = False,
+            dq_tiles: tuple[int, int] | None = None, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
-  are their keyword arguments. Fused dQ: (None, [the one fused pass]);
+  are their keyword arguments (`dq_tiles`: the dQ kernel's block_q and
+  block_kv instead of theirs). Fused dQ: (None, [the one fused pass]);
   `merged_pieces=None` there: on where each consumer has one dQ piece."""
   options = dict(overlap_softmax=bool(overlap_softmax),
                  tile_fastest=bool(tile_fastest),
@@ -855,6 +863,8 @@ def statics(query, key, *, heavy_first: bool = True,
                       early_delta=bool(early_delta),
                       opaque_resident=bool(opaque_resident))
   if fused_dq:
+    if dq_tiles is not None:
+      raise NotImplementedError("dq_tiles: the two kernels only")
     if shared_rows or shared_q_rows:
       raise NotImplementedError("the fused dQ has no shared rows")
     if lean_producer:
@@ -901,8 +911,10 @@ def statics(query, key, *, heavy_first: bool = True,
     raise NotImplementedError(
         "opaque_resident: the plain dK/dV consumers only (not shared rows, "
         "not the ranged kernel)")
+  dq_tiles_args = tiles if dq_tiles is None else dict(
+      tiles, block_q=dq_tiles[0], block_kv=dq_tiles[1])
   dq_config = dataclasses.replace(
-      dq_static(query, key, shared_rows=shared_q_rows, **tiles),
+      dq_static(query, key, shared_rows=shared_q_rows, **dq_tiles_args),
       heavy_first=bool(heavy_first), **options)
   dkdv_configs = [dataclasses.replace(config, **dkdv_options)
                   for config in dkdv_statics(
