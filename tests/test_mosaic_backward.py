@@ -541,22 +541,35 @@ def test_prefetched_lse_default_follows_its_table(cuda_lowering):
 def test_dq_tiles_lower_and_change_the_dq_kernel_only(is_causal,
                                                       cuda_lowering):
   """`dq_tiles` gives the dQ kernel tiles of its own: its lowered kernel
-  changes, the dK/dV kernel's does not; the fused kernel (no dQ kernel)
-  refuses it, and tiles the lengths do not divide are refused."""
+  changes, the dK/dV kernel's does not; the default
+  (`DQ_TILES_CAUSAL_LAUNCH`) takes 64 x 128 at d=64's 128-row Q tiles
+  under causal masking on the launch grid only; the fused kernel (no dQ
+  kernel) refuses other tiles than its own, and tiles the lengths do not
+  divide are refused."""
   from pallas_kernels.mosaic import backward
   q, kv = _structs(head_dim=64, q_len=512, kv_len=512)[:2]
   configs = lambda **kw: backward.configure(
-      q, kv, scale=0.1, is_causal=is_causal, block_q=128, persistent=False,
-      fused_dq=False, **kw)
-  (dq, [dkdv]), (own_dq, [own_dkdv]) = configs(), configs(dq_tiles=(64, 128))
+      q, kv, scale=0.1, is_causal=is_causal, block_q=128, fused_dq=False,
+      **kw)
+  (dq, [dkdv]), (own_dq, [own_dkdv]) = (
+      configs(dq_tiles=(128, 64), persistent=False),
+      configs(dq_tiles=(64, 128), persistent=False))
   assert (dq.block_q, dq.block_kv) == (128, 64)
   assert (own_dq.block_q, own_dq.block_kv) == (64, 128) and own_dkdv == dkdv
+  default_dq, _ = configs(persistent=False)
+  assert default_dq == (own_dq if is_causal else dq)
+  persistent_dq, _ = configs(persistent=True)
+  assert (persistent_dq.block_q, persistent_dq.block_kv) == (128, 64)
+  assert backward.dq_tiles_by_default(
+      head_dim=64, block_q=128, kv_len=16384 + 64, is_causal=True,
+      persistent=False, fused_dq=False) is None  # 128 does not divide it
   text = lambda **kw: _lower(64, is_causal, q_len=512, kv_len=512,
                              block_q=128, persistent=False, fused_dq=False,
                              **kw)
-  assert text(dq_tiles=(64, 128)) != text()
+  assert text(dq_tiles=(64, 128)) != text(dq_tiles=(128, 64))
   with pytest.raises(NotImplementedError, match="two kernels only"):
     _lower(64, is_causal, block_q=128, fused_dq=True, dq_tiles=(64, 128))
+  _lower(64, is_causal, block_q=128, fused_dq=True, dq_tiles=(128, 64))
   with pytest.raises(NotImplementedError, match="multiple of block_kv 256"):
     _lower(64, is_causal, kv_len=384, block_q=128, fused_dq=False,
            dq_tiles=(64, 256))

@@ -250,6 +250,18 @@ LEAN_PRODUCER_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64, 256)
 # d=64's 128-row Q tiles it needs `deferred_dq`, which costs more there
 # (402 not deferred, 327 deferred, 345 deferred and merged, at 16k).
 MERGED_PIECES_HEAD_DIMS: tuple[int, ...] = (128,)
+# `mosaic_backward(dq_tiles=None)`: the dQ kernel's own (block_q, block_kv)
+# by the call's (head_dim, block_q), under causal masking on the launch grid
+# (where kv_len is a multiple of their block_kv; elsewhere the dK/dV
+# kernel's tiles). Session 20 (results/h200_mosaic_dq_tiles.md, backward
+# alone, settled, rounds in alternating order), d=64 with 128-row Q tiles,
+# its dQ kernel on 64 x 128 tiles instead of 128 x 64: causal 381 -> 391
+# TFLOP/s at 16k (three rounds) and 331 -> 337 at 4k (two, launch grid; 4k
+# runs the persistent grid); without a mask 397 -> 398 at 16k (the fused
+# kernel runs there) and 385 -> 380 at 4k. At d=128, 64 x 128 against
+# 64 x 64: -0.9% to +0.4% but -2.7% at 4k without a mask: not there.
+DQ_TILES_CAUSAL_LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
+    (64, 128): (64, 128)}
 
 
 def shared_rows_by_default(*, head_dim: int, persistent: bool) -> bool:
@@ -308,6 +320,18 @@ def merged_pieces_by_default(*, head_dim: int, deferred_dq: bool,
   consumers)."""
   return (deferred_dq and overlap_softmax and one_piece_each
           and head_dim in MERGED_PIECES_HEAD_DIMS)
+
+
+def dq_tiles_by_default(*, head_dim: int, block_q: int, kv_len: int,
+                        is_causal: bool, persistent: bool,
+                        fused_dq: bool) -> tuple[int, int] | None:
+  """`mosaic_backward(dq_tiles=None)`'s tiles (`DQ_TILES_CAUSAL_LAUNCH`), or
+  None for the dK/dV kernel's."""
+  tiles = DQ_TILES_CAUSAL_LAUNCH.get((head_dim, block_q))
+  if (tiles is None or not is_causal or persistent or fused_dq
+      or kv_len % tiles[1]):
+    return None
+  return tiles
 
 
 def persistent_by_default(*, head_dim: int, kv_len: int,
@@ -600,8 +624,10 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       fused dQ at head_dim 128 where each consumer has one piece
       (`merged_pieces_by_default`).
     dq_tiles: (block_q, block_kv) of the dQ kernel alone, where they differ
-      from the dK/dV kernel's (block_q, block_kv); the same results either
-      way. Two kernels only. None: the same tiles.
+      from the dK/dV kernel's (block_q, block_kv). Two kernels only; pass
+      (block_q, block_kv) for the same tiles. None: where measured faster
+      (`dq_tiles_by_default`: 64 x 128 at head_dim 64 with 128-row Q tiles
+      under causal masking on the launch grid), else the same tiles.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -683,6 +709,10 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
     lean_producer = lean_producer_by_default(
         head_dim=head_dim, fused_dq=fused_dq, is_causal=is_causal,
         persistent=persistent)
+  if dq_tiles is None:
+    dq_tiles = dq_tiles_by_default(
+        head_dim=head_dim, block_q=block_q, kv_len=kv_len,
+        is_causal=is_causal, persistent=persistent, fused_dq=fused_dq)
   # merged_pieces=None goes on: `statics` decides it with the consumers.
   return statics(query, key, heavy_first=heavy_first,
                  overlap_softmax=overlap_softmax, persistent=persistent,
@@ -862,6 +892,9 @@ def statics(query, key, *, heavy_first: bool = True,
                       prefetch_lse=bool(prefetch_lse),
                       early_delta=bool(early_delta),
                       opaque_resident=bool(opaque_resident))
+  if dq_tiles is not None and tuple(dq_tiles) == (tiles["block_q"],
+                                                  tiles["block_kv"]):
+    dq_tiles = None  # the dK/dV kernel's
   if fused_dq:
     if dq_tiles is not None:
       raise NotImplementedError("dq_tiles: the two kernels only")
