@@ -581,8 +581,9 @@ def best_lines(trials: list[dict]) -> list[str]:
   for t in trials:
     if "tflops" in t:
       key = (t["kernel"], t.get("seq", 0), t["head_dim"])
-      blocks = tuple((n, t[n]) for n in option_names(KERNELS[t["kernel"]][1])
-                     if n in t)
+      # Option values as JSON gives them back (a tuple as a list) hashed.
+      blocks = tuple((n, tuple(t[n]) if isinstance(t[n], list) else t[n])
+                     for n in option_names(KERNELS[t["kernel"]][1]) if n in t)
       groups.setdefault(key, {}).setdefault(blocks, []).append(t["tflops"])
       measured.setdefault(key, set()).add(t["causal"])
   for (kernel, seq, head_dim), by_blocks in sorted(groups.items()):

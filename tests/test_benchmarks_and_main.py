@@ -176,6 +176,13 @@ def test_mosaic_sweep_picks_the_best_geometric_mean():
                              "{'persistent': True} 450")
   assert lines[1].startswith("forward_persistent seq 16384 d128: "
                              "{'persistent': False} 580")
+  # A tuple option read back from JSON (a list) ranks like any other.
+  tiles = lambda causal, value, tflops: dict(
+      kernel="backward_dq_tiles_64", seq=16384, head_dim=64, causal=causal,
+      block_q=128, dq_tiles=value, tflops=tflops)
+  [line] = best_lines([tiles(c, None, 380) for c in (False, True)]
+                      + [tiles(c, [64, 128], 390) for c in (False, True)])
+  assert "'dq_tiles': (64, 128)} 390" in line
 
 
 def test_mosaic_sweep_times_candidates_in_turn(monkeypatch):
