@@ -149,9 +149,13 @@ for step in "$@"; do
           --kernels backward_fused --out "$OUT/h200_mosaic_fused_$seq.json" > "$LOGS/fused_$seq.log" 2>&1
         grep "^backward" "$LOGS/fused_$seq.log"
       done ;;
-    spills)  # which warpgroup of the fused dQ kernel spills (d=128 and 64)
+    spills)  # which warpgroup of the fused dQ kernel spills (d=128 and 64):
+             # ptxas's totals, and by register budget from the SASS
+             # (nvdisasm is not on the machine's PATH: session 20)
+      nvdisasm_bin=$(ls /usr/local/cuda*/bin/nvdisasm 2>/dev/null | head -1)
+      [ -z "$nvdisasm_bin" ] || export PATH="$(dirname "$nvdisasm_bin"):$PATH"
       for head_dim in 128 64; do
-        MOSAIC_GPU_DUMP_SASS=1 timeout 120 python3 -c "
+        MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 timeout 120 python3 -c "
 import jax, jax.numpy as jnp
 from pallas_kernels.mosaic.backward import mosaic_backward
 d = $head_dim
@@ -160,7 +164,8 @@ lse = jnp.zeros((1, 4, 2048), jnp.float32)
 jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
     is_causal=False, fused_dq=True, block_q=128 if d == 64 else 64))
 " > "$LOGS/sass_$head_dim.txt" 2>&1
-        echo "head_dim $head_dim:"; python3 -m benchmarks.sass_spills "$LOGS/sass_$head_dim.txt"
+        echo "head_dim $head_dim:"; grep -E "spill stores" "$LOGS/sass_$head_dim.txt" | sort -u
+        python3 -m benchmarks.sass_spills "$LOGS/sass_$head_dim.txt"
       done ;;
     consumers)  # three consumer warpgroups in the forward
       gated_ab consumers "tests/test_mosaic_lowering.py -k three" forward_consumers \
