@@ -1,7 +1,8 @@
 """Sweeps the Mosaic GPU kernels' tiles and pipeline depth; prints the best.
 
     python -m benchmarks.tune_mosaic   # -> results/h200_mosaic_sweep.json
-    python -m benchmarks.tune_mosaic --render a.json b.json   # -> b.md: tables
+    python -m benchmarks.tune_mosaic --render a.json   # -> a.md: its tables
+    python -m benchmarks.tune_mosaic --render a.json b.json ab.json  # merged
 
 At seq 4096 (`--seq`), batch·seq = 16384, hidden 2048, bf16, for head_dim
 64, 128 and 256, causal and not: every (block_q, block_kv,
@@ -23,6 +24,7 @@ import argparse
 import contextlib
 import itertools
 import math
+import os
 import statistics
 import sys
 import time
@@ -235,33 +237,42 @@ TURN_COST_CANDIDATES = [dict(fused_dq=True, persistent=False),
 # kernels' two entries (the same kernel there) read 1.6% apart in both
 # runs, +1.1 / -0.5% and +1.4 / -0.2% against fused. Within the noise:
 # the default stands.
+# (Session 19's defaults resolve these: since session 20 d=64 causal at 16k
+# runs the launch grid with `dq_tiles` unless told otherwise.)
 FUSED_RECHECK_WIDE_CANDIDATES = [
     dict(block_q=128), dict(block_q=128, fused_dq=False),
     dict(block_q=128, fused_dq=False, persistent=False)]
 # The TMA ring's depth of head_dim 64's backward (128-row Q tiles), fused
 # (the 16k default) and as two kernels on the launch grid: session 5's
 # sweep of depths predates every later change to these kernels, and the
-# fused kernel was never swept (4 stages do not fit it).
+# fused kernel was never swept (4 stages do not fit it). Pinned as they ran
+# in session 20 (results/h200_mosaic_stages_wide.md: `block_q=128` alone
+# was the fused kernel then, the launch grid's dQ kernel on 128 x 64).
 STAGES_WIDE_CANDIDATES = [
-    dict(block_q=128), dict(block_q=128, max_concurrent_steps=3)] + [
-    dict(block_q=128, fused_dq=False, persistent=False,
+    dict(block_q=128, fused_dq=True),
+    dict(block_q=128, fused_dq=True, max_concurrent_steps=3)] + [
+    dict(block_q=128, fused_dq=False, persistent=False, dq_tiles=(128, 64),
          max_concurrent_steps=n) for n in (2, 3, 4)]
 # head_dim 128 under causal masking, where our backward ran 6% behind
 # cuDNN's at 16k in session 20 (474 against 507 TFLOP/s) but only 2%
 # without a mask: the options measured off there in earlier sessions, each
-# alone and two together, against the default (the two kernels, launch grid).
+# alone and two together, against session 19's default (the two kernels,
+# launch grid, both off: pinned, since session 20 made both the default).
 CAUSAL_128_CANDIDATES = [
-    dict(), dict(persistent=True), dict(lean_producer=True),
-    dict(prefetch_lse=True), dict(lean_producer=True, prefetch_lse=True)]
+    dict(lean_producer=False, prefetch_lse=False), dict(persistent=True),
+    dict(lean_producer=True, prefetch_lse=False),
+    dict(lean_producer=False, prefetch_lse=True),
+    dict(lean_producer=True, prefetch_lse=True)]
 # The dQ kernel on tiles of its own (`mosaic_backward(dq_tiles=)`), the
 # two kernels on the launch grid: 128 K/V rows a step (wgmma's N 128 for S
-# and dP, half the steps) against the dK/dV kernel's tiles.
+# and dP, half the steps) against the dK/dV kernel's tiles (pinned: session
+# 20 made 64 x 128 the d=64 causal default).
 DQ_TILES_64_CANDIDATES = [
     dict(block_q=128, fused_dq=False, persistent=False, dq_tiles=tiles)
-    for tiles in (None, (64, 128), (64, 64))]
+    for tiles in ((128, 64), (64, 128), (64, 64))]
 DQ_TILES_128_CANDIDATES = [
     dict(fused_dq=False, persistent=False, dq_tiles=tiles)
-    for tiles in (None, (64, 128))]
+    for tiles in ((64, 64), (64, 128))]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -530,20 +541,30 @@ def sweep_cell(kernel: str, seq: int, head_dim: int, causal: bool, *,
   return [run[0] for run in runs]
 
 
+# A trial's fields that are not the candidate's options.
+_TRIAL_FIELDS = frozenset({"kernel", "head_dim", "causal", "ms", "tflops",
+                           "error", "seq", "rounds"})
+
+
 def write_tables(parts: list[str], out: str) -> str:
   """Merges sweep files into `out` (their trials in order, their commands
   listed) and writes `out`'s .md: the best per (kernel, head_dim), then
   every trial. Returns the markdown."""
   if not out.endswith(".json"):  # twice a slip here overwrote a part file
     raise ValueError(f"the merged file must be a .json path, got {out!r}")
+  if out not in parts and os.path.exists(out) and "parts" not in (
+      render.load(out)):
+    # A sweep's own file, not an earlier merge: `--render a.json b.json`
+    # meant "render both", and lost b's trials (session 20, three times).
+    raise ValueError(f"{out} holds a sweep of its own: merging into it would "
+                     f"overwrite it; name a new .json as the last path")
   results = [render.load(p) for p in parts]
   merged = {**results[0], "trials": [t for r in results for t in r["trials"]]}
-  if len(results) > 1:
+  if out not in parts:  # a merge, which says so (and may be redone)
     merged["parts"] = [r["command"] for r in results]
   common.write_json(out, merged)
   option_names = sorted({n for t in merged["trials"] for n in t}
-                        - {"kernel", "head_dim", "causal", "ms", "tflops",
-                           "error", "seq", "rounds"})
+                        - _TRIAL_FIELDS)
   rows = [[t["kernel"], t.get("seq", merged["seq_len"]), t["head_dim"],
            t["causal"],
            ", ".join(f"{n}={t[n]}" for n in option_names if n in t),
@@ -582,8 +603,10 @@ def best_lines(trials: list[dict]) -> list[str]:
     if "tflops" in t:
       key = (t["kernel"], t.get("seq", 0), t["head_dim"])
       # Option values as JSON gives them back (a tuple as a list) hashed.
+      names = (option_names(KERNELS[t["kernel"]][1])
+               if t["kernel"] in KERNELS else sorted(set(t) - _TRIAL_FIELDS))
       blocks = tuple((n, tuple(t[n]) if isinstance(t[n], list) else t[n])
-                     for n in option_names(KERNELS[t["kernel"]][1]) if n in t)
+                     for n in names if n in t)
       groups.setdefault(key, {}).setdefault(blocks, []).append(t["tflops"])
       measured.setdefault(key, set()).add(t["causal"])
   for (kernel, seq, head_dim), by_blocks in sorted(groups.items()):

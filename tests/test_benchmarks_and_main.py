@@ -233,6 +233,22 @@ def test_mosaic_sweep_render_refuses_to_overwrite_a_part(tmp_path):
   assert tune_mosaic.main(["--render", str(part), str(tmp_path / "m.json")]) == 0
   assert "500" in (tmp_path / "m.md").read_text()
   assert part.read_text() == before
+  # Two sweeps and no merged path: the second is not overwritten.
+  other = tmp_path / "other.json"
+  other.write_text(before)
+  with pytest.raises(ValueError, match="sweep of its own"):
+    tune_mosaic.main(["--render", str(part), str(other)])
+  assert other.read_text() == before
+  # An earlier merge may be written again, and one file renders in place.
+  assert tune_mosaic.main(["--render", str(part), str(other),
+                           str(tmp_path / "m.json")]) == 0
+  assert tune_mosaic.main(["--render", str(part), str(other),
+                           str(tmp_path / "m.json")]) == 0
+  assert tune_mosaic.main(["--render", str(part)]) == 0  # its own table
+  # Trials of a kernel no longer in KERNELS rank on their own fields.
+  gone = dict(trial, kernel="backward_removed", dq_tiles=[64, 128])
+  [line] = tune_mosaic.best_lines([gone, dict(gone, causal=True)])
+  assert line.startswith("backward_removed d64:") and "(64, 128)" in line
 
 
 def _collected(*args) -> list[str]:

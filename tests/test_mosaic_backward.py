@@ -426,7 +426,7 @@ LEAN_FORMS = [
     (128, dict(fused_dq=False, persistent=False)),
     (128, dict(persistent=True, num_ctas=5)),
     (128, dict(fused_dq=False, early_delta=True)),
-    (128, dict(fused_dq=False, persistent=False, prefetch_lse=True)),
+    (128, dict(fused_dq=False, persistent=False, prefetch_lse=False)),
     (64, dict(block_q=128, fused_dq=False)), (256, {}),
 ]
 
@@ -561,8 +561,21 @@ def test_dq_tiles_lower_and_change_the_dq_kernel_only(is_causal,
   persistent_dq, _ = configs(persistent=True)
   assert (persistent_dq.block_q, persistent_dq.block_kv) == (128, 64)
   assert backward.dq_tiles_by_default(
-      head_dim=64, block_q=128, kv_len=16384 + 64, is_causal=True,
-      persistent=False, fused_dq=False) is None  # 128 does not divide it
+      head_dim=64, block_q=128, q_len=16384, kv_len=16384 + 64,
+      is_causal=True, persistent=False, fused_dq=False) is None  # 128 ∤ it
+  # Tiles of the dQ kernel's own ask for it: the fused default gives way
+  # (d=64 without a mask fuses from kv_len 16k), and a ranged call or a
+  # malformed pair is refused.
+  q16, kv16 = _structs(head_dim=64, q_len=16384, kv_len=16384)[:2]
+  own, [plain] = backward.configure(q16, kv16, scale=0.1, is_causal=False,
+                                    block_q=128, dq_tiles=(64, 128))
+  assert (own.block_q, own.block_kv) == (64, 128) and not plain.fused_dq
+  with pytest.raises(NotImplementedError, match="ranged"):
+    backward.statics(q, kv, scale=0.1, is_causal=is_causal, block_q=128,
+                     block_kv=64, max_concurrent_steps=2,
+                     spec=object(), dq_tiles=(64, 128))
+  with pytest.raises(ValueError, match="dq_tiles"):
+    _lower(64, is_causal, block_q=128, fused_dq=False, dq_tiles=(64,))
   text = lambda **kw: _lower(64, is_causal, q_len=512, kv_len=512,
                              block_q=128, persistent=False, fused_dq=False,
                              **kw)
@@ -945,6 +958,33 @@ def test_dq_tiles_match_reference_on_gpu(head_dim, kwargs, is_causal):
                           jnp.bfloat16, is_causal=is_causal)
 
 
+def test_backward_defaults_at_long_kv():
+  """What `configure` picks at `test_backward_default_at_long_kv_on_gpu`'s
+  shapes (q_len 15360, kv_len 16384, GQA 2:1): without a mask the fused
+  dQ (at d=128 deferred, merged, opaque descriptors); under causal masking
+  the two kernels on the launch grid, tile-fastest, lean producers, at
+  d=64 the dQ kernel on 64 x 128 tiles (`DQ_TILES_CAUSAL_LAUNCH`), at
+  d=128 lse read early (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`)."""
+  from pallas_kernels.mosaic import attention as mosaic_attention
+  from pallas_kernels.mosaic import backward
+  for head_dim in (64, 128):
+    q, kv = _structs(batch=1, q_len=15360, kv_len=16384, head_dim=head_dim)[:2]
+    tiles = mosaic_attention.backward_tiles(head_dim, 15360)
+    configs = lambda is_causal: backward.configure(
+        q, kv, scale=0.1, is_causal=is_causal, **tiles)
+    none, [fused] = configs(False)
+    assert none is None and fused.fused_dq and not fused.persistent
+    assert (fused.deferred_dq and fused.merged_pieces
+            and fused.opaque_resident) == (head_dim == 128)
+    dq, [dkdv] = configs(True)
+    assert not (dkdv.fused_dq or dkdv.persistent or dq.persistent)
+    assert dq.tile_fastest and dkdv.tile_fastest
+    assert dq.lean_producer and dkdv.lean_producer
+    want_tiles = (64, 128) if head_dim == 64 else (64, 64)
+    assert (dq.block_q, dq.block_kv) == want_tiles
+    assert dkdv.prefetch_lse == (head_dim == 128)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, is_causal, kernels", [
     (64, False, {"dq_dkdv"}), (64, True, {"dq", "dkdv"}),
@@ -952,11 +992,9 @@ def test_dq_tiles_match_reference_on_gpu(head_dim, kwargs, is_causal):
 ])
 def test_backward_default_at_long_kv_on_gpu(head_dim, is_causal, kernels):
   """The shipped defaults, no switch turned: `flash_attention` at kv_len
-  16384 runs the fused backward without a mask (`FUSED_DQ_MIN_KV_LEN`; at
-  128 with its pieces merged, `MERGED_PIECES_HEAD_DIMS`), else the two
-  kernels launched tile-fastest with lean producers
-  (`LEAN_PRODUCER_BY_DEFAULT`; at d=128 with lse read early,
-  `CAUSAL_LAUNCH_LEAN_HEAD_DIMS`), and its
+  16384 runs the fused backward without a mask, else the two kernels
+  (which options they take, `test_backward_defaults_at_long_kv` pins on
+  the CPU), and its
   output, LSE and gradients obey the tolerance rule (GQA 2:1, q_len not
   the kv_len)."""
   _require_sm90()

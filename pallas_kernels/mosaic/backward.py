@@ -120,7 +120,9 @@ _FUSED_PRODUCER_REGISTERS = 24
 # `PERSISTENT_CAUSAL_MAX_KV_LEN`. At 16k the causal launch grid (tile-
 # fastest since session 12) passed the persistent one: 375 / 379 against
 # 374 / 367 TFLOP/s in session 19's two runs
-# (results/h200_mosaic_fused_recheck_wide*.md).
+# (results/h200_mosaic_fused_recheck_wide*.md); at 4k the persistent grid
+# stayed ahead, 339 against 333 (session 20, three rounds, the launch
+# grid's dQ kernel on 128 x 64). 8192 is between the two, not measured.
 PERSISTENT_MAX_KV_LEN = {64: 1024, 128: 1024, 256: 1024}
 PERSISTENT_CAUSAL_MAX_KV_LEN = {64: 8192}
 # The fused dQ (`mosaic_backward(fused_dq=None)`), by head dim: the shortest
@@ -138,7 +140,8 @@ PERSISTENT_CAUSAL_MAX_KV_LEN = {64: 8192}
 # the fused kernel's 460 / 460 at 16k (results/h200_mosaic_tile_order.md),
 # and in three rounds 459 / 476 against 469 / 469
 # (results/h200_mosaic_fused_order.md): d=128 fuses without a causal mask
-# only. d=64's fused kernel stays ahead (415 / 372 against 406 / 355).
+# only. d=64's fused kernel stays ahead (415 / 372 against 406 / 355;
+# under causal masking no longer, see below).
 # Session 14: with lse read early (`PREFETCH_LSE_TILES`) the two kernels
 # passed the fused one at d=128 without a mask too, 501 against 473 at 16k
 # and 453 against 429 at 4k (three rounds, results/h200_mosaic_fused_stalls.md),
@@ -154,8 +157,9 @@ PERSISTENT_CAUSAL_MAX_KV_LEN = {64: 8192}
 # fused kernel's 371 TFLOP/s (settled, three rounds in alternating order,
 # results/h200_mosaic_stages_wide.md; +2.8% and +1.7% in session 19's two
 # unsettled runs). At d=64 the fused kernel's consumers spill (Nsight
-# Compute, session 20: 2.3e8 local-memory sectors a backward at 16k; the
-# two kernels' lean consumers have 240 registers, the fused kernel's 232).
+# Compute, session 20: 2.3e8 local-memory sectors a backward at 16k; ptxas:
+# 464 bytes at its 232 registers, still 220 at 256; the two kernels' dK/dV
+# kernel 180 bytes at its 240).
 FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384, 128: 16384}
 FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = ()
 # `mosaic_backward(opaque_resident=None)`: on with the fused dQ at these
@@ -259,7 +263,7 @@ MERGED_PIECES_HEAD_DIMS: tuple[int, ...] = (128,)
 # TFLOP/s at 16k (three rounds) and 331 -> 337 at 4k (two, launch grid; 4k
 # runs the persistent grid); without a mask 397 -> 398 at 16k (the fused
 # kernel runs there) and 385 -> 380 at 4k. At d=128, 64 x 128 against
-# 64 x 64: -0.9% to +0.4% but -2.7% at 4k without a mask: not there.
+# 64 x 64: -0.9% to +0.4% but -2.8% at 4k without a mask: not there.
 DQ_TILES_CAUSAL_LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
     (64, 128): (64, 128)}
 
@@ -277,22 +281,20 @@ def prefetch_stats_by_default(*, head_dim: int, block_q: int) -> bool:
   return (head_dim, block_q) in PREFETCH_STATS_TILES
 
 
-def _causal_launch_lean(*, head_dim: int, is_causal: bool,
-                        persistent: bool) -> bool:
+def _causal_launch_lean(*, head_dim: int, persistent: bool) -> bool:
   """Whether a causal call runs lean producers with lse read early
   (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`: on the launch grid at those head dims)."""
-  return (is_causal and not persistent
-          and head_dim in CAUSAL_LAUNCH_LEAN_HEAD_DIMS)
+  return not persistent and head_dim in CAUSAL_LAUNCH_LEAN_HEAD_DIMS
 
 
 def prefetch_lse_by_default(*, head_dim: int, block_q: int, fused_dq: bool,
                             is_causal: bool, persistent: bool = False) -> bool:
   """Whether `mosaic_backward(prefetch_lse=None)` reads the dK/dV kernel's
   lse before its matmuls (the two kernels, where `PREFETCH_LSE_TILES`
-  says; under causal masking on the launch grid at
-  `CAUSAL_LAUNCH_LEAN_HEAD_DIMS` only)."""
-  if is_causal and not _causal_launch_lean(
-      head_dim=head_dim, is_causal=is_causal, persistent=persistent):
+  says: on either grid without a causal mask, under one on the launch grid
+  at `CAUSAL_LAUNCH_LEAN_HEAD_DIMS` only)."""
+  if is_causal and not _causal_launch_lean(head_dim=head_dim,
+                                           persistent=persistent):
     return False
   return not fused_dq and (head_dim, block_q) in PREFETCH_LSE_TILES
 
@@ -305,8 +307,7 @@ def lean_producer_by_default(*, head_dim: int, fused_dq: bool,
   masking at `LEAN_PRODUCER_CAUSAL_HEAD_DIMS`, and on the launch grid at
   `CAUSAL_LAUNCH_LEAN_HEAD_DIMS`)."""
   if is_causal and head_dim not in LEAN_PRODUCER_CAUSAL_HEAD_DIMS and not (
-      _causal_launch_lean(head_dim=head_dim, is_causal=is_causal,
-                          persistent=persistent)):
+      _causal_launch_lean(head_dim=head_dim, persistent=persistent)):
     return False
   return LEAN_PRODUCER_BY_DEFAULT and not fused_dq
 
@@ -322,14 +323,14 @@ def merged_pieces_by_default(*, head_dim: int, deferred_dq: bool,
           and head_dim in MERGED_PIECES_HEAD_DIMS)
 
 
-def dq_tiles_by_default(*, head_dim: int, block_q: int, kv_len: int,
-                        is_causal: bool, persistent: bool,
+def dq_tiles_by_default(*, head_dim: int, block_q: int, q_len: int,
+                        kv_len: int, is_causal: bool, persistent: bool,
                         fused_dq: bool) -> tuple[int, int] | None:
-  """`mosaic_backward(dq_tiles=None)`'s tiles (`DQ_TILES_CAUSAL_LAUNCH`), or
-  None for the dK/dV kernel's."""
+  """`mosaic_backward(dq_tiles=None)`'s tiles (`DQ_TILES_CAUSAL_LAUNCH`,
+  where they divide the lengths), or None for the dK/dV kernel's."""
   tiles = DQ_TILES_CAUSAL_LAUNCH.get((head_dim, block_q))
   if (tiles is None or not is_causal or persistent or fused_dq
-      or kv_len % tiles[1]):
+      or q_len % tiles[0] or kv_len % tiles[1]):
     return None
   return tiles
 
@@ -581,7 +582,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (Q tile, K/V tile) pair instead of 7 (the dQ kernel recomputes S, dP).
       Launch grid only, and only where dK and dV fit one pass (head_dim up
       to 128). None: where measured faster (`fused_dq_by_default`: from
-      kv_len 16384 at head_dim 64, and at 128 without a causal mask).
+      kv_len 16384 at head_dim 64 and 128, without a causal mask), and not
+      where `dq_tiles` asks for the dQ kernel.
     tile_fastest: both kernels' launch grids in tile-fastest order (see
       `_Static`); the results are the same either way. Not with `fused_dq`,
       whose K/V tiles of a head must launch apart. None: on the launch grid
@@ -607,8 +609,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       head_dim 128).
     prefetch_lse: as `prefetch_stats` for lse alone (see `_Static`). None:
       where measured faster (`prefetch_lse_by_default`: the two kernels at
-      head_dim 128 with 64-row Q tiles, under causal masking on the launch
-      grid only).
+      head_dim 128 with 64-row Q tiles, on either grid without a causal
+      mask and on the launch grid under one).
     early_delta: the dK/dV kernel reads delta before P's exponentials
       (see `_Static`); the same results either way.
     lean_producer: both kernels' producers at 24 registers and consumers
@@ -637,6 +639,10 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       dim, lengths not multiples of the tiles, tiles that do not fit in
       shared memory or registers), so that a dispatcher falls back.
   """
+  if dq_tiles is not None and (
+      len(dq_tiles) != 2 or not all(isinstance(n, int) for n in dq_tiles)):
+    raise ValueError(f"dq_tiles must be (block_q, block_kv) of ints or None, "
+                     f"got {dq_tiles!r}")
   for tiles in ((block_q, block_kv),) + ((dq_tiles,) if dq_tiles else ()):
     check_supported(query, key, value, out, lse, d_out, d_lse,
                     block_q=tiles[0], block_kv=tiles[1],
@@ -679,8 +685,10 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   tiles = dict(scale=scale, is_causal=is_causal, block_q=block_q,
                block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
   head_dim, kv_len = query.shape[-1], key.shape[1]
-  if fused_dq is None:
-    fused_dq = not persistent and fused_dq_by_default(
+  own_dq_tiles = dq_tiles is not None and tuple(dq_tiles) != (block_q,
+                                                              block_kv)
+  if fused_dq is None:  # tiles of the dQ kernel's own ask for that kernel
+    fused_dq = not (persistent or own_dq_tiles) and fused_dq_by_default(
         head_dim=head_dim, kv_len=kv_len, block_q=block_q,
         block_kv=block_kv, is_causal=is_causal)
   if persistent is None:
@@ -711,8 +719,9 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
         persistent=persistent)
   if dq_tiles is None:
     dq_tiles = dq_tiles_by_default(
-        head_dim=head_dim, block_q=block_q, kv_len=kv_len,
-        is_causal=is_causal, persistent=persistent, fused_dq=fused_dq)
+        head_dim=head_dim, block_q=block_q, q_len=query.shape[1],
+        kv_len=kv_len, is_causal=is_causal, persistent=persistent,
+        fused_dq=fused_dq)
   # merged_pieces=None goes on: `statics` decides it with the consumers.
   return statics(query, key, heavy_first=heavy_first,
                  overlap_softmax=overlap_softmax, persistent=persistent,
@@ -895,6 +904,9 @@ def statics(query, key, *, heavy_first: bool = True,
   if dq_tiles is not None and tuple(dq_tiles) == (tiles["block_q"],
                                                   tiles["block_kv"]):
     dq_tiles = None  # the dK/dV kernel's
+  if dq_tiles is not None and tiles.get("spec") is not None:
+    # The ranged kernels' plans classify blocks at the one pair of tiles.
+    raise NotImplementedError("dq_tiles: not in the ranged backward")
   if fused_dq:
     if dq_tiles is not None:
       raise NotImplementedError("dq_tiles: the two kernels only")
