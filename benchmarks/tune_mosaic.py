@@ -273,6 +273,14 @@ DQ_TILES_64_CANDIDATES = [
 DQ_TILES_128_CANDIDATES = [
     dict(fused_dq=False, persistent=False, dq_tiles=tiles)
     for tiles in ((64, 64), (64, 128))]
+# d=64 under causal masking at 4k and 8k (NOTES, session 20's list, item
+# 4): the persistent grid (the default up to kv_len 8192) against the
+# launch grid with the dQ kernel on 64 x 128 tiles (its default from 16k)
+# and on 128 x 64, head to head.
+CAUSAL_64_GRID_CANDIDATES = [
+    dict(block_q=128, persistent=True),
+    dict(block_q=128, persistent=False, fused_dq=False, dq_tiles=(64, 128)),
+    dict(block_q=128, persistent=False, fused_dq=False, dq_tiles=(128, 64))]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -434,6 +442,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_stages_wide": _backward(STAGES_WIDE_CANDIDATES),
            "backward_dq_tiles_64": _backward(DQ_TILES_64_CANDIDATES),
            "backward_dq_tiles_128": _backward(DQ_TILES_128_CANDIDATES),
+           "backward_causal_64_grid": _backward(CAUSAL_64_GRID_CANDIDATES,
+                                                causal=(True,)),
            "backward_causal_128": _backward(CAUSAL_128_CANDIDATES,
                                             causal=(True,)),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),
