@@ -133,10 +133,11 @@ def jax_flash_all_mosaic(cell: common.Cell, *, interpret: bool = False
   return _benchmark(cell, attention)
 
 
-def jax_flash_mosaic_fp8(cell: common.Cell, *, interpret: bool = False
-                         ) -> Benchmark:
+def jax_flash_mosaic_fp8(cell: common.Cell, *, interpret: bool = False,
+                         **options) -> Benchmark:
   """The FP8 (e4m3) Mosaic forward on inputs quantised beforehand (untimed:
-  per-tensor scales, bf16 output). Forward only."""
+  per-tensor scales, bf16 output). Forward only. `options`: more of
+  `mosaic_forward_fp8`'s (a sweep's candidate, `tune_mosaic`)."""
   del interpret
   _require_gpu("the FP8 Mosaic forward", sm=(9, 0))
   if cell.mode != "fwd":
@@ -149,7 +150,7 @@ def jax_flash_mosaic_fp8(cell: common.Cell, *, interpret: bool = False
   def attention(q8, k8, v8, qs, ks, vs):
     out, _ = mosaic_forward_fp8(q8, k8, v8, q_descale=qs, k_descale=ks,
                                 v_descale=vs, scale=cell.head_dim**-0.5,
-                                is_causal=cell.causal)
+                                is_causal=cell.causal, **options)
     return out
   return Benchmark(jax.jit(attention), (q8, k8, v8, qs, ks, vs))
 

@@ -321,15 +321,11 @@ def backward_benchmark(cell: common.Cell, blocks: dict):
 
 
 def fp8_forward_benchmark(cell: common.Cell, blocks: dict):
-  """The FP8 forward on inputs quantised beforehand (per-tensor scales),
-  as `peers.jax_flash_mosaic_fp8` times it."""
-  from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8, quantize_fp8
-  q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
-  (q8, qs), (k8, ks), (v8, vs) = map(quantize_fp8, (q, k, v))
-  fn = jax.jit(lambda *a: mosaic_forward_fp8(
-      *a[:3], q_descale=a[3], k_descale=a[4], v_descale=a[5],
-      scale=cell.head_dim**-0.5, is_causal=cell.causal, **blocks))
-  return fn, (q8, k8, v8, qs, ks, vs)
+  """The FP8 forward as the grid times it (`peers.jax_flash_mosaic_fp8`),
+  with the candidate's options."""
+  from benchmarks import peers
+  bench = peers.jax_flash_mosaic_fp8(cell, **blocks)
+  return bench.fn, bench.args
 
 
 # The FP8 forward's lazy O rescale (`mosaic_forward_fp8(lazy_rescale=)`),

@@ -643,10 +643,13 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       len(dq_tiles) != 2 or not all(isinstance(n, int) for n in dq_tiles)):
     raise ValueError(f"dq_tiles must be (block_q, block_kv) of ints or None, "
                      f"got {dq_tiles!r}")
-  for tiles in ((block_q, block_kv),) + ((dq_tiles,) if dq_tiles else ()):
-    check_supported(query, key, value, out, lse, d_out, d_lse,
-                    block_q=tiles[0], block_kv=tiles[1],
-                    max_concurrent_steps=max_concurrent_steps)
+  check_supported(query, key, value, out, lse, d_out, d_lse,
+                  block_q=block_q, block_kv=block_kv,
+                  max_concurrent_steps=max_concurrent_steps)
+  if dq_tiles is not None:
+    check_tiles_divide(query.shape[1], key.shape[1], block_q=dq_tiles[0],
+                       block_kv=dq_tiles[1],
+                       max_concurrent_steps=max_concurrent_steps)
   # Configuring raises for tiles that do not fit, before any work is traced.
   dq_config, dkdv_configs = configure(
       query, key, scale=scale, is_causal=is_causal, block_q=block_q,
@@ -685,10 +688,11 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   tiles = dict(scale=scale, is_causal=is_causal, block_q=block_q,
                block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
   head_dim, kv_len = query.shape[-1], key.shape[1]
-  own_dq_tiles = dq_tiles is not None and tuple(dq_tiles) != (block_q,
-                                                              block_kv)
+  same_tiles = dq_tiles is not None and tuple(dq_tiles) == (block_q,
+                                                            block_kv)
   if fused_dq is None:  # tiles of the dQ kernel's own ask for that kernel
-    fused_dq = not (persistent or own_dq_tiles) and fused_dq_by_default(
+    own_tiles = dq_tiles is not None and not same_tiles
+    fused_dq = not (persistent or own_tiles) and fused_dq_by_default(
         head_dim=head_dim, kv_len=kv_len, block_q=block_q,
         block_kv=block_kv, is_causal=is_causal)
   if persistent is None:
@@ -717,7 +721,9 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
     lean_producer = lean_producer_by_default(
         head_dim=head_dim, fused_dq=fused_dq, is_causal=is_causal,
         persistent=persistent)
-  if dq_tiles is None:
+  if same_tiles:
+    dq_tiles = None  # the dK/dV kernel's, as asked
+  elif dq_tiles is None:
     dq_tiles = dq_tiles_by_default(
         head_dim=head_dim, block_q=block_q, q_len=query.shape[1],
         kv_len=kv_len, is_causal=is_causal, persistent=persistent,
@@ -794,6 +800,16 @@ def check_supported(query, key, value, out, lse, d_out, d_lse, *, block_q,
   if head_dim not in _SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"mosaic_backward supports head_dim in "
                               f"{_SUPPORTED_HEAD_DIMS}, got {head_dim}")
+  check_tiles_divide(q_len, kv_len, block_q=block_q, block_kv=block_kv,
+                     max_concurrent_steps=max_concurrent_steps,
+                     any_lengths=any_lengths)
+
+
+def check_tiles_divide(q_len: int, kv_len: int, *, block_q: int,
+                       block_kv: int, max_concurrent_steps: int,
+                       any_lengths: bool = False):
+  """The tiles are whole wgmma rows and (unless `any_lengths`) divide the
+  lengths; NotImplementedError otherwise."""
   check_tiles(block_q, block_kv, max_concurrent_steps)
   if not any_lengths and q_len % block_q:
     raise NotImplementedError(f"q_len {q_len} must be a multiple of block_q "
@@ -892,7 +908,8 @@ def statics(query, key, *, heavy_first: bool = True,
             dq_tiles: tuple[int, int] | None = None, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments (`dq_tiles`: the dQ kernel's block_q and
-  block_kv instead of theirs). Fused dQ: (None, [the one fused pass]);
+  block_kv instead of theirs; `configure` turns tiles equal to theirs into
+  None). Fused dQ: (None, [the one fused pass]);
   `merged_pieces=None` there: on where each consumer has one dQ piece."""
   options = dict(overlap_softmax=bool(overlap_softmax),
                  tile_fastest=bool(tile_fastest),
@@ -901,9 +918,6 @@ def statics(query, key, *, heavy_first: bool = True,
                       prefetch_lse=bool(prefetch_lse),
                       early_delta=bool(early_delta),
                       opaque_resident=bool(opaque_resident))
-  if dq_tiles is not None and tuple(dq_tiles) == (tiles["block_q"],
-                                                  tiles["block_kv"]):
-    dq_tiles = None  # the dK/dV kernel's
   if dq_tiles is not None and tiles.get("spec") is not None:
     # The ranged kernels' plans classify blocks at the one pair of tiles.
     raise NotImplementedError("dq_tiles: not in the ranged backward")
