@@ -281,6 +281,20 @@ CAUSAL_64_GRID_CANDIDATES = [
     dict(block_q=128, persistent=True),
     dict(block_q=128, persistent=False, fused_dq=False, dq_tiles=(64, 128)),
     dict(block_q=128, persistent=False, fused_dq=False, dq_tiles=(128, 64))]
+# head_dim 64's forward (three consumers, whose turns always go round a
+# ring) with those turns on hardware barriers (`hw_turns`) against the
+# default's mbarrier ring: session 10's unsettled run read +3% at 16k and
+# +1% at 4k (results/h200_mosaic_turns.md), where fwd d=64 1k is the
+# forward's one grid cell below its best peer (0.990 in session 20).
+# Pinned as they ran: session 21 made hw_turns d=64's default.
+FORWARD_HW_TURNS_CANDIDATES = [dict(hw_turns=False), dict(hw_turns=True)]
+# head_dim 64 without a mask at 4k, the two kernels on the launch grid
+# (fwd+bwd 0.995 of cuDNN in session 20's grid): the default against a
+# ring one stage deeper and the dQ kernel on 64 x 128 tiles (session 20:
+# 385 -> 380, two rounds).
+BACKWARD_FULL_64_CANDIDATES = [
+    dict(block_q=128), dict(block_q=128, max_concurrent_steps=3),
+    dict(block_q=128, dq_tiles=(64, 128))]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -440,6 +454,9 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_dq_tiles_128": _backward(DQ_TILES_128_CANDIDATES),
            "backward_causal_64_grid": _backward(CAUSAL_64_GRID_CANDIDATES,
                                                 causal=(True,)),
+           "forward_hw_turns": _forward(FORWARD_HW_TURNS_CANDIDATES),
+           "backward_full_64": _backward(BACKWARD_FULL_64_CANDIDATES,
+                                         causal=(False,)),
            "backward_causal_128": _backward(CAUSAL_128_CANDIDATES,
                                             causal=(True,)),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),

@@ -752,7 +752,8 @@ def test_three_consumers_default_follows_the_measured_table(cuda_lowering):
 
 
 # How the consumers take turns (`KernelStatic.ring_turns`, `hw_turns`).
-TURN_VARIANTS = [dict(num_consumers=2, ring_turns=True),
+# hw_turns explicit: it is d=64's default (`forward.HW_TURNS_HEAD_DIMS`).
+TURN_VARIANTS = [dict(num_consumers=2, ring_turns=True, hw_turns=False),
                  dict(num_consumers=2, hw_turns=True),
                  dict(num_consumers=3, hw_turns=True)]
 
@@ -767,7 +768,7 @@ def test_turn_variants_lower(variant, is_causal, persistent,
   semantics and change the kernel; `overlap_scores` refuses them."""
   text = _lower(64, is_causal, persistent=persistent, **variant)
   assert _KERNEL_NAME in text
-  plain = dict(num_consumers=variant["num_consumers"])
+  plain = dict(num_consumers=variant["num_consumers"], hw_turns=False)
   assert text != _lower(64, is_causal, persistent=persistent, **plain)
   if variant.get("hw_turns"):
     assert "bar.sync 8, 256" in text and "bar.arrive 9, 256" in text
@@ -775,6 +776,23 @@ def test_turn_variants_lower(variant, is_causal, persistent,
     _lower(64, is_causal, persistent=False, overlap_scores=True,
            num_consumers=2, **{k: v for k, v in variant.items()
                                if k != "num_consumers"})
+
+
+def test_hw_turns_default_is_d64(cuda_lowering):
+  """By default the consumers take turns on hardware barriers at head_dim
+  64 only (session 21's A/B), two consumers or three, and never under
+  `overlap_scores` (which takes its own turns and refuses them)."""
+  from pallas_kernels.mosaic import forward
+  assert forward.hw_turns_by_default(head_dim=64)
+  assert not forward.hw_turns_by_default(head_dim=64, overlap_scores=True)
+  assert not any(forward.hw_turns_by_default(head_dim=d) for d in (128, 256))
+  # `forward.consumers_by_default`: three from q_len 1024, two causal.
+  for causal, q_len, consumers in ((False, 1024, 3), (True, 1024, 2)):
+    text = lambda **kw: _lower(64, causal, q_len=q_len, **kw)
+    assert text() == text(hw_turns=True, num_consumers=consumers)
+    assert "bar.sync 8, " in text()
+  assert "bar.sync 8, " not in _lower(128, False)
+  _lower(64, False, persistent=False, overlap_scores=True)  # no raise
 
 
 @pytest.mark.gpu
@@ -786,7 +804,7 @@ def test_turn_variants_are_bitwise_the_default_on_gpu(head_dim, is_causal):
   persistent grid of 7 CTAs (a ring barrier off by a turn would hang or,
   on hardware barriers, let a consumer run ahead out of turn)."""
   run = _forward_runner(head_dim, is_causal, seed=6)
-  want = run(persistent=False)
+  want = run(persistent=False, hw_turns=False)
   for variant in TURN_VARIANTS:
     if variant["num_consumers"] == 3 and head_dim != 64:
       continue

@@ -218,6 +218,15 @@ SUM_AFTER_PV_HEAD_DIMS = (128,)
 # +3.6%, causal -1.3 / -0.2 / -3.7%; d=64 +0.2 / +0.7 / -0.3% without a
 # mask and +1.1 / +1.3 / -7.6% causal. Session 15's ncu of the d=256
 # forward counted O's rescale as 69 M of its 260 M warp instructions.
+# `mosaic_forward(hw_turns=None)` takes the consumers' turns on hardware
+# barriers at these head dims (`hw_turns_by_default`). Session 21's A/B on
+# the H200 (settled, three rounds in alternating order, forward alone, off
+# -> on, TFLOP/s, results/h200_mosaic_hw_turns.md), head_dim 64 without a
+# mask (three consumers) 386 -> 390 at 1k, 457 -> 463 at 4k, 484 -> 490 at
+# 16k; causal 288 -> 307 at 1k (two consumers: a ring on hardware
+# barriers instead of the rendezvous), 406 -> 409 at 4k, 456 -> 456 at
+# 16k. Session 10's unsettled run had left it off for d=256's -4% at 16k.
+HW_TURNS_HEAD_DIMS = (64,)
 LAZY_RESCALE_DEFAULTS = frozenset({(256, False), (256, True), (128, False)})
 LAZY_RESCALE_THRESHOLD = 8.0
 
@@ -246,6 +255,14 @@ def sum_after_pv_by_default(*, head_dim: int, is_causal: bool,
   which orders its steps its own way)."""
   return (head_dim in SUM_AFTER_PV_HEAD_DIMS and not is_causal
           and not overlap_scores)
+
+
+def hw_turns_by_default(*, head_dim: int, overlap_scores: bool = False
+                        ) -> bool:
+  """Whether `mosaic_forward(hw_turns=None)` takes the consumers' turns on
+  hardware barriers (`HW_TURNS_HEAD_DIMS`; never with `overlap_scores`,
+  which takes its own turns)."""
+  return head_dim in HW_TURNS_HEAD_DIMS and not overlap_scores
 
 
 def lazy_rescale_by_default(*, head_dim: int, is_causal: bool,
@@ -351,6 +368,7 @@ class KernelStatic:
   # barriers (`bar.arrive` / `bar.sync`, `compat.named_barrier`) instead of
   # shared-memory mbarriers: no polling, no shared-memory traffic.
   # tokamax's forward takes its turns so. Scheduling only: bitwise the same.
+  # `mosaic_forward`'s default at `HW_TURNS_HEAD_DIMS` since session 21.
   ring_turns: bool = False
   hw_turns: bool = False
   # Two consumers at 240 registers and the producer at 24 (FlashAttention-
@@ -415,7 +433,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    num_ctas: int | None = None,
                    tile_fastest: bool | None = None,
                    num_consumers: int | None = None, ring_turns: bool = False,
-                   hw_turns: bool = False, lean_producer: bool = False,
+                   hw_turns: bool | None = None,
+                   lean_producer: bool = False,
                    sum_after_pv: bool | None = None,
                    lazy_rescale: bool | None = None,
                    rescale_threshold: float = LAZY_RESCALE_THRESHOLD,
@@ -461,6 +480,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       are the same either way, so the results are bitwise the same.
     ring_turns, hw_turns: how the consumers take turns (see
       `KernelStatic`); not with `overlap_scores`. Bitwise the same.
+      hw_turns None: where measured faster (`hw_turns_by_default`).
     lean_producer: the consumers at 240 registers, the producer at 24
       (see `KernelStatic`); two consumers only. Bitwise the same.
     sum_after_pv: P's row sum after P V is issued (see `KernelStatic`);
@@ -503,6 +523,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if lean_producer and num_consumers != NUM_CONSUMERS:
     raise NotImplementedError(
         f"lean_producer: {NUM_CONSUMERS} consumers, not {num_consumers}")
+  if hw_turns is None:
+    hw_turns = hw_turns_by_default(head_dim=query.shape[-1],
+                                   overlap_scores=overlap_scores)
   if (ring_turns or hw_turns) and overlap_scores:
     raise NotImplementedError(
         "overlap_scores takes its own turns: no ring_turns or hw_turns")
