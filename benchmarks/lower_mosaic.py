@@ -85,7 +85,8 @@ def kernels(head_dim: int):
                  merged_pieces=False)
     fused_forms = (fused,
                    dict(fused, stage_free_on_read=True, prefetch_lse=True),
-                   dict(fused, deferred_dq=True, merged_pieces=True))
+                   dict(fused, deferred_dq=True, merged_pieces=True),
+                   dict(fused, hw_ds_sync=True, deferred_dq=False))
     for options in BACKWARD_OPTIONS + (fused_forms if head_dim < 256 else ()):
       yield (f"backward d{head_dim} causal={causal} {options}",
              lambda q, k, v, out, d_out, c=causal, o=options: mosaic_backward(

@@ -295,6 +295,13 @@ FORWARD_HW_TURNS_CANDIDATES = [dict(hw_turns=False), dict(hw_turns=True)]
 BACKWARD_FULL_64_CANDIDATES = [
     dict(block_q=128), dict(block_q=128, max_concurrent_steps=3),
     dict(block_q=128, dq_tiles=(64, 128))]
+# head_dim 64's fused dQ (the default from kv_len 16k without a mask) with
+# its consumers meeting each step on a hardware barrier (`hw_ds_sync`)
+# against the mbarrier, and the two kernels on the launch grid beside them.
+FUSED_HW_SYNC_CANDIDATES = [
+    dict(block_q=128, fused_dq=True), dict(block_q=128, fused_dq=True,
+                                           hw_ds_sync=True),
+    dict(block_q=128, fused_dq=False, persistent=False)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -457,6 +464,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_hw_turns": _forward(FORWARD_HW_TURNS_CANDIDATES),
            "backward_full_64": _backward(BACKWARD_FULL_64_CANDIDATES,
                                          causal=(False,)),
+           "backward_fused_hw_sync": _backward(FUSED_HW_SYNC_CANDIDATES),
            "backward_causal_128": _backward(CAUSAL_128_CANDIDATES,
                                             causal=(True,)),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),

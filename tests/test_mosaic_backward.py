@@ -54,7 +54,7 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
                          "shared_rows", "deferred_dq",
                          "prefetch_lse", "stage_free_on_read", "early_delta",
                          "lean_producer", "merged_pieces",
-                         "num_ctas", "dq_tiles")
+                         "num_ctas", "dq_tiles", "hw_ds_sync")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
 
@@ -316,6 +316,21 @@ def test_tile_fastest_is_bitwise_the_default_on_gpu(head_dim, kwargs,
   shared-rows dK/dV kernel)."""
   _assert_bitwise_either_way("tile_fastest", head_dim, is_causal, 29,
                              persistent=False, fused_dq=False, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (64, dict(block_q=128)), (128, dict(deferred_dq=False)),
+], ids=str)
+def test_hw_ds_sync_is_bitwise_the_fused_kernel_on_gpu(head_dim, kwargs,
+                                                       is_causal):
+  """`hw_ds_sync` moves the fused consumers' meeting each step onto a
+  hardware barrier: dq, dk, dv equal the fused kernel's bit for bit, three
+  runs in a row (a consumer reading the other's dSᵀ before it is stored
+  would not)."""
+  _assert_bitwise_either_way("hw_ds_sync", head_dim, is_causal, 59,
+                             runs=3, fused_dq=True, **kwargs)
 
 
 @pytest.mark.gpu
@@ -597,6 +612,21 @@ def test_stage_free_on_read_lowers_with_the_fused_dq_only(cuda_lowering):
             != _lower(128, False, fused_dq=True, **kwargs))
   with pytest.raises(NotImplementedError, match="fused dQ only"):
     _lower(128, False, fused_dq=False, stage_free_on_read=True)
+
+
+def test_hw_ds_sync_lowers_with_the_fused_dq_only(cuda_lowering):
+  """The consumers' meeting on a hardware barrier changes the fused kernel
+  (a `bar.sync` of both consumers' 256 threads) and refuses the two
+  kernels and the deferred pieces (whose consumers do not meet)."""
+  for head_dim, kwargs in ((64, dict(block_q=128)),
+                           (128, dict(deferred_dq=False))):
+    text = _lower(head_dim, False, fused_dq=True, hw_ds_sync=True, **kwargs)
+    assert "bar.sync 9, 256" in text
+    assert text != _lower(head_dim, False, fused_dq=True, **kwargs)
+  with pytest.raises(NotImplementedError, match="fused dQ only"):
+    _lower(64, False, block_q=128, fused_dq=False, hw_ds_sync=True)
+  with pytest.raises(NotImplementedError, match="without deferred_dq"):
+    _lower(128, False, fused_dq=True, deferred_dq=True, hw_ds_sync=True)
 
 
 def test_deferred_dq_lowers_with_the_fused_dq_only(cuda_lowering):

@@ -473,6 +473,14 @@ class _Static:
   # a consumer step. Bitwise the deferred kernel (GPU tests, three runs,
   # session 15); the default at `MERGED_PIECES_HEAD_DIMS`.
   merged_pieces: bool = False
+  # Fused dQ, not deferred: the consumers' meeting each step (every dSᵀ of
+  # the step stored before any consumer reads them for its dQ pieces) is
+  # one `bar.sync` on a hardware barrier (`_DS_STORED_BARRIER`) instead of
+  # an arrival on and a polling wait for the `ds_stored` mbarrier. Safe on
+  # a barrier without phases: each consumer arrives and waits in one
+  # instruction, so none can arrive for the next step before all have
+  # arrived for this one. Scheduling only: bitwise the same.
+  hw_ds_sync: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
   # (`forward.persistent_schedule`), so that a tile's start (its resident
   # loads, the ring's fill) overlaps the previous tile's end. Plain form.
@@ -541,7 +549,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     lean_producer: bool | None = None,
                     stage_free_on_read: bool = False,
                     merged_pieces: bool | None = None,
-                    dq_tiles: tuple[int, int] | None = None):
+                    dq_tiles: tuple[int, int] | None = None,
+                    hw_ds_sync: bool = False):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -630,6 +639,9 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (block_q, block_kv) for the same tiles. None: where measured faster
       (`dq_tiles_by_default`: 64 x 128 at head_dim 64 with 128-row Q tiles
       under causal masking on the launch grid), else the same tiles.
+    hw_ds_sync: the fused dQ's consumers meet each step on a hardware
+      barrier instead of an mbarrier (see `_Static`); the same results
+      either way. Fused dQ without `deferred_dq` only.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -661,7 +673,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       opaque_resident=opaque_resident, deferred_dq=deferred_dq,
       prefetch_lse=prefetch_lse, early_delta=early_delta,
       lean_producer=lean_producer, stage_free_on_read=stage_free_on_read,
-      merged_pieces=merged_pieces, dq_tiles=dq_tiles)
+      merged_pieces=merged_pieces, dq_tiles=dq_tiles, hw_ds_sync=hw_ds_sync)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -680,7 +692,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               lean_producer: bool | None = None,
               stage_free_on_read: bool = False,
               merged_pieces: bool | None = None,
-              dq_tiles: tuple[int, int] | None = None):
+              dq_tiles: tuple[int, int] | None = None,
+              hw_ds_sync: bool = False):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -738,7 +751,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  prefetch_lse=prefetch_lse, early_delta=early_delta,
                  lean_producer=lean_producer,
                  stage_free_on_read=stage_free_on_read,
-                 merged_pieces=merged_pieces, dq_tiles=dq_tiles, **tiles)
+                 merged_pieces=merged_pieces, dq_tiles=dq_tiles,
+                 hw_ds_sync=hw_ds_sync, **tiles)
 
 
 def gradients(query, key, value, d_out, stats, dq_config: _Static | None,
@@ -905,7 +919,8 @@ def statics(query, key, *, heavy_first: bool = True,
             prefetch_lse: bool = False, early_delta: bool = False,
             lean_producer: bool = False, stage_free_on_read: bool = False,
             merged_pieces: bool | None = False,
-            dq_tiles: tuple[int, int] | None = None, **tiles):
+            dq_tiles: tuple[int, int] | None = None,
+            hw_ds_sync: bool = False, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments (`dq_tiles`: the dQ kernel's block_q and
   block_kv instead of theirs; `configure` turns tiles equal to theirs into
@@ -939,6 +954,10 @@ def statics(query, key, *, heavy_first: bool = True,
     if merged_pieces and not (deferred_dq and overlap_softmax):
       raise NotImplementedError(
           "merged_pieces: with deferred_dq and overlap_softmax only")
+    if hw_ds_sync and deferred_dq:
+      raise NotImplementedError(
+          "hw_ds_sync: the fused dQ without deferred_dq only (deferred, "
+          "the consumers do not meet each step)")
     fused_configs = dkdv_statics(query, key, fused_dq=True,
                                  opaque_resident=opaque_resident,
                                  deferred_dq=deferred_dq, **tiles)
@@ -957,11 +976,12 @@ def statics(query, key, *, heavy_first: bool = True,
     return None, [dataclasses.replace(
         config, **dkdv_options, deferred_dq=bool(deferred_dq),
         stage_free_on_read=bool(stage_free_on_read),
-        merged_pieces=bool(merged_pieces)) for config in fused_configs]
-  if deferred_dq or stage_free_on_read or merged_pieces:
+        merged_pieces=bool(merged_pieces), hw_ds_sync=bool(hw_ds_sync))
+        for config in fused_configs]
+  if deferred_dq or stage_free_on_read or merged_pieces or hw_ds_sync:
     raise NotImplementedError(
-        "deferred_dq, stage_free_on_read and merged_pieces: the fused dQ "
-        "only")
+        "deferred_dq, stage_free_on_read, merged_pieces and hw_ds_sync: the "
+        "fused dQ only")
   if early_delta and shared_rows:
     raise NotImplementedError(
         "early_delta: the plain and fused dK/dV consumers only (not shared "
@@ -1197,6 +1217,8 @@ _ZERO_CELL_BYTES = 1024
 # The fused dQ's consumers meet on this hardware barrier after their last
 # pieces (`compat.named_barrier`: ids from 8 up are free).
 _PIECES_DONE_BARRIER = 8
+# The hardware barrier of `_Static.hw_ds_sync`.
+_DS_STORED_BARRIER = 9
 
 
 def _dq_pieces(block_q: int, head_dim: int) -> int:
@@ -1911,6 +1933,12 @@ def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static, offset=0):
   `offset`: a zero the K rows are indexed by (`_Static.opaque_resident`)."""
   parity = lax.rem(step, 2)
   plgpu.commit_smem()  # this consumer's dSᵀ, read by every consumer's wgmma
+  if static.hw_ds_sync:  # every consumer's dSᵀ of `step` is stored after it
+    compat.named_barrier("sync", _DS_STORED_BARRIER,
+                         static.num_consumers * _THREADS_PER_WARPGROUP)
+    _stage_dq_pieces(fused, wg, step=step, static=static, offset=offset,
+                     parity=parity, stored=True)
+    return
   plgpu.barrier_arrive(fused.ds_stored.at[parity])
   if not static.deferred_dq:
     _stage_dq_pieces(fused, wg, step=step, static=static, offset=offset,
@@ -1922,13 +1950,14 @@ def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static, offset=0):
 
 
 def _stage_dq_pieces(fused: _FusedDq, wg, *, step, static: _Static,
-                     offset=0, parity=None):
+                     offset=0, parity=None, stored: bool = False):
   """Consumer wg's pieces of the CTA's dS K for `step` (`parity`: step's,
-  if computed), once every consumer stored its dSᵀ of `step`: computed and
-  staged for the writer."""
+  if computed), once every consumer stored its dSᵀ of `step` (waited for
+  here unless `stored`): computed and staged for the writer."""
   if parity is None:
     parity = lax.rem(step, 2)
-  plgpu.barrier_wait(fused.ds_stored.at[parity])
+  if not stored:
+    plgpu.barrier_wait(fused.ds_stored.at[parity])
   # The writer has read this stage's pieces of step - 2.
   pl.when(step >= 2)(lambda: plgpu.barrier_wait(fused.stage_free.at[parity]))
   ds, stage = fused.ds.at[parity], fused.stage.at[parity]
