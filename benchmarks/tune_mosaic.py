@@ -298,9 +298,10 @@ BACKWARD_FULL_64_CANDIDATES = [
 # head_dim 64's fused dQ (the default from kv_len 16k without a mask) with
 # its consumers meeting each step on a hardware barrier (`hw_ds_sync`)
 # against the mbarrier, and the two kernels on the launch grid beside them.
+# Pinned as they ran (session 21 made hw_ds_sync d=64's default).
 FUSED_HW_SYNC_CANDIDATES = [
-    dict(block_q=128, fused_dq=True), dict(block_q=128, fused_dq=True,
-                                           hw_ds_sync=True),
+    dict(block_q=128, fused_dq=True, hw_ds_sync=False),
+    dict(block_q=128, fused_dq=True, hw_ds_sync=True),
     dict(block_q=128, fused_dq=False, persistent=False)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)

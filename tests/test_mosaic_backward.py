@@ -622,7 +622,8 @@ def test_hw_ds_sync_lowers_with_the_fused_dq_only(cuda_lowering):
                            (128, dict(deferred_dq=False))):
     text = _lower(head_dim, False, fused_dq=True, hw_ds_sync=True, **kwargs)
     assert "bar.sync 9, 256" in text
-    assert text != _lower(head_dim, False, fused_dq=True, **kwargs)
+    assert text != _lower(head_dim, False, fused_dq=True, hw_ds_sync=False,
+                          **kwargs)
   with pytest.raises(NotImplementedError, match="fused dQ only"):
     _lower(64, False, block_q=128, fused_dq=False, hw_ds_sync=True)
   with pytest.raises(NotImplementedError, match="without deferred_dq"):
@@ -991,7 +992,8 @@ def test_dq_tiles_match_reference_on_gpu(head_dim, kwargs, is_causal):
 def test_backward_defaults_at_long_kv():
   """What `configure` picks at `test_backward_default_at_long_kv_on_gpu`'s
   shapes (q_len 15360, kv_len 16384, GQA 2:1): without a mask the fused
-  dQ (at d=128 deferred, merged, opaque descriptors); under causal masking
+  dQ (at d=128 deferred, merged, opaque descriptors; at d=64 its consumers
+  meeting on a hardware barrier); under causal masking
   the two kernels on the launch grid, tile-fastest, lean producers, at
   d=64 the dQ kernel on 64 x 128 tiles (`DQ_TILES_CAUSAL_LAUNCH`), at
   d=128 lse read early (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`)."""
@@ -1006,6 +1008,7 @@ def test_backward_defaults_at_long_kv():
     assert none is None and fused.fused_dq and not fused.persistent
     assert (fused.deferred_dq and fused.merged_pieces
             and fused.opaque_resident) == (head_dim == 128)
+    assert fused.hw_ds_sync == (head_dim == 64)  # `HW_DS_SYNC_HEAD_DIMS`
     dq, [dkdv] = configs(True)
     assert not (dkdv.fused_dq or dkdv.persistent or dq.persistent)
     assert dq.tile_fastest and dkdv.tile_fastest

@@ -266,6 +266,12 @@ MERGED_PIECES_HEAD_DIMS: tuple[int, ...] = (128,)
 # 64 x 64: -0.9% to +0.4% but -2.8% at 4k without a mask: not there.
 DQ_TILES_CAUSAL_LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
     (64, 128): (64, 128)}
+# `mosaic_backward(hw_ds_sync=None)`: the fused dQ's consumers meet each
+# step on a hardware barrier at these head dims (where the pieces are not
+# deferred). Session 21 (backward alone, settled, three rounds in
+# alternating order, results/h200_mosaic_fused_hw_sync.md): d=64 without a
+# mask at 16k 405 -> 420 TFLOP/s (the two kernels 402).
+HW_DS_SYNC_HEAD_DIMS: tuple[int, ...] = (64,)
 
 
 def shared_rows_by_default(*, head_dim: int, persistent: bool) -> bool:
@@ -333,6 +339,14 @@ def dq_tiles_by_default(*, head_dim: int, block_q: int, q_len: int,
       or q_len % tiles[0] or kv_len % tiles[1]):
     return None
   return tiles
+
+
+def hw_ds_sync_by_default(*, head_dim: int, fused_dq: bool,
+                          deferred_dq: bool) -> bool:
+  """Whether `mosaic_backward(hw_ds_sync=None)` has the fused dQ's
+  consumers meet on a hardware barrier (`HW_DS_SYNC_HEAD_DIMS`, where they
+  meet each step: not deferred)."""
+  return fused_dq and not deferred_dq and head_dim in HW_DS_SYNC_HEAD_DIMS
 
 
 def persistent_by_default(*, head_dim: int, kv_len: int,
@@ -479,7 +493,8 @@ class _Static:
   # an arrival on and a polling wait for the `ds_stored` mbarrier. Safe on
   # a barrier without phases: each consumer arrives and waits in one
   # instruction, so none can arrive for the next step before all have
-  # arrived for this one. Scheduling only: bitwise the same.
+  # arrived for this one. Scheduling only: bitwise the same (GPU tests).
+  # The default at `HW_DS_SYNC_HEAD_DIMS`.
   hw_ds_sync: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
   # (`forward.persistent_schedule`), so that a tile's start (its resident
@@ -550,7 +565,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     stage_free_on_read: bool = False,
                     merged_pieces: bool | None = None,
                     dq_tiles: tuple[int, int] | None = None,
-                    hw_ds_sync: bool = False):
+                    hw_ds_sync: bool | None = None):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -641,7 +656,9 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       under causal masking on the launch grid), else the same tiles.
     hw_ds_sync: the fused dQ's consumers meet each step on a hardware
       barrier instead of an mbarrier (see `_Static`); the same results
-      either way. Fused dQ without `deferred_dq` only.
+      either way. Fused dQ without `deferred_dq` only. None: where
+      measured faster (`hw_ds_sync_by_default`: the fused dQ at head_dim
+      64).
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -693,7 +710,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               stage_free_on_read: bool = False,
               merged_pieces: bool | None = None,
               dq_tiles: tuple[int, int] | None = None,
-              hw_ds_sync: bool = False):
+              hw_ds_sync: bool | None = None):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -730,6 +747,9 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
   if tile_fastest is None:
     tile_fastest = tile_fastest_by_default(persistent=persistent,
                                            fused_dq=fused_dq)
+  if hw_ds_sync is None:
+    hw_ds_sync = hw_ds_sync_by_default(head_dim=head_dim, fused_dq=fused_dq,
+                                       deferred_dq=deferred_dq)
   if lean_producer is None:
     lean_producer = lean_producer_by_default(
         head_dim=head_dim, fused_dq=fused_dq, is_causal=is_causal,
