@@ -303,6 +303,16 @@ FUSED_HW_SYNC_CANDIDATES = [
     dict(block_q=128, fused_dq=True, hw_ds_sync=False),
     dict(block_q=128, fused_dq=True, hw_ds_sync=True),
     dict(block_q=128, fused_dq=False, persistent=False)]
+# Where the fused dQ is not the default (d=64 under causal masking at 16k
+# and without a mask at 4k; d=128 at 16k, whose fused dQ defers its
+# pieces), the default against the fused dQ with its consumers meeting
+# each step on a hardware barrier (not deferred), as d=64 runs it at 16k.
+HW_SYNC_RECHECK_64_CANDIDATES = [
+    dict(block_q=128), dict(block_q=128, fused_dq=True, deferred_dq=False,
+                            hw_ds_sync=True)]
+HW_SYNC_RECHECK_128_CANDIDATES = [
+    dict(), dict(fused_dq=True, deferred_dq=False, merged_pieces=False,
+                 hw_ds_sync=True)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -466,6 +476,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_full_64": _backward(BACKWARD_FULL_64_CANDIDATES,
                                          causal=(False,)),
            "backward_fused_hw_sync": _backward(FUSED_HW_SYNC_CANDIDATES),
+           "backward_hw_sync_64": _backward(HW_SYNC_RECHECK_64_CANDIDATES),
+           "backward_hw_sync_128": _backward(HW_SYNC_RECHECK_128_CANDIDATES),
            "backward_causal_128": _backward(CAUSAL_128_CANDIDATES,
                                             causal=(True,)),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),
