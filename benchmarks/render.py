@@ -204,7 +204,7 @@ def header_lines(result: dict, title: str) -> list[str]:
            f"Device: {result['device']}; JAX {result['jax_version']}.", "",
            f"Command: `{result['command']}`", ""]
   if result.get("parts"):  # halves measured at once, on separate GPUs
-    lines += ["Parts, each measured in one process on its own GPU:", "",
+    lines += ["Parts, each measured in one process of its own:", "",
               *(f"- `{command}`" for command in result["parts"]), ""]
   if result.get("note"):
     lines += [f"**Note:** {result['note']}", ""]
