@@ -218,6 +218,8 @@ SUM_AFTER_PV_HEAD_DIMS = (128,)
 # +3.6%, causal -1.3 / -0.2 / -3.7%; d=64 +0.2 / +0.7 / -0.3% without a
 # mask and +1.1 / +1.3 / -7.6% causal. Session 15's ncu of the d=256
 # forward counted O's rescale as 69 M of its 260 M warp instructions.
+LAZY_RESCALE_DEFAULTS = frozenset({(256, False), (256, True), (128, False)})
+LAZY_RESCALE_THRESHOLD = 8.0
 # `mosaic_forward(hw_turns=None)` takes the consumers' turns on hardware
 # barriers at these head dims (`hw_turns_by_default`). Session 21's A/B on
 # the H200 (settled, three rounds in alternating order, forward alone, off
@@ -225,10 +227,9 @@ SUM_AFTER_PV_HEAD_DIMS = (128,)
 # mask (three consumers) 386 -> 390 at 1k, 457 -> 463 at 4k, 484 -> 490 at
 # 16k; causal 288 -> 307 at 1k (two consumers: a ring on hardware
 # barriers instead of the rendezvous), 406 -> 409 at 4k, 456 -> 456 at
-# 16k. Session 10's unsettled run had left it off for d=256's -4% at 16k.
+# 16k. At d=128 and d=256 (two consumers) the same run read -0.4% to
+# +1.8% at 1k and 4k but -1.1% to -2.2% at 16k: off there.
 HW_TURNS_HEAD_DIMS = (64,)
-LAZY_RESCALE_DEFAULTS = frozenset({(256, False), (256, True), (128, False)})
-LAZY_RESCALE_THRESHOLD = 8.0
 
 
 def persistent_by_default(*, is_causal: bool, head_dim: int, kv_len: int,
