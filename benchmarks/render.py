@@ -203,7 +203,7 @@ def header_lines(result: dict, title: str) -> list[str]:
   lines = [f"# {title}", "",
            f"Device: {result['device']}; JAX {result['jax_version']}.", "",
            f"Command: `{result['command']}`", ""]
-  if result.get("parts"):  # halves measured at once, on separate GPUs
+  if result.get("parts"):  # e.g. the grid's halves, one process each
     lines += ["Parts, each measured in one process of its own:", "",
               *(f"- `{command}`" for command in result["parts"]), ""]
   if result.get("note"):

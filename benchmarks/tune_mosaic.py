@@ -304,8 +304,9 @@ FUSED_HW_SYNC_CANDIDATES = [
     dict(block_q=128, fused_dq=True, hw_ds_sync=True),
     dict(block_q=128, fused_dq=False, persistent=False)]
 # Where the fused dQ is not the default (d=64 under causal masking at 16k
-# and without a mask at 4k; d=128 at 16k, whose fused dQ defers its
-# pieces), the default against the fused dQ with its consumers meeting
+# and without a mask at 4k; d=128 at 16k, whose fused dQ, the default
+# without a mask, defers its pieces, and whose causal default is the two
+# kernels), the default against the fused dQ with its consumers meeting
 # each step on a hardware barrier (not deferred), as d=64 runs it at 16k.
 HW_SYNC_RECHECK_64_CANDIDATES = [
     dict(block_q=128), dict(block_q=128, fused_dq=True, deferred_dq=False,

@@ -52,15 +52,18 @@ CASES = [
     (Case(1, 128, 256, 2, 1, 64), True, dict(persistent=False)),
     (Case(1, 256, 128, 1, 1, 64), True, dict(persistent=False)),
     # Three consumers (d=64's default from q_len 1024) on a short tile;
-    # four warpgroups (`_skip_if_too_wide`).
+    # four warpgroups (`_skip_if_too_wide`). Their ring on mbarriers here
+    # (d=64's default is hardware barriers: `forward.HW_TURNS_HEAD_DIMS`).
     (Case(1, 192, 128, 1, 1, 64), False, dict(persistent=False,
-                                              num_consumers=3)),
+                                              num_consumers=3,
+                                              hw_turns=False)),
     # The consumer schedules: the intra-warpgroup overlap, ring turns,
     # turns on hardware barriers, and P's row sum after P V.
     (Case(1, 128, 256, 1, 1, 64), True, dict(persistent=False,
                                              overlap_scores=True)),
     (Case(1, 128, 128, 1, 1, 64), True, dict(persistent=False,
-                                             ring_turns=True)),
+                                             ring_turns=True,
+                                             hw_turns=False)),
     (Case(1, 128, 128, 1, 1, 64), True, dict(persistent=False,
                                              hw_turns=True)),
     (Case(1, 128, 128, 2, 2, 64), False, dict(num_ctas=2,

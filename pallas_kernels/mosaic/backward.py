@@ -1917,7 +1917,8 @@ class _FusedDq(NamedTuple):
   the time tile j starts.
   """
   ds: Any          # [2, consumers, block_kv, block_q] 16-bit: dSᵀ tiles
-  ds_stored: Any   # barriers [2], an arrival per consumer
+  ds_stored: Any   # barriers [2], an arrival per consumer (unused with
+                   # `_Static.hw_ds_sync`, which meets on a hardware one)
   stage: Any       # f32 [2, pieces, _DQ_PIECE, _DQ_PIECE]: the CTA's dS K
   staged: Any      # barriers [2], an arrival per consumer: pieces staged
   stage_free: Any  # barriers [2]: the writer read the stage
@@ -1956,13 +1957,11 @@ def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static, offset=0):
   if static.hw_ds_sync:  # every consumer's dSᵀ of `step` is stored after it
     compat.named_barrier("sync", _DS_STORED_BARRIER,
                          static.num_consumers * _THREADS_PER_WARPGROUP)
-    _stage_dq_pieces(fused, wg, step=step, static=static, offset=offset,
-                     parity=parity, stored=True)
-    return
-  plgpu.barrier_arrive(fused.ds_stored.at[parity])
+  else:
+    plgpu.barrier_arrive(fused.ds_stored.at[parity])
   if not static.deferred_dq:
     _stage_dq_pieces(fused, wg, step=step, static=static, offset=offset,
-                     parity=parity)
+                     parity=parity, stored=static.hw_ds_sync)
     return
   pl.when(step >= 1)(functools.partial(
       _stage_dq_pieces, fused, wg, step=step - 1, static=static,

@@ -28,7 +28,8 @@ Ping-pong (§3.1): a two-party rendezvous barrier makes the two consumers take
 turns on the tensor cores, so one warpgroup's softmax runs under the other's
 GEMMs. Warpgroup 1 starts one turn late; under causal masking warpgroup 1 may
 have more K/V blocks than warpgroup 0 and runs those alone, without turns.
-Three consumers pass the turn round a ring of barriers instead (`turns.RingTurns`).
+Three consumers pass the turn round a ring of barriers instead (`turns.RingTurns`),
+and at head_dim 64 two or three do so on hardware barriers (`hw_turns`).
 
 Softmax (§3.1, and FlashAttention-2 §3.1): exp2 with log2(e) folded into the
 scale, the running max m kept in that base-2 domain, O unnormalised until the
@@ -224,10 +225,10 @@ LAZY_RESCALE_THRESHOLD = 8.0
 # barriers at these head dims (`hw_turns_by_default`). Session 21's A/B on
 # the H200 (settled, three rounds in alternating order, forward alone, off
 # -> on, TFLOP/s, results/h200_mosaic_hw_turns.md), head_dim 64 without a
-# mask (three consumers) 386 -> 390 at 1k, 457 -> 463 at 4k, 484 -> 490 at
+# mask (three consumers) 386 -> 390 at 1k, 457 -> 462 at 4k, 484 -> 490 at
 # 16k; causal 288 -> 307 at 1k (two consumers: a ring on hardware
-# barriers instead of the rendezvous), 406 -> 409 at 4k, 456 -> 456 at
-# 16k. At d=128 and d=256 (two consumers) the same run read -0.4% to
+# barriers instead of the rendezvous), 406 -> 409 at 4k and 456 -> 456 at
+# 16k (three consumers). At d=128 and d=256 (two consumers) the same run read -0.4% to
 # +1.8% at 1k and 4k but -1.1% to -2.2% at 16k: off there.
 HW_TURNS_HEAD_DIMS = (64,)
 
@@ -481,7 +482,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       are the same either way, so the results are bitwise the same.
     ring_turns, hw_turns: how the consumers take turns (see
       `KernelStatic`); not with `overlap_scores`. Bitwise the same.
-      hw_turns None: where measured faster (`hw_turns_by_default`).
+      hw_turns None: where measured faster (`hw_turns_by_default`: at
+      head_dim 64, where `ring_turns=True` therefore runs its ring on
+      hardware barriers unless `hw_turns=False`).
     lean_producer: the consumers at 240 registers, the producer at 24
       (see `KernelStatic`); two consumers only. Bitwise the same.
     sum_after_pv: P's row sum after P V is issued (see `KernelStatic`);

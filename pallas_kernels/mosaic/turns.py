@@ -4,11 +4,13 @@ FlashAttention-3 §3.1: while one consumer's matmuls run, the others do
 their softmax. Two ways here (`forward.KernelStatic`):
 
   rendezvous  two consumers meet at one two-arrival mbarrier, twice a step
-              (`Rendezvous`; the default of two)
+              (`Rendezvous`; the default of two at head_dim 128 and 256)
   ring        each consumer waits at its own barrier, issues its matmuls
               and passes the turn to the next (`RingTurns`; three
-              consumers always, two with `ring_turns`), on one-arrival
-              mbarriers or, with `hw_turns`, on the CTA's hardware barriers
+              consumers always, two with `ring_turns` or `hw_turns`), on
+              one-arrival mbarriers or, with `hw_turns` (the default at
+              head_dim 64: `forward.HW_TURNS_HEAD_DIMS`), on the CTA's
+              hardware barriers
 
 Both have one interface, which `forward._consume` calls at fixed points of
 its step (`consumer_turns` builds the right one): `begin()` before S_0,
