@@ -28,8 +28,9 @@ Ping-pong (§3.1): a two-party rendezvous barrier makes the two consumers take
 turns on the tensor cores, so one warpgroup's softmax runs under the other's
 GEMMs. Warpgroup 1 starts one turn late; under causal masking warpgroup 1 may
 have more K/V blocks than warpgroup 0 and runs those alone, without turns.
-Three consumers pass the turn round a ring of barriers instead (`turns.RingTurns`),
-and at head_dim 64 two or three do so on hardware barriers (`hw_turns`).
+Three consumers pass the turn round a ring of barriers instead
+(`turns.RingTurns`), and at head_dim 64 two or three do so on hardware
+barriers (`hw_turns`).
 
 Softmax (§3.1, and FlashAttention-2 §3.1): exp2 with log2(e) folded into the
 scale, the running max m kept in that base-2 domain, O unnormalised until the
@@ -228,8 +229,10 @@ LAZY_RESCALE_THRESHOLD = 8.0
 # mask (three consumers) 386 -> 390 at 1k, 457 -> 462 at 4k, 484 -> 490 at
 # 16k; causal 288 -> 307 at 1k (two consumers: a ring on hardware
 # barriers instead of the rendezvous), 406 -> 409 at 4k and 456 -> 456 at
-# 16k (three consumers). At d=128 and d=256 (two consumers) the same run read -0.4% to
-# +1.8% at 1k and 4k but -1.1% to -2.2% at 16k: off there.
+# 16k (three consumers). At d=128 and d=256 (two consumers) the same run
+# read -0.4% to +1.8% at 1k and 4k but -1.1% to -2.2% at 16k: off there.
+# The plain forward only: the masked and FP8 forwards keep mbarrier turns
+# (never measured with these).
 HW_TURNS_HEAD_DIMS = (64,)
 
 

@@ -4,7 +4,8 @@ FlashAttention-3 §3.1: while one consumer's matmuls run, the others do
 their softmax. Two ways here (`forward.KernelStatic`):
 
   rendezvous  two consumers meet at one two-arrival mbarrier, twice a step
-              (`Rendezvous`; the default of two at head_dim 128 and 256)
+              (`Rendezvous`; the default of two, but for the plain
+              forward at head_dim 64)
   ring        each consumer waits at its own barrier, issues its matmuls
               and passes the turn to the next (`RingTurns`; three
               consumers always, two with `ring_turns` or `hw_turns`), on
