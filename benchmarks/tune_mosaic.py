@@ -314,6 +314,13 @@ HW_SYNC_RECHECK_64_CANDIDATES = [
 HW_SYNC_RECHECK_128_CANDIDATES = [
     dict(), dict(fused_dq=True, deferred_dq=False, merged_pieces=False,
                  hw_ds_sync=True)]
+# head_dim 128's fused dQ (deferred, merged pieces: the default from kv_len
+# 16k without a mask) with its consumers' waits for each other's dSᵀ on
+# hardware barriers (`hw_ds_sync`) against the mbarriers, and the two
+# kernels beside them (the default under causal masking and at 4k).
+DEFERRED_HW_SYNC_CANDIDATES = [
+    dict(fused_dq=True, hw_ds_sync=False), dict(fused_dq=True, hw_ds_sync=True),
+    dict(fused_dq=False)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -479,6 +486,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_fused_hw_sync": _backward(FUSED_HW_SYNC_CANDIDATES),
            "backward_hw_sync_64": _backward(HW_SYNC_RECHECK_64_CANDIDATES),
            "backward_hw_sync_128": _backward(HW_SYNC_RECHECK_128_CANDIDATES),
+           "backward_deferred_hw_sync": _backward(
+               DEFERRED_HW_SYNC_CANDIDATES),
            "backward_causal_128": _backward(CAUSAL_128_CANDIDATES,
                                             causal=(True,)),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),
