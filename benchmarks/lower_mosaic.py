@@ -91,9 +91,7 @@ def kernels(head_dim: int):
                    dict(fused, hw_ds_sync=True, deferred_dq=False),
                    dict(fused, hw_ds_sync=True, deferred_dq=True),
                    dict(fused, hw_ds_sync=True, deferred_dq=True,
-                        merged_pieces=True),
-                   dict(fused, deferred_dq=True, merged_pieces=True,
-                        late_commit=True))
+                        merged_pieces=True))
     for options in BACKWARD_OPTIONS + (fused_forms if head_dim < 256 else ()):
       yield (f"backward d{head_dim} causal={causal} {options}",
              lambda q, k, v, out, d_out, c=causal, o=options: mosaic_backward(

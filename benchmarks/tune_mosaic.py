@@ -321,13 +321,6 @@ HW_SYNC_RECHECK_128_CANDIDATES = [
 DEFERRED_HW_SYNC_CANDIDATES = [
     dict(fused_dq=True, hw_ds_sync=False), dict(fused_dq=True, hw_ds_sync=True),
     dict(fused_dq=False)]
-# head_dim 128's merged fused dQ committing each step's dSᵀ and piece at
-# the next step (`late_commit`), with mbarriers and with hardware barriers,
-# against the default.
-LATE_COMMIT_CANDIDATES = [
-    dict(fused_dq=True, late_commit=False),
-    dict(fused_dq=True, late_commit=True),
-    dict(fused_dq=True, late_commit=True, hw_ds_sync=True)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -495,7 +488,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_hw_sync_128": _backward(HW_SYNC_RECHECK_128_CANDIDATES),
            "backward_deferred_hw_sync": _backward(
                DEFERRED_HW_SYNC_CANDIDATES),
-           "backward_late_commit": _backward(LATE_COMMIT_CANDIDATES),
            "backward_causal_128": _backward(CAUSAL_128_CANDIDATES,
                                             causal=(True,)),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),

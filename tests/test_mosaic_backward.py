@@ -54,8 +54,7 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
                          "shared_rows", "deferred_dq",
                          "prefetch_lse", "stage_free_on_read", "early_delta",
                          "lean_producer", "merged_pieces",
-                         "num_ctas", "dq_tiles", "hw_ds_sync",
-                         "late_commit")
+                         "num_ctas", "dq_tiles", "hw_ds_sync")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
 
@@ -334,18 +333,6 @@ def test_hw_ds_sync_is_bitwise_the_fused_kernel_on_gpu(head_dim, kwargs,
   stored, or overwriting a buffer still read, would not)."""
   _assert_bitwise_either_way("hw_ds_sync", head_dim, is_causal, 59,
                              runs=3, fused_dq=True, **kwargs)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("kwargs", [{}, dict(hw_ds_sync=True)], ids=str)
-def test_late_commit_is_bitwise_the_fused_kernel_on_gpu(kwargs, is_causal):
-  """`late_commit` commits and announces each step's dSᵀ and dQ piece
-  after the next step's first wgmmas are issued: dq, dk, dv equal the
-  merged kernel's bit for bit, three runs in a row (a consumer or the
-  writer reading them before they are committed would not)."""
-  _assert_bitwise_either_way("late_commit", 128, is_causal, 61, runs=3,
-                             fused_dq=True, **kwargs)
 
 
 @pytest.mark.gpu
@@ -652,20 +639,6 @@ def test_hw_ds_sync_lowers_with_the_fused_dq_only(cuda_lowering):
                           hw_ds_sync=False, **kwargs)
   with pytest.raises(NotImplementedError, match="fused dQ only"):
     _lower(64, False, block_q=128, fused_dq=False, hw_ds_sync=True)
-
-
-def test_late_commit_lowers_with_merged_pieces_only(cuda_lowering):
-  """Committing a step's dSᵀ and piece at the next step changes the merged
-  kernel (with mbarriers or hardware barriers) and is refused without
-  merged pieces and by the two kernels."""
-  for kwargs in (dict(), dict(hw_ds_sync=True)):
-    assert (_lower(128, False, fused_dq=True, late_commit=True, **kwargs)
-            != _lower(128, False, fused_dq=True, late_commit=False,
-                      **kwargs))
-  with pytest.raises(NotImplementedError, match="merged_pieces only"):
-    _lower(128, False, fused_dq=True, merged_pieces=False, late_commit=True)
-  with pytest.raises(NotImplementedError, match="fused dQ only"):
-    _lower(128, False, fused_dq=False, late_commit=True)
 
 
 def test_deferred_dq_lowers_with_the_fused_dq_only(cuda_lowering):

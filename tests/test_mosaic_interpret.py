@@ -240,9 +240,6 @@ FUSED_BACKWARD_CASES = [
     (Case(1, 192, 256, 1, 1, 128), False, dict(hw_ds_sync=True)),
     (Case(1, 192, 256, 1, 1, 128), True, dict(hw_ds_sync=True,
                                               merged_pieces=False)),
-    # Merged pieces committed at the next step (`late_commit`), the last
-    # step's after the walk.
-    (Case(1, 192, 256, 1, 1, 128), True, dict(late_commit=True)),
 ]
 
 

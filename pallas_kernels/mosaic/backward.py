@@ -272,9 +272,6 @@ DQ_TILES_CAUSAL_LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
 # alternating order, results/h200_mosaic_fused_hw_sync.md): d=64 without a
 # mask at 16k 405 -> 420 TFLOP/s (the two kernels 402).
 HW_DS_SYNC_HEAD_DIMS: tuple[int, ...] = (64,)
-# `mosaic_backward(late_commit=None)`: on with merged pieces at these head
-# dims. Not measured yet: off.
-LATE_COMMIT_HEAD_DIMS: tuple[int, ...] = ()
 # The same where the pieces are deferred (d=128's fused dQ): each consumer
 # waits for the others' dSᵀ on hardware barriers of its own. Not measured
 # yet: off.
@@ -334,13 +331,6 @@ def merged_pieces_by_default(*, head_dim: int, deferred_dq: bool,
   consumers)."""
   return (deferred_dq and overlap_softmax and one_piece_each
           and head_dim in MERGED_PIECES_HEAD_DIMS)
-
-
-def late_commit_by_default(*, head_dim: int, merged_pieces: bool) -> bool:
-  """Whether the fused dQ with `mosaic_backward(late_commit=None)` commits
-  and announces a step's dSᵀ and piece after the next step's first wgmmas
-  (`LATE_COMMIT_HEAD_DIMS`, with merged pieces)."""
-  return merged_pieces and head_dim in LATE_COMMIT_HEAD_DIMS
 
 
 def dq_tiles_by_default(*, head_dim: int, block_q: int, q_len: int,
@@ -504,17 +494,6 @@ class _Static:
   # a consumer step. Bitwise the deferred kernel (GPU tests, three runs,
   # session 15); the default at `MERGED_PIECES_HEAD_DIMS`.
   merged_pieces: bool = False
-  # Merged pieces: a step's dSᵀ and piece are stored at its end as before,
-  # but committed (Mosaic GPU's warpgroup barrier and proxy fence) and
-  # announced (`ds_stored`, `staged`, `ds_read`) only once the next step's
-  # Sᵀ and dPᵀ wgmmas are issued, so that the fence's wait for the stores
-  # to drain runs under them. Nsight Compute (session 22, d=128 16k, the
-  # fused kernel's consumers): the commit and the arrivals after it took
-  # 5.5% of their stall samples (MEMBAR 2.3%, the arrival 2.2%), between
-  # the step's last wgmma wait and the next step's first issue. The others
-  # read a step's dSᵀ and pieces only late in their next step, and the
-  # last step's are announced after the walk.
-  late_commit: bool = False
   # Fused dQ: the consumers wait for each other's dSᵀ on the CTA's hardware
   # barriers (`bar.sync` / `bar.arrive`) instead of arriving on and polling
   # mbarriers. Scheduling only: bitwise the same (GPU tests). Such a
@@ -606,8 +585,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     stage_free_on_read: bool = False,
                     merged_pieces: bool | None = None,
                     dq_tiles: tuple[int, int] | None = None,
-                    hw_ds_sync: bool | None = None,
-                    late_commit: bool | None = None):
+                    hw_ds_sync: bool | None = None):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -700,10 +678,6 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       hardware barriers instead of mbarriers (see `_Static`); the same
       results either way. Fused dQ only. None: where measured faster
       (`hw_ds_sync_by_default`: the fused dQ at head_dim 64).
-    late_commit: with merged pieces, a step's dSᵀ and piece committed and
-      announced once the next step's first wgmmas are issued (see
-      `_Static`); the same results either way. None: where measured faster
-      (`late_commit_by_default`).
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -735,8 +709,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       opaque_resident=opaque_resident, deferred_dq=deferred_dq,
       prefetch_lse=prefetch_lse, early_delta=early_delta,
       lean_producer=lean_producer, stage_free_on_read=stage_free_on_read,
-      merged_pieces=merged_pieces, dq_tiles=dq_tiles, hw_ds_sync=hw_ds_sync,
-      late_commit=late_commit)
+      merged_pieces=merged_pieces, dq_tiles=dq_tiles, hw_ds_sync=hw_ds_sync)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -756,8 +729,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               stage_free_on_read: bool = False,
               merged_pieces: bool | None = None,
               dq_tiles: tuple[int, int] | None = None,
-              hw_ds_sync: bool | None = None,
-              late_commit: bool | None = None):
+              hw_ds_sync: bool | None = None):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -819,7 +791,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  lean_producer=lean_producer,
                  stage_free_on_read=stage_free_on_read,
                  merged_pieces=merged_pieces, dq_tiles=dq_tiles,
-                 hw_ds_sync=hw_ds_sync, late_commit=late_commit, **tiles)
+                 hw_ds_sync=hw_ds_sync, **tiles)
 
 
 def gradients(query, key, value, d_out, stats, dq_config: _Static | None,
@@ -987,14 +959,12 @@ def statics(query, key, *, heavy_first: bool = True,
             lean_producer: bool = False, stage_free_on_read: bool = False,
             merged_pieces: bool | None = False,
             dq_tiles: tuple[int, int] | None = None,
-            hw_ds_sync: bool = False, late_commit: bool | None = False,
-            **tiles):
+            hw_ds_sync: bool = False, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments (`dq_tiles`: the dQ kernel's block_q and
   block_kv instead of theirs; `configure` turns tiles equal to theirs into
   None). Fused dQ: (None, [the one fused pass]);
-  `merged_pieces=None` there: on where each consumer has one dQ piece, and
-  `late_commit=None` where `late_commit_by_default` says."""
+  `merged_pieces=None` there: on where each consumer has one dQ piece."""
   options = dict(overlap_softmax=bool(overlap_softmax),
                  tile_fastest=bool(tile_fastest),
                  lean_producer=bool(lean_producer))
@@ -1038,22 +1008,15 @@ def statics(query, key, *, heavy_first: bool = True,
     elif merged_pieces and not one_piece_each:
       raise NotImplementedError(
           "merged_pieces: one dQ piece a consumer only")
-    if late_commit is None:
-      late_commit = late_commit_by_default(
-          head_dim=fused_configs[0].head_dim, merged_pieces=merged_pieces)
-    elif late_commit and not merged_pieces:
-      raise NotImplementedError("late_commit: with merged_pieces only")
     return None, [dataclasses.replace(
         config, **dkdv_options, deferred_dq=bool(deferred_dq),
         stage_free_on_read=bool(stage_free_on_read),
-        merged_pieces=bool(merged_pieces), hw_ds_sync=bool(hw_ds_sync),
-        late_commit=bool(late_commit))
+        merged_pieces=bool(merged_pieces), hw_ds_sync=bool(hw_ds_sync))
         for config in fused_configs]
-  if (deferred_dq or stage_free_on_read or merged_pieces or hw_ds_sync
-      or late_commit):
+  if deferred_dq or stage_free_on_read or merged_pieces or hw_ds_sync:
     raise NotImplementedError(
-        "deferred_dq, stage_free_on_read, merged_pieces, hw_ds_sync and "
-        "late_commit: the fused dQ only")
+        "deferred_dq, stage_free_on_read, merged_pieces and hw_ds_sync: the "
+        "fused dQ only")
   if early_delta and shared_rows:
     raise NotImplementedError(
         "early_delta: the plain and fused dK/dV consumers only (not shared "
@@ -1725,13 +1688,8 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         ds_smem[...] = ds_t
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
-      announce = None
-      if fused is not None and static.late_commit:  # step - 1's, see `_Static`
-        announce = lambda: pl.when(step >= 1)(functools.partial(
-            _announce_merged_piece, fused, wg, step=step - 1, static=static))
       (p_t, slope, delta), *dp_t = _wgmma_then(shape, products,
-                                               probabilities,
-                                               after_issue=announce)
+                                               probabilities)
       piece = None
       if fused is not None and static.merged_pieces:
         piece = functools.partial(_issue_merged_piece, fused, wg, step=step,
@@ -1774,9 +1732,6 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
                       grads)
   if fused is not None and static.deferred_dq:  # the last step's pieces
     last = static.group * walk.num_blocks - 1 - walk.first
-    if static.late_commit:  # the last step's dSᵀ and piece, announced
-      pl.when(last >= 0)(functools.partial(
-          _announce_merged_piece, fused, wg, step=last, static=static))
     offset = 0 if resident is None else resident()[2]
     pl.when(last >= 0)(functools.partial(
         _stage_dq_pieces, fused, wg, step=last, static=static, offset=offset))
@@ -2132,23 +2087,13 @@ def _issue_merged_piece(fused: _FusedDq, wg, acc_ref, *, step,
 def _stage_merged_piece(fused: _FusedDq, wg, value, *, step,
                         static: _Static):
   """After the step's wgmmas (`_Static.merged_pieces`): stages consumer
-  wg's piece of step - 1 for the writer and says (`_announce_merged_piece`;
-  with `_Static.late_commit` at the next step) that this consumer's dSᵀ
+  wg's piece of step - 1 for the writer and says that this consumer's dSᵀ
   of `step` is stored and its piece of step - 1 is staged and done with
   that step's dSᵀ. At step 0 the piece is garbage and lands in the stage of
   parity 1, which the writer reads only once step 1's pieces are staged
   there (at step 2, or after the walk when step 1 is the last)."""
-  fused.stage.at[lax.rem(step + 1, 2)][wg] = value
-  if not static.late_commit:  # else at the next step's (`_Static`)
-    _announce_merged_piece(fused, wg, step=step, static=static)
-
-
-def _announce_merged_piece(fused: _FusedDq, wg, *, step, static: _Static):
-  """Commits consumer wg's dSᵀ of `step` and its piece of step - 1 (stored
-  by `_stage_merged_piece`) and says so: on `ds_stored` (or the hardware
-  barriers of `_Static.hw_ds_sync`), and from step 1 on `staged` and
-  `ds_read`."""
   parity = lax.rem(step + 1, 2)
+  fused.stage.at[parity][wg] = value
   plgpu.commit_smem()  # this dSᵀ for every consumer's wgmma, the piece for TMA
   if static.hw_ds_sync:  # one arrival says both (see `_Static.hw_ds_sync`)
     _ds_met("arrive", wg, lax.rem(step, 2), static)
@@ -2903,19 +2848,16 @@ def _wgmma_fresh(shape, products):
                                 for _ in products])
 
 
-def _wgmma_then(shape, products, first_fn, after_issue=None):
+def _wgmma_then(shape, products, first_fn):
   """(first_fn(a0 @ b0), a1 @ b1, ...) into fresh f32 accumulators: all
   issued together, and `first_fn` run on the first product as soon as it is
   done, while the others are still on the tensor cores (wgmmas complete in
   issue order). A product may be a list of (a, b), their sum (`_terms`).
-  `after_issue()`, if given, runs once all are issued, before any wait.
   """
   def issue(first_ref, *acc_refs):
     for acc_ref, product in zip((first_ref, *acc_refs), products):
       for a, b in _terms(product):
         plgpu.wgmma(acc_ref, a, b)
-    if after_issue is not None:
-      after_issue()
     later = sum(len(_terms(product)) for product in products[1:])
     first = first_fn(plgpu.wgmma_accumulator_load(first_ref, wait_n=later))
     return (first, *(acc_ref[...] for acc_ref in acc_refs))
