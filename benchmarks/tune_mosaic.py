@@ -321,6 +321,14 @@ HW_SYNC_RECHECK_128_CANDIDATES = [
 DEFERRED_HW_SYNC_CANDIDATES = [
     dict(fused_dq=True, hw_ds_sync=False), dict(fused_dq=True, hw_ds_sync=True),
     dict(fused_dq=False)]
+# head_dim 128's fused dQ (the default from kv_len 16k without a mask)
+# against itself with lse read early, delta read before P's exponentials,
+# stages freed once read (each measured before merged pieces, session 14),
+# and the two kernels.
+FUSED_RECHECK_128_CANDIDATES = [
+    dict(fused_dq=True), dict(fused_dq=True, prefetch_lse=True),
+    dict(fused_dq=True, early_delta=True),
+    dict(fused_dq=True, stage_free_on_read=True), dict(fused_dq=False)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -488,6 +496,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_hw_sync_128": _backward(HW_SYNC_RECHECK_128_CANDIDATES),
            "backward_deferred_hw_sync": _backward(
                DEFERRED_HW_SYNC_CANDIDATES),
+           "backward_fused_recheck_128": _backward(
+               FUSED_RECHECK_128_CANDIDATES, causal=(False,)),
            "backward_causal_128": _backward(CAUSAL_128_CANDIDATES,
                                             causal=(True,)),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),

@@ -648,3 +648,28 @@ def test_time_samples_settles_before_sampling(monkeypatch):
     timed()
     assert common.SETTLE_MS == 250.0
     assert clock["calls"] == 2 + 1 + settle_samples * 4 + 3 * 4, backend
+
+
+def test_determinism_counts_distinct_results(tmp_path, monkeypatch):
+  """`benchmarks.determinism` counts one bit pattern for a deterministic
+  implementation (XLA's attention on the CPU) and one per run for a fake
+  peer whose dq drifts by a float32 ulp each run, with the difference."""
+  from benchmarks import determinism, peers
+  import jax.numpy as jnp
+  import numpy as np
+  calls = []
+
+  def drifting(cell, *, interpret=False):
+    def fn(q):
+      calls.append(None)
+      return (q + np.float32(2.0**-20) * len(calls), q, q)
+    return peers.Benchmark(fn, (jnp.ones((2, 2), jnp.float32),))
+
+  monkeypatch.setitem(peers.PEERS, "drifting", drifting)
+  out = tmp_path / "determinism.json"
+  assert determinism.main(["--impls", "xla", "drifting", "--seq", "256",
+                           "--head-dim", "64", "--runs", "3",
+                           "--out", str(out)]) == 0
+  records = json.loads(out.read_text())["records"]
+  assert [r["distinct_results"] for r in records] == [1, 3]
+  assert records[1]["largest_difference"] == pytest.approx(2 * 2.0**-20)
