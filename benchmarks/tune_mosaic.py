@@ -329,6 +329,19 @@ FUSED_RECHECK_128_CANDIDATES = [
     dict(fused_dq=True), dict(fused_dq=True, prefetch_lse=True),
     dict(fused_dq=True, early_delta=True),
     dict(fused_dq=True, stage_free_on_read=True), dict(fused_dq=False)]
+# Session 22: lse read early made d=128's fused dQ 498 -> 523 at 16k; it
+# with the other options again, and the two kernels and the fused dQ
+# without it, wherever the fused dQ might run.
+FUSED_LSE_128_CANDIDATES = [
+    dict(fused_dq=True, prefetch_lse=True),
+    dict(fused_dq=True, prefetch_lse=True, hw_ds_sync=True),
+    dict(fused_dq=True, prefetch_lse=True, stage_free_on_read=True),
+    dict(fused_dq=True, prefetch_lse=True, early_delta=True),
+    dict(fused_dq=True, prefetch_lse=False), dict(fused_dq=False)]
+# The same at d=64's 128-row Q tiles (its fused default, 16k without a mask).
+FUSED_LSE_64_CANDIDATES = [
+    dict(block_q=128, fused_dq=True, prefetch_lse=False),
+    dict(block_q=128, fused_dq=True, prefetch_lse=True)]
 # The same with head_dim 64's 128-row Q tiles (the dispatch's there).
 TILE_ORDER_WIDE_CANDIDATES = [dict(c, block_q=128)
                               for c in TILE_ORDER_CANDIDATES]
@@ -498,6 +511,9 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                DEFERRED_HW_SYNC_CANDIDATES),
            "backward_fused_recheck_128": _backward(
                FUSED_RECHECK_128_CANDIDATES, causal=(False,)),
+           "backward_fused_lse_128": _backward(FUSED_LSE_128_CANDIDATES),
+           "backward_fused_lse_64": _backward(FUSED_LSE_64_CANDIDATES,
+                                              causal=(False,)),
            "backward_causal_128": _backward(CAUSAL_128_CANDIDATES,
                                             causal=(True,)),
            "forward_tile_order": _forward(FORWARD_TILE_ORDER_CANDIDATES),
