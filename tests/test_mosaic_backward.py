@@ -530,10 +530,11 @@ def test_lean_producer_refuses_the_fused_dq(cuda_lowering):
 
 
 def test_prefetched_lse_default_follows_its_table(cuda_lowering):
-  """`prefetch_lse=None` reads lse early in the two kernels' dK/dV kernel
-  at head_dim 128 with 64-row Q tiles (`PREFETCH_LSE_TILES`), on either
-  grid without a causal mask and on the launch grid with one; not in the
-  fused kernel, nor elsewhere; never in the dQ kernel."""
+  """`prefetch_lse=None` reads lse early at head_dim 128 with 64-row Q
+  tiles: in the fused kernel (`FUSED_PREFETCH_LSE_TILES`), and in the two
+  kernels' dK/dV kernel (`PREFETCH_LSE_TILES`) on either grid without a
+  causal mask and on the launch grid with one; nowhere else (not at d=64's
+  fused 128-row Q tiles); never in the dQ kernel."""
   from pallas_kernels.mosaic import backward
   q, kv = _structs(head_dim=128)[:2]
   for is_causal in (False, True):
@@ -545,9 +546,14 @@ def test_prefetched_lse_default_follows_its_table(cuda_lowering):
       assert not dq.prefetch_lse
     _, [fused] = backward.configure(q, kv, scale=0.1, is_causal=is_causal,
                                     fused_dq=True)
+    assert fused.prefetch_lse
+    for fused_dq in (False, True):
+      assert not backward.prefetch_lse_by_default(
+          head_dim=128, block_q=128, fused_dq=fused_dq, is_causal=is_causal)
+    q64, kv64 = _structs(head_dim=64)[:2]
+    _, [fused] = backward.configure(q64, kv64, scale=0.1, block_q=128,
+                                    is_causal=is_causal, fused_dq=True)
     assert not fused.prefetch_lse
-    assert not backward.prefetch_lse_by_default(
-        head_dim=128, block_q=128, fused_dq=False, is_causal=is_causal)
   for head_dim in (64, 256):
     q, kv = _structs(head_dim=head_dim)[:2]
     _, dkdv = backward.configure(q, kv, scale=0.1, is_causal=False)
@@ -1003,7 +1009,8 @@ def test_dq_tiles_match_reference_on_gpu(head_dim, kwargs, is_causal):
 def test_backward_defaults_at_long_kv():
   """What `configure` picks at `test_backward_default_at_long_kv_on_gpu`'s
   shapes (q_len 15360, kv_len 16384, GQA 2:1): without a mask the fused
-  dQ (at d=128 deferred, merged, opaque descriptors; at d=64 its consumers
+  dQ (at d=128 deferred, merged, opaque descriptors, lse read early; at
+  d=64 its consumers
   meeting on a hardware barrier); under causal masking
   the two kernels on the launch grid, tile-fastest, lean producers, at
   d=64 the dQ kernel on 64 x 128 tiles (`DQ_TILES_CAUSAL_LAUNCH`), at
@@ -1018,7 +1025,8 @@ def test_backward_defaults_at_long_kv():
     none, [fused] = configs(False)
     assert none is None and fused.fused_dq and not fused.persistent
     assert (fused.deferred_dq and fused.merged_pieces
-            and fused.opaque_resident) == (head_dim == 128)
+            and fused.opaque_resident and fused.prefetch_lse
+            ) == (head_dim == 128)
     assert fused.hw_ds_sync == (head_dim == 64)  # `HW_DS_SYNC_HEAD_DIMS`
     dq, [dkdv] = configs(True)
     assert not (dkdv.fused_dq or dkdv.persistent or dq.persistent)

@@ -230,6 +230,15 @@ PREFETCH_STATS_TILES: tuple[tuple[int, int], ...] = ((64, 64),)
 # (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`); the persistent grid (kv_len up to
 # 1024) keeps them off, unmeasured since.
 PREFETCH_LSE_TILES: tuple[tuple[int, int], ...] = ((128, 64),)
+# The same in the fused dQ's consumers, by (head_dim, block_q). Session 14
+# (before merged pieces) it cost the fused kernel 7-9%; session 22 (d=128
+# without a mask at 16k, its default there: deferred, merged pieces,
+# backward alone, settled, three rounds in alternating order,
+# results/h200_mosaic_fused_lse.md) 498 -> 523 and 497 -> 512 TFLOP/s in
+# two A/Bs (the two kernels 492 and 494); under causal masking 434 -> 440
+# and at 4k 438 -> 437, where the two kernels (496, 475) stay the default.
+# At d=64's 128-row Q tiles (lse of 128 columns held) 417 -> 184.
+FUSED_PREFETCH_LSE_TILES: tuple[tuple[int, int], ...] = ((128, 64),)
 CAUSAL_LAUNCH_LEAN_HEAD_DIMS: tuple[int, ...] = (128,)
 # `mosaic_backward(lean_producer=None)`: the two kernels' consumers at 240
 # registers and producers at 24 (the fused dQ has none to spare). Measured
@@ -300,13 +309,16 @@ def _causal_launch_lean(*, head_dim: int, persistent: bool) -> bool:
 def prefetch_lse_by_default(*, head_dim: int, block_q: int, fused_dq: bool,
                             is_causal: bool, persistent: bool = False) -> bool:
   """Whether `mosaic_backward(prefetch_lse=None)` reads the dK/dV kernel's
-  lse before its matmuls (the two kernels, where `PREFETCH_LSE_TILES`
-  says: on either grid without a causal mask, under one on the launch grid
-  at `CAUSAL_LAUNCH_LEAN_HEAD_DIMS` only)."""
+  lse before its matmuls: in the fused dQ where `FUSED_PREFETCH_LSE_TILES`
+  says; in the two kernels where `PREFETCH_LSE_TILES` says, on either grid
+  without a causal mask, under one on the launch grid at
+  `CAUSAL_LAUNCH_LEAN_HEAD_DIMS` only."""
+  if fused_dq:
+    return (head_dim, block_q) in FUSED_PREFETCH_LSE_TILES
   if is_causal and not _causal_launch_lean(head_dim=head_dim,
                                            persistent=persistent):
     return False
-  return not fused_dq and (head_dim, block_q) in PREFETCH_LSE_TILES
+  return (head_dim, block_q) in PREFETCH_LSE_TILES
 
 
 def lean_producer_by_default(*, head_dim: int, fused_dq: bool,
@@ -439,7 +451,8 @@ class _Static:
   # needs it), so that the load P's first FFMAs wait on hides behind the
   # matmuls at half `prefetch_stats`' registers (Nsight Compute, fused dQ
   # at d=128 4k, session 14: 10% of the consumers' stall samples were P's
-  # FFMAs waiting on that load).
+  # FFMAs waiting on that load; at 16k with merged pieces, session 22,
+  # 12%: results/h200_ncu_fused_16k_s22.md).
   prefetch_lse: bool = False
   # dK/dV kernel (plain and fused consumers): read delta as soon as Sᵀ is
   # ready, before P's exponentials, not after dV's wgmma is issued, so
@@ -652,9 +665,9 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       where measured faster (`deferred_dq_by_default`: the fused dQ at
       head_dim 128).
     prefetch_lse: as `prefetch_stats` for lse alone (see `_Static`). None:
-      where measured faster (`prefetch_lse_by_default`: the two kernels at
-      head_dim 128 with 64-row Q tiles, on either grid without a causal
-      mask and on the launch grid under one).
+      where measured faster (`prefetch_lse_by_default`: head_dim 128 with
+      64-row Q tiles, in the fused dQ, and in the two kernels on either
+      grid without a causal mask and on the launch grid under one).
     early_delta: the dK/dV kernel reads delta before P's exponentials
       (see `_Static`); the same results either way.
     lean_producer: both kernels' producers at 24 registers and consumers
