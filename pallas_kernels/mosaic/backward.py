@@ -282,8 +282,11 @@ DQ_TILES_CAUSAL_LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
 # mask at 16k 405 -> 420 TFLOP/s (the two kernels 402).
 HW_DS_SYNC_HEAD_DIMS: tuple[int, ...] = (64,)
 # The same where the pieces are deferred (d=128's fused dQ): each consumer
-# waits for the others' dSᵀ on hardware barriers of its own. Not measured
-# yet: off.
+# waits for the others' dSᵀ on hardware barriers of its own. Session 22
+# (results/h200_mosaic_deferred_hw_sync.md, three rounds): 494.7 -> 493.9
+# at 16k without a mask, 432 -> 432 at 4k (by the time a deferred consumer
+# waits, the other's arrival is a step old); with lse read early 512 ->
+# 514 (results/h200_mosaic_fused_lse.md). A tie: off.
 HW_DS_SYNC_DEFERRED_HEAD_DIMS: tuple[int, ...] = ()
 
 
@@ -1962,7 +1965,8 @@ class _FusedDq(NamedTuple):
   dq_sum: Any      # f32 [batch, q_len, num_heads, head_dim], global
   turns: Any       # int32 semaphores [batch * num_heads * num_q_blocks]
   ds_read: Any = None  # barriers [2], an arrival per consumer: its pieces
-                       # read the dSᵀ tiles (`_Static.deferred_dq`)
+                       # read the dSᵀ tiles (`_Static.deferred_dq`; not
+                       # with `_Static.hw_ds_sync`, whose waits cover it)
 
 
 def _piece_position(number, static: _Static):
