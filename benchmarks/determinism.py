@@ -60,17 +60,19 @@ def main(argv=None) -> int:
   parser.add_argument("--seq", type=int, default=16384)
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--tokens", type=int, default=16384,
+                      help="batch * seq_len (the grid's 16384)")
   parser.add_argument("--runs", type=int, default=5)
   parser.add_argument("--out", required=True)
   args = parser.parse_args(argv)
   cell = common.Cell.standard("fwd_bwd", args.seq, args.head_dim,
-                              args.causal)
+                              args.causal, tokens=args.tokens)
   records = []
   for impl in args.impls:
     try:
       records.append(check(impl, cell, args.runs))
-    except peers.Unavailable as e:
-      records.append(dict(impl=impl, unavailable=str(e)))
+    except (peers.Unavailable, peers.TooLarge) as e:
+      records.append(dict(impl=impl, unavailable=f"{type(e).__name__}: {e}"))
     print(json.dumps(records[-1]), flush=True)
   with open(args.out, "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind,

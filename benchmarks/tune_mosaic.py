@@ -318,17 +318,22 @@ HW_SYNC_RECHECK_128_CANDIDATES = [
 # 16k without a mask) with its consumers' waits for each other's dSᵀ on
 # hardware barriers (`hw_ds_sync`) against the mbarriers, and the two
 # kernels beside them (the default under causal masking and at 4k).
+# Pinned as they ran (session 22 then made lse early d=128's fused default).
 DEFERRED_HW_SYNC_CANDIDATES = [
-    dict(fused_dq=True, hw_ds_sync=False), dict(fused_dq=True, hw_ds_sync=True),
+    dict(fused_dq=True, hw_ds_sync=False, prefetch_lse=False),
+    dict(fused_dq=True, hw_ds_sync=True, prefetch_lse=False),
     dict(fused_dq=False)]
 # head_dim 128's fused dQ (the default from kv_len 16k without a mask)
 # against itself with lse read early, delta read before P's exponentials,
 # stages freed once read (each measured before merged pieces, session 14),
 # and the two kernels.
+# Pinned as they ran (lse early is the fused default since).
 FUSED_RECHECK_128_CANDIDATES = [
-    dict(fused_dq=True), dict(fused_dq=True, prefetch_lse=True),
-    dict(fused_dq=True, early_delta=True),
-    dict(fused_dq=True, stage_free_on_read=True), dict(fused_dq=False)]
+    dict(fused_dq=True, prefetch_lse=False),
+    dict(fused_dq=True, prefetch_lse=True),
+    dict(fused_dq=True, prefetch_lse=False, early_delta=True),
+    dict(fused_dq=True, prefetch_lse=False, stage_free_on_read=True),
+    dict(fused_dq=False)]
 # Session 22: lse read early made d=128's fused dQ 498 -> 523 at 16k; it
 # with the other options again, and the two kernels and the fused dQ
 # without it, wherever the fused dQ might run.

@@ -216,8 +216,7 @@ SHARED_ROWS_HEAD_DIMS: tuple[int, ...] = (256,)
 PREFETCH_STATS_TILES: tuple[tuple[int, int], ...] = ((64, 64),)
 # lse alone read early (`mosaic_backward(prefetch_lse=None)`), by
 # (head_dim, block_q), in the two kernels' dK/dV kernel without a causal
-# mask (not the fused one's, whose registers are fuller: there it cost
-# 7-9%). Measured on the H200 (session 14, backward alone, TFLOP/s, off ->
+# mask (the fused one's: `FUSED_PREFETCH_LSE_TILES`). Measured on the H200 (session 14, backward alone, TFLOP/s, off ->
 # on): d=128 without a mask, three rounds in turn
 # (results/h200_mosaic_fused_stalls.md), 424 -> 453 at 4k and 463 -> 501 at
 # 16k; two rounds (results/h200_mosaic_prefetch_lse.md) 378 -> 402 at 1k
@@ -236,7 +235,7 @@ PREFETCH_LSE_TILES: tuple[tuple[int, int], ...] = ((128, 64),)
 # backward alone, settled, three rounds in alternating order,
 # results/h200_mosaic_fused_lse.md) 498 -> 523 and 497 -> 512 TFLOP/s in
 # two A/Bs (the two kernels 492 and 494); under causal masking 434 -> 440
-# and at 4k 438 -> 437, where the two kernels (496, 475) stay the default.
+# and at 4k 438 -> 437, where the two kernels (496, 474) stay the default.
 # At d=64's 128-row Q tiles (lse of 128 columns held) 417 -> 184.
 FUSED_PREFETCH_LSE_TILES: tuple[tuple[int, int], ...] = ((128, 64),)
 CAUSAL_LAUNCH_LEAN_HEAD_DIMS: tuple[int, ...] = (128,)
@@ -1275,6 +1274,12 @@ _DS_STORED_BARRIER = 9
 _DS_MET_BARRIER = 10
 
 
+def _has_ds_read(static: _Static) -> bool:
+  """Whether the fused dQ allocates `_FusedDq.ds_read`: deferred, on
+  mbarriers (`_Static.hw_ds_sync`'s waits cover it)."""
+  return static.deferred_dq and not static.hw_ds_sync
+
+
 def _dq_pieces(block_q: int, head_dim: int) -> int:
   """[_DQ_PIECE, _DQ_PIECE] pieces of a [block_q, head_dim] dQ tile."""
   return pl.cdiv(block_q, _DQ_PIECE) * pl.cdiv(head_dim, _DQ_PIECE)
@@ -1351,7 +1356,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
         plgpu.Barrier(num_arrivals=consumers, num_barriers=2),  # dq_staged
         plgpu.Barrier(num_barriers=2),                        # stage_free
     )
-    if static.deferred_dq and not static.hw_ds_sync:
+    if _has_ds_read(static):
       scratch += (plgpu.Barrier(num_arrivals=consumers, num_barriers=2),)  # ds_read
     out_type = (jax.ShapeDtypeStruct(query.shape, jnp.float32),) + out_type
   if static.opaque_resident:  # a zero (see `_Static.opaque_resident`)
@@ -1456,8 +1461,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   if static.fused_dq:
     fused = _FusedDq(*scratch[11:16], k=k_smem, dq_sum=out_refs["dq_sum"],
                      turns=None,  # the writer's alone: `_writer`
-                     ds_read=(scratch[16] if static.deferred_dq
-                              and not static.hw_ds_sync else None))
+                     ds_read=scratch[16] if _has_ds_read(static) else None)
 
   def _consumer():
     if static.shared_rows:  # static consumer numbers: static column slices
@@ -1994,26 +1998,24 @@ def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static, offset=0):
   `offset`: a zero the K rows are indexed by (`_Static.opaque_resident`)."""
   parity = lax.rem(step, 2)
   plgpu.commit_smem()  # this consumer's dSᵀ, read by every consumer's wgmma
-  if static.deferred_dq and static.hw_ds_sync:
-    # Step - 1's dSᵀ were waited for before this step's store (see
-    # `_Static.hw_ds_sync`); the arrival says both are done.
-    pl.when(step >= 1)(functools.partial(
-        _stage_dq_pieces, fused, wg, step=step - 1, static=static,
-        offset=offset, stored=True))
-    _ds_met("arrive", wg, parity, static)
-    return
-  if static.hw_ds_sync:  # every consumer's dSᵀ of `step` is stored after it
-    compat.named_barrier("sync", _DS_STORED_BARRIER,
-                         static.num_consumers * _THREADS_PER_WARPGROUP)
-  else:
-    plgpu.barrier_arrive(fused.ds_stored.at[parity])
   if not static.deferred_dq:
+    if static.hw_ds_sync:  # every consumer's dSᵀ of `step` is stored after it
+      compat.named_barrier("sync", _DS_STORED_BARRIER,
+                           static.num_consumers * _THREADS_PER_WARPGROUP)
+    else:
+      plgpu.barrier_arrive(fused.ds_stored.at[parity])
     _stage_dq_pieces(fused, wg, step=step, static=static, offset=offset,
                      parity=parity, stored=static.hw_ds_sync)
     return
+  if not static.hw_ds_sync:
+    plgpu.barrier_arrive(fused.ds_stored.at[parity])
+  # With `hw_ds_sync`, step - 1's dSᵀ were waited for before this step's
+  # store, and one arrival after the pieces says both are done.
   pl.when(step >= 1)(functools.partial(
       _stage_dq_pieces, fused, wg, step=step - 1, static=static,
-      offset=offset))
+      offset=offset, stored=static.hw_ds_sync))
+  if static.hw_ds_sync:
+    _ds_met("arrive", wg, parity, static)
 
 
 def _ds_met(operation: str, wg, parity, static: _Static):
@@ -2037,8 +2039,8 @@ def _stage_dq_pieces(fused: _FusedDq, wg, *, step, static: _Static,
   here unless `stored`): computed and staged for the writer."""
   if parity is None:
     parity = lax.rem(step, 2)
-  if not stored and static.hw_ds_sync:  # deferred, the walk's last step
-    _ds_met("sync", wg, parity, static)
+  if not stored and static.hw_ds_sync:  # deferred (not deferred: `stored`)
+    _ds_met("sync", wg, parity, static)  # the walk's last step
   elif not stored:
     plgpu.barrier_wait(fused.ds_stored.at[parity])
   # The writer has read this stage's pieces of step - 2.
