@@ -88,10 +88,7 @@ def kernels(head_dim: int):
     fused_forms = (fused,
                    dict(fused, stage_free_on_read=True, prefetch_lse=True),
                    dict(fused, deferred_dq=True, merged_pieces=True),
-                   dict(fused, hw_ds_sync=True, deferred_dq=False),
-                   dict(fused, hw_ds_sync=True, deferred_dq=True),
-                   dict(fused, hw_ds_sync=True, deferred_dq=True,
-                        merged_pieces=True))
+                   dict(fused, hw_ds_sync=True, deferred_dq=False))
     for options in BACKWARD_OPTIONS + (fused_forms if head_dim < 256 else ()):
       yield (f"backward d{head_dim} causal={causal} {options}",
              lambda q, k, v, out, d_out, c=causal, o=options: mosaic_backward(

@@ -314,15 +314,6 @@ HW_SYNC_RECHECK_64_CANDIDATES = [
 HW_SYNC_RECHECK_128_CANDIDATES = [
     dict(), dict(fused_dq=True, deferred_dq=False, merged_pieces=False,
                  hw_ds_sync=True)]
-# head_dim 128's fused dQ (deferred, merged pieces: the default from kv_len
-# 16k without a mask) with its consumers' waits for each other's dSᵀ on
-# hardware barriers (`hw_ds_sync`) against the mbarriers, and the two
-# kernels beside them (the default under causal masking and at 4k).
-# Pinned as they ran (session 22 then made lse early d=128's fused default).
-DEFERRED_HW_SYNC_CANDIDATES = [
-    dict(fused_dq=True, hw_ds_sync=False, prefetch_lse=False),
-    dict(fused_dq=True, hw_ds_sync=True, prefetch_lse=False),
-    dict(fused_dq=False)]
 # head_dim 128's fused dQ (the default from kv_len 16k without a mask)
 # against itself with lse read early, delta read before P's exponentials,
 # stages freed once read (each measured before merged pieces, session 14),
@@ -336,10 +327,10 @@ FUSED_RECHECK_128_CANDIDATES = [
     dict(fused_dq=False)]
 # Session 22: lse read early made d=128's fused dQ 498 -> 523 at 16k; it
 # with the other options again, and the two kernels and the fused dQ
-# without it, wherever the fused dQ might run.
+# without it, wherever the fused dQ might run. (Session 22's run also had
+# it with the deferred `hw_ds_sync` of ccc1e2d, a form since removed.)
 FUSED_LSE_128_CANDIDATES = [
     dict(fused_dq=True, prefetch_lse=True),
-    dict(fused_dq=True, prefetch_lse=True, hw_ds_sync=True),
     dict(fused_dq=True, prefetch_lse=True, stage_free_on_read=True),
     dict(fused_dq=True, prefetch_lse=True, early_delta=True),
     dict(fused_dq=True, prefetch_lse=False), dict(fused_dq=False)]
@@ -512,8 +503,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_fused_hw_sync": _backward(FUSED_HW_SYNC_CANDIDATES),
            "backward_hw_sync_64": _backward(HW_SYNC_RECHECK_64_CANDIDATES),
            "backward_hw_sync_128": _backward(HW_SYNC_RECHECK_128_CANDIDATES),
-           "backward_deferred_hw_sync": _backward(
-               DEFERRED_HW_SYNC_CANDIDATES),
            "backward_fused_recheck_128": _backward(
                FUSED_RECHECK_128_CANDIDATES, causal=(False,)),
            "backward_fused_lse_128": _backward(FUSED_LSE_128_CANDIDATES),

@@ -71,9 +71,8 @@ check the Mosaic forward's numerics in CI, without a GPU):
       after tile j - 1) are always already handed on, and a wait on a
       later CTA would never return (the test then times out);
     - `compat.named_barrier`'s inline PTX (`bar.sync` / `bar.arrive`, the
-      fused consumers' meeting before K becomes dK, their waits for each
-      other's dSᵀ with `hw_ds_sync`, and the forward's `hw_turns`),
-      recognised by its code object: a barrier of the CTA's
+      fused consumers' meetings before K becomes dK and, with
+      `hw_ds_sync`, each step, and the forward's `hw_turns`), recognised by its code object: a barrier of the CTA's
       host threads, 128 threads a warpgroup. Made a no-op, the deferred
       fused forms' dq goes wrong: the race it guards against happens here
       too.

@@ -322,15 +322,13 @@ def test_tile_fastest_is_bitwise_the_default_on_gpu(head_dim, kwargs,
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim, kwargs", [
     (64, dict(block_q=128)), (128, dict(deferred_dq=False)),
-    # Deferred: merged pieces (d=128's default), and staged apart.
-    (128, {}), (128, dict(merged_pieces=False)),
 ], ids=str)
 def test_hw_ds_sync_is_bitwise_the_fused_kernel_on_gpu(head_dim, kwargs,
                                                        is_causal):
-  """`hw_ds_sync` moves the fused consumers' waits for each other's dSᵀ
-  onto hardware barriers: dq, dk, dv equal the fused kernel's bit for bit,
-  three runs in a row (a consumer reading the other's dSᵀ before it is
-  stored, or overwriting a buffer still read, would not)."""
+  """`hw_ds_sync` moves the fused consumers' meeting each step onto a
+  hardware barrier: dq, dk, dv equal the fused kernel's bit for bit, three
+  runs in a row (a consumer reading the other's dSᵀ before it is stored
+  would not)."""
   _assert_bitwise_either_way("hw_ds_sync", head_dim, is_causal, 59,
                              runs=3, fused_dq=True, **kwargs)
 
@@ -623,28 +621,19 @@ def test_stage_free_on_read_lowers_with_the_fused_dq_only(cuda_lowering):
 
 
 def test_hw_ds_sync_lowers_with_the_fused_dq_only(cuda_lowering):
-  """The consumers' waits on hardware barriers change the fused kernel: not
-  deferred, a `bar.sync` of both consumers' 256 threads; deferred (merged
-  pieces or not), each consumer's two barriers (one a step parity), synced
-  by it and arrived on by the other, and no `bar.sync 9`. The two kernels
-  refuse it."""
+  """The consumers' meeting on a hardware barrier changes the fused kernel
+  (a `bar.sync` of both consumers' 256 threads) and refuses the two
+  kernels and the deferred pieces (measured a tie there and removed)."""
   for head_dim, kwargs in ((64, dict(block_q=128)),
                            (128, dict(deferred_dq=False))):
     text = _lower(head_dim, False, fused_dq=True, hw_ds_sync=True, **kwargs)
     assert "bar.sync 9, 256" in text
     assert text != _lower(head_dim, False, fused_dq=True, hw_ds_sync=False,
                           **kwargs)
-  for kwargs in (dict(), dict(merged_pieces=False)):
-    text = _lower(128, False, fused_dq=True, deferred_dq=True,
-                  hw_ds_sync=True, **kwargs)
-    for barrier in range(10, 14):
-      assert f"bar.sync {barrier}, 256" in text
-      assert f"bar.arrive {barrier}, 256" in text
-    assert "bar.sync 9," not in text
-    assert text != _lower(128, False, fused_dq=True, deferred_dq=True,
-                          hw_ds_sync=False, **kwargs)
   with pytest.raises(NotImplementedError, match="fused dQ only"):
     _lower(64, False, block_q=128, fused_dq=False, hw_ds_sync=True)
+  with pytest.raises(NotImplementedError, match="without deferred_dq"):
+    _lower(128, False, fused_dq=True, deferred_dq=True, hw_ds_sync=True)
 
 
 def test_deferred_dq_lowers_with_the_fused_dq_only(cuda_lowering):

@@ -234,12 +234,6 @@ FUSED_BACKWARD_CASES = [
     # d=128's fused defaults (64-row Q tiles, deferred and merged pieces,
     # the opaque resident rows).
     (Case(1, 128, 256, 1, 1, 128), False, dict()),
-    # Deferred pieces with the consumers' waits on hardware barriers, merged
-    # (three steps: both parities, and the last step's wait after the walk)
-    # and staged apart, causal.
-    (Case(1, 192, 256, 1, 1, 128), False, dict(hw_ds_sync=True)),
-    (Case(1, 192, 256, 1, 1, 128), True, dict(hw_ds_sync=True,
-                                              merged_pieces=False)),
 ]
 
 

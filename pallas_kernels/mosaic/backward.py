@@ -278,15 +278,14 @@ DQ_TILES_CAUSAL_LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
 # step on a hardware barrier at these head dims (where the pieces are not
 # deferred). Session 21 (backward alone, settled, three rounds in
 # alternating order, results/h200_mosaic_fused_hw_sync.md): d=64 without a
-# mask at 16k 405 -> 420 TFLOP/s (the two kernels 402).
+# mask at 16k 405 -> 420 TFLOP/s (the two kernels 402). Where the pieces
+# are deferred (d=128) the consumers' waits on hardware barriers of their
+# own (two per consumer, by step parity; built in ccc1e2d) measured a tie in
+# session 22 (494.7 -> 493.9 at 16k, 432 -> 432 at 4k,
+# results/h200_mosaic_deferred_hw_sync.md: the other's arrival is a step
+# old by then), so that form was removed and `hw_ds_sync` still refuses
+# `deferred_dq`.
 HW_DS_SYNC_HEAD_DIMS: tuple[int, ...] = (64,)
-# The same where the pieces are deferred (d=128's fused dQ): each consumer
-# waits for the others' dSᵀ on hardware barriers of its own. Session 22
-# (results/h200_mosaic_deferred_hw_sync.md, three rounds): 494.7 -> 493.9
-# at 16k without a mask, 432 -> 432 at 4k (by the time a deferred consumer
-# waits, the other's arrival is a step old); with lse read early 512 ->
-# 514 (results/h200_mosaic_fused_lse.md). A tie: off.
-HW_DS_SYNC_DEFERRED_HEAD_DIMS: tuple[int, ...] = ()
 
 
 def shared_rows_by_default(*, head_dim: int, persistent: bool) -> bool:
@@ -362,12 +361,9 @@ def dq_tiles_by_default(*, head_dim: int, block_q: int, q_len: int,
 def hw_ds_sync_by_default(*, head_dim: int, fused_dq: bool,
                           deferred_dq: bool) -> bool:
   """Whether `mosaic_backward(hw_ds_sync=None)` has the fused dQ's
-  consumers wait for each other's dSᵀ on hardware barriers
-  (`HW_DS_SYNC_HEAD_DIMS` where the pieces are not deferred,
-  `HW_DS_SYNC_DEFERRED_HEAD_DIMS` where they are)."""
-  head_dims = (HW_DS_SYNC_DEFERRED_HEAD_DIMS if deferred_dq
-               else HW_DS_SYNC_HEAD_DIMS)
-  return fused_dq and head_dim in head_dims
+  consumers meet on a hardware barrier (`HW_DS_SYNC_HEAD_DIMS`, where they
+  meet each step: not deferred)."""
+  return fused_dq and not deferred_dq and head_dim in HW_DS_SYNC_HEAD_DIMS
 
 
 def persistent_by_default(*, head_dim: int, kv_len: int,
@@ -509,27 +505,14 @@ class _Static:
   # a consumer step. Bitwise the deferred kernel (GPU tests, three runs,
   # session 15); the default at `MERGED_PIECES_HEAD_DIMS`.
   merged_pieces: bool = False
-  # Fused dQ: the consumers wait for each other's dSᵀ on the CTA's hardware
-  # barriers (`bar.sync` / `bar.arrive`) instead of arriving on and polling
-  # mbarriers. Scheduling only: bitwise the same (GPU tests). Such a
-  # barrier has no phases, so each use must keep a consumer from arriving
-  # twice before the waiter's sync:
-  # - Not deferred: the consumers' meeting each step (every dSᵀ of the step
-  #   stored before any consumer reads them for its dQ pieces) is one
-  #   `bar.sync` (`_DS_STORED_BARRIER`): arrival and wait in one
-  #   instruction, so none can arrive for the next step before all have
-  #   arrived for this one. The default at `HW_DS_SYNC_HEAD_DIMS`.
-  # - Deferred: at the end of step s each consumer arrives on every other
-  #   consumer's barrier for s's parity (`_ds_met`): its dSᵀ of s is
-  #   stored, and its pieces of s - 1 are done reading dSᵀ of s - 1. Before
-  #   storing its dSᵀ of s + 1 (into the buffer of s - 1) a consumer syncs
-  #   on its own barrier of s's parity, which covers both the `ds_stored`
-  #   and the `ds_read` waits (the mbarrier form waits for the latter there
-  #   already, and the others arrive on both at once). The next arrival on
-  #   that barrier (end of s + 2) comes after the arriving consumer's sync
-  #   in step s + 2, which needs this consumer's arrival at the end of
-  #   s + 1, made after its sync: one barrier per step parity suffices, two
-  #   per consumer. The default at `HW_DS_SYNC_DEFERRED_HEAD_DIMS`.
+  # Fused dQ, not deferred: the consumers' meeting each step (every dSᵀ of
+  # the step stored before any consumer reads them for its dQ pieces) is
+  # one `bar.sync` on a hardware barrier (`_DS_STORED_BARRIER`) instead of
+  # an arrival on and a polling wait for the `ds_stored` mbarrier. Safe on
+  # a barrier without phases: each consumer arrives and waits in one
+  # instruction, so none can arrive for the next step before all have
+  # arrived for this one. Scheduling only: bitwise the same (GPU tests).
+  # The default at `HW_DS_SYNC_HEAD_DIMS`.
   hw_ds_sync: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
   # (`forward.persistent_schedule`), so that a tile's start (its resident
@@ -689,10 +672,11 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (block_q, block_kv) for the same tiles. None: where measured faster
       (`dq_tiles_by_default`: 64 x 128 at head_dim 64 with 128-row Q tiles
       under causal masking on the launch grid), else the same tiles.
-    hw_ds_sync: the fused dQ's consumers wait for each other's dSᵀ on
-      hardware barriers instead of mbarriers (see `_Static`); the same
-      results either way. Fused dQ only. None: where measured faster
-      (`hw_ds_sync_by_default`: the fused dQ at head_dim 64).
+    hw_ds_sync: the fused dQ's consumers meet each step on a hardware
+      barrier instead of an mbarrier (see `_Static`); the same results
+      either way. Fused dQ without `deferred_dq` only. None: where
+      measured faster (`hw_ds_sync_by_default`: the fused dQ at head_dim
+      64).
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -1008,6 +992,10 @@ def statics(query, key, *, heavy_first: bool = True,
     if merged_pieces and not (deferred_dq and overlap_softmax):
       raise NotImplementedError(
           "merged_pieces: with deferred_dq and overlap_softmax only")
+    if hw_ds_sync and deferred_dq:
+      raise NotImplementedError(
+          "hw_ds_sync: the fused dQ without deferred_dq only (deferred, it "
+          "measured a tie and was removed: see HW_DS_SYNC_HEAD_DIMS)")
     fused_configs = dkdv_statics(query, key, fused_dq=True,
                                  opaque_resident=opaque_resident,
                                  deferred_dq=deferred_dq, **tiles)
@@ -1267,17 +1255,8 @@ _ZERO_CELL_BYTES = 1024
 # The fused dQ's consumers meet on this hardware barrier after their last
 # pieces (`compat.named_barrier`: ids from 8 up are free).
 _PIECES_DONE_BARRIER = 8
-# The hardware barrier of `_Static.hw_ds_sync`, not deferred.
+# The hardware barrier of `_Static.hw_ds_sync`.
 _DS_STORED_BARRIER = 9
-# Deferred: consumer c's barrier for step parity p is _DS_MET_BARRIER + 2c + p
-# (ids 10 .. 13 with `_MAX_CONSUMERS`).
-_DS_MET_BARRIER = 10
-
-
-def _has_ds_read(static: _Static) -> bool:
-  """Whether the fused dQ allocates `_FusedDq.ds_read`: deferred, on
-  mbarriers (`_Static.hw_ds_sync`'s waits cover it)."""
-  return static.deferred_dq and not static.hw_ds_sync
 
 
 def _dq_pieces(block_q: int, head_dim: int) -> int:
@@ -1356,7 +1335,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
         plgpu.Barrier(num_arrivals=consumers, num_barriers=2),  # dq_staged
         plgpu.Barrier(num_barriers=2),                        # stage_free
     )
-    if _has_ds_read(static):
+    if static.deferred_dq:
       scratch += (plgpu.Barrier(num_arrivals=consumers, num_barriers=2),)  # ds_read
     out_type = (jax.ShapeDtypeStruct(query.shape, jnp.float32),) + out_type
   if static.opaque_resident:  # a zero (see `_Static.opaque_resident`)
@@ -1461,7 +1440,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   if static.fused_dq:
     fused = _FusedDq(*scratch[11:16], k=k_smem, dq_sum=out_refs["dq_sum"],
                      turns=None,  # the writer's alone: `_writer`
-                     ds_read=scratch[16] if _has_ds_read(static) else None)
+                     ds_read=scratch[16] if static.deferred_dq else None)
 
   def _consumer():
     if static.shared_rows:  # static consumer numbers: static column slices
@@ -1699,10 +1678,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       ds_smem = fused.ds.at[lax.rem(step, 2), wg]
 
       def store_ds(ds_t):
-        if static.deferred_dq and static.hw_ds_sync:  # see `_Static`
-          pl.when(step >= 1)(functools.partial(
-              _ds_met, "sync", wg, lax.rem(step + 1, 2), static))
-        elif static.deferred_dq:  # every consumer's pieces of step - 2 read it
+        if static.deferred_dq:  # every consumer's pieces of step - 2 read it
           pl.when(step >= 2)(functools.partial(
               plgpu.barrier_wait, fused.ds_read.at[lax.rem(step, 2)]))
         ds_smem[...] = ds_t
@@ -1721,8 +1697,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       plgpu.barrier_arrive(consumed.at[slot])
       if piece is not None:
         *grads, piece_value = grads
-        _stage_merged_piece(fused, wg, piece_value, step=step,
-                            static=static)
+        _stage_merged_piece(fused, wg, piece_value, step=step)
         return tuple(grads)
       return finish(grads, step, offset)
     s_t, *dp_t = _wgmma_fresh(shape, products)
@@ -1969,8 +1944,7 @@ class _FusedDq(NamedTuple):
   dq_sum: Any      # f32 [batch, q_len, num_heads, head_dim], global
   turns: Any       # int32 semaphores [batch * num_heads * num_q_blocks]
   ds_read: Any = None  # barriers [2], an arrival per consumer: its pieces
-                       # read the dSᵀ tiles (`_Static.deferred_dq`; not
-                       # with `_Static.hw_ds_sync`, whose waits cover it)
+                       # read the dSᵀ tiles (`_Static.deferred_dq`)
 
 
 def _piece_position(number, static: _Static):
@@ -1998,38 +1972,18 @@ def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static, offset=0):
   `offset`: a zero the K rows are indexed by (`_Static.opaque_resident`)."""
   parity = lax.rem(step, 2)
   plgpu.commit_smem()  # this consumer's dSᵀ, read by every consumer's wgmma
+  if static.hw_ds_sync:  # every consumer's dSᵀ of `step` is stored after it
+    compat.named_barrier("sync", _DS_STORED_BARRIER,
+                         static.num_consumers * _THREADS_PER_WARPGROUP)
+  else:
+    plgpu.barrier_arrive(fused.ds_stored.at[parity])
   if not static.deferred_dq:
-    if static.hw_ds_sync:  # every consumer's dSᵀ of `step` is stored after it
-      compat.named_barrier("sync", _DS_STORED_BARRIER,
-                           static.num_consumers * _THREADS_PER_WARPGROUP)
-    else:
-      plgpu.barrier_arrive(fused.ds_stored.at[parity])
     _stage_dq_pieces(fused, wg, step=step, static=static, offset=offset,
                      parity=parity, stored=static.hw_ds_sync)
     return
-  if not static.hw_ds_sync:
-    plgpu.barrier_arrive(fused.ds_stored.at[parity])
-  # With `hw_ds_sync`, step - 1's dSᵀ were waited for before this step's
-  # store, and one arrival after the pieces says both are done.
   pl.when(step >= 1)(functools.partial(
       _stage_dq_pieces, fused, wg, step=step - 1, static=static,
-      offset=offset, stored=static.hw_ds_sync))
-  if static.hw_ds_sync:
-    _ds_met("arrive", wg, parity, static)
-
-
-def _ds_met(operation: str, wg, parity, static: _Static):
-  """Deferred `_Static.hw_ds_sync`: consumer `wg` syncs on its own hardware
-  barrier for step parity `parity` ("sync"), or arrives on every other
-  consumer's ("arrive"). A barrier's id is an immediate: a branch each."""
-  threads = static.num_consumers * _THREADS_PER_WARPGROUP
-  for c in range(static.num_consumers):
-    mine = wg == c
-    for p in range(2):
-      pl.when((mine if operation == "sync" else jnp.logical_not(mine))
-              & (parity == p))(functools.partial(
-                  compat.named_barrier, operation,
-                  _DS_MET_BARRIER + 2 * c + p, threads))
+      offset=offset))
 
 
 def _stage_dq_pieces(fused: _FusedDq, wg, *, step, static: _Static,
@@ -2039,9 +1993,7 @@ def _stage_dq_pieces(fused: _FusedDq, wg, *, step, static: _Static,
   here unless `stored`): computed and staged for the writer."""
   if parity is None:
     parity = lax.rem(step, 2)
-  if not stored and static.hw_ds_sync:  # deferred (not deferred: `stored`)
-    _ds_met("sync", wg, parity, static)  # the walk's last step
-  elif not stored:
+  if not stored:
     plgpu.barrier_wait(fused.ds_stored.at[parity])
   # The writer has read this stage's pieces of step - 2.
   pl.when(step >= 2)(lambda: plgpu.barrier_wait(fused.stage_free.at[parity]))
@@ -2091,9 +2043,8 @@ def _issue_merged_piece(fused: _FusedDq, wg, acc_ref, *, step,
   where no one reads it, see `_stage_merged_piece`), so that the wgmma
   group has the same shape every step."""
   parity = lax.rem(step + 1, 2)  # step - 1's, for step >= 0
-  if not static.hw_ds_sync:  # else waited for before the dSᵀ store
-    pl.when(step >= 1)(functools.partial(plgpu.barrier_wait,
-                                         fused.ds_stored.at[parity]))
+  pl.when(step >= 1)(functools.partial(plgpu.barrier_wait,
+                                       fused.ds_stored.at[parity]))
   # The writer has read this stage's pieces of step - 3.
   pl.when(step >= 3)(functools.partial(plgpu.barrier_wait,
                                        fused.stage_free.at[parity]))
@@ -2103,8 +2054,7 @@ def _issue_merged_piece(fused: _FusedDq, wg, acc_ref, *, step,
     plgpu.wgmma(acc_ref, lhs, rhs)
 
 
-def _stage_merged_piece(fused: _FusedDq, wg, value, *, step,
-                        static: _Static):
+def _stage_merged_piece(fused: _FusedDq, wg, value, *, step):
   """After the step's wgmmas (`_Static.merged_pieces`): stages consumer
   wg's piece of step - 1 for the writer and says that this consumer's dSᵀ
   of `step` is stored and its piece of step - 1 is staged and done with
@@ -2114,16 +2064,12 @@ def _stage_merged_piece(fused: _FusedDq, wg, value, *, step,
   parity = lax.rem(step + 1, 2)
   fused.stage.at[parity][wg] = value
   plgpu.commit_smem()  # this dSᵀ for every consumer's wgmma, the piece for TMA
-  if static.hw_ds_sync:  # one arrival says both (see `_Static.hw_ds_sync`)
-    _ds_met("arrive", wg, lax.rem(step, 2), static)
-  else:
-    plgpu.barrier_arrive(fused.ds_stored.at[lax.rem(step, 2)])
+  plgpu.barrier_arrive(fused.ds_stored.at[lax.rem(step, 2)])
 
   @pl.when(step >= 1)
   def _():
     plgpu.barrier_arrive(fused.staged.at[parity])
-    if fused.ds_read is not None:
-      plgpu.barrier_arrive(fused.ds_read.at[parity])
+    plgpu.barrier_arrive(fused.ds_read.at[parity])
 
 
 def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
