@@ -347,10 +347,6 @@ LAUNCH_WIDE_SPACE = dict(LAUNCH_SPACE, block_q=(128,))
 CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
                              max_concurrent_steps=(2, 3, 4))
 
-# Session 23: of every 8 groups of 8 score columns, how many take the
-# software exp2 (`forward.KernelStatic.soft_exp2`), default tiles.
-FORWARD_SOFT_EXP2_SPACE = dict(soft_exp2=(0, 1, 2, 3, 4))
-
 
 def candidates(space: dict | list[dict]) -> list[dict]:
   """Every combination of a space's values, or a list of candidates as
@@ -524,7 +520,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_sum_after_pv": _forward(FORWARD_SUM_AFTER_PV_CANDIDATES),
            "forward_rescale": _forward(FORWARD_RESCALE_CANDIDATES),
            "forward_rescale_warp": _forward(FORWARD_RESCALE_WARP_CANDIDATES),
-           "forward_soft_exp2": _forward(FORWARD_SOFT_EXP2_SPACE),
            "backward_merged": _backward(MERGED_CANDIDATES),
            "backward_merged_wide": _backward(MERGED_WIDE_CANDIDATES),
            "backward_lean_wide": _backward(LEAN_WIDE_SPACE),

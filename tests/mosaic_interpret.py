@@ -80,9 +80,6 @@ check the Mosaic forward's numerics in CI, without a GPU):
       each thread, Mosaic GPU code): its product, `acc * alpha[:, None]`,
       which the branch equals since it skips only multiplies by exactly
       1; whether it skips the right threads shows only on a GPU.
-    - `soft_exp2.exp2` (the forward's exponentials partly in software,
-      Mosaic GPU code): `soft_exp2.mixed_reference`, the same polynomial
-      in jnp on the same columns.
 
 Each simulated warpgroup is a host thread whose kernel blocks inside XLA
 callbacks (barrier waits), and XLA's CPU client runs about one more of
@@ -102,8 +99,7 @@ What the interpreter cannot check: wgmma runs synchronously there, so
 synchronous too, so `wait_smem_to_gmem` orders nothing; sequential grid
 points cannot race, so the fused dQ's turns are never contended (a writer
 that did not wait would pass); inline PTX other than `named_barrier`
-cannot run, `multiply_rows_in_threads` runs as its plain product and
-`soft_exp2.exp2` as its jnp twin.
+cannot run, and `multiply_rows_in_threads` runs as its plain product.
 
 Written against JAX 0.10.2's private modules: `WHY_NOT` says why the patch
 is unavailable elsewhere, and the tests skip with it.
@@ -171,7 +167,6 @@ else:
 if WHY_NOT is None:
   from pallas_kernels.mosaic import compat as mosaic_compat
   from pallas_kernels.mosaic import forward as mosaic_forward_module
-  from pallas_kernels.mosaic import soft_exp2
   _NAMED_BARRIER_EMIT = next(
       c for c in mosaic_compat.named_barrier.__code__.co_consts
       if isinstance(c, types.CodeType) and c.co_name == "emit")
@@ -276,8 +271,7 @@ def _patched_interpret(self, jaxpr, token, *args):
   is_special = lambda e: (e.primitive in special
                           or (e.primitive is gpu_primitives.inline_mgpu_p
                               and (_named_barrier_of(e) is not None
-                                   or _is_row_multiply(e)
-                                   or _soft_exp2_groups(e) is not None)))
+                                   or _is_row_multiply(e))))
   if not any(is_special(e) for e in jaxpr.eqns):
     return _STOCK_INTERPRET(self, jaxpr, token, *args)
   # Interpret the equations in runs: maximal runs of ordinary equations go
@@ -310,9 +304,6 @@ def _patched_interpret(self, jaxpr, token, *args):
         elif _is_row_multiply(eqn):
           acc, alpha = invals
           outs = [acc * alpha[:, None]]
-        elif _soft_exp2_groups(eqn) is not None:
-          outs = [soft_exp2.mixed_reference(invals[0],
-                                            _soft_exp2_groups(eqn))]
         elif eqn.primitive is gpu_primitives.inline_mgpu_p:
           token, outs = _interpret_named_barrier(self, eqn, token,
                                                  _named_barrier_of(eqn))
@@ -539,15 +530,6 @@ def _is_row_multiply(eqn) -> bool:
   return (eqn.primitive is gpu_primitives.inline_mgpu_p
           and getattr(fn, "func", fn)  # through functools.partial
           is mosaic_forward_module.multiply_rows_in_threads)
-
-
-def _soft_exp2_groups(eqn) -> int | None:
-  """`soft_groups` if `eqn` is the forward's `soft_exp2.exp2`, else None."""
-  fn = eqn.params.get("mgpu_fn")
-  if (eqn.primitive is gpu_primitives.inline_mgpu_p
-      and getattr(fn, "func", None) is soft_exp2.exp2):
-    return fn.keywords["soft_groups"]
-  return None
 
 
 class _NamedBarriers:

@@ -408,50 +408,6 @@ def test_lazy_rescale_default_follows_the_measured_table(cuda_lowering):
   _lower(256, False, persistent=False, overlap_scores=True)  # no raise
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_soft_exp2_lowers_and_changes_the_forward(head_dim,
-                                                  lowering_semantics):
-  """`soft_exp2` (some exponentials on the FMA units) lowers on either grid
-  and with the lazy rescale, each count of column groups is another kernel
-  (0 is the default's); out of range is a ValueError naming it, and
-  `overlap_scores` refuses it."""
-  for causal, kwargs in ((False, dict(persistent=True)),
-                         (True, dict(persistent=False)),
-                         (False, dict(lazy_rescale=True))):
-    text = lambda n: _lower(head_dim, causal, soft_exp2=n, **kwargs)
-    kernels = [text(n) for n in (0, 1, 4, 8)]
-    assert kernels[0] == _lower(head_dim, causal, **kwargs)
-    assert len(set(kernels)) == len(kernels)
-  for n in (-1, 9):
-    with pytest.raises(ValueError, match="soft_exp2"):
-      _lower(head_dim, False, soft_exp2=n)
-  with pytest.raises(NotImplementedError, match="soft_exp2"):
-    _lower(head_dim, False, persistent=False, overlap_scores=True,
-           lazy_rescale=False, soft_exp2=2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("soft_exp2", [2, 8])
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_soft_exp2_forward_matches_reference_on_gpu(head_dim, is_causal,
-                                                    persistent, soft_exp2):
-  """Exponentials partly (2 of 8 column groups) or wholly (8) in software,
-  against the float32 reference within DESIGN's rule, out and lse (GQA
-  4:1, kv_len > q_len; causal: masked diagonal tiles beside unmasked
-  ones). A wrong coefficient, exponent shift or clamp is off by far more
-  than the rule allows (a factor 2 or more on the exponentials it
-  touches)."""
-  _require_sm90()
-  q, k, v, _, _ = random_inputs(Case(2, 1024, 1536, 8, 2, head_dim),
-                                jnp.bfloat16, seed=89)
-  out, lse = jax.jit(lambda q, k, v: mosaic_forward(
-      q, k, v, scale=head_dim**-0.5, is_causal=is_causal,
-      persistent=persistent, soft_exp2=soft_exp2))(q, k, v)
-  assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("is_causal", [False, True])

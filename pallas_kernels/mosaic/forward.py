@@ -91,7 +91,6 @@ import numpy as np
 from jax_flash import masking
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat, turns
-from pallas_kernels.mosaic import soft_exp2 as soft_exp2_module
 
 # Consumer warpgroups per CTA: two by default (FlashAttention-3's d=128
 # layout). `mosaic_forward(num_consumers=3)` runs three (FlashAttention-3's
@@ -409,13 +408,6 @@ class KernelStatic:
   # results/h200_mosaic_rescale_warp.md; bitwise the same on the H200 (4
   # GPU tests).
   rescale_per_warp: bool = False
-  # Exponentials partly in software (`soft_exp2.exp2`): of every
-  # `soft_exp2.GROUP_CYCLE` groups of 8 columns of an unmasked step's score
-  # tile, the last `soft_exp2` take the FMA units' polynomial instead of
-  # the MUFU (FlashAttention-4's split). Plain bf16/f16 kernel's plain
-  # step only (not masked steps, whose -inf must give exactly 0; not FP8,
-  # not ranged, not `overlap_scores`). 0: every exp2 on the MUFU.
-  soft_exp2: int = 0
 
   @property
   def ranged(self) -> bool:
@@ -451,8 +443,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    sum_after_pv: bool | None = None,
                    lazy_rescale: bool | None = None,
                    rescale_threshold: float = LAZY_RESCALE_THRESHOLD,
-                   rescale_per_warp: bool | None = None,
-                   soft_exp2: int = 0):
+                   rescale_per_warp: bool | None = None):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -513,10 +504,6 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     rescale_per_warp: the lazy rescale's skip decided per warp instead of
       per thread (see `KernelStatic`); bitwise the same. Only with
       `lazy_rescale`. None: per warp wherever the rescale is lazy.
-    soft_exp2: of every 8 groups of 8 score columns, how many take a
-      polynomial exp2 on the FMA units instead of the MUFU (0 to 8; see
-      `KernelStatic` and `soft_exp2`); not with `overlap_scores`. Changes
-      rounding only (relative error below 7.5e-5 on those exponentials).
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -565,12 +552,6 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                               "(overlap_scores has its own)")
   rescale = rescale_fields(lazy_rescale, rescale_per_warp,
                            threshold=rescale_threshold)
-  if not 0 <= soft_exp2 <= soft_exp2_module.GROUP_CYCLE:
-    raise ValueError(f"soft_exp2 must be from 0 to "
-                     f"{soft_exp2_module.GROUP_CYCLE}, got {soft_exp2}")
-  if soft_exp2 and overlap_scores:
-    raise NotImplementedError("soft_exp2: the plain step only "
-                              "(overlap_scores has its own)")
   static = check_supported(query, key, value, scale=scale,
                            is_causal=is_causal, block_q=block_q,
                            block_kv=block_kv,
@@ -584,8 +565,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                ring_turns=bool(ring_turns),
                                hw_turns=bool(hw_turns),
                                lean_producer=bool(lean_producer),
-                               sum_after_pv=bool(sum_after_pv),
-                               soft_exp2=int(soft_exp2))
+                               sum_after_pv=bool(sum_after_pv))
   if persistent is None:
     persistent = persistent_by_default(
         is_causal=is_causal, head_dim=query.shape[-1], kv_len=key.shape[1],
@@ -1388,12 +1368,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     if fp8 is not None:  # the true scores: S times the Q and K factors
       k_factor = _descale(fp8, static.num_q_blocks + step)
       scale_log2 = scale_log2 * (q_factor * k_factor)
-    # Unmasked plain steps only: the software exp2 gives 2**-126 for -inf.
-    plain = not masked and plan is None and fp8 is None
-    soft = static.soft_exp2 if plain else 0
     m_new, alpha, p = _exponentiate(s, m, scale_log2,
-                                    threshold=static.rescale_threshold,
-                                    soft_exp2=soft)
+                                    threshold=static.rescale_threshold)
     acc = _rescale(acc, alpha,
                    skip_ones=static.rescale_threshold is not None,
                    per_warp=static.rescale_per_warp)
@@ -1609,8 +1585,7 @@ def _overlapped_steps(m, l, q_smem, k_smem, v_smem, k_arrived,
   pl.run_scoped(with_o, plgpu.ACC((block_q, static.head_dim), jnp.float32))
 
 
-def _exponentiate(s, m, scale_log2, *, threshold: float | None = None,
-                  soft_exp2: int = 0):
+def _exponentiate(s, m, scale_log2, *, threshold: float | None = None):
   """Online softmax on a [block_q, block_kv] tile of scores (-inf where
   masked) against the running max `m` (log2 units): (m_new, alpha = the
   factor for what was summed so far, p = the tile's exponentials, f32).
@@ -1618,10 +1593,7 @@ def _exponentiate(s, m, scale_log2, *, threshold: float | None = None,
   With a `threshold` a row's max moves only when the tile's max exceeds it
   by more than that (`KernelStatic.rescale_threshold`), and its p stays
   below 2**threshold. A row whose max did not move has alpha exactly 1, or
-  0 while it has seen no key (its O and l are still 0).
-
-  `soft_exp2`: that many column groups of every `soft_exp2.GROUP_CYCLE`
-  take the software exp2 (`soft_exp2.exp2`; no -inf in `s` then)."""
+  0 while it has seen no key (its O and l are still 0)."""
   m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
   if threshold:  # 0.0 moves on any growth: m_new as it is
     m_new = jnp.where(m_new > m + threshold, m_new, m)
@@ -1630,14 +1602,7 @@ def _exponentiate(s, m, scale_log2, *, threshold: float | None = None,
   m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_ref)
   # One FMA per score: s * (scale log2 e) - m (§3.1, exp2 on the MUFU).
-  x = s * scale_log2 - _rows(m_ref, s.shape)
-  if not soft_exp2:
-    return m_new, alpha, jnp.exp2(x)
-  p = plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA,),
-      return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype,
-                                         plgpu.Layout.WGMMA),
-  )(functools.partial(soft_exp2_module.exp2, soft_groups=soft_exp2))(x)
+  p = jnp.exp2(s * scale_log2 - _rows(m_ref, s.shape))
   return m_new, alpha, p
 
 
