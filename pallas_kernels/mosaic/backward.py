@@ -214,19 +214,18 @@ SHARED_ROWS_HEAD_DIMS: tuple[int, ...] = (256,)
 # 256 2-10% slower. With head_dim 64's 128-row Q tiles (the dispatch's,
 # `attention.backward_tiles`) the whole fwd+bwd fell to half speed.
 PREFETCH_STATS_TILES: tuple[tuple[int, int], ...] = ((64, 64),)
-# lse alone read early (`mosaic_backward(prefetch_lse=None)`), by
-# (head_dim, block_q), in the two kernels' dK/dV kernel without a causal
-# mask (the fused one's: `FUSED_PREFETCH_LSE_TILES`). Measured on the H200
-# (session 14, backward alone, TFLOP/s, off -> on): d=128 without a mask,
-# three rounds in turn (results/h200_mosaic_fused_stalls.md), 424 -> 453 at
-# 4k and 463 -> 501 at 16k; two rounds (results/h200_mosaic_prefetch_lse.md)
-# 378 -> 402 at 1k (persistent grid), 438 -> 457 at 4k, 459 -> 488 at 16k. Under causal
-# masking 305 -> 299, 423 -> 417, 475 -> 482, and at d=256 -3% to +1%:
-# off there. Session 20, d=128 under causal masking on the launch grid
-# (settled, three rounds in alternating order, backward alone,
-# results/h200_mosaic_causal_128.md): 409 -> 413 at 4k and 471 -> 477
-# at 16k alone, and 419 / 478 with `lean_producer` as well: both on there
-# (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`); the persistent grid (kv_len up to
+# lse alone read early (`mosaic_backward(prefetch_lse=None)`), by (head_dim,
+# block_q), in the two kernels' dK/dV kernel without a causal mask (the fused
+# one's: `FUSED_PREFETCH_LSE_TILES`). Measured on the H200 (session 14, backward
+# alone, TFLOP/s, off -> on): d=128 without a mask, three rounds in turn
+# (results/h200_mosaic_fused_stalls.md), 424 -> 453 at 4k and 463 -> 501 at 16k;
+# two rounds (results/h200_mosaic_prefetch_lse.md) 378 -> 402 at 1k (persistent
+# grid), 438 -> 457 at 4k, 459 -> 488 at 16k. Under causal masking 305 -> 299,
+# 423 -> 417, 475 -> 482, and at d=256 -3% to +1%: off there. Session 20, d=128
+# under causal masking on the launch grid (settled, three rounds in alternating
+# order, backward alone, results/h200_mosaic_causal_128.md): 409 -> 413 at 4k
+# and 471 -> 477 at 16k alone, and 419 / 478 with `lean_producer` as well: both
+# on there (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`); the persistent grid (kv_len up to
 # 1024) keeps them off, unmeasured since.
 PREFETCH_LSE_TILES: tuple[tuple[int, int], ...] = ((128, 64),)
 # The same in the fused dQ's consumers, by (head_dim, block_q). Session 14
