@@ -347,14 +347,6 @@ LAUNCH_WIDE_SPACE = dict(LAUNCH_SPACE, block_q=(128,))
 CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
                              max_concurrent_steps=(2, 3, 4))
 
-# Session 23: d=64's dK/dV consumers taking each 128-row Q tile in two
-# halves (`backward._Static.half_steps`), in the default form of each cell
-# (the fused dQ at 16k without a mask, else the two kernels), and the two
-# kernels with halves where the fused dQ is the default.
-HALF_STEPS_64_CANDIDATES = [
-    dict(block_q=128), dict(block_q=128, half_steps=True),
-    dict(block_q=128, fused_dq=False, half_steps=True)]
-
 
 def candidates(space: dict | list[dict]) -> list[dict]:
   """Every combination of a space's values, or a list of candidates as
@@ -529,7 +521,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_rescale": _forward(FORWARD_RESCALE_CANDIDATES),
            "forward_rescale_warp": _forward(FORWARD_RESCALE_WARP_CANDIDATES),
            "backward_merged": _backward(MERGED_CANDIDATES),
-           "backward_half_steps_64": _backward(HALF_STEPS_64_CANDIDATES),
            "backward_merged_wide": _backward(MERGED_WIDE_CANDIDATES),
            "backward_lean_wide": _backward(LEAN_WIDE_SPACE),
            "backward_turn_cost": (turn_cost_benchmark,

@@ -54,7 +54,7 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
                          "shared_rows", "deferred_dq",
                          "prefetch_lse", "stage_free_on_read", "early_delta",
                          "lean_producer", "merged_pieces",
-                         "num_ctas", "dq_tiles", "hw_ds_sync", "half_steps")
+                         "num_ctas", "dq_tiles", "hw_ds_sync")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
 
@@ -1024,47 +1024,6 @@ def test_backward_defaults_at_long_kv():
     want_tiles = (64, 128) if head_dim == 64 else (64, 64)
     assert (dq.block_q, dq.block_kv) == want_tiles
     assert dkdv.prefetch_lse == (head_dim == 128)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("kwargs", [
-    dict(block_q=128, fused_dq=True), dict(block_q=128, fused_dq=False),
-    dict(block_q=128, fused_dq=False, persistent=True),
-    dict(block_q=128, fused_dq=False, persistent=False),
-    dict(head_dim=128, block_q=128, block_kv=64, fused_dq=False,
-         prefetch_lse=False),
-], ids=str)
-def test_half_steps_are_bitwise_the_whole_steps_on_gpu(kwargs, is_causal):
-  """`half_steps` takes each Q tile's columns of Sᵀ in two halves: the same
-  k16 wgmma steps into the same accumulators in the same order, so dq, dk,
-  dv equal the whole steps' bit for bit, twice in a row (a half's
-  statistics or mask read at the other half's columns, or a dSᵀ half
-  stored at the wrong columns, would not), in the fused dQ and the two
-  kernels on either grid."""
-  kwargs = dict(kwargs)
-  head_dim = kwargs.pop("head_dim", 64)
-  _assert_bitwise_either_way("half_steps", head_dim, is_causal, 61, runs=2,
-                             **kwargs)
-
-
-def test_half_steps_lower_and_refuse_what_they_do_not_cover(cuda_lowering):
-  """`half_steps` lowers in the fused dQ and in the two kernels (another
-  kernel either way), and refuses 64-row Q tiles (halves
-  narrower than a wgmma K-slice) and the options it has no form for."""
-  def kernels(**kwargs):
-    return _lower(64, False, q_len=512, kv_len=512, block_q=128,
-                           **kwargs)
-  for fused in (False, True):
-    assert kernels(fused_dq=fused) != kernels(fused_dq=fused,
-                                              half_steps=True)
-  for kwargs, match in ((dict(block_q=64), "multiple of 128"),
-                        (dict(overlap_softmax=False), "overlap_softmax"),
-                        (dict(prefetch_stats=True), "half_steps"),
-                        (dict(fused_dq=True, deferred_dq=True), "half_steps")):
-    with pytest.raises(NotImplementedError, match=match):
-      _lower(64, False, q_len=512, kv_len=512,
-                      **{"block_q": 128, **kwargs, "half_steps": True})
 
 
 @pytest.mark.gpu

@@ -212,10 +212,6 @@ BACKWARD_CASES = [
     # kernels' diagonals differ.
     (Case(1, 256, 256, 1, 1, 64), True,
      dict(block_q=128, persistent=False, dq_tiles=(64, 128))),
-    # Each Q tile in two halves of its rows (`half_steps`), causal: the
-    # halves' own statistics and masks on the diagonal.
-    (Case(1, 256, 256, 1, 1, 64), True,
-     dict(block_q=128, num_ctas=2, half_steps=True)),
 ]
 
 
@@ -235,9 +231,6 @@ FUSED_BACKWARD_CASES = [
     # The consumers' meeting each step on the ds_stored mbarriers (d=64's
     # default meets on a hardware barrier: `backward.HW_DS_SYNC_HEAD_DIMS`).
     (Case(1, 256, 256, 1, 1, 64), False, dict(block_q=128, hw_ds_sync=False)),
-    # Each Q tile in two halves of its rows (`half_steps`): the halves of
-    # dSᵀ stored in their columns for the pieces.
-    (Case(1, 256, 256, 2, 1, 64), True, dict(block_q=128, half_steps=True)),
     # d=128's fused defaults (64-row Q tiles, deferred and merged pieces,
     # the opaque resident rows).
     (Case(1, 128, 256, 1, 1, 128), False, dict()),

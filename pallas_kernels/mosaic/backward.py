@@ -104,8 +104,6 @@ _MAX_CONSUMERS = 2
 # one warpgroup is m * n / 128 registers per thread.
 _ACCUMULATOR_REGISTERS = 192
 _THREADS_PER_WARPGROUP = 128
-# Rows of a wgmma K-slice of 16-bit tiles with the 128-byte swizzle.
-_TILE_ROWS = 64
 # The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
 # the producer: 2 * 232 + 24 + 24 = 512 per thread slot (see
 # `forward._CONSUMER_REGISTERS`). 24 is setmaxnreg's least; both only
@@ -515,18 +513,6 @@ class _Static:
   # arrived for this one. Scheduling only: bitwise the same (GPU tests).
   # The default at `HW_DS_SYNC_HEAD_DIMS`.
   hw_ds_sync: bool = False
-  # dK/dV consumers (plain or fused dQ, overlapped softmax, dK and dV in one
-  # pass): each step's Q tile taken in two halves of its columns, Sᵀ and
-  # dPᵀ, P, dS, dV and dK of one half before the other's. The step's
-  # statistics are columns of Sᵀ, so each thread holds a value per column
-  # it owns: at 128-row Q tiles lse and delta take 32 registers each, and
-  # Sᵀ and dPᵀ 64 each, where the consumers at head_dim 64 spill (ptxas:
-  # 464 bytes in the fused kernel, 180 in the two kernels' dK/dV). Halves
-  # hold half of each, at the cost of twice the wgmma waits a step and
-  # the resident K and V read twice by the tensor cores. The same sums in
-  # the same order: dV and dK add the halves' products in turn, as the
-  # wgmma over 128 rows adds its k-slices.
-  half_steps: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
   # (`forward.persistent_schedule`), so that a tile's start (its resident
   # loads, the ring's fill) overlaps the previous tile's end. Plain form.
@@ -596,8 +582,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     stage_free_on_read: bool = False,
                     merged_pieces: bool | None = None,
                     dq_tiles: tuple[int, int] | None = None,
-                    hw_ds_sync: bool | None = None,
-                    half_steps: bool = False):
+                    hw_ds_sync: bool | None = None):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -691,10 +676,6 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       either way. Fused dQ without `deferred_dq` only. None: where
       measured faster (`hw_ds_sync_by_default`: the fused dQ at head_dim
       64).
-    half_steps: the dK/dV consumers take each Q tile in two halves of its
-      rows (see `_Static`); bitwise the same results. With
-      `overlap_softmax`, dK and dV in one pass, not deferred, not shared
-      rows.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -726,8 +707,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       opaque_resident=opaque_resident, deferred_dq=deferred_dq,
       prefetch_lse=prefetch_lse, early_delta=early_delta,
       lean_producer=lean_producer, stage_free_on_read=stage_free_on_read,
-      merged_pieces=merged_pieces, dq_tiles=dq_tiles, hw_ds_sync=hw_ds_sync,
-      half_steps=half_steps)
+      merged_pieces=merged_pieces, dq_tiles=dq_tiles, hw_ds_sync=hw_ds_sync)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
@@ -747,7 +727,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               stage_free_on_read: bool = False,
               merged_pieces: bool | None = None,
               dq_tiles: tuple[int, int] | None = None,
-              hw_ds_sync: bool | None = None, half_steps: bool = False):
+              hw_ds_sync: bool | None = None):
   """`mosaic_backward`'s kernels for these arguments (its defaults decided):
   (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
   `gradients` takes them. Raises NotImplementedError for tiles that do not
@@ -809,7 +789,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  lean_producer=lean_producer,
                  stage_free_on_read=stage_free_on_read,
                  merged_pieces=merged_pieces, dq_tiles=dq_tiles,
-                 hw_ds_sync=hw_ds_sync, half_steps=half_steps, **tiles)
+                 hw_ds_sync=hw_ds_sync, **tiles)
 
 
 def gradients(query, key, value, d_out, stats, dq_config: _Static | None,
@@ -977,7 +957,7 @@ def statics(query, key, *, heavy_first: bool = True,
             lean_producer: bool = False, stage_free_on_read: bool = False,
             merged_pieces: bool | None = False,
             dq_tiles: tuple[int, int] | None = None,
-            hw_ds_sync: bool = False, half_steps: bool = False, **tiles):
+            hw_ds_sync: bool = False, **tiles):
   """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
   are their keyword arguments (`dq_tiles`: the dQ kernel's block_q and
   block_kv instead of theirs; `configure` turns tiles equal to theirs into
@@ -989,20 +969,7 @@ def statics(query, key, *, heavy_first: bool = True,
   dkdv_options = dict(options, prefetch_stats=bool(prefetch_stats),
                       prefetch_lse=bool(prefetch_lse),
                       early_delta=bool(early_delta),
-                      opaque_resident=bool(opaque_resident),
-                      half_steps=bool(half_steps))
-  if half_steps and not overlap_softmax:
-    raise NotImplementedError("half_steps: with overlap_softmax only")
-  if half_steps and tiles["block_q"] % (2 * _TILE_ROWS):
-    raise NotImplementedError(
-        f"half_steps: halves of whole wgmma K-slices ({_TILE_ROWS} rows), "
-        f"so block_q a multiple of {2 * _TILE_ROWS}, got {tiles['block_q']}")
-  if half_steps and (shared_rows or deferred_dq or prefetch_stats
-                     or prefetch_lse or early_delta
-                     or tiles.get("spec") is not None):
-    raise NotImplementedError(
-        "half_steps: the plain and fused dK/dV consumers without shared "
-        "rows, deferred_dq, prefetch_stats, prefetch_lse or early_delta")
+                      opaque_resident=bool(opaque_resident))
   if dq_tiles is not None and tiles.get("spec") is not None:
     # The ranged kernels' plans classify blocks at the one pair of tiles.
     raise NotImplementedError("dq_tiles: not in the ranged backward")
@@ -1497,8 +1464,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       else:  # position p of the walk is Q tile `q_of(p)`
         q_of = functools.partial(_fused_q_block, first=first, static=static)
         walk = _Walk(0, per_head, _fused_runs(kv_start, first, static), None)
-      tile_mask = lambda i, slot, q_rows=None: _causal_mask_t(
-          kv_start, i, static, q_rows)
+      tile_mask = lambda i, slot: _causal_mask_t(kv_start, i, static)
     else:
       walk = _ranged_walk(plan, wg)
       own_ids = _own_ids(ids, kv_rows, wg)
@@ -1710,24 +1676,11 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     if fused is not None:  # this step's dSᵀ, for every consumer to read
       ds_smem = fused.ds.at[lax.rem(step, 2), wg]
 
-      def store_ds(ds_t, columns=None):
+      def store_ds(ds_t):
         if static.deferred_dq:  # every consumer's pieces of step - 2 read it
           pl.when(step >= 2)(functools.partial(
               plgpu.barrier_wait, fused.ds_read.at[lax.rem(step, 2)]))
-        if columns is None:
-          ds_smem[...] = ds_t
-        else:
-          ds_smem.at[:, columns][...] = ds_t
-    if static.half_steps:  # see `_Static.half_steps`
-      for half in range(2):
-        grads = _dkdv_half_step(
-            grads, half, k_rows, v_rows, q_tile, do_tile,
-            stats_ring.at[slot], static=static, values=walk.values,
-            mask=(functools.partial(tile_mask, q_block, slot) if masked
-                  else None),
-            store_ds=store_ds)
-      plgpu.barrier_arrive(consumed.at[slot])
-      return finish(grads, step, offset)
+        ds_smem[...] = ds_t
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
       (p_t, slope, delta), *dp_t = _wgmma_then(shape, products,
@@ -1778,38 +1731,6 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         _stage_dq_pieces, fused, wg, step=last, static=static, offset=offset))
   return tuple(grad * static.scale if name == "dk" else grad
                for name, grad in zip(static.outputs, grads))
-
-
-def _dkdv_half_step(grads, half: int, k_rows, v_rows, q_tile, do_tile, stats,
-                    *, static: _Static, values, mask, store_ds):
-  """`grads` plus the products of one half of a step's Q tile (rows
-  [half * h, (half + 1) * h) of it, h = block_q / 2: `_Static.half_steps`),
-  with the softmax overlapped as in the whole step. `stats` is the step's
-  [2, block_q] (lse, delta) slot; `mask(q_rows)` the masked step's
-  [block_kv, h] mask of those Q rows, or None; `store_ds(dSᵀ, columns)`
-  (fused dQ) stores the half's dSᵀ in those columns of the step's."""
-  rows = static.block_q // 2
-  part = pl.ds(half * rows, rows)
-  q_part, do_part, stats_part = q_tile.at[part], do_tile.at[part], stats.at[
-      :, part]
-  products = [(k_rows, q_part.transpose((1, 0)))]          # Sᵀ = K Qᵀ
-  if "dk" in static.outputs:
-    products.append((v_rows, do_part.transpose((1, 0))))   # dPᵀ = V dOᵀ
-
-  def probabilities(s_t):
-    lse_log2 = plgpu.layout_cast(stats_part[0], plgpu.Layout.WGMMA.reduce(0))
-    p_t, slope = _probabilities(s_t, lse_log2, _cols, values, static)
-    if mask is not None:
-      p_t = jnp.where(mask((half * rows, rows)), p_t, 0.0)
-    return p_t, slope
-
-  (p_t, slope), *dp_t = _wgmma_then((static.block_kv, rows), products,
-                                    probabilities)
-  store_part = None
-  if store_ds is not None:
-    store_part = lambda ds_t: store_ds(ds_t, part)
-  return _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_part, do_part,
-                                     stats_part, static, store_ds=store_part)
 
 
 def _walk_group(walk: _Walk, step_body, arrived, consumed, slot_of,
