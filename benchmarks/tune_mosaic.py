@@ -347,6 +347,10 @@ LAUNCH_WIDE_SPACE = dict(LAUNCH_SPACE, block_q=(128,))
 CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
                              max_concurrent_steps=(2, 3, 4))
 
+# Session 23: three consumers' short last tiles without math for a consumer
+# that has no rows there (`forward.KernelStatic.skip_spare`).
+FORWARD_SKIP_SPARE_SPACE = dict(skip_spare=(False, True))
+
 
 def candidates(space: dict | list[dict]) -> list[dict]:
   """Every combination of a space's values, or a list of candidates as
@@ -520,6 +524,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_sum_after_pv": _forward(FORWARD_SUM_AFTER_PV_CANDIDATES),
            "forward_rescale": _forward(FORWARD_RESCALE_CANDIDATES),
            "forward_rescale_warp": _forward(FORWARD_RESCALE_WARP_CANDIDATES),
+           "forward_skip_spare": _forward(FORWARD_SKIP_SPARE_SPACE,
+                                          causal=(False,)),
            "backward_merged": _backward(MERGED_CANDIDATES),
            "backward_merged_wide": _backward(MERGED_WIDE_CANDIDATES),
            "backward_lean_wide": _backward(LEAN_WIDE_SPACE),

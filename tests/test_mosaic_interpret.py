@@ -57,6 +57,15 @@ CASES = [
     (Case(1, 192, 128, 1, 1, 64), False, dict(persistent=False,
                                               num_consumers=3,
                                               hw_turns=False)),
+    # A short last tile (256 = 192 + 64 rows) whose two spare consumers
+    # walk its steps without math (`skip_spare`), one CTA walking both
+    # tiles, on hardware barriers (the default at d=64) and on mbarriers.
+    (Case(1, 256, 128, 1, 1, 64), False, dict(num_ctas=1, num_consumers=3,
+                                              skip_spare=True)),
+    (Case(1, 256, 256, 1, 1, 64), False, dict(persistent=False,
+                                              num_consumers=3,
+                                              hw_turns=False,
+                                              skip_spare=True)),
     # The consumer schedules: the intra-warpgroup overlap, ring turns,
     # turns on hardware barriers, and P's row sum after P V.
     (Case(1, 128, 256, 1, 1, 64), True, dict(persistent=False,

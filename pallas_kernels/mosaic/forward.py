@@ -408,6 +408,14 @@ class KernelStatic:
   # results/h200_mosaic_rescale_warp.md; bitwise the same on the H200 (4
   # GPU tests).
   rescale_per_warp: bool = False
+  # Three consumers, short last tile (q_len not a multiple of 3 * block_q):
+  # a consumer with no rows of its own (`consumer_rows`) walks the tile's
+  # steps without math instead of computing the last rows again: it waits
+  # for each K and V tile and releases it, and passes each turn on as soon
+  # as it has it, so that the others' matmuls take its turns. Plain
+  # bf16/f16 kernel without a causal mask (where three consumers run at
+  # q_len 1024 and up). What is stored is the same: bitwise the same.
+  skip_spare: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -443,7 +451,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    sum_after_pv: bool | None = None,
                    lazy_rescale: bool | None = None,
                    rescale_threshold: float = LAZY_RESCALE_THRESHOLD,
-                   rescale_per_warp: bool | None = None):
+                   rescale_per_warp: bool | None = None,
+                   skip_spare: bool = False):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -504,6 +513,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     rescale_per_warp: the lazy rescale's skip decided per warp instead of
       per thread (see `KernelStatic`); bitwise the same. Only with
       `lazy_rescale`. None: per warp wherever the rescale is lazy.
+    skip_spare: three consumers' short last tiles without math for the
+      consumer that has no rows there (see `KernelStatic`); bitwise the
+      same. Without a causal mask only (elsewhere it changes nothing).
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -566,6 +578,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                hw_turns=bool(hw_turns),
                                lean_producer=bool(lean_producer),
                                sum_after_pv=bool(sum_after_pv))
+  # Recorded only where it applies, so that elsewhere the kernel is the same.
+  static = dataclasses.replace(static, skip_spare=_skips_spare(
+      dataclasses.replace(static, skip_spare=bool(skip_spare))))
   if persistent is None:
     persistent = persistent_by_default(
         is_causal=is_causal, head_dim=query.shape[-1], kv_len=key.shape[1],
@@ -839,6 +854,15 @@ def _smem_bytes(block_q, block_kv, num_stages, head_dim, itemsize,
   """Shared memory of the common buffers: Q, the K/V ring, the LSE rows."""
   return ((num_consumers * block_q + 2 * num_stages * block_kv) * head_dim
           * itemsize + num_consumers * block_q * 4)
+
+
+def _skips_spare(static: KernelStatic) -> bool:
+  """Whether a tile may have a consumer without rows that skips its math
+  (`KernelStatic.skip_spare`, given the shape)."""
+  return (static.skip_spare and static.num_consumers != NUM_CONSUMERS
+          and not static.is_causal and not static.ranged and not static.fp8
+          and not static.overlap_scores
+          and static.q_len % static.tile_rows != 0)
 
 
 def consumer_rows(tile_start, wg, static: KernelStatic):
@@ -1418,6 +1442,17 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
     return carry
 
+  def spare_body(step):
+    """A step without math (`KernelStatic.skip_spare`): K and V awaited
+    and released, the turn passed on at once, where `step_body` takes it."""
+    slot = slot_of(step)
+    turn.after_scores(step)
+    plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
+    turn.before_values(step, functools.partial(plgpu.barrier_wait,
+                                               v_arrived.at[slot]))
+    wait_next_k(step)
+    plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
+
   def finish(acc, m, l):
     """Ends the turns, normalises, writes O and the LSE."""
     turn.end()
@@ -1468,7 +1503,16 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
 
   carry = (acc, m, l)
   masked_body = functools.partial(step_body, masked=True)
-  if plan is None:
+  if plan is None and static.skip_spare:
+    # A consumer with no rows in this tile (`KernelStatic.skip_spare`)
+    # walks every step without math; its O stays 0 and is not stored.
+    spare = tile_start + wg * block_q >= static.q_len
+    computed = jnp.where(spare, 0, num_steps)
+    carry = lax.fori_loop(0, computed,
+                          functools.partial(step_body, masked=False), carry)
+    lax.fori_loop(computed, num_steps, lambda step, c: (spare_body(step), c)[1],
+                  None)
+  elif plan is None:
     carry = lax.fori_loop(0, num_unmasked,
                           functools.partial(step_body, masked=False), carry)
     if static.is_causal:
