@@ -147,6 +147,13 @@ def _registers(static: "KernelStatic") -> tuple[int, int]:
 # of the tiles at q_len 256), and causal tiles are short already (at 1k
 # a sixth of the tiles are short, and causal lost 4%).
 THREE_CONSUMER_HEAD_DIMS = (64,)
+# `mosaic_forward(skip_spare=None)`: a short last tile's consumer without
+# rows skips its math (`KernelStatic.skip_spare`). Session 23's A/B on the
+# H200 (d=64 without a mask, forward alone, settled, five rounds in
+# alternating order, results/h200_mosaic_skip_spare.md): 386 -> 396
+# TFLOP/s at seq 1k (a ninth of the rows there are a spare's), 459 -> 460
+# at 4k, 479 -> 484 at 16k.
+SKIP_SPARE_BY_DEFAULT = True
 THREE_CONSUMER_MIN_Q_LEN = {False: 1024, True: 2048}
 # Dynamic shared memory per CTA on sm90 (227 KiB), less a little for barriers.
 _SMEM_LIMIT_BYTES = 227 * 1024 - 1024
@@ -414,7 +421,8 @@ class KernelStatic:
   # for each K and V tile and releases it, and passes each turn on as soon
   # as it has it, so that the others' matmuls take its turns. Plain
   # bf16/f16 kernel without a causal mask (where three consumers run at
-  # q_len 1024 and up). What is stored is the same: bitwise the same.
+  # q_len 1024 and up). The same out; lse within an ulp (its epilogue's
+  # m ln2 + log(l) compiles with or without an FMA: GPU test, session 23).
   skip_spare: bool = False
 
   @property
@@ -452,7 +460,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    lazy_rescale: bool | None = None,
                    rescale_threshold: float = LAZY_RESCALE_THRESHOLD,
                    rescale_per_warp: bool | None = None,
-                   skip_spare: bool = False):
+                   skip_spare: bool | None = None):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -514,8 +522,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       per thread (see `KernelStatic`); bitwise the same. Only with
       `lazy_rescale`. None: per warp wherever the rescale is lazy.
     skip_spare: three consumers' short last tiles without math for the
-      consumer that has no rows there (see `KernelStatic`); bitwise the
-      same. Without a causal mask only (elsewhere it changes nothing).
+      consumer that has no rows there (see `KernelStatic`); the same out
+      (lse within an ulp). Without a causal mask only (elsewhere it changes
+      nothing). None: `SKIP_SPARE_BY_DEFAULT`.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -578,6 +587,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                hw_turns=bool(hw_turns),
                                lean_producer=bool(lean_producer),
                                sum_after_pv=bool(sum_after_pv))
+  if skip_spare is None:
+    skip_spare = SKIP_SPARE_BY_DEFAULT
   # Recorded only where it applies, so that elsewhere the kernel is the same.
   static = dataclasses.replace(static, skip_spare=_skips_spare(
       dataclasses.replace(static, skip_spare=bool(skip_spare))))
