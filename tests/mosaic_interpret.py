@@ -80,6 +80,8 @@ check the Mosaic forward's numerics in CI, without a GPU):
       each thread, Mosaic GPU code): its product, `acc * alpha[:, None]`,
       which the branch equals since it skips only multiplies by exactly
       1; whether it skips the right threads shows only on a GPU.
+    - `forward.add_rounded_in_threads` (the LSE's add, unfused by PTX's
+      `add.rn`): `a + b`.
 
 Each simulated warpgroup is a host thread whose kernel blocks inside XLA
 callbacks (barrier waits), and XLA's CPU client runs about one more of
@@ -271,7 +273,8 @@ def _patched_interpret(self, jaxpr, token, *args):
   is_special = lambda e: (e.primitive in special
                           or (e.primitive is gpu_primitives.inline_mgpu_p
                               and (_named_barrier_of(e) is not None
-                                   or _is_row_multiply(e))))
+                                   or _is_row_multiply(e)
+                                   or _is_rounded_add(e))))
   if not any(is_special(e) for e in jaxpr.eqns):
     return _STOCK_INTERPRET(self, jaxpr, token, *args)
   # Interpret the equations in runs: maximal runs of ordinary equations go
@@ -304,6 +307,8 @@ def _patched_interpret(self, jaxpr, token, *args):
         elif _is_row_multiply(eqn):
           acc, alpha = invals
           outs = [acc * alpha[:, None]]
+        elif _is_rounded_add(eqn):
+          outs = [invals[0] + invals[1]]
         elif eqn.primitive is gpu_primitives.inline_mgpu_p:
           token, outs = _interpret_named_barrier(self, eqn, token,
                                                  _named_barrier_of(eqn))
@@ -530,6 +535,13 @@ def _is_row_multiply(eqn) -> bool:
   return (eqn.primitive is gpu_primitives.inline_mgpu_p
           and getattr(fn, "func", fn)  # through functools.partial
           is mosaic_forward_module.multiply_rows_in_threads)
+
+
+def _is_rounded_add(eqn) -> bool:
+  """Whether `eqn` is the forward's `add_rounded_in_threads` (`a + b`)."""
+  return (eqn.primitive is gpu_primitives.inline_mgpu_p
+          and eqn.params.get("mgpu_fn")
+          is mosaic_forward_module.add_rounded_in_threads)
 
 
 class _NamedBarriers:

@@ -81,7 +81,7 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, nvvm, scf, vector
+from jax._src.lib.mlir.dialects import arith, llvm, nvvm, scf, vector
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -1486,7 +1486,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       acc = acc * _rows(v_factor / l_safe, acc.shape)
       o_smem, out_dtype = fp8.o_smem, static.out_dtype
     o_smem[...] = acc.astype(out_dtype)
-    lse_smem[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(l_safe))
+    lse = _add_unfused(m * _LN2, jnp.log(l_safe))
+    lse_smem[...] = jnp.where(empty, -jnp.inf, lse)
     plgpu.commit_smem()
 
     def store():
@@ -1659,6 +1660,50 @@ def _exponentiate(s, m, scale_log2, *, threshold: float | None = None):
   # One FMA per score: s * (scale log2 e) - m (§3.1, exp2 on the MUFU).
   p = jnp.exp2(s * scale_log2 - _rows(m_ref, s.shape))
   return m_new, alpha, p
+
+
+def _add_unfused(a, b):
+  """a + b of two [block_q] row vectors (WGMMA row layout), by
+  `add_rounded_in_threads`: an add that ptxas never fuses with the
+  multiplies before it. lse = m ln2 + log(l) holds two products (jnp.log
+  is log2 times ln2), and which of them ptxas contracted into an FMA
+  depended on the code around it: two schedules of one computation gave
+  lse 1 ulp apart in a quarter of the rows (H200, session 23)."""
+  row = plgpu.Layout.WGMMA.reduce(1)
+  return plgpu.inline_mgpu(
+      arg_types=(row, row),
+      return_type=plgpu.ShapeDtypeStruct(a.shape, a.dtype, row),
+  )(add_rounded_in_threads)(a, b)
+
+
+def add_rounded_in_threads(_, a, b):
+  """`a + b` on Mosaic GPU fragments of one layout, each element by PTX
+  `add.rn.f32`: an add with an explicit rounding mode is never contracted
+  into an FMA (PTX ISA, `add`). Interpreted on a CPU as `a + b`
+  (tests/mosaic_interpret.py knows this function)."""
+  f32 = ir.F32Type.get()
+
+  def add(x, y):
+    return llvm.inline_asm(f32, [x, y], "add.rn.f32 $0, $1, $2;", "=f,f,f")
+
+  def add_register(x, y):
+    if not isinstance(x.type, ir.VectorType):
+      return add(x, y)
+    result = llvm.mlir_undef(x.type)
+    for i in range(ir.VectorType(x.type).shape[0]):
+      position = ir.DenseI64ArrayAttr.get([i])
+      element = add(
+          vector.extract(x, dynamic_position=[], static_position=position),
+          vector.extract(y, dynamic_position=[], static_position=position))
+      result = vector.insert(element, result, dynamic_position=[],
+                             static_position=position)
+    return result
+
+  registers = np.empty(a.registers.shape, dtype=object)
+  for index in np.ndindex(a.registers.shape):
+    registers[index] = add_register(a.registers[index], b.registers[index])
+  return mgpu.FragmentedArray(_registers=registers, _layout=a.layout,
+                              _is_signed=None)
 
 
 def _rescale(acc, alpha, *, skip_ones: bool, per_warp: bool = False):
