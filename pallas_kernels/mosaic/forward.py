@@ -421,8 +421,8 @@ class KernelStatic:
   # for each K and V tile and releases it, and passes each turn on as soon
   # as it has it, so that the others' matmuls take its turns. Plain
   # bf16/f16 kernel without a causal mask (where three consumers run at
-  # q_len 1024 and up). The same out; lse within an ulp (its epilogue's
-  # m ln2 + log(l) compiles with or without an FMA: GPU test, session 23).
+  # q_len 1024 and up). What is stored is computed as before: bitwise
+  # the same (lse too, since its add is unfused: `_add_unfused`).
   skip_spare: bool = False
 
   @property
@@ -522,9 +522,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       per thread (see `KernelStatic`); bitwise the same. Only with
       `lazy_rescale`. None: per warp wherever the rescale is lazy.
     skip_spare: three consumers' short last tiles without math for the
-      consumer that has no rows there (see `KernelStatic`); the same out
-      (lse within an ulp). Without a causal mask only (elsewhere it changes
-      nothing). None: `SKIP_SPARE_BY_DEFAULT`.
+      consumer that has no rows there (see `KernelStatic`); bitwise the
+      same. Without a causal mask only (elsewhere it changes nothing).
+      None: `SKIP_SPARE_BY_DEFAULT`.
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
