@@ -147,6 +147,7 @@ def _registers(static: "KernelStatic") -> tuple[int, int]:
 # of the tiles at q_len 256), and causal tiles are short already (at 1k
 # a sixth of the tiles are short, and causal lost 4%).
 THREE_CONSUMER_HEAD_DIMS = (64,)
+THREE_CONSUMER_MIN_Q_LEN = {False: 1024, True: 2048}
 # `mosaic_forward(skip_spare=None)`: a short last tile's consumer without
 # rows skips its math (`KernelStatic.skip_spare`). Session 23's A/B on the
 # H200 (d=64 without a mask, forward alone, settled, five rounds in
@@ -154,7 +155,6 @@ THREE_CONSUMER_HEAD_DIMS = (64,)
 # TFLOP/s at seq 1k (a ninth of the rows there are a spare's), 459 -> 460
 # at 4k, 479 -> 484 at 16k.
 SKIP_SPARE_BY_DEFAULT = True
-THREE_CONSUMER_MIN_Q_LEN = {False: 1024, True: 2048}
 # Dynamic shared memory per CTA on sm90 (227 KiB), less a little for barriers.
 _SMEM_LIMIT_BYTES = 227 * 1024 - 1024
 # The forward's budget also leaves the 2 KiB that Mosaic GPU reserves for
@@ -1453,7 +1453,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
     return carry
 
-  def spare_body(step):
+  def spare_body(step, carry):
     """A step without math (`KernelStatic.skip_spare`): K and V awaited
     and released, the turn passed on at once, where `step_body` takes it."""
     slot = slot_of(step)
@@ -1463,6 +1463,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                                                v_arrived.at[slot]))
     wait_next_k(step)
     plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
+    return carry
 
   def finish(acc, m, l):
     """Ends the turns, normalises, writes O and the LSE."""
@@ -1522,8 +1523,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     computed = jnp.where(spare, 0, num_steps)
     carry = lax.fori_loop(0, computed,
                           functools.partial(step_body, masked=False), carry)
-    lax.fori_loop(computed, num_steps, lambda step, c: (spare_body(step), c)[1],
-                  None)
+    lax.fori_loop(computed, num_steps, spare_body, None)
   elif plan is None:
     carry = lax.fori_loop(0, num_unmasked,
                           functools.partial(step_body, masked=False), carry)
