@@ -78,8 +78,12 @@ def kernels(head_dim: int):
   """(name, fn, shapes) of every kernel variant at `head_dim`."""
   q, kv = (2, 512, 4, head_dim), (2, 768, 2, head_dim)
   lse = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
+  # Three consumers at q_len 512 = 2 * 192 + 128: a short last tile, whose
+  # spare consumer skips its math by default (`skip_spare`).
+  three = (dict(num_consumers=3), dict(num_consumers=3, skip_spare=False),
+           dict(num_consumers=3, persistent=False, hw_turns=False))
   for causal in (False, True):
-    for options in FORWARD_OPTIONS:
+    for options in FORWARD_OPTIONS + (three if head_dim == 64 else ()):
       yield (f"forward d{head_dim} causal={causal} {options}",
              lambda q, k, v, c=causal, o=options: mosaic_forward(
                  q, k, v, scale=0.1, is_causal=c, **o), (q, kv, kv))
