@@ -351,6 +351,16 @@ CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
 # that has no rows there (`forward.KernelStatic.skip_spare`).
 FORWARD_SKIP_SPARE_SPACE = dict(skip_spare=(False, True))
 
+# Session 23: d=64's two kernels (128-row Q tiles) with lse read before the
+# dK/dV kernel's matmuls, delta before P's exponentials, or both (measured
+# at d=128 and 256 only before; the ncu of d=64's 4k backward put 5% of
+# the dK/dV consumers' samples on P's first FFMAs waiting for lse).
+STATS_EARLY_64_CANDIDATES = [
+    dict(block_q=128, fused_dq=False),
+    dict(block_q=128, fused_dq=False, prefetch_lse=True),
+    dict(block_q=128, fused_dq=False, early_delta=True),
+    dict(block_q=128, fused_dq=False, prefetch_lse=True, early_delta=True)]
+
 
 def candidates(space: dict | list[dict]) -> list[dict]:
   """Every combination of a space's values, or a list of candidates as
@@ -524,6 +534,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_sum_after_pv": _forward(FORWARD_SUM_AFTER_PV_CANDIDATES),
            "forward_rescale": _forward(FORWARD_RESCALE_CANDIDATES),
            "forward_rescale_warp": _forward(FORWARD_RESCALE_WARP_CANDIDATES),
+           "backward_stats_early_64": _backward(STATS_EARLY_64_CANDIDATES),
            "forward_skip_spare": _forward(FORWARD_SKIP_SPARE_SPACE,
                                           causal=(False,)),
            "backward_merged": _backward(MERGED_CANDIDATES),

@@ -355,6 +355,8 @@ def test_stage_free_on_read_is_bitwise_the_fused_kernel_on_gpu(
     (128, dict(overlap_softmax=False, fused_dq=False)),
     (128, dict(persistent=True, num_ctas=5)),
     (64, dict(fused_dq=True, block_q=128)), (256, {}),
+    (64, dict(fused_dq=False, block_q=128)),
+    (64, dict(fused_dq=False, block_q=128, persistent=False)),
 ], ids=str)
 def test_prefetched_lse_is_bitwise_the_default_on_gpu(head_dim, kwargs,
                                                       is_causal):
@@ -380,6 +382,7 @@ def test_prefetched_lse_lowers_and_changes_the_dkdv_kernels(head_dim, kwargs,
     (128, dict(fused_dq=False, persistent=False)),
     (128, dict(persistent=True, num_ctas=5)),
     (128, dict(fused_dq=False, prefetch_lse=False)), (128, dict(fused_dq=True)),
+    (64, dict(fused_dq=False, block_q=128)),
 ], ids=str)
 def test_early_delta_is_bitwise_the_default_on_gpu(head_dim, kwargs,
                                                    is_causal):
