@@ -2,6 +2,7 @@
 
     python -m benchmarks.ncu_summary metrics ncu_fwd_bwd_16384_128_raw.csv
     python -m benchmarks.ncu_summary stalls ncu_fwd_bwd_16384_128_sass.csv
+    python -m benchmarks.ncu_summary phases ncu_fwd_bwd_4096_64_sass.csv
 
 `metrics`: one row per profiled kernel of `ncu --page raw --csv` exports
 (what `h200_check.sh ncu` brings back): duration, tensor-pipe and shared-
@@ -12,6 +13,13 @@ the average warp stall cycles per issued instruction by reason.
 export (`NCU_SOURCE=1`), the share of warp-stall samples by reason and the
 instructions that collect the most samples, with their top reasons. The
 samples cover every warp, the producer's waits included.
+
+`phases`: each kernel's SASS cut after every wgmma wait
+(`WARPGROUP.DEPBAR`), in program order: per piece its samples (and the
+wait's own), and what it issues (HGMMA, MUFU, TMA, barrier waits), so that
+a consumer loop reads as "issue S, wait, softmax, issue dV, ..." with the
+time of each part. Code that is not a consumer's (the producer's loop,
+the prologue) falls in the pieces after the consumers' last wait.
 """
 from __future__ import annotations
 
@@ -109,17 +117,66 @@ def stalls_report(path: str, top: int = 12) -> str:
   return "\n".join(out)
 
 
+# SASS opcodes `phases` counts in each piece.
+_COUNTED = {"HGMMA": "HGMMA", "MUFU": "MUFU", "UTMALDG": "TMA load",
+            "SYNCS.PHASECHK": "mbarrier wait", "BAR.SYNC": "bar.sync"}
+
+
+def phases_report(path: str, kernel: str | None = None) -> str:
+  """Per kernel (those whose name contains `kernel`, if given), the SASS
+  in pieces ending at each wgmma wait, with each piece's share of the
+  samples."""
+  out = []
+  for name, header, rows in _kernels(path):
+    if kernel and kernel not in name:
+      continue
+    index = {h: i for i, h in enumerate(header)}
+    samples = lambda row: int(row[index["Warp Stall Sampling (All Samples)"]]
+                              or 0)
+    source = lambda row: row[index["Source"]].strip()
+    total = sum(samples(row) for row in rows) or 1
+    out += [f"### {name}", "", f"{total} samples; pieces end at a wgmma wait.",
+            "", "| piece | instructions | share | at its wait | issues |",
+            "|---|---|---|---|---|"]
+    start = 0
+    for n, row in enumerate(rows):
+      is_wait = source(row).startswith("WARPGROUP.DEPBAR")
+      if not is_wait and n != len(rows) - 1:
+        continue
+      piece = rows[start:n + 1]
+      counts = collections.Counter()
+      for r in piece:
+        op = source(r).lstrip("@!PU0123456789T ")
+        for prefix, label in _COUNTED.items():
+          if op.startswith(prefix):
+            counts[label] += 1
+      share = sum(samples(r) for r in piece)
+      wait = f"{100 * samples(row) / total:.1f}%" if is_wait else "-"
+      first = rows[start][index["Address"]]
+      out.append(f"| {first}.. | {len(piece)} | {100 * share / total:.1f}% | "
+                 f"{wait} | " + ", ".join(f"{k} {v}" for k, v in
+                                          counts.items()) + " |")
+      start = n + 1
+    out.append("")
+  return "\n".join(out)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       description=__doc__.splitlines()[0], epilog=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("what", choices=("metrics", "stalls"))
+  parser.add_argument("what", choices=("metrics", "stalls", "phases"))
   parser.add_argument("paths", nargs="+")
   parser.add_argument("--top", type=int, default=12)
+  parser.add_argument("--kernel", help="phases: kernels whose name has this")
   args = parser.parse_args(argv)
   for path in args.paths:
-    print(metrics_table(path) if args.what == "metrics"
-          else stalls_report(path, args.top))
+    if args.what == "metrics":
+      print(metrics_table(path))
+    elif args.what == "stalls":
+      print(stalls_report(path, args.top))
+    else:
+      print(phases_report(path, args.kernel))
     print()
   return 0
 

@@ -532,6 +532,31 @@ def test_ncu_summary_reads_both_exports(tmp_path):
   assert "BRA" not in report.split("### theirs")[0]  # top=1: only the worst
 
 
+def test_ncu_summary_phases_cut_at_wgmma_waits(tmp_path):
+  """`phases` cuts a kernel's SASS after each wgmma wait: each piece's
+  share of the samples, its wait's own share, and what it issues; the
+  last piece (no wait) runs to the end; `kernel` picks kernels by name."""
+  from benchmarks import ncu_summary
+  sass = tmp_path / "sass.csv"
+  columns = '"Address","Source","Warp Stall Sampling (All Samples)"\n'
+  sass.write_text(
+      '"Kernel Name","dkdv",\n' + columns
+      + '"0x1","HGMMA.64x128x16.F32.BF16 R88, gdesc[UR4], RZ","5"\n'
+      + '"0x2","WARPGROUP.DEPBAR.LE gsb0, 0x1","20"\n'
+      + '"0x3","MUFU.EX2 R8, R8","40"\n'
+      + '"0x4","@!P1  MUFU.EX2 R9, R9","10"\n'
+      + '"0x5","WARPGROUP.DEPBAR.LE gsb0, 0x0","5"\n'
+      + '"0x6","@!P1  SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR6], R4","20"\n'
+      + '"Kernel Name","dq",\n' + columns + '"0x1","EXIT","1"\n')
+  report = ncu_summary.phases_report(str(sass), kernel="dkdv")
+  assert "### dq" not in report
+  lines = [l for l in report.splitlines() if l.startswith("| 0x")]
+  assert lines == [
+      "| 0x1.. | 2 | 25.0% | 20.0% | HGMMA 1 |",
+      "| 0x3.. | 3 | 55.0% | 5.0% | MUFU 2 |",
+      "| 0x6.. | 1 | 20.0% | - | mbarrier wait 1 |"]
+
+
 def test_timing_probe_times_each_sample_length_in_turn(tmp_path, monkeypatch):
   """`benchmarks.timing_probe` times every implementation of a cell at each
   sample length, in rounds (A B, B A, A B, ...), keeps the median per
