@@ -348,7 +348,8 @@ CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
                              max_concurrent_steps=(2, 3, 4))
 
 # Session 23: three consumers' short last tiles without math for a consumer
-# that has no rows there (`forward.KernelStatic.skip_spare`).
+# that has no rows there (`forward.KernelStatic.skip_spare`). At d=64 only
+# (`--head-dims 64`): elsewhere two consumers run and both are one kernel.
 FORWARD_SKIP_SPARE_SPACE = dict(skip_spare=(False, True))
 
 # Session 23: d=64's two kernels (128-row Q tiles) with lse read before the

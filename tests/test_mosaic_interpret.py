@@ -57,15 +57,21 @@ CASES = [
     (Case(1, 192, 128, 1, 1, 64), False, dict(persistent=False,
                                               num_consumers=3,
                                               hw_turns=False)),
-    # A short last tile (256 = 192 + 64 rows) whose two spare consumers
-    # walk its steps without math (`skip_spare`), one CTA walking both
-    # tiles, on hardware barriers (the default at d=64) and on mbarriers.
-    (Case(1, 256, 128, 1, 1, 64), False, dict(num_ctas=1, num_consumers=3,
-                                              skip_spare=True)),
-    (Case(1, 256, 256, 1, 1, 64), False, dict(persistent=False,
+    # Short last tiles (256 = 192 + 64 rows: two spare consumers; 320 =
+    # 192 + 128: one) whose spares walk the steps without math
+    # (`skip_spare`, the default). Three K/V blocks in two stages, so that
+    # the producer waits on every spare release; on one CTA, two heads, so
+    # that a whole tile follows a short one and the barriers' phases must
+    # have come out even. On hardware barriers (the default at d=64) and
+    # on mbarriers; on the launch grid too. (A spare that skipped a
+    # release, a K wait or a step hangs here; session 23's review.)
+    (Case(1, 256, 384, 2, 2, 64), False, dict(num_ctas=1, num_consumers=3)),
+    (Case(1, 256, 384, 2, 2, 64), False, dict(num_ctas=1, num_consumers=3,
+                                              hw_turns=False)),
+    (Case(1, 320, 384, 2, 2, 64), False, dict(num_ctas=1, num_consumers=3)),
+    (Case(1, 256, 384, 1, 1, 64), False, dict(persistent=False,
                                               num_consumers=3,
-                                              hw_turns=False,
-                                              skip_spare=True)),
+                                              hw_turns=False)),
     # The consumer schedules: the intra-warpgroup overlap, ring turns,
     # turns on hardware barriers, and P's row sum after P V.
     (Case(1, 128, 256, 1, 1, 64), True, dict(persistent=False,

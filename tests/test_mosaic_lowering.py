@@ -435,9 +435,9 @@ def test_skip_spare_is_bitwise_on_gpu(q_len, kwargs):
   that is computed: out and lse equal theirs computing, bit for bit, three
   runs in a row, with two spare consumers (q_len 1024 = 5 * 192 + 64) or
   one (1088 = 5 * 192 + 128) in each head's last tile, GQA 4:1, on either
-  grid (a spare consumer that released a slot early, or passed a turn
-  twice or not at all, would race or hang). lse bitwise since its add is
-  unfused (`forward._add_unfused`)."""
+  grid (a spare consumer that released a slot or passed a turn too often
+  or not at all would hang; the interpreter's cases catch those on a CPU).
+  lse bitwise since its add is unfused (`forward._add_unfused`)."""
   _require_sm90()
   q, k, v, _, _ = random_inputs(Case(2, q_len, 1536, 8, 2, 64),
                                 jnp.bfloat16, seed=97)

@@ -368,8 +368,9 @@ class KernelStatic:
   # Consumer warpgroups (plain bf16/f16 form; 2 elsewhere). With three the
   # tensor cores pass round the consumers by one barrier each (`_Turns`),
   # and the last tile of a (batch, head) may be short: a consumer whose rows
-  # start past q_len computes the last 64 rows again and stores nothing
-  # (`consumer_rows`), so q_len need only be a multiple of block_q.
+  # start past q_len takes the last 64 rows, without math (`skip_spare`) or
+  # computing them again, and stores nothing (`consumer_rows`), so q_len
+  # need only be a multiple of block_q.
   num_consumers: int = NUM_CONSUMERS
   q_len: int = 0
   # Turns of two consumers (plain kernel, not `overlap_scores`; three always
@@ -421,8 +422,10 @@ class KernelStatic:
   # for each K and V tile and releases it, and passes each turn on as soon
   # as it has it, so that the others' matmuls take its turns. Plain
   # bf16/f16 kernel without a causal mask (where three consumers run at
-  # q_len 1024 and up). What is stored is computed as before: bitwise
-  # the same (lse too, since its add is unfused: `_add_unfused`).
+  # q_len 1024 and up). What is stored is computed as without it:
+  # bitwise the same (lse too, since its add is unfused: `_add_unfused`,
+  # which since session 23 rounds every forward's lse, possibly an ulp
+  # from before).
   skip_spare: bool = False
 
   @property
@@ -882,9 +885,11 @@ def consumer_rows(tile_start, wg, static: KernelStatic):
   Two consumers: `tile_start + wg * block_q` (tiles are whole). More: the
   last tile of a (batch, head) may be short, and a consumer whose rows
   would start at or past q_len takes the last block_q rows instead. It
+  stores nothing, and walks their K/V blocks without math
+  (`KernelStatic.skip_spare`, the default without a causal mask) or
   computes them again, bitwise as their owner does (a row's sums do not
-  depend on the consumer), and stores nothing; later consumers never start
-  before earlier ones, so the last still reads the most K/V blocks.
+  depend on the consumer); later consumers never start before earlier
+  ones, so the last still reads the most K/V blocks.
   """
   start = tile_start + wg * static.block_q
   if static.num_consumers == NUM_CONSUMERS:
