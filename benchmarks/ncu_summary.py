@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import re
 import sys
 
 # column -> ncu metric of the raw page
@@ -89,12 +90,18 @@ def _kernels(path: str):
     yield name, table[0], table[1:]
 
 
+def _columns(header):
+  """(column index by name, row -> its warp-stall samples) of a kernel's
+  source-page table."""
+  index = {h: i for i, h in enumerate(header)}
+  column = index["Warp Stall Sampling (All Samples)"]
+  return index, lambda row: int(row[column] or 0)
+
+
 def stalls_report(path: str, top: int = 12) -> str:
   out = []
   for name, header, rows in _kernels(path):
-    index = {h: i for i, h in enumerate(header)}
-    samples = lambda row: int(row[index["Warp Stall Sampling (All Samples)"]]
-                              or 0)
+    index, samples = _columns(header)
     reasons = [h for h in header
                if h.startswith("stall_") and "Not Issued" not in h]
     total = sum(samples(row) for row in rows) or 1
@@ -120,6 +127,8 @@ def stalls_report(path: str, top: int = 12) -> str:
 # SASS opcodes `phases` counts in each piece.
 _COUNTED = {"HGMMA": "HGMMA", "MUFU": "MUFU", "UTMALDG": "TMA load",
             "SYNCS.PHASECHK": "mbarrier wait", "BAR.SYNC": "bar.sync"}
+# A SASS instruction's predicate ("@P1 ", "@!UP2 ", "@PT ").
+_PREDICATE = re.compile(r"^@!?U?P(?:T|\d)\s+")
 
 
 def phases_report(path: str, kernel: str | None = None) -> str:
@@ -130,9 +139,7 @@ def phases_report(path: str, kernel: str | None = None) -> str:
   for name, header, rows in _kernels(path):
     if kernel and kernel not in name:
       continue
-    index = {h: i for i, h in enumerate(header)}
-    samples = lambda row: int(row[index["Warp Stall Sampling (All Samples)"]]
-                              or 0)
+    index, samples = _columns(header)
     source = lambda row: row[index["Source"]].strip()
     total = sum(samples(row) for row in rows) or 1
     out += [f"### {name}", "", f"{total} samples; pieces end at a wgmma wait.",
@@ -146,7 +153,7 @@ def phases_report(path: str, kernel: str | None = None) -> str:
       piece = rows[start:n + 1]
       counts = collections.Counter()
       for r in piece:
-        op = source(r).lstrip("@!PU0123456789T ")
+        op = _PREDICATE.sub("", source(r))
         for prefix, label in _COUNTED.items():
           if op.startswith(prefix):
             counts[label] += 1

@@ -546,7 +546,8 @@ def test_ncu_summary_phases_cut_at_wgmma_waits(tmp_path):
       + '"0x3","MUFU.EX2 R8, R8","40"\n'
       + '"0x4","@!P1  MUFU.EX2 R9, R9","10"\n'
       + '"0x5","WARPGROUP.DEPBAR.LE gsb0, 0x0","5"\n'
-      + '"0x6","@!P1  SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR6], R4","20"\n'
+      + '"0x6","@!P1  SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR6], R4","10"\n'
+      + '"0x7","@UP1  UTMALDG.5D [UR16], [UR6]","10"\n'
       + '"Kernel Name","dq",\n' + columns + '"0x1","EXIT","1"\n')
   report = ncu_summary.phases_report(str(sass), kernel="dkdv")
   assert "### dq" not in report
@@ -554,7 +555,7 @@ def test_ncu_summary_phases_cut_at_wgmma_waits(tmp_path):
   assert lines == [
       "| 0x1.. | 2 | 25.0% | 20.0% | HGMMA 1 |",
       "| 0x3.. | 3 | 55.0% | 5.0% | MUFU 2 |",
-      "| 0x6.. | 1 | 20.0% | - | mbarrier wait 1 |"]
+      "| 0x6.. | 2 | 20.0% | - | mbarrier wait 1, TMA load 1 |"]
 
 
 def test_timing_probe_times_each_sample_length_in_turn(tmp_path, monkeypatch):
