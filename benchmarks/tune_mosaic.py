@@ -362,6 +362,20 @@ STATS_EARLY_64_CANDIDATES = [
     dict(block_q=128, fused_dq=False, early_delta=True),
     dict(block_q=128, fused_dq=False, prefetch_lse=True, early_delta=True)]
 
+# Session 24: the dK/dV kernel issuing each step's Sᵀ at the end of the
+# step before (`backward._Static.scores_ahead`; the ncu of d=64's 4k
+# backward had 7% of its samples on the wait for Sᵀ and 6.5% on dV and
+# dK's, back to back). d=64's two kernels (128-row Q tiles), with lse
+# read early as well (session 23's +1.0% at 4k, rerun here), and d=128's
+# (64-row Q tiles, lse read early by default).
+AHEAD_64_CANDIDATES = [
+    dict(block_q=128, fused_dq=False),
+    dict(block_q=128, fused_dq=False, scores_ahead=True),
+    dict(block_q=128, fused_dq=False, prefetch_lse=True),
+    dict(block_q=128, fused_dq=False, prefetch_lse=True, scores_ahead=True)]
+AHEAD_128_CANDIDATES = [dict(fused_dq=False),
+                        dict(fused_dq=False, scores_ahead=True)]
+
 
 def candidates(space: dict | list[dict]) -> list[dict]:
   """Every combination of a space's values, or a list of candidates as
@@ -536,6 +550,10 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_rescale": _forward(FORWARD_RESCALE_CANDIDATES),
            "forward_rescale_warp": _forward(FORWARD_RESCALE_WARP_CANDIDATES),
            "backward_stats_early_64": _backward(STATS_EARLY_64_CANDIDATES),
+           "backward_ahead_64": _backward(AHEAD_64_CANDIDATES,
+                                          causal=(False,)),
+           "backward_ahead_128": _backward(AHEAD_128_CANDIDATES,
+                                           causal=(False,)),
            "forward_skip_spare": _forward(FORWARD_SKIP_SPARE_SPACE,
                                           causal=(False,)),
            "backward_merged": _backward(MERGED_CANDIDATES),

@@ -53,7 +53,7 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
                          "tile_fastest", "prefetch_stats", "opaque_resident",
                          "shared_rows", "deferred_dq",
                          "prefetch_lse", "stage_free_on_read", "early_delta",
-                         "lean_producer", "merged_pieces",
+                         "lean_producer", "merged_pieces", "scores_ahead",
                          "num_ctas", "dq_tiles", "hw_ds_sync")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
@@ -399,6 +399,44 @@ def test_early_delta_lowers_and_changes_the_dkdv_kernel(kwargs,
                                                         cuda_lowering):
   assert (_lower(128, False, early_delta=True, **kwargs)
           != _lower(128, False, early_delta=False, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (64, dict(block_q=128, fused_dq=False, persistent=False)),
+    (64, dict(block_q=128, persistent=True, num_ctas=5)),
+    (64, dict(block_q=128, fused_dq=False, prefetch_lse=True)),
+    (64, dict(block_q=128, fused_dq=False, max_concurrent_steps=3)),
+    (128, dict(fused_dq=False, persistent=False)),
+    (128, dict(fused_dq=False, persistent=False, prefetch_lse=False)),
+], ids=str)
+def test_scores_ahead_is_bitwise_the_default_on_gpu(head_dim, kwargs):
+  """`scores_ahead` issues each step's Sᵀ at the end of the step before and
+  waits for dV and dK a step late: the gradients equal the default's bit
+  for bit, three runs (an accumulator read before its wgmma finished, a
+  slot released before dK read it, or a Q tile overwritten under the Sᵀ
+  issued ahead would not), across the GQA group's heads, on both grids."""
+  _assert_bitwise_either_way("scores_ahead", head_dim, False, 73, runs=3,
+                             **kwargs)
+
+
+def test_scores_ahead_lowers_where_it_applies(lowering_semantics):
+  """The option changes the plain dK/dV kernel without a mask (64- and
+  128-row Q tiles, either grid) and refuses the rest by name."""
+  for head_dim, kwargs in ((64, dict(block_q=128, persistent=False)),
+                           (64, dict(block_q=128, persistent=True)),
+                           (128, dict(fused_dq=False))):
+    assert (_lower(head_dim, False, scores_ahead=True, **kwargs)
+            != _lower(head_dim, False, scores_ahead=False, **kwargs))
+  for head_dim, is_causal, kwargs, match in (
+      (64, True, dict(block_q=128), "without a mask"),
+      (128, False, dict(fused_dq=True), "fused dQ"),
+      (256, False, dict(shared_rows=True), "shared rows"),
+      (256, False, dict(shared_rows=False), "one pass"),
+      (64, False, dict(block_q=128, early_delta=True), "early_delta"),
+      (64, False, dict(block_q=128, max_concurrent_steps=1), "two stages")):
+    with pytest.raises(NotImplementedError, match=match):
+      _lower(head_dim, is_causal, scores_ahead=True, **kwargs)
 
 
 @pytest.mark.gpu

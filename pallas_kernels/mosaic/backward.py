@@ -459,6 +459,14 @@ class _Static:
   # session 15); measured 1-5% slower at d=128 (results/h200_mosaic_
   # early_delta.md): off.
   early_delta: bool = False
+  # dK/dV kernel, plain consumers without a mask: step t + 1's Sᵀ = K Qᵀ is
+  # issued at the end of step t, behind step t's dV and dK wgmmas, so that
+  # the tensor cores run it as soon as those are done rather than after
+  # the warpgroup has seen them done, released the slot and issued it
+  # (`_dkdv_consume_ahead`). Nsight Compute of d=64's 4k backward (session
+  # 23, results/h200_ncu_d64_4k_s23.md): 7% of the dK/dV kernel's samples
+  # waited for Sᵀ and 6.5% for dV and dK, back to back. Scheduling only.
+  scores_ahead: bool = False
   # Both kernels (not the fused dQ, whose four warpgroups have 512 registers
   # a thread slot shared 232/232/24/24): the producer at 24 registers (it
   # only issues TMA; it may spill) and the consumers at 240, instead of 40
@@ -578,6 +586,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     deferred_dq: bool | None = None,
                     prefetch_lse: bool | None = None,
                     early_delta: bool = False,
+                    scores_ahead: bool = False,
                     lean_producer: bool | None = None,
                     stage_free_on_read: bool = False,
                     merged_pieces: bool | None = None,
@@ -654,6 +663,10 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       grid without a causal mask and on the launch grid under one).
     early_delta: the dK/dV kernel reads delta before P's exponentials
       (see `_Static`); the same results either way.
+    scores_ahead: the dK/dV kernel issues each step's Sᵀ at the end of the
+      step before (see `_Static`); the same results either way. The plain
+      consumers without a mask (not fused, not shared rows, not causal),
+      with a ring of two stages or more.
     lean_producer: both kernels' producers at 24 registers and consumers
       at 240 (see `_Static`); the same results either way. Not with
       `fused_dq`. None: with the two kernels, but not on the persistent
@@ -706,6 +719,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
       opaque_resident=opaque_resident, deferred_dq=deferred_dq,
       prefetch_lse=prefetch_lse, early_delta=early_delta,
+      scores_ahead=scores_ahead,
       lean_producer=lean_producer, stage_free_on_read=stage_free_on_read,
       merged_pieces=merged_pieces, dq_tiles=dq_tiles, hw_ds_sync=hw_ds_sync)
   stats = row_statistics(out, lse, d_out, d_lse)
@@ -723,6 +737,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               opaque_resident: bool | None = None,
               deferred_dq: bool | None = None,
               prefetch_lse: bool | None = None, early_delta: bool = False,
+              scores_ahead: bool = False,
               lean_producer: bool | None = None,
               stage_free_on_read: bool = False,
               merged_pieces: bool | None = None,
@@ -786,7 +801,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
                  opaque_resident=opaque_resident, deferred_dq=deferred_dq,
                  prefetch_lse=prefetch_lse, early_delta=early_delta,
-                 lean_producer=lean_producer,
+                 scores_ahead=scores_ahead, lean_producer=lean_producer,
                  stage_free_on_read=stage_free_on_read,
                  merged_pieces=merged_pieces, dq_tiles=dq_tiles,
                  hw_ds_sync=hw_ds_sync, **tiles)
@@ -954,6 +969,7 @@ def statics(query, key, *, heavy_first: bool = True,
             shared_q_rows: bool = False, prefetch_stats: bool = False,
             opaque_resident: bool = False, deferred_dq: bool = False,
             prefetch_lse: bool = False, early_delta: bool = False,
+            scores_ahead: bool = False,
             lean_producer: bool = False, stage_free_on_read: bool = False,
             merged_pieces: bool | None = False,
             dq_tiles: tuple[int, int] | None = None,
@@ -970,6 +986,15 @@ def statics(query, key, *, heavy_first: bool = True,
                       prefetch_lse=bool(prefetch_lse),
                       early_delta=bool(early_delta),
                       opaque_resident=bool(opaque_resident))
+  if scores_ahead:
+    why = _why_not_ahead(fused_dq=fused_dq, shared_rows=shared_rows,
+                         is_causal=tiles["is_causal"],
+                         spec=tiles.get("spec"),
+                         prefetch_stats=prefetch_stats,
+                         early_delta=early_delta,
+                         opaque_resident=opaque_resident)
+    if why:
+      raise NotImplementedError(f"scores_ahead: {why}")
   if dq_tiles is not None and tiles.get("spec") is not None:
     # The ranged kernels' plans classify blocks at the one pair of tiles.
     raise NotImplementedError("dq_tiles: not in the ranged backward")
@@ -1032,10 +1057,20 @@ def statics(query, key, *, heavy_first: bool = True,
   dq_config = dataclasses.replace(
       dq_static(query, key, shared_rows=shared_q_rows, **dq_tiles_args),
       heavy_first=bool(heavy_first), **options)
-  dkdv_configs = [dataclasses.replace(config, **dkdv_options)
+  dkdv_configs = [dataclasses.replace(config, **dkdv_options,
+                                      scores_ahead=bool(scores_ahead))
                   for config in dkdv_statics(
                       query, key, shared_rows=shared_rows,
                       opaque_resident=opaque_resident, **tiles)]
+  for config in dkdv_configs if scores_ahead else ():
+    if config.outputs != ("dk", "dv"):
+      raise NotImplementedError(
+          "scores_ahead: where dK and dV take one pass (not at head_dim "
+          f"{config.head_dim} with block_q {config.block_q})")
+    if config.num_stages < 2 and config.group * config.num_q_blocks > 1:
+      raise NotImplementedError(
+          "scores_ahead: a ring of two stages or more (the next step's Q "
+          "tile must arrive while this step's is held)")
   if persistent:
     batch, _, num_heads, _ = query.shape
     kv_len, num_kv_heads = key.shape[1], key.shape[2]
@@ -1047,6 +1082,22 @@ def statics(query, key, *, heavy_first: bool = True,
         tiles_per_head=pl.cdiv(kv_len, config.kv_rows_per_cta))
                     for config in dkdv_configs]
   return dq_config, dkdv_configs
+
+
+def _why_not_ahead(*, fused_dq, shared_rows, is_causal, spec,
+                   prefetch_stats, early_delta, opaque_resident) -> str:
+  """Why `scores_ahead` cannot serve these options, or ""."""
+  for refused, why in (
+      (fused_dq, "not with the fused dQ"),
+      (shared_rows, "not with shared rows"),
+      (is_causal or spec is not None, "without a mask only"),
+      (prefetch_stats or early_delta,
+       "not with prefetch_stats or early_delta (it reads lse and delta "
+       "where its own schedule puts them)"),
+      (opaque_resident, "not with opaque_resident")):
+    if refused:
+      return why
+  return ""
 
 
 def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
@@ -1480,10 +1531,15 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       def resident():
         zero = zero_smem[0]  # read each step: the compiler cannot fold it
         return k_smem.at[wg + zero], v_smem.at[wg + zero], zero
-    grads = _dkdv_consume(own_k, own_v, q_ring, do_ring, stats_ring, arrived,
-                          consumed, walk=walk, tile_mask=tile_mask,
-                          static=static, base=base, fused=fused, wg=wg,
-                          q_of=q_of, resident=resident)
+    if static.scores_ahead:  # no mask: every step of the walk unmasked
+      grads = _dkdv_consume_ahead(own_k, own_v, q_ring, do_ring, stats_ring,
+                                  arrived, consumed, num_steps=num_steps,
+                                  static=static, base=base)
+    else:
+      grads = _dkdv_consume(own_k, own_v, q_ring, do_ring, stats_ring,
+                            arrived, consumed, walk=walk,
+                            tile_mask=tile_mask, static=static, base=base,
+                            fused=fused, wg=wg, q_of=q_of, resident=resident)
     if fused is not None:
       # The other consumers' last dQ pieces read this one's K rows: every
       # consumer is past them before any overwrites its K with dK (a race
@@ -1731,6 +1787,92 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         _stage_dq_pieces, fused, wg, step=last, static=static, offset=offset))
   return tuple(grad * static.scale if name == "dk" else grad
                for name, grad in zip(static.outputs, grads))
+
+
+def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
+                        arrived, consumed, *, num_steps: int,
+                        static: _Static, base=None):
+  """Consumer: (dK, dV), f32, of its `block_kv` K/V rows over `num_steps`
+  unmasked steps, each step's Sᵀ issued at the end of the step before
+  (`_Static.scores_ahead`). Persistent: the ring slots count on from
+  `base`.
+
+  A step's tensor-core work is Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (both
+  [block_kv, block_q]), then dV += Pᵀ dO and dK += dSᵀ Q. Step t ends by
+  issuing dV_t, dK_t and, once Q_{t+1} has arrived, Sᵀ_{t+1}, and waits
+  for none of them; step t + 1 then waits for dV_t and dK_t (wgmmas
+  complete in issue order, so Sᵀ_{t+1} may still run), releases their
+  slot, issues dPᵀ_{t+1} and waits for Sᵀ_{t+1}. The four accumulators
+  live across the steps; in flight together are at most Sᵀ_{t+1} and the
+  16-bit Pᵀ_t and dSᵀ_t that dV_t and dK_t read from registers: the same
+  192 accumulator registers at d=64's 64 x 128 as `_dkdv_consume`. The
+  arithmetic is `_dkdv_consume`'s (overlapped) to the bit: lse is read
+  once Sᵀ is done (before, with `prefetch_lse`), delta once dV is issued.
+  """
+  def slot_of(step):
+    if base is None and isinstance(step, int):  # no arithmetic on constants
+      return step % static.num_stages          # alone in the lowering
+    return lax.rem(step if base is None else base + step, static.num_stages)
+
+  scores = (static.block_kv, static.block_q)
+  zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32),
+                                          plgpu.Layout.WGMMA)
+  column_stat = lambda slot, n: plgpu.layout_cast(
+      stats_ring[slot, n], plgpu.Layout.WGMMA.reduce(0))
+
+  def issue_scores(s_ref, step, *, fresh: bool):
+    slot = slot_of(step)
+    for barrier in arrived:
+      plgpu.barrier_wait(barrier.at[slot])
+    if not fresh:  # Sᵀ of the step before was read out: start from zero
+      s_ref[...] = zeros(scores)
+    plgpu.wgmma(s_ref, k_rows, q_ring.at[slot].transpose((1, 0)))
+
+  def release(step):
+    """Frees step's slot once its dV and dK are done (a Python int or
+    traced; nothing before step 0)."""
+    if isinstance(step, int):
+      if step >= 0:
+        plgpu.barrier_arrive(consumed.at[slot_of(step)])
+      return
+    pl.when(step >= 0)(lambda: plgpu.barrier_arrive(
+        consumed.at[slot_of(step)]))
+
+  def with_accumulators(s_ref, dp_ref, dk_ref, dv_ref):
+    def step_body(t, *, last: bool):
+      slot = slot_of(t)
+      q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
+      plgpu.wgmma_wait(1)  # dV_{t-1}, dK_{t-1} done; Sᵀ_t may still run
+      release(t - 1)
+      dp_ref[...] = zeros(scores)
+      plgpu.wgmma(dp_ref, v_rows, do_tile.transpose((1, 0)))
+      lse_log2 = column_stat(slot, 0) if static.prefetch_lse else None
+      s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # Sᵀ_t
+      if lse_log2 is None:
+        lse_log2 = column_stat(slot, 0)
+      p_t, slope = _probabilities(s_t, lse_log2, _cols, None, static)
+      dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+      plgpu.wgmma(dv_ref, p_t.astype(static.dtype), do_tile)
+      delta = column_stat(slot, 1)
+      ds_t = _score_gradient(p_t, dp_t, _cols(delta, scores), slope)
+      plgpu.wgmma(dk_ref, ds_t.astype(static.dtype), q_tile)
+      if not last:
+        issue_scores(s_ref, t + 1, fresh=False)
+
+    issue_scores(s_ref, 0, fresh=True)
+    if num_steps > 1:
+      pl.loop(0, num_steps - 1)(functools.partial(step_body, last=False))
+    step_body(num_steps - 1, last=True)
+    dk = plgpu.wgmma_accumulator_load(dk_ref, wait_n=0)
+    dv = plgpu.wgmma_accumulator_load(dv_ref, wait_n=0)
+    release(num_steps - 1)
+    return dk * static.scale, dv
+
+  grads = (static.block_kv, static.head_dim)
+  return pl.run_scoped(with_accumulators, plgpu.ACC(scores, jnp.float32),
+                       plgpu.ACC(scores, jnp.float32),
+                       plgpu.ACC(grads, jnp.float32),
+                       plgpu.ACC(grads, jnp.float32))
 
 
 def _walk_group(walk: _Walk, step_body, arrived, consumed, slot_of,
