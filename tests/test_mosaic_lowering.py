@@ -428,7 +428,10 @@ def test_skip_spare_lowers_where_a_tile_is_short(cuda_lowering):
 @pytest.mark.parametrize("kwargs", [
     dict(persistent=True), dict(persistent=True, num_ctas=7),
     dict(persistent=True, num_ctas=1), dict(persistent=False),
-    dict(persistent=False, hw_turns=False)], ids=str)
+    dict(persistent=False, hw_turns=False),
+    # mbarrier turns whose phases carry from a CTA's short tile to its
+    # next (session 23's review)
+    dict(persistent=True, num_ctas=7, hw_turns=False)], ids=str)
 @pytest.mark.parametrize("q_len", [1024, 1088])
 def test_skip_spare_is_bitwise_on_gpu(q_len, kwargs):
   """Spare consumers that skip their math (the default) change nothing
