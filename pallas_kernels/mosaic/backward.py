@@ -1793,19 +1793,21 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
                         arrived, consumed, *, num_steps: int,
                         static: _Static, base=None):
   """Consumer: (dK, dV), f32, of its `block_kv` K/V rows over `num_steps`
-  unmasked steps, each step's Sᵀ issued at the end of the step before
-  (`_Static.scores_ahead`). Persistent: the ring slots count on from
-  `base`.
+  unmasked steps, each step's Sᵀ issued before the step before has seen
+  its dV and dK done (`_Static.scores_ahead`). Persistent: the ring slots
+  count on from `base`.
 
   A step's tensor-core work is Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (both
-  [block_kv, block_q]), then dV += Pᵀ dO and dK += dSᵀ Q. Step t ends by
-  issuing dV_t, dK_t and, once Q_{t+1} has arrived, Sᵀ_{t+1}, and waits
-  for none of them; step t + 1 then waits for dV_t and dK_t (wgmmas
-  complete in issue order, so Sᵀ_{t+1} may still run), releases their
-  slot, issues dPᵀ_{t+1} and waits for Sᵀ_{t+1}. The four accumulators
-  live across the steps; in flight together are at most Sᵀ_{t+1} and the
-  16-bit Pᵀ_t and dSᵀ_t that dV_t and dK_t read from registers: the same
-  192 accumulator registers at d=64's 64 x 128 as `_dkdv_consume`. The
+  [block_kv, block_q]), then dV += Pᵀ dO and dK += dSᵀ Q. Here step t
+  issues dV_t and dK_t, then (once Q_{t+1} has arrived) Sᵀ_{t+1}, and only
+  then waits for dV_t and dK_t (wgmmas complete in issue order: Sᵀ_{t+1}
+  may still run), releases their slot, issues dPᵀ_{t+1}, and computes
+  Pᵀ_{t+1} and reads dPᵀ_{t+1}: the loop's carry. So the loop turns where
+  no wgmma is in flight (ptxas serializes every wgmma of a kernel whose
+  accumulators in flight cross a loop's back edge: C7514, seen on the
+  H200 in session 24), and in flight together are at most Sᵀ_{t+1} and
+  the 16-bit Pᵀ_t and dSᵀ_t that dV_t and dK_t read from registers: the
+  192 accumulator registers of `_dkdv_consume` at d=64's 64 x 128. The
   arithmetic is `_dkdv_consume`'s (overlapped) to the bit: lse is read
   once Sᵀ is done (before, with `prefetch_lse`), delta once dV is issued.
   """
@@ -1815,54 +1817,57 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
     return lax.rem(step if base is None else base + step, static.num_stages)
 
   scores = (static.block_kv, static.block_q)
-  zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32),
-                                          plgpu.Layout.WGMMA)
+  zeros = lambda: plgpu.layout_cast(jnp.zeros(scores, jnp.float32),
+                                    plgpu.Layout.WGMMA)
   column_stat = lambda slot, n: plgpu.layout_cast(
       stats_ring[slot, n], plgpu.Layout.WGMMA.reduce(0))
 
-  def issue_scores(s_ref, step, *, fresh: bool):
-    slot = slot_of(step)
-    for barrier in arrived:
-      plgpu.barrier_wait(barrier.at[slot])
-    if not fresh:  # Sᵀ of the step before was read out: start from zero
-      s_ref[...] = zeros(scores)
-    plgpu.wgmma(s_ref, k_rows, q_ring.at[slot].transpose((1, 0)))
-
   def release(step):
-    """Frees step's slot once its dV and dK are done (a Python int or
-    traced; nothing before step 0)."""
-    if isinstance(step, int):
-      if step >= 0:
-        plgpu.barrier_arrive(consumed.at[slot_of(step)])
-      return
-    pl.when(step >= 0)(lambda: plgpu.barrier_arrive(
-        consumed.at[slot_of(step)]))
+    """Frees step's slot (its dV and dK are done)."""
+    plgpu.barrier_arrive(consumed.at[slot_of(step)])
 
   def with_accumulators(s_ref, dp_ref, dk_ref, dv_ref):
-    def step_body(t, *, last: bool):
-      slot = slot_of(t)
-      q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
-      plgpu.wgmma_wait(1)  # dV_{t-1}, dK_{t-1} done; Sᵀ_t may still run
-      release(t - 1)
-      dp_ref[...] = zeros(scores)
-      plgpu.wgmma(dp_ref, v_rows, do_tile.transpose((1, 0)))
+    def probabilities(step, *, fresh: bool, before_dp=None):
+      """Issues Sᵀ_step once its tiles have arrived, then (after
+      `before_dp()`) dPᵀ_step; returns (Pᵀ_step, dPᵀ_step), nothing left
+      in flight. Not `fresh`: the accumulators held the step before's."""
+      slot = slot_of(step)
+      for barrier in arrived:
+        plgpu.barrier_wait(barrier.at[slot])
+      if not fresh:
+        s_ref[...] = zeros()
+      plgpu.wgmma(s_ref, k_rows, q_ring.at[slot].transpose((1, 0)))
+      if before_dp is not None:
+        before_dp()
+      if not fresh:
+        dp_ref[...] = zeros()
+      plgpu.wgmma(dp_ref, v_rows, do_ring.at[slot].transpose((1, 0)))
       lse_log2 = column_stat(slot, 0) if static.prefetch_lse else None
-      s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # Sᵀ_t
+      s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
       if lse_log2 is None:
         lse_log2 = column_stat(slot, 0)
-      p_t, slope = _probabilities(s_t, lse_log2, _cols, None, static)
-      dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
-      plgpu.wgmma(dv_ref, p_t.astype(static.dtype), do_tile)
-      delta = column_stat(slot, 1)
-      ds_t = _score_gradient(p_t, dp_t, _cols(delta, scores), slope)
-      plgpu.wgmma(dk_ref, ds_t.astype(static.dtype), q_tile)
-      if not last:
-        issue_scores(s_ref, t + 1, fresh=False)
+      p_t, _ = _probabilities(s_t, lse_log2, _cols, None, static)
+      return p_t, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
 
-    issue_scores(s_ref, 0, fresh=True)
-    if num_steps > 1:
-      pl.loop(0, num_steps - 1)(functools.partial(step_body, last=False))
-    step_body(num_steps - 1, last=True)
+    def gradients(step, p_t, dp_t):
+      """Issues dV += Pᵀ dO and dK += dSᵀ Q of step; waits for neither."""
+      slot = slot_of(step)
+      plgpu.wgmma(dv_ref, p_t.astype(static.dtype), do_ring.at[slot])
+      delta = column_stat(slot, 1)
+      ds_t = _score_gradient(p_t, dp_t, _cols(delta, scores), None)
+      plgpu.wgmma(dk_ref, ds_t.astype(static.dtype), q_ring.at[slot])
+
+    def step_body(t, carry):
+      gradients(t, *carry)
+
+      def gradients_done():  # Sᵀ_{t+1} may still run
+        plgpu.wgmma_wait(1)
+        release(t)
+      return probabilities(t + 1, fresh=False, before_dp=gradients_done)
+
+    carry = probabilities(0, fresh=True)
+    carry = lax.fori_loop(0, num_steps - 1, step_body, carry)
+    gradients(num_steps - 1, *carry)
     dk = plgpu.wgmma_accumulator_load(dk_ref, wait_n=0)
     dv = plgpu.wgmma_accumulator_load(dv_ref, wait_n=0)
     release(num_steps - 1)
