@@ -1799,15 +1799,14 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
 
   A step's tensor-core work is Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (both
   [block_kv, block_q]), then dV += Pᵀ dO and dK += dSᵀ Q. Here step t
-  issues dV_t and dK_t, then (once Q_{t+1} has arrived) Sᵀ_{t+1}, and only
-  then waits for dV_t and dK_t (wgmmas complete in issue order: Sᵀ_{t+1}
-  may still run), releases their slot, issues dPᵀ_{t+1}, and computes
+  issues dV_t and dK_t, waits for dV_t, issues Sᵀ_{t+1} (once Q_{t+1} has
+  arrived), and only then waits for dK_t (wgmmas complete in issue order:
+  Sᵀ_{t+1} may still run), releases the slot, issues dPᵀ_{t+1}, and computes
   Pᵀ_{t+1} and reads dPᵀ_{t+1}: the loop's carry. So the loop turns where
   no wgmma is in flight (ptxas serializes every wgmma of a kernel whose
   accumulators in flight cross a loop's back edge: C7514, seen on the
-  H200 in session 24), and in flight together are at most Sᵀ_{t+1} and
-  the 16-bit Pᵀ_t and dSᵀ_t that dV_t and dK_t read from registers: the
-  192 accumulator registers of `_dkdv_consume` at d=64's 64 x 128. The
+  H200 in session 24), and in flight together are at most dK_t, the
+  16-bit dSᵀ_t it reads from registers, and Sᵀ_{t+1}. The
   arithmetic is `_dkdv_consume`'s (overlapped) to the bit: lse is read
   once Sᵀ is done (before, with `prefetch_lse`), delta once dV is issued.
   """
@@ -1835,6 +1834,10 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
       for barrier in arrived:
         plgpu.barrier_wait(barrier.at[slot])
       if not fresh:
+        # dV of the step before is done (its dK may run): Pᵀ's 16-bit
+        # registers are free for Sᵀ's (with them held, ptxas serialized
+        # the wgmmas for registers: C7512, session 24).
+        plgpu.wgmma_wait(1)
         s_ref[...] = zeros()
       plgpu.wgmma(s_ref, k_rows, q_ring.at[slot].transpose((1, 0)))
       if before_dp is not None:
@@ -1860,7 +1863,7 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
     def step_body(t, carry):
       gradients(t, *carry)
 
-      def gradients_done():  # Sᵀ_{t+1} may still run
+      def gradients_done():  # dK_t done; Sᵀ_{t+1} may still run
         plgpu.wgmma_wait(1)
         release(t)
       return probabilities(t + 1, fresh=False, before_dp=gradients_done)
