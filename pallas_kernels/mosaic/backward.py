@@ -285,6 +285,14 @@ DQ_TILES_CAUSAL_LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
 # old by then), so that form was removed and `hw_ds_sync` still refuses
 # `deferred_dq`.
 HW_DS_SYNC_HEAD_DIMS: tuple[int, ...] = (64,)
+# `mosaic_backward(scores_ahead=None)`: on by (head_dim, block_q) on the
+# launch grid without a causal mask (where the two kernels run: not the
+# fused dQ). Session 24 (backward alone, three rounds, TFLOP/s, off -> on,
+# results/h200_mosaic_ahead_s24.md): d=64 with 128-row Q tiles 387 -> 403
+# at 4k and 400 -> 421 at 16k (the two kernels; the fused dQ runs there),
+# but on the persistent grid at 1k 342 -> 337; d=128 (64-row Q tiles,
+# lse read early) 470 -> 456 at 4k.
+SCORES_AHEAD_LAUNCH_TILES: tuple[tuple[int, int], ...] = ((64, 128),)
 
 
 def shared_rows_by_default(*, head_dim: int, persistent: bool) -> bool:
@@ -363,6 +371,14 @@ def hw_ds_sync_by_default(*, head_dim: int, fused_dq: bool,
   consumers meet on a hardware barrier (`HW_DS_SYNC_HEAD_DIMS`, where they
   meet each step: not deferred)."""
   return fused_dq and not deferred_dq and head_dim in HW_DS_SYNC_HEAD_DIMS
+
+
+def scores_ahead_by_default(*, head_dim: int, block_q: int, fused_dq: bool,
+                            is_causal: bool, persistent: bool) -> bool:
+  """Whether `mosaic_backward(scores_ahead=None)` issues the dK/dV
+  kernel's Sᵀ a step ahead (`SCORES_AHEAD_LAUNCH_TILES`)."""
+  return ((head_dim, block_q) in SCORES_AHEAD_LAUNCH_TILES
+          and not (fused_dq or is_causal or persistent))
 
 
 def persistent_by_default(*, head_dim: int, kv_len: int,
@@ -459,13 +475,15 @@ class _Static:
   # session 15); measured 1-5% slower at d=128 (results/h200_mosaic_
   # early_delta.md): off.
   early_delta: bool = False
-  # dK/dV kernel, plain consumers without a mask: step t + 1's Sᵀ = K Qᵀ is
-  # issued at the end of step t, behind step t's dV and dK wgmmas, so that
-  # the tensor cores run it as soon as those are done rather than after
-  # the warpgroup has seen them done, released the slot and issued it
-  # (`_dkdv_consume_ahead`). Nsight Compute of d=64's 4k backward (session
-  # 23, results/h200_ncu_d64_4k_s23.md): 7% of the dK/dV kernel's samples
-  # waited for Sᵀ and 6.5% for dV and dK, back to back. Scheduling only.
+  # Plain consumers without a mask (either kernel: `mosaic_backward`'s
+  # `scores_ahead` for dK/dV, `dq_scores_ahead` for dQ): step t + 1's
+  # scores (Sᵀ = K Qᵀ, or S = Q Kᵀ) are issued right behind step t's
+  # gradient wgmmas, so that the tensor cores run them as soon as those
+  # are done rather than after the warpgroup has seen them done, released
+  # the slot and issued them (`_walk_scores_ahead`). Nsight Compute of
+  # d=64's 4k backward (session 23, results/h200_ncu_d64_4k_s23.md): 7% of
+  # the dK/dV kernel's samples waited for Sᵀ and 6.5% for dV and dK, back
+  # to back. Scheduling only: bitwise the default (GPU tests).
   scores_ahead: bool = False
   # Both kernels (not the fused dQ, whose four warpgroups have 512 registers
   # a thread slot shared 232/232/24/24): the producer at 24 registers (it
@@ -586,7 +604,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     deferred_dq: bool | None = None,
                     prefetch_lse: bool | None = None,
                     early_delta: bool = False,
-                    scores_ahead: bool = False,
+                    scores_ahead: bool | None = None,
+                    dq_scores_ahead: bool = False,
                     lean_producer: bool | None = None,
                     stage_free_on_read: bool = False,
                     merged_pieces: bool | None = None,
@@ -663,10 +682,14 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       grid without a causal mask and on the launch grid under one).
     early_delta: the dK/dV kernel reads delta before P's exponentials
       (see `_Static`); the same results either way.
-    scores_ahead: the dK/dV kernel issues each step's Sᵀ at the end of the
-      step before (see `_Static`); the same results either way. The plain
-      consumers without a mask (not fused, not shared rows, not causal),
-      with a ring of two stages or more.
+    scores_ahead: the dK/dV kernel issues each step's Sᵀ right behind the
+      step before's dV and dK (see `_Static`); the same results either
+      way. The plain consumers without a mask (not fused, not shared rows,
+      not causal, not with `prefetch_stats`, `early_delta` or
+      `opaque_resident`), with a ring of two stages or more. None: where
+      measured faster (`scores_ahead_by_default`) and these allow it.
+    dq_scores_ahead: the same in the dQ kernel (its S behind the step
+      before's dQ product); not with shared Q rows.
     lean_producer: both kernels' producers at 24 registers and consumers
       at 240 (see `_Static`); the same results either way. Not with
       `fused_dq`. None: with the two kernels, but not on the persistent
@@ -719,7 +742,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
       opaque_resident=opaque_resident, deferred_dq=deferred_dq,
       prefetch_lse=prefetch_lse, early_delta=early_delta,
-      scores_ahead=scores_ahead,
+      scores_ahead=scores_ahead, dq_scores_ahead=dq_scores_ahead,
       lean_producer=lean_producer, stage_free_on_read=stage_free_on_read,
       merged_pieces=merged_pieces, dq_tiles=dq_tiles, hw_ds_sync=hw_ds_sync)
   stats = row_statistics(out, lse, d_out, d_lse)
@@ -737,7 +760,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               opaque_resident: bool | None = None,
               deferred_dq: bool | None = None,
               prefetch_lse: bool | None = None, early_delta: bool = False,
-              scores_ahead: bool = False,
+              scores_ahead: bool | None = None,
+              dq_scores_ahead: bool = False,
               lean_producer: bool | None = None,
               stage_free_on_read: bool = False,
               merged_pieces: bool | None = None,
@@ -786,6 +810,11 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
     lean_producer = lean_producer_by_default(
         head_dim=head_dim, fused_dq=fused_dq, is_causal=is_causal,
         persistent=persistent)
+  if scores_ahead is None:  # where measured faster and the options allow
+    scores_ahead = scores_ahead_by_default(
+        head_dim=head_dim, block_q=block_q, fused_dq=fused_dq,
+        is_causal=is_causal, persistent=persistent) and not (
+            shared_rows or prefetch_stats or early_delta or opaque_resident)
   if same_tiles:
     dq_tiles = None  # the dK/dV kernel's, as asked
   elif dq_tiles is None:
@@ -801,7 +830,8 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
                  opaque_resident=opaque_resident, deferred_dq=deferred_dq,
                  prefetch_lse=prefetch_lse, early_delta=early_delta,
-                 scores_ahead=scores_ahead, lean_producer=lean_producer,
+                 scores_ahead=scores_ahead, dq_scores_ahead=dq_scores_ahead,
+                 lean_producer=lean_producer,
                  stage_free_on_read=stage_free_on_read,
                  merged_pieces=merged_pieces, dq_tiles=dq_tiles,
                  hw_ds_sync=hw_ds_sync, **tiles)
@@ -969,7 +999,7 @@ def statics(query, key, *, heavy_first: bool = True,
             shared_q_rows: bool = False, prefetch_stats: bool = False,
             opaque_resident: bool = False, deferred_dq: bool = False,
             prefetch_lse: bool = False, early_delta: bool = False,
-            scores_ahead: bool = False,
+            scores_ahead: bool = False, dq_scores_ahead: bool = False,
             lean_producer: bool = False, stage_free_on_read: bool = False,
             merged_pieces: bool | None = False,
             dq_tiles: tuple[int, int] | None = None,
@@ -986,15 +1016,17 @@ def statics(query, key, *, heavy_first: bool = True,
                       prefetch_lse=bool(prefetch_lse),
                       early_delta=bool(early_delta),
                       opaque_resident=bool(opaque_resident))
-  if scores_ahead:
-    why = _why_not_ahead(fused_dq=fused_dq, shared_rows=shared_rows,
-                         is_causal=tiles["is_causal"],
-                         spec=tiles.get("spec"),
-                         prefetch_stats=prefetch_stats,
-                         early_delta=early_delta,
-                         opaque_resident=opaque_resident)
-    if why:
-      raise NotImplementedError(f"scores_ahead: {why}")
+  for option, on, why in (
+      ("scores_ahead", scores_ahead, _why_not_ahead(
+          fused_dq=fused_dq, shared_rows=shared_rows,
+          is_causal=tiles["is_causal"], spec=tiles.get("spec"),
+          prefetch_stats=prefetch_stats, early_delta=early_delta,
+          opaque_resident=opaque_resident)),
+      ("dq_scores_ahead", dq_scores_ahead, _why_not_ahead(
+          fused_dq=fused_dq, shared_rows=shared_q_rows,
+          is_causal=tiles["is_causal"], spec=tiles.get("spec")))):
+    if on and why:
+      raise NotImplementedError(f"{option}: {why}")
   if dq_tiles is not None and tiles.get("spec") is not None:
     # The ranged kernels' plans classify blocks at the one pair of tiles.
     raise NotImplementedError("dq_tiles: not in the ranged backward")
@@ -1056,7 +1088,13 @@ def statics(query, key, *, heavy_first: bool = True,
       tiles, block_q=dq_tiles[0], block_kv=dq_tiles[1])
   dq_config = dataclasses.replace(
       dq_static(query, key, shared_rows=shared_q_rows, **dq_tiles_args),
-      heavy_first=bool(heavy_first), **options)
+      heavy_first=bool(heavy_first), scores_ahead=bool(dq_scores_ahead),
+      **options)
+  if (dq_scores_ahead and dq_config.num_stages < 2
+      and dq_config.num_kv_blocks > 1):
+    raise NotImplementedError(
+        "dq_scores_ahead: a ring of two stages or more (the next step's K "
+        "tile must arrive while this step's is held)")
   dkdv_configs = [dataclasses.replace(config, **dkdv_options,
                                       scores_ahead=bool(scores_ahead))
                   for config in dkdv_statics(
@@ -1085,8 +1123,10 @@ def statics(query, key, *, heavy_first: bool = True,
 
 
 def _why_not_ahead(*, fused_dq, shared_rows, is_causal, spec,
-                   prefetch_stats, early_delta, opaque_resident) -> str:
-  """Why `scores_ahead` cannot serve these options, or ""."""
+                   prefetch_stats=False, early_delta=False,
+                   opaque_resident=False) -> str:
+  """Why `scores_ahead` (or `dq_scores_ahead`) cannot serve these
+  options, or ""."""
   for refused, why in (
       (fused_dq, "not with the fused dQ"),
       (shared_rows, "not with shared rows"),
@@ -1794,93 +1834,123 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
                         static: _Static, base=None):
   """Consumer: (dK, dV), f32, of its `block_kv` K/V rows over `num_steps`
   unmasked steps, each step's Sᵀ issued before the step before has seen
-  its dV and dK done (`_Static.scores_ahead`). Persistent: the ring slots
-  count on from `base`.
+  its dK done (`_Static.scores_ahead`, `_walk_scores_ahead`). Persistent:
+  the ring slots count on from `base`.
 
-  A step's tensor-core work is Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (both
-  [block_kv, block_q]), then dV += Pᵀ dO and dK += dSᵀ Q. Here step t
-  issues dV_t and dK_t, waits for dV_t, issues Sᵀ_{t+1} (once Q_{t+1} has
-  arrived), and only then waits for dK_t (wgmmas complete in issue order:
-  Sᵀ_{t+1} may still run), releases the slot, issues dPᵀ_{t+1}, and computes
-  Pᵀ_{t+1} and reads dPᵀ_{t+1}: the loop's carry. So the loop turns where
-  no wgmma is in flight (ptxas serializes every wgmma of a kernel whose
-  accumulators in flight cross a loop's back edge: C7514, seen on the
-  H200 in session 24), and in flight together are at most dK_t, the
-  16-bit dSᵀ_t it reads from registers, and Sᵀ_{t+1}. The
-  arithmetic is `_dkdv_consume`'s (overlapped) to the bit: lse is read
-  once Sᵀ is done (before, with `prefetch_lse`), delta once dV is issued.
+  A step's products are Sᵀ = K Qᵀ and dPᵀ = V dOᵀ ([block_kv, block_q]),
+  then dV += Pᵀ dO and dK += dSᵀ Q. The arithmetic is `_dkdv_consume`'s
+  (overlapped) to the bit: lse is read once Sᵀ is done (before it, with
+  `prefetch_lse`), delta once dV is issued.
   """
-  def slot_of(step):
-    if base is None and isinstance(step, int):  # no arithmetic on constants
-      return step % static.num_stages          # alone in the lowering
-    return lax.rem(step if base is None else base + step, static.num_stages)
-
-  scores = (static.block_kv, static.block_q)
-  zeros = lambda: plgpu.layout_cast(jnp.zeros(scores, jnp.float32),
-                                    plgpu.Layout.WGMMA)
+  slot_of = _ring_slot(static, base)
   column_stat = lambda slot, n: plgpu.layout_cast(
       stats_ring[slot, n], plgpu.Layout.WGMMA.reduce(0))
 
-  def release(step):
-    """Frees step's slot (its dV and dK are done)."""
-    plgpu.barrier_arrive(consumed.at[slot_of(step)])
-
   def with_accumulators(s_ref, dp_ref, dk_ref, dv_ref):
-    def probabilities(step, *, fresh: bool, before_dp=None):
-      """Issues Sᵀ_step once its tiles have arrived, then (after
-      `before_dp()`) dPᵀ_step; returns (Pᵀ_step, dPᵀ_step), nothing left
-      in flight. Not `fresh`: the accumulators held the step before's."""
-      slot = slot_of(step)
-      for barrier in arrived:
-        plgpu.barrier_wait(barrier.at[slot])
-      if not fresh:
-        # dV of the step before is done (its dK may run): Pᵀ's 16-bit
-        # registers are free for Sᵀ's (with them held, ptxas serialized
-        # the wgmmas for registers: C7512, session 24).
-        plgpu.wgmma_wait(1)
-        s_ref[...] = zeros()
-      plgpu.wgmma(s_ref, k_rows, q_ring.at[slot].transpose((1, 0)))
-      if before_dp is not None:
-        before_dp()
-      if not fresh:
-        dp_ref[...] = zeros()
-      plgpu.wgmma(dp_ref, v_rows, do_ring.at[slot].transpose((1, 0)))
+    def products(slot):
+      return ((k_rows, q_ring.at[slot].transpose((1, 0))),
+              (v_rows, do_ring.at[slot].transpose((1, 0))))
+
+    def probabilities(slot, wait_scores):
       lse_log2 = column_stat(slot, 0) if static.prefetch_lse else None
-      s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+      s_t = wait_scores()
       if lse_log2 is None:
         lse_log2 = column_stat(slot, 0)
-      p_t, _ = _probabilities(s_t, lse_log2, _cols, None, static)
-      return p_t, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+      return _probabilities(s_t, lse_log2, _cols, None, static)[0]
 
-    def gradients(step, p_t, dp_t):
-      """Issues dV += Pᵀ dO and dK += dSᵀ Q of step; waits for neither."""
-      slot = slot_of(step)
+    def gradients(slot, p_t, dp_t):
       plgpu.wgmma(dv_ref, p_t.astype(static.dtype), do_ring.at[slot])
       delta = column_stat(slot, 1)
-      ds_t = _score_gradient(p_t, dp_t, _cols(delta, scores), None)
+      ds_t = _score_gradient(p_t, dp_t, _cols(delta, p_t.shape), None)
       plgpu.wgmma(dk_ref, ds_t.astype(static.dtype), q_ring.at[slot])
 
-    def step_body(t, carry):
-      gradients(t, *carry)
-
-      def gradients_done():  # dK_t done; Sᵀ_{t+1} may still run
-        plgpu.wgmma_wait(1)
-        release(t)
-      return probabilities(t + 1, fresh=False, before_dp=gradients_done)
-
-    carry = probabilities(0, fresh=True)
-    carry = lax.fori_loop(0, num_steps - 1, step_body, carry)
-    gradients(num_steps - 1, *carry)
+    _walk_scores_ahead(s_ref, dp_ref, num_steps=num_steps, arrived=arrived,
+                       consumed=consumed, slot_of=slot_of, products=products,
+                       probabilities=probabilities, gradients=gradients,
+                       gradient_wgmmas=2)
     dk = plgpu.wgmma_accumulator_load(dk_ref, wait_n=0)
-    dv = plgpu.wgmma_accumulator_load(dv_ref, wait_n=0)
-    release(num_steps - 1)
-    return dk * static.scale, dv
+    return dk * static.scale, plgpu.wgmma_accumulator_load(dv_ref, wait_n=0)
 
+  scores = (static.block_kv, static.block_q)
   grads = (static.block_kv, static.head_dim)
   return pl.run_scoped(with_accumulators, plgpu.ACC(scores, jnp.float32),
                        plgpu.ACC(scores, jnp.float32),
                        plgpu.ACC(grads, jnp.float32),
                        plgpu.ACC(grads, jnp.float32))
+
+
+def _ring_slot(static: _Static, base=None):
+  """step -> its ring slot; persistent: the ring counts on from `base`."""
+  def slot_of(step):
+    if base is None and isinstance(step, int):  # no arithmetic on constants
+      return step % static.num_stages          # alone in the lowering
+    return lax.rem(step if base is None else base + step, static.num_stages)
+  return slot_of
+
+
+def _walk_scores_ahead(s_ref, dp_ref, *, num_steps: int, arrived, consumed,
+                       slot_of, products, probabilities, gradients,
+                       gradient_wgmmas: int):
+  """A consumer's `num_steps` unmasked steps with each step's scores issued
+  before the step before has seen its gradient wgmmas done
+  (`_Static.scores_ahead`; both kernels).
+
+  A step issues S (into `s_ref`) and dP (`dp_ref`), the two `products(slot)`
+  ((a, b) pairs: S = a b), computes P = `probabilities(slot, wait_scores)`
+  (`wait_scores()` waits for S and returns it, while dP runs), reads dP,
+  and issues its `gradient_wgmmas` gradient products,
+  `gradients(slot, p, dp)`. Step t + 1's S is issued right after those
+  (once its tiles have arrived; after the first of two, whose 16-bit
+  operand's registers it needs, is done: with them held ptxas serialized
+  every wgmma for registers, C7512, session 24), so the tensor cores run
+  it as soon as step t's gradients are done, not after this warpgroup has
+  seen them done, released the slot and issued it. Then the warpgroup
+  waits for step t's gradients (wgmmas complete in issue order: S may
+  still run), releases the slot and issues dP.
+
+  The loop turns after dP is read, where no wgmma is in flight: with the
+  gradients' or S's accumulators in flight across the back edge, ptxas
+  serialized every wgmma of the kernel (C7514, session 24). Returns once
+  every wgmma is done and the last slot is released.
+  """
+  zeros = lambda: plgpu.layout_cast(jnp.zeros(s_ref.shape, jnp.float32),
+                                    plgpu.Layout.WGMMA)
+
+  def scores(step, *, fresh: bool, before_dp=None):
+    """Step's (P, dP); nothing in flight after. Not `fresh`: the
+    accumulators hold the step before's, and its gradients may run."""
+    slot = slot_of(step)
+    for barrier in arrived:
+      plgpu.barrier_wait(barrier.at[slot])
+    (s_a, s_b), (dp_a, dp_b) = products(slot)
+    if not fresh:
+      plgpu.wgmma_wait(gradient_wgmmas - 1)
+      s_ref[...] = zeros()
+    plgpu.wgmma(s_ref, s_a, s_b)
+    if before_dp is not None:
+      before_dp()
+    if not fresh:
+      dp_ref[...] = zeros()
+    plgpu.wgmma(dp_ref, dp_a, dp_b)
+    p = probabilities(
+        slot, lambda: plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+    return p, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+
+  def release(step):
+    plgpu.barrier_arrive(consumed.at[slot_of(step)])
+
+  def step_body(t, carry):
+    gradients(slot_of(t), *carry)
+
+    def gradients_done():  # S of step t + 1 may still run
+      plgpu.wgmma_wait(1)
+      release(t)
+    return scores(t + 1, fresh=False, before_dp=gradients_done)
+
+  carry = lax.fori_loop(0, num_steps - 1, step_body, scores(0, fresh=True))
+  gradients(slot_of(num_steps - 1), *carry)
+  plgpu.wgmma_wait(0)
+  release(num_steps - 1)
 
 
 def _walk_group(walk: _Walk, step_body, arrived, consumed, slot_of,
@@ -2535,9 +2605,14 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
       tile_mask = lambda step, slot: _variant_mask(
           q_start, step, static, _tile_values(walk.values, own_ids, ids, slot,
                                               shape, own_is_query=True))
-    dq = _dq_consume(own_q, own_do, lse_log2, delta, k_ring, v_ring, arrived,
-                     consumed, walk=walk, tile_mask=tile_mask, static=static,
-                     base=base)
+    if static.scores_ahead:  # no mask: every step of the walk unmasked
+      dq = _dq_consume_ahead(own_q, own_do, lse_log2, delta, k_ring, v_ring,
+                             arrived, consumed, num_steps=num_steps,
+                             static=static, base=base)
+    else:
+      dq = _dq_consume(own_q, own_do, lse_log2, delta, k_ring, v_ring,
+                       arrived, consumed, walk=walk, tile_mask=tile_mask,
+                       static=static, base=base)
     own_q[...] = dq.astype(static.dtype)  # Q is dead: dQ goes out through it
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(own_q, dq_ref.at[batch, q_rows, head])
@@ -2626,6 +2701,39 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
       _SKIP: skip_body, _UNMASKED: functools.partial(step_body, masked=False),
       _MASKED: functools.partial(step_body, masked=True)}, dq)
   return dq * static.scale
+
+
+def _dq_consume_ahead(q_smem, do_smem, lse_log2, delta, k_ring, v_ring,
+                      arrived, consumed, *, num_steps: int, static: _Static,
+                      base=None):
+  """Consumer: dQ (f32, scaled) of its `block_q` rows over `num_steps`
+  unmasked steps, each step's S issued before the step before has seen
+  its dQ product done (`_Static.scores_ahead`, `_walk_scores_ahead`).
+  `lse_log2` and `delta` are the rows' statistics. The arithmetic is
+  `_dq_consume`'s to the bit."""
+  def with_accumulators(s_ref, dp_ref, dq_ref):
+    def products(slot):
+      return ((q_smem, k_ring.at[slot].transpose((1, 0))),   # S = Q Kᵀ
+              (do_smem, v_ring.at[slot].transpose((1, 0))))  # dP = dO Vᵀ
+
+    def probabilities(slot, wait_scores):
+      return _probabilities(wait_scores(), lse_log2, _rows, None, static)[0]
+
+    def gradients(slot, p, dp):
+      ds = _score_gradient(p, dp, _rows(delta, p.shape), None)
+      plgpu.wgmma(dq_ref, ds.astype(static.dtype), k_ring.at[slot])
+
+    _walk_scores_ahead(s_ref, dp_ref, num_steps=num_steps, arrived=arrived,
+                       consumed=consumed, slot_of=_ring_slot(static, base),
+                       products=products, probabilities=probabilities,
+                       gradients=gradients, gradient_wgmmas=1)
+    return plgpu.wgmma_accumulator_load(dq_ref, wait_n=0) * static.scale
+
+  scores = (static.block_q, static.block_kv)
+  return pl.run_scoped(with_accumulators, plgpu.ACC(scores, jnp.float32),
+                       plgpu.ACC(scores, jnp.float32),
+                       plgpu.ACC((static.block_q, static.head_dim),
+                                 jnp.float32))
 
 
 def _dq_consume_shared(c: int, q_smem, do_smem, lse_log2, delta, k_ring,
