@@ -362,25 +362,25 @@ STATS_EARLY_64_CANDIDATES = [
     dict(block_q=128, fused_dq=False, early_delta=True),
     dict(block_q=128, fused_dq=False, prefetch_lse=True, early_delta=True)]
 
-# Session 24: each step's scores issued right behind the step before's
-# gradient wgmmas (`backward._Static.scores_ahead`; the ncu of d=64's 4k
-# backward had 7% of the dK/dV kernel's samples on the wait for Sᵀ and
-# 6.5% on dV and dK's, back to back), in the dK/dV kernel
-# (`scores_ahead`, the default on d=64's launch grid since) and the dQ
-# kernel (`dq_scores_ahead`). d=64's two kernels (128-row Q tiles) and
-# its default (the fused dQ at 16k, the persistent grid at 1k); d=128's
-# two kernels (64-row Q tiles, lse read early by default, which
-# `scores_ahead` there measured 470 -> 456 with at 4k).
+# Session 24: the dK/dV kernel's Sᵀ issued right behind the step before's
+# dV and dK (`backward._Static.scores_ahead`, the default on d=64's launch
+# grid since; the ncu of d=64's 4k backward had 7% of the dK/dV kernel's
+# samples on the wait for Sᵀ and 6.5% on dV and dK's, back to back).
+# d=64's two kernels (128-row Q tiles) and its default (the fused dQ at
+# 16k, the persistent grid at 1k); d=128's two kernels (64-row Q tiles,
+# lse read early by default). The same in the dQ kernel, measured slower
+# (results/h200_mosaic_ahead_s24.md), was removed.
 AHEAD_64_CANDIDATES = [
     dict(block_q=128, fused_dq=False, scores_ahead=False),
     dict(block_q=128, fused_dq=False, scores_ahead=True),
-    dict(block_q=128, fused_dq=False, scores_ahead=True,
-         dq_scores_ahead=True),
     dict(block_q=128)]
 AHEAD_128_CANDIDATES = [
-    dict(fused_dq=False), dict(fused_dq=False, dq_scores_ahead=True),
-    dict(fused_dq=False, prefetch_lse=False),
+    dict(fused_dq=False), dict(fused_dq=False, prefetch_lse=False),
     dict(fused_dq=False, prefetch_lse=False, scores_ahead=True)]
+# d=64 from 16k: the fused dQ (the default until session 24) against the
+# two kernels with `scores_ahead`.
+AHEAD_FUSED_64_CANDIDATES = [dict(block_q=128, fused_dq=True),
+                             dict(block_q=128, fused_dq=False)]
 
 
 def candidates(space: dict | list[dict]) -> list[dict]:
@@ -560,6 +560,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                           causal=(False,)),
            "backward_ahead_128": _backward(AHEAD_128_CANDIDATES,
                                            causal=(False,)),
+           "backward_ahead_fused_64": _backward(AHEAD_FUSED_64_CANDIDATES,
+                                                causal=(False,)),
            "forward_skip_spare": _forward(FORWARD_SKIP_SPARE_SPACE,
                                           causal=(False,)),
            "backward_merged": _backward(MERGED_CANDIDATES),

@@ -54,7 +54,6 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
                          "shared_rows", "shared_q_rows", "deferred_dq",
                          "prefetch_lse", "stage_free_on_read", "early_delta",
                          "lean_producer", "merged_pieces", "scores_ahead",
-                         "dq_scores_ahead",
                          "num_ctas", "dq_tiles", "hw_ds_sync")
             if name in shape_and_blocks}
   args = _structs(head_dim=head_dim, **shape_and_blocks)
@@ -403,7 +402,6 @@ def test_early_delta_lowers_and_changes_the_dkdv_kernel(kwargs,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", ["scores_ahead", "dq_scores_ahead"])
 @pytest.mark.parametrize("head_dim, kwargs", [
     (64, dict(block_q=128, fused_dq=False, persistent=False)),
     (64, dict(block_q=128, persistent=True, num_ctas=5)),
@@ -412,40 +410,32 @@ def test_early_delta_lowers_and_changes_the_dkdv_kernel(kwargs,
     (128, dict(fused_dq=False, persistent=False)),
     (128, dict(fused_dq=False, persistent=False, prefetch_lse=False)),
 ], ids=str)
-def test_scores_ahead_is_bitwise_the_default_on_gpu(head_dim, kwargs,
-                                                    option):
-  """`scores_ahead` (dK/dV) and `dq_scores_ahead` (dQ) issue each step's
-  scores right behind the step before's gradient wgmmas, before waiting
-  for those: the gradients equal the kernels' without it bit for bit,
-  three runs (an accumulator read before its wgmma finished, a slot
-  released before its gradient product read it, or a tile overwritten
-  under the scores issued ahead would not), across the GQA group's heads,
-  on both grids."""
-  _assert_bitwise_either_way(option, head_dim, False, 73, runs=3, **kwargs)
+def test_scores_ahead_is_bitwise_the_default_on_gpu(head_dim, kwargs):
+  """`scores_ahead` issues each step's Sᵀ right behind the step before's dV
+  and dK, before waiting for those: the gradients equal the kernels'
+  without it bit for bit, three runs (an accumulator read before its
+  wgmma finished, a slot released before dK read it, or a Q tile
+  overwritten under the Sᵀ issued ahead would not), across the GQA
+  group's heads, on both grids."""
+  _assert_bitwise_either_way("scores_ahead", head_dim, False, 73, runs=3,
+                             **kwargs)
 
 
 def test_scores_ahead_lowers_where_it_applies(lowering_semantics):
-  """Each option changes its plain kernel without a mask (64- and 128-row
-  Q tiles, either grid), `scores_ahead` is the default on d=64's launch
-  grid only, and the rest is refused by name."""
+  """The option changes the plain dK/dV kernel without a mask (64- and
+  128-row Q tiles, either grid), is the default on d=64's launch grid
+  only, and the rest is refused by name."""
   for head_dim, kwargs in ((64, dict(block_q=128, persistent=False)),
                            (64, dict(block_q=128, persistent=True)),
                            (128, dict(fused_dq=False))):
-    for option in ("scores_ahead", "dq_scores_ahead"):
-      assert (_lower(head_dim, False, **{option: True}, **kwargs)
-              != _lower(head_dim, False, **{option: False}, **kwargs))
+    assert (_lower(head_dim, False, scores_ahead=True, **kwargs)
+            != _lower(head_dim, False, scores_ahead=False, **kwargs))
   launch = dict(block_q=128, persistent=False, fused_dq=False)
   assert (_lower(64, False, **launch)
           == _lower(64, False, scores_ahead=True, **launch))
   persistent = dict(block_q=128, persistent=True)
   assert (_lower(64, False, **persistent)
           == _lower(64, False, scores_ahead=False, **persistent))
-  for option, kwargs, match in (
-      ("dq_scores_ahead", dict(fused_dq=True), "fused dQ"),
-      ("dq_scores_ahead", dict(shared_q_rows=True), "shared rows"),
-      ("dq_scores_ahead", dict(max_concurrent_steps=1), "two stages")):
-    with pytest.raises(NotImplementedError, match=match):
-      _lower(128, False, **{option: True}, **kwargs)
   for head_dim, is_causal, kwargs, match in (
       (64, True, dict(block_q=128), "without a mask"),
       (128, False, dict(fused_dq=True), "fused dQ"),

@@ -227,22 +227,21 @@ BACKWARD_CASES = [
     # kernels' diagonals differ.
     (Case(1, 256, 256, 1, 1, 64), True,
      dict(block_q=128, persistent=False, dq_tiles=(64, 128))),
-    # Each step's scores issued right behind the step before's gradient
-    # wgmmas (`scores_ahead` in the dK/dV kernel, `dq_scores_ahead` in the
-    # dQ kernel): GQA 2:1 over three Q tiles a head (six dK/dV steps
+    # Each step's Sᵀ issued right behind the step before's dV and dK
+    # (`scores_ahead`): GQA 2:1 over three Q tiles a head (six steps
     # through two stages, across the heads), on the launch grid; on one
-    # persistent CTA walking two tiles (its ring running on across them,
-    # three stages); a walk of one dK/dV step; and d=128's 64-row tiles.
+    # persistent CTA walking two K/V tiles (its ring running on across
+    # them, three stages); a walk of one step; and d=128's 64-row Q tiles
+    # with lse read early.
     (Case(1, 384, 256, 2, 1, 64), False,
-     dict(block_q=128, persistent=False, scores_ahead=True,
-          dq_scores_ahead=True)),
+     dict(block_q=128, persistent=False, scores_ahead=True)),
     (Case(1, 256, 256, 1, 1, 64), False,
      dict(block_q=128, num_ctas=1, max_concurrent_steps=3,
-          scores_ahead=True, dq_scores_ahead=True)),
+          scores_ahead=True)),
     (Case(1, 128, 128, 1, 1, 64), False,
      dict(block_q=128, persistent=False, scores_ahead=True)),
-    (Case(1, 128, 256, 1, 1, 128), False,
-     dict(persistent=False, scores_ahead=True, dq_scores_ahead=True)),
+    (Case(1, 256, 128, 1, 1, 128), False,
+     dict(persistent=False, scores_ahead=True, prefetch_lse=True)),
 ]
 
 

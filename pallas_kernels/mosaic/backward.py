@@ -475,15 +475,17 @@ class _Static:
   # session 15); measured 1-5% slower at d=128 (results/h200_mosaic_
   # early_delta.md): off.
   early_delta: bool = False
-  # Plain consumers without a mask (either kernel: `mosaic_backward`'s
-  # `scores_ahead` for dK/dV, `dq_scores_ahead` for dQ): step t + 1's
-  # scores (Sᵀ = K Qᵀ, or S = Q Kᵀ) are issued right behind step t's
-  # gradient wgmmas, so that the tensor cores run them as soon as those
-  # are done rather than after the warpgroup has seen them done, released
-  # the slot and issued them (`_walk_scores_ahead`). Nsight Compute of
-  # d=64's 4k backward (session 23, results/h200_ncu_d64_4k_s23.md): 7% of
-  # the dK/dV kernel's samples waited for Sᵀ and 6.5% for dV and dK, back
-  # to back. Scheduling only: bitwise the default (GPU tests).
+  # dK/dV kernel, plain consumers without a mask: step t + 1's Sᵀ = K Qᵀ is
+  # issued right behind step t's dV and dK wgmmas, so that the tensor
+  # cores run it as soon as those are done rather than after the
+  # warpgroup has seen them done, released the slot and issued it
+  # (`_walk_scores_ahead`). Nsight Compute of d=64's 4k backward (session
+  # 23, results/h200_ncu_d64_4k_s23.md): 7% of the dK/dV kernel's samples
+  # waited for Sᵀ and 6.5% for dV and dK, back to back. Scheduling only:
+  # bitwise the default (GPU tests). The same in the dQ kernel (S behind
+  # the step before's dQ product) measured slower, 405 -> 399 TFLOP/s at
+  # d=64 4k and 471 -> 456 at d=128 (session 24, results/h200_mosaic_
+  # ahead_s24.md), and was removed.
   scores_ahead: bool = False
   # Both kernels (not the fused dQ, whose four warpgroups have 512 registers
   # a thread slot shared 232/232/24/24): the producer at 24 registers (it
@@ -605,7 +607,6 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     prefetch_lse: bool | None = None,
                     early_delta: bool = False,
                     scores_ahead: bool | None = None,
-                    dq_scores_ahead: bool = False,
                     lean_producer: bool | None = None,
                     stage_free_on_read: bool = False,
                     merged_pieces: bool | None = None,
@@ -688,8 +689,6 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       not causal, not with `prefetch_stats`, `early_delta` or
       `opaque_resident`), with a ring of two stages or more. None: where
       measured faster (`scores_ahead_by_default`) and these allow it.
-    dq_scores_ahead: the same in the dQ kernel (its S behind the step
-      before's dQ product); not with shared Q rows.
     lean_producer: both kernels' producers at 24 registers and consumers
       at 240 (see `_Static`); the same results either way. Not with
       `fused_dq`. None: with the two kernels, but not on the persistent
@@ -742,7 +741,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
       opaque_resident=opaque_resident, deferred_dq=deferred_dq,
       prefetch_lse=prefetch_lse, early_delta=early_delta,
-      scores_ahead=scores_ahead, dq_scores_ahead=dq_scores_ahead,
+      scores_ahead=scores_ahead,
       lean_producer=lean_producer, stage_free_on_read=stage_free_on_read,
       merged_pieces=merged_pieces, dq_tiles=dq_tiles, hw_ds_sync=hw_ds_sync)
   stats = row_statistics(out, lse, d_out, d_lse)
@@ -761,7 +760,6 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
               deferred_dq: bool | None = None,
               prefetch_lse: bool | None = None, early_delta: bool = False,
               scores_ahead: bool | None = None,
-              dq_scores_ahead: bool = False,
               lean_producer: bool | None = None,
               stage_free_on_read: bool = False,
               merged_pieces: bool | None = None,
@@ -830,8 +828,7 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
                  shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
                  opaque_resident=opaque_resident, deferred_dq=deferred_dq,
                  prefetch_lse=prefetch_lse, early_delta=early_delta,
-                 scores_ahead=scores_ahead, dq_scores_ahead=dq_scores_ahead,
-                 lean_producer=lean_producer,
+                 scores_ahead=scores_ahead, lean_producer=lean_producer,
                  stage_free_on_read=stage_free_on_read,
                  merged_pieces=merged_pieces, dq_tiles=dq_tiles,
                  hw_ds_sync=hw_ds_sync, **tiles)
@@ -999,7 +996,7 @@ def statics(query, key, *, heavy_first: bool = True,
             shared_q_rows: bool = False, prefetch_stats: bool = False,
             opaque_resident: bool = False, deferred_dq: bool = False,
             prefetch_lse: bool = False, early_delta: bool = False,
-            scores_ahead: bool = False, dq_scores_ahead: bool = False,
+            scores_ahead: bool = False,
             lean_producer: bool = False, stage_free_on_read: bool = False,
             merged_pieces: bool | None = False,
             dq_tiles: tuple[int, int] | None = None,
@@ -1016,17 +1013,15 @@ def statics(query, key, *, heavy_first: bool = True,
                       prefetch_lse=bool(prefetch_lse),
                       early_delta=bool(early_delta),
                       opaque_resident=bool(opaque_resident))
-  for option, on, why in (
-      ("scores_ahead", scores_ahead, _why_not_ahead(
-          fused_dq=fused_dq, shared_rows=shared_rows,
-          is_causal=tiles["is_causal"], spec=tiles.get("spec"),
-          prefetch_stats=prefetch_stats, early_delta=early_delta,
-          opaque_resident=opaque_resident)),
-      ("dq_scores_ahead", dq_scores_ahead, _why_not_ahead(
-          fused_dq=fused_dq, shared_rows=shared_q_rows,
-          is_causal=tiles["is_causal"], spec=tiles.get("spec")))):
-    if on and why:
-      raise NotImplementedError(f"{option}: {why}")
+  if scores_ahead:
+    why = _why_not_ahead(fused_dq=fused_dq, shared_rows=shared_rows,
+                         is_causal=tiles["is_causal"],
+                         spec=tiles.get("spec"),
+                         prefetch_stats=prefetch_stats,
+                         early_delta=early_delta,
+                         opaque_resident=opaque_resident)
+    if why:
+      raise NotImplementedError(f"scores_ahead: {why}")
   if dq_tiles is not None and tiles.get("spec") is not None:
     # The ranged kernels' plans classify blocks at the one pair of tiles.
     raise NotImplementedError("dq_tiles: not in the ranged backward")
@@ -1088,13 +1083,7 @@ def statics(query, key, *, heavy_first: bool = True,
       tiles, block_q=dq_tiles[0], block_kv=dq_tiles[1])
   dq_config = dataclasses.replace(
       dq_static(query, key, shared_rows=shared_q_rows, **dq_tiles_args),
-      heavy_first=bool(heavy_first), scores_ahead=bool(dq_scores_ahead),
-      **options)
-  if (dq_scores_ahead and dq_config.num_stages < 2
-      and dq_config.num_kv_blocks > 1):
-    raise NotImplementedError(
-        "dq_scores_ahead: a ring of two stages or more (the next step's K "
-        "tile must arrive while this step's is held)")
+      heavy_first=bool(heavy_first), **options)
   dkdv_configs = [dataclasses.replace(config, **dkdv_options,
                                       scores_ahead=bool(scores_ahead))
                   for config in dkdv_statics(
@@ -1123,10 +1112,8 @@ def statics(query, key, *, heavy_first: bool = True,
 
 
 def _why_not_ahead(*, fused_dq, shared_rows, is_causal, spec,
-                   prefetch_stats=False, early_delta=False,
-                   opaque_resident=False) -> str:
-  """Why `scores_ahead` (or `dq_scores_ahead`) cannot serve these
-  options, or ""."""
+                   prefetch_stats, early_delta, opaque_resident) -> str:
+  """Why `scores_ahead` cannot serve these options, or ""."""
   for refused, why in (
       (fused_dq, "not with the fused dQ"),
       (shared_rows, "not with shared rows"),
@@ -1866,8 +1853,7 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
 
     _walk_scores_ahead(s_ref, dp_ref, num_steps=num_steps, arrived=arrived,
                        consumed=consumed, slot_of=slot_of, products=products,
-                       probabilities=probabilities, gradients=gradients,
-                       gradient_wgmmas=2)
+                       probabilities=probabilities, gradients=gradients)
     dk = plgpu.wgmma_accumulator_load(dk_ref, wait_n=0)
     return dk * static.scale, plgpu.wgmma_accumulator_load(dv_ref, wait_n=0)
 
@@ -1889,42 +1875,42 @@ def _ring_slot(static: _Static, base=None):
 
 
 def _walk_scores_ahead(s_ref, dp_ref, *, num_steps: int, arrived, consumed,
-                       slot_of, products, probabilities, gradients,
-                       gradient_wgmmas: int):
-  """A consumer's `num_steps` unmasked steps with each step's scores issued
-  before the step before has seen its gradient wgmmas done
-  (`_Static.scores_ahead`; both kernels).
+                       slot_of, products, probabilities, gradients):
+  """A dK/dV consumer's `num_steps` unmasked steps, each step's scores
+  issued before the step before has seen its gradients done
+  (`_Static.scores_ahead`).
 
-  A step issues S (into `s_ref`) and dP (`dp_ref`), the two `products(slot)`
-  ((a, b) pairs: S = a b), computes P = `probabilities(slot, wait_scores)`
-  (`wait_scores()` waits for S and returns it, while dP runs), reads dP,
-  and issues its `gradient_wgmmas` gradient products,
-  `gradients(slot, p, dp)`. Step t + 1's S is issued right after those
-  (once its tiles have arrived; after the first of two, whose 16-bit
-  operand's registers it needs, is done: with them held ptxas serialized
+  A step issues Sᵀ (into `s_ref`) and dPᵀ (`dp_ref`), the two
+  `products(slot)` ((a, b) pairs: Sᵀ = a b), computes
+  Pᵀ = `probabilities(slot, wait_scores)` (`wait_scores()` waits for Sᵀ
+  and returns it, while dPᵀ runs), reads dPᵀ, and issues its two gradient
+  products, dV then dK (`gradients(slot, p, dp)`). Step t + 1's Sᵀ is
+  issued right after those, once its tiles have arrived and dV_t is done
+  (its 16-bit Pᵀ operand's registers: with them held, ptxas serialized
   every wgmma for registers, C7512, session 24), so the tensor cores run
-  it as soon as step t's gradients are done, not after this warpgroup has
-  seen them done, released the slot and issued it. Then the warpgroup
-  waits for step t's gradients (wgmmas complete in issue order: S may
-  still run), releases the slot and issues dP.
+  it as soon as dK_t is done, not after this warpgroup has seen that,
+  released the slot and issued it. Then the warpgroup waits for dK_t
+  (wgmmas complete in issue order: Sᵀ may still run), releases the slot
+  and issues dPᵀ.
 
-  The loop turns after dP is read, where no wgmma is in flight: with the
-  gradients' or S's accumulators in flight across the back edge, ptxas
-  serialized every wgmma of the kernel (C7514, session 24). Returns once
-  every wgmma is done and the last slot is released.
+  The loop turns after dPᵀ is read, where no wgmma is in flight: with the
+  gradients' or Sᵀ's accumulators in flight across the back edge, ptxas
+  serialized every wgmma of the kernel (C7514, session 24). In flight
+  together are at most dK_t, its 16-bit dSᵀ_t operand and Sᵀ_{t+1}.
+  Returns once every wgmma is done and the last slot is released.
   """
   zeros = lambda: plgpu.layout_cast(jnp.zeros(s_ref.shape, jnp.float32),
                                     plgpu.Layout.WGMMA)
 
   def scores(step, *, fresh: bool, before_dp=None):
-    """Step's (P, dP); nothing in flight after. Not `fresh`: the
-    accumulators hold the step before's, and its gradients may run."""
+    """Step's (Pᵀ, dPᵀ); nothing in flight after. Not `fresh`: the
+    accumulators hold the step before's, and its dV and dK may run."""
     slot = slot_of(step)
     for barrier in arrived:
       plgpu.barrier_wait(barrier.at[slot])
     (s_a, s_b), (dp_a, dp_b) = products(slot)
     if not fresh:
-      plgpu.wgmma_wait(gradient_wgmmas - 1)
+      plgpu.wgmma_wait(1)  # dV of the step before
       s_ref[...] = zeros()
     plgpu.wgmma(s_ref, s_a, s_b)
     if before_dp is not None:
@@ -1942,7 +1928,7 @@ def _walk_scores_ahead(s_ref, dp_ref, *, num_steps: int, arrived, consumed,
   def step_body(t, carry):
     gradients(slot_of(t), *carry)
 
-    def gradients_done():  # S of step t + 1 may still run
+    def gradients_done():  # dK_t; Sᵀ of step t + 1 may still run
       plgpu.wgmma_wait(1)
       release(t)
     return scores(t + 1, fresh=False, before_dp=gradients_done)
@@ -2605,14 +2591,9 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
       tile_mask = lambda step, slot: _variant_mask(
           q_start, step, static, _tile_values(walk.values, own_ids, ids, slot,
                                               shape, own_is_query=True))
-    if static.scores_ahead:  # no mask: every step of the walk unmasked
-      dq = _dq_consume_ahead(own_q, own_do, lse_log2, delta, k_ring, v_ring,
-                             arrived, consumed, num_steps=num_steps,
-                             static=static, base=base)
-    else:
-      dq = _dq_consume(own_q, own_do, lse_log2, delta, k_ring, v_ring,
-                       arrived, consumed, walk=walk, tile_mask=tile_mask,
-                       static=static, base=base)
+    dq = _dq_consume(own_q, own_do, lse_log2, delta, k_ring, v_ring, arrived,
+                     consumed, walk=walk, tile_mask=tile_mask, static=static,
+                     base=base)
     own_q[...] = dq.astype(static.dtype)  # Q is dead: dQ goes out through it
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(own_q, dq_ref.at[batch, q_rows, head])
@@ -2701,39 +2682,6 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
       _SKIP: skip_body, _UNMASKED: functools.partial(step_body, masked=False),
       _MASKED: functools.partial(step_body, masked=True)}, dq)
   return dq * static.scale
-
-
-def _dq_consume_ahead(q_smem, do_smem, lse_log2, delta, k_ring, v_ring,
-                      arrived, consumed, *, num_steps: int, static: _Static,
-                      base=None):
-  """Consumer: dQ (f32, scaled) of its `block_q` rows over `num_steps`
-  unmasked steps, each step's S issued before the step before has seen
-  its dQ product done (`_Static.scores_ahead`, `_walk_scores_ahead`).
-  `lse_log2` and `delta` are the rows' statistics. The arithmetic is
-  `_dq_consume`'s to the bit."""
-  def with_accumulators(s_ref, dp_ref, dq_ref):
-    def products(slot):
-      return ((q_smem, k_ring.at[slot].transpose((1, 0))),   # S = Q Kᵀ
-              (do_smem, v_ring.at[slot].transpose((1, 0))))  # dP = dO Vᵀ
-
-    def probabilities(slot, wait_scores):
-      return _probabilities(wait_scores(), lse_log2, _rows, None, static)[0]
-
-    def gradients(slot, p, dp):
-      ds = _score_gradient(p, dp, _rows(delta, p.shape), None)
-      plgpu.wgmma(dq_ref, ds.astype(static.dtype), k_ring.at[slot])
-
-    _walk_scores_ahead(s_ref, dp_ref, num_steps=num_steps, arrived=arrived,
-                       consumed=consumed, slot_of=_ring_slot(static, base),
-                       products=products, probabilities=probabilities,
-                       gradients=gradients, gradient_wgmmas=1)
-    return plgpu.wgmma_accumulator_load(dq_ref, wait_n=0) * static.scale
-
-  scores = (static.block_q, static.block_kv)
-  return pl.run_scoped(with_accumulators, plgpu.ACC(scores, jnp.float32),
-                       plgpu.ACC(scores, jnp.float32),
-                       plgpu.ACC((static.block_q, static.head_dim),
-                                 jnp.float32))
 
 
 def _dq_consume_shared(c: int, q_smem, do_smem, lse_log2, delta, k_ring,
