@@ -1046,13 +1046,14 @@ def test_dq_tiles_match_reference_on_gpu(head_dim, kwargs, is_causal):
 
 def test_backward_defaults_at_long_kv():
   """What `configure` picks at `test_backward_default_at_long_kv_on_gpu`'s
-  shapes (q_len 15360, kv_len 16384, GQA 2:1): without a mask the fused
-  dQ (at d=128 deferred, merged, opaque descriptors, lse read early; at
-  d=64 its consumers
-  meeting on a hardware barrier); under causal masking
-  the two kernels on the launch grid, tile-fastest, lean producers, at
-  d=64 the dQ kernel on 64 x 128 tiles (`DQ_TILES_CAUSAL_LAUNCH`), at
-  d=128 lse read early (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`)."""
+  shapes (q_len 15360, kv_len 16384, GQA 2:1): without a mask at d=128 the
+  fused dQ (deferred, merged, opaque descriptors, lse read early), at d=64
+  the two kernels on the launch grid with the dK/dV kernel's Sᵀ issued a
+  step ahead (`SCORES_AHEAD_LAUNCH_TILES`; since session 24); under causal
+  masking the two kernels on the launch grid, tile-fastest, lean
+  producers, at d=64 the dQ kernel on 64 x 128 tiles
+  (`DQ_TILES_CAUSAL_LAUNCH`), at d=128 lse read early
+  (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`)."""
   from pallas_kernels.mosaic import attention as mosaic_attention
   from pallas_kernels.mosaic import backward
   for head_dim in (64, 128):
@@ -1060,13 +1061,20 @@ def test_backward_defaults_at_long_kv():
     tiles = mosaic_attention.backward_tiles(head_dim, 15360)
     configs = lambda is_causal: backward.configure(
         q, kv, scale=0.1, is_causal=is_causal, **tiles)
-    none, [fused] = configs(False)
-    assert none is None and fused.fused_dq and not fused.persistent
-    assert (fused.deferred_dq and fused.merged_pieces
-            and fused.opaque_resident and fused.prefetch_lse
-            ) == (head_dim == 128)
-    assert fused.hw_ds_sync == (head_dim == 64)  # `HW_DS_SYNC_HEAD_DIMS`
+    dq, dkdvs = configs(False)
+    if head_dim == 128:
+      [fused] = dkdvs
+      assert dq is None and fused.fused_dq and not fused.persistent
+      assert (fused.deferred_dq and fused.merged_pieces
+              and fused.opaque_resident and fused.prefetch_lse)
+      assert not (fused.scores_ahead or fused.hw_ds_sync)
+    else:
+      [dkdv] = dkdvs
+      assert not (dkdv.fused_dq or dkdv.persistent or dq.persistent)
+      assert dkdv.scores_ahead and not dq.scores_ahead
+      assert dkdv.block_q == 128 and dkdv.tile_fastest
     dq, [dkdv] = configs(True)
+    assert not dkdv.scores_ahead
     assert not (dkdv.fused_dq or dkdv.persistent or dq.persistent)
     assert dq.tile_fastest and dkdv.tile_fastest
     assert dq.lean_producer and dkdv.lean_producer
@@ -1077,12 +1085,13 @@ def test_backward_defaults_at_long_kv():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, is_causal, kernels", [
-    (64, False, {"dq_dkdv"}), (64, True, {"dq", "dkdv"}),
+    (64, False, {"dq", "dkdv"}), (64, True, {"dq", "dkdv"}),
     (128, False, {"dq_dkdv"}), (128, True, {"dq", "dkdv"}),
 ])
 def test_backward_default_at_long_kv_on_gpu(head_dim, is_causal, kernels):
   """The shipped defaults, no switch turned: `flash_attention` at kv_len
-  16384 runs the fused backward without a mask, else the two kernels
+  16384 runs the fused backward at d=128 without a mask, else the two
+  kernels
   (which options they take, `test_backward_defaults_at_long_kv` pins on
   the CPU), and its
   output, LSE and gradients obey the tolerance rule (GQA 2:1, q_len not

@@ -160,7 +160,11 @@ PERSISTENT_CAUSAL_MAX_KV_LEN = {64: 8192}
 # Compute, session 20: 2.3e8 local-memory sectors a backward at 16k; ptxas:
 # 464 bytes at its 232 registers, still 220 at 256; the two kernels' dK/dV
 # kernel 180 bytes at its 240).
-FUSED_DQ_MIN_KV_LEN: dict[int, int] = {64: 16384, 128: 16384}
+# Session 24: without a mask, d=64's two kernels with the dK/dV kernel's Sᵀ
+# issued a step ahead (`SCORES_AHEAD_LAUNCH_TILES`) passed the fused one
+# at 16k, 420.5 against 410.7 TFLOP/s (backward alone, three rounds,
+# results/h200_mosaic_ahead_s24.md): d=64 no longer fuses by default.
+FUSED_DQ_MIN_KV_LEN: dict[int, int] = {128: 16384}
 FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = ()
 # `mosaic_backward(opaque_resident=None)`: on with the fused dQ at these
 # head dims. At d=128 it took the fused kernel from 397 / 351 to 470 / 458
@@ -652,7 +656,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (Q tile, K/V tile) pair instead of 7 (the dQ kernel recomputes S, dP).
       Launch grid only, and only where dK and dV fit one pass (head_dim up
       to 128). None: where measured faster (`fused_dq_by_default`: from
-      kv_len 16384 at head_dim 64 and 128, without a causal mask), and not
+      kv_len 16384 at head_dim 128, without a causal mask), and not
       where `dq_tiles` asks for the dQ kernel.
     tile_fastest: both kernels' launch grids in tile-fastest order (see
       `_Static`); the results are the same either way. Not with `fused_dq`,
