@@ -93,9 +93,9 @@ def kernels(head_dim: int):
                    dict(fused, stage_free_on_read=True, prefetch_lse=True),
                    dict(fused, deferred_dq=True, merged_pieces=True),
                    dict(fused, hw_ds_sync=True, deferred_dq=False))
-    # Sᵀ issued a step ahead: the plain dK/dV kernel without a mask, where
-    # dK and dV take one pass (d=64's 128-row Q tiles, either grid; d=128).
-    ahead_forms = () if causal or head_dim == 256 else (
+    # Sᵀ issued a step ahead: the plain dK/dV kernel, where dK and dV take
+    # one pass (d=64's 128-row Q tiles, either grid; d=128).
+    ahead_forms = () if head_dim == 256 else (
         dict(scores_ahead=True, fused_dq=False, prefetch_stats=False,
              block_q=128 if head_dim == 64 else 64),
         dict(scores_ahead=True, persistent=True, num_ctas=3,

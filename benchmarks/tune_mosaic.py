@@ -381,6 +381,11 @@ AHEAD_128_CANDIDATES = [
 # two kernels with `scores_ahead`.
 AHEAD_FUSED_64_CANDIDATES = [dict(block_q=128, fused_dq=True),
                              dict(block_q=128, fused_dq=False)]
+# Under causal masking (each query head's unmasked run ahead), d=64 with
+# its defaults otherwise (the persistent grid up to kv_len 8192, else the
+# launch grid with the dQ kernel on 64 x 128 tiles).
+AHEAD_CAUSAL_64_CANDIDATES = [dict(block_q=128, scores_ahead=False),
+                              dict(block_q=128, scores_ahead=True)]
 
 
 def candidates(space: dict | list[dict]) -> list[dict]:
@@ -562,6 +567,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                            causal=(False,)),
            "backward_ahead_fused_64": _backward(AHEAD_FUSED_64_CANDIDATES,
                                                 causal=(False,)),
+           "backward_ahead_causal_64": _backward(AHEAD_CAUSAL_64_CANDIDATES,
+                                                 causal=(True,)),
            "forward_skip_spare": _forward(FORWARD_SKIP_SPARE_SPACE,
                                           causal=(False,)),
            "backward_merged": _backward(MERGED_CANDIDATES),

@@ -227,12 +227,17 @@ BACKWARD_CASES = [
     # kernels' diagonals differ.
     (Case(1, 256, 256, 1, 1, 64), True,
      dict(block_q=128, persistent=False, dq_tiles=(64, 128))),
-    # Each step's Sᵀ issued right behind the step before's dV and dK
-    # (`scores_ahead`): GQA 2:1 over three Q tiles a head (six steps
-    # through two stages, across the heads), on the launch grid; on one
-    # persistent CTA walking two K/V tiles (its ring running on across
-    # them, three stages); a walk of one step; and d=128's 64-row Q tiles
-    # with lse read early.
+]
+
+
+# (case, is_causal, mosaic_backward options) of `scores_ahead`, each also
+# run without it (`test_interpreted_scores_ahead_is_bitwise_the_default`).
+AHEAD_CASES = [
+    # Each step's Sᵀ issued right behind the step before's dV and dK: GQA
+    # 2:1 over three Q tiles a head (six steps through two stages, across
+    # the heads), on the launch grid; on one persistent CTA walking two K/V
+    # tiles (its ring running on across them, three stages); a walk of one
+    # step; and d=128's 64-row Q tiles with lse read early.
     (Case(1, 384, 256, 2, 1, 64), False,
      dict(block_q=128, persistent=False, scores_ahead=True)),
     (Case(1, 256, 256, 1, 1, 64), False,
@@ -242,8 +247,15 @@ BACKWARD_CASES = [
      dict(block_q=128, persistent=False, scores_ahead=True)),
     (Case(1, 256, 128, 1, 1, 128), False,
      dict(persistent=False, scores_ahead=True, prefetch_lse=True)),
+    # Causal: each query head's unmasked run a step ahead, its masked and
+    # skipped steps as without the option; GQA 2:1 on the launch grid
+    # (K/V tiles whose last rows see no unmasked Q tile: an empty run),
+    # and one persistent CTA walking every K/V tile.
+    (Case(1, 384, 384, 2, 1, 64), True,
+     dict(block_q=128, persistent=False, scores_ahead=True)),
+    (Case(1, 384, 384, 1, 1, 64), True,
+     dict(block_q=128, num_ctas=1, scores_ahead=True)),
 ]
-
 
 # (case, is_causal, mosaic_backward options) of the fused kernel
 # (`fused_dq=True`: dK/dV and a dQ writer, four warpgroups). Two K/V tiles
@@ -284,8 +296,18 @@ def _backward_test(case, is_causal, options):
   """Asserts dq, dk, dv of `mosaic_backward`'s kernels for `options`
   (`backward.configure`'s) under a random cotangent of out and of lse
   against the float32 reference's, within twice the plain bf16
-  computation's error. delta (`row_statistics`, a Triton kernel the Mosaic
-  GPU interpreter cannot take) is computed outside it."""
+  computation's error; returns them (`_interpreted_gradients`)."""
+  grads, exact, lowp = _interpreted_gradients(case, is_causal, options)
+  for name, ours in zip(("dq", "dk", "dv"), grads):
+    assert_within_rule(name, ours, exact[name], lowp[name])
+  return grads
+
+
+def _interpreted_gradients(case, is_causal, options):
+  """(dq, dk, dv) of `mosaic_backward`'s kernels for `options` under the
+  interpreter, and the float32 and bf16 references' `forward_and_grads`.
+  delta (`row_statistics`, a Triton kernel the Mosaic GPU interpreter
+  cannot take) is computed outside it."""
   from pallas_kernels.mosaic import backward
   q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=11)
   exact, lowp = _references(q, k, v, d_out, d_lse, is_causal=is_causal)
@@ -297,8 +319,7 @@ def _backward_test(case, is_causal, options):
                                   jnp.swapaxes(d_lse, 1, 2))
   grads = mosaic_interpret.run(backward.gradients, q, k, v, d_out, stats,
                                dq_config, dkdv_configs)
-  for name, ours in zip(("dq", "dk", "dv"), grads):
-    assert_within_rule(name, ours, exact[name], lowp[name])
+  return grads, exact, lowp
 
 
 @pytest.mark.parametrize("case, is_causal, options", BACKWARD_CASES, ids=str)
@@ -306,6 +327,20 @@ def test_interpreted_mosaic_backward_matches_reference(case, is_causal,
                                                        options):
   """The two Mosaic backward kernels' dq, dk, dv (`_backward_test`)."""
   _backward_test(case, is_causal, options)
+
+
+@pytest.mark.parametrize("case, is_causal, options", AHEAD_CASES, ids=str)
+def test_interpreted_scores_ahead_is_bitwise_the_default(case, is_causal,
+                                                         options):
+  """`scores_ahead` changes when the dK/dV consumers issue and wait, not
+  what they sum: its dq, dk, dv obey the tolerance rule and equal the
+  kernels' without it bit for bit (a step read from the wrong ring slot
+  that only reorders the sums, which the rule cannot see, would not)."""
+  ahead = _backward_test(case, is_causal, options)
+  plain, _, _ = _interpreted_gradients(case, is_causal,
+                                       dict(options, scores_ahead=False))
+  for name, a, b in zip(("dq", "dk", "dv"), ahead, plain):
+    np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 @pytest.mark.parametrize("case, is_causal, options", FUSED_BACKWARD_CASES,

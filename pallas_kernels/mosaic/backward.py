@@ -291,7 +291,8 @@ DQ_TILES_CAUSAL_LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
 HW_DS_SYNC_HEAD_DIMS: tuple[int, ...] = (64,)
 # `mosaic_backward(scores_ahead=None)`: on by (head_dim, block_q) on the
 # launch grid without a causal mask (where the two kernels run: not the
-# fused dQ). Session 24 (backward alone, three rounds, TFLOP/s, off -> on,
+# fused dQ). Under causal masking (each head's unmasked run ahead; built at
+# the end of session 24, its GPU tests and A/B not yet run) off. Session 24 (backward alone, three rounds, TFLOP/s, off -> on,
 # results/h200_mosaic_ahead_s24.md): d=64 with 128-row Q tiles 387 -> 403
 # at 4k and 400 -> 421 at 16k (the two kernels; the fused dQ runs there),
 # but on the persistent grid at 1k 342 -> 337; d=128 (64-row Q tiles,
@@ -479,7 +480,9 @@ class _Static:
   # session 15); measured 1-5% slower at d=128 (results/h200_mosaic_
   # early_delta.md): off.
   early_delta: bool = False
-  # dK/dV kernel, plain consumers without a mask: step t + 1's Sᵀ = K Qᵀ is
+  # dK/dV kernel, plain consumers (under causal masking, each query head's
+  # run of unmasked steps; without a mask, every step of the walk, across
+  # the group's heads): step t + 1's Sᵀ = K Qᵀ is
   # issued right behind step t's dV and dK wgmmas, so that the tensor
   # cores run it as soon as those are done rather than after the
   # warpgroup has seen them done, released the slot and issued it
@@ -689,10 +692,12 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (see `_Static`); the same results either way.
     scores_ahead: the dK/dV kernel issues each step's Sᵀ right behind the
       step before's dV and dK (see `_Static`); the same results either
-      way. The plain consumers without a mask (not fused, not shared rows,
-      not causal, not with `prefetch_stats`, `early_delta` or
-      `opaque_resident`), with a ring of two stages or more. None: where
-      measured faster (`scores_ahead_by_default`) and these allow it.
+      way. The plain consumers (not fused, not shared rows, not the ranged
+      kernel, not with `prefetch_stats`, `early_delta` or
+      `opaque_resident`), with a ring of two stages or more; under causal
+      masking each query head's unmasked steps. None: where measured
+      faster (`scores_ahead_by_default`: d=64's launch grid without a
+      mask) and these allow it.
     lean_producer: both kernels' producers at 24 registers and consumers
       at 240 (see `_Static`); the same results either way. Not with
       `fused_dq`. None: with the two kernels, but not on the persistent
@@ -1019,7 +1024,6 @@ def statics(query, key, *, heavy_first: bool = True,
                       opaque_resident=bool(opaque_resident))
   if scores_ahead:
     why = _why_not_ahead(fused_dq=fused_dq, shared_rows=shared_rows,
-                         is_causal=tiles["is_causal"],
                          spec=tiles.get("spec"),
                          prefetch_stats=prefetch_stats,
                          early_delta=early_delta,
@@ -1115,13 +1119,13 @@ def statics(query, key, *, heavy_first: bool = True,
   return dq_config, dkdv_configs
 
 
-def _why_not_ahead(*, fused_dq, shared_rows, is_causal, spec,
+def _why_not_ahead(*, fused_dq, shared_rows, spec,
                    prefetch_stats, early_delta, opaque_resident) -> str:
   """Why `scores_ahead` cannot serve these options, or ""."""
   for refused, why in (
       (fused_dq, "not with the fused dQ"),
       (shared_rows, "not with shared rows"),
-      (is_causal or spec is not None, "without a mask only"),
+      (spec is not None, "not in the ranged (masked) kernel"),
       (prefetch_stats or early_delta,
        "not with prefetch_stats or early_delta (it reads lse and delta "
        "where its own schedule puts them)"),
@@ -1562,10 +1566,12 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       def resident():
         zero = zero_smem[0]  # read each step: the compiler cannot fold it
         return k_smem.at[wg + zero], v_smem.at[wg + zero], zero
-    if static.scores_ahead:  # no mask: every step of the walk unmasked
+    if static.scores_ahead and not static.is_causal:
+      # Every step unmasked: one walk a step ahead across the group's heads.
       grads = _dkdv_consume_ahead(own_k, own_v, q_ring, do_ring, stats_ring,
                                   arrived, consumed, num_steps=num_steps,
-                                  static=static, base=base)
+                                  slot_of=_ring_slot(static, base),
+                                  static=static)
     else:
       grads = _dkdv_consume(own_k, own_v, q_ring, do_ring, stats_ring,
                             arrived, consumed, walk=walk,
@@ -1809,8 +1815,18 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       _stage_dq(fused, wg, step=step, static=static, offset=offset)
     return grads
 
+  unmasked_run = None
+  if static.scores_ahead:  # causal: each unmasked run a step ahead
+    def unmasked_run(start, stop, grads, *, head_base):
+      ahead = functools.partial(
+          _dkdv_consume_ahead, k_smem, v_smem, q_ring, do_ring, stats_ring,
+          arrived, consumed, num_steps=stop - start, static=static,
+          slot_of=lambda i: slot_of(head_base + start + i), scaled=False)
+      # A K/V tile's last rows may see no unmasked Q tile.
+      return lax.cond(stop > start, lambda grads: ahead(grads=grads),
+                      lambda grads: grads, grads)
   grads = _walk_group(walk, step_body, arrived, consumed, slot_of, static,
-                      grads)
+                      grads, unmasked_run=unmasked_run)
   if fused is not None and static.deferred_dq:  # the last step's pieces
     last = static.group * walk.num_blocks - 1 - walk.first
     offset = 0 if resident is None else resident()[2]
@@ -1821,23 +1837,26 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
 
 
 def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
-                        arrived, consumed, *, num_steps: int,
-                        static: _Static, base=None):
+                        arrived, consumed, *, num_steps, slot_of,
+                        static: _Static, grads=None, scaled: bool = True):
   """Consumer: (dK, dV), f32, of its `block_kv` K/V rows over `num_steps`
-  unmasked steps, each step's Sᵀ issued before the step before has seen
-  its dK done (`_Static.scores_ahead`, `_walk_scores_ahead`). Persistent:
-  the ring slots count on from `base`.
+  unmasked steps (step i in ring slot `slot_of(i)`), each step's Sᵀ issued
+  before the step before has seen its dK done (`_Static.scores_ahead`,
+  `_walk_scores_ahead`), added to `grads` ((dK, dV) so far; None: zeros).
+  dK is scaled (`scaled`) or, for a part of a walk, not.
 
   A step's products are Sᵀ = K Qᵀ and dPᵀ = V dOᵀ ([block_kv, block_q]),
   then dV += Pᵀ dO and dK += dSᵀ Q. The arithmetic is `_dkdv_consume`'s
   (overlapped) to the bit: lse is read once Sᵀ is done (before it, with
   `prefetch_lse`), delta once dV is issued.
   """
-  slot_of = _ring_slot(static, base)
   column_stat = lambda slot, n: plgpu.layout_cast(
       stats_ring[slot, n], plgpu.Layout.WGMMA.reduce(0))
 
   def with_accumulators(s_ref, dp_ref, dk_ref, dv_ref):
+    if grads is not None:  # the walk's sums so far (the refs start at zero)
+      dk_ref[...], dv_ref[...] = grads
+
     def products(slot):
       return ((k_rows, q_ring.at[slot].transpose((1, 0))),
               (v_rows, do_ring.at[slot].transpose((1, 0))))
@@ -1859,14 +1878,15 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
                        consumed=consumed, slot_of=slot_of, products=products,
                        probabilities=probabilities, gradients=gradients)
     dk = plgpu.wgmma_accumulator_load(dk_ref, wait_n=0)
-    return dk * static.scale, plgpu.wgmma_accumulator_load(dv_ref, wait_n=0)
+    return (dk * static.scale if scaled else dk,
+            plgpu.wgmma_accumulator_load(dv_ref, wait_n=0))
 
   scores = (static.block_kv, static.block_q)
-  grads = (static.block_kv, static.head_dim)
+  shape = (static.block_kv, static.head_dim)
   return pl.run_scoped(with_accumulators, plgpu.ACC(scores, jnp.float32),
                        plgpu.ACC(scores, jnp.float32),
-                       plgpu.ACC(grads, jnp.float32),
-                       plgpu.ACC(grads, jnp.float32))
+                       plgpu.ACC(shape, jnp.float32),
+                       plgpu.ACC(shape, jnp.float32))
 
 
 def _ring_slot(static: _Static, base=None):
@@ -1944,23 +1964,28 @@ def _walk_scores_ahead(s_ref, dp_ref, *, num_steps: int, arrived, consumed,
 
 
 def _walk_group(walk: _Walk, step_body, arrived, consumed, slot_of,
-                static: _Static, grads):
+                static: _Static, grads, unmasked_run=None):
   """A dK/dV consumer's walk: for each query head of the group, the runs
   of `walk`, skipped steps released at once, the others
   `step_body(i, grads, head_base=, masked=)`; step of walk position i of
-  query head g is head_base + i."""
+  query head g is head_base + i. `unmasked_run(start, stop, grads,
+  head_base=)`, if given, takes each unmasked run whole instead."""
   def skip_body(i, grads, *, head_base):
     _skip_step(arrived, consumed, slot_of(head_base + i))
     return grads
 
   def head_body(g, grads):
     head_base = g * walk.num_blocks - walk.first
-    return _walk_runs(walk.runs, {
+    bodies = {
         _SKIP: functools.partial(skip_body, head_base=head_base),
         _MASKED: functools.partial(step_body, head_base=head_base,
                                    masked=True),
         _UNMASKED: functools.partial(step_body, head_base=head_base,
-                                     masked=False)}, grads)
+                                     masked=False)}
+    if unmasked_run is None:
+      return _walk_runs(walk.runs, bodies, grads)
+    whole = {_UNMASKED: functools.partial(unmasked_run, head_base=head_base)}
+    return _walk_runs(walk.runs, bodies, grads, whole=whole)
 
   return lax.fori_loop(0, static.group, head_body, grads)
 
@@ -2804,10 +2829,15 @@ class _Walk(NamedTuple):
   values: Any
 
 
-def _walk_runs(runs, bodies, carry):
-  """Runs `bodies[kind]` over each (start, stop, kind) run, in order."""
+def _walk_runs(runs, bodies, carry, whole=None):
+  """Runs `bodies[kind]` over each (start, stop, kind) run, in order; a
+  kind in `whole` takes its run at once, `whole[kind](start, stop,
+  carry)`."""
   for start, stop, kind in runs:
-    carry = lax.fori_loop(start, stop, bodies[kind], carry)
+    if whole and kind in whole:
+      carry = whole[kind](start, stop, carry)
+    else:
+      carry = lax.fori_loop(start, stop, bodies[kind], carry)
   return carry
 
 
