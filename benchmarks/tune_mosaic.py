@@ -80,7 +80,7 @@ SHARED_Q_SPACE = dict(shared_rows=(True,), shared_q_rows=(False, True),
 PREFETCH_SPACE = dict(prefetch_stats=(False, True))
 # The backward's Q tile height (head_dim 64 ships 128 rows,
 # `attention.backward_tiles`), each with its defaults (64 rows: prefetched
-# row statistics; 128 rows at 16k: the fused dQ).
+# row statistics; 128 rows at 16k: the fused dQ until session 24).
 WIDE_Q_SPACE = dict(block_q=(64, 128))
 # Resident tiles' descriptors recomputed each step
 # (`backward._Static.opaque_resident`), in the two kernels and fused.
@@ -295,7 +295,8 @@ FORWARD_HW_TURNS_CANDIDATES = [dict(hw_turns=False), dict(hw_turns=True)]
 BACKWARD_FULL_64_CANDIDATES = [
     dict(block_q=128), dict(block_q=128, max_concurrent_steps=3),
     dict(block_q=128, dq_tiles=(64, 128))]
-# head_dim 64's fused dQ (the default from kv_len 16k without a mask) with
+# head_dim 64's fused dQ (the default from kv_len 16k without a mask until
+# session 24) with
 # its consumers meeting each step on a hardware barrier (`hw_ds_sync`)
 # against the mbarrier, and the two kernels on the launch grid beside them.
 # Pinned as they ran (session 21 made hw_ds_sync d=64's default).

@@ -405,6 +405,10 @@ def test_early_delta_lowers_and_changes_the_dkdv_kernel(kwargs,
 @pytest.mark.parametrize("head_dim, is_causal, kwargs", [
     (64, False, dict(block_q=128, fused_dq=False, persistent=False)),
     (64, False, dict(block_q=128, persistent=True, num_ctas=5)),
+    # 32 steps a tile in three stages: the CTAs' later tiles start in
+    # other slots than 0 (the ring's `base`)
+    (64, False, dict(block_q=128, persistent=True, num_ctas=5,
+                     max_concurrent_steps=3)),
     (64, False, dict(block_q=128, fused_dq=False, prefetch_lse=True)),
     (64, False, dict(block_q=128, fused_dq=False, max_concurrent_steps=3)),
     (128, False, dict(fused_dq=False, persistent=False)),
@@ -444,6 +448,11 @@ def test_scores_ahead_lowers_where_it_applies(lowering_semantics):
   launch = dict(block_q=128, persistent=False, fused_dq=False)
   assert (_lower(64, False, **launch)
           == _lower(64, False, scores_ahead=True, **launch))
+  # Not by default where its walk cannot serve the call's other options
+  # (one stage; no overlap): those calls run as before it.
+  for kwargs in (dict(max_concurrent_steps=1), dict(overlap_softmax=False)):
+    assert (_lower(64, False, **launch, **kwargs)
+            == _lower(64, False, scores_ahead=False, **launch, **kwargs))
   persistent = dict(block_q=128, persistent=True)
   assert (_lower(64, False, **persistent)
           == _lower(64, False, scores_ahead=False, **persistent))
@@ -452,9 +461,126 @@ def test_scores_ahead_lowers_where_it_applies(lowering_semantics):
       (256, False, dict(shared_rows=True), "shared rows"),
       (256, False, dict(shared_rows=False), "one pass"),
       (64, False, dict(block_q=128, early_delta=True), "early_delta"),
+      (64, False, dict(block_q=128, prefetch_stats=True), "prefetch_stats"),
+      (128, False, dict(fused_dq=False, opaque_resident=True),
+       "opaque_resident"),
       (64, False, dict(block_q=128, max_concurrent_steps=1), "two stages")):
     with pytest.raises(NotImplementedError, match=match):
       _lower(head_dim, is_causal, scores_ahead=True, **kwargs)
+
+
+class _FakePipeline:
+  """A stand-in for `plgpu` in `_walk_scores_ahead`: wgmma groups complete
+  in issue order when waited for, and every ordering rule the walk relies
+  on is asserted as it runs (what the interpreter, whose wgmmas are
+  synchronous, and a GPU test, where a race may not show, cannot see)."""
+
+  class Layout:
+    WGMMA = None
+
+  class Ref:
+    """An accumulator, a ring slot's tile or a barrier array."""
+
+    def __init__(self, pipeline, name, shape=(2, 2)):
+      self.pipeline, self.name, self.shape = pipeline, name, shape
+
+    @property
+    def at(self):  # barrier.at[slot] -> (name, slot)
+      return {slot: (self.name, slot) for slot in range(8)}
+
+    def __setitem__(self, index, value):  # zeroing an accumulator
+      self.pipeline.assert_settled(self.name, "written")
+
+  def __init__(self):
+    self.pending = []  # [(accumulator, tiles read)], oldest first
+    self.most_in_flight = 0
+    self.waited = {}   # barrier -> slots waited on, in order
+    self.released = []
+
+  def assert_settled(self, accumulator, what):
+    assert all(acc != accumulator for acc, _ in self.pending), (
+        f"{accumulator} {what} while a wgmma into it is in flight")
+
+  # The `plgpu` calls the walk makes.
+  def layout_cast(self, x, layout):
+    return x
+
+  def barrier_wait(self, barrier):
+    name, slot = barrier
+    self.waited.setdefault(name, []).append(slot)
+
+  def barrier_arrive(self, barrier):
+    name, slot = barrier
+    assert name == "consumed"
+    for _, tiles in self.pending:
+      assert all(tile[1] != slot for tile in tiles), (
+          f"slot {slot} released while a wgmma reads {tiles}")
+    self.released.append(slot)
+
+  def wgmma(self, acc, a, b):
+    tiles = [x for x in (a, b) if isinstance(x, tuple)]
+    self.pending.append((acc.name, tiles))
+    self.most_in_flight = max(self.most_in_flight, len(self.pending))
+
+  def wgmma_wait(self, n):
+    del self.pending[:max(len(self.pending) - n, 0)]
+
+  def wgmma_accumulator_load(self, acc, *, wait_n):
+    self.wgmma_wait(wait_n)
+    self.assert_settled(acc.name, "read")
+    return acc.name
+
+
+@pytest.mark.parametrize("num_steps, stages", [(1, 2), (2, 2), (5, 2),
+                                               (7, 3)])
+def test_scores_ahead_walk_keeps_the_pipeline_rules(monkeypatch, num_steps,
+                                                    stages):
+  """`_walk_scores_ahead`'s order of issues, waits and releases, on a
+  stand-in for `plgpu`: no slot released while a wgmma reads its tiles, no
+  accumulator read or zeroed while a wgmma into it runs, nothing in flight
+  where the loop turns (ptxas C7514), at most two wgmmas in flight
+  (dK_t and Sᵀ_{t+1}: with dV_t too, C7512), and each step's tiles awaited
+  and released once, in order."""
+  from types import SimpleNamespace
+
+  from pallas_kernels.mosaic import backward
+  fake = _FakePipeline()
+
+  def fori_loop(lower, upper, body, carry):
+    for i in range(lower, upper):
+      carry = body(i, carry)
+      assert not fake.pending, "a wgmma in flight across the back edge"
+    return carry
+
+  monkeypatch.setattr(backward, "plgpu", fake)
+  monkeypatch.setattr(backward, "lax", SimpleNamespace(fori_loop=fori_loop))
+  ref = functools.partial(_FakePipeline.Ref, fake)
+  s_ref, dp_ref, dk_ref, dv_ref = (ref(n) for n in ("S", "dP", "dK", "dV"))
+  slot_of = lambda step: step % stages
+  reads = []
+
+  def products(slot):
+    return (("K", ("Q", slot)), ("V", ("dO", slot)))
+
+  def probabilities(slot, wait_scores):
+    assert wait_scores() == "S"
+    reads.append(slot)
+    return "P"
+
+  def gradients(slot, p, dp):
+    assert (p, dp) == ("P", "dP") and slot == reads[-1]
+    fake.wgmma(dv_ref, p, ("dO", slot))
+    fake.wgmma(dk_ref, "dS", ("Q", slot))
+
+  backward._walk_scores_ahead(
+      s_ref, dp_ref, num_steps=num_steps, arrived=[ref("q_arrived"),
+                                                   ref("do_arrived")],
+      consumed=ref("consumed"), slot_of=slot_of, products=products,
+      probabilities=probabilities, gradients=gradients)
+  slots = [slot_of(step) for step in range(num_steps)]
+  assert not fake.pending and fake.most_in_flight <= 2
+  assert reads == slots and fake.released == slots
+  assert fake.waited == {"q_arrived": slots, "do_arrived": slots}
 
 
 @pytest.mark.gpu

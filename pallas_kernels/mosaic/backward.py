@@ -273,7 +273,7 @@ MERGED_PIECES_HEAD_DIMS: tuple[int, ...] = (128,)
 # its dQ kernel on 64 x 128 tiles instead of 128 x 64: causal 381 -> 391
 # TFLOP/s at 16k (three rounds) and 331 -> 337 at 4k (two, launch grid; 4k
 # runs the persistent grid); without a mask 397 -> 398 at 16k (the fused
-# kernel runs there) and 385 -> 380 at 4k. At d=128, 64 x 128 against
+# kernel ran there until session 24) and 385 -> 380 at 4k. At d=128, 64 x 128 against
 # 64 x 64: -0.9% to +0.4% but -2.8% at 4k without a mask: not there.
 DQ_TILES_CAUSAL_LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
     (64, 128): (64, 128)}
@@ -292,11 +292,12 @@ HW_DS_SYNC_HEAD_DIMS: tuple[int, ...] = (64,)
 # `mosaic_backward(scores_ahead=None)`: on by (head_dim, block_q) on the
 # launch grid without a causal mask (where the two kernels run: not the
 # fused dQ). Under causal masking (each head's unmasked run ahead; built at
-# the end of session 24, its GPU tests and A/B not yet run) off. Session 24 (backward alone, three rounds, TFLOP/s, off -> on,
+# the end of session 24, its GPU tests and A/B not yet run) off. Session
+# 24 (backward alone, three rounds, TFLOP/s, off -> on,
 # results/h200_mosaic_ahead_s24.md): d=64 with 128-row Q tiles 387 -> 403
-# at 4k and 400 -> 421 at 16k (the two kernels; the fused dQ runs there),
-# but on the persistent grid at 1k 342 -> 337; d=128 (64-row Q tiles,
-# lse read early) 470 -> 456 at 4k.
+# at 4k and 400 -> 421 at 16k (the two kernels, which run there since:
+# `FUSED_DQ_MIN_KV_LEN`), but on the persistent grid at 1k 342 -> 337;
+# d=128 (64-row Q tiles, lse read early) 470 -> 456 at 4k.
 SCORES_AHEAD_LAUNCH_TILES: tuple[tuple[int, int], ...] = ((64, 128),)
 
 
@@ -482,11 +483,10 @@ class _Static:
   early_delta: bool = False
   # dK/dV kernel, plain consumers (under causal masking, each query head's
   # run of unmasked steps; without a mask, every step of the walk, across
-  # the group's heads): step t + 1's Sᵀ = K Qᵀ is
-  # issued right behind step t's dV and dK wgmmas, so that the tensor
-  # cores run it as soon as those are done rather than after the
-  # warpgroup has seen them done, released the slot and issued it
-  # (`_walk_scores_ahead`). Nsight Compute of d=64's 4k backward (session
+  # the group's heads): step t + 1's Sᵀ = K Qᵀ is issued once step t's dV
+  # is done but before its dK is, so that the tensor cores run it right
+  # behind dK rather than after the warpgroup has seen dK done, released
+  # the slot and issued it (`_walk_scores_ahead`). Nsight Compute of d=64's 4k backward (session
   # 23, results/h200_ncu_d64_4k_s23.md): 7% of the dK/dV kernel's samples
   # waited for Sᵀ and 6.5% for dV and dK, back to back. Scheduling only:
   # bitwise the default (GPU tests). The same in the dQ kernel (S behind
@@ -691,7 +691,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     early_delta: the dK/dV kernel reads delta before P's exponentials
       (see `_Static`); the same results either way.
     scores_ahead: the dK/dV kernel issues each step's Sᵀ right behind the
-      step before's dV and dK (see `_Static`); the same results either
+      step before's dK, before waiting for it (see `_Static`); the same
+      results either
       way. The plain consumers (not fused, not shared rows, not the ranged
       kernel, not with `prefetch_stats`, `early_delta` or
       `opaque_resident`), with a ring of two stages or more; under causal
@@ -818,10 +819,13 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
         head_dim=head_dim, fused_dq=fused_dq, is_causal=is_causal,
         persistent=persistent)
   if scores_ahead is None:  # where measured faster and the options allow
+    # (its walk always overlaps the softmax with the matmuls, and needs the
+    # next step's Q tile in a second stage)
     scores_ahead = scores_ahead_by_default(
         head_dim=head_dim, block_q=block_q, fused_dq=fused_dq,
         is_causal=is_causal, persistent=persistent) and not (
-            shared_rows or prefetch_stats or early_delta or opaque_resident)
+            shared_rows or prefetch_stats or early_delta or opaque_resident
+            or not overlap_softmax or max_concurrent_steps < 2)
   if same_tiles:
     dq_tiles = None  # the dK/dV kernel's, as asked
   elif dq_tiles is None:
