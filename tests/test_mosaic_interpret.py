@@ -333,6 +333,7 @@ def test_interpreted_mosaic_backward_matches_reference(case, is_causal,
 
 
 @pytest.mark.timeout(300)  # a release or wait too few hangs: fail sooner
+                           # (by thread: pyproject's timeout_method)
 @pytest.mark.parametrize("case, is_causal, options", AHEAD_CASES, ids=str)
 def test_interpreted_scores_ahead_is_bitwise_the_default(case, is_causal,
                                                          options):
