@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost fused_stalls early_delta lean merged forward_lean sum_after_pv sum_after_pv_rest rescale rescale_masked rescale_warp fp8_rescale order_probe prefetch deferred shared breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost fused_stalls early_delta lean merged forward_lean sum_after_pv sum_after_pv_rest rescale rescale_masked rescale_warp fp8_rescale order_probe prefetch deferred shared ahead_causal breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -230,6 +230,23 @@ jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
           --kernels backward_merged_wide --head-dims 64 \
           --out "$OUT/h200_mosaic_merged64_16384.json" > "$LOGS/merged64.log" 2>&1 \
         && grep "^backward" "$LOGS/merged64.log" ;;
+    ahead_causal)  # session 24's scores_ahead under causal masking (built
+                   # off, not yet run on a GPU; NOTES' next list, 1): ptxas
+                   # (C7512 / C7514 mean serialized wgmmas), the bitwise
+                   # tests, then the A/B at d=64 16k and 4k, three rounds
+      MOSAIC_GPU_DUMP_PTXAS=1 timeout 120 python3 -c "
+import jax, jax.numpy as jnp
+from pallas_kernels.mosaic.backward import mosaic_backward
+q = jnp.ones((1, 2048, 4, 64), jnp.bfloat16)
+lse = jnp.zeros((1, 4, 2048), jnp.float32)
+for persistent in (False, True):
+  jax.block_until_ready(mosaic_backward(q, q, q, q, lse, q, scale=0.1,
+      is_causal=True, block_q=128, persistent=persistent, scores_ahead=True))
+" > "$LOGS/ptxas_ahead_causal.txt" 2>&1
+      grep -E "spill stores|serialized" "$LOGS/ptxas_ahead_causal.txt" | sort -u
+      CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab ahead_causal \
+        tests/test_mosaic_backward.py::test_scores_ahead_is_bitwise_the_default_on_gpu \
+        backward_ahead_causal_64 --head-dims 64 --rounds 3 ;;
     forward_lean)  # the forward's consumers at 240 registers, alone and
                    # with overlap_scores (session 14's, run in session
                    # 15): bitwise tests, then the A/B at d=128/256,
