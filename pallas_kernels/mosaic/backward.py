@@ -273,8 +273,9 @@ MERGED_PIECES_HEAD_DIMS: tuple[int, ...] = (128,)
 # its dQ kernel on 64 x 128 tiles instead of 128 x 64: causal 381 -> 391
 # TFLOP/s at 16k (three rounds) and 331 -> 337 at 4k (two, launch grid; 4k
 # runs the persistent grid); without a mask 397 -> 398 at 16k (the fused
-# kernel ran there until session 24) and 385 -> 380 at 4k. At d=128, 64 x 128 against
-# 64 x 64: -0.9% to +0.4% but -2.8% at 4k without a mask: not there.
+# kernel ran there until session 24) and 385 -> 380 at 4k. At d=128,
+# 64 x 128 against 64 x 64: -0.9% to +0.4% but -2.8% at 4k without a mask:
+# not there.
 DQ_TILES_CAUSAL_LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
     (64, 128): (64, 128)}
 # `mosaic_backward(hw_ds_sync=None)`: the fused dQ's consumers meet each
@@ -486,9 +487,10 @@ class _Static:
   # the group's heads): step t + 1's Sᵀ = K Qᵀ is issued once step t's dV
   # is done but before its dK is, so that the tensor cores run it right
   # behind dK rather than after the warpgroup has seen dK done, released
-  # the slot and issued it (`_walk_scores_ahead`). Nsight Compute of d=64's 4k backward (session
-  # 23, results/h200_ncu_d64_4k_s23.md): 7% of the dK/dV kernel's samples
-  # waited for Sᵀ and 6.5% for dV and dK, back to back. Scheduling only:
+  # the slot and issued it (`_walk_scores_ahead`). Nsight Compute of
+  # d=64's 4k backward (session 23, results/h200_ncu_d64_4k_s23.md): 7% of
+  # the dK/dV kernel's samples waited for Sᵀ and 6.5% for dV and dK, back
+  # to back. Scheduling only:
   # bitwise the default (GPU tests). The same in the dQ kernel (S behind
   # the step before's dQ product) measured slower, 405 -> 399 TFLOP/s at
   # d=64 4k and 471 -> 456 at d=128 (session 24, results/h200_mosaic_
@@ -692,11 +694,10 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       (see `_Static`); the same results either way.
     scores_ahead: the dK/dV kernel issues each step's Sᵀ right behind the
       step before's dK, before waiting for it (see `_Static`); the same
-      results either
-      way. The plain consumers (not fused, not shared rows, not the ranged
-      kernel, not with `prefetch_stats`, `early_delta` or
-      `opaque_resident`), with a ring of two stages or more; under causal
-      masking each query head's unmasked steps. None: where measured
+      results either way. The plain consumers (not fused, not shared
+      rows, not the ranged kernel, not with `prefetch_stats`,
+      `early_delta` or `opaque_resident`), with a ring of two stages or
+      more; under causal masking each query head's unmasked steps. None: where measured
       faster (`scores_ahead_by_default`: d=64's launch grid without a
       mask) and these allow it.
     lean_producer: both kernels' producers at 24 registers and consumers
