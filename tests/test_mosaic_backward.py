@@ -464,7 +464,9 @@ def test_scores_ahead_lowers_where_it_applies(lowering_semantics):
       (64, False, dict(block_q=128, prefetch_stats=True), "prefetch_stats"),
       (128, False, dict(fused_dq=False, opaque_resident=True),
        "opaque_resident"),
-      (64, False, dict(block_q=128, max_concurrent_steps=1), "two stages")):
+      (64, False, dict(block_q=128, max_concurrent_steps=1), "two stages"),
+      (64, False, dict(block_q=128, overlap_softmax=False),
+       "overlap_softmax")):
     with pytest.raises(NotImplementedError, match=match):
       _lower(head_dim, is_causal, scores_ahead=True, **kwargs)
 

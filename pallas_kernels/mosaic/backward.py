@@ -820,13 +820,14 @@ def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
         head_dim=head_dim, fused_dq=fused_dq, is_causal=is_causal,
         persistent=persistent)
   if scores_ahead is None:  # where measured faster and the options allow
-    # (its walk always overlaps the softmax with the matmuls, and needs the
-    # next step's Q tile in a second stage)
     scores_ahead = scores_ahead_by_default(
         head_dim=head_dim, block_q=block_q, fused_dq=fused_dq,
-        is_causal=is_causal, persistent=persistent) and not (
-            shared_rows or prefetch_stats or early_delta or opaque_resident
-            or not overlap_softmax or max_concurrent_steps < 2)
+        is_causal=is_causal, persistent=persistent) and not _why_not_ahead(
+            fused_dq=fused_dq, shared_rows=shared_rows, spec=None,
+            prefetch_stats=prefetch_stats, early_delta=early_delta,
+            opaque_resident=opaque_resident,
+            overlap_softmax=overlap_softmax,
+            max_concurrent_steps=max_concurrent_steps)
   if same_tiles:
     dq_tiles = None  # the dK/dV kernel's, as asked
   elif dq_tiles is None:
@@ -1032,7 +1033,9 @@ def statics(query, key, *, heavy_first: bool = True,
                          spec=tiles.get("spec"),
                          prefetch_stats=prefetch_stats,
                          early_delta=early_delta,
-                         opaque_resident=opaque_resident)
+                         opaque_resident=opaque_resident,
+                         overlap_softmax=overlap_softmax,
+                         max_concurrent_steps=tiles["max_concurrent_steps"])
     if why:
       raise NotImplementedError(f"scores_ahead: {why}")
   if dq_tiles is not None and tiles.get("spec") is not None:
@@ -1107,10 +1110,6 @@ def statics(query, key, *, heavy_first: bool = True,
       raise NotImplementedError(
           "scores_ahead: where dK and dV take one pass (not at head_dim "
           f"{config.head_dim} with block_q {config.block_q})")
-    if config.num_stages < 2 and config.group * config.num_q_blocks > 1:
-      raise NotImplementedError(
-          "scores_ahead: a ring of two stages or more (the next step's Q "
-          "tile must arrive while this step's is held)")
   if persistent:
     batch, _, num_heads, _ = query.shape
     kv_len, num_kv_heads = key.shape[1], key.shape[2]
@@ -1124,9 +1123,11 @@ def statics(query, key, *, heavy_first: bool = True,
   return dq_config, dkdv_configs
 
 
-def _why_not_ahead(*, fused_dq, shared_rows, spec,
-                   prefetch_stats, early_delta, opaque_resident) -> str:
-  """Why `scores_ahead` cannot serve these options, or ""."""
+def _why_not_ahead(*, fused_dq, shared_rows, spec, prefetch_stats,
+                   early_delta, opaque_resident, overlap_softmax,
+                   max_concurrent_steps) -> str:
+  """Why `scores_ahead` cannot serve these options, or "" (the one list:
+  an explicit request raises with it, the default stays off)."""
   for refused, why in (
       (fused_dq, "not with the fused dQ"),
       (shared_rows, "not with shared rows"),
@@ -1134,7 +1135,12 @@ def _why_not_ahead(*, fused_dq, shared_rows, spec,
       (prefetch_stats or early_delta,
        "not with prefetch_stats or early_delta (it reads lse and delta "
        "where its own schedule puts them)"),
-      (opaque_resident, "not with opaque_resident")):
+      (opaque_resident, "not with opaque_resident"),
+      (not overlap_softmax,
+       "not without overlap_softmax (its walk always overlaps)"),
+      (max_concurrent_steps < 2,
+       "a ring of two stages or more (the next step's Q tile must arrive "
+       "while this step's is held)")):
     if refused:
       return why
   return ""
@@ -1727,8 +1733,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
   `resident` (`_Static.opaque_resident`): called each step, returns that
   step's views of the K and V rows and the zero that offsets them.
   """
-  slot_of = lambda step: lax.rem(step if base is None else base + step,
-                                 static.num_stages)
+  slot_of = _ring_slot(static, base)
   zeros = plgpu.layout_cast(
       jnp.zeros((static.block_kv, static.head_dim), jnp.float32),
       plgpu.Layout.WGMMA)
@@ -1749,8 +1754,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     # Row statistic n (0: lse, 1: delta) of the step's Q rows, read from
     # the ring when the step needs it, or up front (`prefetch_stats`: then
     # `prefetched` holds them, delta only when dK is an output).
-    column_stat = lambda n: plgpu.layout_cast(stats_ring[slot, n],
-                                              plgpu.Layout.WGMMA.reduce(0))
+    column_stat = functools.partial(_column_stat, stats_ring, slot)
     prefetched = {}
     if static.prefetch_stats:  # see `_Static.prefetch_stats`
       prefetched = {n: column_stat(n)
@@ -1855,8 +1859,7 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
   (overlapped) to the bit: lse is read once Sᵀ is done (before it, with
   `prefetch_lse`), delta once dV is issued.
   """
-  column_stat = lambda slot, n: plgpu.layout_cast(
-      stats_ring[slot, n], plgpu.Layout.WGMMA.reduce(0))
+  column_stat = functools.partial(_column_stat, stats_ring)
 
   def with_accumulators(s_ref, dp_ref, dk_ref, dv_ref):
     if grads is not None:  # the walk's sums so far (the refs start at zero)
@@ -1892,6 +1895,12 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
                        plgpu.ACC(scores, jnp.float32),
                        plgpu.ACC(shape, jnp.float32),
                        plgpu.ACC(shape, jnp.float32))
+
+
+def _column_stat(stats_ring, slot, n):
+  """Row statistic n (0: lse, 1: delta) of a dK/dV step's Q rows, from its
+  ring slot, in the layout of an Sᵀ tile's columns."""
+  return plgpu.layout_cast(stats_ring[slot, n], plgpu.Layout.WGMMA.reduce(0))
 
 
 def _ring_slot(static: _Static, base=None):
@@ -2093,8 +2102,7 @@ def _dkdv_consume_shared(c: int, k_smem, v_smem, q_ring, do_ring, stats_ring,
   rows = lambda k: pl.ds(k * q_part, q_part)
   columns = _column_part(c, static)
   shape = (static.block_kv, q_part)
-  slot_of = lambda step: lax.rem(step if base is None else base + step,
-                                 static.num_stages)
+  slot_of = _ring_slot(static, base)
   zeros = plgpu.layout_cast(
       jnp.zeros((static.block_kv, static.head_dim // consumers), jnp.float32),
       plgpu.Layout.WGMMA)
@@ -2742,8 +2750,7 @@ def _dq_consume_shared(c: int, q_smem, do_smem, lse_log2, delta, k_ring,
   dq = plgpu.layout_cast(
       jnp.zeros((static.block_q, static.head_dim // consumers), jnp.float32),
       plgpu.Layout.WGMMA)
-  slot_of = lambda step: lax.rem(step if base is None else base + step,
-                                 static.num_stages)
+  slot_of = _ring_slot(static, base)
 
   def step_body(step, dq, *, masked):
     slot = slot_of(step)
