@@ -2465,9 +2465,20 @@ def _tile_indices_t(kv_start, q_block, static: _Static, q_rows=None):
 def _causal_mask_t(kv_start, q_block, static: _Static, q_rows=None):
   """[block_kv, block_q] (or the `q_rows` part's columns): True where key
   kv_start + r is seen by query q_block * block_q + c (the transposed
-  layout of Sᵀ)."""
-  queries, keys = _tile_indices_t(kv_start, q_block, static, q_rows)
-  return queries >= keys
+  layout of Sᵀ).
+
+  Compared from a row of query indices and a column of key indices,
+  broadcast only in the comparison: built from two whole index tiles (as
+  `_tile_indices_t` does), d=64's masked step spilled 180 bytes beside
+  its accumulators, and 388 with `scores_ahead` (session 25)."""
+  offset, count = q_rows or (0, static.block_q)
+  shape = (static.block_kv, count)
+  queries = plgpu.broadcasted_iota(jnp.int32, (count,), 0,
+                                   layout=plgpu.Layout.WGMMA.reduce(0))
+  keys = plgpu.broadcasted_iota(jnp.int32, (static.block_kv,), 0,
+                                layout=plgpu.Layout.WGMMA.reduce(1))
+  q_start = q_block * static.block_q + offset
+  return _cols(queries + q_start, shape) >= _rows(keys + kv_start, shape)
 
 
 def _variant_mask_t(kv_start, q_block, static: _Static, values):
