@@ -2,7 +2,7 @@
 # One GPU session's checks, in the order that matters if time runs out:
 # GPU tests, the d=128 grid (core claims), then masks, memory, the rest.
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
-# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost fused_stalls early_delta lean merged forward_lean sum_after_pv sum_after_pv_rest rescale rescale_masked rescale_warp fp8_rescale order_probe prefetch deferred shared ahead_causal mask_form breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
+# STEPs: probe pair tests tests_shards mosaic_tests mosaic tune_mosaic order schedule persistent fused fused_ab spills consumers turns forward_order masked_order one_stage turn_cost fused_stalls early_delta lean merged forward_lean sum_after_pv sum_after_pv_rest rescale rescale_masked rescale_warp fp8_rescale order_probe prefetch deferred shared ahead_causal breakdown ncu warp_map launch_order fp8 grid128 masks masks_mosaic masks_mosaic_bwd memory grid grid_halves ring
 #        sequence_parallel flax notebook example
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (seen once: 2-3x slow).
@@ -247,20 +247,6 @@ for persistent in (False, True):
       CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab ahead_causal \
         tests/test_mosaic_backward.py::test_scores_ahead_is_bitwise_the_default_on_gpu \
         backward_ahead_causal_64 --head-dims 64 --rounds 3 ;;
-    mask_form)  # session 25: causal masks from a row and a column of
-                # indices against two whole index tiles (d=64's masked dK/dV
-                # step spilled 180 bytes, 388 with scores_ahead): the causal
-                # kernels' reference and bitwise tests, then the A/Bs, the
-                # backward at d=64 (scores_ahead off and on, 16k and 4k,
-                # three rounds) and the forward at 16k (two rounds)
-      T=tests/test_mosaic_backward.py; L=tests/test_mosaic_lowering.py
-      CONSUMERS_SEQS=${CONSUMERS_SEQS:-16384 4096} gated_ab mask_form \
-        "$T::test_mosaic_backward_matches_reference_on_gpu $T::test_scores_ahead_is_bitwise_the_default_on_gpu $T::test_backward_default_at_long_kv_on_gpu $T::test_dq_tiles_match_reference_on_gpu $L::test_mosaic_matches_reference_on_gpu $L::test_causal_forward_default_at_long_kv_on_gpu tests/test_mosaic_shared_rows.py::test_shared_rows_match_reference_on_gpu" \
-        backward_mask_form_64 --head-dims 64 --rounds 3 \
-      && timeout 200 python3 -m benchmarks.tune_mosaic --seq 16384 --budget 180 \
-        --kernels forward_mask_form --head-dims 64 128 256 --rounds 2 \
-        --out "$OUT/h200_mosaic_mask_form_fwd_16384.json" > "$LOGS/mask_form_fwd.log" 2>&1
-      grep -E "^forward" "$LOGS/mask_form_fwd.log" ;;
     forward_lean)  # the forward's consumers at 240 registers, alone and
                    # with overlap_scores (session 14's, run in session
                    # 15): bitwise tests, then the A/B at d=128/256,

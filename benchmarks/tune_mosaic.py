@@ -388,14 +388,6 @@ AHEAD_FUSED_64_CANDIDATES = [dict(block_q=128, fused_dq=True),
 AHEAD_CAUSAL_64_CANDIDATES = [dict(block_q=128, scores_ahead=False),
                               dict(block_q=128, scores_ahead=True)]
 
-# Causal masks built from a row and a column of indices (session 25's
-# form) against two whole index tiles (before; `tile_index_masks`), d=64's
-# defaults on 128-row Q tiles, `scores_ahead` off and on.
-MASK_FORM_64_CANDIDATES = [
-    dict(block_q=128, scores_ahead=ahead, mask_form=form)
-    for ahead in (False, True) for form in ("tiles", "vectors")]
-FORWARD_MASK_FORM_SPACE = dict(mask_form=("tiles", "vectors"))
-
 
 def candidates(space: dict | list[dict]) -> list[dict]:
   """Every combination of a space's values, or a list of candidates as
@@ -502,48 +494,6 @@ def turn_cost_benchmark(cell: common.Cell, blocks: dict):
     return fn.lower(*args).compile(), args
 
 
-@contextlib.contextmanager
-def tile_index_masks():
-  """While a kernel is traced: its causal masks compare two whole index
-  tiles, rows and columns (the form before session 25)."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  import jax.numpy as jnp
-  from pallas_kernels.mosaic import backward, forward
-
-  def tiles(shape):
-    return [plgpu.broadcasted_iota(jnp.int32, shape, axis,
-                                   layout=plgpu.Layout.WGMMA)
-            for axis in (0, 1)]
-
-  def causal_mask(q_start, step, static, *, kv_offset=0, shape=None):
-    rows, cols = tiles(shape or (static.block_q, static.block_kv))
-    return rows + q_start >= cols + step * static.block_kv + kv_offset
-
-  def causal_mask_t(kv_start, q_block, static, q_rows=None):
-    queries, keys = backward._tile_indices_t(kv_start, q_block, static,
-                                             q_rows)
-    return queries >= keys
-
-  with mock.patch.object(forward, "_causal_mask", causal_mask), \
-      mock.patch.object(backward, "_causal_mask", causal_mask), \
-      mock.patch.object(backward, "_causal_mask_t", causal_mask_t):
-    yield
-
-
-def mask_form_benchmark(build):
-  """`build` (forward_benchmark or backward_benchmark) with `mask_form`:
-  "vectors" (the kernels as they are) or "tiles" (compiled, so traced,
-  under `tile_index_masks`)."""
-  def benchmark(cell: common.Cell, blocks: dict):
-    blocks = dict(blocks)
-    if blocks.pop("mask_form") == "vectors":
-      return build(cell, blocks)
-    fn, args = build(cell, blocks)
-    with tile_index_masks():
-      return fn.lower(*args).compile(), args
-  return benchmark
-
-
 def _forward(space, causal=(False, True)):
   return forward_benchmark, space, 1.0, causal
 
@@ -620,11 +570,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                                 causal=(False,)),
            "backward_ahead_causal_64": _backward(AHEAD_CAUSAL_64_CANDIDATES,
                                                  causal=(True,)),
-           "backward_mask_form_64": (
-               mask_form_benchmark(backward_benchmark),
-               MASK_FORM_64_CANDIDATES, 2.5, (True,)),
-           "forward_mask_form": (mask_form_benchmark(forward_benchmark),
-                                 FORWARD_MASK_FORM_SPACE, 1.0, (True,)),
            "forward_skip_spare": _forward(FORWARD_SKIP_SPARE_SPACE,
                                           causal=(False,)),
            "backward_merged": _backward(MERGED_CANDIDATES),

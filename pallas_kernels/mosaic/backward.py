@@ -2467,18 +2467,12 @@ def _causal_mask_t(kv_start, q_block, static: _Static, q_rows=None):
   kv_start + r is seen by query q_block * block_q + c (the transposed
   layout of Sᵀ).
 
-  Compared from a row of query indices and a column of key indices,
-  broadcast only in the comparison: built from two whole index tiles (as
-  `_tile_indices_t` does), d=64's masked step spilled 180 bytes beside
-  its accumulators, and 388 with `scores_ahead` (session 25)."""
-  offset, count = q_rows or (0, static.block_q)
-  shape = (static.block_kv, count)
-  queries = plgpu.broadcasted_iota(jnp.int32, (count,), 0,
-                                   layout=plgpu.Layout.WGMMA.reduce(0))
-  keys = plgpu.broadcasted_iota(jnp.int32, (static.block_kv,), 0,
-                                layout=plgpu.Layout.WGMMA.reduce(1))
-  q_start = q_block * static.block_q + offset
-  return _cols(queries + q_start, shape) >= _rows(keys + kv_start, shape)
+  Two whole index tiles, compared: at d=64 they spill 180 bytes, in the
+  masked step only (SASS, session 25). A row against a column of indices
+  spilled none but ran the backward 1.5% and 1.2% slower at 16k and 4k
+  (8fbd8ee, results/h200_mosaic_mask_form_s25.md), so this form stays."""
+  queries, keys = _tile_indices_t(kv_start, q_block, static, q_rows)
+  return queries >= keys
 
 
 def _variant_mask_t(kv_start, q_block, static: _Static, values):

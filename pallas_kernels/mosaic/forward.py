@@ -1789,14 +1789,10 @@ def _causal_mask(q_start, step, static, *, kv_offset: int = 0, shape=None):
   """True where query q_start + r may attend key step * block_kv + c
   (+ `kv_offset`: a part of the tile's keys, [block_q, part] `shape`)."""
   shape = shape or (static.block_q, static.block_kv)
-  # A column of query indices against a row of key indices, broadcast only
-  # in the comparison, not two whole index tiles (see backward's
-  # `_causal_mask_t`: those spilled beside the dK/dV kernel's accumulators).
-  queries = plgpu.broadcasted_iota(jnp.int32, shape[:1], 0,
-                                   layout=plgpu.Layout.WGMMA.reduce(1))
-  keys = plgpu.broadcasted_iota(jnp.int32, shape[1:], 0,
-                                layout=plgpu.Layout.WGMMA.reduce(0))
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  queries = rows + q_start
   first_key = step * static.block_kv
   if kv_offset:
     first_key = first_key + kv_offset
-  return _rows(queries + q_start, shape) >= _cols(keys + first_key, shape)
+  return queries >= cols + first_key
