@@ -388,13 +388,6 @@ AHEAD_FUSED_64_CANDIDATES = [dict(block_q=128, fused_dq=True),
 AHEAD_CAUSAL_64_CANDIDATES = [dict(block_q=128, scores_ahead=False),
                               dict(block_q=128, scores_ahead=True)]
 
-# The `scores_ahead` walk with its 16-bit operands computed before the loop
-# turns (`backward.AHEAD_OPERANDS_BEFORE_TURN`, session 25), d=64.
-AHEAD_OPERANDS_64_CANDIDATES = [
-    dict(block_q=128, scores_ahead=False),
-    dict(block_q=128, scores_ahead=True),
-    dict(block_q=128, scores_ahead=True, operands_before_turn=True)]
-
 
 def candidates(space: dict | list[dict]) -> list[dict]:
   """Every combination of a space's values, or a list of candidates as
@@ -501,18 +494,6 @@ def turn_cost_benchmark(cell: common.Cell, blocks: dict):
     return fn.lower(*args).compile(), args
 
 
-def ahead_operands_benchmark(cell: common.Cell, blocks: dict):
-  """`backward_benchmark`; with `operands_before_turn`, compiled (so
-  traced) with `backward.AHEAD_OPERANDS_BEFORE_TURN` on."""
-  from pallas_kernels.mosaic import backward
-  blocks = dict(blocks)
-  if not blocks.pop("operands_before_turn", False):
-    return backward_benchmark(cell, blocks)
-  fn, args = backward_benchmark(cell, blocks)
-  with mock.patch.object(backward, "AHEAD_OPERANDS_BEFORE_TURN", True):
-    return fn.lower(*args).compile(), args
-
-
 def _forward(space, causal=(False, True)):
   return forward_benchmark, space, 1.0, causal
 
@@ -589,9 +570,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                                 causal=(False,)),
            "backward_ahead_causal_64": _backward(AHEAD_CAUSAL_64_CANDIDATES,
                                                  causal=(True,)),
-           "backward_ahead_operands_64": (ahead_operands_benchmark,
-                                          AHEAD_OPERANDS_64_CANDIDATES, 2.5,
-                                          (False, True)),
            "forward_skip_spare": _forward(FORWARD_SKIP_SPARE_SPACE,
                                           causal=(False,)),
            "backward_merged": _backward(MERGED_CANDIDATES),

@@ -300,12 +300,6 @@ HW_DS_SYNC_HEAD_DIMS: tuple[int, ...] = (64,)
 # `FUSED_DQ_MIN_KV_LEN`), but on the persistent grid at 1k 342 -> 337;
 # d=128 (64-row Q tiles, lse read early) 470 -> 456 at 4k.
 SCORES_AHEAD_LAUNCH_TILES: tuple[tuple[int, int], ...] = ((64, 128),)
-# Session 25 experiment (read while a kernel is traced): the `scores_ahead`
-# walk computes each step's 16-bit dV and dK operands (Pᵀ, dSᵀ) before its
-# loop turns, so that 64 registers cross the back edge instead of Pᵀ's and
-# dPᵀ's 128 in float32 (under causal masking ptxas permuted those through
-# local memory every turn). The arithmetic is the same to the bit.
-AHEAD_OPERANDS_BEFORE_TURN = False
 
 
 def shared_rows_by_default(*, head_dim: int, persistent: bool) -> bool:
@@ -1866,7 +1860,6 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
   `prefetch_lse`), delta once dV is issued.
   """
   column_stat = functools.partial(_column_stat, stats_ring)
-  early = AHEAD_OPERANDS_BEFORE_TURN
 
   def with_accumulators(s_ref, dp_ref, dk_ref, dv_ref):
     if grads is not None:  # the walk's sums so far (the refs start at zero)
@@ -1883,27 +1876,15 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
         lse_log2 = column_stat(slot, 0)
       return _probabilities(s_t, lse_log2, _cols, None, static)[0]
 
-    def score_gradient(slot, p_t, dp_t):
-      delta = column_stat(slot, 1)
-      return _score_gradient(p_t, dp_t, _cols(delta, p_t.shape), None)
-
-    def operands(slot, p_t, dp_t):  # AHEAD_OPERANDS_BEFORE_TURN
-      return (p_t.astype(static.dtype),
-              score_gradient(slot, p_t, dp_t).astype(static.dtype))
-
     def gradients(slot, p_t, dp_t):
-      if early:  # the 16-bit operands, Pᵀ and dSᵀ
-        plgpu.wgmma(dv_ref, p_t, do_ring.at[slot])
-        plgpu.wgmma(dk_ref, dp_t, q_ring.at[slot])
-        return
       plgpu.wgmma(dv_ref, p_t.astype(static.dtype), do_ring.at[slot])
-      ds_t = score_gradient(slot, p_t, dp_t)
+      delta = column_stat(slot, 1)
+      ds_t = _score_gradient(p_t, dp_t, _cols(delta, p_t.shape), None)
       plgpu.wgmma(dk_ref, ds_t.astype(static.dtype), q_ring.at[slot])
 
     _walk_scores_ahead(s_ref, dp_ref, num_steps=num_steps, arrived=arrived,
                        consumed=consumed, slot_of=slot_of, products=products,
-                       probabilities=probabilities, gradients=gradients,
-                       operands=operands if early else None)
+                       probabilities=probabilities, gradients=gradients)
     dk = plgpu.wgmma_accumulator_load(dk_ref, wait_n=0)
     return (dk * static.scale if scaled else dk,
             plgpu.wgmma_accumulator_load(dv_ref, wait_n=0))
@@ -1932,8 +1913,7 @@ def _ring_slot(static: _Static, base=None):
 
 
 def _walk_scores_ahead(s_ref, dp_ref, *, num_steps: int, arrived, consumed,
-                       slot_of, products, probabilities, gradients,
-                       operands=None):
+                       slot_of, products, probabilities, gradients):
   """A dK/dV consumer's `num_steps` unmasked steps, each step's scores
   issued before the step before has seen its gradients done
   (`_Static.scores_ahead`).
@@ -1942,9 +1922,7 @@ def _walk_scores_ahead(s_ref, dp_ref, *, num_steps: int, arrived, consumed,
   `products(slot)` ((a, b) pairs: Sᵀ = a b), computes
   Pᵀ = `probabilities(slot, wait_scores)` (`wait_scores()` waits for Sᵀ
   and returns it, while dPᵀ runs), reads dPᵀ, and issues its two gradient
-  products, dV then dK (`gradients(slot, p, dp)`; with `operands`,
-  `gradients(slot, *operands(slot, p, dp))`, those computed before the
-  loop turns). Step t + 1's Sᵀ is
+  products, dV then dK (`gradients(slot, p, dp)`). Step t + 1's Sᵀ is
   issued right after those, once its tiles have arrived and dV_t is done
   (its 16-bit Pᵀ operand's registers: with them held, ptxas serialized
   every wgmma for registers, C7512, session 24), so the tensor cores run
@@ -1980,8 +1958,7 @@ def _walk_scores_ahead(s_ref, dp_ref, *, num_steps: int, arrived, consumed,
     plgpu.wgmma(dp_ref, dp_a, dp_b)
     p = probabilities(
         slot, lambda: plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
-    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
-    return (p, dp) if operands is None else operands(slot, p, dp)
+    return p, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
 
   def release(step):
     plgpu.barrier_arrive(consumed.at[slot_of(step)])
