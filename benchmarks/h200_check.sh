@@ -154,6 +154,13 @@ for step in "$@"; do
              # (nvdisasm is not on the machine's PATH: session 20)
       nvdisasm_bin=$(ls /usr/local/cuda*/bin/nvdisasm 2>/dev/null | head -1)
       [ -z "$nvdisasm_bin" ] || export PATH="$(dirname "$nvdisasm_bin"):$PATH"
+      # PATH is not enough: Mosaic GPU runs "$root/bin/nvdisasm" with root
+      # jax._src.lib.cuda_path, None on the H200 (a relative "None", session
+      # 25), so the binary is linked in there too.
+      root=$(python3 -c "from jax._src import lib; print(lib.cuda_path)" 2>/dev/null | tail -1)
+      if [ -n "$nvdisasm_bin" ] && [ -n "$root" ] && [ ! -e "$root/bin/nvdisasm" ]; then
+        mkdir -p "$root/bin" && ln -s "$nvdisasm_bin" "$root/bin/nvdisasm"
+      fi
       for head_dim in 128 64; do
         MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 timeout 120 python3 -c "
 import jax, jax.numpy as jnp
