@@ -461,6 +461,40 @@ def test_sass_spills_counts_local_accesses_per_register_budget():
   assert found["other_kernel"] == {}
 
 
+def test_sass_spills_counts_local_accesses_per_loop(capsys):
+  """`--loops`: each branch back to a label above it, long enough, is a
+  loop; its STL/LDL/HGMMA counted, nested loops inside outer ones; a short
+  backward branch (a barrier's spin) and a forward branch are not loops."""
+  from benchmarks import sass_spills
+  sass = """
+        Function : mosaic_flash_backward_dkdv_mosaic_gpu_kernel
+        /*0000*/                   STL [R1+0x4], R2 ;
+.L_x_0:
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R2 ;
+        /*0020*/              @!P1 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+.L_x_2:
+        /*0040*/                   LDL R4, [R1+0x4] ;
+        /*0050*/                   STL [R1+0x8], R4 ;
+        /*0060*/               @P0 BRA `(.L_x_2) ;
+        /*0070*/               @P2 BRA `(.L_x_3) ;
+        /*0080*/                   LDL R5, [R1+0x8] ;
+.L_x_3:
+        /*0090*/               @P1 BRA `(.L_x_1) ;
+        Function : other_kernel
+        /*0000*/                   EXIT ;
+  """
+  loops = sass_spills.spills_by_loop(sass, min_bytes=0x20)
+  got = [(a, b, dict(c)) for a, b, c in
+         loops["mosaic_flash_backward_dkdv_mosaic_gpu_kernel"]]
+  assert got == [(0x40, 0x60, {"STL": 1, "LDL": 1, "HGMMA": 0}),
+                 (0x30, 0x90, {"STL": 1, "LDL": 2, "HGMMA": 1})]
+  assert loops["other_kernel"] == []
+  with_spin = sass_spills.spills_by_loop(sass, min_bytes=0)
+  assert len(with_spin["mosaic_flash_backward_dkdv_mosaic_gpu_kernel"]) == 3
+
+
 @pytest.mark.parametrize("head_dim, want", [
     (128, ["dQ kernel", "dK/dV pass dk+dv"]),
     (256, ["dQ kernel", "dK/dV pass dk", "dK/dV pass dv"]),
