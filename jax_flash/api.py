@@ -32,11 +32,14 @@ def flash_attention(
   backward, and tiles that the masks empty are skipped.
 
   Args:
-    query: [batch, q_len, num_heads, head_dim], float16, bfloat16 or float32.
-    key, value: [batch, kv_len, num_kv_heads, head_dim]; num_heads must be a
-      multiple of num_kv_heads (GQA/MQA without repeating K/V).
-    bias: float, rank 4, broadcastable to [batch, num_heads, q_len, kv_len];
-      added to the logits. Differentiable (dbias only when asked for).
+    query: [batch, q_len, num_heads, head_dim], float16, bfloat16 or float32;
+      or [q_len, num_heads, head_dim], a batch of one (as jax.nn).
+    key, value: [batch, kv_len, num_kv_heads, head_dim] (or without batch);
+      num_heads must be a multiple of num_kv_heads (GQA/MQA without
+      repeating K/V).
+    bias: float, broadcastable to [batch, num_heads, q_len, kv_len] (a lower
+      rank gains leading axes, as jax.nn); added to the logits.
+      Differentiable (dbias only when asked for).
     mask: bool (or float 0/1), broadcastable like bias; True attends.
     scale: multiplies q·k; default 1/sqrt(head_dim).
     is_causal: query i attends to keys j <= i + q_offset. Top-left aligned
@@ -47,7 +50,9 @@ def flash_attention(
                          q1   1  1  0  0                    q1   1  1  1  1
 
     query_seq_lengths, key_value_seq_lengths: int32 [batch]; rows / keys at
-      or past the length are padding (right padding, as jax.nn).
+      or past the length are padding (right padding, as jax.nn). These, the
+      segment ids and q_offset may drop the batch axis: the same for every
+      batch element.
     local_window_size: int or (left, right): keys within
       [q_pos - left, q_pos + right] (sliding window; combine with is_causal).
     segment_ids: int32 [batch, q_len] (self-attention) or a pair
@@ -81,8 +86,10 @@ def flash_attention(
 
   Returns:
     out [batch, q_len, num_heads, head_dim] in query's dtype, or (out, lse)
-    with `return_residual=True`.
+    with `return_residual=True`; without a batch axis in query, neither has
+    one.
   """
+  query, key, value, restore = validation.add_batch_axis(query, key, value)
   call = validation.normalise_call(
       query, key, value, bias=bias, mask=mask, scale=scale,
       is_causal=is_causal, query_seq_lengths=query_seq_lengths,
@@ -96,6 +103,7 @@ def flash_attention(
   out, lse = dispatch(implementation, interpret, lambda name, interpret_: (
       _IMPLEMENTATIONS[name](call, query, key, value, block_sizes=block_sizes,
                              interpret=interpret_)))
+  out, lse = restore(out, lse)
   return (out, lse) if return_residual else out
 
 

@@ -141,6 +141,7 @@ def attention_reference(
   for signature compatibility and ignored.
   """
   del implementation, block_sizes, interpret
+  query, key, value, restore = validation.add_batch_axis(query, key, value)
   out, lse = naive_attention(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
@@ -149,6 +150,7 @@ def attention_reference(
       q_offset=q_offset, logits_soft_cap=logits_soft_cap,
       alibi_slopes=alibi_slopes, mask_fn=mask_fn, score_fn=score_fn,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng, sinks=sinks)
+  out, lse = restore(out, lse)
   return (out, lse) if return_residual else out
 
 

@@ -35,6 +35,28 @@ class AttentionShape:
     return self.num_heads // self.num_kv_heads
 
 
+def add_batch_axis(query, key, value):
+  """jax.nn's unbatched layout: a rank-3 `[seq, heads, head_dim]` input is a
+  batch of one.
+
+  Returns the rank-4 (query, key, value) and `restore(out, lse)`, which
+  gives the results in the caller's layout: out shaped like `query` and lse
+  `query.shape[:-1]` (`[q_len, num_heads]` for an unbatched query), as
+  `jax.nn.dot_product_attention` returns them. Other ranks pass through to
+  `check_qkv`, which names them.
+  """
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  query_shape = query.shape
+  query, key, value = (x[None] if x.ndim == 3 else x
+                       for x in (query, key, value))
+
+  def restore(out, lse):
+    return (jnp.reshape(out, query_shape),
+            jnp.reshape(lse, query_shape[:-1]))
+
+  return query, key, value, restore
+
+
 def check_qkv(query, key, value) -> AttentionShape:
   """Validates `query [B, Tq, N, D]`, `key/value [B, Tk, K, D]`.
 
@@ -47,8 +69,9 @@ def check_qkv(query, key, value) -> AttentionShape:
   for name, x in (("query", query), ("key", key), ("value", value)):
     if x.ndim != 4:
       raise ValueError(
-          f"{name} must have rank 4 [batch, seq_len, num_heads, head_dim], got "
-          f"shape {tuple(x.shape)} (rank {x.ndim}); shapes: {shapes}")
+          f"{name} must have rank 4 [batch, seq_len, num_heads, head_dim] (or "
+          f"3, unbatched), got shape {tuple(x.shape)} (rank {x.ndim}); "
+          f"shapes: {shapes}")
     if not any(x.dtype == d for d in _FLOAT_DTYPES):
       raise TypeError(
           f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
@@ -95,11 +118,16 @@ def _concrete_values(x):
 
 
 def _check_int_array(name: str, x, shape: tuple[int, ...]):
+  """x as int32 of `shape` [batch, ...]; without its batch axis, x is the
+  same for every batch element."""
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array, got {x.dtype}")
+  if x.shape == shape[1:]:
+    x = jnp.broadcast_to(x, shape)
   if x.shape != shape:
-    raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+    raise ValueError(f"{name} must have shape {shape} (or {shape[1:]}, the "
+                     f"same for every batch element), got {x.shape}")
   return x.astype(jnp.int32)
 
 
@@ -131,11 +159,17 @@ def _check_window(local_window_size):
   return window
 
 
-def _check_broadcastable(name: str, x, shape: AttentionShape):
+def _broadcastable(name: str, x, shape: AttentionShape):
+  """x with leading axes added up to rank 4 (as jax.nn does), checked to
+  broadcast to [batch, num_heads, q_len, kv_len]."""
   full = (shape.batch, shape.num_heads, shape.q_len, shape.kv_len)
+  if x.ndim <= 4:
+    x = jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
   if x.ndim != 4 or any(d not in (1, f) for d, f in zip(x.shape, full)):
-    raise ValueError(f"{name} must be rank 4 and broadcastable to [batch, "
-                     f"num_heads, q_len, kv_len] = {full}, got {x.shape}")
+    raise ValueError(f"{name} must be broadcastable to [batch, num_heads, "
+                     f"q_len, kv_len] = {full} (rank at most 4), got "
+                     f"{x.shape}")
+  return x
 
 
 def _check_segments(segment_ids, shape: AttentionShape):
@@ -246,10 +280,10 @@ def normalise_call(query, key, value, *, bias=None, mask=None, scale=None,
     bias = jnp.asarray(bias)
     if not jnp.issubdtype(bias.dtype, jnp.floating):
       raise TypeError(f"bias must be a float array, got {bias.dtype}")
-    _check_broadcastable("bias", bias, shape)
+    bias = _broadcastable("bias", bias, shape)
   if mask is not None:
     mask = jnp.asarray(mask)
-    _check_broadcastable("mask", mask, shape)
+    mask = _broadcastable("mask", mask, shape)
     # Flax's make_causal_mask gives float 0/1 masks: nonzero attends.
     mask = mask if mask.dtype == jnp.bool_ else mask != 0
   if logits_soft_cap is not None:

@@ -69,6 +69,61 @@ def test_matches_jax_nn_dot_product_attention():
     np.testing.assert_allclose(lse, their_lse, atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("implementation", ["triton", "xla"])
+def test_unbatched_inputs_and_low_rank_bias_like_jax_nn(implementation):
+  """jax.nn's layouts: rank-3 q/k/v are a batch of one, and a bias or mask
+  of rank < 4 gains leading axes; out, lse and every gradient (dbias in
+  the caller's shape) come back in those layouts, with jax.nn's values.
+
+  lse's cotangent is zero: jax.nn does not differentiate its residual
+  (ours does; `check_against_reference` tests that)."""
+  q, k, v, d_out, _ = random_inputs(Case(1, 37, 45, 4, 2, 32),
+                                    jnp.float32, 21)
+  q, k, v, d_out = q[0], k[0], v[0], d_out[0]
+  d_lse = jnp.zeros(q.shape[:-1], jnp.float32)
+  keys = jax.random.split(jax.random.key(22), 2)
+  bias = jax.random.normal(keys[0], (4, 37, 45))           # [heads, Tq, Tk]
+  mask = jax.random.bernoulli(keys[1], 0.8, (37, 45))      # [Tq, Tk]
+  kwargs = dict(is_causal=True, return_residual=True)
+
+  def run(fn, **extra):
+    def attention(q, k, v, bias):
+      return fn(q, k, v, bias, mask, **kwargs, **extra)
+    (out, lse), vjp = jax.vjp(attention, q, k, v, bias)
+    return (out, lse) + vjp((d_out, d_lse))
+
+  ours = run(jax_flash.flash_attention, implementation=implementation,
+             block_sizes=SMALL_BLOCKS)
+  theirs = run(jax.nn.dot_product_attention)
+  names = ("out", "lse", "dq", "dk", "dv", "dbias")
+  for name, a, b in zip(names, ours, theirs):
+    assert a.shape == b.shape, (name, a.shape, b.shape)
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=name)
+  assert ours[1].shape == (37, 4)                          # lse [Tq, heads]
+
+
+def test_per_batch_arguments_without_the_batch_axis():
+  """Lengths, q_offset and segment ids without their batch axis are the
+  same for every batch element: the results equal the broadcast ones."""
+  q, k, v, _, _ = random_inputs(Case(3, 30, 30, 2, 1, 16), jnp.float32, 23)
+  ids = jnp.repeat(jnp.arange(3), 10)
+  shared = dict(segment_ids=ids, key_value_seq_lengths=jnp.asarray(27),
+                q_offset=jnp.asarray(2, jnp.int32))
+  broadcast = {name: jnp.broadcast_to(x, (3,) + x.shape)
+               for name, x in shared.items()}
+  for fn in (functools.partial(jax_flash.flash_attention,
+                               implementation="triton",
+                               block_sizes=SMALL_BLOCKS),
+             jax_flash.attention_reference):
+    np.testing.assert_array_equal(fn(q, k, v, is_causal=True, **shared),
+                                  fn(q, k, v, is_causal=True, **broadcast))
+  np.testing.assert_allclose(
+      jax_flash.flash_attention(q, k, v, is_causal=True, **shared,
+                                implementation="triton"),
+      jax_flash.attention_reference(q, k, v, is_causal=True, **broadcast),
+      atol=2e-6)
+
+
 def test_deterministic_bitwise():
   case = Case(1, 70, 90, 4, 2, 40)
   q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 11)
