@@ -124,6 +124,34 @@ def test_per_batch_arguments_without_the_batch_axis():
       atol=2e-6)
 
 
+def test_vmap_over_unbatched_calls():
+  """A per-example function (q, k, v [T, N, D], segment ids [T], a scalar
+  length) under vmap gives the batched call's output and gradients."""
+  q, k, v, d_out, _ = random_inputs(Case(3, 20, 20, 2, 1, 16), jnp.float32,
+                                    24)
+  ids = jnp.stack([jnp.repeat(jnp.arange(2), 10), jnp.zeros(20, jnp.int32),
+                   jnp.repeat(jnp.arange(4), 5)]).astype(jnp.int32)
+  lengths = jnp.array([20, 13, 7], jnp.int32)
+
+  def per_example(q, k, v, ids, length):
+    return jax_flash.flash_attention(
+        q, k, v, is_causal=True, segment_ids=ids,
+        key_value_seq_lengths=length, implementation="triton",
+        block_sizes=SMALL_BLOCKS)
+
+  def batched(q, k, v):
+    return jax_flash.attention_reference(q, k, v, is_causal=True,
+                                         segment_ids=ids,
+                                         key_value_seq_lengths=lengths)
+
+  got, got_vjp = jax.vjp(
+      lambda q, k, v: jax.vmap(per_example)(q, k, v, ids, lengths), q, k, v)
+  want, want_vjp = jax.vjp(batched, q, k, v)
+  np.testing.assert_allclose(got, want, atol=2e-6)
+  for g, w in zip(got_vjp(d_out), want_vjp(d_out)):
+    np.testing.assert_allclose(g, w, atol=1e-5)
+
+
 def test_deterministic_bitwise():
   case = Case(1, 70, 90, 4, 2, 40)
   q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 11)
