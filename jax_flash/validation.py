@@ -45,10 +45,17 @@ def add_batch_axis(query, key, value):
   `jax.nn.dot_product_attention` returns them. Other ranks pass through to
   `check_qkv`, which names them.
   """
-  query, key, value = (jnp.asarray(x) for x in (query, key, value))
-  query_shape = query.shape
-  query, key, value = (x[None] if x.ndim == 3 else x
-                       for x in (query, key, value))
+  given = tuple(jnp.asarray(x) for x in (query, key, value))
+  query_shape = given[0].shape
+  query, key, value = (x[None] if x.ndim == 3 else x for x in given)
+  if any(x.ndim == 3 for x in given):
+    try:  # errors name the shapes as given, not only as batched here
+      check_qkv(query, key, value)
+    except ValueError as e:
+      raise ValueError(
+          f"{e} (as given: query {given[0].shape}, key {given[1].shape}, "
+          f"value {given[2].shape}; a rank-3 input is a batch of one)"
+      ) from None
 
   def restore(out, lse):
     return (jnp.reshape(out, query_shape),

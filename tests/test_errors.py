@@ -21,7 +21,8 @@ def _qkv(q_shape=(2, 8, 4, 16), kv_shape=(2, 8, 2, 16), dtype=jnp.float32):
     ((2, 8, 4, 16), (2, 8, 3, 16), r"num_heads \(4\) must be divisible by"
                                    r" num_kv_heads \(3\)"),
     # An unbatched query is a batch of one (as jax.nn), here against 2.
-    ((8, 4, 16), (2, 8, 2, 16), r"same batch size.*query \(1, 8, 4, 16\)"),
+    ((8, 4, 16), (2, 8, 2, 16), r"same batch size.*query \(1, 8, 4, 16\)"
+                                r".*as given: query \(8, 4, 16\)"),
     ((2, 8, 4, 16), (2, 8, 2, 16, 1), r"key must have rank 4.*or 3"),
     ((4, 16), (8, 2, 16), r"query must have rank 4.*\(4, 16\) \(rank 2\)"),
 ])
