@@ -170,13 +170,12 @@ def _broadcastable(name: str, x, shape: AttentionShape):
   """x with leading axes added up to rank 4 (as jax.nn does), checked to
   broadcast to [batch, num_heads, q_len, kv_len]."""
   full = (shape.batch, shape.num_heads, shape.q_len, shape.kv_len)
-  if x.ndim <= 4:
-    x = jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
-  if x.ndim != 4 or any(d not in (1, f) for d, f in zip(x.shape, full)):
+  padded = (1,) * (4 - x.ndim) + x.shape
+  if x.ndim > 4 or any(d not in (1, f) for d, f in zip(padded, full)):
     raise ValueError(f"{name} must be broadcastable to [batch, num_heads, "
                      f"q_len, kv_len] = {full} (rank at most 4), got "
                      f"{x.shape}")
-  return x
+  return jnp.reshape(x, padded)
 
 
 def _check_segments(segment_ids, shape: AttentionShape):

@@ -215,7 +215,7 @@ def test_variants_under_jit_and_vmap():
     (dict(bias=jnp.ones((2, 3, 8, 12))), ValueError,
      r"bias must be broadcastable to .* \(2, 4, 8, 12\)"),
     (dict(mask=jnp.ones((3, 8, 12), bool)), ValueError,
-     r"mask must be broadcastable.*got \(1, 3, 8, 12\)"),
+     r"mask must be broadcastable.*got \(3, 8, 12\)"),
     (dict(mask=jnp.ones((1, 2, 4, 8, 12), bool)), ValueError,
      r"mask must be broadcastable.*rank at most 4"),
     (dict(query_seq_lengths=jnp.array([[1, 2]])), ValueError,
