@@ -11,8 +11,8 @@ The kernel passes when every error is within FlashAttention's bound,
 attention computed in bf16. Exit status 1 when it does not. XLA's errors are
 shown against the same bound for comparison but do not decide the status.
 
-Run in the repository root: the timing and memory helpers are the benchmarks'
-(`benchmarks/common.py`).
+Needs only the installed packages: the timing and memory helpers are
+`jax_flash.timing`, which the benchmarks share.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from rich.progress import track
 from rich.table import Table
 
 import jax_flash
-from benchmarks import common
+from jax_flash import timing as common
 from jax_flash.reference import naive_attention
 from pallas_kernels import compat
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import masking
+from pallas_kernels.masking import Operands
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
@@ -235,26 +236,6 @@ def _dropout_seed(dropout_rate, dropout_rng):
     dropout_rng = jax.random.wrap_key_data(jnp.asarray(dropout_rng, jnp.uint32))
   bits = jax.random.bits(dropout_rng, (), jnp.uint32)
   return jax.lax.bitcast_convert_type(bits, jnp.int32)
-
-
-class Operands(NamedTuple):
-  """The traced, non-differentiable inputs of the masks (None when absent).
-
-  q_offset, q_lengths, kv_lengths: int32 [batch]; q_segments int32
-  [batch, q_len]; kv_segments int32 [batch, kv_len]; dense_mask bool,
-  broadcastable to [batch, heads, q_len, kv_len]; alibi_slopes float32
-  [batch, heads]; dropout_seed int32 []; block_mask a `masking.BlockMask`.
-  """
-
-  q_offset: Any = None
-  q_lengths: Any = None
-  kv_lengths: Any = None
-  q_segments: Any = None
-  kv_segments: Any = None
-  dense_mask: Any = None
-  alibi_slopes: Any = None
-  dropout_seed: Any = None
-  block_mask: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

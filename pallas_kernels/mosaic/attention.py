@@ -25,8 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flash.masking import MaskSpec
-from jax_flash.validation import Operands
+from pallas_kernels.masking import MaskSpec
+from pallas_kernels.masking import Operands
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.mosaic.backward import mosaic_backward

@@ -85,7 +85,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_flash import masking
+from pallas_kernels import masking
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.forward import (

@@ -48,7 +48,7 @@ Two more forms of the same kernel, chosen by `KernelStatic` at trace time
           a plan row; both consumers walk the union of their ranges (a block
           outside one's own range is a skip: barriers, no math), so every
           barrier phase advances alike in every thread; masks by
-          `jax_flash.masking.keep`, segment ids streamed with K.
+          `pallas_kernels.masking.keep`, segment ids streamed with K.
   fp8     (`fp8.mosaic_forward_fp8`) e4m3 operands, V transposed, P through
           shared memory, per-block descale factors.
 
@@ -88,7 +88,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import masking
+from pallas_kernels import masking
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat, turns
 

@@ -2,7 +2,7 @@
 
 The kernel is `forward.py`'s in its "ranged" form: each 64-row query block
 reads its K/V loop ranges from a plan row built here, in XLA, by
-`jax_flash.masking` (the one definition of the masks), and applies
+`pallas_kernels.masking` (the one definition of the masks), and applies
 `masking.keep` / `masking.modify_scores` on the tiles that need them.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_flash import masking
+from pallas_kernels import masking
 from pallas_kernels.mosaic import forward
 
 
@@ -38,7 +38,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                           rescale_per_warp: bool | None = None):
   """`forward.mosaic_forward` with masks, score capping and any lengths.
 
-  The masks are `jax_flash.masking`'s (the one definition): `spec` may use
+  The masks are `pallas_kernels.masking`'s (the one definition): `spec` may use
   is_causal, window, q_offset, q/kv lengths, segment ids and
   logits_soft_cap. The K/V
   tiles each 64-row query block visits, and which of them need the mask,

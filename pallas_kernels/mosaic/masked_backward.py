@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_flash import masking
+from pallas_kernels import masking
 from pallas_kernels.mosaic import backward, masked
 
 

@@ -12,7 +12,7 @@ import functools
 
 import jax
 
-from jax_flash.masking import MaskSpec
+from pallas_kernels.masking import MaskSpec
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.triton.backward import flash_backward

@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_flash.masking import MaskSpec
+from pallas_kernels.masking import MaskSpec
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.triton import common, operands

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-from jax_flash import masking
-from jax_flash.masking import MaskSpec
+from pallas_kernels import masking
+from pallas_kernels.masking import MaskSpec
 from pallas_kernels.config import MIN_BLOCK, next_power_of_two
 
 LOG2_E = math.log2(math.e)
@@ -132,7 +132,7 @@ def run_block_loop(block_range, body, carry, block_state=None):
   """Runs `body(j, carry, masked)` over the visited blocks of a block range.
 
   `block_range` is `(lo, unmasked_lo, unmasked_hi, hi)` (see
-  `jax_flash.masking.block_ranges`). Full blocks run the cheaper unmasked
+  `pallas_kernels.masking.block_ranges`). Full blocks run the cheaper unmasked
   body; the edges run the masked one. With `block_state(j)` (block-sparse
   masks), empty blocks inside the edges are skipped too.
   """

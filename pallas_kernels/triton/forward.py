@@ -12,7 +12,7 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax_flash.masking import MaskSpec
+from pallas_kernels.masking import MaskSpec
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.triton import common, operands

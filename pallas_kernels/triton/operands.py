@@ -2,7 +2,7 @@
 
 Outside the kernel, `prepare` turns a call's mask operands into arrays and
 `BlockSpec`s for one kernel's tiling. Inside, `TileReader` reads them back for
-one tile and hands `jax_flash.masking` the values it needs, so the kernels
+one tile and hands `pallas_kernels.masking` the values it needs, so the kernels
 never spell out a mask themselves.
 
 Two tilings exist. "q-tiled" kernels (forward, dQ) own one query tile and walk
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_flash import masking
-from jax_flash.masking import MaskSpec
+from pallas_kernels import masking
+from pallas_kernels.masking import MaskSpec
 from pallas_kernels.triton import common
 
 # Per-batch int32 scalars, packed into one [batch, 4] array.

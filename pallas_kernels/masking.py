@@ -1,0 +1,403 @@
+"""The one definition of which (query, key) pairs attend and how logits change.
+
+`attention_reference` and every kernel call the functions here on the same
+positions, so mask and score semantics live in exactly one place.
+
+Order of operations on one logit (DESIGN.md section 2)::
+
+    s = scale * q·k
+    s = s + bias + alibi
+    s = score_fn(s, b, h, q_idx, kv_idx)
+    s = cap * tanh(s / cap)
+    s = -inf where any mask says no
+
+Positions. Query `i` sits at position `i + q_offset` on the key axis; key `j`
+at position `j`. With `q_offset = 0`, causal attention is top-left aligned,
+exactly as `jax.nn.dot_product_attention(is_causal=True)`::
+
+    q_len=2, kv_len=5, q_offset=0      q_len=2, kv_len=5, q_offset=3
+    (top-left)                         (bottom-right, FlashAttention's)
+        k0 k1 k2 k3 k4                     k0 k1 k2 k3 k4
+    q0   1  0  0  0  0                 q0   1  1  1  1  0
+    q1   1  1  0  0  0                 q1   1  1  1  1  1
+
+A local window `(left, right)` keeps `q_pos - left <= kv_idx <= q_pos + right`
+(as `jax.nn`); lengths keep `q_idx < query_seq_lengths[b]` and
+`kv_idx < key_value_seq_lengths[b]`; segment ids keep equal ids.
+
+Block classification. The kernels tile the [q_len, kv_len] square. For each
+tile `classify_blocks` says EMPTY (skip it), FULL (every pair attends: no
+element mask needed) or PARTIAL, from interval arithmetic on each mask alone,
+so it never reads an N x N array. `block_ranges` turns a row of that map into
+the `(lo, unmasked_lo, unmasked_hi, hi)` bounds that the kernel loops use.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """Static description of the attention pattern and score changes of one call.
+
+  Attributes:
+    q_len, kv_len: sequence lengths of queries and keys.
+    is_causal: keep pairs with `q_pos >= kv_idx`.
+    window: `(left, right)` local window; None on a side means unbounded.
+    has_q_offset: `q_offset` is given (a per-batch value in `MaskValues`).
+    has_q_lengths, has_kv_lengths: right-padding lengths are given.
+    has_segments: segment ids are given.
+    has_dense_mask: a boolean `mask` array is given.
+    mask_fn: `(b, h, q_idx, kv_idx) -> bool`, traced into the kernels.
+    score_fn: `(score, b, h, q_idx, kv_idx) -> score`, elementwise in score.
+    logits_soft_cap: `cap` of `cap * tanh(s / cap)`.
+    has_alibi: ALiBi slopes are given: `s -= slope * |q_pos - kv_idx|`.
+    has_bias: an additive `bias` array is given.
+    dropout_rate: probability of dropping an attention weight.
+  """
+
+  q_len: int
+  kv_len: int
+  is_causal: bool = False
+  window: tuple[int | None, int | None] | None = None
+  has_q_offset: bool = False
+  has_q_lengths: bool = False
+  has_kv_lengths: bool = False
+  has_segments: bool = False
+  has_dense_mask: bool = False
+  mask_fn: Callable[..., Any] | None = None
+  score_fn: Callable[..., Any] | None = None
+  logits_soft_cap: float | None = None
+  has_alibi: bool = False
+  has_bias: bool = False
+  dropout_rate: float = 0.0
+
+  @property
+  def modifies_scores(self) -> bool:
+    """Whether logits change beyond `scale * q·k` (bias, ALiBi, functions)."""
+    return (self.has_bias or self.has_alibi or self.score_fn is not None
+            or self.logits_soft_cap is not None)
+
+  @property
+  def needs_block_map(self) -> bool:
+    """Whether empty blocks can sit between non-empty ones (needs a per-block
+    skip inside the loop rather than loop bounds alone)."""
+    return self.mask_fn is not None
+
+
+class MaskValues(NamedTuple):
+  """Traced values the masks read, broadcastable against `q_idx`/`kv_idx`.
+
+  In the reference they are [batch, 1, 1, 1]-shaped (segment ids
+  [batch, 1, q_len, 1] / [batch, 1, 1, kv_len]); in a kernel, scalars and
+  [block_q, 1] / [1, block_k] tiles. Fields of absent features are None.
+  """
+
+  batch: Any = None
+  head: Any = None
+  q_offset: Any = 0
+  q_lengths: Any = None
+  kv_lengths: Any = None
+  q_segments: Any = None
+  kv_segments: Any = None
+  dense_mask: Any = None
+  alibi_slope: Any = None
+  bias: Any = None
+
+
+class Operands(NamedTuple):
+  """The traced, non-differentiable inputs of the masks (None when absent).
+
+  q_offset, q_lengths, kv_lengths: int32 [batch]; q_segments int32
+  [batch, q_len]; kv_segments int32 [batch, kv_len]; dense_mask bool,
+  broadcastable to [batch, heads, q_len, kv_len]; alibi_slopes float32
+  [batch, heads]; dropout_seed int32 []; block_mask a `masking.BlockMask`.
+  """
+
+  q_offset: Any = None
+  q_lengths: Any = None
+  kv_lengths: Any = None
+  q_segments: Any = None
+  kv_segments: Any = None
+  dense_mask: Any = None
+  alibi_slopes: Any = None
+  dropout_seed: Any = None
+  block_mask: Any = None
+
+
+def keep(spec: MaskSpec, q_idx, kv_idx, values: MaskValues):
+  """True where query `q_idx` attends to key `kv_idx` (broadcasting).
+
+  Keys past `spec.kv_len` (a kernel's tail block) never attend.
+  """
+  q_pos = q_idx + values.q_offset
+  result = kv_idx < spec.kv_len
+  if spec.is_causal:
+    result = result & (q_pos >= kv_idx)
+  if spec.window is not None:
+    left, right = spec.window
+    if left is not None:
+      result = result & (kv_idx >= q_pos - left)
+    if right is not None:
+      result = result & (kv_idx <= q_pos + right)
+  if spec.has_q_lengths:
+    result = result & (q_idx < values.q_lengths)
+  if spec.has_kv_lengths:
+    result = result & (kv_idx < values.kv_lengths)
+  if spec.has_segments:
+    result = result & (values.q_segments == values.kv_segments)
+  if spec.has_dense_mask:
+    result = result & values.dense_mask
+  if spec.mask_fn is not None:
+    result = result & (spec.mask_fn(values.batch, values.head, q_idx, kv_idx))
+  return result
+
+
+def modify_scores(spec: MaskSpec, scores, q_idx, kv_idx, values: MaskValues):
+  """Applies bias, ALiBi, `score_fn` and the soft cap to scaled logits.
+
+  `scores` are float32 `scale * q·k`. Elementwise, so the kernels' backward
+  gets the derivative from `jax.jvp` of this same function.
+  """
+  if spec.has_bias:
+    scores = scores + values.bias
+  if spec.has_alibi:
+    q_pos = q_idx + values.q_offset
+    scores = scores - values.alibi_slope * jnp.abs(q_pos - kv_idx).astype(
+        jnp.float32)
+  if spec.score_fn is not None:
+    scores = spec.score_fn(scores, values.batch, values.head, q_idx, kv_idx)
+  if spec.logits_soft_cap is not None:
+    cap = spec.logits_soft_cap
+    scores = cap * jnp.tanh(scores / cap)
+  return scores
+
+
+def apply_sinks(out, lse, sinks):
+  """Adds per-head sink logits to the softmax denominator (GPT-OSS).
+
+  Args:
+    out: [batch, q_len, heads, dim]; lse: float32 [batch, q_len, heads].
+    sinks: float32 [heads].
+
+  Returns:
+    (out * exp(lse - lse_total), lse_total) with lse_total = logaddexp(lse, sink).
+  """
+  lse_total = jnp.logaddexp(lse, sinks.astype(jnp.float32))
+  weight = jnp.exp(lse - lse_total)
+  return (out * weight[..., None]).astype(out.dtype), lse_total
+
+
+# --- Dropout ------------------------------------------------------------------
+
+def _mix32(x):
+  """murmur3's 32-bit finaliser: a bijection that scrambles every bit."""
+  x = x ^ lax.shift_right_logical(x, jnp.uint32(16))
+  x = x * jnp.uint32(0x85EBCA6B)
+  x = x ^ lax.shift_right_logical(x, jnp.uint32(13))
+  x = x * jnp.uint32(0xC2B2AE35)
+  return x ^ lax.shift_right_logical(x, jnp.uint32(16))
+
+
+def dropout_keep(seed, batch, head, q_idx, kv_idx, rate: float):
+  """Counter-based dropout mask from (seed, batch, head, q_idx, kv_idx).
+
+  The same bits in the forward kernel, the backward kernels and the reference:
+  no RNG state is carried. Keeps a weight with probability `1 - rate`.
+  """
+  u = lambda v: jnp.asarray(v).astype(jnp.uint32)
+  stream = _mix32(u(seed) ^ _mix32(u(batch) * jnp.uint32(0x9E3779B1)
+                                   + u(head)))
+  x = _mix32(u(q_idx) * jnp.uint32(0x27D4EB2F) ^ stream)
+  x = _mix32(x ^ u(kv_idx) * jnp.uint32(0x165667B1))
+  # Compare the top 24 bits as int32: exact, and no unsigned compare needed.
+  threshold = int(round(rate * (1 << 24)))
+  return lax.shift_right_logical(x, jnp.uint32(8)).astype(jnp.int32) >= threshold
+
+
+# --- Block classification -----------------------------------------------------
+
+def _classify(empty, full):
+  return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(
+      jnp.int32)
+
+
+def classify_blocks(spec: MaskSpec, block_q: int, block_k: int, *,
+                    q_offset=None, q_lengths=None, kv_lengths=None,
+                    q_segments=None, kv_segments=None, fine_map=None):
+  """EMPTY / PARTIAL / FULL for every [block_q, block_k] tile.
+
+  Args:
+    q_offset, q_lengths, kv_lengths: int32 [batch] or None.
+    q_segments: int32 [batch, q_len]; kv_segments: int32 [batch, kv_len].
+    fine_map: `BlockMask.states` for `mask_fn`, or None.
+
+  Returns:
+    int32 [batch | 1, heads | 1, num_q_blocks, num_kv_blocks].
+  """
+  nq = -(-spec.q_len // block_q)
+  nk = -(-spec.kv_len // block_k)
+  q_lo = (jnp.arange(nq) * block_q)[None, :, None]          # [1, nq, 1]
+  q_hi = q_lo + block_q - 1                                 # last row
+  k_lo = (jnp.arange(nk) * block_k)[None, None, :]          # [1, 1, nk]
+  k_hi = k_lo + block_k - 1
+  off = 0 if q_offset is None else q_offset[:, None, None]  # [B, 1, 1]
+  empty = jnp.zeros((1, nq, nk), bool)
+  # A partial last block on either axis always takes the masked path (its
+  # loads need row masks).
+  full = (q_hi < spec.q_len) & (k_hi < spec.kv_len)
+  if spec.is_causal:
+    empty = empty | (q_hi + off < k_lo)
+    full = full & (q_lo + off >= k_hi)
+  if spec.window is not None:
+    left, right = spec.window
+    if left is not None:
+      empty = empty | (k_hi < q_lo + off - left)
+      full = full & (k_lo >= q_hi + off - left)
+    if right is not None:
+      empty = empty | (k_lo > q_hi + off + right)
+      full = full & (k_hi <= q_lo + off + right)
+  if spec.has_q_lengths:
+    n = q_lengths[:, None, None]
+    empty = empty | (q_lo >= n)
+    full = full & (q_hi < n)
+  if spec.has_kv_lengths:
+    n = kv_lengths[:, None, None]
+    empty = empty | (k_lo >= n)
+    full = full & (k_hi < n)
+  if spec.has_segments:
+    q_min, q_max = _block_min_max(q_segments, block_q)      # [B, nq]
+    k_min, k_max = _block_min_max(kv_segments, block_k)     # [B, nk]
+    empty = empty | (q_max[:, :, None] < k_min[:, None, :]) | (
+        k_max[:, None, :] < q_min[:, :, None])
+    full = full & ((q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]
+                   & (q_min[:, :, None] == k_min[:, None, :]))
+  if spec.has_dense_mask:
+    full = full & False
+  states = _classify(empty, full)[:, None]                  # [B|1, 1, nq, nk]
+  if fine_map is not None:
+    states = jnp.minimum(states, fine_map.coarsen(block_q, block_k))
+  return states
+
+
+def _block_min_max(ids, block: int):
+  """Per-block min and max of int32 [batch, length] ids; the tail pads with
+  the last id so it widens nothing."""
+  b, n = ids.shape
+  nb = -(-n // block)
+  padded = jnp.pad(ids, ((0, 0), (0, nb * block - n)), mode="edge")
+  tiles = padded.reshape(b, nb, block)
+  return tiles.min(-1), tiles.max(-1)
+
+
+def block_ranges(states):
+  """Loop bounds per block row of a classification map.
+
+  Args:
+    states: int32 [..., n_rows, n_cols] of EMPTY / PARTIAL / FULL.
+
+  Returns:
+    int32 [..., n_rows, 4]: `(lo, unmasked_lo, unmasked_hi, hi)`. Columns
+    outside `[lo, hi)` are empty; `[unmasked_lo, unmasked_hi)` is the first
+    run of FULL columns; the rest of `[lo, hi)` takes the masked path.
+  """
+  n = states.shape[-1]
+  col = jnp.arange(n, dtype=jnp.int32)
+  nonempty = states > EMPTY
+  any_nonempty = nonempty.any(-1)
+  lo = jnp.where(any_nonempty, jnp.argmax(nonempty, -1), 0)
+  hi = jnp.where(any_nonempty, n - jnp.argmax(nonempty[..., ::-1], -1), 0)
+  full = states == FULL
+  unmasked_lo = jnp.where(full.any(-1), jnp.argmax(full, -1), lo)
+  after_run = (~full) & (col >= unmasked_lo[..., None])
+  unmasked_hi = jnp.where(after_run.any(-1), jnp.argmax(after_run, -1), n)
+  unmasked_hi = jnp.where(full.any(-1), unmasked_hi, unmasked_lo)
+  return jnp.stack([lo, unmasked_lo, unmasked_hi, hi], -1).astype(jnp.int32)
+
+
+@jax.tree_util.register_pytree_node_class
+class BlockMask:
+  """Block-level sparsity of a `mask_fn`, computed once and reusable.
+
+  Evaluates `mask_fn` on every (query, key) pair, one [tile, kv_len] strip
+  at a time (never the whole square at once), and keeps only the state of
+  each [tile, tile] block: EMPTY, PARTIAL or FULL. Kernels coarsen it to
+  their own tile sizes. Build it once per mask and pass it as `mask_fn`'s
+  partner (`block_mask=`) across layers.
+
+  Pass it as `mask_fn=` in place of the function itself.
+
+  Attributes:
+    states: int32 [batch | 1, heads | 1, q_len / tile, kv_len / tile].
+    tile: the block size the states are kept at.
+    mask_fn: the function they summarise.
+  """
+
+  def __init__(self, states, tile: int, mask_fn):
+    self.states = states
+    self.tile = tile
+    self.mask_fn = mask_fn
+
+  def __call__(self, b, h, q_idx, kv_idx):
+    return self.mask_fn(b, h, q_idx, kv_idx)
+
+  def tree_flatten(self):
+    return (self.states,), (self.tile, self.mask_fn)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux)
+
+  @classmethod
+  def from_mask_fn(cls, mask_fn, *, batch: int, num_heads: int, q_len: int,
+                   kv_len: int, tile: int = 16, per_batch: bool = True,
+                   per_head: bool = True) -> "BlockMask":
+    """Evaluates `mask_fn(b, h, q_idx, kv_idx) -> bool` block by block.
+
+    Set `per_batch` / `per_head` to False when the mask ignores `b` / `h`,
+    so the map (and its cost) shrinks to one batch / head.
+    """
+    nb = batch if per_batch else 1
+    nh = num_heads if per_head else 1
+    nq, nk = -(-q_len // tile), -(-kv_len // tile)
+    b = jnp.arange(nb)[:, None, None, None]
+    h = jnp.arange(nh)[None, :, None, None]
+    kv_idx = jnp.arange(nk * tile)[None, None, None, :]
+
+    def strip(i):
+      q_idx = (i * tile + jnp.arange(tile))[None, None, :, None]
+      inside = (q_idx < q_len) & (kv_idx < kv_len)
+      kept = jnp.broadcast_to(mask_fn(b, h, q_idx, kv_idx),
+                              (nb, nh, tile, nk * tile))
+      kept = kept.reshape(nb, nh, tile, nk, tile)
+      inside = jnp.broadcast_to(inside, (nb, nh, tile, nk * tile)).reshape(
+          nb, nh, tile, nk, tile)
+      any_kept = (kept & inside).any((2, 4))
+      all_kept = (kept | ~inside).all((2, 4))
+      return _classify(~any_kept, all_kept)
+
+    states = lax.map(strip, jnp.arange(nq))           # [nq, nb, nh, nk]
+    return cls(jnp.moveaxis(states, 0, 2), tile, mask_fn)
+
+  def coarsen(self, block_q: int, block_k: int):
+    """States for [block_q, block_k] tiles (multiples of `tile`)."""
+    if block_q % self.tile or block_k % self.tile:
+      raise ValueError(f"block sizes ({block_q}, {block_k}) must be multiples"
+                       f" of the BlockMask tile {self.tile}")
+    fq, fk = block_q // self.tile, block_k // self.tile
+    nb, nh, nq, nk = self.states.shape
+    cq, ck = -(-nq // fq), -(-nk // fk)
+    # Padding blocks are EMPTY for "any" and FULL for "all".
+    pad = ((0, 0), (0, 0), (0, cq * fq - nq), (0, ck * fk - nk))
+    lo = jnp.pad(self.states, pad, constant_values=FULL)
+    hi = jnp.pad(self.states, pad, constant_values=EMPTY)
+    lo = lo.reshape(nb, nh, cq, fq, ck, fk).min((3, 5))
+    hi = hi.reshape(nb, nh, cq, fq, ck, fk).max((3, 5))
+    return jnp.where(hi == EMPTY, EMPTY, jnp.where(lo == FULL, FULL, PARTIAL))
