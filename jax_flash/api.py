@@ -162,14 +162,7 @@ def triton_setup(call: AttentionCall, dtype, block_sizes, interpret):
   """(tiles, operands) of a Triton kernel call; NotImplementedError where
   the kernels cannot run it."""
   head_dim = call.shape.head_dim
-  if head_dim > 256:
-    raise NotImplementedError(
-        f"the Triton kernels support head_dim up to 256, got {head_dim}")
-  if not interpret:
-    cc = compat.gpu_compute_capability()
-    if cc is None or cc < (8, 0):
-      raise NotImplementedError(
-          f"the Triton kernels need an sm80+ GPU or interpret=True (got {cc})")
+  check_triton_device(head_dim, interpret)
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(head_dim, dtype=dtype)
   operands = call.operands
@@ -179,6 +172,19 @@ def triton_setup(call: AttentionCall, dtype, block_sizes, interpret):
         call.spec.mask_fn, batch=shape.batch, num_heads=shape.num_heads,
         q_len=shape.q_len, kv_len=shape.kv_len))
   return block_sizes, operands
+
+
+def check_triton_device(head_dim: int, interpret: bool):
+  """NotImplementedError where the Triton kernels cannot run: head dims
+  above 256, or no sm80+ GPU outside interpret mode."""
+  if head_dim > 256:
+    raise NotImplementedError(
+        f"the Triton kernels support head_dim up to 256, got {head_dim}")
+  if not interpret:
+    cc = compat.gpu_compute_capability()
+    if cc is None or cc < (8, 0):
+      raise NotImplementedError(
+          f"the Triton kernels need an sm80+ GPU or interpret=True (got {cc})")
 
 
 def _kernel_result(call: AttentionCall, out, lse):
