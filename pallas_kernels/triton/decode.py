@@ -70,7 +70,7 @@ class DecodeTiling:
       num_sms: streaming multiprocessors of the GPU.
     """
     block_r = min(_MAX_BLOCK_R, max(MIN_BLOCK, next_power_of_two(rows)))
-    block_k = _BLOCK_K
+    block_k = common.clamp_block(_BLOCK_K, capacity)
     programs = batch * num_kv_heads * pl.cdiv(rows, block_r)
     wanted = pl.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
     most = max(1, capacity // (block_k * _MIN_TILES_PER_SPLIT))

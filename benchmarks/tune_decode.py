@@ -1,0 +1,132 @@
+"""Sweeps the decode kernel's schedule (`DecodeTiling`) on a few cells.
+
+For each cell (batch, cache length, q_len, page size) it times the default
+schedule and variants of block_k, pipeline depth, warps and split count, side
+by side with cuDNN's dense decode, and reports GB/s of cache read. The
+defaults in `pallas_kernels/triton/decode.py` are chosen from its output.
+
+    python -m benchmarks.tune_decode --out results/h200_decode_tuning.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+from jax_flash import decode
+from pallas_kernels import compat
+from pallas_kernels.triton import decode as decode_kernel
+
+# (batch, cache length, q_len, page size): the issue's three headline cells,
+# dense and with small pages.
+CELLS = [(1, 131072, 1, 0), (8, 32768, 1, 0), (64, 4096, 1, 0),
+         (1, 131072, 1, 16), (8, 32768, 1, 16), (64, 4096, 1, 16),
+         (8, 32768, 4, 0), (8, 32768, 1, 64)]
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def make_cache(batch, length, page_size, key):
+  """(q, key_cache, value_cache, lengths, tables) with full sequences; pages
+  shuffled."""
+  keys = jax.random.split(key, 3)
+  dtype = jnp.bfloat16
+  shape_q = (batch, 1, NUM_HEADS, HEAD_DIM)
+  if page_size:
+    pages_per_seq = length // page_size
+    num_pages = batch * pages_per_seq
+    shape_c = (num_pages, page_size, NUM_KV_HEADS, HEAD_DIM)
+    perm = np.random.default_rng(0).permutation(num_pages)
+    tables = jnp.asarray(perm.reshape(batch, pages_per_seq), jnp.int32)
+  else:
+    shape_c = (batch, length, NUM_KV_HEADS, HEAD_DIM)
+    tables = None
+  q = common.random_array(keys[0], shape_q, dtype)
+  k = common.random_array(keys[1], shape_c, dtype)
+  v = common.random_array(keys[2], shape_c, dtype)
+  return q, k, v, jnp.full((batch,), length, jnp.int32), tables
+
+
+def variants(default: decode_kernel.DecodeTiling):
+  """The default, then one change at a time around it (and block_k with
+  the depth together, since a wider tile needs fewer stages in flight)."""
+  yield "default", default
+  seen = {default}
+  for block_k, stages in itertools.product((64, 128, 256), (2, 4)):
+    t = dataclasses.replace(default, block_k=block_k, num_stages=stages)
+    if t not in seen:
+      seen.add(t)
+      yield f"k{block_k}_s{stages}", t
+  yield "w8", dataclasses.replace(default, num_warps=8)
+  for factor in (0.5, 2.0):
+    splits = max(1, int(default.num_splits * factor))
+    t = dataclasses.replace(default, num_splits=splits)
+    if t not in seen:
+      seen.add(t)
+      yield f"splits{splits}", t
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--out", default="/tmp/h200_decode_tuning.json")
+  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--cells", type=int, nargs="*", default=None,
+                      help="indices into CELLS")
+  args = parser.parse_args(argv)
+  cells = CELLS if args.cells is None else [CELLS[i] for i in args.cells]
+  records = []
+  for batch, length, q_len, page_size in cells:
+    q, k, v, lengths, tables = make_cache(batch, length, page_size,
+                                          jax.random.key(0))
+    q = jnp.repeat(q, q_len, axis=1)
+    call, (lengths, tables, slopes, _) = decode.normalise_decode_call(
+        q, k, v, lengths, block_tables=tables)
+    nbytes = decode_kernel.cache_bytes_read(
+        [length] * batch, NUM_KV_HEADS, HEAD_DIM, 2)
+    default = decode_kernel.DecodeTiling.for_call(
+        batch=batch, num_kv_heads=NUM_KV_HEADS, rows=q_len * call.group,
+        capacity=call.capacity, num_sms=compat.num_sms())
+    runs = list(variants(default))
+    if not page_size:
+      runs.append(("cudnn", None))
+    ref = None
+    for name, tiling in runs:
+      if tiling is None:
+        fn = jax.jit(lambda q, k, v, n, t: jax.nn.dot_product_attention(
+            q, k, v, key_value_seq_lengths=n, implementation="cudnn"))
+      else:
+        fn = jax.jit(lambda q, k, v, n, t, tiling=tiling:
+                     decode_kernel.flash_decode(
+                         q, k, v, n, t, None, scale=call.scale,
+                         spec=call.spec, page_size=call.page_size,
+                         interpret=False, tiling=tiling)[0])
+      try:
+        out = fn(q, k, v, lengths, tables)
+        ms = common.time_fn(fn, q, k, v, lengths, tables, reps=args.reps)
+      except Exception as e:  # a variant that fails to compile is recorded
+        records.append(dict(cell=[batch, length, q_len, page_size],
+                            name=name, error=common.describe_error(e)))
+        print(f"{batch}x{length} q{q_len} p{page_size} {name}: "
+              f"{common.describe_error(e, 120)}")
+        continue
+      if ref is None:
+        ref = out
+      err = float(jnp.max(jnp.abs(out.astype(jnp.float32)
+                                  - ref.astype(jnp.float32))))
+      gbps = nbytes / (ms * 1e-3) / 1e9
+      records.append(dict(cell=[batch, length, q_len, page_size], name=name,
+                          tiling=None if tiling is None
+                          else dataclasses.asdict(tiling),
+                          us=ms * 1e3, gbps=gbps, max_diff=err))
+      print(f"{batch}x{length} q{q_len} p{page_size} {name:>14}: "
+            f"{ms * 1e3:8.1f} us {gbps:7.0f} GB/s diff {err:.2e}")
+    common.write_json(args.out, dict(common.run_header("benchmarks.tune_decode"),
+                                     records=records))
+
+
+if __name__ == "__main__":
+  main()
