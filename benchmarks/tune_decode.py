@@ -62,7 +62,7 @@ def variants(default: decode_kernel.DecodeTiling):
       seen.add(t)
       yield f"k{block_k}_s{stages}", t
   yield "w8", dataclasses.replace(default, num_warps=8)
-  for factor in (0.5, 2.0):
+  for factor in (0.5, 2.0, 4.0):
     splits = max(1, int(default.num_splits * factor))
     t = dataclasses.replace(default, num_splits=splits)
     if t not in seen:
@@ -89,7 +89,7 @@ def main(argv=None):
         [length] * batch, NUM_KV_HEADS, HEAD_DIM, 2)
     default = decode_kernel.DecodeTiling.for_call(
         batch=batch, num_kv_heads=NUM_KV_HEADS, rows=q_len * call.group,
-        capacity=call.capacity, num_sms=compat.num_sms())
+        head_dim=HEAD_DIM, capacity=call.capacity, num_sms=compat.num_sms())
     runs = list(variants(default))
     if not page_size:
       runs.append(("cudnn", None))
@@ -126,6 +126,30 @@ def main(argv=None):
             f"{ms * 1e3:8.1f} us {gbps:7.0f} GB/s diff {err:.2e}")
     common.write_json(args.out, dict(common.run_header("benchmarks.tune_decode"),
                                      records=records))
+  with open(args.out.removesuffix(".json") + ".md", "w") as f:
+    f.write(render_md(records))
+
+
+def render_md(records) -> str:
+  """One table per cell: each schedule's time and GB/s of cache read."""
+  lines = ["# Decode schedules on the H200 (bf16, 32:8 heads, d=128)", "",
+           "`python -m benchmarks.tune_decode`; GB/s of K and V read "
+           "(the H200's HBM: 4.8 TB/s).", ""]
+  cells = sorted({tuple(r["cell"]) for r in records},
+                 key=lambda c: (c[3], c[2], c[0]))
+  for batch, length, q_len, page in cells:
+    lines += [f"## batch {batch}, cache {length}, q_len {q_len}, "
+              f"{'dense' if not page else f'pages of {page}'}", "",
+              "| schedule | us | GB/s |", "|---|---|---|"]
+    for r in records:
+      if r["cell"] != [batch, length, q_len, page]:
+        continue
+      if "error" in r:
+        lines.append(f"| {r['name']} | {r['error'][:60]} | |")
+      else:
+        lines.append(f"| {r['name']} | {r['us']:.1f} | {r['gbps']:.0f} |")
+    lines.append("")
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -286,17 +286,31 @@ def test_generation_loop_equals_full_attention():
 
 
 def test_default_tiling_fills_the_gpu():
-  """Splits grow until about four programs per SM, but never below four
-  tiles a split."""
-  one = decode_kernel.DecodeTiling.for_call(
-      batch=1, num_kv_heads=8, rows=4, capacity=131072, num_sms=132)
-  assert one.num_splits * 8 >= 4 * 132
+  """Splits fill about two waves of one program per SM, never a third, and
+  never fewer than four tiles a split."""
+  for batch, capacity in ((1, 131072), (8, 32768), (3, 100000)):
+    tiling = decode_kernel.DecodeTiling.for_call(
+        batch=batch, num_kv_heads=8, rows=4, head_dim=128, capacity=capacity,
+        num_sms=132)
+    programs = batch * 8 * tiling.num_splits
+    assert 132 < programs <= 2 * 132, (batch, capacity, tiling)
   many = decode_kernel.DecodeTiling.for_call(
-      batch=64, num_kv_heads=8, rows=4, capacity=4096, num_sms=132)
-  assert many.num_splits <= 2
+      batch=64, num_kv_heads=8, rows=4, head_dim=128, capacity=4096,
+      num_sms=132)
+  assert many.num_splits == 1
   short = decode_kernel.DecodeTiling.for_call(
-      batch=1, num_kv_heads=1, rows=1, capacity=300, num_sms=132)
-  assert short.num_splits == 1
+      batch=1, num_kv_heads=1, rows=1, head_dim=128, capacity=300,
+      num_sms=132)
+  assert short.num_splits == 1 and short.block_k == 128
+  tiny = decode_kernel.DecodeTiling.for_call(
+      batch=1, num_kv_heads=1, rows=1, head_dim=128, capacity=20,
+      num_sms=132)
+  assert tiny.block_k == 32
+  # d=256: 64 positions a step, so that three stages fit in shared memory.
+  wide = decode_kernel.DecodeTiling.for_call(
+      batch=8, num_kv_heads=8, rows=4, head_dim=256, capacity=32768,
+      num_sms=132)
+  assert wide.block_k == 64 and wide.num_stages == 3
 
 
 ERRORS = [

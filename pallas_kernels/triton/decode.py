@@ -61,28 +61,48 @@ class DecodeTiling:
 
   @classmethod
   def for_call(cls, *, batch: int, num_kv_heads: int, rows: int,
-               capacity: int, num_sms: int) -> "DecodeTiling":
+               head_dim: int, capacity: int, num_sms: int,
+               itemsize: int = 2) -> "DecodeTiling":
     """The default schedule: every SM busy, each split a few tiles long.
 
     Args:
       rows: query rows per K/V head (q_len x group).
+      head_dim: of the cache (its tiles are padded to a power of two).
       capacity: cache positions per sequence (the upper bound of a length).
       num_sms: streaming multiprocessors of the GPU.
+      itemsize: bytes per cache element.
     """
+    dp = common.KernelDims.for_head_dim(head_dim).head_dim_padded
     block_r = min(_MAX_BLOCK_R, max(MIN_BLOCK, next_power_of_two(rows)))
-    block_k = common.clamp_block(_BLOCK_K, capacity)
+    block_k = common.clamp_block(min(_BLOCK_K, _TILE_ELEMENTS // dp),
+                                 capacity)
     programs = batch * num_kv_heads * pl.cdiv(rows, block_r)
-    wanted = pl.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
+    wanted = (_WAVES * num_sms) // programs
     most = max(1, capacity // (block_k * _MIN_TILES_PER_SPLIT))
-    return cls(block_r, block_k, max(1, min(wanted, most)))
+    # Triton buffers num_stages - 1 steps of K and V ahead.
+    per_step = 2 * block_k * dp * itemsize
+    resident = block_r * dp * itemsize
+    stages = 1 + max(1, (common.SHARED_MEMORY_BYTES - resident) // per_step)
+    return cls(block_r, block_k, max(1, min(wanted, most)),
+               num_stages=min(_NUM_STAGES, stages))
 
 
-# Defaults (see `DecodeTiling.for_call`): query rows per program at most 64
-# (a 64 x 128 float32 accumulator in 4 warps), 128 cache positions a step,
-# about four programs per SM in flight and at least four tiles per split.
+# Defaults (see `DecodeTiling.for_call`). Query rows per program at most 64
+# (a 64 x 128 float32 accumulator in 4 warps); 128 cache positions a step,
+# three stages deep (Triton buffers two K and V tiles ahead: 128 KiB of
+# shared memory, so one program per SM at d=128), and splits that make about two such waves (the most splits whose programs
+# fit in two waves, never one that would start a third). Measured on the
+# H200 (bf16, 32:8 heads, d=128, q_len 1; `benchmarks/tune_decode.py`,
+# results/h200_decode_tuning.md): at 8 x 32k, 4 splits (256 programs) read
+# 4.10 TB/s against 3.84 with 9 (576 programs: a third, partial wave) and
+# 3.47 with 18; at 1 x 128k, 33 splits 3.80 TB/s against 3.62 with 66; at
+# 64 x 4k one split (512 programs) is as fast as two.
+# Tiles of at most 16k elements: 128 positions up to d=128, 64 at d=256.
 _MAX_BLOCK_R = 64
 _BLOCK_K = 128
-_PROGRAMS_PER_SM = 4
+_TILE_ELEMENTS = 16384
+_NUM_STAGES = 3
+_WAVES = 2
 _MIN_TILES_PER_SPLIT = 4
 
 
@@ -114,9 +134,10 @@ def flash_decode(query, key_cache, value_cache, lengths, tables, slopes, *,
   group = num_heads // num_kv_heads
   rows = q_len * group
   if tiling is None:
-    tiling = DecodeTiling.for_call(batch=batch, num_kv_heads=num_kv_heads,
-                                   rows=rows, capacity=spec.kv_len,
-                                   num_sms=compat.num_sms())
+    tiling = DecodeTiling.for_call(
+        batch=batch, num_kv_heads=num_kv_heads, rows=rows, head_dim=head_dim,
+        capacity=spec.kv_len, num_sms=compat.num_sms(),
+        itemsize=jnp.dtype(key_cache.dtype).itemsize)
   with compat.quiet_triton_deprecation():
     partial_out, partial_lse = _decode_partials(
         query, key_cache, value_cache, lengths, tables, slopes, scale=scale,
