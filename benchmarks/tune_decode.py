@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -70,6 +71,24 @@ def variants(default: decode_kernel.DecodeTiling):
       yield f"splits{splits}", t
 
 
+def _ours(call, tiling, q, k, v, lengths, tables):
+  return decode_kernel.flash_decode(
+      q, k, v, lengths, tables, None, scale=call.scale, spec=call.spec,
+      page_size=call.page_size, interpret=False, tiling=tiling)[0]
+
+
+def _kernel_only(call, tiling, q, k, v, lengths, tables):
+  return decode_kernel._decode_partials(
+      q, k, v, lengths, tables, None, scale=call.scale, spec=call.spec,
+      page_size=call.page_size, tiling=tiling, interpret=False)[0]
+
+
+def _cudnn(q, k, v, lengths, tables):
+  del tables
+  return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                      implementation="cudnn")
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--out", default="/tmp/h200_decode_tuning.json")
@@ -90,20 +109,17 @@ def main(argv=None):
     default = decode_kernel.DecodeTiling.for_call(
         batch=batch, num_kv_heads=NUM_KV_HEADS, rows=q_len * call.group,
         head_dim=HEAD_DIM, capacity=call.capacity, num_sms=compat.num_sms())
-    runs = list(variants(default))
+    runs = [(name, tiling, functools.partial(_ours, call, tiling))
+            for name, tiling in variants(default)]
+    # The split kernel alone, without the LSE merge and layout around it:
+    # what the launches beside the kernel cost.
+    runs.append(("kernel_only", default,
+                 functools.partial(_kernel_only, call, default)))
     if not page_size:
-      runs.append(("cudnn", None))
+      runs.append(("cudnn", None, _cudnn))
     ref = None
-    for name, tiling in runs:
-      if tiling is None:
-        fn = jax.jit(lambda q, k, v, n, t: jax.nn.dot_product_attention(
-            q, k, v, key_value_seq_lengths=n, implementation="cudnn"))
-      else:
-        fn = jax.jit(lambda q, k, v, n, t, tiling=tiling:
-                     decode_kernel.flash_decode(
-                         q, k, v, n, t, None, scale=call.scale,
-                         spec=call.spec, page_size=call.page_size,
-                         interpret=False, tiling=tiling)[0])
+    for name, tiling, build in runs:
+      fn = jax.jit(build)
       try:
         out = fn(q, k, v, lengths, tables)
         ms = common.time_fn(fn, q, k, v, lengths, tables, reps=args.reps)
@@ -115,8 +131,8 @@ def main(argv=None):
         continue
       if ref is None:
         ref = out
-      err = float(jnp.max(jnp.abs(out.astype(jnp.float32)
-                                  - ref.astype(jnp.float32))))
+      err = float("nan") if out.shape != ref.shape else float(jnp.max(
+          jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
       gbps = nbytes / (ms * 1e-3) / 1e9
       records.append(dict(cell=[batch, length, q_len, page_size], name=name,
                           tiling=None if tiling is None
