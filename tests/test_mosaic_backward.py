@@ -904,6 +904,38 @@ def test_residual_backward_lowers_backward_kernels_only(
   assert bool(_kernels(text)) == (not masked)
 
 
+@pytest.mark.parametrize("q_len, kwargs", [
+    (256, dict(is_causal=True)),                          # the plain kernels
+    (200, dict(is_causal=True, local_window_size=(64, 0))),   # the masked ones
+], ids=["plain", "masked"])
+def test_gradients_lower_inside_shard_map_with_check_vma(q_len, kwargs,
+                                                         cuda_lowering,
+                                                         monkeypatch):
+  """Gradients through the Mosaic kernels inside `jax.shard_map` with its
+  default `check_vma=True` (issue 35): each kernel's outputs vary along the
+  mesh axes its inputs vary along (`mosaic.compat.vary_like`), so the
+  custom VJP's types match; cross-lowered as on an H200."""
+  import jax_flash
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  monkeypatch.setattr(versions, "gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(versions, "has_gpu", lambda: True)
+  mesh = jax.make_mesh((1,), ("data",))
+  x = jax.ShapeDtypeStruct((2, q_len, 4, 64), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P("data")))
+
+  def loss(q, k, v, d_out):
+    out = jax_flash.flash_attention(q, k, v, implementation="mosaic",
+                                    interpret=False, **kwargs)
+    return jnp.vdot(out.astype(jnp.float32), d_out.astype(jnp.float32))
+
+  grads = jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh,
+                        in_specs=(P("data"),) * 4,
+                        out_specs=(P("data"),) * 3)
+  lowered = jax.jit(grads).trace(x, x, x, x).lower(
+      lowering_platforms=("cuda",))
+  assert "mosaic_flash_backward" in lowered.as_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("case", [

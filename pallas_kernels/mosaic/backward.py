@@ -1416,7 +1416,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
   if static.shared_rows:
     scratch += _exchange_scratch(static, static.block_kv,
                                  static.block_q // consumers, kinds=2)
-  out_type = tuple(jax.ShapeDtypeStruct(key.shape, key.dtype)
+  out_type = tuple(versions.output_struct(key.shape, key.dtype, *inputs)
                    for _ in static.outputs)
   if static.fused_dq:
     # Two of each, by step parity: a step's are still read while the next
@@ -1433,7 +1433,8 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
     )
     if static.deferred_dq:
       scratch += (plgpu.Barrier(num_arrivals=consumers, num_barriers=2),)  # ds_read
-    out_type = (jax.ShapeDtypeStruct(query.shape, jnp.float32),) + out_type
+    out_type = (versions.output_struct(query.shape, jnp.float32, *inputs),
+                ) + out_type
   if static.opaque_resident:  # a zero (see `_Static.opaque_resident`)
     scratch += (plgpu.SMEM((1,), jnp.int32),)
   results = plgpu.kernel(
@@ -1452,7 +1453,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
           static, "".join(("dq_",) * static.fused_dq + static.outputs)),
       compiler_params=compat.compiler_params(approx_math=True),
   )(*inputs)
-  return tuple(results)
+  return tuple(compat.vary_like(results, *inputs))
 
 
 def _dkdv_kernel(*refs, static: _Static):
@@ -2524,9 +2525,9 @@ def launch_dq(query, key, value, d_out, stats, static: _Static, *, plan=None,
   if static.shared_rows:
     scratch += _exchange_scratch(static, static.block_q,
                                  static.block_kv // consumers, kinds=1)
-  return plgpu.kernel(
+  return compat.vary_like(plgpu.kernel(
       functools.partial(_dq_kernel, static=static),
-      out_type=jax.ShapeDtypeStruct(query.shape, query.dtype),
+      out_type=versions.output_struct(query.shape, query.dtype, *inputs),
       scratch_types=scratch,
       # Launched batch fastest, q_tile slowest (Pallas reverses the grid).
       **_grid(static, (pl.cdiv(q_len, static.q_rows_per_cta),
@@ -2535,7 +2536,7 @@ def launch_dq(query, key, value, d_out, stats, static: _Static, *, plan=None,
       thread_name="wg",
       kernel_name=_kernel_name(static, "dq"),
       compiler_params=compat.compiler_params(approx_math=True),
-  )(*inputs)
+  )(*inputs), *inputs)
 
 
 def _dq_kernel(*refs, static: _Static):

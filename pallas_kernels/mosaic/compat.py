@@ -22,9 +22,16 @@ spelled the same in both (checked against both sources). What differs:
   0.10.2 (`jax._src.pallas.mosaic_gpu.interpret.params`); 0.10.2's
   interpreter has no `pl.run_state`, no transposed wgmma operand and no
   register-held wgmma LHS, so the forward does not run under it unpatched.
+
+The same in both: `plgpu.kernel` traces its kernel with `check_vma` off, so
+the manual-axis type an output's `ShapeDtypeStruct` declares
+(`pallas_kernels.compat.output_struct`) is dropped and every output comes
+back invariant; `vary_like` casts them.
 """
 from __future__ import annotations
 
+import jax
+from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import llvm
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -59,3 +66,19 @@ def named_barrier(operation: str, barrier_id: int, num_threads: int) -> None:
                     has_side_effects=True)
 
   emit()
+
+
+def vary_like(outputs, *inputs):
+  """`outputs` of a `plgpu.kernel` cast to vary along every manual mesh axis
+  that one of `inputs` varies along (inside `jax.shard_map` with
+  `check_vma=True`; elsewhere, and on the axes an output already varies
+  along, they are returned as they are, so nothing else lowers
+  differently). The kernel's outputs depend on all of its inputs, as
+  `pallas_kernels.compat.output_struct` declares."""
+  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in inputs))
+
+  def cast(x):
+    missing = tuple(sorted(varying - jax.typeof(x).mat.varying, key=str))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, outputs)

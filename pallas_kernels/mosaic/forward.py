@@ -731,10 +731,11 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
     )
     inputs += segments
   out_type = (
-      jax.ShapeDtypeStruct(query.shape, out_dtype),
+      versions.output_struct(query.shape, out_dtype, *inputs),
       # Sequence minor, so that each consumer stores its LSE rows with one
       # contiguous 1-D TMA.
-      jax.ShapeDtypeStruct((batch, num_heads, lse_len), jnp.float32),
+      versions.output_struct((batch, num_heads, lse_len), jnp.float32,
+                             *inputs),
   )
   if static.persistent:
     body = _persistent_kernel
@@ -747,7 +748,7 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
     grid, grid_names = launch_grid((num_q_tiles, num_heads, batch),
                                    ("q_tile", "head", "batch"),
                                    tile_fastest=static.tile_fastest)
-  return plgpu.kernel(
+  return compat.vary_like(plgpu.kernel(
       functools.partial(body, static=static),
       out_type=out_type,
       scratch_types=scratch,
@@ -757,7 +758,7 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
       thread_name="wg",
       kernel_name="mosaic_flash_forward",
       compiler_params=compat.compiler_params(approx_math=True),
-  )(*inputs)
+  )(*inputs), *inputs)
 
 
 def check_layout(query, key, value) -> tuple[int, int]:
