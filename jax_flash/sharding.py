@@ -19,9 +19,9 @@ hosts work through `jax.distributed` like any other collective):
   the backward kernels alone, no forward again), and float32 dK/dV sums go
   round the ring with K/V, so that each shard's sum reaches its owner. On
   one device the one pair's merged residuals are its own, so the ring costs
-  what `flash_attention` costs, plus a few elementwise passes. (Until session 5
-  each other pair ran its forward again to get its own (out, lse): on 2
-  H200s that was 14% of the kernels' time, see benchmarks/NOTES.md.)
+  what `flash_attention` costs, plus a few elementwise passes. (Running
+  each other pair's forward again to get its own (out, lse) cost 14% of the
+  kernels' time on 2 H200s, see benchmarks/NOTES.md.)
 * all_gather: K/V gathered once per call (`lax.all_gather`) and the kernel
   run against the local query shard; the backward gathers again and
   reduce-scatters float32 dK/dV. Fewer, larger transfers: better on short
@@ -67,13 +67,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_flash.api import flash_attention
 from jax_flash.residual_backward import flash_attention_backward
-
-try:  # JAX >= 0.7 exports shard_map at the top level.
-  from jax import shard_map as _shard_map
-  _UNCHECKED = {"check_vma": False}
-except ImportError:  # pragma: no cover - older JAX
-  from jax.experimental.shard_map import shard_map as _shard_map
-  _UNCHECKED = {"check_rep": False}
 
 STRATEGIES = ("ring", "all_gather")
 
@@ -784,8 +777,5 @@ def sequence_parallel_attention(query, key, value, *, mesh, axis_name,
     return result
 
   out_specs = (heads, rows) if return_residual else heads
-  # Unchecked: the Pallas kernels' out_shape carries no varying-manual-axes
-  # type, which check_vma=True insists on (every value here varies along
-  # `axis_name` anyway).
-  return _shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=out_specs,
-                    **_UNCHECKED)(inputs)
+  return jax.shard_map(local, mesh=mesh, in_specs=(specs,),
+                       out_specs=out_specs)(inputs)

@@ -218,7 +218,7 @@ def backward_dkdv(query, key, value, d_out, lse, delta, call_operands, bias,
       + common.streamed_tile_bytes(call_operands, bias, tiling.block_q,
                                    tiling.block_k))
   inputs = (query, key, value, d_out, lse, delta, *extra)
-  return pl.pallas_call(
+  return compat.pallas_call(
       functools.partial(_dkdv_kernel, scale=scale, spec=spec, dims=dims,
                         tiling=tiling, layouts=layouts),
       grid=(pl.cdiv(kv_len, tiling.block_k), batch, num_kv_heads),
@@ -279,7 +279,7 @@ def backward_dq(query, key, value, d_out, lse, delta, call_operands, bias, *,
     in_specs.append(dbias_spec)
     out_specs.append(dbias_spec)
     out_shape.append(compat.output_struct(dbias_shape, jnp.float32, *inputs))
-  results = pl.pallas_call(
+  results = compat.pallas_call(
       functools.partial(_dq_kernel, scale=scale, spec=spec, dims=dims,
                         tiling=tiling, layouts=layouts, bias_grad=bias_grad),
       grid=(pl.cdiv(q_len, tiling.block_q), batch, num_heads),

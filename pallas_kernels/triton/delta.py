@@ -9,7 +9,7 @@ with the LSE), XLA fused it all and took 0.32-0.39 ms at the grid's seq-1k
 cells on the H200, a quarter of the backward; reading O and dO (2 x 64 MiB)
 takes ~30 us. With the sum in this kernel the statistics take 0.06-0.07
 ms, about what XLA's sum alone takes (0.055 ms;
-`benchmarks/backward_breakdown.py`, session 9): the kernel fixes the sum's
+`benchmarks/backward_breakdown.py`): the kernel fixes the sum's
 cost whatever XLA fuses around it, and both backwards share it. One
 program reads a [block, head_dim] tile of each (contiguous head_dim rows,
 strided by the heads) and writes its block of the row.
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import compat
 from pallas_kernels.triton import common
 
 # Elements of one operand's tile per program: 8192 keep 64 float32 values a
@@ -52,12 +52,13 @@ def row_delta(out, d_out, *, interpret: bool = False):
       max(_TILE_ELEMENTS // dims.head_dim_padded, 16), q_len)
   tile_spec = pl.BlockSpec((None, block, None, dims.head_dim_padded),
                            lambda i, b, h: (b, i, h, 0))
-  return pl.pallas_call(
+  return compat.pallas_call(
       functools.partial(_delta_kernel, q_len=q_len, block=block, dims=dims),
       grid=(pl.cdiv(q_len, block), batch, num_heads),
       in_specs=[tile_spec, tile_spec],
       out_specs=pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i)),
-      out_shape=jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
+      out_shape=compat.output_struct((batch, num_heads, q_len), jnp.float32,
+                                     out, d_out),
       compiler_params=common.compiler_params(_NUM_WARPS, 1),
       interpret=interpret,
       name="flash_backward_delta",

@@ -116,7 +116,7 @@ def flash_forward(query, key, value, call_operands, bias, *, scale: float,
                          lambda i, b, h: (b, 0, h // group, 0))
   lse_spec = pl.BlockSpec((None, None, tiling.block_q),
                           lambda i, b, h: (b, h, i))
-  return pl.pallas_call(
+  return compat.pallas_call(
       kernel,
       grid=grid,
       in_specs=[q_spec, kv_spec, kv_spec, *extra_specs],
