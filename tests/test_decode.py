@@ -383,3 +383,22 @@ def test_decode_on_gpu_within_the_rule(case, page_size):
   out, lse = run(q, k, v, lengths, tables)
   assert_within_rule("out", out, exact[0], naive[0])
   assert_within_rule("lse", lse, exact[1], naive[1])
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_inside_shard_map_over_the_batch(check_vma):
+  """Data parallel decoding inside a user's shard_map, with JAX's default
+  check_vma=True too: the kernel declares how its outputs vary."""
+  from jax.sharding import Mesh, PartitionSpec
+  case = CASES[0]
+  q, k, v, lengths = _inputs(case, jnp.float32, seed=12)
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  spec = PartitionSpec("data")
+  run = jax.jit(jax.shard_map(
+      lambda q, k, v, n: jax_flash.decode_attention(
+          q, k, v, n, implementation="triton", interpret=True,
+          return_residual=True),
+      mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec),
+      check_vma=check_vma))
+  _assert_close(run(q, _poison(k, lengths), _poison(v, lengths), lengths),
+                _oracle(q, k, v, lengths), jnp.float32)

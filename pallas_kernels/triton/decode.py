@@ -234,7 +234,7 @@ def _decode_partials(query, key_cache, value_cache, lengths, tables, slopes,
       compat.output_struct((batch * num_kv_heads, splits, rows), jnp.float32,
                            *inputs),
   ]
-  return pl.pallas_call(
+  return compat.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=common.compiler_params(tiling.num_warps,
