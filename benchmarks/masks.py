@@ -64,19 +64,10 @@ def main(argv=None) -> int:
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--implementation", choices=("triton", "mosaic"),
                       default="triton")
-  parser.add_argument("--mosaic-masked-backward", action="store_true",
-                      help="with --implementation mosaic: masks' gradients "
-                      "by the masked Mosaic backward (the default since its "
-                      "GPU tests passed; the flag names the results file "
-                      "_masked_backward)")
   parser.add_argument("--out", default=None,
                       help="default benchmarks/results/h200_masks[_mosaic].json")
   args = parser.parse_args(argv)
   suffix = "" if args.implementation == "triton" else "_" + args.implementation
-  if args.mosaic_masked_backward:
-    from pallas_kernels.mosaic import attention as mosaic_attention
-    mosaic_attention.MASKED_BACKWARD_ENABLED = True
-    suffix += "_masked_backward"
   out_path = args.out or f"benchmarks/results/h200_masks{suffix}.json"
   interpret = not compat.has_gpu()
   shape = (1, args.seq, args.heads, args.head_dim)
@@ -104,7 +95,6 @@ def main(argv=None) -> int:
         bar.update()
   result = {**common.run_header("benchmarks.masks", argv),
             "implementation": args.implementation,
-            "mosaic_masked_backward": args.mosaic_masked_backward,
             "records": rows}
   text = render.write_results(
       out_path, result, ["variant", "mode", "ms", "dense TFLOP/s", "x full"],

@@ -14,7 +14,7 @@ or not, modes fwd and fwd_bwd. Each (cell, implementation) is compiled once
 (a cell's implementations concurrently), its memory read from XLA's
 analysis, then timed alone (median of `--reps` samples after `--warmup`
 calls). With `--rounds R` a cell's implementations are timed R times in
-turn, every other round reversed (A B C, C B A, ...; since session 19,
+turn, every other round reversed (A B C, C B A, ...;
 `common.round_order`), and each keeps the median of its rounds, so that a
 drift of the GPU's clocks during the cell falls on every implementation
 alike rather than on whichever was timed then. A failure is recorded under
@@ -150,7 +150,7 @@ def run(args, header: dict) -> dict:
           autotuned=impl in AUTOTUNED) for impl in impls}
       # Every build of the cell finishes before any timing starts: XLA and
       # tokamax autotune on the GPU while they compile, and a kernel timed
-      # beside that reads 2-10x slow (seen on the H200, 2026-11-29).
+      # beside that read 2-10x slow on the H200.
       concurrent.futures.wait(builds.values())
       result["records"] += [dataclasses.asdict(record) for record in
                             _time_in_rounds(cell, builds, args, result)]

@@ -22,14 +22,13 @@ def random_array(key, shape, dtype) -> jax.Array:
   return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-
 # How long each timing first runs its function back to back, untimed. The
 # H200 runs every kernel here at its power cap (700 W), and the clocks
 # follow the last few hundred milliseconds' draw: right after the dense
 # matmul, every attention kernel read 2-12% slower than after an idle
-# pause, its first sample 8-17% slower than its median (session 19,
-# results/h200_order_probe.md). The grid times a cell's implementations
-# in a fixed order, so the one after the matmul (ours) always paid it.
+# pause, its first sample 8-17% slower than its median
+# (results/h200_order_probe.md). In a fixed order of implementations the
+# one timed after the matmul always paid it.
 SETTLE_MS = 250.0
 
 
@@ -78,7 +77,6 @@ def _sample_ms(fn, args, inner: int) -> float:
     out = fn(*args)
   jax.block_until_ready(out)
   return (time.perf_counter() - start) * 1e3
-
 
 
 def compiled_peak_gib(compiled) -> float | None:

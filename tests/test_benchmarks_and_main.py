@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks import (common, gpu_tests_left, memory, render, run_grid,
-                        tune_blocks)
+from benchmarks import common, memory, render, run_grid, tune_blocks
 from pallas_kernels import compat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,24 +30,6 @@ def test_attention_flops_is_flash_attentions_count():
   cell = common.Cell.standard("fwd", 4096, 128, False)
   assert (cell.batch, cell.num_heads) == (4, 16)
   assert cell.flops == 4 * 16384 * 4096 * 2048
-
-
-def test_gpu_tests_left_reads_both_verbose_formats():
-  """Outcomes from pytest-xdist's `-v` lines and one process's, ids with
-  spaces and brackets; failures and tests cut off count as not done."""
-  log = "\n".join([
-      "[gw3] [ 41%] PASSED tests/test_a.py::t[(2, 97, 3, 40)] ",
-      "[gw1] [ 42%] SKIPPED tests/test_a.py::u[64-True-{'lean': True}] ",
-      "[gw2] [ 43%] FAILED tests/test_a.py::v[x] ",
-      "tests/test_b.py::w[False] PASSED                       [ 50%]",
-      "tests/test_b.py::w[True] SKIPPED (no sm90)             [100%]",
-      "tests/test_b.py::x[y] ",  # started, never finished
-  ])
-  assert gpu_tests_left.outcomes(log) == {
-      "tests/test_a.py::t[(2, 97, 3, 40)]": "PASSED",
-      "tests/test_a.py::u[64-True-{'lean': True}]": "SKIPPED",
-      "tests/test_b.py::w[False]": "PASSED",
-      "tests/test_b.py::w[True]": "SKIPPED"}
 
 
 def test_compile_times_lists_the_tests_that_compile_longest():
@@ -282,7 +263,7 @@ def test_gpu_test_shards_partition_the_gpu_suite():
 
 
 def test_roofline_counts_each_tensor_once():
-  from benchmarks.roofline import cell_bytes
+  from benchmarks.diagnostics.roofline import cell_bytes
   tensor = 2 * 1024 * 16 * 128 * 2  # one bf16 [2, 1024, 16, 128]
   rows = 2 * 1024 * 16 * 4
   assert cell_bytes(2, 1024, 16, 128, "fwd") == 4 * tensor + rows
@@ -374,7 +355,7 @@ def test_run_notebook_records_outputs_and_stops_at_a_failure(tmp_path, capsys):
 
 
 def test_compile_probe_reports_both_steps(capsys):
-  from benchmarks import compile_probe
+  from benchmarks.diagnostics import compile_probe
   assert compile_probe.main(["--shapes", "1", "--dtypes", "float32"]) == 0
   lines = capsys.readouterr().out.splitlines()
   assert len(lines) == 3    # the device, then causal False and True
@@ -382,20 +363,16 @@ def test_compile_probe_reports_both_steps(capsys):
     assert "fwd compile s" in line and "fwd+vjp first run s" in line, line
 
 
-def test_masks_benchmark_skips_what_a_backend_lacks(tmp_path, monkeypatch):
+def test_masks_benchmark_skips_what_a_backend_lacks(tmp_path):
   """On the CPU the Mosaic kernels refuse every call (no interpret mode):
   each row is skipped and recorded as absent, not a crash or a timing."""
   from benchmarks import masks
-  from pallas_kernels.mosaic import attention as mosaic_attention
-  monkeypatch.setattr(mosaic_attention, "MASKED_BACKWARD_ENABLED", False)
   out = tmp_path / "masks.json"
-  assert masks.main(["--implementation", "mosaic", "--mosaic-masked-backward",
-                     "--seq", "32", "--heads", "2", "--head-dim", "32",
-                     "--reps", "1", "--out", str(out)]) == 0
+  assert masks.main(["--implementation", "mosaic", "--seq", "32", "--heads",
+                     "2", "--head-dim", "32", "--reps", "1",
+                     "--out", str(out)]) == 0
   result = json.loads(out.read_text())
   assert result["implementation"] == "mosaic"
-  assert result["mosaic_masked_backward"] is True
-  assert mosaic_attention.MASKED_BACKWARD_ENABLED      # the option's effect
   if not compat.has_gpu():
     assert result["records"] == []
 
@@ -439,9 +416,9 @@ def test_grid_rounds_interleave_and_keep_the_median(monkeypatch):
 
 
 def test_sass_spills_counts_local_accesses_per_register_budget():
-  """`benchmarks.sass_spills` attributes each STL/LDL to the register budget
-  of the last USETMAXREG above it, per kernel."""
-  from benchmarks import sass_spills
+  """`benchmarks.diagnostics.sass_spills` attributes each STL/LDL to the
+  register budget of the last USETMAXREG above it, per kernel."""
+  from benchmarks.diagnostics import sass_spills
   sass = """
         Function : mosaic_flash_backward_dq_dkdv_mosaic_gpu_kernel
         /*0010*/                   STL [R1+0x4], R2 ;
@@ -465,7 +442,7 @@ def test_sass_spills_counts_local_accesses_per_loop(capsys):
   """`--loops`: each branch back to a label above it, long enough, is a
   loop; its STL/LDL/HGMMA counted, nested loops inside outer ones; a short
   backward branch (a barrier's spin) and a forward branch are not loops."""
-  from benchmarks import sass_spills
+  from benchmarks.diagnostics import sass_spills
   sass = """
         Function : mosaic_flash_backward_dkdv_mosaic_gpu_kernel
         /*0000*/                   STL [R1+0x4], R2 ;
@@ -506,7 +483,8 @@ def test_backward_breakdown_times_every_piece(head_dim, want, monkeypatch,
   256), then the peers that import; the kernels are stand-ins here (Mosaic
   needs the GPU)."""
   import jax.numpy as jnp
-  from benchmarks import backward_breakdown, peers
+  from benchmarks import peers
+  from benchmarks.diagnostics import backward_breakdown
   from pallas_kernels.mosaic import backward, forward
   monkeypatch.setattr(forward, "mosaic_forward", lambda q, k, v, **kw: (
       q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)))
@@ -537,7 +515,7 @@ def test_ncu_summary_reads_both_exports(tmp_path):
   SASS source page (a block per kernel) become tables: duration in ms
   whatever the unit, stall shares of the samples, the worst instructions
   first."""
-  from benchmarks import ncu_summary
+  from benchmarks.diagnostics import ncu_summary
   raw = tmp_path / "raw.csv"
   raw.write_text(
       '"ID","Kernel Name","gpu__time_duration.sum",'
@@ -570,7 +548,7 @@ def test_ncu_summary_phases_cut_at_wgmma_waits(tmp_path):
   """`phases` cuts a kernel's SASS after each wgmma wait: each piece's
   share of the samples, its wait's own share, and what it issues; the
   last piece (no wait) runs to the end; `kernel` picks kernels by name."""
-  from benchmarks import ncu_summary
+  from benchmarks.diagnostics import ncu_summary
   sass = tmp_path / "sass.csv"
   columns = '"Address","Source","Warp Stall Sampling (All Samples)"\n'
   sass.write_text(
@@ -593,12 +571,13 @@ def test_ncu_summary_phases_cut_at_wgmma_waits(tmp_path):
 
 
 def test_timing_probe_times_each_sample_length_in_turn(tmp_path, monkeypatch):
-  """`benchmarks.timing_probe` times every implementation of a cell at each
-  sample length, in rounds (A B, B A, A B, ...), keeps the median per
+  """`benchmarks.diagnostics.timing_probe` times every implementation of a
+  cell at each sample length, in rounds (A B, B A, A B, ...), keeps the median per
   implementation, and its table gives each one's ratio to the fastest of
   the others; an implementation that cannot run is left out."""
   import types
-  from benchmarks import peers, timing_probe
+  from benchmarks import peers
+  from benchmarks.diagnostics import timing_probe
   built = lambda name: (lambda cell: types.SimpleNamespace(fn=name, args=()))
   monkeypatch.setattr(peers, "cudnn", built("cudnn"))
   monkeypatch.setattr(peers, "xla", built("xla"))
@@ -634,13 +613,14 @@ def test_timing_probe_times_each_sample_length_in_turn(tmp_path, monkeypatch):
 
 def test_order_probe_times_each_implementation_after_each_condition(
     tmp_path, monkeypatch):
-  """`benchmarks.order_probe` times each implementation right after the
-  cell's matmul, an idle pause and itself, conditions and implementations
+  """`benchmarks.diagnostics.order_probe` times each implementation right
+  after the cell's matmul, an idle pause and itself, conditions and implementations
   interleaved over the rounds; its table gives each condition's median,
   the ratio to the best other implementation under the same condition,
   and the first sample's lag."""
   import types
-  from benchmarks import order_probe, peers
+  from benchmarks import peers
+  from benchmarks.diagnostics import order_probe
   built = lambda name: (lambda cell: types.SimpleNamespace(fn=name, args=()))
   for name in ("cudnn", "xla", "matmul"):
     monkeypatch.setattr(peers, name, built(name))
@@ -682,17 +662,20 @@ def test_order_probe_times_each_implementation_after_each_condition(
 
 
 def test_time_samples_settles_before_sampling(monkeypatch):
-  """Before its samples, `common.time_samples` runs the function untimed
-  for `settle_ms` (whole samples, so that the clocks follow its own power
-  draw); by default only on a GPU. A fake clock: each call takes 1 ms."""
+  """Before its samples, `timing.time_samples` (the one timer, re-exported
+  by `benchmarks.common`) runs the function untimed for `settle_ms` (whole
+  samples, so that the clocks follow its own power draw); by default only
+  on a GPU. A fake clock: each call takes 1 ms."""
+  from jax_flash import timing
+  assert common.time_samples is timing.time_samples
   clock = {"s": 0.0, "calls": 0}
-  monkeypatch.setattr(common.time, "perf_counter", lambda: clock["s"])
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["s"])
 
   def fn():
     clock["s"] += 1e-3
     clock["calls"] += 1
     return 0.0  # block_until_ready passes it through
-  timed = lambda **kw: common.time_samples(fn, warmup=2, reps=3,
+  timed = lambda **kw: timing.time_samples(fn, warmup=2, reps=3,
                                            min_sample_ms=4.0, **kw)
   # 2 warm-up calls, 1 single call (1 ms, so samples of 4 calls), then
   # three 4-ms samples to settle 10 ms, then the three timed samples.
@@ -703,10 +686,10 @@ def test_time_samples_settles_before_sampling(monkeypatch):
   assert clock["calls"] == 2 + 1 + 3 * 4
   # By default: no settling off a GPU, SETTLE_MS on one.
   for backend, settle_samples in (("cpu", 0), ("gpu", 63)):
-    monkeypatch.setattr(common.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(timing.jax, "default_backend", lambda: backend)
     clock["calls"] = 0
     timed()
-    assert common.SETTLE_MS == 250.0
+    assert timing.SETTLE_MS == 250.0
     assert clock["calls"] == 2 + 1 + settle_samples * 4 + 3 * 4, backend
 
 

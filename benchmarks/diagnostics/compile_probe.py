@@ -1,0 +1,97 @@
+"""Compile and run time of `flash_attention`'s forward and gradients, by shape.
+
+    python -m benchmarks.diagnostics.compile_probe [--hang-after 90]
+
+For the shapes of the numerics notebook's sweep (batch 1, 2 heads, head dim
+128, float16/bfloat16/float32) and a few of the test suite's, prints per
+shape: the compile time of the jitted forward, of the jitted forward+VJP,
+and the run time of each after compilation, first and second (were a
+kernel compiled at its first run, the difference would be that compile; on
+the H200 with JAX 0.11.2 there is none: both runs under 5 ms, so Mosaic GPU
+compiles inside XLA's compile). It tells a slow compile from a hang, and
+first-call latency from steady-state time. With `--hang-after S`, a step
+that takes longer than S seconds dumps every thread's Python traceback and
+exits (faulthandler), so a hang names its place.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jax_flash
+from pallas_kernels import compat
+
+# (q_len, kv_len, heads, kv_heads, head_dim): the notebook's sweep, then
+# shapes that only the GPU test suite reaches.
+SHAPES = [(128, 128, 2, 2, 128), (256, 256, 2, 2, 128), (1024, 1024, 2, 2, 128),
+          (4096, 4096, 2, 2, 128), (1024, 1024, 2, 2, 64),
+          (1024, 1024, 2, 2, 256), (97, 97, 2, 2, 128), (512, 1024, 8, 2, 128)]
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def probe(shape, dtype: str, *, is_causal: bool, hang_after: float) -> dict:
+  """Seconds to compile and to run the forward and the forward+VJP."""
+  q_len, kv_len, heads, kv_heads, head_dim = shape
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (1, q_len, heads, head_dim), dtype)
+  k = jax.random.normal(keys[1], (1, kv_len, kv_heads, head_dim), dtype)
+  v = jax.random.normal(keys[2], (1, kv_len, kv_heads, head_dim), dtype)
+  d_out = jax.random.normal(keys[3], q.shape, dtype)
+  attention = lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=is_causal)
+
+  def forward_and_vjp(q, k, v, d_out):
+    out, pullback = jax.vjp(attention, q, k, v)
+    return out, pullback(d_out)
+
+  result = {}
+  for name, fn, args in (("fwd", attention, (q, k, v)),
+                         ("fwd+vjp", forward_and_vjp, (q, k, v, d_out))):
+    faulthandler.dump_traceback_later(hang_after, exit=True,
+                                      file=sys.__stderr__)
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    result[f"{name} compile s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    result[f"{name} first run s"] = time.perf_counter() - start
+    # Anything compiled at the first run rather than in XLA's compile above
+    # shows as the first run less the second.
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    result[f"{name} second run s"] = time.perf_counter() - start
+    faulthandler.cancel_dump_traceback_later()
+  return result
+
+
+def main(argv=None) -> int:
+  compat.filter_known_warnings()
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--hang-after", type=float, default=90.0)
+  parser.add_argument("--dtypes", nargs="+", default=list(DTYPES))
+  parser.add_argument("--shapes", type=int, default=len(SHAPES),
+                      help="probe the first N shapes only")
+  args = parser.parse_args(argv)
+  print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}", flush=True)
+  for shape in SHAPES[:args.shapes]:
+    for dtype in args.dtypes:
+      for is_causal in (False, True):
+        label = f"{shape} {dtype} causal={is_causal}"
+        print(f"{label} ...", end=" ", flush=True)
+        try:
+          times = probe(shape, jnp.dtype(dtype), is_causal=is_causal,
+                        hang_after=args.hang_after)
+        except Exception as e:  # recorded, the probe goes on
+          print(f"error: {type(e).__name__}: {str(e)[:200]}", flush=True)
+          continue
+        print("  ".join(f"{k} {v:.2f}" for k, v in times.items()), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,84 @@
+"""One grid cell's kernels, once each, for Nsight Compute to profile.
+
+    ncu --profile-from-start off --clock-control none --set full -o REPORT \
+        python3 -m benchmarks.diagnostics.ncu_kernels --mode fwd_bwd --seq 16384 \
+        --head-dim 128 --impls jax_flash_mosaic cudnn
+
+Each implementation (a name in `benchmarks.peers`) is built, run until
+warm (compiled, autotuned), and then run once more between
+`cuProfilerStart` and `cuProfilerStop`: with `--profile-from-start off`,
+ncu profiles only the kernels of those runs, not compilation, autotuning
+or input generation. Without ncu the profiler calls do nothing, so the
+script also runs alone (a dry run of the builds).
+
+`h200_check.sh ncu` runs it under ncu and prints each kernel's headline
+numbers (`benchmarks.diagnostics.ncu_summary`).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+
+import jax
+
+from benchmarks import common, peers
+from pallas_kernels import compat
+
+
+def _profiler():
+  """(start, stop) of the CUDA driver's profiler range, or no-ops."""
+  try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+  except OSError:
+    return (lambda: None), (lambda: None)
+  return cuda.cuProfilerStart, cuda.cuProfilerStop
+
+
+def main(argv=None) -> int:
+  compat.filter_known_warnings()
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0], epilog=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--mode", choices=common.MODES, default="fwd_bwd")
+  parser.add_argument("--seq", type=int, default=16384)
+  parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--tokens", type=int, default=16384,
+                      help="batch * seq_len")
+  parser.add_argument("--impls", nargs="+",
+                      default=["jax_flash_mosaic", "cudnn", "tokamax_mosaic"])
+  parser.add_argument("--fused-dq", action="store_true",
+                      help="our Mosaic backward fuses dQ into the dK/dV "
+                      "kernel at this head dim (mosaic_backward(fused_dq))")
+  parser.add_argument("--two-consumers", action="store_true",
+                      help="our Mosaic forward with two consumer "
+                      "warpgroups at every head dim (not three at d=64)")
+  args = parser.parse_args(argv)
+  if args.two_consumers:  # the forward's table, as --fused-dq does
+    from pallas_kernels.mosaic import forward
+    forward.THREE_CONSUMER_HEAD_DIMS = ()
+  if args.fused_dq:  # the dispatch's table, so the public call takes it
+    from pallas_kernels.mosaic import backward
+    backward.FUSED_DQ_MIN_KV_LEN[args.head_dim] = 1
+    backward.FUSED_DQ_CAUSAL_HEAD_DIMS += (args.head_dim,)
+  cell = common.Cell.standard(args.mode, args.seq, args.head_dim,
+                              args.causal, tokens=args.tokens)
+  start, stop = _profiler()
+  for name in args.impls:
+    try:
+      bench = getattr(peers, name)(cell)
+      for _ in range(3):  # compile, autotune, warm
+        jax.block_until_ready(bench.fn(*bench.args))
+    except peers.Unavailable as e:
+      print(f"{name}: {e}", file=sys.stderr)
+      continue
+    start()
+    jax.block_until_ready(bench.fn(*bench.args))
+    stop()
+    print(f"{name} {cell.label()}: profiled", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
