@@ -95,7 +95,7 @@ def flash_attention_fn(
   if mask is not None:
     mask = mask.astype(bool)
 
-  reason = _unfused_reason(dtype=dtype, precision=precision, module=module,
+  reason = unfused_reason(dtype=dtype, precision=precision, module=module,
                            dropout=dropout,
                            broadcast_dropout=broadcast_dropout,
                            einsums=(qk_attn_weights_einsum,
@@ -130,7 +130,7 @@ def flash_attention_fn(
   return unflatten(out)
 
 
-def _unfused_reason(*, dtype, precision, module, dropout, broadcast_dropout,
+def unfused_reason(*, dtype, precision, module, dropout, broadcast_dropout,
                     einsums) -> str | None:
   """Why a call cannot go to jax_flash as it stands, or None."""
   if module is not None:
@@ -333,29 +333,3 @@ def resolve_inputs(inputs_q, inputs_k, inputs_v):
           "array for both, pass it as `inputs_k` and leave `inputs_v` None.")
     inputs_k = inputs_q
   return inputs_k, inputs_k if inputs_v is None else inputs_v
-
-
-def append_to_cache(cached_key, cached_value, index, key, value):
-  """Writes `key`/`value` into the caches at position `index`.
-
-  Args:
-    cached_key, cached_value: [batch..., max_len, num_kv_heads, head_dim].
-    index: int32 scalar, the position of the first new entry.
-    key, value: [batch..., length, num_kv_heads, head_dim], the new entries.
-
-  Returns:
-    The updated caches. Entries past `max_len` are not written (XLA clamps
-    the start so that the slice fits), so callers stop at `max_len`.
-  """
-  expected = cached_key.shape[:-3] + cached_key.shape[-2:]
-  if key.shape[:-3] + key.shape[-2:] != expected or (
-      key.shape[-3] > cached_key.shape[-3]):
-    raise ValueError(
-        f"decoding: new keys {key.shape} do not fit the cache "
-        f"{cached_key.shape} ([batch..., max_len, kv_heads, head_dim])")
-  zero = jnp.zeros((), index.dtype)
-  start = (zero,) * (key.ndim - 3) + (index, zero, zero)
-  return (lax.dynamic_update_slice(cached_key, key.astype(cached_key.dtype),
-                                   start),
-          lax.dynamic_update_slice(cached_value,
-                                   value.astype(cached_value.dtype), start))

@@ -9,8 +9,8 @@ from typing import Any
 import jax.numpy as jnp
 from flax import linen
 
-from flax_layers.attention_fn import (append_to_cache, attend,
-                                      flash_attention_fn, resolve_inputs)
+from flax_layers import kv_cache
+from flax_layers.attention_fn import attend, flash_attention_fn, resolve_inputs
 
 
 class MultiHeadDotProductAttention(linen.MultiHeadDotProductAttention):
@@ -21,14 +21,28 @@ class MultiHeadDotProductAttention(linen.MultiHeadDotProductAttention):
   parameter tree (`query`, `key`, `value`, `out`, and `query_ln`/`key_ln`
   with `normalize_qk`) and the same `cache` collection: existing checkpoints
   load, and the same parameters give the same outputs. Only the default
-  `attention_fn` differs (`flax_layers.flash_attention_fn`).
+  `attention_fn` differs (`flax_layers.flash_attention_fn`), and one field
+  is added, `page_size`.
 
   What runs fused where Flax builds dense masks:
     - `is_causal=True` (an addition to the call; Flax's linen module has no
       causal flag): no [q_len, kv_len] mask exists.
-    - `decode=True`: the new tokens attend to the cache through `q_offset`;
-      a call may carry several tokens (chunked prefill), attending causally.
+    - `decode=True`: the new keys and values are written into the cache
+      (`jax_flash.write_kv_cache`) and the new tokens attend to it with
+      `jax_flash.decode_attention`, which reads only each sequence's filled
+      part. A call may carry several tokens (chunked prefill), attending
+      causally.
     - `segment_ids` (an addition): packed sequences.
+
+  The cache (see `flax_layers.kv_cache`), made by `init` with
+  `decode=True` from an input of the full length, as Flax's: `cached_key`,
+  `cached_value` [batch..., max_len, num_heads, head_dim] and a scalar
+  `cache_index`. With `page_size` set it is paged instead: pages
+  [num_pages, page_size, num_heads, head_dim], `cache_index` [batch...] and
+  `block_tables` [batch..., pages_per_seq], sequence b starting with pages
+  b * pages_per_seq onwards; any of them may be replaced between calls (a
+  serving engine's own pool and tables). Ragged batches: `cache_index` may
+  hold a length per sequence, and `input_lengths` right-pads a call.
 
   Example::
 
@@ -41,13 +55,14 @@ class MultiHeadDotProductAttention(linen.MultiHeadDotProductAttention):
   """
 
   attention_fn: Callable[..., Any] = flash_attention_fn
+  page_size: int | None = None  # decode=True: rows per page of a paged cache
 
   @linen.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *,
                inputs_kv=None, mask=None, deterministic=None,
                dropout_rng=None, sow_weights=False, is_causal=False,
-               segment_ids=None):
-    """Applies multi-head attention; Flax's arguments plus two.
+               segment_ids=None, input_lengths=None):
+    """Applies multi-head attention; Flax's arguments plus three.
 
     Args:
       inputs_q: [batch..., q_len, features].
@@ -63,6 +78,10 @@ class MultiHeadDotProductAttention(linen.MultiHeadDotProductAttention):
       is_causal: query i attends to keys j <= i.
       segment_ids: int32 [batch..., q_len] (self-attention) or a pair
         (q_ids, kv_ids); only equal ids attend.
+      input_lengths: with `decode`, int [batch...]: the valid tokens of
+        each sequence in this call, the rest right padding (their outputs
+        are meaningless); `cache_index` advances by them and becomes
+        [batch...]. Default: all q_len.
 
     Returns:
       [batch..., q_len, out_features or features].
@@ -97,25 +116,6 @@ class MultiHeadDotProductAttention(linen.MultiHeadDotProductAttention):
       query = norm(name="query_ln")(query)
       key = norm(name="key_ln")(key)
 
-    q_offset = None
-    if self.decode:
-      # As in Flax: `init` creates the cache from the full-length input and
-      # attends without it; later calls append to it.
-      initialised = self.has_variable("cache", "cached_key")
-      cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape,
-                                 key.dtype)
-      cached_value = self.variable("cache", "cached_value", jnp.zeros,
-                                   value.shape, value.dtype)
-      cache_index = self.variable("cache", "cache_index",
-                                  lambda: jnp.array(0, dtype=jnp.int32))
-      if initialised:
-        q_offset = cache_index.value
-        key, value = append_to_cache(cached_key.value, cached_value.value,
-                                     q_offset, key, value)
-        cached_key.value, cached_value.value = key, value
-        cache_index.value = q_offset + query.shape[-3]
-        is_causal = True
-
     if self.dropout_rate > 0.0:
       deterministic = linen.merge_param("deterministic", self.deterministic,
                                         deterministic)
@@ -123,10 +123,8 @@ class MultiHeadDotProductAttention(linen.MultiHeadDotProductAttention):
         dropout_rng = self.make_rng("dropout")
     else:
       deterministic = True
-
-    x = attend(
-        self.attention_fn, query, key, value, mask=mask, is_causal=is_causal,
-        q_offset=q_offset, segment_ids=segment_ids,
+    flax_kwargs = dict(
+        mask=mask, segment_ids=segment_ids,
         module=self if sow_weights else None, dropout_rng=dropout_rng,
         dropout_rate=self.dropout_rate,
         broadcast_dropout=self.broadcast_dropout,
@@ -135,6 +133,22 @@ class MultiHeadDotProductAttention(linen.MultiHeadDotProductAttention):
         force_fp32_for_softmax=self.force_fp32_for_softmax,
         qk_attn_weights_einsum=_make(self.qk_attn_weights_einsum_cls),
         attn_weights_value_einsum=_make(self.attn_weights_value_einsum_cls))
+
+    cache = self._cache(key) if self.decode else None
+    if cache is not None:
+      cached_key, cached_value, cache_index, tables = cache
+      x, cached_key.value, cached_value.value, cache_index.value = (
+          kv_cache.decode(
+              self.attention_fn, query, key, value,
+              cached_key=cached_key.value, cached_value=cached_value.value,
+              cache_index=cache_index.value,
+              block_tables=None if tables is None else tables.value,
+              input_lengths=input_lengths, **flax_kwargs))
+    elif input_lengths is not None:
+      raise ValueError("input_lengths applies to decoding with a cache")
+    else:
+      x = attend(self.attention_fn, query, key, value, is_causal=is_causal,
+                 q_offset=None, **flax_kwargs)
     return linen.DenseGeneral(
         features=features, axis=(-2, -1),
         kernel_init=self.out_kernel_init or self.kernel_init,
@@ -143,6 +157,32 @@ class MultiHeadDotProductAttention(linen.MultiHeadDotProductAttention):
         param_dtype=self.param_dtype, precision=self.precision,
         dot_general=self.out_dot_general,
         dot_general_cls=self.out_dot_general_cls, name="out")(x)
+
+  def _cache(self, key):
+    """The cache variables (key, value, index, block tables or None), or
+    None while `init` creates them: as in Flax, that call attends without
+    the cache."""
+    initialised = self.has_variable("cache", "cached_key")
+    if self.page_size is None:
+      tables = None
+      cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape,
+                                 key.dtype)
+      cached_value = self.variable("cache", "cached_value", jnp.zeros,
+                                   key.shape, key.dtype)
+      cache_index = self.variable("cache", "cache_index",
+                                  lambda: jnp.array(0, dtype=jnp.int32))
+    else:
+      def paged(part):
+        return kv_cache.init_paged(key.shape[:-3], key.shape[-3],
+                                   *key.shape[-2:], self.page_size,
+                                   key.dtype)[part]
+      cached_key, cached_value, cache_index, tables = (
+          self.variable("cache", name, paged, part) for part, name in
+          enumerate(("cached_key", "cached_value", "cache_index",
+                     "block_tables")))
+    if not initialised:
+      return None
+    return cached_key, cached_value, cache_index, tables
 
 
 def _make(factory):

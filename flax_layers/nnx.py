@@ -1,10 +1,11 @@
 """`flax.nnx.MultiHeadAttention` on jax_flash: change one import."""
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
-from flax_layers.attention_fn import (append_to_cache, attend,
-                                      flash_attention_fn, resolve_inputs)
+from flax_layers import kv_cache
+from flax_layers.attention_fn import attend, flash_attention_fn, resolve_inputs
 
 
 class MultiHeadAttention(nnx.MultiHeadAttention):
@@ -21,12 +22,21 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   What runs fused where Flax builds dense masks:
     - `is_causal=True`: the kernels skip the blocks above the diagonal; no
       [q_len, kv_len] mask exists.
-    - `decode=True`: the new tokens attend to the cache through `q_offset`
-      (their position), so work stops at the filled part of the cache. A call
-      may carry several tokens (chunked prefill); they attend causally.
+    - `decode=True`: the new keys and values are written into the cache
+      (`jax_flash.write_kv_cache`) and the new tokens attend to it with
+      `jax_flash.decode_attention`, which reads only each sequence's filled
+      part. A call may carry several tokens (chunked prefill); they attend
+      causally.
     - `segment_ids` (an addition to Flax's call): packed sequences.
 
-  `init_cache` and `set_view` are Flax's.
+  The cache (see `flax_layers.kv_cache`): `init_cache` makes Flax's
+  (`cached_key`, `cached_value` [batch..., max_len, num_kv_heads, head_dim],
+  `cache_index` scalar), as does `set_view`; `init_cache(...,
+  page_size=16)` makes a paged one (pages [num_pages, page_size,
+  num_kv_heads, head_dim], `cache_index` [batch...], `block_tables`
+  [batch..., pages_per_seq]). Ragged batches: `cache_index` may hold a
+  length per sequence, and `input_lengths` right-pads a call (a batch of
+  prompts of different lengths in one prefill call).
 
   Example::
 
@@ -36,16 +46,43 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     layer = MultiHeadAttention(num_heads=8, num_kv_heads=2, in_features=512,
                                decode=False, rngs=nnx.Rngs(0))
     y = layer(x, is_causal=True)                     # x: [batch, len, 512]
+
+    layer.init_cache((batch, max_len, 512), page_size=16)  # or dense: no size
+    y = layer(prompts, decode=True, input_lengths=prompt_lengths)  # prefill
+    y = layer(next_tokens, decode=True)              # [batch, 1, 512] a step
   """
 
   def __init__(self, *args, attention_fn=flash_attention_fn, **kwargs):
     super().__init__(*args, attention_fn=attention_fn, **kwargs)
+    self.block_tables: nnx.Cache | None = nnx.data(None)
+
+  def init_cache(self, input_shape, dtype=jnp.float32, *, page_size=None):
+    """Flax's `init_cache`, or with `page_size` a paged cache.
+
+    Args:
+      input_shape: (batch..., max_length, in_features), as Flax's.
+      dtype: the cache's dtype; decoding computes in it.
+      page_size: rows per page; None: Flax's dense cache. Sequence b starts
+        with pages b * pages_per_seq onwards of a pool that holds every
+        sequence's max_length; the pool (`cached_key`, `cached_value`) and
+        `block_tables` may be replaced to allocate pages differently.
+    """
+    self.block_tables = None
+    if page_size is None:
+      super().init_cache(input_shape, dtype)
+      return
+    cache = kv_cache.init_paged(tuple(input_shape[:-2]), input_shape[-2],
+                                self.num_kv_heads, self.head_dim, page_size,
+                                dtype)
+    (self.cached_key, self.cached_value, self.cache_index,
+     self.block_tables) = (nnx.Cache(x) for x in cache)
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
                deterministic=None, rngs=None, sow_weights=False, decode=None,
-               is_causal=False, segment_ids=None, out_sharding=None,
-               qkv_sharding=None):
-    """Applies multi-head attention; Flax's arguments plus `segment_ids`.
+               is_causal=False, segment_ids=None, input_lengths=None,
+               out_sharding=None, qkv_sharding=None):
+    """Applies multi-head attention; Flax's arguments plus `segment_ids` and
+    `input_lengths`.
 
     Args:
       inputs_q: [batch..., q_len, in_features].
@@ -63,6 +100,10 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       is_causal: query i attends to keys j <= i.
       segment_ids: int32 [batch..., q_len] (self-attention) or a pair
         (q_ids, kv_ids); only equal ids attend.
+      input_lengths: with `decode`, int [batch...]: the valid tokens of
+        each sequence in this call, the rest right padding (their outputs
+        are meaningless); `cache_index` advances by them and becomes
+        [batch...]. Default: all q_len.
       out_sharding, qkv_sharding: as Flax's, for the projections.
 
     Returns:
@@ -78,28 +119,31 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
 
-    q_offset = None
+    deterministic, dropout_rng = self._dropout(deterministic, rngs)
+    flax_kwargs = dict(mask=mask, segment_ids=segment_ids,
+                       module=self if sow_weights else None,
+                       dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+                       broadcast_dropout=self.broadcast_dropout,
+                       deterministic=deterministic, dtype=self.dtype,
+                       precision=self.precision)
     if self._decoding(decode):
       if self.cached_key is None or self.cache_index is None:
         raise ValueError("decode=True needs the cache: call init_cache first")
-      q_offset = self.cache_index[...]
-      key, value = append_to_cache(self.cached_key[...],
-                                   self.cached_value[...], q_offset, key,
-                                   value)
-      self.cached_key[...] = key
-      self.cached_value[...] = value
-      self.cache_index[...] = q_offset + query.shape[-3]
-      is_causal = True
-
-    deterministic, dropout_rng = self._dropout(deterministic, rngs)
-    x = attend(self.attention_fn, query, key, value, mask=mask,
-               is_causal=is_causal, q_offset=q_offset,
-               segment_ids=segment_ids,
-               module=self if sow_weights else None,
-               dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
-               broadcast_dropout=self.broadcast_dropout,
-               deterministic=deterministic, dtype=self.dtype,
-               precision=self.precision)
+      x, keys, values, index = kv_cache.decode(
+          self.attention_fn, query, key, value,
+          cached_key=self.cached_key[...], cached_value=self.cached_value[...],
+          cache_index=self.cache_index[...],
+          block_tables=(None if self.block_tables is None
+                        else self.block_tables[...]),
+          input_lengths=input_lengths, **flax_kwargs)
+      self.cached_key[...] = keys
+      self.cached_value[...] = values
+      self.cache_index.set_value(index)  # a scalar may become [batch...]
+    elif input_lengths is not None:
+      raise ValueError("input_lengths applies to decode=True calls")
+    else:
+      x = attend(self.attention_fn, query, key, value, is_causal=is_causal,
+                 q_offset=None, **flax_kwargs)
     return self.out(x, out_sharding=out_sharding)
 
   def _decoding(self, decode) -> bool:

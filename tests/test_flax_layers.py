@@ -292,8 +292,10 @@ def test_nnx_decode_reproduces_causal_forward(implementation):
   assert_close(jnp.concatenate(chunks, axis=1), full)
 
 
-def test_decode_with_flax_attention_fn_matches_flash():
-  """A foreign attention_fn gets the cache as a dense mask instead."""
+@pytest.mark.parametrize("page_size", [None, 2], ids=["dense", "paged"])
+def test_decode_with_flax_attention_fn_matches_flash(page_size):
+  """A foreign attention_fn gets the cache as keys (a paged one gathered,
+  with what lies past the lengths zeroed) and the positions as a mask."""
   kwargs = dict(num_heads=2, in_features=8)
   _, ours = nnx_pair(None, **kwargs)
   dense = flax_layers.nnx.MultiHeadAttention(
@@ -302,11 +304,161 @@ def test_decode_with_flax_attention_fn_matches_flash():
   nnx.update(dense, nnx.state(ours, nnx.Param))
   x = normal(0, (1, 5, 8))
   for module in (ours, dense):
-    module.init_cache(x.shape)
+    module.init_cache(x.shape, page_size=page_size)
+    poison(module)
   with fused():
     expected = run(ours, x[:, :3], decode=True)
   assert_close(run(dense, x[:, :3], decode=True), expected)
   assert_close(run(dense, x, is_causal=True), run(ours, x, is_causal=True))
+
+
+# Decoding a ragged batch through the layers, dense and paged.
+
+PROMPTS = (4, 1, 2)  # each sequence's prompt length
+STEPS = 3  # tokens decoded one at a time after the prompts
+MAX_LEN = 8  # >= max(PROMPTS) + STEPS
+PAGE_SIZE = 2
+LAYOUTS = [pytest.param(None, id="dense"), pytest.param(PAGE_SIZE, id="paged")]
+
+
+def ragged_calls(x):
+  """The calls of a ragged generation over x [batch, len, features]: the
+  prompts right-padded with noise into one prefill call (and their
+  lengths), then each sequence's next input, one per step."""
+  lengths = jnp.array(PROMPTS, jnp.int32)
+  prompts = x[:, :max(PROMPTS)]
+  valid = jnp.arange(prompts.shape[1])[None, :, None] < lengths[:, None, None]
+  # Loud padding: had its keys reached a valid row, the outputs would show it.
+  prompts = jnp.where(valid, prompts, 10 * normal(99, prompts.shape))
+  batch = jnp.arange(x.shape[0])
+  steps = [x[batch, lengths + s][:, None] for s in range(STEPS)]
+  return prompts, lengths, steps
+
+
+def assert_ragged_matches(prefill, steps, full):
+  """Each sequence's prompt outputs then step outputs equal its rows of
+  the full causal pass."""
+  for b, length in enumerate(PROMPTS):
+    decoded = jnp.concatenate([prefill[b, :length]] + [y[b] for y in steps])
+    assert_close(decoded, full[b, :length + STEPS])
+
+
+def shuffled_tables(num_pages, batch):
+  """Every sequence's pages, scattered over the pool."""
+  pages = jax.random.permutation(jax.random.key(5), num_pages)
+  return pages.reshape(batch, -1).astype(jnp.int32)
+
+
+def poison(module):
+  """NaN in every cache row: those not written must never be read."""
+  for cache in (module.cached_key, module.cached_value):
+    cache[...] = jnp.full_like(cache[...], jnp.nan)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("page_size", LAYOUTS)
+def test_nnx_decode_ragged_batch(page_size, implementation):
+  """Prompts of different lengths in one prefill call, then single tokens,
+  through a dense or a paged (shuffled, NaN-poisoned) cache, equal the
+  full causal pass; every step reuses one trace."""
+  _, ours = nnx_pair(implementation, num_heads=4, num_kv_heads=2,
+                     in_features=16)
+  x = normal(0, (len(PROMPTS), MAX_LEN - 1, 16))
+  full = run(ours, x, is_causal=True)
+  ours.init_cache((len(PROMPTS), MAX_LEN, 16), page_size=page_size)
+  poison(ours)
+  if page_size:
+    ours.block_tables[...] = shuffled_tables(ours.cached_key.shape[0],
+                                             len(PROMPTS))
+  prompts, lengths, step_inputs = ragged_calls(x)
+  traces = []
+
+  @nnx.jit
+  def step(module, x):
+    traces.append(x.shape)
+    return module(x, decode=True)
+
+  with fused():
+    prefill = run(ours, prompts, decode=True, input_lengths=lengths)
+    steps = [step(ours, y) for y in step_inputs]
+  assert len(traces) == 1, traces
+  np.testing.assert_array_equal(ours.cache_index[...],
+                                lengths + len(step_inputs))
+  assert_ragged_matches(prefill, steps, full)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("page_size", LAYOUTS)
+def test_linen_decode_ragged_batch(page_size, implementation):
+  kwargs = dict(num_heads=2, qkv_features=8)
+  ours = flax_layers.linen.MultiHeadDotProductAttention(
+      attention_fn=flash(implementation), page_size=page_size, **kwargs)
+  x = normal(0, (len(PROMPTS), MAX_LEN - 1, 16))
+  variables = linen.MultiHeadDotProductAttention(**kwargs).init(
+      jax.random.key(0), x)
+  full = jit(ours.apply, is_causal=True)(variables, x)
+
+  decoder = ours.clone(decode=True)
+  cache = decoder.init(jax.random.key(0),
+                       jnp.zeros((len(PROMPTS), MAX_LEN, 16)))["cache"]
+  cache = dict(cache, cached_key=jnp.full_like(cache["cached_key"], jnp.nan),
+               cached_value=jnp.full_like(cache["cached_value"], jnp.nan))
+  if page_size:
+    cache["block_tables"] = shuffled_tables(cache["cached_key"].shape[0],
+                                            len(PROMPTS))
+  prompts, lengths, step_inputs = ragged_calls(x)
+  traces = []
+
+  @jax.jit
+  def apply(cache, x, input_lengths=None):
+    traces.append(x.shape)
+    return decoder.apply({**variables, "cache": cache}, x,
+                         input_lengths=input_lengths, mutable=["cache"])
+
+  with fused():
+    prefill, mutated = apply(cache, prompts, lengths)
+    steps = []
+    for y in step_inputs:
+      out, mutated = apply(mutated["cache"], y)
+      steps.append(out)
+  assert len(traces) == 2, traces  # the prefill's and the steps' one
+  np.testing.assert_array_equal(mutated["cache"]["cache_index"],
+                                lengths + len(step_inputs))
+  assert_ragged_matches(prefill, steps, full)
+
+
+def test_cache_variables_are_flax():
+  """The dense cache is Flax's, variable for variable, so Flax's cache
+  flows into ours; the paged one adds block_tables and pages."""
+  theirs, ours = nnx_pair(None, num_heads=4, num_kv_heads=2, in_features=16)
+  for module in (ours, theirs):
+    module.init_cache((2, MAX_LEN, 16))
+  shapes = lambda tree: jax.tree.map(lambda v: (v.shape, v.dtype), tree)
+  assert shapes(nnx.state(ours)) == shapes(nnx.state(theirs))
+  ours.init_cache((2, MAX_LEN, 16), page_size=PAGE_SIZE)
+  assert shapes(nnx.state(ours, nnx.Cache)) == shapes(nnx.State({
+      "block_tables": nnx.Cache(jnp.zeros((2, 4), jnp.int32)),
+      "cache_index": nnx.Cache(jnp.zeros((2,), jnp.int32)),
+      "cached_key": nnx.Cache(jnp.zeros((8, PAGE_SIZE, 2, 4))),
+      "cached_value": nnx.Cache(jnp.zeros((8, PAGE_SIZE, 2, 4)))}))
+
+  x = normal(0, (2, MAX_LEN, 16))
+  variables = linen.MultiHeadDotProductAttention(num_heads=2, decode=True).init(
+      jax.random.key(0), x)
+  ours = flax_layers.linen.MultiHeadDotProductAttention(num_heads=2,
+                                                        decode=True)
+  assert shapes(ours.init(jax.random.key(1), x)) == shapes(variables)
+  with fused():
+    out, _ = jit(ours.apply, mutable=["cache"])(variables, x[:, :1])
+  expected, _ = jit(linen.MultiHeadDotProductAttention(
+      num_heads=2, decode=True).apply, mutable=["cache"])(variables, x[:, :1])
+  assert_close(out, expected)
+  paged = ours.clone(page_size=PAGE_SIZE).init(jax.random.key(1), x)
+  assert shapes(paged["params"]) == shapes(variables["params"])
+  assert shapes(paged["cache"]) == {
+      "block_tables": ((2, 4), jnp.int32), "cache_index": ((2,), jnp.int32),
+      "cached_key": ((8, PAGE_SIZE, 2, 8), jnp.float32),
+      "cached_value": ((8, PAGE_SIZE, 2, 8), jnp.float32)}
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -352,15 +504,19 @@ def test_causal_builds_no_square_mask():
   assert not square, square
 
 
-def test_decode_attends_through_q_offset():
+@pytest.mark.parametrize("page_size", LAYOUTS)
+def test_decode_builds_no_mask(page_size):
+  """Decoding goes through decode_attention's kernel: no mask over the
+  cache exists outside it."""
   _, ours = nnx_pair("triton", num_heads=2, in_features=8)
   max_len = 24
-  ours.init_cache((1, max_len, 8))
+  ours.init_cache((1, max_len, 8), page_size=page_size)
   graphdef, state = nnx.split(ours)
 
   def step(state, x):
     return nnx.merge(graphdef, state)(x, decode=True)
   jaxpr = jax.make_jaxpr(step)(state, normal(0, (1, 1, 8)))
+  assert "pallas_call" in str(jaxpr)
   masks = [s for s, dtype in _shapes_outside_kernels(jaxpr.jaxpr)
            if dtype == jnp.bool_ and s and s[-1] == max_len]
   assert not masks, masks
