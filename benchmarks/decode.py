@@ -42,6 +42,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import gc
+import importlib
 import re
 import statistics
 import sys
@@ -64,13 +65,15 @@ from pallas_kernels.triton.decode import cache_bytes_read
 # run cut short by its time budget still has them; 4 GiB of cache at most.
 DEFAULT_CELLS = ("8x32k", "64x4k", "1x128k", "4x64k", "16x16k", "32x8k",
                  "1x32k", "64x16k", "16x16k:ragged")
-STANDARD = dict(cells=list(DEFAULT_CELLS), q_lens=[1, 4],
-                page_sizes=[0, 16, 64, 256], num_heads=32, num_kv_heads=8,
-                head_dim=128, warmup=2, reps=5, rounds=2)
+# Without --cells, q_len > 1 (speculative decoding) runs on these only, so
+# that the default run fits in about 5 minutes of an H200.
+SPECULATIVE_CELLS = ("8x32k", "64x4k", "1x128k", "4x64k")
+STANDARD = dict(q_lens=[1, 4], page_sizes=[0, 16, 64, 256], num_heads=32,
+                num_kv_heads=8, head_dim=128, warmup=2, reps=5, rounds=2)
 # Tiny sizes for CPU tests: XLA's paths only, a few seconds in all.
-SMOKE = dict(cells=["2x256", "3x128:ragged"], q_lens=[1, 4],
-             page_sizes=[0, 16], num_heads=4, num_kv_heads=2, head_dim=32,
-             warmup=1, reps=2, rounds=1)
+SMOKE_CELLS = ("2x256", "3x128:ragged")
+SMOKE = dict(q_lens=[1, 4], page_sizes=[0, 16], num_heads=4, num_kv_heads=2,
+             head_dim=32, warmup=1, reps=2, rounds=1)
 HBM_GBPS = {"H200": 4800.0}  # device-kind substring -> HBM bandwidth, GB/s
 
 OURS = {False: "jax_flash", True: "jax_flash_paged"}  # by "is paged"
@@ -265,7 +268,9 @@ def cudnn_paged(cell: DecodeCell, inputs: CacheInputs) -> Step:
   [num_pages, page_size, Hkv, D], page tables [batch, 1, pages_per_seq, 1],
   a padding mask from the lengths; non-causal, as `cudnn`."""
   _require_gpu("cuDNN paged attention")
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+  with _IMPORT_LOCK:
+    cudnn_attention = importlib.import_module(
+        "jax._src.cudnn.fused_attention_stablehlo")
   tables = inputs.tables[:, None, :, None]
   def step(query, key, value, lengths, tables):
     q_lengths = jnp.full(lengths.shape, cell.q_len, jnp.int32)
@@ -277,12 +282,18 @@ def cudnn_paged(cell: DecodeCell, inputs: CacheInputs) -> Step:
                          inputs.lengths, tables)
 
 
+# Builders run in threads; modules are imported under this lock (two
+# threads importing the same modules at once have seen them half
+# initialised, `peers._mosaic_module`), and so is the warnings filter,
+# which is process-wide.
+_IMPORT_LOCK = threading.Lock()
+
+
 def _pallas_ops(name: str):
   """`jax.experimental.pallas.ops.gpu.<name>` (JAX 0.11 deprecates these
   modules in favour of tokamax; they still work)."""
-  with warnings.catch_warnings():
+  with _IMPORT_LOCK, warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    import importlib
     return importlib.import_module(f"jax.experimental.pallas.ops.gpu.{name}")
 
 
@@ -374,7 +385,6 @@ def implementations(paged: bool) -> dict[str, Builder]:
 
 
 ALL_IMPLS = [*implementations(False), *implementations(True)]
-PEERS = [n for n in ALL_IMPLS if not n.startswith("jax_flash")]
 # Peers whose compilation runs XLA's autotuner: one at a time (it times
 # candidate kernels on the GPU, and two at once would disturb each other).
 AUTOTUNED = frozenset({"xla", "cudnn", "cudnn_paged"})
@@ -518,7 +528,7 @@ def run(args, result: dict) -> None:
   """Measures every (cell, implementation), appending to `result` and
   rewriting `args.json` after every cell."""
   deadline = time.monotonic() + args.time_budget
-  groups = [(q_len, *spec) for q_len in args.q_lens for spec in args.cells]
+  groups = args.groups
   impls_of = {paged: [i for i in implementations(paged) if i in args.impls]
               for paged in (False, True)}
   total = sum(len(impls_of[p > 0]) for _ in groups for p in args.page_sizes)
@@ -810,7 +820,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
   parser.add_argument("--cells", nargs="+", type=parse_cell,
                       metavar="BxL[:ragged]",
-                      help=f"default: {' '.join(DEFAULT_CELLS)}")
+                      help=f"default: {' '.join(DEFAULT_CELLS)} for q_len "
+                      f"1, {' '.join(SPECULATIVE_CELLS)} for the others")
   parser.add_argument("--q-lens", nargs="+", type=int)
   parser.add_argument("--page-sizes", nargs="+", type=int,
                       help="0: a dense cache (default: 0 16 64 256)")
@@ -841,8 +852,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   for name, value in preset.items():
     if getattr(args, name) is None:
       setattr(args, name, value)
-  args.cells = [parse_cell(c) if isinstance(c, str) else c
-                for c in args.cells]
+  # (q_len, batch, kv_len, ragged) in the order measured: every q_len 1
+  # cell first, the headline cells first among them.
+  def cells_for(q_len):
+    if args.cells is not None:
+      return args.cells
+    if args.smoke:
+      return map(parse_cell, SMOKE_CELLS)
+    return map(parse_cell, DEFAULT_CELLS if q_len == 1 else SPECULATIVE_CELLS)
+  args.groups = [(q_len, *cell) for q_len in args.q_lens
+                 for cell in cells_for(q_len)]
   if args.rounds < 1:
     parser.error(f"--rounds must be at least 1, got {args.rounds}")
   if any(p < 0 for p in args.page_sizes) or any(q < 1 for q in args.q_lens):
@@ -858,8 +877,10 @@ def main(argv=None) -> int:
     for path in args.render:
       print(*render_decode(path))
     return 0
-  result = {**common.run_header("benchmarks.decode", argv), "records": [],
-            "skipped": []}
+  result = {**common.run_header("benchmarks.decode", argv),
+            "settings": {name: getattr(args, name) for name in (
+                "warmup", "reps", "rounds", "seed")},
+            "records": [], "skipped": []}
   try:
     run(args, result)
   finally:  # what was measured is kept, even when the run is cut short

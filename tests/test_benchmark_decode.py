@@ -42,7 +42,7 @@ def test_every_cell_is_measured_or_skipped(smoke):
   measured = {_cell(r) for r in result["records"]}
   skipped = {_cell(s) for s in result["skipped"]}
   assert not measured & skipped
-  cells = [decode.parse_cell(c) for c in decode.SMOKE["cells"]]
+  cells = [decode.parse_cell(c) for c in decode.SMOKE_CELLS]
   expected = {
       (impl, batch, kv_len, q_len, page, "ragged" if ragged else "full")
       for batch, kv_len, ragged in cells for q_len in decode.SMOKE["q_lens"]
@@ -82,7 +82,7 @@ def test_table_and_plot_are_written(smoke):
     assert part in text, part
   headers, rows = decode.decode_table(result, 1)
   # A dense and a paged row per cell.
-  assert len(rows) == 2 * len(decode.SMOKE["cells"])
+  assert len(rows) == 2 * len(decode.SMOKE_CELLS)
   assert all(len(row) == len(headers) for row in rows)
 
 
