@@ -65,7 +65,7 @@ def test_records_follow_the_schema(smoke):
       nbytes = (2 * record["batch"] * record["kv_len"] * record["num_kv_heads"]
                 * record["head_dim"] * 2)
       assert record["gbps"] == pytest.approx(nbytes / record["us"] / 1e3)
-    assert record["max_diff"] < 0.05, record
+    assert record["max_diff"] < decode.SUSPECT_DIFF, record
     if record["impl"] in decode.OURS.values():
       assert record["implementation"] == ("triton" if compat.has_gpu()
                                           else "xla")
@@ -145,3 +145,22 @@ def test_cells_and_implementations_are_read_as_documented():
   # A path in the text is not a kernel.
   assert decode.implementation_run(
       'loc("jax/_src/pallas/mosaic_gpu/x.py") stablehlo.dot') == "xla"
+
+
+@pytest.mark.parametrize("q_len,page_size,ragged", [
+    (1, 0, False), (4, 0, True), (1, 16, True), (4, 64, False)])
+def test_pallas_peers_compute_the_decode_step(q_len, page_size, ragged):
+  """JAX's Pallas kernels as the benchmark calls them (interpret mode):
+  the last query row equals the oracle's (the earlier rows of a q_len 4
+  step are non-causal there, by design)."""
+  cell = decode.DecodeCell(batch=2, kv_len=512, q_len=q_len,
+                           page_size=page_size, ragged=ragged, num_heads=8,
+                           num_kv_heads=2, head_dim=64, dtype="float32")
+  seqs = decode.make_sequences(cell, seed=2)
+  peer = decode.pallas_paged if cell.paged else decode.pallas_decode
+  fn, args = peer(cell, decode.cache_inputs(cell, seqs, seed=2),
+                  interpret=True)
+  out = fn(*args)
+  assert out.shape == seqs.query.shape
+  want = decode.oracle_last_row(seqs)
+  np.testing.assert_allclose(out[:, -1], want, atol=1e-5)
