@@ -7,7 +7,8 @@
 
 Cells (DESIGN.md sections 2b and 5): bf16, 32 query heads on 8 KV heads,
 head_dim 128; `q_len` new tokens per sequence (1 when decoding, 4 for
-speculative decoding) against caches of `batch x kv_len`, every sequence
+speculative decoding, by default on four of the cells only) against caches
+of `batch x kv_len`, every sequence
 full (`BxL:ragged`: random lengths), stored dense (page size 0) or in pages
 of 16, 64 and 256 rows whose order in the pool is a random permutation. A
 cell's implementations see the same keys and values, each in the layout its
@@ -707,7 +708,8 @@ ours faster), ours being the fastest of the `jax_flash*` columns;
   splits) with the cache stored in its kernel's layout [B, Hkv, L, D] (its
   API's transpose cancelled, so no copy is timed); `pallas_paged`:
   `pallas.ops.gpu.paged_attention` on pages [Hkv, num_pages, page_size, D],
-  8 pages a step (2 for pages of 256), 16 splits.
+  8 pages a step (2 for pages of 256), 16 splits, 1/sqrt(D) folded into
+  the query (its kernel applies no scale).
 - q_len 4 (speculative): cuDNN's causal mask is top-left (row i would see
   positions <= i only), so `cudnn` and `cudnn_paged` run non-causal with
   the lengths as padding, and the Pallas kernels (one new token per
@@ -719,7 +721,8 @@ ours faster), ours being the fastest of the `jax_flash*` columns;
   pages_per_seq pages (cuDNN's paged attention requires that count).
 - `max_diff` in the JSON: max |out - oracle| on the last query row (the
   row every implementation computes exactly), the oracle being
-  `decode_attention`'s XLA path in float32.
+  `decode_attention`'s XLA path in float32; `temp_mib`: XLA's temporary
+  buffers of the step (a copy of the cache inside a step would show there).
 """
 
 
