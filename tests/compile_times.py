@@ -1,22 +1,21 @@
 """`pytest --compile-times N`: where a test run's time goes to compiling.
 
-The GPU suite takes longer than a device call, and each of its tests 100-260
-s on a shared two-GPU host (results/h200_gpu_tests.md): compiling (Mosaic,
-Triton and XLA) or running? With the option, each test's call records the
+Where does a test's time go: compiling (Mosaic, Triton and XLA) or
+running? (It found XLA's GPU autotuner behind most of the GPU suite's
+time, tests/conftest.py.) With the option, each test's call records the
 seconds JAX reports (`jax.monitoring`) for tracing, lowering to MLIR and the
 backend's compile, and how many compilations the persistent cache served;
 the terminal summary lists the N tests with the most compile time and the
 run's totals beside its test time. The records travel in the reports'
 `user_properties`, so pytest-xdist's workers report them too.
 
-Mosaic GPU kernels: session 16 read jaxlib 0.10.2 as compiling them when
-their custom call first runs, which this report could not have seen. On
-the H200 (JAX 0.11.2, session 17, `benchmarks.compile_probe`: bf16,
-head_dim 128, seq 128-1024, `flash_attention`'s default path, which there
-is Mosaic's though the probe did not check it) a jitted forward's or
-forward+VJP's first run took no longer than its second (under 5 ms,
-after 1-4 s of compile), so there their compile falls within XLA's
-compile phase, which this report sums.
+Mosaic GPU kernels: were they compiled when their custom call first runs,
+this report could not see it. On the H200 (JAX 0.11.2,
+`benchmarks.diagnostics.compile_probe`, results/h200_compile_probe.txt:
+bf16, head_dim 128, seq 128-1024) a jitted forward's or forward+VJP's
+first run took no longer than its second (under 5 ms, after 1-4 s of
+compile), so their compile falls within XLA's compile phase, which this
+report sums.
 """
 from __future__ import annotations
 

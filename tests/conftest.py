@@ -23,9 +23,9 @@ def _gpu_plugin_installed() -> bool:
 
 # XLA's GPU autotuner compiles and times candidate kernels for every new
 # matmul shape, in every process; with pytest-xdist's workers sharing a GPU
-# it was most of the GPU suite's time (session 17 on the H200: three heavy
-# tests 105 s -> 43 s in one process, and the whole suite, which had taken
-# three 10-minute calls of a two-GPU host, ran in 3 min 9 s). Tests need
+# it was most of the GPU suite's time (on the H200: three heavy tests 105 s
+# -> 43 s in one process, and the whole suite, which had taken three
+# 10-minute calls of a two-GPU host, ran in 3 min 9 s). Tests need
 # right numbers, not the fastest matmul, and level 0 also gives every
 # process the same reference kernels. Set before any backend starts; a
 # level the caller set in XLA_FLAGS stays.

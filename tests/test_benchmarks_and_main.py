@@ -390,7 +390,7 @@ def test_grid_rounds_interleave_and_keep_the_median(monkeypatch):
   def fake_measure(compiled, inputs, *, warmup, reps):
     calls.append(compiled)
     if compiled == "c" and len(times["c"]) == 0:
-      raise RuntimeError("c failed in round 2")
+      raise RuntimeError("c failed in its second round")
     return common.Measurement(times[compiled].pop(0), 1.5)
 
   def built(value=None, error=None):
