@@ -101,11 +101,12 @@ class CharCorpus:
 # Model.
 
 def rope(x, positions, base: float):
-  """Rotary position embedding (Su et al. 2021) on [batch, len, heads, dim]."""
+  """Rotary position embedding (Su et al. 2021) on [batch, len, heads, dim];
+  positions [len] or [batch, len]."""
   half = x.shape[-1] // 2
   freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle = positions[:, None].astype(jnp.float32) * freq  # [len, half]
-  cos, sin = jnp.cos(angle)[:, None], jnp.sin(angle)[:, None]
+  angle = positions[..., None].astype(jnp.float32) * freq  # [..., len, half]
+  cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
   return rotated.astype(x.dtype)
@@ -133,8 +134,11 @@ class Attention(nnx.Module):
     self.attention = attention
     self.rope_base = cfg.rope_base
 
-  def __call__(self, x):
-    positions = jnp.arange(x.shape[1])
+  def __call__(self, x, positions=None):
+    """x [batch, len, d_model]; positions int [batch, len] (generate.py's
+    decoding steps), default 0 .. len - 1."""
+    if positions is None:
+      positions = jnp.arange(x.shape[1])
     q = rope(self.query(x), positions, self.rope_base)
     k = rope(self.key(x), positions, self.rope_base)
     return self.out(self.attention(q, k, self.value(x)))
@@ -154,8 +158,8 @@ class Block(nnx.Module):
     self.up = linear(cfg.d_model, hidden)
     self.down = linear(hidden, cfg.d_model)
 
-  def __call__(self, x):
-    x = x + self.attention(self.attention_norm(x))
+  def __call__(self, x, positions=None):
+    x = x + self.attention(self.attention_norm(x), positions)
     h = self.mlp_norm(x)
     return x + self.down(nnx.silu(self.gate(h)) * self.up(h))
 
@@ -169,11 +173,12 @@ class LanguageModel(nnx.Module):
                             for _ in range(cfg.num_layers)])
     self.norm = nnx.RMSNorm(cfg.d_model, dtype=cfg.dtype, rngs=rngs)
 
-  def __call__(self, tokens):
-    """tokens int32 [batch, len] -> logits float32 [batch, len, vocab]."""
+  def __call__(self, tokens, positions=None):
+    """tokens int32 [batch, len] -> logits float32 [batch, len, vocab];
+    positions int [batch, len], default 0 .. len - 1."""
     x = self.embed(tokens)
     for block in self.blocks:
-      x = block(x)
+      x = block(x, positions)
     return self.embed.attend(self.norm(x)).astype(jnp.float32)
 
 
@@ -203,7 +208,7 @@ def make_train_step(graphdef, optimizer, axis_name: str | None):
 def train(cfg: Config, corpus: CharCorpus, *, attention: str,
           implementation: str | None, use_pmap: bool, seed: int,
           log_every: int) -> dict:
-  """Trains one model; returns its losses and timing.
+  """Trains one model; returns its losses, timing and parameters.
 
   The initial parameters and the batches depend on `seed` only, so runs
   with different attention (or with and without pmap) see the same data.
@@ -273,7 +278,7 @@ def train(cfg: Config, corpus: CharCorpus, *, attention: str,
   tqdm.write(f"[{name}] final train loss {losses[-1]:.4f}  valid loss "
              f"{valid_loss:.4f}  {steps_per_s:.2f} steps/s")
   return {"name": name, "losses": losses, "valid_loss": valid_loss,
-          "steps_per_s": steps_per_s}
+          "steps_per_s": steps_per_s, "params": params}
 
 
 def plot(runs: list[dict], path: pathlib.Path, title: str) -> None:
