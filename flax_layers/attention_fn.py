@@ -10,7 +10,7 @@ jax_flash refuses with NotImplementedError) goes to Flax's own
 
 Position arguments that Flax expresses as dense masks (decoding against a KV
 cache, packed sequences) have fused forms here: `q_offset` and `segment_ids`.
-Where jax_flash does not take one yet, it becomes a dense mask (same result).
+Where a backend refuses one, it becomes a dense mask (same result).
 """
 from __future__ import annotations
 

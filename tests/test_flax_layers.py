@@ -1,9 +1,9 @@
 """flax_layers against Flax's own attention: same parameters, same outputs.
 
 Each comparison runs jax_flash's XLA path and its Triton kernels (in Pallas
-interpret mode on a CPU). Where a call needs a jax_flash argument that is not
-implemented, the fallback must still give Flax's result; once the argument
-lands, the tests also assert the fused path (no FlashFallbackWarning).
+interpret mode on a CPU). Calls that run fused are asserted to (no
+FlashFallbackWarning); those that fall back must still give Flax's result.
+Decoding, dense and paged, must equal the full causal pass.
 """
 from __future__ import annotations
 
