@@ -11,8 +11,6 @@ import warnings
 
 import jax
 from jax.experimental import pallas as pl
-from jax.extend import core as jex_core
-from jax.interpreters import batching, mlir
 
 
 # JAX 0.11 deprecates the Pallas Triton backend (it still works). Only this
@@ -74,9 +72,9 @@ def pallas_call(kernel, *, interpret: bool = False, **kwargs):
   jaxpr, traced without manual-axis types, on blocks of the inputs; where
   those vary along a mesh axis, a primitive that meets them with one of the
   kernel's constants refuses the mix (the `pad` of a masked load, an `eq`,
-  a scan's carry). Such calls go through `_interpret_p`, which has the
-  kernel's types outside and lowers the interpreter on the same values typed
-  invariant: the same HLO as under `check_vma=False`.
+  a scan's carry). Such calls go through `_interpreted_call_p()`, which has
+  the kernel's types outside and lowers the interpreter on the same values
+  typed invariant: the HLO that `check_vma=False` gives.
   """
   call = pl.pallas_call(kernel, interpret=interpret, **kwargs)
   if not interpret:
@@ -92,8 +90,13 @@ def _invariant_structs(arrays):
   return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays]
 
 
+def _with_varying(avals, varying: frozenset):
+  return [a.update_manual_axis_type(a.mat.update(varying=varying))
+          for a in avals]
+
+
 def _interpret(call, *inputs):
-  """`call(*inputs)`, through `_interpret_p` where an input varies."""
+  """`call(*inputs)`, through `_interpreted_call_p()` where an input varies."""
   leaves, in_tree = jax.tree.flatten(inputs)
   varying = _varying(leaves)
   if not varying:
@@ -101,42 +104,44 @@ def _interpret(call, *inputs):
   jaxpr, out_shape = jax.make_jaxpr(
       lambda *xs: call(*in_tree.unflatten(xs)),
       return_shape=True)(*_invariant_structs(leaves))
-  outs = _interpret_p.bind(*leaves, jaxpr=jaxpr, varying=varying)
+  outs = _interpreted_call_p().bind(*leaves, jaxpr=jaxpr, varying=varying)
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
-def _with_varying(avals, varying: frozenset):
-  return [a.update_manual_axis_type(a.mat.update(varying=varying))
-          for a in avals]
+@functools.cache
+def _interpreted_call_p():
+  """One interpreted pallas_call as an opaque primitive.
 
+  Its `jaxpr` is the call traced on invariant inputs; its outputs vary along
+  `varying`, the inputs' axes (as `output_struct` declares). Made on first
+  use, so that compiled kernels never touch these JAX internals.
+  """
+  from jax.extend import core as jex_core
+  from jax.interpreters import batching, mlir
 
-# One interpreted pallas_call as an opaque primitive: `jaxpr` is the call
-# traced on invariant inputs; its outputs vary along `varying`, the union of
-# the inputs' axes (as `output_struct` declares).
-_interpret_p = jex_core.Primitive("pallas_call_interpreted")
-_interpret_p.multiple_results = True
-_interpret_p.def_abstract_eval(
-    lambda *_, jaxpr, varying: _with_varying(jaxpr.out_avals, varying))
+  primitive = jex_core.Primitive("pallas_call_interpreted")
+  primitive.multiple_results = True
+  primitive.def_abstract_eval(
+      lambda *_, jaxpr, varying: _with_varying(jaxpr.out_avals, varying))
 
+  def lowering(ctx, *args, jaxpr, varying):
+    del varying
+    invariant = lambda avals: _with_varying(avals, frozenset())
+    ctx = ctx.replace(avals_in=invariant(ctx.avals_in),
+                      avals_out=invariant(ctx.avals_out))
+    return mlir.lower_fun(jex_core.jaxpr_as_fun(jaxpr),
+                          multiple_results=True)(ctx, *args)
 
-def _interpret_lowering(ctx, *args, jaxpr, varying):
-  del varying
-  invariant = lambda avals: _with_varying(avals, frozenset())
-  ctx = ctx.replace(avals_in=invariant(ctx.avals_in),
-                    avals_out=invariant(ctx.avals_out))
-  return mlir.lower_fun(jex_core.jaxpr_as_fun(jaxpr),
-                        multiple_results=True)(ctx, *args)
+  def batched(args, dims, *, jaxpr, varying):
+    vmapped = jax.vmap(jex_core.jaxpr_as_fun(jaxpr), in_axes=dims)
+    outs = primitive.bind(
+        *args, jaxpr=jax.make_jaxpr(vmapped)(*_invariant_structs(args)),
+        varying=varying)
+    return outs, [0] * len(outs)
 
-
-def _interpret_batching(args, dims, *, jaxpr, varying):
-  batched = jax.make_jaxpr(jax.vmap(jex_core.jaxpr_as_fun(jaxpr),
-                                    in_axes=dims))(*_invariant_structs(args))
-  outs = _interpret_p.bind(*args, jaxpr=batched, varying=varying)
-  return outs, [0] * len(outs)
-
-
-mlir.register_lowering(_interpret_p, _interpret_lowering)
-batching.primitive_batchers[_interpret_p] = _interpret_batching
+  mlir.register_lowering(primitive, lowering)
+  batching.primitive_batchers[primitive] = batched
+  return primitive
 
 
 # SMs of an H100/H200 SXM: what a persistent kernel is sized for when no

@@ -2,18 +2,21 @@
 
 JAX fixes the number of CPU devices when it first initialises, and other test
 files initialise it with one. `tests/test_sharding.py` therefore runs this
-file as a script with `XLA_FLAGS=--xla_force_host_platform_device_count=8`;
-it prints one JSON line per check: {"name", "status": ok|fail|skip, "detail",
-"seconds"}.
+file as a script with `XLA_FLAGS=--xla_force_host_platform_device_count=8`
+(`run_in_subprocesses`); it prints one JSON line per check: {"name",
+"status": ok|fail|skip, "detail", "seconds"}. Another test module's `CHECKS`
+run the same way with `--module` (tests/test_transformations.py's).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-        python tests/sharding_worker.py [check names...]
+        python tests/sharding_worker.py [--module tests.x] [check names...]
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -36,6 +39,40 @@ from tests.attention_checks import Case, check_against_reference
 
 CHECKS: dict[str, Callable[[], dict]] = {}
 F32_TOL = 2e-5  # outputs and gradients, relative to the reference's magnitude
+NUM_DEVICES = 8
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_in_subprocesses(names, *, module: str | None = None,
+                        num_workers: int = 2) -> tuple[dict, str]:
+  """Runs the checks `names` of this file's `CHECKS` (or `module`'s), each
+  process with NUM_DEVICES CPU devices, `num_workers` processes at once.
+
+  Returns ({name: result}, the failed processes' stderr).
+  """
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1",
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                        f" --xla_force_host_platform_device_count="
+                        f"{NUM_DEVICES}"))
+  flags = ["--module", module] if module else []
+  workers = [
+      subprocess.Popen(
+          [sys.executable, os.path.join(ROOT, "tests", "sharding_worker.py"),
+           *flags, *names[i::num_workers]],
+          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+          text=True)
+      for i in range(num_workers)]
+  results, errors = {}, []
+  for worker in workers:
+    stdout, stderr = worker.communicate(timeout=900)
+    for line in stdout.splitlines():
+      if line.startswith("{"):
+        result = json.loads(line)
+        results[result["name"]] = result
+    if worker.returncode:
+      errors.append(f"worker exited with {worker.returncode}:\n"
+                    + stderr[-4000:])
+  return results, "\n".join(errors)
 
 
 def _check(name):
@@ -420,14 +457,18 @@ def _pmap_training_step():
   return errors
 
 
-def main(names):
-  assert jax.device_count() >= 8, (
-      f"needs 8 devices, got {jax.device_count()}: set XLA_FLAGS="
-      "--xla_force_host_platform_device_count=8")
-  for name in names or CHECKS:
+def main(args):
+  assert jax.device_count() >= NUM_DEVICES, (
+      f"needs {NUM_DEVICES} devices, got {jax.device_count()}: set XLA_FLAGS="
+      f"--xla_force_host_platform_device_count={NUM_DEVICES}")
+  checks = CHECKS
+  if args[:1] == ["--module"]:
+    checks = importlib.import_module(args[1]).CHECKS
+    args = args[2:]
+  for name in args or checks:
     start = time.perf_counter()
     try:
-      status, detail = "ok", CHECKS[name]()
+      status, detail = "ok", checks[name]()
     except Exception:  # reported to the pytest side, which fails the test
       status, detail = "fail", traceback.format_exc()
     print(json.dumps({"name": name, "status": status, "detail": detail,

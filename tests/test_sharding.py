@@ -8,10 +8,7 @@ single-device pieces (merge, layout, errors, a one-device mesh) run here.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +22,6 @@ from jax_flash.sharding import sequence_parallel_attention
 from tests import sharding_worker
 from tests.attention_checks import Case, check_against_reference
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two subprocesses in a plain run; one under pytest-xdist, whose other
 # process already keeps the second core (and memory) busy.
 NUM_WORKERS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
@@ -34,28 +30,8 @@ NUM_WORKERS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 @pytest.fixture(scope="module")
 def worker_results():
   """Runs every multi-device check in subprocesses; {name: result}."""
-  names = list(sharding_worker.CHECKS)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1",
-             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
-                        + " --xla_force_host_platform_device_count=8"))
-  workers = [
-      subprocess.Popen(
-          [sys.executable, os.path.join(ROOT, "tests", "sharding_worker.py"),
-           *names[i::NUM_WORKERS]],
-          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-          text=True)
-      for i in range(NUM_WORKERS)]
-  results, errors = {}, []
-  for worker in workers:
-    stdout, stderr = worker.communicate(timeout=900)
-    for line in stdout.splitlines():
-      if line.startswith("{"):
-        result = json.loads(line)
-        results[result["name"]] = result
-    if worker.returncode:
-      errors.append(f"worker exited with {worker.returncode}:\n"
-                    + stderr[-4000:])
-  return results, "\n".join(errors)
+  return sharding_worker.run_in_subprocesses(list(sharding_worker.CHECKS),
+                                             num_workers=NUM_WORKERS)
 
 
 @pytest.mark.parametrize("name", list(sharding_worker.CHECKS))
