@@ -427,6 +427,22 @@ def test_linen_decode_ragged_batch(page_size, implementation):
   assert_ragged_matches(prefill, steps, full)
 
 
+def test_decode_errors_name_the_argument():
+  _, ours = nnx_pair(None, num_heads=2, in_features=8)
+  x = normal(0, (2, 3, 8))
+  with pytest.raises(ValueError, match="input_lengths applies to decode"):
+    ours(x, input_lengths=jnp.array([3, 1]))
+  ours.init_cache((2, MAX_LEN, 8), page_size=PAGE_SIZE)
+  with pytest.raises(ValueError, match=r"input_lengths must be .* \(2,\)"):
+    ours(x, decode=True, input_lengths=jnp.array([3, 1, 2]))
+  ours.init_cache((3, MAX_LEN, 8), page_size=PAGE_SIZE)
+  with pytest.raises(ValueError, match="block_tables"):
+    ours(x, decode=True)  # a batch of 2 against tables for 3
+  ours.init_cache((2, 2, 8))
+  with pytest.raises(ValueError, match="do not fit the cache"):
+    ours(x, decode=True)  # 3 tokens, room for 2
+
+
 def test_cache_variables_are_flax():
   """The dense cache is Flax's, variable for variable, so Flax's cache
   flows into ours; the paged one adds block_tables and pages."""
