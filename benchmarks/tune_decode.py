@@ -27,13 +27,14 @@ from pallas_kernels.triton import decode as decode_kernel
 # dense and with small pages.
 CELLS = [(1, 131072, 1, 0), (8, 32768, 1, 0), (64, 4096, 1, 0),
          (1, 131072, 1, 16), (8, 32768, 1, 16), (64, 4096, 1, 16),
-         (8, 32768, 4, 0), (8, 32768, 1, 64)]
+         (8, 32768, 4, 0), (8, 32768, 1, 64), (1, 32768, 1, 0),
+         (16, 16384, 1, 0, "ragged"), (16, 16384, 1, 16, "ragged")]
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def make_cache(batch, length, page_size, key):
-  """(q, key_cache, value_cache, lengths, tables) with full sequences; pages
-  shuffled."""
+def make_cache(batch, length, page_size, key, ragged=False):
+  """(q, key_cache, value_cache, lengths, tables): full sequences, or
+  lengths uniform in [length / 8, length] when ragged; pages shuffled."""
   keys = jax.random.split(key, 3)
   dtype = jnp.bfloat16
   shape_q = (batch, 1, NUM_HEADS, HEAD_DIM)
@@ -49,7 +50,21 @@ def make_cache(batch, length, page_size, key):
   q = common.random_array(keys[0], shape_q, dtype)
   k = common.random_array(keys[1], shape_c, dtype)
   v = common.random_array(keys[2], shape_c, dtype)
-  return q, k, v, jnp.full((batch,), length, jnp.int32), tables
+  lengths = np.full((batch,), length)
+  if ragged:
+    lengths = np.random.default_rng(1).integers(length // 8, length + 1,
+                                                batch)
+  return q, k, v, jnp.asarray(lengths, jnp.int32), tables
+
+
+def split_variants(default: decode_kernel.DecodeTiling):
+  """Split counts, each split by length and by capacity."""
+  for splits, by_capacity in itertools.product((1, 2, 4, 8, 16, 32),
+                                               (False, True)):
+    t = dataclasses.replace(default, num_splits=splits,
+                            split_by_capacity=by_capacity)
+    yield (f"splits{splits}_{'cap' if by_capacity else 'len'}"
+           + (" (default)" if t == default else "")), t
 
 
 def variants(default: decode_kernel.DecodeTiling):
@@ -95,22 +110,28 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--cells", type=int, nargs="*", default=None,
                       help="indices into CELLS")
+  parser.add_argument("--sweep", choices=("tiles", "splits"),
+                      default="tiles", help="tiles: block_k, stages, warps "
+                      "and splits around the default; splits: split count "
+                      "and kind against stages")
   args = parser.parse_args(argv)
   cells = CELLS if args.cells is None else [CELLS[i] for i in args.cells]
   records = []
-  for batch, length, q_len, page_size in cells:
+  for batch, length, q_len, page_size, *ragged in cells:
     q, k, v, lengths, tables = make_cache(batch, length, page_size,
-                                          jax.random.key(0))
+                                          jax.random.key(0), bool(ragged))
+    cell = [batch, length, q_len, page_size, *ragged]
     q = jnp.repeat(q, q_len, axis=1)
     call, (lengths, tables, slopes, _) = decode.normalise_decode_call(
         q, k, v, lengths, block_tables=tables)
     nbytes = decode_kernel.cache_bytes_read(
-        [length] * batch, NUM_KV_HEADS, HEAD_DIM, 2)
+        np.asarray(lengths), NUM_KV_HEADS, HEAD_DIM, 2)
     default = decode_kernel.DecodeTiling.for_call(
         batch=batch, num_kv_heads=NUM_KV_HEADS, rows=q_len * call.group,
         head_dim=HEAD_DIM, capacity=call.capacity, num_sms=compat.num_sms())
     runs = [(name, tiling, functools.partial(_ours, call, tiling))
-            for name, tiling in variants(default)]
+            for name, tiling in (variants if args.sweep == "tiles"
+                                 else split_variants)(default)]
     # The split kernel alone, without the LSE merge and layout around it:
     # what the launches beside the kernel cost.
     runs.append(("kernel_only", default,
@@ -124,9 +145,9 @@ def main(argv=None):
         out = fn(q, k, v, lengths, tables)
         ms = common.time_fn(fn, q, k, v, lengths, tables, reps=args.reps)
       except Exception as e:  # a variant that fails to compile is recorded
-        records.append(dict(cell=[batch, length, q_len, page_size],
+        records.append(dict(cell=cell,
                             name=name, error=common.describe_error(e)))
-        print(f"{batch}x{length} q{q_len} p{page_size} {name}: "
+        print(f"{cell} {name}: "
               f"{common.describe_error(e, 120)}")
         continue
       if ref is None:
@@ -134,11 +155,11 @@ def main(argv=None):
       err = float("nan") if out.shape != ref.shape else float(jnp.max(
           jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
       gbps = nbytes / (ms * 1e-3) / 1e9
-      records.append(dict(cell=[batch, length, q_len, page_size], name=name,
+      records.append(dict(cell=cell, name=name,
                           tiling=None if tiling is None
                           else dataclasses.asdict(tiling),
                           us=ms * 1e3, gbps=gbps, max_diff=err))
-      print(f"{batch}x{length} q{q_len} p{page_size} {name:>14}: "
+      print(f"{cell} {name:>14}: "
             f"{ms * 1e3:8.1f} us {gbps:7.0f} GB/s diff {err:.2e}")
     common.write_json(args.out, dict(common.run_header("benchmarks.tune_decode"),
                                      records=records))
@@ -153,12 +174,13 @@ def render_md(records) -> str:
            "(the H200's HBM: 4.8 TB/s).", ""]
   cells = sorted({tuple(r["cell"]) for r in records},
                  key=lambda c: (c[3], c[2], c[0]))
-  for batch, length, q_len, page in cells:
-    lines += [f"## batch {batch}, cache {length}, q_len {q_len}, "
-              f"{'dense' if not page else f'pages of {page}'}", "",
+  for batch, length, q_len, page, *ragged in cells:
+    lines += [f"## batch {batch}, cache {length}{' (ragged)' if ragged else ''}"
+              f", q_len {q_len}, {'dense' if not page else f'pages of {page}'}",
+              "",
               "| schedule | us | GB/s |", "|---|---|---|"]
     for r in records:
-      if r["cell"] != [batch, length, q_len, page]:
+      if r["cell"] != [batch, length, q_len, page, *ragged]:
         continue
       if "error" in r:
         lines.append(f"| {r['name']} | {r['error'][:60]} | |")

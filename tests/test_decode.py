@@ -123,8 +123,10 @@ def _run(impl, q, k, v, lengths, tiling=None, **kwargs):
                                     **kwargs)
 
 
-IMPLS = [("xla", None), ("triton", None), ("triton", SMALL_TILING)]
-IMPL_IDS = ["xla", "triton", "triton-split"]
+IMPLS = [("xla", None), ("triton", None), ("triton", SMALL_TILING),
+         ("triton", dataclasses.replace(SMALL_TILING, num_splits=2,
+                                        split_by_capacity=True))]
+IMPL_IDS = ["xla", "triton", "triton-split", "triton-split-capacity"]
 
 
 @pytest.mark.parametrize("impl, tiling", IMPLS, ids=IMPL_IDS)

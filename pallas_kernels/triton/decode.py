@@ -51,6 +51,9 @@ class DecodeTiling:
     block_k: cache positions per loop step.
     num_splits: spans the cache is divided into (FlashDecoding's split-K).
     num_warps, num_stages: Triton launch settings.
+    split_by_capacity: split the cache's capacity into equal spans (a
+      span past a sequence's length is empty) rather than each sequence's
+      own length.
   """
 
   block_r: int
@@ -58,6 +61,7 @@ class DecodeTiling:
   num_splits: int
   num_warps: int = 4
   num_stages: int = 3
+  split_by_capacity: bool = False
 
   @classmethod
   def for_call(cls, *, batch: int, num_kv_heads: int, rows: int,
@@ -281,9 +285,14 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, tables_ref, slopes_ref,
     lo = jnp.clip(first_pos - left, 0, hi)
     full_lo = pl.cdiv(jnp.maximum(last_pos - left, 0), block_k)
   lo_block, hi_block = lo // block_k, pl.cdiv(hi, block_k)
-  per_split = pl.cdiv(hi_block - lo_block, tiling.num_splits)
-  start = jnp.minimum(lo_block + split * per_split, hi_block)
-  end = jnp.minimum(start + per_split, hi_block)
+  if tiling.split_by_capacity:
+    per_split = pl.cdiv(pl.cdiv(spec.kv_len, block_k), tiling.num_splits)
+    start = jnp.clip(split * per_split, lo_block, hi_block)
+    end = jnp.clip((split + 1) * per_split, start, hi_block)
+  else:
+    per_split = pl.cdiv(hi_block - lo_block, tiling.num_splits)
+    start = jnp.minimum(lo_block + split * per_split, hi_block)
+    end = jnp.minimum(start + per_split, hi_block)
   # Blocks below every row's position (and inside every row's window) need
   # no mask; the rest (the diagonal, the window's edge, the length) do.
   full_hi = jnp.maximum(first_pos + 1, 0) // block_k
