@@ -58,13 +58,10 @@ def make_cache(batch, length, page_size, key, ragged=False):
 
 
 def split_variants(default: decode_kernel.DecodeTiling):
-  """Split counts, each split by length and by capacity."""
-  for splits, by_capacity in itertools.product((1, 2, 4, 8, 16, 32),
-                                               (False, True)):
-    t = dataclasses.replace(default, num_splits=splits,
-                            split_by_capacity=by_capacity)
-    yield (f"splits{splits}_{'cap' if by_capacity else 'len'}"
-           + (" (default)" if t == default else "")), t
+  """Split counts from 1 to 32."""
+  for splits in (1, 2, 4, 8, 16, 32):
+    t = dataclasses.replace(default, num_splits=splits)
+    yield f"splits{splits}" + (" (default)" if t == default else ""), t
 
 
 def variants(default: decode_kernel.DecodeTiling):
@@ -112,8 +109,7 @@ def main(argv=None):
                       help="indices into CELLS")
   parser.add_argument("--sweep", choices=("tiles", "splits"),
                       default="tiles", help="tiles: block_k, stages, warps "
-                      "and splits around the default; splits: split count "
-                      "and kind against stages")
+                      "and splits around the default; splits: split counts")
   args = parser.parse_args(argv)
   cells = CELLS if args.cells is None else [CELLS[i] for i in args.cells]
   records = []

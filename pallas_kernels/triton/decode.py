@@ -51,9 +51,6 @@ class DecodeTiling:
     block_k: cache positions per loop step.
     num_splits: spans the cache is divided into (FlashDecoding's split-K).
     num_warps, num_stages: Triton launch settings.
-    split_by_capacity: split the cache's capacity into equal spans (a
-      span past a sequence's length is empty) rather than each sequence's
-      own length.
   """
 
   block_r: int
@@ -61,7 +58,6 @@ class DecodeTiling:
   num_splits: int
   num_warps: int = 4
   num_stages: int = 3
-  split_by_capacity: bool = False
 
   @classmethod
   def for_call(cls, *, batch: int, num_kv_heads: int, rows: int,
@@ -81,33 +77,47 @@ class DecodeTiling:
     block_k = common.clamp_block(min(_BLOCK_K, _TILE_ELEMENTS // dp),
                                  capacity)
     programs = batch * num_kv_heads * pl.cdiv(rows, block_r)
-    wanted = (_WAVES * num_sms) // programs
-    most = max(1, capacity // (block_k * _MIN_TILES_PER_SPLIT))
+    tiles = pl.cdiv(capacity, block_k)
+    # Every SM busy, in one wave: more programs than SMs would leave a
+    # partial second wave (one program per SM fits in shared memory).
+    splits = num_sms // programs
+    if batch > 1:
+      # Lengths may differ between sequences, and a sequence's spans are
+      # as long as it is: more, shorter spans balance the SMs' work.
+      splits = max(splits, min((_WAVES * num_sms) // programs,
+                               tiles // _MIN_TILES_PER_SPLIT))
+    splits = max(1, min(splits, tiles // _MIN_TILES_PER_SHORT_SPLIT))
     # Triton buffers num_stages - 1 steps of K and V ahead.
     per_step = 2 * block_k * dp * itemsize
     resident = block_r * dp * itemsize
     stages = 1 + max(1, (common.SHARED_MEMORY_BYTES - resident) // per_step)
-    return cls(block_r, block_k, max(1, min(wanted, most)),
-               num_stages=min(_NUM_STAGES, stages))
+    return cls(block_r, block_k, splits, num_stages=min(_NUM_STAGES, stages))
 
 
-# Defaults (see `DecodeTiling.for_call`). Query rows per program at most 64
-# (a 64 x 128 float32 accumulator in 4 warps); 128 cache positions a step,
-# three stages deep (Triton buffers two K and V tiles ahead: 128 KiB of
-# shared memory, so one program per SM at d=128), and splits that make about two such waves (the most splits whose programs
-# fit in two waves, never one that would start a third). Measured on the
-# H200 (bf16, 32:8 heads, d=128, q_len 1; `benchmarks/tune_decode.py`,
-# results/h200_decode_tuning.md): at 8 x 32k, 4 splits (256 programs) read
-# 4.10 TB/s against 3.84 with 9 (576 programs: a third, partial wave) and
-# 3.47 with 18; at 1 x 128k, 33 splits 3.80 TB/s against 3.62 with 66; at
-# 64 x 4k one split (512 programs) is as fast as two.
-# Tiles of at most 16k elements: 128 positions up to d=128, 64 at d=256.
+# Defaults (see `DecodeTiling.for_call`), measured on the H200 (bf16,
+# 32:8 heads, d=128, q_len 1; `python -m benchmarks.tune_decode`,
+# results/h200_decode_splits.md and h200_decode_tiles.md). Query rows per
+# program at most 64 (a 64 x 128 float32 accumulator in 4 warps); 128 cache
+# positions a step (64 at d=256), three stages deep: Triton buffers two K
+# and V tiles ahead, 128 KiB of shared memory, so one program per SM.
+# Splits:
+# - one wave when the batch is one sequence: 16 splits at 1 x 128k read
+#   4.0 TB/s, 32 (two waves) 3.85, 66 3.6; 17 would start a second wave
+#   for 4 programs;
+# - with several sequences, up to four waves of spans at least 32 tiles
+#   long: with ragged lengths (16 x 16k, lengths uniform in [2k, 16k]) 4
+#   splits read 3.77 TB/s against 3.50 with 2 and 3.29 with one; with full
+#   lengths it costs little (8 x 32k: 4.12 TB/s with 8 splits, 4.17-4.19
+#   with 2-4; 64 x 4k stays at one split, 4.08).
+# Splitting the capacity into equal spans instead of each sequence's length
+# (empty spans past a length) was no faster anywhere (same tables).
 _MAX_BLOCK_R = 64
 _BLOCK_K = 128
 _TILE_ELEMENTS = 16384
 _NUM_STAGES = 3
-_WAVES = 2
-_MIN_TILES_PER_SPLIT = 4
+_WAVES = 4
+_MIN_TILES_PER_SPLIT = 32
+_MIN_TILES_PER_SHORT_SPLIT = 4
 
 
 def flash_decode(query, key_cache, value_cache, lengths, tables, slopes, *,
@@ -209,7 +219,7 @@ def _decode_partials(query, key_cache, value_cache, lengths, tables, slopes,
                                                group))
     row_slopes = row_slopes.transpose(0, 2, 1, 3).reshape(
         batch * num_kv_heads, rows)
-  block_r, block_k, splits = tiling.block_r, tiling.block_k, tiling.num_splits
+  block_r, splits = tiling.block_r, tiling.num_splits
   row_blocks = pl.cdiv(rows, block_r)
   kernel = functools.partial(
       _decode_kernel, scale=scale, spec=spec, dims=dims, tiling=tiling,
@@ -285,14 +295,9 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, tables_ref, slopes_ref,
     lo = jnp.clip(first_pos - left, 0, hi)
     full_lo = pl.cdiv(jnp.maximum(last_pos - left, 0), block_k)
   lo_block, hi_block = lo // block_k, pl.cdiv(hi, block_k)
-  if tiling.split_by_capacity:
-    per_split = pl.cdiv(pl.cdiv(spec.kv_len, block_k), tiling.num_splits)
-    start = jnp.clip(split * per_split, lo_block, hi_block)
-    end = jnp.clip((split + 1) * per_split, start, hi_block)
-  else:
-    per_split = pl.cdiv(hi_block - lo_block, tiling.num_splits)
-    start = jnp.minimum(lo_block + split * per_split, hi_block)
-    end = jnp.minimum(start + per_split, hi_block)
+  per_split = pl.cdiv(hi_block - lo_block, tiling.num_splits)
+  start = jnp.minimum(lo_block + split * per_split, hi_block)
+  end = jnp.minimum(start + per_split, hi_block)
   # Blocks below every row's position (and inside every row's window) need
   # no mask; the rest (the diagonal, the window's edge, the length) do.
   full_hi = jnp.maximum(first_pos + 1, 0) // block_k
