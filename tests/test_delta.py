@@ -1,15 +1,19 @@
 """`row_delta`: the backward's delta = rowsum(dO ∘ O), as a Pallas kernel.
 
 Against the plain float32 product and sum, interpreted on a CPU (awkward
-lengths and head dims, every dtype), cross-lowered for CUDA with the MLIR
-verifier, and compiled on a GPU (`-m gpu`).
+lengths and head dims, every dtype; inside `shard_map` with either
+`check_vma`), cross-lowered for CUDA with the MLIR verifier, and compiled on
+a GPU (`-m gpu`).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, PartitionSpec
 
 import jax_flash  # noqa: F401  (imports pallas_kernels in the right order)
 from pallas_kernels import compat
@@ -43,6 +47,22 @@ def test_row_delta_is_the_float32_row_sum(shape, dtype):
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(got), _want(out, d_out), rtol=1e-6,
                              atol=1e-5)
+
+
+def test_row_delta_inside_shard_map():
+  """Its output declares how it varies (check_vma=True), at a length and
+  head dim that leave partial tiles; the same bits as unchecked."""
+  out, d_out = _operands(SHAPES[0], jnp.float32)
+  mesh = Mesh(np.array(jax.devices()[:1]), ("b",))
+  spec = PartitionSpec("b")
+  run = lambda check_vma: jax.jit(jax.shard_map(
+      functools.partial(row_delta, interpret=True), mesh=mesh,
+      in_specs=(spec, spec), out_specs=spec, check_vma=check_vma))(out,
+                                                                   d_out)
+  checked = run(True)
+  np.testing.assert_array_equal(checked, run(False))
+  np.testing.assert_allclose(np.asarray(checked), _want(out, d_out),
+                             rtol=1e-6, atol=1e-5)
 
 
 def test_row_delta_names_mismatched_shapes():

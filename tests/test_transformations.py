@@ -196,6 +196,10 @@ def test_eval_shape(implementation):
 
 # ---------------------------------------------------------------------------
 # Flax: the drop-in modules against Flax's own, with the same parameters.
+# A call that fell back to Flax's attention would warn; here it fails.
+
+NO_FALLBACK = pytest.mark.filterwarnings(
+    "error::flax_layers.FlashFallbackWarning")
 
 
 def flash_fn(implementation):
@@ -289,6 +293,7 @@ def flax_inputs(case: Case, features: int, seed: int):
   return x, jax.random.normal(keys[1], x.shape)
 
 
+@NO_FALLBACK
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_linen_module_in_scan_of_remat(implementation):
   x, d_y = flax_inputs(CASE, FEATURES, 4)
@@ -297,6 +302,7 @@ def test_linen_module_in_scan_of_remat(implementation):
   assert_close(run(implementation), run(None))
 
 
+@NO_FALLBACK
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_nnx_module_in_scan(implementation):
   x, d_y = flax_inputs(CASE, FEATURES, 6)
