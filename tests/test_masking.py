@@ -5,6 +5,9 @@ state means silently wrong attention.
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
@@ -76,7 +79,11 @@ def test_block_states_are_sound(call, block_q, block_k):
   """EMPTY tiles hold no kept pair; FULL tiles keep every pair and lie wholly
   inside both sequences."""
   spec, ops = call
-  states = np.asarray(masking.classify_blocks(spec, block_q, block_k, **ops))
+  # Jitted: one compile of the whole classification per example, where op
+  # by op each of its small ops compiles for every new shape.
+  classify = jax.jit(functools.partial(masking.classify_blocks, spec,
+                                       block_q, block_k))
+  states = np.asarray(classify(**ops))
   nq, nk = states.shape[-2:]
   keep = _keep_matrix(spec, nq * block_q, nk * block_k,
                       _padded_values(spec, ops, nq * block_q, nk * block_k))
@@ -94,13 +101,17 @@ def test_block_states_are_sound(call, block_q, block_k):
           assert (j + 1) * block_k <= spec.kv_len
 
 
+# Jitted once: the examples' few shapes each compile once.
+_block_ranges = jax.jit(masking.block_ranges)
+
+
 @settings(max_examples=200, deadline=None)
 @given(rows=st.lists(st.lists(st.sampled_from([0, 1, 2]), min_size=1,
                               max_size=12), min_size=1, max_size=6).filter(
                                   lambda r: len({len(x) for x in r}) == 1))
 def test_block_ranges_cover_every_nonempty_block(rows):
   states = jnp.asarray(rows, jnp.int32)
-  ranges = np.asarray(masking.block_ranges(states))
+  ranges = np.asarray(_block_ranges(states))
   for row, (lo, ulo, uhi, hi) in zip(rows, ranges):
     assert 0 <= lo <= ulo <= uhi <= hi <= len(row)
     for j, state in enumerate(row):
