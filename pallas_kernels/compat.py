@@ -74,7 +74,8 @@ def pallas_call(kernel, *, interpret: bool = False, **kwargs):
   kernel's constants refuses the mix (the `pad` of a masked load, an `eq`,
   a scan's carry). Such calls go through `_interpreted_call_p()`, which has
   the kernel's types outside and lowers the interpreter on the same values
-  typed invariant: the HLO that `check_vma=False` gives.
+  typed invariant, as under `check_vma=False` (the results are bitwise
+  those, tests/test_transformations.py).
   """
   call = pl.pallas_call(kernel, interpret=interpret, **kwargs)
   if not interpret:
