@@ -1,67 +1,63 @@
 """Cross-lowers every Mosaic GPU kernel and option for CUDA, on any machine.
 
-    python -m benchmarks.lower_mosaic
+    python -m benchmarks.lower_mosaic                 # every form lowers
+    python -m benchmarks.lower_mosaic --dump DIR      # each form's modules
+    python -m benchmarks.lower_mosaic --compare A B   # two dumps, form by form
 
-Lowers the forward (defaults, `overlap_scores`, `fence_softmax` +
-`split_handover`, grid launch order, the persistent grid on and off,
-tile-fastest launch, two consumers where three are the default, ring and
-hardware-barrier turns, lean producers, P's row sum after P V, O's
-lazy rescale on, off and at threshold 0), the backward (defaults,
-`overlap_softmax`, the persistent grid, tile-fastest launch, no automatic
-barriers, the fused dQ below head_dim 256, with and without them), and
-the masked
-forward and backward (defaults and `overlap_softmax`), at head dims 64, 128
-and 256, causal or not, and prints one line per kernel; exits non-zero if
-any fails. The test suite does the same under the CPU machines' JAX
-(0.10.2); this script exists to run it under the GPU machine's JAX (0.11.2,
-Python 3.12) before spending GPU time, since Mosaic GPU's API moves between
-versions:
+Lowers the forward and the backward on their plans (`mosaic.plan`) and with
+each choice of `plan.ForwardConfig` and `plan.BackwardConfig` turned the
+other way, the masked forward and backward, at head dims 64, 128 and 256,
+causal or not; prints one line per kernel and exits non-zero if any fails.
+The test suite does the same under the CPU machines' JAX (0.10.2); this
+script exists to run it under the GPU machine's JAX (0.11.2, Python 3.12)
+before spending GPU time, since Mosaic GPU's API moves between versions:
 
     python3.12 -m venv /tmp/venv0112
     /tmp/venv0112/bin/pip install jax==0.11.2 jaxlib==0.11.2 flax chex \\
         jaxtyping tqdm rich
     PYTHONPATH=. /tmp/venv0112/bin/python -m benchmarks.lower_mosaic
+
+`--dump` writes, for these forms and for the standard grid's calls through
+`mosaic_attention` (forward, and forward and backward; bf16, seq 1k, 4k,
+16k), the masked calls and the FP8 forward, the lowered module with each
+Mosaic GPU kernel printed without its source locations (which move with
+every edit of the code around them); `--compare` says which forms differ.
+A change that should not touch the kernels (a refactoring) must leave
+every form the same.
 """
 from __future__ import annotations
 
+import argparse
+import gzip
+import hashlib
+import os
+import re
 import sys
 
 import jax
 import jax.numpy as jnp
 
-from jax_flash.masking import MaskSpec
+from pallas_kernels.masking import MaskSpec, Operands
 from pallas_kernels.mosaic.backward import mosaic_backward
 from pallas_kernels.mosaic.forward import mosaic_forward
 from pallas_kernels.mosaic.masked import mosaic_forward_masked
 from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
 
-FORWARD_OPTIONS = ({}, dict(overlap_scores=True),
-                   dict(fence_softmax=True, split_handover=True),
-                   dict(heavy_first=False, persistent=False),
-                   dict(persistent=True, num_ctas=3),
-                   dict(persistent=False),
-                   dict(persistent=False, tile_fastest=True),
-                   dict(num_consumers=2), dict(num_consumers=2, ring_turns=True),
-                   dict(num_consumers=2, ring_turns=True, hw_turns=False),
-                   dict(hw_turns=False),
-                   dict(hw_turns=True), dict(hw_turns=True, persistent=False),
-                   dict(lean_producer=True, num_consumers=2),
-                   dict(lean_producer=True, num_consumers=2, persistent=False,
-                        overlap_scores=True),
-                   dict(sum_after_pv=True),
-                   dict(sum_after_pv=True, persistent=False,
-                        lean_producer=True, num_consumers=2),
+# Each choice the plans make, turned the other way (or to another value),
+# beside the plan itself ({}).
+FORWARD_OPTIONS = ({}, dict(persistent=True, num_ctas=3),
+                   dict(persistent=False), dict(num_consumers=2),
+                   dict(num_consumers=3), dict(hw_turns=True),
+                   dict(hw_turns=False), dict(sum_after_pv=True),
+                   dict(sum_after_pv=False), dict(lazy_rescale=True),
                    dict(lazy_rescale=True, rescale_threshold=0.0),
-                   dict(lazy_rescale=True, persistent=False),
-                   dict(lazy_rescale=False),
-                   dict(lazy_rescale=True, rescale_per_warp=False))
-BACKWARD_OPTIONS = ({}, dict(overlap_softmax=True),
+                   dict(lazy_rescale=False))
+BACKWARD_OPTIONS = ({}, dict(overlap_softmax=False),
                     dict(persistent=True, num_ctas=3),
-                    dict(persistent=False, tile_fastest=True),
-                    dict(prefetch_lse=True),
-                    dict(early_delta=True),
-                    dict(early_delta=True, lean_producer=True, fused_dq=False),
-                    dict(lean_producer=False, fused_dq=False))
+                    dict(persistent=False), dict(block_q=128),
+                    dict(prefetch_lse=True), dict(prefetch_lse=False),
+                    dict(lean_producer=False), dict(lean_producer=True),
+                    dict(dq_tiles=(64, 128), persistent=False))
 
 
 def lowers(fn, *shapes) -> str | None:
@@ -78,31 +74,23 @@ def kernels(head_dim: int):
   """(name, fn, shapes) of every kernel variant at `head_dim`."""
   q, kv = (2, 512, 4, head_dim), (2, 768, 2, head_dim)
   lse = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
-  # Three consumers at q_len 512 = 2 * 192 + 128: a short last tile, whose
-  # spare consumer skips its math by default (`skip_spare`).
-  three = (dict(num_consumers=3), dict(num_consumers=3, skip_spare=False),
-           dict(num_consumers=3, persistent=False, hw_turns=False))
   for causal in (False, True):
-    for options in FORWARD_OPTIONS + (three if head_dim == 64 else ()):
+    for options in FORWARD_OPTIONS:
       yield (f"forward d{head_dim} causal={causal} {options}",
              lambda q, k, v, c=causal, o=options: mosaic_forward(
                  q, k, v, scale=0.1, is_causal=c, **o), (q, kv, kv))
-    fused = dict(fused_dq=True, block_q=128 if head_dim == 64 else 64,
-                 merged_pieces=False)
-    fused_forms = (fused,
-                   dict(fused, stage_free_on_read=True, prefetch_lse=True),
-                   dict(fused, deferred_dq=True, merged_pieces=True),
-                   dict(fused, hw_ds_sync=True, deferred_dq=False))
-    # Sᵀ issued a step ahead: the plain dK/dV kernel, where dK and dV take
-    # one pass (d=64's 128-row Q tiles, either grid; d=128).
-    ahead_forms = () if head_dim == 256 else (
-        dict(scores_ahead=True, fused_dq=False, prefetch_stats=False,
-             block_q=128 if head_dim == 64 else 64),
-        dict(scores_ahead=True, persistent=True, num_ctas=3,
-             prefetch_stats=False, block_q=128 if head_dim == 64 else 64,
-             prefetch_lse=True))
-    for options in BACKWARD_OPTIONS + ahead_forms + (
-        fused_forms if head_dim < 256 else ()):
+    forms = BACKWARD_OPTIONS
+    if head_dim < 256:  # where dK and dV take one pass
+      forms += (dict(fused_dq=True, persistent=False),)
+    if head_dim == 256:
+      forms += (dict(shared_rows=True, persistent=False),
+                dict(shared_rows=True, persistent=True, num_ctas=3),
+                dict(shared_rows=False, persistent=False))
+    if not causal and head_dim < 256:
+      forms += (dict(scores_ahead=True, persistent=False),
+                dict(scores_ahead=True, persistent=True, num_ctas=3),
+                dict(scores_ahead=False, persistent=False))
+    for options in forms:
       yield (f"backward d{head_dim} causal={causal} {options}",
              lambda q, k, v, out, d_out, c=causal, o=options: mosaic_backward(
                  q, k, v, out, jnp.zeros(lse.shape, lse.dtype), d_out,
@@ -112,14 +100,171 @@ def kernels(head_dim: int):
   yield (f"masked forward d{head_dim}",
          lambda q, k, v: mosaic_forward_masked(q, k, v, scale=0.1, spec=spec),
          (q, kv, kv))
-  for options in BACKWARD_OPTIONS[:2]:  # no persistent ranged backward
+  for options in ({}, dict(overlap_softmax=True)):
     yield (f"masked backward d{head_dim} {options}",
            lambda q, k, v, out, d_out, o=options: mosaic_backward_masked(
                q, k, v, out, jnp.zeros((1, 4, 500), jnp.float32), d_out,
                scale=0.1, spec=spec, **o), (q, kv, kv, q, q))
 
 
-def main() -> int:
+def calls():
+  """(name, fn, abstract args) of what `--dump` writes: the standard grid
+  through `mosaic_attention`, masked calls, the FP8 forward, and
+  `kernels`' forms."""
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import mosaic_attention
+  from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
+  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+  def with_gradients(attend):
+    def fwd_bwd(q, k, v, d_out):
+      out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v)[0], q, k, v)
+      return out, vjp(d_out)
+    return fwd_bwd
+
+  for seq in (1024, 4096, 16384):
+    for d in (64, 128, 256):
+      for causal in (False, True):
+        x = bf16(16384 // seq, seq, 2048 // d, d)
+        attend = lambda q, k, v, d=d, c=causal: mosaic_attention(
+            q, k, v, scale=d**-0.5, is_causal=c,
+            backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
+        name = f"grid seq{seq} d{d} causal{int(causal)}"
+        yield f"{name} fwd", attend, (x, x, x)
+        yield f"{name} fwdbwd", with_gradients(attend), (x, x, x, x)
+  masks = {  # name: (q_len, kv_len, MaskSpec fields, operands)
+      "ragged causal": (200, 333, dict(is_causal=True), {}),
+      "bottom-right causal": (256, 512, dict(is_causal=True,
+                                             has_q_offset=True),
+                              dict(q_offset=[256, 100])),
+      "causal window": (384, 384, dict(is_causal=True, window=(100, 0)), {}),
+      "lengths": (256, 256, dict(has_q_lengths=True, has_kv_lengths=True),
+                  dict(q_lengths=[100, 256], kv_lengths=[256, 0])),
+      "soft cap": (97, 300, dict(is_causal=True, logits_soft_cap=20.0), {}),
+      "segments": (256, 200, dict(has_segments=True),
+                   dict(q_segments=[[0] * 100 + [1] * 156] * 2,
+                        kv_segments=[[0] * 60 + [1] * 140] * 2)),
+      "grid window": (4096, 4096, dict(is_causal=True, window=(1024, 0)), {}),
+  }
+  for mask, (q_len, kv_len, fields, values) in masks.items():
+    for d in (64, 128, 256):
+      spec = MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
+      batch = 2 if q_len < 1000 else 4
+      q, kv = bf16(batch, q_len, 4, d), bf16(batch, kv_len, 2, d)
+      attend = lambda q, k, v, d=d, s=spec, values=values: mosaic_attention(
+          q, k, v, scale=d**-0.5, is_causal=s.is_causal,
+          backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"), spec=s,
+          operands=Operands(**{k: jnp.asarray(v, jnp.int32)
+                               for k, v in values.items()}))
+      yield f"masked {mask} d{d} fwd", attend, (q, kv, kv)
+      yield f"masked {mask} d{d} fwdbwd", with_gradients(attend), (q, kv,
+                                                                   kv, q)
+  fp8 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  for seq in (1024, 4096):
+    for d in (64, 128, 256):
+      for causal in (False, True):
+        batch, heads = 16384 // seq, 2048 // d
+        x = fp8(batch, seq, heads, d)
+        for per_block in (False, True):
+          q_descale = f32(batch, heads, seq // 64) if per_block else f32(
+              batch, heads)
+          k_descale = f32(batch, heads, seq // (64 if d > 128 else 128)) if (
+              per_block) else f32(batch, heads)
+          forward = lambda q, k, v, a, b, c, d=d, causal=causal: (
+              mosaic_forward_fp8(q, k, v, q_descale=a, k_descale=b,
+                                 v_descale=c, scale=d**-0.5,
+                                 is_causal=causal))
+          yield (f"fp8 seq{seq} d{d} causal{int(causal)} "
+                 f"block{int(per_block)}", forward,
+                 (x, x, x, q_descale, k_descale, f32(batch, heads)))
+  for d in (64, 128, 256):
+    for name, fn, shapes in kernels(d):
+      yield f"option {name}", fn, [bf16(*shape) for shape in shapes]
+
+
+# A serialized kernel in the lowered text: replaced by a placeholder, the
+# kernel itself printed apart.
+_BLOB = re.compile(
+    r'(module|kernel_hash|ir|serialized_metadata) = "(?:[^"\\]|\\.)*"')
+
+
+def canonical(fn, args) -> str:
+  """The lowered text of `fn` at `args`, each Mosaic GPU kernel printed
+  without source locations, as it is before serialization."""
+  from jax.experimental.mosaic.gpu import core
+  kernels_seen, serialize = [], core._run_serde_pass
+
+  def capture(module, *a, **kw):
+    kernels_seen.append(module.operation.get_asm(enable_debug_info=False))
+    return serialize(module, *a, **kw)
+
+  core._run_serde_pass = capture
+  try:
+    text = jax.jit(fn).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+  finally:
+    core._run_serde_pass = serialize
+  return "\n".join([_BLOB.sub(r'\1 = "<blob>"', text)] + [
+      f"// ---- mosaic kernel {i}\n{kernel}"
+      for i, kernel in enumerate(kernels_seen)])
+
+
+def dump(directory: str) -> int:
+  """Writes `calls()`' canonical texts to `directory` (gzip, one file each,
+  and index.tsv); a form that does not lower is written as its error."""
+  os.makedirs(directory, exist_ok=True)
+  index = []
+  for name, fn, args in calls():
+    try:
+      text = canonical(fn, args)
+    except Exception as e:  # recorded, as what the form gives
+      text = f"ERROR {type(e).__name__}: {str(e)[:500]}"
+    key = hashlib.sha1(name.encode()).hexdigest()[:16]
+    with gzip.open(os.path.join(directory, key + ".txt.gz"), "wt") as f:
+      f.write(text)
+    index.append(f"{key}\t{name}")
+    print(f"{'ERROR' if text.startswith('ERROR') else 'ok   '} {name}",
+          flush=True)
+  with open(os.path.join(directory, "index.tsv"), "w") as f:
+    f.write("\n".join(index) + "\n")
+  return 0
+
+
+def compare(before: str, after: str) -> int:
+  """Prints each form whose text differs between two dumps, and a count;
+  non-zero if any differs or is missing from `after`."""
+  def load(directory):
+    with open(os.path.join(directory, "index.tsv")) as f:
+      return dict(line.rstrip("\n").split("\t")[::-1] for line in f if line)
+
+  def text(directory, key):
+    with gzip.open(os.path.join(directory, key + ".txt.gz"), "rt") as f:
+      return f.read()
+
+  a, b = load(before), load(after)
+  differ = [name for name in sorted(set(a) & set(b))
+            if text(before, a[name]) != text(after, b[name])]
+  for name in differ:
+    print(f"differs: {name}")
+  for name in sorted(set(a) - set(b)):
+    print(f"missing: {name}")
+  print(f"{len(set(a) & set(b)) - len(differ)} identical, {len(differ)} "
+        f"differ, {len(set(a) - set(b))} missing, {len(set(b) - set(a))} new")
+  return int(bool(differ) or bool(set(a) - set(b)))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0], epilog=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--dump", metavar="DIR")
+  parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+  args = parser.parse_args(argv)
+  if args.compare:
+    return compare(*args.compare)
+  if args.dump:
+    return dump(args.dump)
   print(f"JAX {jax.__version__}", flush=True)
   failures = 0
   for head_dim in (64, 128, 256):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import re
 
 import jax
@@ -21,6 +20,7 @@ from pallas_kernels.config import BlockSizes
 from tests.attention_checks import Case, check_against_reference, random_inputs
 
 try:
+  from pallas_kernels.mosaic import backward, plan
   from pallas_kernels.mosaic.backward import mosaic_backward
   from pallas_kernels.mosaic.forward import mosaic_forward
 except ImportError as e:  # a jaxlib built without Mosaic GPU
@@ -29,7 +29,8 @@ except ImportError as e:  # a jaxlib built without Mosaic GPU
 _CUSTOM_CALL = "mosaic_gpu_v2"
 _KERNEL_NAME = re.compile(
     r"mosaic_flash_backward_(dq_dkdv|dkdv|dk|dv|dq)(?![a-z])")
-
+_SHAPE_FIELDS = ("batch", "q_len", "kv_len", "num_heads", "num_kv_heads",
+                 "dtype")
 
 
 def _structs(*, batch=2, q_len=256, kv_len=384, num_heads=4, num_kv_heads=2,
@@ -46,21 +47,16 @@ def _kernels(text):
   return set(_KERNEL_NAME.findall(text))
 
 
-def _lower(head_dim, is_causal, **shape_and_blocks):
-  blocks = {name: shape_and_blocks.pop(name)
-            for name in ("block_q", "block_kv", "max_concurrent_steps",
-                         "overlap_softmax", "fused_dq", "persistent",
-                         "tile_fastest", "prefetch_stats", "opaque_resident",
-                         "shared_rows", "shared_q_rows", "deferred_dq",
-                         "prefetch_lse", "stage_free_on_read", "early_delta",
-                         "lean_producer", "merged_pieces", "scores_ahead",
-                         "num_ctas", "dq_tiles", "hw_ds_sync")
-            if name in shape_and_blocks}
-  args = _structs(head_dim=head_dim, **shape_and_blocks)
+def _lower(head_dim, is_causal, **shape_and_options):
+  """The lowered text of `mosaic_backward` at a call's shapes (GQA 4:2,
+  q_len 256, kv_len 384 unless given) with the rest as its options."""
+  shape = {name: shape_and_options.pop(name) for name in _SHAPE_FIELDS
+           if name in shape_and_options}
+  args = _structs(head_dim=head_dim, **shape)
 
   def backward(*args):
     return mosaic_backward(*args, scale=head_dim**-0.5, is_causal=is_causal,
-                           **blocks)
+                           **shape_and_options)
 
   lowered = jax.jit(backward).trace(*args).lower(lowering_platforms=("cuda",))
   for grad, primal in zip(lowered.out_info, args[:3]):
@@ -68,33 +64,108 @@ def _lower(head_dim, is_causal, **shape_and_blocks):
   return lowered.as_text()
 
 
+def _length_within(bounds) -> int:
+  """A length in `bounds` (a `plan.Range`) that whole 128-row tiles
+  divide."""
+  lo, hi = bounds
+  return hi // 128 * 128 if hi is not None else max(lo, 16384)
+
+
+def _configs(head_dim, is_causal=False, *, q_len=256, kv_len=384, **options):
+  """`backward.configure`'s (dq static or None, dK/dV statics)."""
+  q, kv = _structs(head_dim=head_dim, q_len=q_len, kv_len=kv_len)[:2]
+  return backward.configure(q, kv, scale=0.1, is_causal=is_causal, **options)
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_backward_lowers_for_cuda(head_dim, is_causal, lowering_semantics):
-  # GQA 4:2 and q_len 256 != kv_len 384.
+  # GQA 4:2 and q_len 256 != kv_len 384, each head dim on its plan (d=256:
+  # the persistent grid at this kv_len, where dK and dV take a pass each:
+  # two 64 x 256 f32 accumulators do not fit one warpgroup's registers).
   text = _lower(head_dim, is_causal)
   assert _CUSTOM_CALL in text
-  # At head_dim 256 two 64 x 256 f32 accumulators do not fit one
-  # warpgroup's registers: dK and dV come from one pass each.
   expected = {"dq", "dk", "dv"} if head_dim == 256 else {"dq", "dkdv"}
   assert _kernels(text) == expected
+
+
+def test_backward_plan_follows_its_rows():
+  """`plan.backward_config` gives each row of `BACKWARD_PLAN` at lengths in
+  its ranges, options replace its fields, and what the kernels cannot take
+  falls back unless asked for by name."""
+  config = lambda d, causal, n, q_len=None, **kw: plan.backward_config(
+      head_dim=d, is_causal=causal, q_len=q_len or n, kv_len=n, **kw)
+  for d, causal, _, kv_range, row in plan.BACKWARD_PLAN:
+    assert config(d, causal, _length_within(kv_range)) == row
+  assert config(64, False, 4096).block_q == 128
+  assert config(64, False, 4096, q_len=192).block_q == 64   # 128 ∤ 192
+  assert config(64, False, 4096).scores_ahead
+  assert not config(64, False, 1024).scores_ahead            # persistent
+  assert not config(64, False, 4096, max_concurrent_steps=1).scores_ahead
+  assert config(64, True, 16384).dq_tiles == (64, 128)
+  assert config(64, True, 16384 + 64).dq_tiles is None       # 128 ∤ kv_len
+  assert config(64, True, 16384, persistent=True).dq_tiles is None
+  assert config(128, False, 16384).fused_dq
+  assert not config(128, False, 16384 + 64).fused_dq         # one consumer
+  assert not config(128, False, 16384, persistent=True).fused_dq
+  assert not config(128, False, 16384, dq_tiles=(64, 128)).fused_dq
+  assert config(128, False, 16384, dq_tiles=(64, 64)).fused_dq  # the same
+  assert not config(128, False, 1024, fused_dq=True).persistent
+  assert not config(128, True, 1024).lean_producer
+  assert config(128, True, 2048).prefetch_lse
+  assert config(256, True, 2048).shared_rows
+  assert not config(256, True, 1024).shared_rows
+  with pytest.raises(NotImplementedError, match="head_dim"):
+    config(96, False, 1024)
+  with pytest.raises(TypeError, match="prefetch_stats"):
+    config(128, False, 1024, prefetch_stats=True)
+
+
+def test_backward_kernels_follow_their_plan():
+  """The kernels' statics carry the plan's choices: the fused dQ with its
+  own launch order, registers and opaque resident rows (where the zero's
+  cell fits), the two kernels launched tile-fastest, lse read early and
+  Sᵀ issued ahead in the dK/dV kernel only."""
+  dq, [fused] = _configs(128, q_len=512, kv_len=512, fused_dq=True)
+  assert dq is None and fused.fused_dq and fused.opaque_resident
+  assert not (fused.tile_fastest or fused.lean_producer or fused.persistent)
+  assert fused.prefetch_lse and fused.overlap_softmax
+  _, [fused64] = _configs(64, q_len=512, kv_len=512, fused_dq=True,
+                          persistent=False)
+  assert not fused64.opaque_resident  # 128-row Q tiles: no room for the zero
+  dq, [dkdv] = _configs(64, q_len=512, kv_len=2048)
+  assert dkdv.scores_ahead and not dq.scores_ahead
+  assert dq.tile_fastest and dkdv.tile_fastest and not dkdv.persistent
+  assert (dq.block_q, dkdv.block_q) == (128, 128)
+  dq, [dkdv] = _configs(128, True, kv_len=2048)
+  assert dkdv.prefetch_lse and not dq.prefetch_lse
+  assert dq.lean_producer and dkdv.lean_producer
+  dq, dkdvs = _configs(256, True)
+  assert dq.persistent and [c.outputs for c in dkdvs] == [("dk",), ("dv",)]
+  _, [shared] = _configs(256, True, kv_len=2048)
+  assert shared.shared_rows and shared.outputs == ("dk", "dv")
+
+
+def test_backward_default_is_its_plan(cuda_lowering):
+  """With no options the kernels are the ones their plan row spells out."""
+  for head_dim, causal in ((64, False), (128, True)):
+    row = plan.backward_config(head_dim=head_dim, is_causal=causal,
+                               q_len=256, kv_len=384)
+    assert _lower(head_dim, causal) == _lower(
+        head_dim, causal, **dataclasses.asdict(row))
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_overlapped_backward_lowers_and_changes_the_kernels(
-    head_dim, is_causal, lowering_semantics):
-  """`overlap_softmax` (P while dP runs, dS while dV runs) lowers in both
-  semantics, with the same kernels (at 256 one pass per output, where only
-  the dK pass has a dP), and changes them; it is the default."""
+    head_dim, is_causal, cuda_lowering):
+  """`overlap_softmax` (P while dP runs, dS while dV runs) lowers with the
+  same kernels (at 256 one pass per output, where only the dK pass has a
+  dP), and changes them."""
   text = _lower(head_dim, is_causal, overlap_softmax=True)
   expected = {"dq", "dk", "dv"} if head_dim == 256 else {"dq", "dkdv"}
   assert _kernels(text) == expected
   assert text != _lower(head_dim, is_causal, overlap_softmax=False)
-  # (Not `text == _lower(...)` with the default: under JAX 0.11.2 the
-  # serialized module carries call-site locations.)
-  default = inspect.signature(mosaic_backward).parameters["overlap_softmax"]
-  assert default.default is True
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -225,248 +296,81 @@ def _assert_bitwise_either_way(option, head_dim, is_causal, seed, *,
                                     err_msg=f"{name}, run {attempt}")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_overlapped_backward_is_bitwise_the_default_on_gpu(head_dim,
-                                                           is_causal):
-  """`overlap_softmax` reorders when the matmuls are waited for, not what
-  is computed: the gradients equal the default kernels' bit for bit (a
-  register read before its wgmma finished would not)."""
-  _assert_bitwise_either_way("overlap_softmax", head_dim, is_causal, 9)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, kwargs", [
-    (64, {}), (128, {}), (256, {}), (128, dict(overlap_softmax=False)),
-    (64, dict(fused_dq=True, block_q=128)), (256, dict(shared_rows=False)),
+@pytest.mark.parametrize("head_dim, option, kwargs", [
+    # Each step's P while dP runs and dS while dV runs.
+    (64, "overlap_softmax", {}), (128, "overlap_softmax", {}),
+    (256, "overlap_softmax", {}),
+    # lse read before the matmuls, in the fused, plain and (d=256)
+    # shared-rows consumers, on either grid.
+    (128, "prefetch_lse", dict(fused_dq=True)),
+    (128, "prefetch_lse", dict(persistent=False)),
+    (128, "prefetch_lse", dict(persistent=True, num_ctas=5)),
+    (128, "prefetch_lse", dict(overlap_softmax=False, persistent=False)),
+    (64, "prefetch_lse", dict(persistent=False)),
+    (256, "prefetch_lse", {}),
+    # Registers moved from the producers to the consumers (setmaxnreg): a
+    # budget that did not add up would hang or corrupt.
+    (128, "lean_producer", dict(persistent=False)),
+    (128, "lean_producer", dict(persistent=True, num_ctas=5)),
+    (64, "lean_producer", {}), (256, "lean_producer", {}),
+    # The launch grid and persistent grids: each tile computed as the
+    # launch grid does, for CTAs walking one tile to dozens (a ring slot or
+    # barrier phase off by one across tiles would not).
+    (64, "persistent", dict(num_ctas=3)), (64, "persistent", {}),
+    (128, "persistent", dict(num_ctas=3)), (256, "persistent", {}),
 ], ids=str)
-def test_prefetched_stats_are_bitwise_the_default_on_gpu(head_dim, kwargs,
-                                                         is_causal):
-  """`prefetch_stats` moves the dK/dV kernel's reads of lse and delta
-  ahead of its matmuls, not what is computed: dq, dk, dv equal the kernels
-  without it bit for bit, in every dK/dV form it applies to (head_dim 256:
-  shared rows by default at this kv_len, and the two passes)."""
-  _assert_bitwise_either_way("prefetch_stats", head_dim, is_causal, 17,
-                             **kwargs)
-
-
-def test_prefetched_stats_change_only_the_dkdv_kernels(cuda_lowering):
-  """The option reaches the dK/dV kernels (their code differs), not the dQ
-  kernel; by default it is on where it was measured faster (head_dim 64
-  with 64-row Q tiles: not the dispatch's 128-row ones) and off
-  elsewhere."""
-  from pallas_kernels.mosaic import backward
-  q, kv = _structs(head_dim=128)[:2]
-  dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=True,
-                                prefetch_stats=True)
-  assert all(config.prefetch_stats for config in dkdv)
-  assert not dq.prefetch_stats
-  dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=True)
-  assert not any(config.prefetch_stats for config in dkdv)
-  q64, kv64 = _structs(head_dim=64)[:2]
-  for is_causal in (False, True):
-    for block_q, on in ((64, True), (128, False)):
-      _, dkdv = backward.configure(q64, kv64, scale=0.1, is_causal=is_causal,
-                                   block_q=block_q)
-      assert all(config.prefetch_stats == on for config in dkdv)
-  assert _lower(128, True, prefetch_stats=True) != _lower(128, True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, kwargs", [
-    (128, dict(fused_dq=True)), (128, {}), (64, {}),
-    (128, dict(persistent=True)),
-], ids=str)
-def test_opaque_resident_is_bitwise_the_default_on_gpu(head_dim, kwargs,
-                                                       is_causal):
-  """`opaque_resident` changes where the resident tiles' descriptors are
-  computed, not what is computed: dq, dk, dv equal the kernels without it
-  bit for bit (an index off by the zero would not), fused dQ included."""
-  _assert_bitwise_either_way("opaque_resident", head_dim, is_causal, 19,
+def test_schedule_choices_are_bitwise_on_gpu(head_dim, option, kwargs,
+                                             is_causal):
+  """The backward's schedule choices change when things run, not what is
+  computed: the gradients equal the kernels' without each bit for bit, two
+  runs (a register read before its wgmma finished, or a race, would
+  not)."""
+  _assert_bitwise_either_way(option, head_dim, is_causal, 59, runs=2,
                              **kwargs)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim, kwargs", [
-    (128, {}), (64, dict(block_q=128)),
-], ids=str)
-def test_deferred_dq_is_bitwise_the_fused_kernel_on_gpu(head_dim, kwargs,
-                                                        is_causal):
-  """`deferred_dq` computes each step's dQ pieces a step later, in the
-  same order and with the same operands: dq, dk, dv equal the fused
-  kernel's bit for bit (a piece read from a dSᵀ buffer already
-  overwritten would not)."""
-  _assert_bitwise_either_way("deferred_dq", head_dim, is_causal, 23,
-                             fused_dq=True, **kwargs)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, kwargs", [
-    (64, dict(block_q=128)), (128, {}), (256, {}),
-], ids=str)
-def test_tile_fastest_is_bitwise_the_default_on_gpu(head_dim, kwargs,
-                                                    is_causal):
-  """`tile_fastest` changes only which CTAs run together: the two kernels'
-  gradients equal the default order's bit for bit (at d=256 with the
-  shared-rows dK/dV kernel)."""
-  _assert_bitwise_either_way("tile_fastest", head_dim, is_causal, 29,
-                             persistent=False, fused_dq=False, **kwargs)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, kwargs", [
-    (64, dict(block_q=128)), (128, dict(deferred_dq=False)),
-], ids=str)
-def test_hw_ds_sync_is_bitwise_the_fused_kernel_on_gpu(head_dim, kwargs,
-                                                       is_causal):
-  """`hw_ds_sync` moves the fused consumers' meeting each step onto a
-  hardware barrier: dq, dk, dv equal the fused kernel's bit for bit, three
-  runs in a row (a consumer reading the other's dSᵀ before it is stored
-  would not)."""
-  _assert_bitwise_either_way("hw_ds_sync", head_dim, is_causal, 59,
-                             runs=3, fused_dq=True, **kwargs)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, kwargs", [
-    (128, {}), (128, dict(deferred_dq=False)), (64, dict(block_q=128)),
-], ids=str)
-def test_stage_free_on_read_is_bitwise_the_fused_kernel_on_gpu(
-    head_dim, kwargs, is_causal):
-  """`stage_free_on_read` frees each stage of dQ pieces once the writer's
-  TMA has read it: dq, dk, dv equal the fused kernel's bit for bit, three
-  runs in a row (pieces overwritten before they were read, or a turn
-  handed on before its adds landed, would not)."""
-  _assert_bitwise_either_way("stage_free_on_read", head_dim, is_causal, 53,
-                             runs=3, fused_dq=True, **kwargs)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, kwargs", [
-    (128, dict(fused_dq=True)), (128, dict(fused_dq=False, persistent=False)),
-    (128, dict(overlap_softmax=False, fused_dq=False)),
-    (128, dict(persistent=True, num_ctas=5)),
-    (64, dict(fused_dq=True, block_q=128)), (256, {}),
-    (64, dict(fused_dq=False, block_q=128)),
-    (64, dict(fused_dq=False, block_q=128, persistent=False)),
-], ids=str)
-def test_prefetched_lse_is_bitwise_the_default_on_gpu(head_dim, kwargs,
-                                                      is_causal):
-  """`prefetch_lse` moves the dK/dV kernel's read of lse ahead of its
-  matmuls: the gradients equal the kernels' without it bit for bit, in
-  the fused, plain and (d=256) shared-rows consumers."""
-  _assert_bitwise_either_way("prefetch_lse", head_dim, is_causal, 59,
-                             **kwargs)
-
-
-@pytest.mark.parametrize("head_dim, kwargs", [
-    (128, dict(fused_dq=True)), (128, dict(fused_dq=False)), (256, {}),
-], ids=str)
-def test_prefetched_lse_lowers_and_changes_the_dkdv_kernels(head_dim, kwargs,
-                                                            cuda_lowering):
-  assert (_lower(head_dim, True, prefetch_lse=True, **kwargs)
-          != _lower(head_dim, True, prefetch_lse=False, **kwargs))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, kwargs", [
-    (128, dict(fused_dq=False, persistent=False)),
-    (128, dict(persistent=True, num_ctas=5)),
-    (128, dict(fused_dq=False, prefetch_lse=False)), (128, dict(fused_dq=True)),
-    (64, dict(fused_dq=False, block_q=128)),
-], ids=str)
-def test_early_delta_is_bitwise_the_default_on_gpu(head_dim, kwargs,
-                                                   is_causal):
-  """`early_delta` moves the dK/dV kernel's read of delta before P's
-  exponentials: the gradients equal the kernels' without it bit for bit,
-  with and without lse read early, two kernels and fused."""
-  _assert_bitwise_either_way("early_delta", head_dim, is_causal, 61,
-                             **kwargs)
-
-
-@pytest.mark.parametrize("kwargs", [dict(fused_dq=False), dict(fused_dq=True)],
-                         ids=str)
-def test_early_delta_lowers_and_changes_the_dkdv_kernel(kwargs,
-                                                        cuda_lowering):
-  assert (_lower(128, False, early_delta=True, **kwargs)
-          != _lower(128, False, early_delta=False, **kwargs))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, is_causal, kwargs", [
-    (64, False, dict(block_q=128, fused_dq=False, persistent=False)),
-    (64, False, dict(block_q=128, persistent=True, num_ctas=5)),
+    (64, dict(persistent=False)),
+    (64, dict(persistent=True, num_ctas=5)),
     # 32 steps a tile in three stages: the CTAs' later tiles start in
     # other slots than 0 (the ring's `base`)
-    (64, False, dict(block_q=128, persistent=True, num_ctas=5,
-                     max_concurrent_steps=3)),
-    (64, False, dict(block_q=128, fused_dq=False, prefetch_lse=True)),
-    (64, False, dict(block_q=128, fused_dq=False, max_concurrent_steps=3)),
-    (128, False, dict(fused_dq=False, persistent=False)),
-    (128, False, dict(fused_dq=False, persistent=False, prefetch_lse=False)),
-    # Causal: each head's unmasked run a step ahead, the masked steps and
-    # the skipped ones as without the option (session 24; not yet run on
-    # a GPU when written).
-    (64, True, dict(block_q=128, persistent=False)),
-    (64, True, dict(block_q=128, persistent=True, num_ctas=5)),
-    (128, True, dict(persistent=False)),
+    (64, dict(persistent=True, num_ctas=5, max_concurrent_steps=3)),
+    (64, dict(persistent=False, prefetch_lse=True)),
+    (64, dict(persistent=False, max_concurrent_steps=3)),
+    (128, dict(persistent=False)),
+    (128, dict(persistent=False, prefetch_lse=False)),
 ], ids=str)
-def test_scores_ahead_is_bitwise_the_default_on_gpu(head_dim, is_causal,
-                                                    kwargs):
+def test_scores_ahead_is_bitwise_the_default_on_gpu(head_dim, kwargs):
   """`scores_ahead` issues each step's Sᵀ right behind the step before's dV
   and dK, before waiting for those: the gradients equal the kernels'
   without it bit for bit, three runs (an accumulator read before its
   wgmma finished, a slot released before dK read it, or a Q tile
   overwritten under the Sᵀ issued ahead would not), across the GQA
   group's heads, on both grids."""
-  _assert_bitwise_either_way("scores_ahead", head_dim, is_causal, 73, runs=3,
+  _assert_bitwise_either_way("scores_ahead", head_dim, False, 73, runs=3,
                              **kwargs)
 
 
-def test_scores_ahead_lowers_where_it_applies(lowering_semantics):
-  """The option changes the plain dK/dV kernel with or without a causal
-  mask (64- and 128-row Q tiles, either grid), is the default on d=64's
-  launch grid without a mask only, and the rest is refused by name."""
-  for head_dim, kwargs in ((64, dict(block_q=128, persistent=False)),
-                           (64, dict(block_q=128, persistent=True)),
-                           (128, dict(fused_dq=False))):
-    for is_causal in (False, True):
-      assert (_lower(head_dim, is_causal, scores_ahead=True, **kwargs)
-              != _lower(head_dim, is_causal, scores_ahead=False, **kwargs))
-  causal = dict(block_q=128, persistent=False)
-  assert (_lower(64, True, **causal)
-          == _lower(64, True, scores_ahead=False, **causal))
-  launch = dict(block_q=128, persistent=False, fused_dq=False)
-  assert (_lower(64, False, **launch)
-          == _lower(64, False, scores_ahead=True, **launch))
-  # Not by default where its walk cannot serve the call's other options
-  # (one stage; no overlap): those calls run as before it.
-  for kwargs in (dict(max_concurrent_steps=1), dict(overlap_softmax=False)):
-    assert (_lower(64, False, **launch, **kwargs)
-            == _lower(64, False, scores_ahead=False, **launch, **kwargs))
-  persistent = dict(block_q=128, persistent=True)
-  assert (_lower(64, False, **persistent)
-          == _lower(64, False, scores_ahead=False, **persistent))
+def test_scores_ahead_lowers_where_it_applies(cuda_lowering):
+  """The option changes the plain dK/dV kernel without a causal mask
+  (64- and 128-row Q tiles, either grid), and the rest is refused by
+  name."""
+  for head_dim, kwargs in ((64, dict(persistent=False)),
+                           (64, dict(persistent=True)),
+                           (128, dict(persistent=False))):
+    assert (_lower(head_dim, False, scores_ahead=True, **kwargs)
+            != _lower(head_dim, False, scores_ahead=False, **kwargs))
   for head_dim, is_causal, kwargs, match in (
-      (128, False, dict(fused_dq=True), "fused dQ"),
+      (64, True, {}, "causal"),
       (256, False, dict(shared_rows=True), "shared rows"),
       (256, False, dict(shared_rows=False), "one pass"),
-      (64, False, dict(block_q=128, early_delta=True), "early_delta"),
-      (64, False, dict(block_q=128, prefetch_stats=True), "prefetch_stats"),
-      (128, False, dict(fused_dq=False, opaque_resident=True),
-       "opaque_resident"),
-      (64, False, dict(block_q=128, max_concurrent_steps=1), "two stages"),
-      (64, False, dict(block_q=128, overlap_softmax=False),
-       "overlap_softmax")):
+      (64, False, dict(max_concurrent_steps=1), "two stages"),
+      (64, False, dict(overlap_softmax=False), "overlap_softmax")):
     with pytest.raises(NotImplementedError, match=match):
       _lower(head_dim, is_causal, scores_ahead=True, **kwargs)
 
@@ -545,7 +449,6 @@ def test_scores_ahead_walk_keeps_the_pipeline_rules(monkeypatch, num_steps,
   and released once, in order."""
   from types import SimpleNamespace
 
-  from pallas_kernels.mosaic import backward
   fake = _FakePipeline()
 
   def fori_loop(lower, upper, body, carry):
@@ -585,267 +488,116 @@ def test_scores_ahead_walk_keeps_the_pipeline_rules(monkeypatch, num_steps,
   assert fake.waited == {"q_arrived": slots, "do_arrived": slots}
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, kwargs", [
-    (128, {}), (64, dict(block_q=128)), (128, dict(stage_free_on_read=True)),
+
+
+@pytest.mark.parametrize("head_dim, option, kwargs", [
+    (128, "prefetch_lse", dict(fused_dq=True)),
+    (128, "prefetch_lse", dict(persistent=False)),
+    (256, "prefetch_lse", {}),
+    (128, "lean_producer", dict(persistent=False)),
+    (128, "lean_producer", dict(persistent=True, num_ctas=5)),
+    (64, "lean_producer", {}), (256, "lean_producer", {}),
 ], ids=str)
-def test_merged_pieces_are_bitwise_the_deferred_kernel_on_gpu(
-    head_dim, kwargs, is_causal):
-  """`merged_pieces` issues each step's dQ piece with the next step's dV
-  and dK, from a column slice chosen by the consumer's index: dq, dk, dv
-  equal the deferred fused kernel's bit for bit, three runs (a piece from
-  the wrong slice, a dSᵀ read before it was stored, or a stage
-  overwritten before the writer read it would not)."""
-  _assert_bitwise_either_way("merged_pieces", head_dim, is_causal, 71,
-                             runs=3, fused_dq=True, deferred_dq=True,
-                             **kwargs)
+def test_options_lower_and_change_the_kernels(head_dim, option, kwargs,
+                                              cuda_lowering):
+  """lse read early changes the dK/dV kernels (fused, plain, shared rows),
+  lean producers both kernels' register budgets."""
+  assert (_lower(head_dim, True, **{option: True}, **kwargs)
+          != _lower(head_dim, True, **{option: False}, **kwargs))
 
 
-def test_merged_pieces_lower_where_each_consumer_has_one_piece(
-    lowering_semantics):
-  """The option changes the deferred fused kernel at d=128 and at d=64's
-  128-row Q tiles (one dQ piece a consumer), in both lowering semantics,
-  and refuses the rest."""
-  for head_dim, block_q in ((128, 64), (64, 128)):
-    fused = dict(fused_dq=True, deferred_dq=True, block_q=block_q)
-    assert (_lower(head_dim, True, merged_pieces=True, **fused)
-            != _lower(head_dim, True, merged_pieces=False, **fused))
-  for kwargs, match in ((dict(fused_dq=True, deferred_dq=False), "deferred"),
-                        (dict(fused_dq=True, overlap_softmax=False),
-                         "overlap_softmax"),
-                        # kv_len 192: three K/V tiles, one consumer, two
-                        # pieces for it
-                        (dict(fused_dq=True, kv_len=192), "one dQ piece"),
-                        (dict(fused_dq=False), "fused dQ only")):
-    with pytest.raises(NotImplementedError, match=match):
-      _lower(128, False, merged_pieces=True, **kwargs)
-  with pytest.raises(NotImplementedError, match="shared rows"):
-    _lower(256, False, early_delta=True, shared_rows=True)
-
-
-LEAN_FORMS = [
-    (128, dict(fused_dq=False, persistent=False)),
-    (128, dict(persistent=True, num_ctas=5)),
-    (128, dict(fused_dq=False, early_delta=True)),
-    (128, dict(fused_dq=False, persistent=False, prefetch_lse=False)),
-    (64, dict(block_q=128, fused_dq=False)), (256, {}),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, kwargs", LEAN_FORMS, ids=str)
-def test_lean_producer_is_bitwise_the_default_on_gpu(head_dim, kwargs,
-                                                     is_causal):
-  """`lean_producer` moves registers from the producers to the consumers
-  (setmaxnreg): the gradients equal the default's bit for bit, two runs
-  (a register budget that did not add up would hang or corrupt)."""
-  _assert_bitwise_either_way("lean_producer", head_dim, is_causal, 67,
-                             runs=2, **kwargs)
-
-
-@pytest.mark.parametrize("head_dim, kwargs", LEAN_FORMS, ids=str)
-def test_lean_producer_lowers_and_changes_both_kernels(head_dim, kwargs,
-                                                       cuda_lowering):
-  """The option changes both kernels (their register budgets)."""
-  assert (_lower(head_dim, True, lean_producer=True, **kwargs)
-          != _lower(head_dim, True, lean_producer=False, **kwargs))
-
-
-def test_lean_producer_and_merged_pieces_defaults(cuda_lowering):
-  """`lean_producer=None` is on with the two kernels (either grid; shared
-  rows at d=256 from kv_len 2048; under causal masking at d=128 on the
-  launch grid only, with lse read early) and
-  off in the fused kernel; `merged_pieces=None` is on in
-  the deferred fused kernel at d=128 where each consumer has one dQ piece,
-  and off (not refused) where kv_len leaves one consumer two pieces; and
-  `fused_dq=None` does not fuse where kv_len gives one consumer."""
-  from pallas_kernels.mosaic import backward
-
-  def configs(head_dim, kv_len, is_causal=False, **kwargs):
-    q, kv = _structs(head_dim=head_dim, q_len=256, kv_len=kv_len)[:2]
-    dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=is_causal,
-                                  **kwargs)
-    return [dq] + dkdv if dq is not None else dkdv
-
-  # Under causal masking at d=64 and 256 (`LEAN_PRODUCER_CAUSAL_HEAD_DIMS`).
-  for head_dim, lean in ((64, True), (128, False), (256, True)):
-    assert all(c.lean_producer == lean
-               for c in configs(head_dim, 512, is_causal=True,
-                                fused_dq=False))
-  # d=128 on the causal launch grid (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`).
-  dq, dkdv = configs(128, 2048, is_causal=True)
-  assert not (dq.persistent or dkdv.persistent or dkdv.fused_dq)
-  assert dq.lean_producer and dkdv.lean_producer and dkdv.prefetch_lse
-
-  for head_dim, kv_len, kwargs in ((128, 512, dict(persistent=False)),
-                                   (128, 512, dict(persistent=True)),
-                                   (256, 512, {}), (256, 2048, {}),
-                                   (64, 512, dict(block_q=128,
-                                                  fused_dq=False))):
-    assert all(c.lean_producer and not c.merged_pieces
-               for c in configs(head_dim, kv_len, **kwargs))
-  assert all(c.shared_rows for c in configs(256, 2048)[1:])
-  [fused] = configs(128, 512, fused_dq=True)
-  assert fused.merged_pieces and fused.deferred_dq and not fused.lean_producer
-  [fused] = configs(128, 192, fused_dq=True)   # one consumer, two pieces
-  assert fused.num_consumers == 1 and not fused.merged_pieces
-  [fused] = configs(64, 512, fused_dq=True, block_q=128)  # not deferred
-  assert not (fused.merged_pieces or fused.deferred_dq)
-  [fused] = configs(128, 512, fused_dq=True, deferred_dq=False)
-  assert not fused.merged_pieces  # it needs the deferred pieces
-  assert not any(c.lean_producer for c in configs(128, 512, fused_dq=True,
-                                                  lean_producer=False))
-  default = lambda n: backward.fused_dq_by_default(
-      head_dim=128, kv_len=n, block_q=64, block_kv=64)
-  assert default(16384) and not default(16384 + 64) and not default(8192)
-
-
-def test_lean_producer_refuses_the_fused_dq(cuda_lowering):
-  """The fused dQ's four warpgroups have no registers to spare; the lean
-  split spends the same budget as the default one."""
-  from pallas_kernels.mosaic import forward
-  consumer, producer = forward.register_split(lean=True)
-  default_consumer, default_producer = forward.register_split(lean=False)
-  assert (consumer, producer) != (default_consumer, default_producer)
-  assert 2 * consumer + producer == 2 * default_consumer + default_producer
-  with pytest.raises(NotImplementedError, match="two kernels only"):
-    _lower(128, False, fused_dq=True, lean_producer=True)
-
-
-def test_prefetched_lse_default_follows_its_table(cuda_lowering):
-  """`prefetch_lse=None` reads lse early at head_dim 128 with 64-row Q
-  tiles: in the fused kernel (`FUSED_PREFETCH_LSE_TILES`), and in the two
-  kernels' dK/dV kernel (`PREFETCH_LSE_TILES`) on either grid without a
-  causal mask and on the launch grid with one; nowhere else (not at d=64's
-  fused 128-row Q tiles); never in the dQ kernel."""
-  from pallas_kernels.mosaic import backward
-  q, kv = _structs(head_dim=128)[:2]
-  for is_causal in (False, True):
-    for persistent in (False, True):
-      dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=is_causal,
-                                    persistent=persistent)
-      want = not (is_causal and persistent)
-      assert dkdv and all(config.prefetch_lse == want for config in dkdv)
-      assert not dq.prefetch_lse
-    _, [fused] = backward.configure(q, kv, scale=0.1, is_causal=is_causal,
-                                    fused_dq=True)
-    assert fused.prefetch_lse
-    for fused_dq in (False, True):
-      assert not backward.prefetch_lse_by_default(
-          head_dim=128, block_q=128, fused_dq=fused_dq, is_causal=is_causal)
-    q64, kv64 = _structs(head_dim=64)[:2]
-    _, [fused] = backward.configure(q64, kv64, scale=0.1, block_q=128,
-                                    is_causal=is_causal, fused_dq=True)
-    assert not fused.prefetch_lse
-  for head_dim in (64, 256):
-    q, kv = _structs(head_dim=head_dim)[:2]
-    _, dkdv = backward.configure(q, kv, scale=0.1, is_causal=False)
-    assert not any(config.prefetch_lse for config in dkdv)
+def test_lean_producers_spend_the_same_budget():
+  """The lean split moves registers from the producer to the consumers and
+  spends the budget the default one does; the fused dQ keeps its own."""
+  from pallas_kernels.mosaic.common import register_split
+  lean, default = register_split(lean=True), register_split(lean=False)
+  assert lean != default
+  assert 2 * lean[0] + lean[1] == 2 * default[0] + default[1]
+  _, [fused] = _configs(128, q_len=512, kv_len=512, fused_dq=True,
+                        lean_producer=True)
+  assert not fused.lean_producer
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_dq_tiles_lower_and_change_the_dq_kernel_only(is_causal,
                                                       cuda_lowering):
   """`dq_tiles` gives the dQ kernel tiles of its own: its lowered kernel
-  changes, the dK/dV kernel's does not; the default
-  (`DQ_TILES_CAUSAL_LAUNCH`) takes 64 x 128 at d=64's 128-row Q tiles
-  under causal masking on the launch grid only; the fused kernel (no dQ
-  kernel) refuses other tiles than its own, and tiles the lengths do not
-  divide are refused."""
-  from pallas_kernels.mosaic import backward
-  q, kv = _structs(head_dim=64, q_len=512, kv_len=512)[:2]
-  configs = lambda **kw: backward.configure(
-      q, kv, scale=0.1, is_causal=is_causal, block_q=128, fused_dq=False,
-      **kw)
-  (dq, [dkdv]), (own_dq, [own_dkdv]) = (
-      configs(dq_tiles=(128, 64), persistent=False),
-      configs(dq_tiles=(64, 128), persistent=False))
+  changes, the dK/dV kernel's does not; tiles equal to the dK/dV kernel's
+  are its; the ranged kernels and a malformed pair are refused, and so are
+  tiles the lengths do not divide."""
+  configs = lambda **kw: _configs(64, is_causal, q_len=512, kv_len=512,
+                                  persistent=False, **kw)
+  (dq, [dkdv]), (own_dq, [own_dkdv]) = (configs(dq_tiles=(128, 64)),
+                                        configs(dq_tiles=(64, 128)))
   assert (dq.block_q, dq.block_kv) == (128, 64)
   assert (own_dq.block_q, own_dq.block_kv) == (64, 128) and own_dkdv == dkdv
-  default_dq, _ = configs(persistent=False)
-  assert default_dq == (own_dq if is_causal else dq)
-  persistent_dq, _ = configs(persistent=True)
-  assert (persistent_dq.block_q, persistent_dq.block_kv) == (128, 64)
-  assert backward.dq_tiles_by_default(
-      head_dim=64, block_q=128, q_len=16384, kv_len=16384 + 64,
-      is_causal=True, persistent=False, fused_dq=False) is None  # 128 ∤ it
-  # Tiles of the dQ kernel's own ask for it: the fused default gives way
-  # (d=64 without a mask fuses from kv_len 16k), and a ranged call or a
-  # malformed pair is refused.
-  q16, kv16 = _structs(head_dim=64, q_len=16384, kv_len=16384)[:2]
-  own, [plain] = backward.configure(q16, kv16, scale=0.1, is_causal=False,
-                                    block_q=128, dq_tiles=(64, 128))
-  assert (own.block_q, own.block_kv) == (64, 128) and not plain.fused_dq
+  q, kv = _structs(head_dim=64, q_len=512, kv_len=512)[:2]
   with pytest.raises(NotImplementedError, match="ranged"):
-    backward.statics(q, kv, scale=0.1, is_causal=is_causal, block_q=128,
-                     block_kv=64, max_concurrent_steps=2,
-                     spec=object(), dq_tiles=(64, 128))
+    backward.statics(q, kv, scale=0.1, is_causal=is_causal,
+                     config=plan.BackwardConfig(dq_tiles=(64, 128)),
+                     spec=object())
   with pytest.raises(ValueError, match="dq_tiles"):
-    _lower(64, is_causal, block_q=128, fused_dq=False, dq_tiles=(64,))
+    _lower(64, is_causal, dq_tiles=(64,))
   text = lambda **kw: _lower(64, is_causal, q_len=512, kv_len=512,
-                             block_q=128, persistent=False, fused_dq=False,
-                             **kw)
+                             persistent=False, **kw)
   assert text(dq_tiles=(64, 128)) != text(dq_tiles=(128, 64))
-  with pytest.raises(NotImplementedError, match="two kernels only"):
-    _lower(64, is_causal, block_q=128, fused_dq=True, dq_tiles=(64, 128))
-  _lower(64, is_causal, block_q=128, fused_dq=True, dq_tiles=(128, 64))
   with pytest.raises(NotImplementedError, match="multiple of block_kv 256"):
-    _lower(64, is_causal, kv_len=384, block_q=128, fused_dq=False,
-           dq_tiles=(64, 256))
+    _lower(64, is_causal, kv_len=384, dq_tiles=(64, 256))
 
 
-def test_stage_free_on_read_lowers_with_the_fused_dq_only(cuda_lowering):
-  """The option changes the fused kernel (either piece schedule) and
-  refuses the two kernels."""
-  for kwargs in (dict(), dict(deferred_dq=False)):
-    assert (_lower(128, False, fused_dq=True, stage_free_on_read=True,
-                   **kwargs)
-            != _lower(128, False, fused_dq=True, **kwargs))
-  with pytest.raises(NotImplementedError, match="fused dQ only"):
-    _lower(128, False, fused_dq=False, stage_free_on_read=True)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, block_q", [(64, 128), (128, 64)])
+def test_fused_dq_lowers_as_one_kernel(head_dim, block_q, is_causal,
+                                       cuda_lowering):
+  """`fused_dq=True`: one kernel computes dq, dk and dv (GQA 2:1, kv_len >
+  q_len), at the tiles each head dim plans."""
+  text = _lower(head_dim, is_causal, block_q=block_q, fused_dq=True)
+  assert _kernels(text) == {"dq_dkdv"}
+  assert "mosaic_flash_backward_dq\"" not in text
 
 
-def test_hw_ds_sync_lowers_with_the_fused_dq_only(cuda_lowering):
-  """The consumers' meeting on a hardware barrier changes the fused kernel
-  (a `bar.sync` of both consumers' 256 threads) and refuses the two
-  kernels and the deferred pieces (measured a tie there and removed)."""
-  for head_dim, kwargs in ((64, dict(block_q=128)),
-                           (128, dict(deferred_dq=False))):
-    text = _lower(head_dim, False, fused_dq=True, hw_ds_sync=True, **kwargs)
-    assert "bar.sync 9, 256" in text
-    assert text != _lower(head_dim, False, fused_dq=True, hw_ds_sync=False,
-                          **kwargs)
-  with pytest.raises(NotImplementedError, match="fused dQ only"):
-    _lower(64, False, block_q=128, fused_dq=False, hw_ds_sync=True)
-  with pytest.raises(NotImplementedError, match="without deferred_dq"):
-    _lower(128, False, fused_dq=True, deferred_dq=True, hw_ds_sync=True)
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(head_dim=256), "one pass"),
+    (dict(head_dim=128, persistent=True), "launch grid"),
+    (dict(head_dim=128, overlap_softmax=False), "overlap_softmax"),
+    (dict(head_dim=64, block_q=64), "one \\[64, 64\\] piece"),
+    # kv_len 192: three K/V tiles, one consumer, two pieces for it
+    (dict(head_dim=128, kv_len=192), "one \\[64, 64\\] piece"),
+])
+def test_fused_dq_refuses_what_it_does_not_cover(kwargs, match,
+                                                 cuda_lowering):
+  with pytest.raises(NotImplementedError, match=match):
+    _lower(kwargs.pop("head_dim"), False, **{"fused_dq": True, **kwargs})
 
 
-def test_deferred_dq_lowers_with_the_fused_dq_only(cuda_lowering):
-  """The option changes the fused kernel and refuses the two kernels."""
-  for head_dim, block_q in ((128, 64), (64, 128)):
-    # merged_pieces off: at d=128 it follows deferred_dq by default.
-    assert (_lower(head_dim, True, fused_dq=True, block_q=block_q,
-                   deferred_dq=True, merged_pieces=False)
-            != _lower(head_dim, True, fused_dq=True, block_q=block_q,
-                      deferred_dq=False))
-  with pytest.raises(NotImplementedError, match="fused dQ only"):
-    _lower(128, False, fused_dq=False, deferred_dq=True)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_persistent_backward_lowers(head_dim, is_causal, cuda_lowering):
+  """`persistent=True` puts both kernels on a grid of `num_ctas` CTAs (a
+  different module) and lowers; the ranged backward has no such grid."""
+  q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 768, 2, head_dim), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
 
+  def lowered(**kwargs):
+    return jax.jit(lambda q, k, v, o, l, do: mosaic_backward(
+        q, k, v, o, l, do, scale=0.1, is_causal=is_causal, **kwargs)).trace(
+            q, kv, kv, q, lse, q).lower(lowering_platforms=("cuda",))
 
-def test_opaque_resident_lowers_where_it_fits(cuda_lowering):
-  """The option changes the dK/dV kernel of the plain and fused forms, and
-  refuses what it does not cover: shared rows, and the fused dQ at d=64's
-  128-row Q tiles, whose shared memory has no room for the zero's cell."""
-  for kwargs in (dict(fused_dq=True), {}):
-    assert (_lower(128, True, opaque_resident=True, **kwargs)
-            != _lower(128, True, opaque_resident=False, **kwargs))
-  with pytest.raises(NotImplementedError, match="shared rows"):
-    _lower(256, False, opaque_resident=True, shared_rows=True)
-  with pytest.raises(NotImplementedError, match="zero's cell"):
-    _lower(64, False, opaque_resident=True, fused_dq=True, block_q=128)
+  persistent = lowered(persistent=True, num_ctas=3)
+  assert [g.shape for g in persistent.out_info] == [q.shape, kv.shape,
+                                                    kv.shape]
+  assert persistent.as_text() != lowered(persistent=False).as_text()
+  dq, dkdv = backward.statics(
+      q, kv, scale=0.1, is_causal=is_causal,
+      config=plan.BackwardConfig(persistent=True, shared_rows=False))
+  # At most one CTA per tile (per pair of tiles under causal masking).
+  tiles = 2 * 4 * 512 // (64 * dq.num_consumers)
+  assert dq.num_ctas == min(132, tiles // 2 if is_causal else tiles)
+  assert all(c.persistent for c in dkdv) and dq.persistent
+  with pytest.raises(NotImplementedError, match="ranged"):
+    backward._persistent(dataclasses.replace(dq, spec=object()), None,
+                         tiles_per_head=1, num_heads=1, batch=1)
 
 
 @pytest.mark.gpu
@@ -936,6 +688,8 @@ def test_gradients_lower_inside_shard_map_with_check_vma(q_len, kwargs,
   assert "mosaic_flash_backward" in lowered.as_text()
 
 
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("case", [
@@ -943,13 +697,11 @@ def test_gradients_lower_inside_shard_map_with_check_vma(q_len, kwargs,
     Case(1, 256, 640, 4, 1, 64),      # MQA, one Q tile pair, kv_len > q_len
     Case(1, 1152, 384, 4, 2, 64),     # odd Q tile count, q_len > kv_len
 ], ids=str)
-def test_wide_q_backward_at_d64_on_gpu(case, is_causal, monkeypatch):
-  """The backward with block_q 128 at head_dim 64 (`attention.
-  WIDE_Q_BACKWARD_AT_D64`, on since this passed), through the dispatch, in
-  both dtypes, against the reference; and its tiles did reach the kernel."""
+def test_wide_q_backward_at_d64_on_gpu(case, is_causal):
+  """The backward at head_dim 64 on its planned 128-row Q tiles, through
+  the dispatch, in both dtypes, against the reference."""
   _require_sm90()
   from pallas_kernels.mosaic import attention as mosaic_attention
-  monkeypatch.setattr(mosaic_attention, "WIDE_Q_BACKWARD_AT_D64", True)
   assert mosaic_attention.backward_tiles(64, case.q_len)["block_q"] == 128
   for dtype in (jnp.bfloat16, jnp.float16):
     attention = jax.jit(lambda q, k, v: mosaic_attention.mosaic_attention(
@@ -962,202 +714,6 @@ def test_wide_q_backward_at_d64_on_gpu(case, is_causal, monkeypatch):
 
 def _api_layout(out, lse):
   return out, jnp.transpose(lse, (0, 2, 1))
-
-
-def test_wide_q_backward_at_d64_lowers(cuda_lowering, monkeypatch):
-  """With the switch on (the default), the plain route's backward at
-  head_dim 64 takes 128-row Q tiles (off, its lowered kernels differ) and
-  lowers; other head dims and Q lengths not divisible by 128 keep the
-  defaults."""
-  from pallas_kernels.mosaic import attention as mosaic_attention
-  q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
-
-  def lowered():
-    grad = jax.grad(lambda q, k, v: jnp.sum(mosaic_attention.mosaic_attention(
-        q, k, v, scale=0.125, is_causal=True,
-        backward_blocks=BlockSizes.get_default(64))[0].astype(jnp.float32)),
-                    (0, 1, 2))
-    return jax.jit(grad).trace(q, kv, kv).lower(
-        lowering_platforms=("cuda",)).as_text()
-
-  assert mosaic_attention.WIDE_Q_BACKWARD_AT_D64  # on by default
-  wide = lowered()
-  monkeypatch.setattr(mosaic_attention, "WIDE_Q_BACKWARD_AT_D64", False)
-  assert _kernels(wide) == {"dq", "dkdv"} and wide != lowered()
-  monkeypatch.setattr(mosaic_attention, "WIDE_Q_BACKWARD_AT_D64", True)
-  assert mosaic_attention.backward_tiles(128, 512) == {}
-  assert mosaic_attention.backward_tiles(64, 320) == {}
-
-
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_persistent_backward_lowers(head_dim, is_causal, cuda_lowering):
-  """`persistent=True` puts both kernels on a grid of `num_ctas` CTAs (a
-  different module) and lowers; the ranged backward has no such grid."""
-  from pallas_kernels.mosaic import backward
-  q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, 768, 2, head_dim), jnp.bfloat16)
-  lse = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
-
-  def lowered(**kwargs):
-    return jax.jit(lambda q, k, v, o, l, do: mosaic_backward(
-        q, k, v, o, l, do, scale=0.1, is_causal=is_causal, **kwargs)).trace(
-            q, kv, kv, q, lse, q).lower(lowering_platforms=("cuda",))
-
-  persistent = lowered(persistent=True, num_ctas=3)
-  assert [g.shape for g in persistent.out_info] == [q.shape, kv.shape,
-                                                    kv.shape]
-  assert _kernels(persistent.as_text()) == _kernels(lowered().as_text())
-  assert persistent.as_text() != lowered(persistent=False).as_text()
-  dq, dkdv = backward.statics(q, kv, scale=0.1, is_causal=is_causal,
-                              block_q=64, block_kv=64,
-                              max_concurrent_steps=2, persistent=True)
-  # At most one CTA per tile (per pair of tiles under causal masking).
-  tiles = 2 * 4 * 512 // (64 * dq.num_consumers)
-  assert dq.num_ctas == min(132, tiles // 2 if is_causal else tiles)
-  assert all(c.persistent for c in dkdv) and dq.persistent
-  with pytest.raises(NotImplementedError, match="ranged"):
-    backward._persistent(dataclasses.replace(dq, spec=object()), None,
-                         tiles_per_head=1, num_heads=1, batch=1)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [{}, dict(block_q=128, block_kv=64)],
-                         ids=["default-tiles", "wide-q"])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_persistent_backward_is_bitwise_the_grid_on_gpu(head_dim, is_causal,
-                                                        tiles):
-  """On a persistent grid both kernels compute each tile as the launch grid
-  does (in the same order), so dq, dk, dv equal it bit for bit, for CTAs
-  walking one tile to dozens (a ring slot or barrier phase off by one
-  across tiles would not)."""
-  _require_sm90()
-  if tiles and head_dim != 64:
-    pytest.skip("128-row Q tiles are the d=64 backward's")
-  case = Case(2, 1024, 1536, 8, 2, head_dim)   # GQA 4:1
-  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, 13)
-  scale = head_dim**-0.5
-  out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
-  d_lse = jnp.transpose(d_lse, (0, 2, 1))
-  run = lambda **kwargs: jax.jit(functools.partial(
-      mosaic_backward, scale=scale, is_causal=is_causal, **tiles,
-      **kwargs))(q, k, v, out, lse, d_out, d_lse)
-  want = run(persistent=False)
-  for num_ctas in (3, None):
-    for a, b, name in zip(run(persistent=True, num_ctas=num_ctas), want,
-                          ("dq", "dk", "dv")):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
-                                    err_msg=f"{name}, num_ctas {num_ctas}")
-
-
-def test_persistent_backward_default_follows_the_measured_table(
-    cuda_lowering):
-  """On where the A/B measured it faster (every head dim up to kv_len
-  1024; head_dim 64 under causal masking up to 8192), off elsewhere."""
-  from pallas_kernels.mosaic import backward
-  default = lambda d, n, c=False: backward.persistent_by_default(
-      head_dim=d, kv_len=n, is_causal=c)
-  assert default(128, 1024) and default(256, 512) and default(64, 1024)
-  assert not default(128, 4096) and not default(256, 2048)
-  assert not default(64, 4096) and default(64, 8192, True)
-  assert not default(64, 16384, True)
-  assert not default(128, 4096, True)
-  q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
-  lse = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
-  text = lambda **kw: jax.jit(lambda q, k, v, o, l, do: mosaic_backward(
-      q, k, v, o, l, do, scale=0.1, is_causal=True, **kw)).trace(
-          q, q, q, q, lse, q).lower(lowering_platforms=("cuda",)).as_text()
-  assert text() == text(persistent=True) != text(persistent=False)
-
-
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, block_q", [(64, 128), (128, 64)])
-def test_fused_dq_lowers_as_one_kernel(head_dim, block_q, is_causal,
-                                       cuda_lowering):
-  """`fused_dq=True`: one kernel computes dq, dk and dv (GQA 2:1, kv_len >
-  q_len), with and without the overlap within a consumer, at the tiles each
-  head dim ships."""
-  texts = [_lower(head_dim, is_causal, block_q=block_q, fused_dq=True,
-                  overlap_softmax=overlap)
-           for overlap in (True, False)]
-  for text in texts:
-    assert _kernels(text) == {"dq_dkdv"}
-    assert "mosaic_flash_backward_dq\"" not in text
-  assert len(set(texts)) == 2
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(head_dim=256), "one pass"),
-    (dict(head_dim=128, persistent=True), "launch grid"),
-    (dict(head_dim=64, block_q=64), "share out evenly"),  # one piece
-])
-def test_fused_dq_refuses_what_it_does_not_cover(kwargs, match,
-                                                 cuda_lowering):
-  with pytest.raises(NotImplementedError, match=match):
-    _lower(kwargs.pop("head_dim"), False, **{"fused_dq": True, **kwargs})
-
-
-def test_fused_dq_default_follows_its_table(cuda_lowering, monkeypatch):
-  """`fused_dq=None` fuses where `FUSED_DQ_MIN_KV_LEN` says (under causal
-  masking only at `FUSED_DQ_CAUSAL_HEAD_DIMS`), and never on a persistent
-  grid or at head_dim 256; `opaque_resident=None` and `deferred_dq=None`
-  go with it at d=128."""
-  from pallas_kernels.mosaic import backward
-  monkeypatch.setattr(backward, "FUSED_DQ_MIN_KV_LEN", {128: 512, 64: 512})
-  monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", (64, 128))
-  default = lambda d, n, block_q=64, **kw: backward.fused_dq_by_default(
-      head_dim=d, kv_len=n, block_q=block_q, **kw)
-  assert default(128, 512) and not default(128, 256)
-  assert default(128, 512, is_causal=True)
-  assert default(64, 512, block_q=128, is_causal=True)
-  q, kv = _structs(head_dim=128, q_len=512, kv_len=512)[:2]
-  for is_causal in (False, True):
-    _, [fused] = backward.configure(q, kv, scale=0.1, is_causal=is_causal)
-    assert fused.fused_dq and fused.opaque_resident and fused.deferred_dq
-    assert not fused.tile_fastest  # the fused dQ keeps its own order
-  q, kv = _structs(head_dim=128, q_len=2048, kv_len=256)[:2]
-  dq, [plain] = backward.configure(q, kv, scale=0.1, is_causal=True,
-                                   persistent=False)
-  assert not (plain.fused_dq or plain.opaque_resident or plain.deferred_dq)
-  assert plain.tile_fastest and dq.tile_fastest  # two kernels, launch grid
-  monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", ())
-  assert not default(128, 512, is_causal=True)
-  assert not default(64, 512, block_q=128, is_causal=True)
-  monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", (64, 128))
-  assert not default(256, 4096)
-  # head_dim 64 with 64-row Q tiles is one dQ piece: two consumers cannot
-  # share it, so the default keeps the two kernels rather than refusing.
-  assert default(64, 512, block_q=128) and not default(64, 512)
-  assert _kernels(_lower(64, True, q_len=512, kv_len=512)) == {"dq", "dkdv"}
-  assert _kernels(_lower(128, True, q_len=512, kv_len=512)) == {"dq_dkdv"}
-  assert _kernels(_lower(128, True, q_len=256, kv_len=256)) == {"dq", "dkdv"}
-  assert _kernels(_lower(128, True, q_len=512, kv_len=512,
-                         persistent=True)) == {"dq", "dkdv"}
-
-
-def test_tile_fastest_backward_lowers_and_changes_the_grids(cuda_lowering):
-  """`tile_fastest` launches both kernels' launch grids in the other order
-  (so it changes them) and lowers, also at head_dim 256's two dK/dV
-  passes; the fused dQ, whose K/V tiles wait for each other, refuses it."""
-  for head_dim in (128, 256):
-    text = lambda **kw: _lower(head_dim, True, persistent=False, **kw)
-    assert text(tile_fastest=True) != text(tile_fastest=False)
-  with pytest.raises(NotImplementedError, match="own order"):
-    _lower(128, False, fused_dq=True, tile_fastest=True)
-
-
-def _fused_everywhere(monkeypatch):
-  from pallas_kernels.mosaic import backward
-  monkeypatch.setattr(backward, "FUSED_DQ_MIN_KV_LEN", {64: 0, 128: 0})
-  monkeypatch.setattr(backward, "FUSED_DQ_CAUSAL_HEAD_DIMS", (64, 128))
-
-
-def _assert_backward_is_fused(attention, case: Case):
-  """The gradient of `attention` (q, k, v -> (out, lse)) at `case`'s shapes
-  lowers to the one fused backward kernel, and no other."""
-  assert backward_kernels(attention, case) == {"dq_dkdv"}
 
 
 def backward_kernels(attention, case: Case):
@@ -1177,21 +733,24 @@ def backward_kernels(attention, case: Case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("case", [
-    Case(2, 1024, 1024, 8, 8, 64),    # d=64 ships 128-row Q tiles
+    Case(2, 1024, 1024, 8, 8, 64),    # d=64's 128-row Q tiles
     Case(1, 256, 640, 4, 1, 64),      # MQA, kv_len > q_len
     Case(2, 512, 1024, 8, 2, 128),    # GQA 4:1
     Case(1, 1024, 384, 4, 2, 128),    # q_len > kv_len, odd K/V tile count
 ], ids=str)
 def test_fused_dq_matches_reference_on_gpu(case, is_causal, monkeypatch):
-  """The fused backward through the dispatch, in both dtypes, against the
-  reference; and the fused kernel is what ran."""
+  """The fused backward through the dispatch (every row of the plan
+  fused), in both dtypes, against the reference; and the fused kernel is
+  what ran."""
   _require_sm90()
   from pallas_kernels.mosaic import attention as mosaic_attention
-  _fused_everywhere(monkeypatch)
+  monkeypatch.setattr(plan, "BACKWARD_PLAN", tuple(
+      (*key, dataclasses.replace(row, fused_dq=True, persistent=False))
+      for *key, row in plan.BACKWARD_PLAN))
   attention = jax.jit(lambda q, k, v: _api_layout(*mosaic_attention.
       mosaic_attention(q, k, v, scale=q.shape[-1]**-0.5, is_causal=is_causal,
                        backward_blocks=BlockSizes.get_default(case.head_dim))))
-  _assert_backward_is_fused(attention, case)
+  assert backward_kernels(attention, case) == {"dq_dkdv"}
   for dtype in (jnp.bfloat16, jnp.float16):
     check_against_reference(attention, case, dtype, is_causal=is_causal)
 
@@ -1199,8 +758,7 @@ def test_fused_dq_matches_reference_on_gpu(case, is_causal, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim, kwargs", [
-    (64, dict(block_q=128, dq_tiles=(64, 128))),
-    (128, dict(dq_tiles=(64, 128))),
+    (64, dict(dq_tiles=(64, 128))), (128, dict(dq_tiles=(64, 128))),
 ], ids=str)
 def test_dq_tiles_match_reference_on_gpu(head_dim, kwargs, is_causal):
   """The dQ kernel on tiles of its own (`dq_tiles`: 128 K/V rows a step)
@@ -1214,58 +772,16 @@ def test_dq_tiles_match_reference_on_gpu(head_dim, kwargs, is_causal):
                           jnp.bfloat16, is_causal=is_causal)
 
 
-def test_backward_defaults_at_long_kv():
-  """What `configure` picks at `test_backward_default_at_long_kv_on_gpu`'s
-  shapes (q_len 15360, kv_len 16384, GQA 2:1): without a mask at d=128 the
-  fused dQ (deferred, merged, opaque descriptors, lse read early), at d=64
-  the two kernels on the launch grid with the dK/dV kernel's Sᵀ issued a
-  step ahead (`SCORES_AHEAD_LAUNCH_TILES`; since session 24); under causal
-  masking the two kernels on the launch grid, tile-fastest, lean
-  producers, at d=64 the dQ kernel on 64 x 128 tiles
-  (`DQ_TILES_CAUSAL_LAUNCH`), at d=128 lse read early
-  (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`)."""
-  from pallas_kernels.mosaic import attention as mosaic_attention
-  from pallas_kernels.mosaic import backward
-  for head_dim in (64, 128):
-    q, kv = _structs(batch=1, q_len=15360, kv_len=16384, head_dim=head_dim)[:2]
-    tiles = mosaic_attention.backward_tiles(head_dim, 15360)
-    configs = lambda is_causal: backward.configure(
-        q, kv, scale=0.1, is_causal=is_causal, **tiles)
-    dq, dkdvs = configs(False)
-    if head_dim == 128:
-      [fused] = dkdvs
-      assert dq is None and fused.fused_dq and not fused.persistent
-      assert (fused.deferred_dq and fused.merged_pieces
-              and fused.opaque_resident and fused.prefetch_lse)
-      assert not (fused.scores_ahead or fused.hw_ds_sync)
-    else:
-      [dkdv] = dkdvs
-      assert not (dkdv.fused_dq or dkdv.persistent or dq.persistent)
-      assert dkdv.scores_ahead and not dq.scores_ahead
-      assert dkdv.block_q == 128 and dkdv.tile_fastest
-    dq, [dkdv] = configs(True)
-    assert not dkdv.scores_ahead
-    assert not (dkdv.fused_dq or dkdv.persistent or dq.persistent)
-    assert dq.tile_fastest and dkdv.tile_fastest
-    assert dq.lean_producer and dkdv.lean_producer
-    want_tiles = (64, 128) if head_dim == 64 else (64, 64)
-    assert (dq.block_q, dq.block_kv) == want_tiles
-    assert dkdv.prefetch_lse == (head_dim == 128)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, is_causal, kernels", [
     (64, False, {"dq", "dkdv"}), (64, True, {"dq", "dkdv"}),
     (128, False, {"dq_dkdv"}), (128, True, {"dq", "dkdv"}),
 ])
 def test_backward_default_at_long_kv_on_gpu(head_dim, is_causal, kernels):
-  """The shipped defaults, no switch turned: `flash_attention` at kv_len
-  16384 runs the fused backward at d=128 without a mask, else the two
-  kernels
-  (which options they take, `test_backward_defaults_at_long_kv` pins on
-  the CPU), and its
-  output, LSE and gradients obey the tolerance rule (GQA 2:1, q_len not
-  the kv_len)."""
+  """The plan at kv_len 16384, through `flash_attention`: the fused
+  backward at d=128 without a mask, else the two kernels, and its output,
+  LSE and gradients obey the tolerance rule (GQA 2:1, q_len not the
+  kv_len)."""
   _require_sm90()
   import jax_flash
   case = Case(1, 15360, 16384, 4, 2, head_dim)
@@ -1293,10 +809,9 @@ def test_fused_dq_is_deterministic_on_gpu(head_dim, is_causal):
   scale = head_dim**-0.5
   out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
   d_lse = jnp.transpose(d_lse, (0, 2, 1))
-  tiles = dict(block_q=128) if head_dim == 64 else {}
   run = lambda fused: jax.jit(functools.partial(
       mosaic_backward, scale=scale, is_causal=is_causal, fused_dq=fused,
-      persistent=False, **tiles))(q, k, v, out, lse, d_out, d_lse)
+      persistent=False))(q, k, v, out, lse, d_out, d_lse)
   first = run(True)
   for _ in range(3):
     for a, b, name in zip(run(True), first, ("dq", "dk", "dv")):
@@ -1310,24 +825,6 @@ def test_fused_dq_is_deterministic_on_gpu(head_dim, is_causal):
                                  err_msg=name)
     else:
       np.testing.assert_array_equal(a, b, err_msg=name)
-
-
-def test_warp_map_probe_lowers_in_every_layout(cuda_lowering):
-  """`benchmarks.probe_warp_map` (the check of the writer-as-a-warp layout
-  to run first on a GPU, NOTES) lowers for CUDA in each of its layouts,
-  so that it is ready when device time is."""
-  from benchmarks import probe_warp_map
-  for layout in probe_warp_map.LAYOUTS:
-    assert probe_warp_map.lower_one(layout) == "lowers"
-
-
-@pytest.mark.gpu
-def test_warp_map_probe_ships_layout_on_gpu():
-  """The layout the fused dQ ships (producer and writer warpgroups of their
-  own) gives the right sum on the GPU: the probe's control."""
-  _require_sm90()
-  from benchmarks import probe_warp_map
-  assert probe_warp_map.run_one("separate") == "ok"
 
 
 def test_turn_cost_diagnostic_removes_only_the_turn_waits(

@@ -79,8 +79,7 @@ def test_fp8_forward_lowers_at_long_sequences(cuda_lowering):
 
 def test_fp8_lazy_rescale_lowers_and_changes_the_kernel(cuda_lowering):
   """`lazy_rescale` lowers at every head dim, is another kernel, and is
-  the default at d=256 only (session 19's A/B), its skip decided per warp
-  unless `rescale_per_warp=False`."""
+  the default at d=256 only (`plan.FP8_LAZY_RESCALE_HEAD_DIMS`)."""
   for head_dim in (64, 128, 256):
     q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
     text = lambda **kw: jax.jit(lambda q, k, v: quantized_forward(
@@ -89,10 +88,6 @@ def test_fp8_lazy_rescale_lowers_and_changes_the_kernel(cuda_lowering):
     lazy = text(lazy_rescale=True)
     assert lazy != text(lazy_rescale=False)
     assert text() == text(lazy_rescale=head_dim == 256)
-    assert lazy == text(lazy_rescale=True, rescale_per_warp=True)
-    assert lazy != text(lazy_rescale=True, rescale_per_warp=False)
-  with pytest.raises(ValueError, match="rescale_per_warp"):
-    text(lazy_rescale=False, rescale_per_warp=True)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -51,33 +51,24 @@ CASES = [
     # and partly masked K/V blocks, rows that attend to nothing).
     (Case(1, 128, 256, 2, 1, 64), True, dict(persistent=False)),
     (Case(1, 256, 128, 1, 1, 64), True, dict(persistent=False)),
-    # Three consumers (d=64's default from q_len 1024) on a short tile;
-    # four warpgroups (`_skip_if_too_wide`). Their ring on mbarriers here
-    # (d=64's default is hardware barriers: `forward.HW_TURNS_HEAD_DIMS`).
+    # Three consumers (d=64's plan from q_len 1024) on a short tile; four
+    # warpgroups (`_skip_if_too_wide`), their turns on hardware barriers.
     (Case(1, 192, 128, 1, 1, 64), False, dict(persistent=False,
-                                              num_consumers=3,
-                                              hw_turns=False)),
+                                              num_consumers=3)),
     # Short last tiles (256 = 192 + 64 rows: two spare consumers; 320 =
     # 192 + 128: one) whose spares walk the steps without math
-    # (`skip_spare`, the default). Three K/V blocks in two stages, so that
-    # the producer waits on every spare release; on one CTA, two heads, so
-    # that a whole tile follows a short one and the barriers' phases must
-    # have come out even. On hardware barriers (the default at d=64) and
-    # on mbarriers; on the launch grid too. (A spare that skipped a
-    # release, a K wait or a step hangs here; session 23's review.)
+    # (`skip_spare`). Three K/V blocks in two stages, so that the producer
+    # waits on every spare release; on one CTA, two heads, so that a whole
+    # tile follows a short one and the barriers' phases must have come out
+    # even; on the launch grid too. (A spare that skipped a release, a K
+    # wait or a step hangs here.)
     (Case(1, 256, 384, 2, 2, 64), False, dict(num_ctas=1, num_consumers=3)),
-    (Case(1, 256, 384, 2, 2, 64), False, dict(num_ctas=1, num_consumers=3,
-                                              hw_turns=False)),
     (Case(1, 320, 384, 2, 2, 64), False, dict(num_ctas=1, num_consumers=3)),
     (Case(1, 256, 384, 1, 1, 64), False, dict(persistent=False,
-                                              num_consumers=3,
-                                              hw_turns=False)),
-    # The consumer schedules: the intra-warpgroup overlap, ring turns,
-    # turns on hardware barriers, and P's row sum after P V.
-    (Case(1, 128, 256, 1, 1, 64), True, dict(persistent=False,
-                                             overlap_scores=True)),
+                                              num_consumers=3)),
+    # The consumer schedules: two consumers' turns at a rendezvous and on
+    # hardware barriers, and P's row sum after P V.
     (Case(1, 128, 128, 1, 1, 64), True, dict(persistent=False,
-                                             ring_turns=True,
                                              hw_turns=False)),
     (Case(1, 128, 128, 1, 1, 64), True, dict(persistent=False,
                                              hw_turns=True)),
@@ -85,18 +76,13 @@ CASES = [
                                               sum_after_pv=True)),
     # O rescaled only at steps where a row's max moved (`lazy_rescale`): on
     # any growth (the persistent grid, causal), and beyond 8 (the default
-    # threshold; d=128 without a mask has it by default, below).
+    # threshold; d=128 without a mask has it by its plan, below).
     (Case(1, 256, 256, 2, 2, 64), True, dict(num_ctas=2, lazy_rescale=True,
                                              rescale_threshold=0.0)),
-    (Case(1, 128, 256, 1, 1, 128), False, dict(persistent=False,
-                                              lazy_rescale=True)),
-    # (decided per thread, not per warp as by default)
     (Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False,
-                                             lazy_rescale=True,
-                                             rescale_per_warp=False)),
-    # head_dim 128's 128-row K/V tiles; without a mask its default takes
-    # the row sum after P V (`forward.SUM_AFTER_PV_HEAD_DIMS`) and rescales
-    # O lazily (`forward.LAZY_RESCALE_DEFAULTS`).
+                                             lazy_rescale=True)),
+    # head_dim 128's 128-row K/V tiles; without a mask its plan takes the
+    # row sum after P V and rescales O lazily.
     (Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False)),
     (Case(1, 128, 256, 1, 1, 128), False, dict(num_ctas=2)),
 ]
@@ -250,14 +236,6 @@ AHEAD_CASES = [
      dict(block_q=128, persistent=False, scores_ahead=True)),
     (Case(1, 256, 128, 1, 1, 128), False,
      dict(persistent=False, scores_ahead=True, prefetch_lse=True)),
-    # Causal: each query head's unmasked run a step ahead, its masked and
-    # skipped steps as without the option; GQA 2:1 on the launch grid
-    # (K/V tiles whose last rows see no unmasked Q tile: an empty run),
-    # and one persistent CTA walking every K/V tile.
-    (Case(1, 384, 384, 2, 1, 64), True,
-     dict(block_q=128, persistent=False, scores_ahead=True)),
-    (Case(1, 384, 384, 1, 1, 64), True,
-     dict(block_q=128, num_ctas=1, scores_ahead=True)),
 ]
 
 # (case, is_causal, mosaic_backward options) of the fused kernel
@@ -265,19 +243,11 @@ AHEAD_CASES = [
 # of two 64-row consumers, so that the second tile's writer waits for the
 # first's turn on each Q tile and reduce-adds onto its stores; two Q tiles.
 FUSED_BACKWARD_CASES = [
-    # d=64's 128-row Q tiles (two dQ pieces), GQA 2:1, causal (the walk
-    # down from the last Q tile, masked steps).
-    (Case(1, 256, 256, 2, 1, 64), True, dict(block_q=128)),
-    # Pieces of a step computed during the next and issued beside its
-    # wgmmas; stages freed as soon as read.
-    (Case(1, 256, 256, 1, 1, 64), False,
-     dict(block_q=128, deferred_dq=True, overlap_softmax=True,
-          merged_pieces=True, stage_free_on_read=True)),
-    # The consumers' meeting each step on the ds_stored mbarriers (d=64's
-    # default meets on a hardware barrier: `backward.HW_DS_SYNC_HEAD_DIMS`).
-    (Case(1, 256, 256, 1, 1, 64), False, dict(block_q=128, hw_ds_sync=False)),
-    # d=128's fused defaults (64-row Q tiles, deferred and merged pieces,
-    # the opaque resident rows).
+    # d=64's 128-row Q tiles (two dQ pieces, one a consumer), GQA 2:1,
+    # causal (the walk down from the last Q tile, masked steps), each
+    # step's piece issued beside the next step's dV and dK.
+    (Case(1, 256, 256, 2, 1, 64), True, dict(persistent=False)),
+    # d=128's 64-row Q tiles, with the opaque resident rows.
     (Case(1, 128, 256, 1, 1, 128), False, dict()),
 ]
 

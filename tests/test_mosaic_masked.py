@@ -9,7 +9,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_flash
@@ -86,25 +85,10 @@ def _masked_forward(name, head_dim, **options):
   return forward, Case(2, q_len, kv_len, 4, 2, head_dim)
 
 
-@pytest.mark.parametrize("name, head_dim", [("segments", 64),
-                                            ("causal window", 256)])
-def test_tile_fastest_masked_forward_lowers(name, head_dim, cuda_lowering):
-  """`tile_fastest` launches the ranged forward's grid in the other order:
-  another module."""
-  def text(**options):
-    forward, case = _masked_forward(name, head_dim, **options)
-    q = jax.ShapeDtypeStruct((2, case.q_len, 4, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, case.kv_len, 2, head_dim), jnp.bfloat16)
-    return jax.jit(forward).trace(q, kv, kv).lower(
-        lowering_platforms=("cuda",)).as_text()
-  assert text(tile_fastest=True) != text()
-
-
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_lazy_rescale_masked_forward_lowers(head_dim, cuda_lowering):
   """`lazy_rescale` in the ranged forward: another module; by default on
-  at d=256 only (session 18's A/B), its skip decided per warp (as the
-  plain forward's since session 19), not per thread."""
+  at d=256 only (`plan.MASKED_LAZY_RESCALE_HEAD_DIMS`)."""
   def text(**options):
     forward, case = _masked_forward("causal window", head_dim, **options)
     q = jax.ShapeDtypeStruct((2, case.q_len, 4, head_dim), jnp.bfloat16)
@@ -114,27 +98,6 @@ def test_lazy_rescale_masked_forward_lowers(head_dim, cuda_lowering):
   lazy, plain = text(lazy_rescale=True), text(lazy_rescale=False)
   assert lazy != plain
   assert text() == (lazy if head_dim == 256 else plain)
-  per_thread = text(lazy_rescale=True, rescale_per_warp=False)
-  assert per_thread not in (lazy, plain)
-  assert text(lazy_rescale=True, rescale_per_warp=True) == lazy
-  with pytest.raises(ValueError, match="rescale_per_warp"):
-    text(lazy_rescale=False, rescale_per_warp=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name, head_dim", [("segments", 64),
-                                            ("bottom-right causal", 128),
-                                            ("causal window", 256)])
-def test_tile_fastest_masked_forward_is_bitwise_on_gpu(name, head_dim):
-  """The ranged forward launched tile-fastest: out and lse equal the
-  default order's bit for bit."""
-  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
-    pytest.skip("the Mosaic forward needs sm90")
-  forward, case = _masked_forward(name, head_dim)
-  fast, _ = _masked_forward(name, head_dim, tile_fastest=True)
-  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, 41)
-  for a, b in zip(jax.jit(fast)(q, k, v), jax.jit(forward)(q, k, v)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,

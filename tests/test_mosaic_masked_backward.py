@@ -29,8 +29,7 @@ from tests.attention_checks import Case, check_against_reference, random_inputs
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from pallas_kernels.mosaic import attention as mosaic_attention_module
-  from pallas_kernels.mosaic import backward, compat, forward
-  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  from pallas_kernels.mosaic import backward, common, compat
   from pallas_kernels.mosaic.masked_backward import (
       mosaic_backward_masked, padded_statistics, plan_rows)
 except ImportError as e:  # a jaxlib built without Mosaic GPU
@@ -134,14 +133,14 @@ def _check_plan(plan, kept_any, kept_all, *, consumers, scalars, exact):
   """
   plan = np.asarray(plan)
   batch, num_rows, num_cols = kept_any.shape
-  assert plan.shape == (batch, -(-num_rows // consumers), forward.PLAN_WIDTH)
-  union = forward._PLAN_UNION
+  assert plan.shape == (batch, -(-num_rows // consumers), common.PLAN_WIDTH)
+  union = common.PLAN_UNION
   for b in range(batch):
     for t in range(plan.shape[1]):
       row = plan[b, t]
       first, total = row[union], row[union + 1]
       assert 0 <= first <= total <= num_cols, row
-      np.testing.assert_array_equal(row[forward._PLAN_SCALARS:][:3],
+      np.testing.assert_array_equal(row[common.PLAN_SCALARS:][:3],
                                     scalars[b])
       nonempty = []
       for c in range(consumers):
@@ -245,7 +244,7 @@ def _runs(row, consumer):
   """A consumer's (start, stop, kind) runs over its CTA's union, in the
   order `backward._ranged_walk` walks them."""
   lo, unmasked_lo, unmasked_hi, hi = row[4 * consumer:4 * consumer + 4]
-  first, total = row[forward._PLAN_UNION:forward._PLAN_UNION + 2]
+  first, total = row[common.PLAN_UNION:common.PLAN_UNION + 2]
   return ((first, lo, "skip"), (lo, unmasked_lo, "masked"),
           (unmasked_lo, unmasked_hi, "unmasked"), (unmasked_hi, hi, "masked"),
           (hi, total, "skip"))
@@ -260,10 +259,10 @@ def _computed_steps(plan, consumers: int):
   CTA's union exactly once.
   """
   steps = []
-  scalars = slice(forward._PLAN_SCALARS, forward._PLAN_SCALARS + 3)
+  scalars = slice(common.PLAN_SCALARS, common.PLAN_SCALARS + 3)
   for b, rows in enumerate(np.asarray(plan)):
     for t, row in enumerate(rows):
-      first, total = row[forward._PLAN_UNION:forward._PLAN_UNION + 2]
+      first, total = row[common.PLAN_UNION:common.PLAN_UNION + 2]
       for c in range(consumers):
         walked = 0
         for start, stop, kind in _runs(row, c):
@@ -306,9 +305,9 @@ def _step_gradients(step, head, tensors, *, spec, config, transposed: bool):
         kv_segments=as_kv(jax.lax.dynamic_slice(kv_ids[b], (ks,),
                                                 (block_kv,))))
   if transposed:
-    s, dp, broadcast = k_t @ q_t.T, v_t @ do_t.T, forward._cols
+    s, dp, broadcast = k_t @ q_t.T, v_t @ do_t.T, common.per_column
   else:
-    s, dp, broadcast = q_t @ k_t.T, do_t @ v_t.T, forward._rows
+    s, dp, broadcast = q_t @ k_t.T, do_t @ v_t.T, common.per_row
   p, slope = backward._probabilities(s, lse_log2, broadcast, values, config)
   kept = masking.keep(spec, as_q(qs + jnp.arange(block_q)),
                       as_kv(ks + jnp.arange(block_kv)), values)
@@ -500,17 +499,6 @@ def test_masked_backward_lowers_other_calls(name, kwargs, cuda_lowering):
 
 
 @pytest.mark.parametrize("name, head_dim", [("combined", 64),
-                                            ("causal window", 256)])
-def test_tile_fastest_masked_backward_lowers(name, head_dim, cuda_lowering):
-  """`tile_fastest` (the default) launches the ranged kernels' grids in the
-  other order: another module, the same kernels."""
-  text = _lower(name, head_dim, tile_fastest=False)
-  assert _kernels(text) == _expected_kernels(head_dim)
-  assert text != _lower(name, head_dim)
-  assert _lower(name, head_dim) == _lower(name, head_dim, tile_fastest=True)
-
-
-@pytest.mark.parametrize("name, head_dim", [("combined", 64),
                                             ("soft cap", 128),
                                             ("segments", 256)])
 def test_overlapped_masked_backward_lowers(name, head_dim,
@@ -699,27 +687,6 @@ def test_masked_backward_matches_reference_on_gpu(name, dtype, monkeypatch):
   attention = _masked_attention(**variants)
   _assert_uses_masked_backward(attention, case, dtype)
   check_against_reference(attention, case, dtype, seed=7, **variants)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name, head_dim", [("combined", 64),
-                                            ("causal window", 128),
-                                            ("segments", 256)])
-def test_tile_fastest_masked_backward_is_bitwise_on_gpu(name, head_dim):
-  """The ranged kernels launched tile-fastest run the same tiles in another
-  order: dq, dk, dv equal the default order's bit for bit."""
-  _require_sm90()
-  spec, operands = _spec_and_operands(name)
-  case = Case(2, spec.q_len, spec.kv_len, 4, 2, head_dim)
-  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 37)
-  scale = head_dim**-0.5
-  out, lse = mosaic_forward_masked(q, k, v, scale=scale, spec=spec,
-                                   **_operand_kwargs(operands))
-  run = lambda on: jax.jit(lambda *a: mosaic_backward_masked(
-      *a, scale=scale, spec=spec, tile_fastest=on,
-      **_operand_kwargs(operands)))(q, k, v, out, lse, d_out)
-  for a, b, grad in zip(run(True), run(False), ("dq", "dk", "dv")):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=grad)
 
 
 @pytest.mark.gpu

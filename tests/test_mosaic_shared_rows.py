@@ -1,14 +1,11 @@
-"""The backward's kernels with shared rows (`backward._Static.shared_rows`).
+"""The dK/dV kernel with shared rows (`backward._Static.shared_rows`).
 
-dK/dV (`shared_rows`): both consumers take the CTA's K/V rows; each computes
-Sᵀ and dPᵀ for half of the step's Q rows and dK and dV for half of the
-head_dim columns, the halves of Pᵀ and dSᵀ meeting in shared memory. At
-head_dim 256 that is one dK/dV pass with two consumers, where two passes
-(dK, dV) with one ran before. dQ likewise (`shared_q_rows`, off by
-default): both consumers take the CTA's Q rows, each with half of the
-step's K/V rows for S and dP and half of dQ's columns, dS exchanged.
-Cross-lowered for CUDA on CPU; checked against the reference,
-the launch grid and the default kernels on a GPU.
+Both consumers take the CTA's K/V rows; each computes Sᵀ and dPᵀ for half
+of the step's Q rows and dK and dV for half of the head_dim columns, the
+halves of Pᵀ and dSᵀ meeting in shared memory. At head_dim 256 that is one
+dK/dV pass with two consumers, where two passes (dK, dV) with one would
+run. Cross-lowered for CUDA on CPU; checked against the reference, the
+launch grid and the two-pass kernels on a GPU.
 """
 from __future__ import annotations
 
@@ -40,49 +37,36 @@ def _lowered(head_dim, is_causal, **kwargs):
 
 
 @pytest.mark.parametrize("head_dim, is_causal, persistent", [
-    (256, False, False), (256, True, False), (256, True, True),
-    (128, False, True)])
+    (256, False, False), (256, True, True), (128, False, True)])
 def test_shared_rows_lower_as_one_dkdv_pass(head_dim, is_causal, persistent,
                                             cuda_lowering):
   """One dK/dV kernel (at head_dim 256 instead of a dK and a dV pass), with
-  two consumers on K/V tiles of block_kv rows, and a dQ kernel with two
-  consumers on Q tiles of block_q rows, on either grid."""
+  two consumers on K/V tiles of block_kv rows, on either grid."""
   lowered = _lowered(head_dim, is_causal, shared_rows=True,
                      persistent=persistent)
   assert _kernels(lowered.as_text()) == {"dq", "dkdv"}
-  both = _lowered(head_dim, is_causal, shared_rows=True, shared_q_rows=True,
-                  persistent=persistent)
-  assert _kernels(both.as_text()) == {"dq", "dkdv"}
-  assert both.as_text() != lowered.as_text()
   assert [g.shape for g in lowered.out_info] == [
       s.shape for s in _structs(head_dim=head_dim, q_len=512,
                                 kv_len=768)[:3]]
   if head_dim == 256:
-    assert _kernels(_lowered(head_dim, is_causal).as_text()) == {
-        "dq", "dk", "dv"}
+    assert _kernels(_lowered(head_dim, is_causal,
+                             shared_rows=False).as_text()) == {
+                                 "dq", "dk", "dv"}
   q, kv = _structs(head_dim=head_dim)[:2]
   (static,) = backward.dkdv_statics(
       q, kv, scale=0.1, is_causal=is_causal, block_q=64, block_kv=64,
       max_concurrent_steps=2, shared_rows=True)
   assert static.num_consumers == 2 and static.kv_rows_per_cta == 64
   assert static.outputs == ("dk", "dv")
-  dq = backward.dq_static(q, kv, scale=0.1, is_causal=is_causal, block_q=64,
-                          block_kv=64, max_concurrent_steps=2,
-                          shared_rows=True)
-  assert dq.num_consumers == 2 and dq.q_rows_per_cta == 64
-  assert dq.outputs == ("dq",) and dq.shared_rows
 
 
-@pytest.mark.parametrize("kernel, kwargs, match", [
-    ("dkdv", dict(head_dim=64), "64-column tiles"),   # 32 columns a consumer
-    ("dkdv", dict(block_q=128), "shared memory"),     # 2 x 2 x 128 x 256 ring
-    ("dkdv", dict(kv_len=800), "multiple of block_kv"),
-    ("dkdv", dict(spec=object()), "ranged"),
-    ("dq", dict(head_dim=64), "64-column tiles"),
-    ("dq", dict(block_kv=128), "shared memory"),
-    ("dq", dict(q_len=300), "multiple of block_q"),
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(head_dim=64), "64-column tiles"),   # 32 columns a consumer
+    (dict(block_q=128), "shared memory"),     # 2 x 2 x 128 x 256 ring
+    (dict(kv_len=800), "multiple of block_kv"),
+    (dict(spec=object()), "ranged"),
 ])
-def test_shared_rows_refuse_what_they_do_not_cover(kernel, kwargs, match):
+def test_shared_rows_refuse_what_they_do_not_cover(kwargs, match):
   """NotImplementedError, so that a dispatcher can fall back."""
   shape = dict(head_dim=256, q_len=512, kv_len=768)
   shape.update((name, kwargs.pop(name)) for name in list(kwargs)
@@ -90,33 +74,23 @@ def test_shared_rows_refuse_what_they_do_not_cover(kernel, kwargs, match):
   q, kv = _structs(**shape)[:2]
   tiles = dict(block_q=64, block_kv=64, max_concurrent_steps=2)
   tiles.update(kwargs)
-  statics = (backward.dkdv_statics if kernel == "dkdv"
-             else backward.dq_static)
   with pytest.raises(NotImplementedError, match=match):
-    statics(q, kv, scale=0.1, is_causal=False, shared_rows=True, **tiles)
+    backward.dkdv_statics(q, kv, scale=0.1, is_causal=False,
+                          shared_rows=True, **tiles)
 
 
-@pytest.mark.parametrize("option", ["shared_rows", "shared_q_rows"])
-def test_shared_rows_refuse_the_fused_dq(option, cuda_lowering):
-  with pytest.raises(NotImplementedError, match="fused dQ"):
-    _lowered(128, False, fused_dq=True, persistent=False, **{option: True})
-
-
-def test_shared_rows_default_follows_the_measured_table():
-  """Shipped at head_dim 256 where the launch grid runs (kv_len above
-  1024): the dK/dV kernel with shared rows, dK and dV in one pass; the dQ
-  kernel as before (shared Q rows measured slower). Up to 1024 the
-  persistent default keeps the two-pass kernels; other head dims never
-  share."""
-  assert backward.SHARED_ROWS_HEAD_DIMS == (256,)
+def test_shared_rows_are_planned_at_d256_on_the_launch_grid():
+  """The plan shares the rows at head_dim 256 where the launch grid runs
+  (kv_len above 1024); up to 1024 the persistent grid keeps the two-pass
+  kernels; other head dims never share."""
   def kernels(head_dim, seq):
     q, kv = _structs(head_dim=head_dim, q_len=seq, kv_len=seq)[:2]
-    dq, dkdv = backward.configure(q, kv, scale=0.1, is_causal=False)
-    return dq.shared_rows, [config.outputs for config in dkdv], [
+    _, dkdv = backward.configure(q, kv, scale=0.1, is_causal=False)
+    return [config.outputs for config in dkdv], [
         config.shared_rows for config in dkdv]
-  assert kernels(256, 2048) == (False, [("dk", "dv")], [True])
-  assert kernels(256, 1024) == (False, [("dk",), ("dv",)], [False, False])
-  assert kernels(128, 2048) == (False, [("dk", "dv")], [False])
+  assert kernels(256, 2048) == ([("dk", "dv")], [True])
+  assert kernels(256, 1024) == ([("dk",), ("dv",)], [False, False])
+  assert kernels(128, 2048) == ([("dk", "dv")], [False])
 
 
 @pytest.mark.gpu
@@ -127,15 +101,13 @@ def test_shared_rows_default_follows_the_measured_table():
     Case(1, 1024, 448, 4, 1, 256),    # MQA, q_len > kv_len, 7 K/V tiles
     Case(2, 512, 768, 8, 2, 128),
 ], ids=str)
-@pytest.mark.parametrize("shared_q_rows", [False, True])
-def test_shared_rows_match_reference_on_gpu(case, is_causal, shared_q_rows):
+def test_shared_rows_match_reference_on_gpu(case, is_causal):
   """Forward and shared-rows backward against jax.vjp of the reference,
   with random cotangents of the output and the LSE, in both dtypes, on the
   launch grid (the persistent grid equals it bit for bit: below)."""
   _require_sm90()
   attention = jax.jit(functools.partial(
-      mosaic_attention_with(shared_rows=True, shared_q_rows=shared_q_rows,
-                            persistent=False),
+      mosaic_attention_with(shared_rows=True, persistent=False),
       is_causal=is_causal))
   for dtype in (jnp.bfloat16, jnp.float16):
     check_against_reference(attention, case, dtype, is_causal=is_causal)
@@ -154,8 +126,7 @@ def test_shared_rows_are_deterministic_and_the_grid_on_gpu(is_causal):
   out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
   run = lambda **kwargs: jax.jit(functools.partial(
       backward.mosaic_backward, scale=scale, is_causal=is_causal,
-      shared_rows=True, shared_q_rows=True, **kwargs))(q, k, v, out, lse,
-                                                       d_out)
+      shared_rows=True, **kwargs))(q, k, v, out, lse, d_out)
   want = run(persistent=False)
   for got in (run(persistent=False), run(persistent=True, num_ctas=3)):
     for a, b, name in zip(got, want, ("dq", "dk", "dv")):
@@ -165,9 +136,9 @@ def test_shared_rows_are_deterministic_and_the_grid_on_gpu(is_causal):
 
 @pytest.mark.gpu
 def test_shared_rows_agree_with_the_default_kernels_on_gpu():
-  """The same sums in the same order as the default kernels (each consumer
-  adds the parts in order): dq, dk and dv within about one bf16 rounding
-  of theirs (the products are split into more wgmmas, whose f32
+  """The same sums in the same order as the two-pass kernels (each
+  consumer adds the parts in order): dk and dv within about one bf16
+  rounding of theirs (the products are split into more wgmmas, whose f32
   accumulation may round differently)."""
   _require_sm90()
   case = Case(1, 2048, 2048, 8, 8, 256)
@@ -176,7 +147,7 @@ def test_shared_rows_agree_with_the_default_kernels_on_gpu():
   out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=True)
   run = lambda shared: jax.jit(functools.partial(
       backward.mosaic_backward, scale=scale, is_causal=True,
-      shared_rows=shared, shared_q_rows=shared, persistent=False))(
+      shared_rows=shared, persistent=False))(
           q, k, v, out, lse, d_out)
   for a, b, name in zip(run(True), run(False), ("dq", "dk", "dv")):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -193,8 +164,8 @@ def _public_attention(is_causal):
 
 
 def test_the_mosaic_route_takes_shared_rows_at_d256(cuda_lowering):
-  """The shipped default through the route `flash_attention` takes
-  (`mosaic.attention.mosaic_attention`), no switch turned: at head_dim 256
+  """The plan through the route `flash_attention` takes
+  (`mosaic.attention.mosaic_attention`): at head_dim 256
   and kv_len 2048 the backward lowers to one dK/dV kernel (and the dQ
   kernel); at kv_len 1024 (persistent) to the two passes."""
   from pallas_kernels.config import BlockSizes
@@ -211,8 +182,8 @@ def test_the_mosaic_route_takes_shared_rows_at_d256(cuda_lowering):
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_flash_attention_default_at_d256_on_gpu(is_causal):
-  """`flash_attention` at head_dim 256, kv_len 2048 (shared rows by
-  default), GQA 2:1, q_len not the kv_len: output, LSE and gradients obey
+  """`flash_attention` at head_dim 256, kv_len 2048 (shared rows by its
+  plan), GQA 2:1, q_len not the kv_len: output, LSE and gradients obey
   the tolerance rule."""
   _require_sm90()
   check_against_reference(_public_attention(is_causal),

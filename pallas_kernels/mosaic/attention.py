@@ -30,7 +30,8 @@ from pallas_kernels.masking import Operands
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.mosaic.backward import mosaic_backward
-from pallas_kernels.mosaic.forward import default_block_kv, mosaic_forward
+from pallas_kernels.mosaic.forward import mosaic_forward
+from pallas_kernels.mosaic.plan import backward_config, default_block_kv
 from pallas_kernels.mosaic.masked import mosaic_forward_masked
 from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
 from pallas_kernels.triton.backward import flash_backward
@@ -46,19 +47,14 @@ MASKED_KERNEL_ENABLED = True
 MASKED_BACKWARD_ENABLED = True
 # Head dims the kernels take natively; others are zero-padded up to one.
 NATIVE_HEAD_DIMS = (64, 128, 256)
-# The plain backward's tiles at head_dim 64: block_q 128 with block_kv 64 ran
-# the backward alone 13% faster than 64 x 64 on the H200 (session 5's sweep,
-# benchmarks/results/h200_mosaic_sweep.md: 337/266 against 297/247 TFLOP/s,
-# full/causal, seq 4k). On since `test_wide_q_backward_at_d64_on_gpu`
-# passed on the H200 (session 6); False routes back to 64 x 64.
-WIDE_Q_BACKWARD_AT_D64 = True
 
 
 def backward_tiles(head_dim: int, q_len: int) -> dict:
-  """`mosaic_backward`'s tile arguments for a plain call ({}: its defaults)."""
-  if WIDE_Q_BACKWARD_AT_D64 and head_dim == 64 and q_len % 128 == 0:
-    return dict(block_q=128, block_kv=64)
-  return {}
+  """`mosaic_backward`'s tiles for a plain call of `head_dim` and `q_len`
+  (its plan's: `plan.BACKWARD_PLAN`), as keyword arguments."""
+  config = backward_config(head_dim=head_dim, is_causal=False, q_len=q_len,
+                           kv_len=q_len)
+  return dict(block_q=config.block_q, block_kv=config.block_kv)
 
 
 def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
@@ -182,8 +178,7 @@ def _bwd(scale, is_causal, backward_blocks, backward, residuals, cotangents):
   if backward == "mosaic":
     try:
       return mosaic_backward(query, key, value, out, lse, d_out, d_lse,
-                             scale=scale, is_causal=is_causal,
-                             **backward_tiles(query.shape[-1], query.shape[1]))
+                             scale=scale, is_causal=is_causal)
     except NotImplementedError:
       pass  # a call the Mosaic kernels do not cover: the Triton backward
   spec = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],

@@ -88,345 +88,31 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import masking
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
-from pallas_kernels.mosaic.forward import (
-    _PLAN_SCALARS, _PLAN_UNION, _SMEM_LIMIT_BYTES, _LOG2E, _SUPPORTED_DTYPES,
-    _SUPPORTED_HEAD_DIMS, _SWIZZLE_BYTES, PLAN_WIDTH, _Plan, _causal_mask,
-    _cols, check_layout, check_shared_memory, check_tiles, launch_grid,
-    register_split, _read_plan, _rows, _variant_mask, persistent_num_ctas,
-    persistent_schedule, tile_index)
+from pallas_kernels.mosaic.common import (
+    LOG2E, PLAN_SCALARS, PLAN_UNION, PLAN_WIDTH, SMEM_LIMIT_BYTES,
+    SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SWIZZLE_BYTES, PlanRow,
+    causal_mask, check_layout, check_shared_memory, check_tiles, launch_grid,
+    per_column, per_row, persistent_num_ctas, persistent_schedule, read_plan,
+    THREADS_PER_WARPGROUP, register_split, tile_index, variant_mask)
+from pallas_kernels.mosaic.plan import BackwardConfig, backward_config
 from pallas_kernels.triton.delta import row_delta
 
 _MAX_CONSUMERS = 2
 # f32 registers per consumer thread that the wgmma accumulators (the
 # [rows, head_dim] dK/dV or dQ sums and the [rows, cols] S and dP tiles) may
-# take of `forward._CONSUMER_REGISTERS`; the rest holds P and dS in 16
-# bits, the softmax statistics and addresses. A [m, n] f32 accumulator of
-# one warpgroup is m * n / 128 registers per thread.
+# take of the consumers' 232; the rest holds P and dS in 16 bits, the
+# softmax statistics and addresses. A [m, n] f32 accumulator of one
+# warpgroup is m * n / 128 registers per thread.
 _ACCUMULATOR_REGISTERS = 192
-_THREADS_PER_WARPGROUP = 128
 # The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
-# the producer: 2 * 232 + 24 + 24 = 512 per thread slot (see
-# `forward._CONSUMER_REGISTERS`). 24 is setmaxnreg's least; both only
-# issue TMA.
+# the producer: 2 * 232 + 24 + 24 = 512 per thread slot. 24 is setmaxnreg's
+# least; both only issue TMA.
 _FUSED_PRODUCER_REGISTERS = 24
-# The persistent grid (`mosaic_backward(persistent=None)`), by head dim: the
-# longest kv_len at which it is the default. Session 6's A/B on the H200
-# (results/h200_mosaic_persistent_backward.md, backward alone, 64 x 64
-# tiles, non-causal / causal) at seq 1k, 4k, 16k: head_dim 128 +8/+11%,
-# -3/-17%, -2/-5%; 256 +47/+17%, 0/+1%, 0/0%. Head_dim 64 ships 128-row Q
-# tiles (`attention.backward_tiles`); with those (session 7,
-# results/h200_mosaic_persistent_wide.md) +1/+6%, -4/+7%, -3/+3%: on up
-# to kv_len 1024, and under causal masking up to the kv_len in
-# `PERSISTENT_CAUSAL_MAX_KV_LEN`. At 16k the causal launch grid (tile-
-# fastest since session 12) passed the persistent one: 375 / 379 against
-# 374 / 367 TFLOP/s in session 19's two runs
-# (results/h200_mosaic_fused_recheck_wide*.md); at 4k the persistent grid
-# stayed ahead, 339 against 333 (session 20, three rounds, the launch
-# grid's dQ kernel on 128 x 64). 8192 is between the two, not measured.
-PERSISTENT_MAX_KV_LEN = {64: 1024, 128: 1024, 256: 1024}
-PERSISTENT_CAUSAL_MAX_KV_LEN = {64: 8192}
-# The fused dQ (`mosaic_backward(fused_dq=None)`), by head dim: the shortest
-# kv_len at which it is the default. Measured on the H200, backward alone,
-# full / causal, against the two kernels: head_dim 64 (128-row Q tiles)
-# +6% / +10% at seq 16k (results/h200_mosaic_fused.md; +4% / +14% in
-# results/h200_mosaic_writer.md), -18% / -13% at 4k and -14% / -18% at 1k
-# (results/h200_mosaic_fused_short.md); head_dim 128 -11% / -24% at 16k,
-# and with `opaque_resident` (session 11, results/h200_mosaic_opaque.md,
-# two rounds in turn) 447 -> 470 / 476 -> 458 at 16k, 412 -> 418 / 414 ->
-# 377 at 4k; with `deferred_dq` as well (session 12,
-# results/h200_mosaic_deferred.md, two rounds in turn) 446 -> 468 / 459 ->
-# 471 at 16k, 419 -> 403 / 405 -> 393 at 4k. Then the two kernels launched
-# tile-fastest (`TILE_FASTEST_BY_DEFAULT`) caught up: 463 / 482 against
-# the fused kernel's 460 / 460 at 16k (results/h200_mosaic_tile_order.md),
-# and in three rounds 459 / 476 against 469 / 469
-# (results/h200_mosaic_fused_order.md): d=128 fuses without a causal mask
-# only. d=64's fused kernel stays ahead (415 / 372 against 406 / 355;
-# under causal masking no longer, see below).
-# Session 14: with lse read early (`PREFETCH_LSE_TILES`) the two kernels
-# passed the fused one at d=128 without a mask too, 501 against 473 at 16k
-# and 453 against 429 at 4k (three rounds, results/h200_mosaic_fused_stalls.md),
-# so d=128 no longer fuses by default.
-# Session 15: with each step's dQ piece issued beside the next step's dV
-# and dK (`MERGED_PIECES_HEAD_DIMS`) the fused kernel passed them again at
-# 16k, 504 and 508 against 498 and 498 (two A/Bs of three rounds,
-# results/h200_mosaic_merged.md), but not at 4k (451 against 450, and the
-# two kernels with `LEAN_PRODUCER_BY_DEFAULT` 475): d=128 fuses from 16k.
-# Under causal masking only at FUSED_DQ_CAUSAL_HEAD_DIMS. Its GPU tests
-# pass (sessions 8, 11 and 12). d=64 under causal masking fused until
-# session 20: at 16k the two kernels on the launch grid ran 384 against the
-# fused kernel's 371 TFLOP/s (settled, three rounds in alternating order,
-# results/h200_mosaic_stages_wide.md; +2.8% and +1.7% in session 19's two
-# unsettled runs). At d=64 the fused kernel's consumers spill (Nsight
-# Compute, session 20: 2.3e8 local-memory sectors a backward at 16k; ptxas:
-# 464 bytes at its 232 registers, still 220 at 256; the two kernels' dK/dV
-# kernel 180 bytes at its 240).
-# Session 24: without a mask, d=64's two kernels with the dK/dV kernel's Sᵀ
-# issued a step ahead (`SCORES_AHEAD_LAUNCH_TILES`) passed the fused one
-# at 16k, 420.5 against 410.7 TFLOP/s (backward alone, three rounds,
-# results/h200_mosaic_ahead_s24.md): d=64 no longer fuses by default.
-FUSED_DQ_MIN_KV_LEN: dict[int, int] = {128: 16384}
-FUSED_DQ_CAUSAL_HEAD_DIMS: tuple[int, ...] = ()
-# `mosaic_backward(opaque_resident=None)`: on with the fused dQ at these
-# head dims. At d=128 it took the fused kernel from 397 / 351 to 470 / 458
-# TFLOP/s at 16k and from 315 / 260 to 418 / 377 at 4k (full / causal); the
-# two kernels gained nothing from it (447 / 476 -> 448 / 461 at 16k). At
-# d=64 the fused dQ's 128-row Q tiles leave no shared memory for its zero;
-# read from global memory instead it cost 25% (402 -> 300 at 16k full,
-# results/h200_mosaic_opaque_wide.md), so that form was not kept.
-OPAQUE_RESIDENT_FUSED_HEAD_DIMS: tuple[int, ...] = (128,)
-# `mosaic_backward(deferred_dq=None)`: on with the fused dQ at these head
-# dims. At d=128, 16k (fused with `opaque_resident`, against without):
-# 469 -> 468 full, 444 -> 471 causal; at 4k 410 -> 403 and 400 -> 393
-# (results/h200_mosaic_deferred.md). At d=64 (128-row Q tiles) it cost
-# 16-33% (results/h200_mosaic_deferred_wide.md).
-DEFERRED_DQ_FUSED_HEAD_DIMS: tuple[int, ...] = (128,)
-# `mosaic_backward(tile_fastest=None)`: the two kernels' launch grids with a
-# head's tiles launched together, so that the CTAs running at once stream
-# the same head's Q and dO (dK/dV kernel) or K and V (dQ kernel) through
-# L2, rather than the same tile of as many heads. Measured on the H200
-# (session 12, backward alone, two rounds in turn, full / causal, TFLOP/s,
-# results/h200_mosaic_tile_order.md): at 4k d=64 (128-row Q tiles) 360 / 305 ->
-# 394 / 312, d=128 409 / 397 -> 443 / 419, d=256 323 / 298 -> 346 / 306;
-# at 16k d=64 397 / 351 -> 406 / 355, d=128 452 / 460 -> 463 / 482, d=256
-# 355 / 342 -> 361 / 348. Bitwise the other order (GPU test). Not on the
-# persistent grid (its own walk) nor with the fused dQ (its own order).
-TILE_FASTEST_BY_DEFAULT = True
 # The fused dQ splits each Q tile's dQ into [_DQ_PIECE, _DQ_PIECE] pieces,
-# shared out among the consumers: 64 rows, a wgmma's height, by 64 columns,
-# one 128-byte swizzle row of 16-bit K, so that a piece's slice of the
-# resident K (and of dSᵀ) is whole swizzle tiles.
+# one per consumer: 64 rows, a wgmma's height, by 64 columns, one 128-byte
+# swizzle row of 16-bit K, so that a piece's slice of the resident K (and
+# of dSᵀ) is whole swizzle tiles.
 _DQ_PIECE = 64
-
-
-# Shared K/V rows in the dK/dV kernel (`mosaic_backward(shared_rows=None)`),
-# by head dim, on the launch grid (the persistent grid, the default up to
-# kv_len 1024, keeps the two passes). Measured on the H200
-# (results/h200_mosaic_shared_dkdv.md, backward alone, full / causal):
-# head_dim 256 at 16k 310 / 312 -> 352 / 346 TFLOP/s, at 4k 288 / 258 ->
-# 331 / 280; at 1k, on the persistent grid, 253 / 195 -> 256 / 191. Shared
-# Q rows in the dQ kernel as well (`shared_q_rows`) were slower than its one
-# consumer: 340 / 343 at 16k, 318 / 279 at 4k
-# (results/h200_mosaic_shared_both.md).
-SHARED_ROWS_HEAD_DIMS: tuple[int, ...] = (256,)
-# The dK/dV kernel's row statistics read before its matmuls
-# (`mosaic_backward(prefetch_stats=None)`), by (head_dim, block_q): what
-# it holds while the matmuls run grows with block_q. Measured on the H200
-# (results/h200_mosaic_prefetch.md, backward alone, full / causal, TFLOP/s,
-# off -> on), 64-row Q tiles: head_dim 64 at 16k 372 / 358 -> 381 / 372,
-# at 4k 314 / 280 -> 324 / 305, at 1k 276 / 222 -> 314 / 229; head_dim 128
-# at 16k 463 / 462 -> 441 / 474, at 4k 410 / 408 -> 381 / 380; head_dim
-# 256 2-10% slower. With head_dim 64's 128-row Q tiles (the dispatch's,
-# `attention.backward_tiles`) the whole fwd+bwd fell to half speed.
-PREFETCH_STATS_TILES: tuple[tuple[int, int], ...] = ((64, 64),)
-# lse alone read early (`mosaic_backward(prefetch_lse=None)`), by (head_dim,
-# block_q), in the two kernels' dK/dV kernel without a causal mask (the fused
-# one's: `FUSED_PREFETCH_LSE_TILES`). Measured on the H200 (session 14, backward
-# alone, TFLOP/s, off -> on): d=128 without a mask, three rounds in turn
-# (results/h200_mosaic_fused_stalls.md), 424 -> 453 at 4k and 463 -> 501 at 16k;
-# two rounds (results/h200_mosaic_prefetch_lse.md) 378 -> 402 at 1k (persistent
-# grid), 438 -> 457 at 4k, 459 -> 488 at 16k. Under causal masking 305 -> 299,
-# 423 -> 417, 475 -> 482, and at d=256 -3% to +1%: off there. Session 20, d=128
-# under causal masking on the launch grid (settled, three rounds in alternating
-# order, backward alone, results/h200_mosaic_causal_128.md): 409 -> 413 at 4k
-# and 471 -> 477 at 16k alone, and 419 / 478 with `lean_producer` as well: both
-# on there (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`); the persistent grid (kv_len up to
-# 1024) keeps them off, unmeasured since.
-PREFETCH_LSE_TILES: tuple[tuple[int, int], ...] = ((128, 64),)
-# The same in the fused dQ's consumers, by (head_dim, block_q). Session 14
-# (before merged pieces) it cost the fused kernel 7-9%; session 22 (d=128
-# without a mask at 16k, its default there: deferred, merged pieces,
-# backward alone, settled, three rounds in alternating order,
-# results/h200_mosaic_fused_lse.md) 498 -> 523 and 497 -> 512 TFLOP/s in
-# two A/Bs (the two kernels 492 and 494); under causal masking 434 -> 440
-# and at 4k 438 -> 437, where the two kernels (496, 474) stay the default.
-# At d=64's 128-row Q tiles (lse of 128 columns held) 417 -> 184.
-FUSED_PREFETCH_LSE_TILES: tuple[tuple[int, int], ...] = ((128, 64),)
-CAUSAL_LAUNCH_LEAN_HEAD_DIMS: tuple[int, ...] = (128,)
-# `mosaic_backward(lean_producer=None)`: the two kernels' consumers at 240
-# registers and producers at 24 (the fused dQ has none to spare). Measured
-# on the H200 (session 15, backward alone, geomean of full and causal,
-# two rounds, off -> on, TFLOP/s, results/h200_mosaic_lean.md): d=64
-# (128-row Q tiles) 391 -> 392 at 16k, 367 -> 372 at 4k, 283 -> 293 at
-# 1k; d=128 492 -> 494, 441 -> 446, 354 -> 358; d=256 357 -> 363, 328 ->
-# 341, 241 -> 249. At d=128 without a mask, three rounds, twice
-# (results/h200_mosaic_early_delta.md): 499 -> 496 at 16k, 462 -> 475 and
-# 465 -> 473 at 4k, 400 -> 404 at 1k. Cell by cell it is +2% to +5% at
-# d=256, +1% to +3% at d=128 without a mask, +1% to +4% at d=64 under
-# causal masking, -1% to +6% at d=64 without one, and at d=128 under
-# causal masking -1.0%, -0.5%, +0.2% at 1k, 4k, 16k: off there, but on
-# with `prefetch_lse` on the launch grid since session 20 (see
-# `CAUSAL_LAUNCH_LEAN_HEAD_DIMS`). Not yet in the ranged kernels.
-LEAN_PRODUCER_BY_DEFAULT = True
-LEAN_PRODUCER_CAUSAL_HEAD_DIMS: tuple[int, ...] = (64, 256)
-# `mosaic_backward(merged_pieces=None)`: on with the fused (deferred) dQ at
-# these head dims where each consumer has one dQ piece. At d=128 without a
-# mask (session 15, three rounds, twice, results/h200_mosaic_merged.md):
-# the fused kernel 482 -> 504 and 478 -> 508 at 16k, 439 -> 451 at 4k. At
-# d=64's 128-row Q tiles it needs `deferred_dq`, which costs more there
-# (402 not deferred, 327 deferred, 345 deferred and merged, at 16k).
-MERGED_PIECES_HEAD_DIMS: tuple[int, ...] = (128,)
-# `mosaic_backward(dq_tiles=None)`: the dQ kernel's own (block_q, block_kv)
-# by the call's (head_dim, block_q), under causal masking on the launch grid
-# (where kv_len is a multiple of their block_kv; elsewhere the dK/dV
-# kernel's tiles). Session 20 (results/h200_mosaic_dq_tiles.md, backward
-# alone, settled, rounds in alternating order), d=64 with 128-row Q tiles,
-# its dQ kernel on 64 x 128 tiles instead of 128 x 64: causal 381 -> 391
-# TFLOP/s at 16k (three rounds) and 331 -> 337 at 4k (two, launch grid; 4k
-# runs the persistent grid); without a mask 397 -> 398 at 16k (the fused
-# kernel ran there until session 24) and 385 -> 380 at 4k. At d=128,
-# 64 x 128 against 64 x 64: -0.9% to +0.4% but -2.8% at 4k without a mask:
-# not there.
-DQ_TILES_CAUSAL_LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
-    (64, 128): (64, 128)}
-# `mosaic_backward(hw_ds_sync=None)`: the fused dQ's consumers meet each
-# step on a hardware barrier at these head dims (where the pieces are not
-# deferred). Session 21 (backward alone, settled, three rounds in
-# alternating order, results/h200_mosaic_fused_hw_sync.md): d=64 without a
-# mask at 16k 405 -> 420 TFLOP/s (the two kernels 402). Where the pieces
-# are deferred (d=128) the consumers' waits on hardware barriers of their
-# own (two per consumer, by step parity; built in ccc1e2d) measured a tie in
-# session 22 (494.7 -> 493.9 at 16k, 432 -> 432 at 4k,
-# results/h200_mosaic_deferred_hw_sync.md: the other's arrival is a step
-# old by then), so that form was removed and `hw_ds_sync` still refuses
-# `deferred_dq`.
-HW_DS_SYNC_HEAD_DIMS: tuple[int, ...] = (64,)
-# `mosaic_backward(scores_ahead=None)`: on by (head_dim, block_q) on the
-# launch grid without a causal mask (where the two kernels run: not the
-# fused dQ). Under causal masking (each head's unmasked run ahead; built at
-# the end of session 24, its GPU tests and A/B not yet run) off. Session
-# 24 (backward alone, three rounds, TFLOP/s, off -> on,
-# results/h200_mosaic_ahead_s24.md): d=64 with 128-row Q tiles 387 -> 403
-# at 4k and 400 -> 421 at 16k (the two kernels, which run there since:
-# `FUSED_DQ_MIN_KV_LEN`), but on the persistent grid at 1k 342 -> 337;
-# d=128 (64-row Q tiles, lse read early) 470 -> 456 at 4k.
-SCORES_AHEAD_LAUNCH_TILES: tuple[tuple[int, int], ...] = ((64, 128),)
-
-
-def shared_rows_by_default(*, head_dim: int, persistent: bool) -> bool:
-  """Whether `mosaic_backward(shared_rows=None)` shares the dK/dV kernel's
-  K/V rows between its consumers (on the launch grid; which grid runs is
-  decided first, by `persistent_by_default`)."""
-  return head_dim in SHARED_ROWS_HEAD_DIMS and not persistent
-
-
-def prefetch_stats_by_default(*, head_dim: int, block_q: int) -> bool:
-  """Whether `mosaic_backward(prefetch_stats=None)` reads the dK/dV
-  kernel's row statistics before its matmuls."""
-  return (head_dim, block_q) in PREFETCH_STATS_TILES
-
-
-def _causal_launch_lean(*, head_dim: int, persistent: bool) -> bool:
-  """Whether a causal call runs lean producers with lse read early
-  (`CAUSAL_LAUNCH_LEAN_HEAD_DIMS`: on the launch grid at those head dims)."""
-  return not persistent and head_dim in CAUSAL_LAUNCH_LEAN_HEAD_DIMS
-
-
-def prefetch_lse_by_default(*, head_dim: int, block_q: int, fused_dq: bool,
-                            is_causal: bool, persistent: bool = False) -> bool:
-  """Whether `mosaic_backward(prefetch_lse=None)` reads the dK/dV kernel's
-  lse before its matmuls: in the fused dQ where `FUSED_PREFETCH_LSE_TILES`
-  says; in the two kernels where `PREFETCH_LSE_TILES` says, on either grid
-  without a causal mask, under one on the launch grid at
-  `CAUSAL_LAUNCH_LEAN_HEAD_DIMS` only."""
-  if fused_dq:
-    return (head_dim, block_q) in FUSED_PREFETCH_LSE_TILES
-  if is_causal and not _causal_launch_lean(head_dim=head_dim,
-                                           persistent=persistent):
-    return False
-  return (head_dim, block_q) in PREFETCH_LSE_TILES
-
-
-def lean_producer_by_default(*, head_dim: int, fused_dq: bool,
-                             is_causal: bool, persistent: bool = False
-                             ) -> bool:
-  """Whether `mosaic_backward(lean_producer=None)` moves registers from
-  the producers to the consumers (the two kernels only; under causal
-  masking at `LEAN_PRODUCER_CAUSAL_HEAD_DIMS`, and on the launch grid at
-  `CAUSAL_LAUNCH_LEAN_HEAD_DIMS`)."""
-  if is_causal and head_dim not in LEAN_PRODUCER_CAUSAL_HEAD_DIMS and not (
-      _causal_launch_lean(head_dim=head_dim, persistent=persistent)):
-    return False
-  return LEAN_PRODUCER_BY_DEFAULT and not fused_dq
-
-
-def merged_pieces_by_default(*, head_dim: int, deferred_dq: bool,
-                             overlap_softmax: bool,
-                             one_piece_each: bool) -> bool:
-  """Whether the fused dQ with `mosaic_backward(merged_pieces=None)`
-  merges its pieces: deferred, at `MERGED_PIECES_HEAD_DIMS`, where each
-  consumer has one dQ piece (decided in `statics`, which knows the
-  consumers)."""
-  return (deferred_dq and overlap_softmax and one_piece_each
-          and head_dim in MERGED_PIECES_HEAD_DIMS)
-
-
-def dq_tiles_by_default(*, head_dim: int, block_q: int, q_len: int,
-                        kv_len: int, is_causal: bool, persistent: bool,
-                        fused_dq: bool) -> tuple[int, int] | None:
-  """`mosaic_backward(dq_tiles=None)`'s tiles (`DQ_TILES_CAUSAL_LAUNCH`,
-  where they divide the lengths), or None for the dK/dV kernel's."""
-  tiles = DQ_TILES_CAUSAL_LAUNCH.get((head_dim, block_q))
-  if (tiles is None or not is_causal or persistent or fused_dq
-      or q_len % tiles[0] or kv_len % tiles[1]):
-    return None
-  return tiles
-
-
-def hw_ds_sync_by_default(*, head_dim: int, fused_dq: bool,
-                          deferred_dq: bool) -> bool:
-  """Whether `mosaic_backward(hw_ds_sync=None)` has the fused dQ's
-  consumers meet on a hardware barrier (`HW_DS_SYNC_HEAD_DIMS`, where they
-  meet each step: not deferred)."""
-  return fused_dq and not deferred_dq and head_dim in HW_DS_SYNC_HEAD_DIMS
-
-
-def scores_ahead_by_default(*, head_dim: int, block_q: int, fused_dq: bool,
-                            is_causal: bool, persistent: bool) -> bool:
-  """Whether `mosaic_backward(scores_ahead=None)` issues the dK/dV
-  kernel's Sᵀ a step ahead (`SCORES_AHEAD_LAUNCH_TILES`)."""
-  return ((head_dim, block_q) in SCORES_AHEAD_LAUNCH_TILES
-          and not (fused_dq or is_causal or persistent))
-
-
-def persistent_by_default(*, head_dim: int, kv_len: int,
-                          is_causal: bool = False) -> bool:
-  """Whether `mosaic_backward(persistent=None)` runs the persistent grid."""
-  if is_causal and kv_len <= PERSISTENT_CAUSAL_MAX_KV_LEN.get(head_dim, 0):
-    return True
-  return kv_len <= PERSISTENT_MAX_KV_LEN.get(head_dim, 0)
-
-
-def fused_dq_by_default(*, head_dim: int, kv_len: int, block_q: int,
-                        block_kv: int = 64, is_causal: bool = False) -> bool:
-  """Whether `mosaic_backward(fused_dq=None)` fuses dQ into dK/dV: where
-  the tables say, where its dQ pieces share out between two consumers
-  (else it would refuse the call, and the Triton backward would run), and
-  where kv_len gives it two consumers (with one it was never measured
-  against the two kernels)."""
-  least = FUSED_DQ_MIN_KV_LEN.get(head_dim)
-  if is_causal and head_dim not in FUSED_DQ_CAUSAL_HEAD_DIMS:
-    return False
-  return (least is not None and kv_len >= least
-          and kv_len % (_MAX_CONSUMERS * block_kv) == 0
-          and _dq_pieces(block_q, head_dim) % _MAX_CONSUMERS == 0)
-
-
-def opaque_resident_by_default(*, head_dim: int, fused_dq: bool) -> bool:
-  """Whether `mosaic_backward(opaque_resident=None)` recomputes the dK/dV
-  kernel's resident descriptors each step."""
-  return fused_dq and head_dim in OPAQUE_RESIDENT_FUSED_HEAD_DIMS
-
-
-def tile_fastest_by_default(*, persistent: bool, fused_dq: bool) -> bool:
-  """Whether `mosaic_backward(tile_fastest=None)` launches the two
-  kernels' launch grids tile-fastest."""
-  return TILE_FASTEST_BY_DEFAULT and not (persistent or fused_dq)
-
-
-def deferred_dq_by_default(*, head_dim: int, fused_dq: bool) -> bool:
-  """Whether `mosaic_backward(deferred_dq=None)` computes the fused dQ's
-  pieces of a step during the next."""
-  return fused_dq and head_dim in DEFERRED_DQ_FUSED_HEAD_DIMS
 
 
 # How a consumer treats a run of streamed steps (see `_walk_runs`).
@@ -449,133 +135,65 @@ class _Static:
   is_causal: bool
   dtype: jnp.dtype
   outputs: tuple[str, ...]  # dK/dV kernel: ("dk", "dv"), ("dk",) or ("dv",)
-  # dQ kernel, causal: launch the tiles with the most K/V blocks first
-  # (`forward.tile_index`). The dK/dV kernel's K/V tile j reads the Q blocks
-  # from j on, so its grid order is heaviest first already.
-  heavy_first: bool = True
-  # Overlap within a consumer (`tune_mosaic --kernels backward_overlap`; on
-  # in `mosaic_backward`, 2-3% faster on the H200, off in the ranged
-  # kernels until they are run with it on a GPU): P's exponentials run while the dP wgmma is on the
-  # tensor cores (both kernels), and in the dK/dV kernel dS while the
-  # dV += Pᵀ dO wgmma is (FlashAttention-3's intra-warpgroup overlap, §3.2,
-  # within one step).
+  # P's exponentials run while the dP wgmma is on the tensor cores (both
+  # kernels), and in the dK/dV kernel dS while the dV += Pᵀ dO wgmma is
+  # (FlashAttention-3's intra-warpgroup overlap, §3.2, within one step).
   overlap_softmax: bool = False
-  # dK/dV kernel: read the step's row statistics (lse, delta) from shared
-  # memory before the step's wgmmas are issued, not when P and dS need
-  # them, so that the load's latency hides behind the matmuls (Nsight
-  # Compute at d=128 16k: 12% of the consumers' stall samples were P's
-  # first FFMAs waiting on the lse load). Costs their registers (16 each
-  # at block_q 64) while the matmuls run.
-  prefetch_stats: bool = False
-  # dK/dV kernel: read lse alone before the step's wgmmas (delta when dS
-  # needs it), so that the load P's first FFMAs wait on hides behind the
-  # matmuls at half `prefetch_stats`' registers (Nsight Compute, fused dQ
-  # at d=128 4k, session 14: 10% of the consumers' stall samples were P's
-  # FFMAs waiting on that load; at 16k with merged pieces, session 22,
-  # 12%: results/h200_ncu_fused_16k_s22.md).
+  # dK/dV kernel: read lse before the step's wgmmas (delta when dS needs
+  # it), so that the load P's first FFMAs wait on hides behind the
+  # matmuls (Nsight Compute, the fused dQ at d=128: 10-12% of the
+  # consumers' stall samples were those FFMAs waiting on the load,
+  # h200_ncu_fused_d128_16k.md). Costs its registers while the matmuls run.
   prefetch_lse: bool = False
-  # dK/dV kernel (plain and fused consumers): read delta as soon as Sᵀ is
-  # ready, before P's exponentials, not after dV's wgmma is issued, so
-  # that its load hides behind them (the fused dQ's stall samples, session
-  # 14: 2% of the consumers' on dS's FADDs waiting for it). Costs its 16
-  # registers (block_q 64) through P. Bitwise the default (GPU tests,
-  # session 15); measured 1-5% slower at d=128 (results/h200_mosaic_
-  # early_delta.md): off.
-  early_delta: bool = False
-  # dK/dV kernel, plain consumers (under causal masking, each query head's
-  # run of unmasked steps; without a mask, every step of the walk, across
-  # the group's heads): step t + 1's Sᵀ = K Qᵀ is issued once step t's dV
-  # is done but before its dK is, so that the tensor cores run it right
-  # behind dK rather than after the warpgroup has seen dK done, released
-  # the slot and issued it (`_walk_scores_ahead`). Nsight Compute of
-  # d=64's 4k backward (session 23, results/h200_ncu_d64_4k_s23.md): 7% of
+  # dK/dV kernel, plain consumers without a causal mask: step t + 1's
+  # Sᵀ = K Qᵀ is issued once step t's dV is done but before its dK is, so
+  # that the tensor cores run it right behind dK rather than after the
+  # warpgroup has seen dK done, released the slot and issued it
+  # (`_walk_scores_ahead`). Nsight Compute of d=64's 4k backward: 7% of
   # the dK/dV kernel's samples waited for Sᵀ and 6.5% for dV and dK, back
-  # to back. Scheduling only:
-  # bitwise the default (GPU tests). The same in the dQ kernel (S behind
-  # the step before's dQ product) measured slower, 405 -> 399 TFLOP/s at
-  # d=64 4k and 471 -> 456 at d=128 (session 24, results/h200_mosaic_
-  # ahead_s24.md), and was removed.
+  # to back (h200_ncu_fwd_bwd_d64_4k.md). Scheduling only: bitwise the plain
+  # walk.
   scores_ahead: bool = False
   # Both kernels (not the fused dQ, whose four warpgroups have 512 registers
   # a thread slot shared 232/232/24/24): the producer at 24 registers (it
-  # only issues TMA; it may spill) and the consumers at 240, instead of 40
-  # and 232 (`forward._LEAN_REGISTERS`: 2 * 240 + 24 = 504, a 384-thread
-  # CTA's launch budget of 168 a thread, as 2 * 232 + 40), so that lse and
-  # delta read early (`prefetch_lse`, `early_delta`) have room. Bitwise the
-  # default (GPU tests, session 15); the default where measured faster
-  # (`LEAN_PRODUCER_BY_DEFAULT`).
+  # only issues TMA) and the consumers at 240, instead of 40 and 232
+  # (`common.register_split`: 2 * 240 + 24 = 504, as 2 * 232 + 40), so
+  # that lse read early has room. Bitwise the same.
   lean_producer: bool = False
-  # dK/dV kernel, plain form: the consumers index their resident K and V
-  # rows each step with a zero read from shared memory (the last scratch
-  # buffer; shared memory, which the kernel's barriers and copies may write
-  # for all the compiler knows), so that it cannot hoist those tiles' wgmma
+  # Fused dQ: the consumers index their resident K and V rows each step
+  # with a zero read from shared memory (the last scratch buffer; shared
+  # memory, which the kernel's barriers and copies may write for all the
+  # compiler knows), so that it cannot hoist those tiles' wgmma
   # descriptors out of the step loop. Hoisted, they are loop invariants
-  # that hold registers across every matmul: in the fused dQ at d=128
-  # (Nsight Compute, session 11) ptxas spilled them and reloaded them each
-  # step from L2, ~190 bytes per thread per step, and the wgmma issues
-  # stalled on the reloads. Recomputed, a descriptor costs a few integer
-  # operations per matmul.
+  # that hold registers across every matmul: at d=128 (Nsight Compute)
+  # ptxas spilled them and reloaded them each step from L2, ~190 bytes per
+  # thread per step, and the wgmma issues stalled on the reloads; opaque,
+  # the fused kernel went 397 / 351 -> 470 / 458 TFLOP/s full / causal at
+  # 16k (h200_mosaic_opaque.md). Where the zero's cell fits.
   opaque_resident: bool = False
-  # Fused dQ: a consumer computes its dQ pieces of step s during step s + 1
-  # (after that step's dK and dV), not at the end of step s. At step s the
-  # pieces need both consumers' dSᵀ of s, so each consumer waits there for
-  # the other every step, and their softmaxes stop alternating with each
-  # other's matmuls (Nsight Compute, session 11: the fused kernel at 55%
-  # of the tensor pipe). A step later the other's dSᵀ is long stored; what
-  # a consumer then waits for is the other having read the dSᵀ buffer it
-  # is about to overwrite (`_FusedDq.ds_read`), a step of slack.
-  deferred_dq: bool = False
-  # Fused dQ: the writer frees a stage of dQ pieces as soon as its TMA has
-  # read it, not once the adds have reached global memory (which the turn
-  # hand-on still waits for). A consumer reuses a stage two steps on; with
-  # the stage held until the adds land, consumers stalled on it (Nsight
-  # Compute at d=128 4k, session 14: 9% of their stall samples). Bitwise
-  # the fused kernel (6 GPU tests, three runs each); measured -5% at 4k
-  # and +3% at 16k (results/h200_mosaic_fused_stalls.md): off.
-  stage_free_on_read: bool = False
-  # Fused dQ, deferred, one dQ piece a consumer: step s - 1's piece is
-  # issued in the same wgmma group as step s's dV and dK, one wait for all
-  # three, instead of issued and waited for on its own after them (the
-  # fused kernel's stall samples, session 14: 6% of the consumers' on that
-  # wait, 6% more on dV/dK's); the tensor cores then have 768 clocks queued
-  # a consumer step. Bitwise the deferred kernel (GPU tests, three runs,
-  # session 15); the default at `MERGED_PIECES_HEAD_DIMS`.
-  merged_pieces: bool = False
-  # Fused dQ, not deferred: the consumers' meeting each step (every dSᵀ of
-  # the step stored before any consumer reads them for its dQ pieces) is
-  # one `bar.sync` on a hardware barrier (`_DS_STORED_BARRIER`) instead of
-  # an arrival on and a polling wait for the `ds_stored` mbarrier. Safe on
-  # a barrier without phases: each consumer arrives and waits in one
-  # instruction, so none can arrive for the next step before all have
-  # arrived for this one. Scheduling only: bitwise the same (GPU tests).
-  # The default at `HW_DS_SYNC_HEAD_DIMS`.
-  hw_ds_sync: bool = False
   # Persistent grid: `num_ctas` CTAs (one per SM) walk the tiles in turn
-  # (`forward.persistent_schedule`), so that a tile's start (its resident
+  # (`common.persistent_schedule`), so that a tile's start (its resident
   # loads, the ring's fill) overlaps the previous tile's end. Plain form.
   persistent: bool = False
   num_ctas: int = 0
-  # Fused dQ (`mosaic_backward(fused_dq=True)`; dK/dV kernel only): each
-  # step also computes the CTA's dS K for the Q tile, the consumers sharing
-  # out its pieces, and a fourth warpgroup adds it, in f32, to a dQ sum in
-  # global memory by TMA reduce-add, in a fixed order (see `_FusedDq`). 5
-  # matmuls per tile pair instead of 7 (the dQ kernel's recomputed S and dP
-  # go). Launch grid, plain form.
+  # Fused dQ (dK/dV kernel only): each step also computes the CTA's dS K
+  # for the Q tile, each consumer one piece of it, and a fourth warpgroup
+  # adds it, in f32, to a dQ sum in global memory by TMA reduce-add, in a
+  # fixed order (see `_FusedDq`). 5 matmuls per tile pair instead of 7
+  # (the dQ kernel's recomputed S and dP go). Launch grid, plain form.
   fused_dq: bool = False
-  # Launch grid order, as the forward's `KernelStatic.tile_fastest`: a
-  # head's tiles launched together rather than the same tile of many heads.
+  # Launch grid order (`common.launch_grid`): a head's tiles launched
+  # together, the CTAs at work at once streaming the same Q and dO (dK/dV
+  # kernel) or K and V (dQ kernel) through L2. The fused dQ's tiles launch
+  # in its own order.
   tile_fastest: bool = False
-  # Shared K/V rows (`mosaic_backward(shared_rows=True)`; dK/dV kernel, plain
-  # form): the consumers share the CTA's `block_kv` K/V rows instead of
-  # owning `block_kv` rows each. Consumer c computes Sᵀ and dPᵀ for its
-  # part of the step's Q rows, and dK and dV for its part of the head_dim
-  # columns; the parts of Pᵀ and dSᵀ meet in shared memory
-  # (`_dkdv_consume_shared`). So dK and dV fit one pass where a consumer
-  # could not hold both whole (head_dim 256), with two consumers. In the dQ
-  # kernel (`mosaic_backward(shared_q_rows=True)`) likewise: the consumers
-  # share block_q Q rows, each computing S and dP for part of the step's
-  # K/V rows and dQ for part of the columns, dS exchanged
-  # (`_dq_consume_shared`).
+  # Shared K/V rows (dK/dV kernel, plain form): the consumers share the
+  # CTA's `block_kv` K/V rows instead of owning `block_kv` rows each.
+  # Consumer c computes Sᵀ and dPᵀ for its part of the step's Q rows, and
+  # dK and dV for its part of the head_dim columns; the parts of Pᵀ and
+  # dSᵀ meet in shared memory (`_dkdv_consume_shared`). So dK and dV fit
+  # one pass where a consumer could not hold both whole (head_dim 256),
+  # with two consumers.
   shared_rows: bool = False
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
@@ -593,7 +211,7 @@ class _Static:
   @property
   def q_rows_per_cta(self) -> int:
     """Q rows of a dQ kernel's CTA tile."""
-    return self.block_q * (1 if self.shared_rows else self.num_consumers)
+    return self.block_q * self.num_consumers
 
   @property
   def segmented(self) -> bool:
@@ -601,26 +219,7 @@ class _Static:
 
 
 def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
-                    scale: float, is_causal: bool, block_q: int = 64,
-                    block_kv: int = 64, max_concurrent_steps: int = 2,
-                    heavy_first: bool = True, overlap_softmax: bool = True,
-                    persistent: bool | None = None,
-                    num_ctas: int | None = None,
-                    fused_dq: bool | None = None,
-                    tile_fastest: bool | None = None,
-                    shared_rows: bool | None = None,
-                    shared_q_rows: bool = False,
-                    prefetch_stats: bool | None = None,
-                    opaque_resident: bool | None = None,
-                    deferred_dq: bool | None = None,
-                    prefetch_lse: bool | None = None,
-                    early_delta: bool = False,
-                    scores_ahead: bool | None = None,
-                    lean_producer: bool | None = None,
-                    stage_free_on_read: bool = False,
-                    merged_pieces: bool | None = None,
-                    dq_tiles: tuple[int, int] | None = None,
-                    hw_ds_sync: bool | None = None):
+                    scale: float, is_causal: bool, **options):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -638,90 +237,10 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     scale: multiplies q·k in the forward.
     is_causal: top-left aligned, query i attends keys j <= i (as
       `forward.mosaic_forward`, whose docstring draws it).
-
-    block_q: Q rows per tile: per consumer warpgroup in the dQ kernel, per
-      streamed step in the dK/dV kernel.
-    block_kv: K/V rows per tile: per consumer warpgroup in the dK/dV kernel,
-      per streamed step in the dQ kernel.
-    max_concurrent_steps: depth of the TMA ring of both kernels.
-    heavy_first: under causal masking, launch the dQ kernel's query tiles
-      with the most K/V blocks first; False launches them in order.
-    overlap_softmax: overlap the elementwise work with the matmuls within
-      each consumer (see `_Static`); the results are the same either way.
-      On by default: 2.6%, 3.4% and 2.3% faster at head_dim 64, 128, 256
-      (H200, seq 16k).
-    persistent: both kernels on a persistent grid of `num_ctas` CTAs (None:
-      one per SM), each walking its tiles with the streamed ring running on
-      across them; bitwise the launch grid's results. None: where measured
-      faster (`persistent_by_default`).
-    num_ctas: CTAs of the persistent grid; None: the GPU's SM count.
-    fused_dq: one kernel: the dK/dV kernel also sums dQ, in float32 in
-      global memory, each K/V tile adding its part in a fixed order (see
-      `_FusedDq`), so the results are deterministic; 5 matmuls per
-      (Q tile, K/V tile) pair instead of 7 (the dQ kernel recomputes S, dP).
-      Launch grid only, and only where dK and dV fit one pass (head_dim up
-      to 128). None: where measured faster (`fused_dq_by_default`: from
-      kv_len 16384 at head_dim 128, without a causal mask), and not
-      where `dq_tiles` asks for the dQ kernel.
-    tile_fastest: both kernels' launch grids in tile-fastest order (see
-      `_Static`); the results are the same either way. Not with `fused_dq`,
-      whose K/V tiles of a head must launch apart. None: on the launch grid
-      without the fused dQ (`tile_fastest_by_default`).
-    shared_rows: the dK/dV kernel's two consumers share `block_kv` K/V
-      rows, each computing half of dK's and dV's columns (see `_Static`):
-      one pass where dK and dV do not fit one consumer (head_dim 256).
-      Not with `fused_dq`. None: where measured faster
-      (`shared_rows_by_default`).
-    shared_q_rows: the dQ kernel's consumers likewise share `block_q` Q
-      rows (two consumers at head_dim 256 instead of one); measured slower,
-      so off by default.
-    prefetch_stats: the dK/dV kernel reads each step's lse and delta before
-      its matmuls are issued (see `_Static`); the same results either way.
-      None: where measured faster (`prefetch_stats_by_default`).
-    opaque_resident: the dK/dV kernel recomputes its resident tiles' wgmma
-      descriptors each step instead of holding them (see `_Static`); the
-      same results either way. Not with shared rows. None: where measured
-      faster (`opaque_resident_by_default`: the fused dQ at head_dim 128).
-    deferred_dq: the fused dQ's pieces of a step computed during the next
-      (see `_Static`); the same results either way. Fused dQ only. None:
-      where measured faster (`deferred_dq_by_default`: the fused dQ at
-      head_dim 128).
-    prefetch_lse: as `prefetch_stats` for lse alone (see `_Static`). None:
-      where measured faster (`prefetch_lse_by_default`: head_dim 128 with
-      64-row Q tiles, in the fused dQ, and in the two kernels on either
-      grid without a causal mask and on the launch grid under one).
-    early_delta: the dK/dV kernel reads delta before P's exponentials
-      (see `_Static`); the same results either way.
-    scores_ahead: the dK/dV kernel issues each step's Sᵀ right behind the
-      step before's dK, before waiting for it (see `_Static`); the same
-      results either way. The plain consumers (not fused, not shared
-      rows, not the ranged kernel, not with `prefetch_stats`,
-      `early_delta` or `opaque_resident`), with a ring of two stages or
-      more; under causal masking each query head's unmasked steps. None: where measured
-      faster (`scores_ahead_by_default`: d=64's launch grid without a
-      mask) and these allow it.
-    lean_producer: both kernels' producers at 24 registers and consumers
-      at 240 (see `_Static`); the same results either way. Not with
-      `fused_dq`. None: with the two kernels, but not on the persistent
-      grid at head_dim 128 under causal masking (`lean_producer_by_default`).
-    stage_free_on_read: the fused dQ's writer frees each stage of pieces
-      once read rather than once added (see `_Static`); the same results
-      either way. Fused dQ only.
-    merged_pieces: the fused dQ issues each step's dQ piece with the next
-      step's dV and dK (see `_Static`); the same results either way. With
-      `deferred_dq` and one piece a consumer only. None: with the deferred
-      fused dQ at head_dim 128 where each consumer has one piece
-      (`merged_pieces_by_default`).
-    dq_tiles: (block_q, block_kv) of the dQ kernel alone, where they differ
-      from the dK/dV kernel's (block_q, block_kv). Two kernels only; pass
-      (block_q, block_kv) for the same tiles. None: where measured faster
-      (`dq_tiles_by_default`: 64 x 128 at head_dim 64 with 128-row Q tiles
-      under causal masking on the launch grid), else the same tiles.
-    hw_ds_sync: the fused dQ's consumers meet each step on a hardware
-      barrier instead of an mbarrier (see `_Static`); the same results
-      either way. Fused dQ without `deferred_dq` only. None: where
-      measured faster (`hw_ds_sync_by_default`: the fused dQ at head_dim
-      64).
+    **options: fields of `plan.BackwardConfig` replacing the plan's choice
+      for this call (`plan.backward_config`): tiles, pipeline depth, the
+      fused dQ, grid, shared rows, registers, when lse and Sᵀ are read and
+      issued, the dQ kernel's own tiles.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -731,122 +250,41 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       dim, lengths not multiples of the tiles, tiles that do not fit in
       shared memory or registers), so that a dispatcher falls back.
   """
-  if dq_tiles is not None and (
-      len(dq_tiles) != 2 or not all(isinstance(n, int) for n in dq_tiles)):
-    raise ValueError(f"dq_tiles must be (block_q, block_kv) of ints or None, "
-                     f"got {dq_tiles!r}")
+  config = _config(query, key, is_causal, options)
   check_supported(query, key, value, out, lse, d_out, d_lse,
-                  block_q=block_q, block_kv=block_kv,
-                  max_concurrent_steps=max_concurrent_steps)
-  if dq_tiles is not None:
-    check_tiles_divide(query.shape[1], key.shape[1], block_q=dq_tiles[0],
-                       block_kv=dq_tiles[1],
-                       max_concurrent_steps=max_concurrent_steps)
+                  block_q=config.block_q, block_kv=config.block_kv,
+                  max_concurrent_steps=config.max_concurrent_steps)
+  if config.dq_tiles is not None:
+    check_tiles_divide(query.shape[1], key.shape[1],
+                       block_q=config.dq_tiles[0],
+                       block_kv=config.dq_tiles[1],
+                       max_concurrent_steps=config.max_concurrent_steps)
   # Configuring raises for tiles that do not fit, before any work is traced.
-  dq_config, dkdv_configs = configure(
-      query, key, scale=scale, is_causal=is_causal, block_q=block_q,
-      block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
-      heavy_first=heavy_first, overlap_softmax=overlap_softmax,
-      persistent=persistent, num_ctas=num_ctas, fused_dq=fused_dq,
-      tile_fastest=tile_fastest, shared_rows=shared_rows,
-      shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
-      opaque_resident=opaque_resident, deferred_dq=deferred_dq,
-      prefetch_lse=prefetch_lse, early_delta=early_delta,
-      scores_ahead=scores_ahead,
-      lean_producer=lean_producer, stage_free_on_read=stage_free_on_read,
-      merged_pieces=merged_pieces, dq_tiles=dq_tiles, hw_ds_sync=hw_ds_sync)
+  dq_config, dkdv_configs = statics(query, key, scale=scale,
+                                    is_causal=is_causal, config=config)
   stats = row_statistics(out, lse, d_out, d_lse)
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
 
-def configure(query, key, *, scale: float, is_causal: bool, block_q: int = 64,
-              block_kv: int = 64, max_concurrent_steps: int = 2,
-              heavy_first: bool = True, overlap_softmax: bool = True,
-              persistent: bool | None = None, num_ctas: int | None = None,
-              fused_dq: bool | None = None,
-              tile_fastest: bool | None = None,
-              shared_rows: bool | None = None, shared_q_rows: bool = False,
-              prefetch_stats: bool | None = None,
-              opaque_resident: bool | None = None,
-              deferred_dq: bool | None = None,
-              prefetch_lse: bool | None = None, early_delta: bool = False,
-              scores_ahead: bool | None = None,
-              lean_producer: bool | None = None,
-              stage_free_on_read: bool = False,
-              merged_pieces: bool | None = None,
-              dq_tiles: tuple[int, int] | None = None,
-              hw_ds_sync: bool | None = None):
-  """`mosaic_backward`'s kernels for these arguments (its defaults decided):
-  (`dq_static` or None when fused, [`dkdv_statics`' passes]), as
-  `gradients` takes them. Raises NotImplementedError for tiles that do not
-  fit."""
-  tiles = dict(scale=scale, is_causal=is_causal, block_q=block_q,
-               block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
-  head_dim, kv_len = query.shape[-1], key.shape[1]
-  same_tiles = dq_tiles is not None and tuple(dq_tiles) == (block_q,
-                                                            block_kv)
-  if fused_dq is None:  # tiles of the dQ kernel's own ask for that kernel
-    own_tiles = dq_tiles is not None and not same_tiles
-    fused_dq = not (persistent or own_tiles) and fused_dq_by_default(
-        head_dim=head_dim, kv_len=kv_len, block_q=block_q,
-        block_kv=block_kv, is_causal=is_causal)
-  if persistent is None:
-    persistent = not fused_dq and persistent_by_default(
-        head_dim=head_dim, kv_len=kv_len, is_causal=is_causal)
-  if shared_rows is None:
-    shared_rows = not fused_dq and shared_rows_by_default(
-        head_dim=head_dim, persistent=persistent)
-  if prefetch_stats is None:
-    prefetch_stats = prefetch_stats_by_default(head_dim=head_dim,
-                                               block_q=block_q)
-  if prefetch_lse is None:
-    prefetch_lse = prefetch_lse_by_default(head_dim=head_dim, block_q=block_q,
-                                           fused_dq=fused_dq,
-                                           is_causal=is_causal,
-                                           persistent=persistent)
-  if opaque_resident is None:
-    opaque_resident = opaque_resident_by_default(head_dim=head_dim,
-                                                 fused_dq=fused_dq)
-  if deferred_dq is None:
-    deferred_dq = deferred_dq_by_default(head_dim=head_dim, fused_dq=fused_dq)
-  if tile_fastest is None:
-    tile_fastest = tile_fastest_by_default(persistent=persistent,
-                                           fused_dq=fused_dq)
-  if hw_ds_sync is None:
-    hw_ds_sync = hw_ds_sync_by_default(head_dim=head_dim, fused_dq=fused_dq,
-                                       deferred_dq=deferred_dq)
-  if lean_producer is None:
-    lean_producer = lean_producer_by_default(
-        head_dim=head_dim, fused_dq=fused_dq, is_causal=is_causal,
-        persistent=persistent)
-  if scores_ahead is None:  # where measured faster and the options allow
-    scores_ahead = scores_ahead_by_default(
-        head_dim=head_dim, block_q=block_q, fused_dq=fused_dq,
-        is_causal=is_causal, persistent=persistent) and not _why_not_ahead(
-            fused_dq=fused_dq, shared_rows=shared_rows, spec=None,
-            prefetch_stats=prefetch_stats, early_delta=early_delta,
-            opaque_resident=opaque_resident,
-            overlap_softmax=overlap_softmax,
-            max_concurrent_steps=max_concurrent_steps)
-  if same_tiles:
-    dq_tiles = None  # the dK/dV kernel's, as asked
-  elif dq_tiles is None:
-    dq_tiles = dq_tiles_by_default(
-        head_dim=head_dim, block_q=block_q, q_len=query.shape[1],
-        kv_len=kv_len, is_causal=is_causal, persistent=persistent,
-        fused_dq=fused_dq)
-  # merged_pieces=None goes on: `statics` decides it with the consumers.
-  return statics(query, key, heavy_first=heavy_first,
-                 overlap_softmax=overlap_softmax, persistent=persistent,
-                 num_ctas=num_ctas, fused_dq=fused_dq,
-                 tile_fastest=tile_fastest, shared_rows=shared_rows,
-                 shared_q_rows=shared_q_rows, prefetch_stats=prefetch_stats,
-                 opaque_resident=opaque_resident, deferred_dq=deferred_dq,
-                 prefetch_lse=prefetch_lse, early_delta=early_delta,
-                 scores_ahead=scores_ahead, lean_producer=lean_producer,
-                 stage_free_on_read=stage_free_on_read,
-                 merged_pieces=merged_pieces, dq_tiles=dq_tiles,
-                 hw_ds_sync=hw_ds_sync, **tiles)
+def configure(query, key, *, scale: float, is_causal: bool, **options):
+  """`mosaic_backward`'s kernels for these arguments: (`dq_static` or None
+  when fused, [`dkdv_statics`' passes]), as `gradients` takes them. Raises
+  NotImplementedError for tiles that do not fit."""
+  return statics(query, key, scale=scale, is_causal=is_causal,
+                 config=_config(query, key, is_causal, options))
+
+
+def _config(query, key, is_causal: bool, options) -> BackwardConfig:
+  """`plan.backward_config` of a call, its `dq_tiles` checked."""
+  config = backward_config(head_dim=query.shape[-1], is_causal=is_causal,
+                           q_len=query.shape[1], kv_len=key.shape[1],
+                           **options)
+  if config.dq_tiles is not None and (
+      len(config.dq_tiles) != 2
+      or not all(isinstance(n, int) for n in config.dq_tiles)):
+    raise ValueError(f"dq_tiles must be (block_q, block_kv) of ints or None, "
+                     f"got {config.dq_tiles!r}")
+  return config
 
 
 def gradients(query, key, value, d_out, stats, dq_config: _Static | None,
@@ -858,8 +296,8 @@ def gradients(query, key, value, d_out, stats, dq_config: _Static | None,
   Args:
     query, key, value, d_out: as `mosaic_backward`'s.
     stats: `row_statistics`, float32 [batch, num_heads, 2, rows].
-    dq_config, dkdv_configs: from `dq_static` and `dkdv_statics` (`statics`:
-      dq_config None when the dK/dV kernel is fused with dQ).
+    dq_config, dkdv_configs: from `statics` (dq_config None when the dK/dV
+      kernel is fused with dQ).
     dq_plan, dkdv_plan: the ranged kernels' plan rows, int32
       [batch, num_tiles, PLAN_WIDTH] (see `masked.tile_plans`), or None.
     segments: the ranged kernels' (q ids [batch, q_len], kv ids
@@ -902,12 +340,12 @@ def check_supported(query, key, value, out, lse, d_out, d_lse, *, block_q,
     raise ValueError(f"d_lse must be {lse.shape} like lse; got {d_lse.shape}")
   if lse.dtype != jnp.float32:
     raise TypeError(f"lse must be float32, got {lse.dtype}")
-  if dtype not in _SUPPORTED_DTYPES:
+  if dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_backward supports bfloat16 and float16, got {dtype}")
-  if head_dim not in _SUPPORTED_HEAD_DIMS:
+  if head_dim not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"mosaic_backward supports head_dim in "
-                              f"{_SUPPORTED_HEAD_DIMS}, got {head_dim}")
+                              f"{SUPPORTED_HEAD_DIMS}, got {head_dim}")
   check_tiles_divide(q_len, kv_len, block_q=block_q, block_kv=block_kv,
                      max_concurrent_steps=max_concurrent_steps,
                      any_lengths=any_lengths)
@@ -932,23 +370,23 @@ def row_statistics(out, lse, d_out, d_lse, *, interpret: bool | None = None):
 
   delta = rowsum(dO ∘ O) - d_lse (FlashAttention-2 §3.2), the sum by
   `triton.delta.row_delta` (XLA fused it with the transpose and the stack
-  into 0.32-0.39 ms at seq 1k, a quarter of the backward; now 0.06-0.07
-  ms); `interpret` is its interpret mode (None: when no GPU is present). An
-  empty row (lse = -inf) gets +inf, so that P = exp2(s - lse) is 0 there,
-  not inf. Stacked, so that a tile of both is one TMA.
+  into 0.32-0.39 ms at seq 1k, a quarter of the backward; the kernel takes
+  0.06-0.07 ms); `interpret` is its interpret mode (None: when no GPU is
+  present). An empty row (lse = -inf) gets +inf, so that P = exp2(s - lse)
+  is 0 there, not inf. Stacked, so that a tile of both is one TMA.
   """
   if interpret is None:
     interpret = not versions.has_gpu()
   delta = row_delta(out, d_out, interpret=interpret)
   if d_lse is not None:
     delta = delta - d_lse.astype(jnp.float32)
-  lse_log2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
+  lse_log2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
   return jnp.stack([lse_log2, delta], axis=2)
 
 
 def _accumulator_registers(*shapes) -> int:
   """Registers per thread that f32 wgmma accumulators of `shapes` take."""
-  return sum(m * n for m, n in shapes) // _THREADS_PER_WARPGROUP
+  return sum(m * n for m, n in shapes) // THREADS_PER_WARPGROUP
 
 
 def _smem_bytes(*, num_consumers, num_stages, resident_rows, streamed_rows,
@@ -997,165 +435,88 @@ def _num_consumers(length, block, smem_of) -> int:
   """
   for consumers in (_MAX_CONSUMERS, 1):
     if length % (consumers * block) == 0 and (
-        smem_of(consumers) <= _SMEM_LIMIT_BYTES):
+        smem_of(consumers) <= SMEM_LIMIT_BYTES):
       return consumers
   raise NotImplementedError(
       f"the backward tiles need {smem_of(1)} bytes of shared memory even "
-      f"with one consumer; sm90 has {_SMEM_LIMIT_BYTES}")
+      f"with one consumer; sm90 has {SMEM_LIMIT_BYTES}")
 
 
-def statics(query, key, *, heavy_first: bool = True,
-            overlap_softmax: bool = False, persistent: bool = False,
-            num_ctas: int | None = None, fused_dq: bool = False,
-            tile_fastest: bool = False, shared_rows: bool = False,
-            shared_q_rows: bool = False, prefetch_stats: bool = False,
-            opaque_resident: bool = False, deferred_dq: bool = False,
-            prefetch_lse: bool = False, early_delta: bool = False,
-            scores_ahead: bool = False,
-            lean_producer: bool = False, stage_free_on_read: bool = False,
-            merged_pieces: bool | None = False,
-            dq_tiles: tuple[int, int] | None = None,
-            hw_ds_sync: bool = False, **tiles):
-  """(`dq_static`, `dkdv_statics`) with the schedule options set; `tiles`
-  are their keyword arguments (`dq_tiles`: the dQ kernel's block_q and
-  block_kv instead of theirs; `configure` turns tiles equal to theirs into
-  None). Fused dQ: (None, [the one fused pass]);
-  `merged_pieces=None` there: on where each consumer has one dQ piece."""
-  options = dict(overlap_softmax=bool(overlap_softmax),
-                 tile_fastest=bool(tile_fastest),
-                 lean_producer=bool(lean_producer))
-  dkdv_options = dict(options, prefetch_stats=bool(prefetch_stats),
-                      prefetch_lse=bool(prefetch_lse),
-                      early_delta=bool(early_delta),
-                      opaque_resident=bool(opaque_resident))
-  if scores_ahead:
-    why = _why_not_ahead(fused_dq=fused_dq, shared_rows=shared_rows,
-                         spec=tiles.get("spec"),
-                         prefetch_stats=prefetch_stats,
-                         early_delta=early_delta,
-                         opaque_resident=opaque_resident,
-                         overlap_softmax=overlap_softmax,
-                         max_concurrent_steps=tiles["max_concurrent_steps"])
-    if why:
-      raise NotImplementedError(f"scores_ahead: {why}")
-  if dq_tiles is not None and tiles.get("spec") is not None:
+def statics(query, key, *, scale: float, is_causal: bool,
+            config: BackwardConfig, spec=None):
+  """(`dq_static`, `dkdv_statics`) of `config`'s kernels, or (None, [the
+  fused pass]) with the fused dQ; `spec`: the ranged (masked) kernels' mask
+  spec. Raises NotImplementedError for what the kernels lack."""
+  tiles = dict(scale=scale, is_causal=is_causal, block_q=config.block_q,
+               block_kv=config.block_kv,
+               max_concurrent_steps=config.max_concurrent_steps, spec=spec)
+  if spec is not None and (config.fused_dq or config.dq_tiles is not None):
     # The ranged kernels' plans classify blocks at the one pair of tiles.
-    raise NotImplementedError("dq_tiles: not in the ranged backward")
-  if fused_dq:
-    if dq_tiles is not None:
-      raise NotImplementedError("dq_tiles: the two kernels only")
-    if shared_rows or shared_q_rows:
-      raise NotImplementedError("the fused dQ has no shared rows")
-    if lean_producer:
-      raise NotImplementedError(
-          "lean_producer: the two kernels only (the fused dQ's four "
-          "warpgroups share their registers otherwise)")
-    if persistent or tile_fastest:
+    raise NotImplementedError(
+        "the ranged backward has no fused dQ and no dq_tiles")
+  if config.fused_dq:
+    if config.persistent:
       raise NotImplementedError(
           "the fused dQ runs on the launch grid in its own order only: its "
           "K/V tiles wait for each other in order")
-    if tiles.get("spec") is not None:
-      raise NotImplementedError("the ranged backward has no fused dQ")
-    if merged_pieces and not (deferred_dq and overlap_softmax):
+    if not config.overlap_softmax:
       raise NotImplementedError(
-          "merged_pieces: with deferred_dq and overlap_softmax only")
-    if hw_ds_sync and deferred_dq:
-      raise NotImplementedError(
-          "hw_ds_sync: the fused dQ without deferred_dq only (deferred, it "
-          "measured a tie and was removed: see HW_DS_SYNC_HEAD_DIMS)")
-    fused_configs = dkdv_statics(query, key, fused_dq=True,
-                                 opaque_resident=opaque_resident,
-                                 deferred_dq=deferred_dq, **tiles)
-    # One piece a consumer, counted with the consumers the kernel gets
-    # (one, where kv_len is not a multiple of two K/V tiles).
-    one_piece_each = all(
-        _dq_pieces(config.block_q, config.head_dim) == config.num_consumers
-        for config in fused_configs)
-    if merged_pieces is None:
-      merged_pieces = merged_pieces_by_default(
-          head_dim=fused_configs[0].head_dim, deferred_dq=deferred_dq,
-          overlap_softmax=overlap_softmax, one_piece_each=one_piece_each)
-    elif merged_pieces and not one_piece_each:
-      raise NotImplementedError(
-          "merged_pieces: one dQ piece a consumer only")
+          "the fused dQ issues each step's dQ piece beside the next step's "
+          "dV and dK: with overlap_softmax only")
+    (fused,) = dkdv_statics(query, key, fused_dq=True, **tiles)
     return None, [dataclasses.replace(
-        config, **dkdv_options, deferred_dq=bool(deferred_dq),
-        stage_free_on_read=bool(stage_free_on_read),
-        merged_pieces=bool(merged_pieces), hw_ds_sync=bool(hw_ds_sync))
-        for config in fused_configs]
-  if deferred_dq or stage_free_on_read or merged_pieces or hw_ds_sync:
-    raise NotImplementedError(
-        "deferred_dq, stage_free_on_read, merged_pieces and hw_ds_sync: the "
-        "fused dQ only")
-  if early_delta and shared_rows:
-    raise NotImplementedError(
-        "early_delta: the plain and fused dK/dV consumers only (not shared "
-        "rows)")
-  if opaque_resident and (shared_rows or tiles.get("spec") is not None):
-    raise NotImplementedError(
-        "opaque_resident: the plain dK/dV consumers only (not shared rows, "
-        "not the ranged kernel)")
-  dq_tiles_args = tiles if dq_tiles is None else dict(
-      tiles, block_q=dq_tiles[0], block_kv=dq_tiles[1])
-  dq_config = dataclasses.replace(
-      dq_static(query, key, shared_rows=shared_q_rows, **dq_tiles_args),
-      heavy_first=bool(heavy_first), **options)
-  dkdv_configs = [dataclasses.replace(config, **dkdv_options,
-                                      scores_ahead=bool(scores_ahead))
-                  for config in dkdv_statics(
-                      query, key, shared_rows=shared_rows,
-                      opaque_resident=opaque_resident, **tiles)]
-  for config in dkdv_configs if scores_ahead else ():
-    if config.outputs != ("dk", "dv"):
+        fused, overlap_softmax=True, prefetch_lse=bool(config.prefetch_lse))]
+  if config.scores_ahead:
+    _check_scores_ahead(config, is_causal=is_causal, spec=spec)
+  options = dict(overlap_softmax=bool(config.overlap_softmax),
+                 tile_fastest=True,
+                 lean_producer=bool(config.lean_producer))
+  dq_tiles_args = tiles if config.dq_tiles is None else dict(
+      tiles, block_q=config.dq_tiles[0], block_kv=config.dq_tiles[1])
+  dq_config = dataclasses.replace(dq_static(query, key, **dq_tiles_args),
+                                  **options)
+  dkdv_configs = [dataclasses.replace(
+      static, **options, prefetch_lse=bool(config.prefetch_lse),
+      scores_ahead=bool(config.scores_ahead))
+                  for static in dkdv_statics(
+                      query, key, shared_rows=config.shared_rows, **tiles)]
+  for static in dkdv_configs if config.scores_ahead else ():
+    if static.outputs != ("dk", "dv"):
       raise NotImplementedError(
           "scores_ahead: where dK and dV take one pass (not at head_dim "
-          f"{config.head_dim} with block_q {config.block_q})")
-  if persistent:
+          f"{static.head_dim} with block_q {static.block_q})")
+  if config.persistent:
     batch, _, num_heads, _ = query.shape
     kv_len, num_kv_heads = key.shape[1], key.shape[2]
     dq_config = _persistent(
-        dq_config, num_ctas, num_heads=num_heads, batch=batch,
+        dq_config, config.num_ctas, num_heads=num_heads, batch=batch,
         tiles_per_head=pl.cdiv(query.shape[1], dq_config.q_rows_per_cta))
     dkdv_configs = [_persistent(
-        config, num_ctas, num_heads=num_kv_heads, batch=batch,
-        tiles_per_head=pl.cdiv(kv_len, config.kv_rows_per_cta))
-                    for config in dkdv_configs]
+        static, config.num_ctas, num_heads=num_kv_heads, batch=batch,
+        tiles_per_head=pl.cdiv(kv_len, static.kv_rows_per_cta))
+                    for static in dkdv_configs]
   return dq_config, dkdv_configs
 
 
-def _why_not_ahead(*, fused_dq, shared_rows, spec, prefetch_stats,
-                   early_delta, opaque_resident, overlap_softmax,
-                   max_concurrent_steps) -> str:
-  """Why `scores_ahead` cannot serve these options, or "" (the one list:
-  an explicit request raises with it, the default stays off)."""
+def _check_scores_ahead(config: BackwardConfig, *, is_causal: bool, spec):
+  """NotImplementedError naming why the dK/dV kernel cannot issue Sᵀ a
+  step ahead under `config`, if it cannot."""
   for refused, why in (
-      (fused_dq, "not with the fused dQ"),
-      (shared_rows, "not with shared rows"),
+      (is_causal, "not under a causal mask (its masked steps)"),
+      (config.shared_rows, "not with shared rows"),
       (spec is not None, "not in the ranged (masked) kernel"),
-      (prefetch_stats or early_delta,
-       "not with prefetch_stats or early_delta (it reads lse and delta "
-       "where its own schedule puts them)"),
-      (opaque_resident, "not with opaque_resident"),
-      (not overlap_softmax,
+      (not config.overlap_softmax,
        "not without overlap_softmax (its walk always overlaps)"),
-      (max_concurrent_steps < 2,
+      (config.max_concurrent_steps < 2,
        "a ring of two stages or more (the next step's Q tile must arrive "
        "while this step's is held)")):
     if refused:
-      return why
-  return ""
+      raise NotImplementedError(f"scores_ahead: {why}")
 
 
 def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
-              max_concurrent_steps, spec=None,
-              shared_rows: bool = False) -> _Static:
-  """The dQ kernel's configuration (`spec`: the ranged form's mask spec;
-  `shared_rows`: `_Static.shared_rows`)."""
-  if shared_rows:
-    return _shared_rows_static(
-        query, key, scale=scale, is_causal=is_causal, block_q=block_q,
-        block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
-        spec=spec, kernel="dq")
+              max_concurrent_steps, spec=None) -> _Static:
+  """The dQ kernel's configuration (`spec`: the ranged form's mask spec)."""
   _, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   registers = _accumulator_registers((block_q, head_dim),
@@ -1181,23 +542,17 @@ def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
       num_stages=stages, num_q_blocks=pl.cdiv(q_len, block_q),
       num_kv_blocks=num_kv_blocks, head_dim=head_dim,
       group=num_heads // num_kv_heads, scale=float(scale),
-      scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
+      scale_log2=float(scale) * LOG2E, is_causal=bool(is_causal),
       dtype=jnp.dtype(query.dtype), outputs=("dq",), spec=spec)
 
 
 def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
-                 max_concurrent_steps, spec=None,
-                 fused_dq: bool = False,
-                 shared_rows: bool = False,
-                 opaque_resident: bool = False,
-                 deferred_dq: bool = False) -> list[_Static]:
+                 max_concurrent_steps, spec=None, fused_dq: bool = False,
+                 shared_rows: bool = False) -> list[_Static]:
   """One pass computing dK and dV, or one pass each if registers demand;
-  `fused_dq`: the one pass that also sums dQ (raises where there is none);
-  `shared_rows`: the one pass with shared K/V rows (likewise);
-  `opaque_resident`: with the shared memory of its zero's cell (raises
-  where it would cost a consumer); `deferred_dq`: with its two barriers
-  (16 bytes, which every fused form has room for).
-  """
+  `fused_dq`: the one pass that also sums dQ (raises where there is none),
+  its resident rows opaque where the zero's cell fits; `shared_rows`: the
+  one pass with shared K/V rows (likewise)."""
   if shared_rows:
     return [_shared_rows_static(
         query, key, scale=scale, is_causal=is_causal, block_q=block_q,
@@ -1239,88 +594,76 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
               if fused_dq else 0)
   consumers = _num_consumers(_tiled_length(kv_len, block_kv, spec), block_kv,
                              smem_of)
-  if opaque_resident and smem_of(consumers) + _ZERO_CELL_BYTES > (
-      _SMEM_LIMIT_BYTES):
-    raise NotImplementedError(
-        f"opaque_resident: no shared memory left for its zero's cell with "
-        f"block_q {block_q}, block_kv {block_kv} at head_dim {head_dim}")
-  if fused_dq and (_dq_pieces(block_q, head_dim) % consumers
+  if fused_dq and (_dq_pieces(block_q, head_dim) != consumers
                    or block_kv % _DQ_PIECE):
     raise NotImplementedError(
-        f"the fused dQ shares the [{block_q}, {head_dim}] dQ tile among "
-        f"{consumers} consumers in [{_DQ_PIECE}, {_DQ_PIECE}] pieces and "
-        f"needs block_kv a multiple of {_DQ_PIECE} (got {block_kv}): "
-        f"the pieces must share out evenly")
+        f"the fused dQ gives each of its consumers one [{_DQ_PIECE}, "
+        f"{_DQ_PIECE}] piece of the [{block_q}, {head_dim}] dQ tile and "
+        f"needs block_kv a multiple of {_DQ_PIECE}; here {consumers} "
+        f"consumers, block_kv {block_kv}")
+  opaque = fused_dq and (
+      smem_of(consumers) + _ZERO_CELL_BYTES <= SMEM_LIMIT_BYTES)
   return [
       _Static(block_q=block_q, block_kv=block_kv, num_consumers=consumers,
               num_stages=stages, num_q_blocks=num_q_blocks,
               num_kv_blocks=pl.cdiv(kv_len, block_kv), head_dim=head_dim,
               group=group, scale=float(scale),
-              scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
+              scale_log2=float(scale) * LOG2E, is_causal=bool(is_causal),
               dtype=jnp.dtype(query.dtype), outputs=outputs, spec=spec,
-              fused_dq=bool(fused_dq))
+              fused_dq=bool(fused_dq), opaque_resident=opaque)
       for outputs in passes]
 
 
 def _shared_rows_static(query, key, *, scale, is_causal, block_q, block_kv,
-                        max_concurrent_steps, spec=None,
-                        kernel: str = "dkdv") -> _Static:
-  """A kernel with shared rows (`_Static.shared_rows`), `kernel` "dkdv" or
-  "dq": two consumers on one resident copy of the CTA's rows (K/V or Q/dO,
-  in column parts), each with its column part of the outputs and its part
-  of the streamed rows' scores; the ring as usual; the score parts
-  exchanged (Pᵀ and dSᵀ, or dS)."""
+                        max_concurrent_steps, spec=None) -> _Static:
+  """The dK/dV kernel with shared rows (`_Static.shared_rows`): two
+  consumers on one resident copy of the CTA's K/V rows, in column parts,
+  each with its column part of dK and dV and its part of the streamed Q
+  rows' scores; the ring as usual; the parts of Pᵀ and dSᵀ exchanged."""
   _, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   consumers = _MAX_CONSUMERS
   itemsize = jnp.dtype(query.dtype).itemsize
-  dkdv = kernel == "dkdv"
-  resident, streamed = (block_kv, block_q) if dkdv else (block_q, block_kv)
-  resident_len = kv_len if dkdv else q_len
-  streamed_part, d_part = streamed // consumers, head_dim // consumers
-  what = f"shared {'K/V' if dkdv else 'Q'} rows"
+  q_part, d_part = block_q // consumers, head_dim // consumers
   if spec is not None:
-    raise NotImplementedError(f"the ranged backward has no {what}")
-  if streamed_part * itemsize not in _EXCHANGE_SWIZZLES or d_part % 64:
+    raise NotImplementedError("the ranged backward has no shared K/V rows")
+  if q_part * itemsize not in _EXCHANGE_SWIZZLES or d_part % 64:
     raise NotImplementedError(
-        f"{what} split the {streamed} streamed rows and head_dim {head_dim} "
-        f"between {consumers} consumers: each part of the exchanged scores "
-        f"must be a swizzle row ({_EXCHANGE_SWIZZLES} bytes) and each part "
-        f"of the columns whole 64-column tiles")
-  if resident_len % resident:
+        f"shared K/V rows split the {block_q} streamed rows and head_dim "
+        f"{head_dim} between {consumers} consumers: each part of the "
+        f"exchanged scores must be a swizzle row ({_EXCHANGE_SWIZZLES} "
+        f"bytes) and each part of the columns whole 64-column tiles")
+  if kv_len % block_kv:
     raise NotImplementedError(
-        f"{'kv_len' if dkdv else 'q_len'} {resident_len} must be a multiple "
-        f"of {'block_kv' if dkdv else 'block_q'} {resident} ({what})")
-  outputs = ("dk", "dv") if dkdv else ("dq",)
-  scores = (resident, streamed_part)
+        f"kv_len {kv_len} must be a multiple of block_kv {block_kv} "
+        f"(shared K/V rows)")
+  scores = (block_kv, q_part)
   registers = _accumulator_registers(
-      *[(resident, d_part)] * len(outputs), scores, scores)
+      (block_kv, d_part), (block_kv, d_part), scores, scores)
   if registers > _ACCUMULATOR_REGISTERS:
     raise NotImplementedError(
-        f"{what} with block_q {block_q}, block_kv {block_kv} at head_dim "
-        f"{head_dim} need {registers} accumulator registers per thread; at "
-        f"most {_ACCUMULATOR_REGISTERS} fit")
+        f"shared K/V rows with block_q {block_q}, block_kv {block_kv} at "
+        f"head_dim {head_dim} need {registers} accumulator registers per "
+        f"thread; at most {_ACCUMULATOR_REGISTERS} fit")
   group = num_heads // num_kv_heads
   num_q_blocks = pl.cdiv(q_len, block_q)
-  num_kv_blocks = pl.cdiv(kv_len, block_kv)
-  steps = group * num_q_blocks if dkdv else num_kv_blocks
-  stages = min(max_concurrent_steps, steps)
+  stages = min(max_concurrent_steps, group * num_q_blocks)
   smem = _smem_bytes(
-      num_consumers=1, num_stages=stages, resident_rows=resident,
-      streamed_rows=streamed, head_dim=head_dim, itemsize=itemsize,
-      resident_stats=0 if dkdv else consumers * block_q,  # a copy each
-      streamed_stats=block_q if dkdv else 0) + (
-          len(outputs) * resident * streamed * itemsize)  # the exchange
+      num_consumers=1, num_stages=stages, resident_rows=block_kv,
+      streamed_rows=block_q, head_dim=head_dim, itemsize=itemsize,
+      resident_stats=0, streamed_stats=block_q) + (
+          2 * block_kv * block_q * itemsize)  # the exchange
   check_shared_memory(
-      smem, _SMEM_LIMIT_BYTES,
-      f"{what} with block_q {block_q}, block_kv {block_kv} at head_dim "
-      f"{head_dim}")
+      smem, SMEM_LIMIT_BYTES,
+      f"shared K/V rows with block_q {block_q}, block_kv {block_kv} at "
+      f"head_dim {head_dim}")
   return _Static(block_q=block_q, block_kv=block_kv, num_consumers=consumers,
                  num_stages=stages, num_q_blocks=num_q_blocks,
-                 num_kv_blocks=num_kv_blocks, head_dim=head_dim, group=group,
-                 scale=float(scale), scale_log2=float(scale) * _LOG2E,
+                 num_kv_blocks=pl.cdiv(kv_len, block_kv), head_dim=head_dim,
+                 group=group, scale=float(scale),
+                 scale_log2=float(scale) * LOG2E,
                  is_causal=bool(is_causal), dtype=jnp.dtype(query.dtype),
-                 outputs=outputs, shared_rows=True)
+                 outputs=("dk", "dv"), shared_rows=True)
 
 
 # Swizzles (bytes) that a part of the exchanged Pᵀ and dSᵀ, one swizzle row
@@ -1351,8 +694,6 @@ _ZERO_CELL_BYTES = 1024
 # The fused dQ's consumers meet on this hardware barrier after their last
 # pieces (`compat.named_barrier`: ids from 8 up are free).
 _PIECES_DONE_BARRIER = 8
-# The hardware barrier of `_Static.hw_ds_sync`.
-_DS_STORED_BARRIER = 9
 
 
 def _dq_pieces(block_q: int, head_dim: int) -> int:
@@ -1363,9 +704,9 @@ def _dq_pieces(block_q: int, head_dim: int) -> int:
 def _tile_transforms(dtype):
   """128-byte swizzle with 8-row tiles: what TMA writes and wgmma reads
   without bank conflicts."""
-  swizzle_elems = _SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+  swizzle_elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
   return (plgpu.TilingTransform((8, swizzle_elems)),
-          plgpu.SwizzleTransform(_SWIZZLE_BYTES))
+          plgpu.SwizzleTransform(SWIZZLE_BYTES))
 
 
 # ---------------------------------------------------------------------------
@@ -1430,9 +771,8 @@ def launch_dkdv(query, key, value, d_out, stats, static: _Static, *,
                    transforms=_tile_transforms(jnp.float32)),  # dQ pieces
         plgpu.Barrier(num_arrivals=consumers, num_barriers=2),  # dq_staged
         plgpu.Barrier(num_barriers=2),                        # stage_free
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=2),  # ds_read
     )
-    if static.deferred_dq:
-      scratch += (plgpu.Barrier(num_arrivals=consumers, num_barriers=2),)  # ds_read
     out_type = (versions.output_struct(query.shape, jnp.float32, *inputs),
                 ) + out_type
   if static.opaque_resident:  # a zero (see `_Static.opaque_resident`)
@@ -1537,7 +877,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   if static.fused_dq:
     fused = _FusedDq(*scratch[11:16], k=k_smem, dq_sum=out_refs["dq_sum"],
                      turns=None,  # the writer's alone: `_writer`
-                     ds_read=scratch[16] if static.deferred_dq else None)
+                     ds_read=scratch[16])
 
   def _consumer():
     if static.shared_rows:  # static consumer numbers: static column slices
@@ -1578,7 +918,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       def resident():
         zero = zero_smem[0]  # read each step: the compiler cannot fold it
         return k_smem.at[wg + zero], v_smem.at[wg + zero], zero
-    if static.scores_ahead and not static.is_causal:
+    if static.scores_ahead:
       # Every step unmasked: one walk a step ahead across the group's heads.
       grads = _dkdv_consume_ahead(own_k, own_v, q_ring, do_ring, stats_ring,
                                   arrived, consumed, num_steps=num_steps,
@@ -1594,7 +934,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       # consumer is past them before any overwrites its K with dK (a race
       # found by reading in session 11, never seen in a GPU test).
       compat.named_barrier("sync", _PIECES_DONE_BARRIER,
-                           static.num_consumers * _THREADS_PER_WARPGROUP)
+                           static.num_consumers * THREADS_PER_WARPGROUP)
     # K and V are dead: write the gradients through their buffers.
     staged = {"dk": own_k, "dv": own_v}
     for name, grad in zip(static.outputs, grads):
@@ -1729,10 +1069,11 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
   [walk.first, walk.first + walk.num_blocks), treated as `walk.runs` say
   (skipped, masked by `tile_mask(q_block, slot)`, or unmasked). Persistent:
   the ring slots count on from `base`. Fused dQ (`fused`): each step also
-  stages consumer `wg`'s pieces of the CTA's dS K for the Q tile
-  (`_stage_dq`), and the walk's positions are Q tiles `q_of(position)`.
-  `resident` (`_Static.opaque_resident`): called each step, returns that
-  step's views of the K and V rows and the zero that offsets them.
+  issues consumer `wg`'s piece of the CTA's dS K for the step before
+  (`_issue_merged_piece`), and the walk's positions are Q tiles
+  `q_of(position)`. `resident` (`_Static.opaque_resident`): called each
+  step, returns that step's views of the K and V rows and the zero that
+  offsets them.
   """
   slot_of = _ring_slot(static, base)
   zeros = plgpu.layout_cast(
@@ -1753,91 +1094,60 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     if "dk" in static.outputs:
       products.append((v_rows, do_tile.transpose((1, 0))))   # dPᵀ = V dOᵀ
     # Row statistic n (0: lse, 1: delta) of the step's Q rows, read from
-    # the ring when the step needs it, or up front (`prefetch_stats`: then
-    # `prefetched` holds them, delta only when dK is an output).
+    # the ring when the step needs it, lse up front with `prefetch_lse`.
     column_stat = functools.partial(_column_stat, stats_ring, slot)
-    prefetched = {}
-    if static.prefetch_stats:  # see `_Static.prefetch_stats`
-      prefetched = {n: column_stat(n)
-                    for n in range(1 + ("dk" in static.outputs))}
-    elif static.prefetch_lse:
-      prefetched = {0: column_stat(0)}
-
-    read_delta_early = (static.early_delta and "dk" in static.outputs
-                        and 1 not in prefetched)
+    lse_log2 = column_stat(0) if static.prefetch_lse else None
 
     def probabilities(s_t):
-      """(Pᵀ, its slope, delta if `early_delta` reads it here, or None)."""
-      lse_log2 = prefetched[0] if 0 in prefetched else column_stat(0)
-      delta = column_stat(1) if read_delta_early else None  # for dS, after P
-      p_t, slope = _probabilities(s_t, lse_log2, _cols, walk.values, static)
+      """(Pᵀ, its slope)."""
+      p_t, slope = _probabilities(
+          s_t, column_stat(0) if lse_log2 is None else lse_log2, per_column,
+          walk.values, static)
       if masked:
         p_t = jnp.where(tile_mask(q_block, slot), p_t, 0.0)
-      return p_t, slope, delta
+      return p_t, slope
 
     store_ds = None
     if fused is not None:  # this step's dSᵀ, for every consumer to read
       ds_smem = fused.ds.at[lax.rem(step, 2), wg]
 
       def store_ds(ds_t):
-        if static.deferred_dq:  # every consumer's pieces of step - 2 read it
-          pl.when(step >= 2)(functools.partial(
-              plgpu.barrier_wait, fused.ds_read.at[lax.rem(step, 2)]))
+        # Every consumer's piece of step - 2 has read the buffer.
+        pl.when(step >= 2)(functools.partial(
+            plgpu.barrier_wait, fused.ds_read.at[lax.rem(step, 2)]))
         ds_smem[...] = ds_t
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
-      (p_t, slope, delta), *dp_t = _wgmma_then(shape, products,
-                                               probabilities)
+      (p_t, slope), *dp_t = _wgmma_then(shape, products, probabilities)
       piece = None
-      if fused is not None and static.merged_pieces:
+      if fused is not None:
         piece = functools.partial(_issue_merged_piece, fused, wg, step=step,
                                   static=static, offset=offset)
       grads = _dkdv_accumulate_overlapped(
           grads, p_t, dp_t, slope, q_tile, do_tile, stats_ring.at[slot],
-          static, store_ds=store_ds,
-          delta=prefetched.get(1, delta), piece=piece)
+          static, store_ds=store_ds, piece=piece)
       plgpu.barrier_arrive(consumed.at[slot])
       if piece is not None:
         *grads, piece_value = grads
         _stage_merged_piece(fused, wg, piece_value, step=step)
-        return tuple(grads)
-      return finish(grads, step, offset)
+      return tuple(grads)
     s_t, *dp_t = _wgmma_fresh(shape, products)
-    p_t, slope, delta = probabilities(s_t)
+    p_t, slope = probabilities(s_t)
     updates = []
     for name in static.outputs:
       if name == "dv":
         updates.append((p_t.astype(static.dtype), do_tile))  # dV += Pᵀ dO
       else:
-        if delta is None:
-          delta = prefetched[1] if 1 in prefetched else column_stat(1)
-        ds_t = _score_gradient(p_t, dp_t[0], _cols(delta, s_t.shape), slope)
-        ds_t = ds_t.astype(static.dtype)
-        updates.append((ds_t, q_tile))  # dK += dSᵀ Q
-        if store_ds is not None:
-          store_ds(ds_t)
+        ds_t = _score_gradient(p_t, dp_t[0],
+                               per_column(column_stat(1), s_t.shape), slope)
+        updates.append((ds_t.astype(static.dtype), q_tile))  # dK += dSᵀ Q
     grads = _wgmma_accumulate(grads, updates)
     plgpu.barrier_arrive(consumed.at[slot])
-    return finish(grads, step, offset)
-
-  def finish(grads, step, offset):
-    if fused is not None:
-      _stage_dq(fused, wg, step=step, static=static, offset=offset)
     return grads
 
-  unmasked_run = None
-  if static.scores_ahead:  # causal: each unmasked run a step ahead
-    def unmasked_run(start, stop, grads, *, head_base):
-      ahead = functools.partial(
-          _dkdv_consume_ahead, k_smem, v_smem, q_ring, do_ring, stats_ring,
-          arrived, consumed, num_steps=stop - start, static=static,
-          slot_of=lambda i: slot_of(head_base + start + i), scaled=False)
-      # A K/V tile's last rows may see no unmasked Q tile.
-      return lax.cond(stop > start, lambda grads: ahead(grads=grads),
-                      lambda grads: grads, grads)
   grads = _walk_group(walk, step_body, arrived, consumed, slot_of, static,
-                      grads, unmasked_run=unmasked_run)
-  if fused is not None and static.deferred_dq:  # the last step's pieces
+                      grads)
+  if fused is not None:  # the last step's pieces
     last = static.group * walk.num_blocks - 1 - walk.first
     offset = 0 if resident is None else resident()[2]
     pl.when(last >= 0)(functools.partial(
@@ -1848,12 +1158,11 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
 
 def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
                         arrived, consumed, *, num_steps, slot_of,
-                        static: _Static, grads=None, scaled: bool = True):
-  """Consumer: (dK, dV), f32, of its `block_kv` K/V rows over `num_steps`
-  unmasked steps (step i in ring slot `slot_of(i)`), each step's Sᵀ issued
-  before the step before has seen its dK done (`_Static.scores_ahead`,
-  `_walk_scores_ahead`), added to `grads` ((dK, dV) so far; None: zeros).
-  dK is scaled (`scaled`) or, for a part of a walk, not.
+                        static: _Static):
+  """Consumer: (dK scaled, dV), f32, of its `block_kv` K/V rows over
+  `num_steps` unmasked steps (step i in ring slot `slot_of(i)`), each
+  step's Sᵀ issued before the step before has seen its dK done
+  (`_Static.scores_ahead`, `_walk_scores_ahead`).
 
   A step's products are Sᵀ = K Qᵀ and dPᵀ = V dOᵀ ([block_kv, block_q]),
   then dV += Pᵀ dO and dK += dSᵀ Q. The arithmetic is `_dkdv_consume`'s
@@ -1863,9 +1172,6 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
   column_stat = functools.partial(_column_stat, stats_ring)
 
   def with_accumulators(s_ref, dp_ref, dk_ref, dv_ref):
-    if grads is not None:  # the walk's sums so far (the refs start at zero)
-      dk_ref[...], dv_ref[...] = grads
-
     def products(slot):
       return ((k_rows, q_ring.at[slot].transpose((1, 0))),
               (v_rows, do_ring.at[slot].transpose((1, 0))))
@@ -1875,20 +1181,19 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
       s_t = wait_scores()
       if lse_log2 is None:
         lse_log2 = column_stat(slot, 0)
-      return _probabilities(s_t, lse_log2, _cols, None, static)[0]
+      return _probabilities(s_t, lse_log2, per_column, None, static)[0]
 
     def gradients(slot, p_t, dp_t):
       plgpu.wgmma(dv_ref, p_t.astype(static.dtype), do_ring.at[slot])
       delta = column_stat(slot, 1)
-      ds_t = _score_gradient(p_t, dp_t, _cols(delta, p_t.shape), None)
+      ds_t = _score_gradient(p_t, dp_t, per_column(delta, p_t.shape), None)
       plgpu.wgmma(dk_ref, ds_t.astype(static.dtype), q_ring.at[slot])
 
     _walk_scores_ahead(s_ref, dp_ref, num_steps=num_steps, arrived=arrived,
                        consumed=consumed, slot_of=slot_of, products=products,
                        probabilities=probabilities, gradients=gradients)
     dk = plgpu.wgmma_accumulator_load(dk_ref, wait_n=0)
-    return (dk * static.scale if scaled else dk,
-            plgpu.wgmma_accumulator_load(dv_ref, wait_n=0))
+    return dk * static.scale, plgpu.wgmma_accumulator_load(dv_ref, wait_n=0)
 
   scores = (static.block_kv, static.block_q)
   shape = (static.block_kv, static.head_dim)
@@ -1979,12 +1284,11 @@ def _walk_scores_ahead(s_ref, dp_ref, *, num_steps: int, arrived, consumed,
 
 
 def _walk_group(walk: _Walk, step_body, arrived, consumed, slot_of,
-                static: _Static, grads, unmasked_run=None):
+                static: _Static, grads):
   """A dK/dV consumer's walk: for each query head of the group, the runs
   of `walk`, skipped steps released at once, the others
   `step_body(i, grads, head_base=, masked=)`; step of walk position i of
-  query head g is head_base + i. `unmasked_run(start, stop, grads,
-  head_base=)`, if given, takes each unmasked run whole instead."""
+  query head g is head_base + i."""
   def skip_body(i, grads, *, head_base):
     _skip_step(arrived, consumed, slot_of(head_base + i))
     return grads
@@ -1997,10 +1301,7 @@ def _walk_group(walk: _Walk, step_body, arrived, consumed, slot_of,
                                    masked=True),
         _UNMASKED: functools.partial(step_body, head_base=head_base,
                                      masked=False)}
-    if unmasked_run is None:
-      return _walk_runs(walk.runs, bodies, grads)
-    whole = {_UNMASKED: functools.partial(unmasked_run, head_base=head_base)}
-    return _walk_runs(walk.runs, bodies, grads, whole=whole)
+    return _walk_runs(walk.runs, bodies, grads)
 
   return lax.fori_loop(0, static.group, head_body, grads)
 
@@ -2116,15 +1417,11 @@ def _dkdv_consume_shared(c: int, k_smem, v_smem, q_ring, do_ring, stats_ring,
       plgpu.barrier_wait(barrier.at[slot])
     q_tile, do_tile = q_ring.at[slot], do_ring.at[slot]
     stats = stats_ring.at[slot]
-    lse_log2 = delta = None
-    if static.prefetch_stats:  # see `_Static.prefetch_stats`
-      lse_log2, delta = column_stats(stats, 0), column_stats(stats, 1)
-    elif static.prefetch_lse:
-      lse_log2 = column_stats(stats, 0)
+    lse_log2 = column_stats(stats, 0) if static.prefetch_lse else None
 
     def probabilities(s_t):
       lse = column_stats(stats, 0) if lse_log2 is None else lse_log2
-      p_t, _ = _probabilities(s_t, lse, _cols, None, static)
+      p_t, _ = _probabilities(s_t, lse, per_column, None, static)
       if masked:
         p_t = jnp.where(_causal_mask_t(kv_start, i, static,
                                        q_rows=(c * q_part, q_part)), p_t, 0.0)
@@ -2139,9 +1436,8 @@ def _dkdv_consume_shared(c: int, k_smem, v_smem, q_ring, do_ring, stats_ring,
     else:
       s_t, dp_t = _wgmma_fresh(shape, products)
       p_t = probabilities(s_t)
-    if delta is None:
-      delta = column_stats(stats, 1)
-    ds_t = _score_gradient(p_t, dp_t, _cols(delta, shape), None)
+    delta = column_stats(stats, 1)
+    ds_t = _score_gradient(p_t, dp_t, per_column(delta, shape), None)
     exchange.put(c, [p_t, ds_t], static.dtype)
     grads = _wgmma_accumulate_sums(grads, [
         [(ds_parts[k], q_tile.at[rows(k), columns])   # dK
@@ -2213,36 +1509,13 @@ def _pieces_of(wg: int, static: _Static):
   return _pieces(static)[wg::static.num_consumers]
 
 
-def _stage_dq(fused: _FusedDq, wg, *, step, static: _Static, offset=0):
-  """Consumer wg, after storing its dSᵀ of `step` in `fused.ds`: says so,
-  then computes its pieces of the CTA's dS K for `step` (deferred: for the
-  step before, and the last step's after the walk, `_stage_dq_pieces`).
-  `offset`: a zero the K rows are indexed by (`_Static.opaque_resident`)."""
-  parity = lax.rem(step, 2)
-  plgpu.commit_smem()  # this consumer's dSᵀ, read by every consumer's wgmma
-  if static.hw_ds_sync:  # every consumer's dSᵀ of `step` is stored after it
-    compat.named_barrier("sync", _DS_STORED_BARRIER,
-                         static.num_consumers * _THREADS_PER_WARPGROUP)
-  else:
-    plgpu.barrier_arrive(fused.ds_stored.at[parity])
-  if not static.deferred_dq:
-    _stage_dq_pieces(fused, wg, step=step, static=static, offset=offset,
-                     parity=parity, stored=static.hw_ds_sync)
-    return
-  pl.when(step >= 1)(functools.partial(
-      _stage_dq_pieces, fused, wg, step=step - 1, static=static,
-      offset=offset))
-
-
 def _stage_dq_pieces(fused: _FusedDq, wg, *, step, static: _Static,
-                     offset=0, parity=None, stored: bool = False):
-  """Consumer wg's pieces of the CTA's dS K for `step` (`parity`: step's,
-  if computed), once every consumer stored its dSᵀ of `step` (waited for
-  here unless `stored`): computed and staged for the writer."""
-  if parity is None:
-    parity = lax.rem(step, 2)
-  if not stored:
-    plgpu.barrier_wait(fused.ds_stored.at[parity])
+                     offset=0):
+  """Consumer wg's pieces of the CTA's dS K for `step` (the walk's last),
+  once every consumer stored its dSᵀ of `step`: computed and staged for
+  the writer."""
+  parity = lax.rem(step, 2)
+  plgpu.barrier_wait(fused.ds_stored.at[parity])
   # The writer has read this stage's pieces of step - 2.
   pl.when(step >= 2)(lambda: plgpu.barrier_wait(fused.stage_free.at[parity]))
   ds, stage = fused.ds.at[parity], fused.stage.at[parity]
@@ -2257,8 +1530,7 @@ def _stage_dq_pieces(fused: _FusedDq, wg, *, step, static: _Static,
     pl.when(wg == c)(functools.partial(compute, c))
   plgpu.commit_smem()  # the pieces, read by the writer's TMA
   plgpu.barrier_arrive(fused.staged.at[parity])
-  if fused.ds_read is not None:  # the pieces' wgmmas are done with dSᵀ
-    plgpu.barrier_arrive(fused.ds_read.at[parity])
+  plgpu.barrier_arrive(fused.ds_read.at[parity])  # done with dSᵀ
 
 
 def _piece_operands(fused: _FusedDq, ds, number, *, static: _Static,
@@ -2352,17 +1624,6 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
       pl.when(jnp.logical_not(first))(functools.partial(
           plgpu.copy_smem_to_gmem, src, dst, commit_group=last,
           reduction_op="add"))
-    if static.stage_free_on_read:
-      # This step's stage has been read: free it (but for the last step's,
-      # which no consumer waits for: as many arrivals as the default
-      # path's, the last of them unwaited for too). Then,
-      # once the previous step's adds are in memory, hand its Q tile on.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      pl.when(step < num_steps - 1)(functools.partial(
-          plgpu.barrier_arrive, fused.stage_free.at[parity]))
-      plgpu.wait_smem_to_gmem(1, wait_read_only=False)
-      pl.when(step > 0)(functools.partial(hand_on, handed))
-      return turn
     # All groups but this step's are done: the previous step's adds are
     # in memory, and its stage has been read.
     plgpu.wait_smem_to_gmem(1, wait_read_only=False)
@@ -2380,15 +1641,15 @@ def _write_dq(fused: _FusedDq, *, batch, order, num_steps, head_and_block,
 
 def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
                                 stats, static: _Static, store_ds=None,
-                                delta=None, piece=None):
+                                piece=None):
   """`grads` (in `static.outputs` order) plus this step's dV += Pᵀ dO and
   dK += dSᵀ Q, with dV's wgmma issued first, so that dS is computed while
   it runs. `dp_t` is [dPᵀ] when dK is an output, else []; `stats` is the
-  step's [2, block_q] (lse, delta) slot, whose delta is read here unless
-  given (`delta`, prefetched); `store_ds` (fused dQ) takes dSᵀ while
-  dK's wgmma runs. `piece(acc_ref)` (`_Static.merged_pieces`) issues a
-  [_DQ_PIECE, _DQ_PIECE] product after them, into a fresh accumulator
-  returned after the gradients, all waited for at once."""
+  step's [2, block_q] (lse, delta) slot, whose delta is read here;
+  `store_ds` (fused dQ) takes dSᵀ while dK's wgmma runs. `piece(acc_ref)`
+  (fused dQ) issues a [_DQ_PIECE, _DQ_PIECE] product after them, into a
+  fresh accumulator returned after the gradients, all waited for at
+  once."""
   accs = [plgpu.ACC.init(grad) for grad in grads]
   if piece is not None:
     accs.append(plgpu.ACC.init(plgpu.layout_cast(
@@ -2400,10 +1661,9 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
     if "dv" in named:
       plgpu.wgmma(named["dv"], p_t.astype(static.dtype), do_tile)
     if "dk" in named:
-      step_delta = delta
-      if step_delta is None:
-        step_delta = plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0))
-      ds_t = _score_gradient(p_t, dp_t[0], _cols(step_delta, p_t.shape), slope)
+      delta = plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0))
+      ds_t = _score_gradient(p_t, dp_t[0], per_column(delta, p_t.shape),
+                             slope)
       ds_t = ds_t.astype(static.dtype)
       plgpu.wgmma(named["dk"], ds_t, q_tile)
       if store_ds is not None:
@@ -2471,7 +1731,7 @@ def _causal_mask_t(kv_start, q_block, static: _Static, q_rows=None):
   Two whole index tiles, compared: at d=64 they spill 180 bytes, in the
   masked step only (SASS, session 25). A row against a column of indices
   spilled none but ran the backward 1.5% and 1.2% slower at 16k and 4k
-  (8fbd8ee, results/h200_mosaic_mask_form_s25.md), so this form stays."""
+  (8fbd8ee, results/h200_mosaic_mask_form.md), so this form stays."""
   queries, keys = _tile_indices_t(kv_start, q_block, static, q_rows)
   return queries >= keys
 
@@ -2496,12 +1756,8 @@ def launch_dq(query, key, value, d_out, stats, static: _Static, *, plan=None,
   batch, q_len, num_heads, head_dim = query.shape
   consumers, stages = static.num_consumers, static.num_stages
   transforms = _tile_transforms(static.dtype)
-  resident_shape = (consumers, static.block_q, head_dim)
-  if static.shared_rows:  # as in `launch_dkdv`
-    resident_shape = (consumers, static.block_q, head_dim // consumers)
-    transforms = _exchange_transforms(static.dtype,
-                                      static.block_kv // consumers)
-  resident = plgpu.SMEM(resident_shape, static.dtype, transforms=transforms)
+  resident = plgpu.SMEM((consumers, static.block_q, head_dim), static.dtype,
+                        transforms=transforms)
   streamed = plgpu.SMEM((stages, static.block_kv, head_dim), static.dtype,
                         transforms=transforms)
   scratch = (
@@ -2522,14 +1778,10 @@ def launch_dq(query, key, value, d_out, stats, static: _Static, *, plan=None,
     scratch += _ranged_scratch(static, resident_rows=static.block_q,
                                streamed_rows=static.block_kv)
     inputs += (plan, *(segments or ()))
-  if static.shared_rows:
-    scratch += _exchange_scratch(static, static.block_q,
-                                 static.block_kv // consumers, kinds=1)
   return compat.vary_like(plgpu.kernel(
       functools.partial(_dq_kernel, static=static),
       out_type=versions.output_struct(query.shape, query.dtype, *inputs),
       scratch_types=scratch,
-      # Launched batch fastest, q_tile slowest (Pallas reverses the grid).
       **_grid(static, (pl.cdiv(q_len, static.q_rows_per_cta),
                        num_heads, batch), ("q_tile", "head", "batch")),
       num_threads=consumers + 1,
@@ -2556,7 +1808,7 @@ def _dq_kernel(*refs, static: _Static):
       # A ranged tile's cost is the plan's, not causal geometry: launched
       # in order.
       q_tile = tile_index("q_tile", num_tiles, reverse=(
-          static.heavy_first and static.is_causal and not static.ranged))
+          static.is_causal and not static.ranged))
     return _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
                     consumer, static=static)
 
@@ -2581,39 +1833,7 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
     num_steps = _num_kv_blocks_seen(last_start, static)
   arrived = (k_arrived, v_arrived) + _ids_arrived(ids)
 
-  def _shared_consumer(c: int):
-    q_rows = pl.ds(tile_start, static.block_q)
-    columns = _column_part(c, static)
-    # Its own copy of the rows' statistics; Q and dO in parts (persistent:
-    # once its own dQ part has left through Q's).
-    plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, q_rows],
-                            stats_smem.at[c], stats_arrived.at[c])
-    _load_column_parts(c, ((q_ref, q_smem, q_arrived),
-                           (do_ref, do_smem, do_arrived)),
-                       batch=batch, rows=q_rows, head=head, static=static)
-    plgpu.barrier_wait(stats_arrived.at[c])
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    lse_log2 = plgpu.layout_cast(stats_smem[c, 0], row_layout)
-    delta = plgpu.layout_cast(stats_smem[c, 1], row_layout)
-    walk = _Walk(0, num_steps, _dq_causal_runs(tile_start, num_steps, static),
-                 None)
-    dq = _dq_consume_shared(c, q_smem, do_smem, lse_log2, delta, k_ring,
-                            v_ring, arrived, consumed, scratch[11:],
-                            walk=walk, q_start=tile_start, static=static,
-                            base=base)
-    # Every consumer is past its last step: Q is dead, and each part of dQ
-    # goes out through its part of Q.
-    q_smem[c] = dq.astype(static.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem.at[c], dq_ref.at[batch, q_rows, head,
-                                                    columns])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=base is not None)
-
   def _consumer():
-    if static.shared_rows:  # static consumer numbers: static column slices
-      for c in range(static.num_consumers):
-        pl.when(wg == c)(functools.partial(_shared_consumer, c))
-      return
     q_start = tile_start + wg * static.block_q
     q_rows = pl.ds(q_start, static.block_q)
     own_q, own_do, own_stats = q_smem.at[wg], do_smem.at[wg], stats_smem.at[wg]
@@ -2631,12 +1851,12 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
     if plan is None:
       walk = _Walk(0, num_steps, _dq_causal_runs(q_start, num_steps, static),
                    None)
-      tile_mask = lambda step, slot: _causal_mask(q_start, step, static)
+      tile_mask = lambda step, slot: causal_mask(q_start, step, static)
     else:
       walk = _ranged_walk(plan, wg)
       own_ids = _own_ids(ids, q_rows, wg)
       shape = (static.block_q, static.block_kv)
-      tile_mask = lambda step, slot: _variant_mask(
+      tile_mask = lambda step, slot: variant_mask(
           q_start, step, static, _tile_values(walk.values, own_ids, ids, slot,
                                               shape, own_is_query=True))
     dq = _dq_consume(own_q, own_do, lse_log2, delta, k_ring, v_ring, arrived,
@@ -2706,7 +1926,7 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
                 (do_smem, v_tile.transpose((1, 0)))]    # dP = dO Vᵀ
 
     def probabilities(s):
-      p, slope = _probabilities(s, lse_log2, _rows, walk.values, static)
+      p, slope = _probabilities(s, lse_log2, per_row, walk.values, static)
       if masked:
         p = jnp.where(tile_mask(step, slot), p, 0.0)
       return p, slope
@@ -2717,7 +1937,7 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
     else:
       s, dp = _wgmma_fresh(shape, products)
       p, slope = probabilities(s)
-    ds = _score_gradient(p, dp, _rows(delta, p.shape), slope)
+    ds = _score_gradient(p, dp, per_row(delta, p.shape), slope)
     (dq,) = _wgmma_accumulate((dq,), [(ds.astype(static.dtype), k_tile)])
     plgpu.barrier_arrive(consumed.at[slot])
     return dq
@@ -2729,74 +1949,6 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
   dq = _walk_runs(walk.runs, {
       _SKIP: skip_body, _UNMASKED: functools.partial(step_body, masked=False),
       _MASKED: functools.partial(step_body, masked=True)}, dq)
-  return dq * static.scale
-
-
-def _dq_consume_shared(c: int, q_smem, do_smem, lse_log2, delta, k_ring,
-                       v_ring, arrived, consumed, exchange_refs, *,
-                       walk: _Walk, q_start, static: _Static, base=None):
-  """Consumer c of a dQ tile with shared Q rows (`_Static.shared_rows`):
-  its columns d_c of dQ (f32, scaled), [block_q, head_dim / n].
-
-  Q and dO are resident in column parts p; per step, with K/V rows r_c
-  (its part of the step's K/V tile):
-    S_c = Σ_p Q_p K[r_c, d_p]ᵀ, dP_c = Σ_p dO_p V[r_c, d_p]ᵀ
-    dS_c into the exchange; wait for every consumer's
-    dQ[:, d_c] += Σ_k dS_k K[r_k, d_c]
-  `exchange_refs`: the `_exchange_scratch` of dS's [block_q, block_kv / n]
-  parts.
-  """
-  consumers = static.num_consumers
-  exchange = _Exchange.of(exchange_refs, kinds=1, consumers=consumers)
-  (ds_parts,) = exchange.parts
-  kv_part = static.block_kv // consumers
-  rows = lambda k: pl.ds(k * kv_part, kv_part)
-  columns = _column_part(c, static)
-  shape = (static.block_q, kv_part)
-  dq = plgpu.layout_cast(
-      jnp.zeros((static.block_q, static.head_dim // consumers), jnp.float32),
-      plgpu.Layout.WGMMA)
-  slot_of = _ring_slot(static, base)
-
-  def step_body(step, dq, *, masked):
-    slot = slot_of(step)
-    for barrier in arrived:
-      plgpu.barrier_wait(barrier.at[slot])
-    k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
-    products = [[(smem.at[p], tile.at[rows(c), _column_part(p, static)]
-                  .transpose((1, 0))) for p in range(consumers)]
-                for smem, tile in ((q_smem, k_tile), (do_smem, v_tile))]
-
-    def probabilities(s):
-      p, _ = _probabilities(s, lse_log2, _rows, None, static)
-      if masked:
-        p = jnp.where(_causal_mask(q_start, step, static,
-                                   kv_offset=c * kv_part, shape=shape),
-                      p, 0.0)
-      return p
-
-    if static.overlap_softmax:
-      p, dp = _wgmma_then(shape, products, probabilities)
-    else:
-      s, dp = _wgmma_fresh(shape, products)
-      p = probabilities(s)
-    ds = _score_gradient(p, dp, _rows(delta, shape), None)
-    exchange.put(c, [ds], static.dtype)
-    (dq,) = _wgmma_accumulate_sums((dq,), [
-        [(ds_parts[k], k_tile.at[rows(k), columns]) for k in range(consumers)]])
-    plgpu.barrier_arrive(consumed.at[slot])
-    exchange.release()
-    return dq
-
-  def skip_body(step, dq):
-    _skip_step(arrived, consumed, slot_of(step))
-    return dq
-
-  exchange.begin()
-  dq = _walk_runs(walk.runs, {
-      _SKIP: skip_body, _UNMASKED: functools.partial(step_body, masked=False),
-      _MASKED: functools.partial(step_body, masked=True)}, dq)
-  exchange.end()
   return dq * static.scale
 
 
@@ -2847,19 +1999,14 @@ class _Walk(NamedTuple):
   values: Any
 
 
-def _walk_runs(runs, bodies, carry, whole=None):
-  """Runs `bodies[kind]` over each (start, stop, kind) run, in order; a
-  kind in `whole` takes its run at once, `whole[kind](start, stop,
-  carry)`."""
+def _walk_runs(runs, bodies, carry):
+  """Runs `bodies[kind]` over each (start, stop, kind) run, in order."""
   for start, stop, kind in runs:
-    if whole and kind in whole:
-      carry = whole[kind](start, stop, carry)
-    else:
-      carry = lax.fori_loop(start, stop, bodies[kind], carry)
+    carry = lax.fori_loop(start, stop, bodies[kind], carry)
   return carry
 
 
-def _ranged_walk(plan: _Plan, slot, *, consumer: bool = True) -> _Walk:
+def _ranged_walk(plan: PlanRow, slot, *, consumer: bool = True) -> _Walk:
   """Reads the CTA's plan row (see `masked.tile_plans`) into `slot`.
 
   A consumer (`slot` = its warpgroup) walks the union [first, total) in five
@@ -2869,17 +2016,17 @@ def _ranged_walk(plan: _Plan, slot, *, consumer: bool = True) -> _Walk:
   goes through the same phases in every thread. The producer (`consumer`
   False) needs only the union.
   """
-  read = _read_plan(plan, slot)
-  first, total = read(_PLAN_UNION), read(_PLAN_UNION + 1)
+  read = read_plan(plan, slot)
+  first, total = read(PLAN_UNION), read(PLAN_UNION + 1)
   if not consumer:
     return _Walk(first, total - first, (), None)
   lo, unmasked_lo, unmasked_hi, hi = (read(slot * 4 + i) for i in range(4))
   runs = ((first, lo, _SKIP), (lo, unmasked_lo, _MASKED),
           (unmasked_lo, unmasked_hi, _UNMASKED), (unmasked_hi, hi, _MASKED),
           (hi, total, _SKIP))
-  values = masking.MaskValues(q_offset=read(_PLAN_SCALARS),
-                              q_lengths=read(_PLAN_SCALARS + 1),
-                              kv_lengths=read(_PLAN_SCALARS + 2))
+  values = masking.MaskValues(q_offset=read(PLAN_SCALARS),
+                              q_lengths=read(PLAN_SCALARS + 1),
+                              kv_lengths=read(PLAN_SCALARS + 2))
   return _Walk(first, total - first, runs, values)
 
 
@@ -2918,7 +2065,7 @@ def _ranged_refs(static: _Static, inputs, scratch, *, batch, tile,
   """
   if not static.ranged:
     return None, None
-  plan = _Plan(inputs[0].at[batch, tile], *scratch[:2])
+  plan = PlanRow(inputs[0].at[batch, tile], *scratch[:2])
   if not static.segmented:
     return plan, None
   q_ids, kv_ids = inputs[1].at[batch], inputs[2].at[batch]
@@ -2950,7 +2097,7 @@ def _tile_values(values, own_ids, ids: _SegmentIds | None, slot, shape, *,
   if ids is None:
     return values
   streamed = plgpu.layout_cast(ids.ring[slot], plgpu.Layout.WGMMA.reduce(0))
-  rows, cols = _rows(own_ids, shape), _cols(streamed, shape)
+  rows, cols = per_row(own_ids, shape), per_column(streamed, shape)
   if own_is_query:
     return values._replace(q_segments=rows, kv_segments=cols)
   return values._replace(q_segments=cols, kv_segments=rows)
@@ -2968,7 +2115,7 @@ def _probabilities(s, lse_log2, broadcast, values, static: _Static):
     return jnp.exp2(s * static.scale_log2 - broadcast(lse_log2, s.shape)), None
   modify = lambda x: masking.modify_scores(static.spec, x, None, None, values)
   logits, slope = jax.jvp(modify, (s * static.scale,), (jnp.ones_like(s),))
-  return jnp.exp2(logits * _LOG2E - broadcast(lse_log2, s.shape)), slope
+  return jnp.exp2(logits * LOG2E - broadcast(lse_log2, s.shape)), slope
 
 
 def _score_gradient(p, dp, delta, slope):

@@ -4,15 +4,11 @@ One CTA computes a tile of `num_consumers * block_q` query rows of one
 (batch, head) with `num_consumers + 1` warpgroups (FlashAttention-3, Shah et
 al. 2024, §3.1):
 
-  warpgroup 0, 1  consumers: each owns `block_q` rows; Q in shared memory,
-  (and 2)         S = Q Kᵀ and O += P V by `wgmma`, the online softmax in
-                  registers.
-  the last        producer: streams K and V tiles by TMA into a ring of
-                  `max_concurrent_steps` shared-memory slots.
-
-Two consumers by default, three at head_dim 64 (`consumers_by_default`: a
-softmax there takes as long as the matmuls, and with three it may run
-under two other consumers' turns).
+  consumers   warpgroups 0, 1 (and 2): each owns `block_q` query rows, Q in
+              shared memory; S = Q Kᵀ and O += P V by `wgmma`, the online
+              softmax in registers.
+  producer    the last warpgroup: streams K and V tiles by TMA into a ring
+              of `max_concurrent_steps` shared-memory slots.
 
 Barriers per ring slot:
 
@@ -24,22 +20,29 @@ The consumed barriers are per consumer so that, under causal masking, the
 warpgroup with fewer K/V blocks simply stops arriving and the producer stops
 waiting for it: no flush loop is needed.
 
-Ping-pong (§3.1): a two-party rendezvous barrier makes the two consumers take
-turns on the tensor cores, so one warpgroup's softmax runs under the other's
-GEMMs. Warpgroup 1 starts one turn late; under causal masking warpgroup 1 may
-have more K/V blocks than warpgroup 0 and runs those alone, without turns.
-Three consumers pass the turn round a ring of barriers instead
-(`turns.RingTurns`), and at head_dim 64 two or three do so on hardware
-barriers (`hw_turns`).
+The consumers take turns on the tensor cores (§3.1), so that one's softmax
+runs under the others' matmuls (`turns.py`): two meet at an mbarrier
+rendezvous, or pass the turn round a ring of hardware barriers (`hw_turns`);
+three always take the ring, a softmax then running under two turns.
 
 Softmax (§3.1, and FlashAttention-2 §3.1): exp2 with log2(e) folded into the
 scale, the running max m kept in that base-2 domain, O unnormalised until the
-end. The natural-log LSE is `(m + log2 l) * ln 2 = m ln 2 + ln l`.
+end. The natural-log LSE is `(m + log2 l) * ln 2 = m ln 2 + ln l`. O's
+rescale may be lazy (FlashAttention-4's threshold): a row's running max
+moves only when a tile's max exceeds it by more than 8 (log2 units), and each
+warp multiplies its part of O only where one of its rows' maxima moved
+(`multiply_rows_in_threads`).
 
 Causal (top-left aligned, as `jax.nn.dot_product_attention`): query i attends
 keys j <= i. The K/V loop stops at the last block a row tile can see, and the
 blocks that straddle the diagonal run in a second loop that applies the mask,
 so the blocks before the diagonal pay nothing for it.
+
+Persistent grid (`_persistent_kernel`): one CTA per SM walks the tiles, the
+K/V ring and its barrier phases running on from tile to tile, so that each
+tile's Q load and O store overlap the neighbouring tiles' work instead of
+costing a launch. Causal tiles go to the CTAs in pairs of equal cost
+(`common.persistent_schedule`).
 
 Two more forms of the same kernel, chosen by `KernelStatic` at trace time
 (the plain form's code is untouched by them):
@@ -52,24 +55,7 @@ Two more forms of the same kernel, chosen by `KernelStatic` at trace time
   fp8     (`fp8.mosaic_forward_fp8`) e4m3 operands, V transposed, P through
           shared memory, per-block descale factors.
 
-Persistent grid (`_persistent_kernel`, the default where measured faster):
-one CTA per SM walks the tiles, the K/V ring and its barrier phases running
-on from tile to tile, so that each tile's Q load and O store overlap the
-neighbouring tiles' work instead of costing a launch (most at seq 1k).
-Causal tiles go to the CTAs in pairs of equal cost (`persistent_tiles`).
-
-Schedule options of the plain form (`KernelStatic`: `overlap_scores`,
-FlashAttention-3's intra-warpgroup overlap, §3.2, in `_overlapped_steps`;
-`fence_softmax` and `split_handover`, two ways to place the hand-over;
-`split_handover` is on by default, the fastest on the H200). They move
-waits, not arithmetic: the results are bitwise the same, given the same
-rescale (`overlap_scores` has no lazy one, so against a default that
-rescales lazily, `lazy_rescale_by_default`, it differs by rounding).
-
-O's lazy rescale (`lazy_rescale`, FlashAttention-4's threshold): a row's
-running max moves only when a tile's max exceeds it by more than 8 (log2
-units), and each thread multiplies its part of O only where one of its
-rows' maxima moved (`multiply_rows_in_threads`).
+Which schedule a call runs is `plan.forward_config`'s choice.
 """
 from __future__ import annotations
 
@@ -78,7 +64,6 @@ import functools
 import math
 from typing import Any, NamedTuple
 
-import jax
 from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, nvvm, scf, vector
@@ -91,222 +76,32 @@ import numpy as np
 from pallas_kernels import masking
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat, turns
+from pallas_kernels.mosaic.common import (
+    LOG2E, PLAN_SCALARS, PLAN_UNION, PLAN_WIDTH, SMEM_LIMIT_BYTES,
+    SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, PlanRow, causal_mask, check_layout,
+    check_shared_memory, check_tiles, launch_grid, per_column, per_row,
+    persistent_num_ctas, persistent_schedule, read_plan, register_split,
+    swizzled, tile_index, variant_mask)
+from pallas_kernels.mosaic.plan import ForwardConfig, forward_config
 
-# Consumer warpgroups per CTA: two by default (FlashAttention-3's d=128
-# layout). `mosaic_forward(num_consumers=3)` runs three (FlashAttention-3's
-# d=64 layout, §3.1): at head_dim 64 a 64 x 128 tile's exp2s take the MUFU
-# as long as its two matmuls take the tensor cores (4 * 64 = 256 FLOPs per
-# exponential, the H100's matmul : MUFU ratio), so with two warpgroups
-# taking turns the tensor cores idle for all of a softmax that outlasts
-# the other's matmuls; with three a softmax may take two turns.
+# Consumer warpgroups of the masked and FP8 forms, and of the plain one but
+# where its plan takes three.
 NUM_CONSUMERS = 2
-# wgmma works on 64-row slabs (m64nNk16) and a 128-byte swizzle is 64 16-bit
-# elements, so every tile dimension is a multiple of 64.
-_TILE_MULTIPLE = 64
-# Register reallocation (§3.1, setmaxnreg): 2 * 232 + 40 = 504 registers of
-# a 512-per-thread-slot budget (64K registers / 128 threads). The producer
-# only issues TMA; the consumers hold O (block_q x head_dim f32) and S.
-_CONSUMER_REGISTERS = 232
-_PRODUCER_REGISTERS = 40
-# Four warpgroups launch at 128 registers a thread: 3 * 160 + 32 = 512. At
-# head_dim 64 with 128-column tiles a consumer holds O (32 f32 registers), S
-# (64) and P (32 in 16 bits).
-_REGISTERS_BY_CONSUMERS = {2: (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS),
-                           3: (160, 32)}
-# `KernelStatic.lean_producer`, two consumers: FlashAttention-3's split,
-# 2 * 240 + 24 = 504 as well.
-_LEAN_REGISTERS = (240, 24)
-
-
-def register_split(*, lean: bool, num_consumers: int = NUM_CONSUMERS
-                   ) -> tuple[int, int]:
-  """(consumer, producer) registers a thread after setmaxnreg, for
-  `num_consumers` consumers and one producer warpgroup (`lean`: the
-  producer at setmaxnreg's least, two consumers only). The backward's two
-  kernels take the two-consumer split whatever their consumer count."""
-  if lean:
-    return _LEAN_REGISTERS
-  return _REGISTERS_BY_CONSUMERS[num_consumers]
-
-
-def _registers(static: "KernelStatic") -> tuple[int, int]:
-  """`register_split` of the forward's `static`."""
-  return register_split(lean=static.lean_producer,
-                        num_consumers=static.num_consumers)
-
-
-# `mosaic_forward(num_consumers=None)` runs three consumers at these head
-# dims (`consumers_by_default`). Session 9's A/B on the H200, the forward
-# alone, full / causal (results/h200_mosaic_consumers.md): head_dim 64 at
-# seq 16k 423 -> 490 / 371 -> 431 TFLOP/s, 4k 383 -> 434 / 320 -> 371, 1k
-# 289 -> 318 / 243 -> 233; head_dim 128 (64-row K/V tiles, the largest
-# whose S, P and O fit 160 registers) lost to two consumers' 128-row
-# tiles: 559 / 472 against 555 / 551 at 16k. From these q_len on, without
-# and with a causal mask: measured from 1k; below, a larger share of the
-# tiles is short (a 64-row tail computed by one consumer of three: a third
-# of the tiles at q_len 256), and causal tiles are short already (at 1k
-# a sixth of the tiles are short, and causal lost 4%).
-THREE_CONSUMER_HEAD_DIMS = (64,)
-THREE_CONSUMER_MIN_Q_LEN = {False: 1024, True: 2048}
-# `mosaic_forward(skip_spare=None)`: a short last tile's consumer without
-# rows skips its math (`KernelStatic.skip_spare`). Session 23's A/B on the
-# H200 (d=64 without a mask, forward alone, settled, five rounds in
-# alternating order, results/h200_mosaic_skip_spare.md): 386 -> 396
-# TFLOP/s at seq 1k (a ninth of the rows there are a spare's), 459 -> 460
-# at 4k, 479 -> 484 at 16k.
-SKIP_SPARE_BY_DEFAULT = True
-# Dynamic shared memory per CTA on sm90 (227 KiB), less a little for barriers.
-_SMEM_LIMIT_BYTES = 227 * 1024 - 1024
-# The forward's budget also leaves the 2 KiB that Mosaic GPU reserves for
-# cross-warp reductions (`CompilerParams.reduction_scratch_bytes`' default)
-# and the padding of its small buffers to the swizzled ones' alignment:
-# three consumers at head_dim 128 with O staged apart came to 512 bytes
-# under `_SMEM_LIMIT_BYTES` and failed to compile on the H200. (The two-
-# consumer forwards are far from either; the backward's estimates are
-# its own.)
-_FORWARD_SMEM_LIMIT_BYTES = _SMEM_LIMIT_BYTES - 2048
-_SWIZZLE_BYTES = 128
-_LOG2E = math.log2(math.e)
+# The forward's shared memory also leaves the 2 KiB that Mosaic GPU reserves
+# for cross-warp reductions (`CompilerParams.reduction_scratch_bytes`'
+# default) and the padding of its small buffers to the swizzled ones'
+# alignment: three consumers at head_dim 128 with O staged apart came to 512
+# bytes under `SMEM_LIMIT_BYTES` and failed to compile on the H200.
+_FORWARD_SMEM_LIMIT_BYTES = SMEM_LIMIT_BYTES - 2048
 _LN2 = math.log(2.0)
-_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # The FP8 descale row is copied as [n / 32, 32] floats: a TMA copies at most
 # 256 elements along each dimension (1-D it would cap seq near 8k), and a
 # row of 32 floats is 128 bytes, a whole number of the warpgroup's copies.
 _DESCALE_WIDTH = 32
-_SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # `rescale_threshold`'s bound: P's entries stay below 2**threshold, and
 # float16's largest is ~2**16 (bfloat16's ~2**128).
 _MAX_RESCALE_THRESHOLD = 8.0
-# The ranged kernel's int32 plan row per (batch, q tile), built by
-# `masked.plan_rows`: [lo, unmasked_lo, unmasked_hi, hi] of consumer 0 and
-# of consumer 1, the union [lo, hi) the producer loads, then q_offset,
-# q_length, kv_length; padded to 32 (128 bytes, one copy).
-PLAN_WIDTH = 32
-_PLAN_UNION, _PLAN_SCALARS = 8, 10
-# The persistent grid (`mosaic_forward(persistent=None)`) for non-causal
-# calls: 0.5-28% faster than the launch grid on the H200 (session 6, most at
-# seq 1k: 403 -> 514 TFLOP/s at head_dim 128; results/h200_mosaic_persistent.md).
-PERSISTENT_BY_DEFAULT = True
-# With a causal mask (tiles paired heaviest with lightest), against the
-# launch grid's heavy-first order, session 6's A/Bs on the H200 at seq
-# 1k/4k/16k (results/h200_mosaic_persistent*.md): head_dim 64 +7/-5/0%
-# beside another GPU's load, +12/+2% at 4k/16k alone; 128 +18/+11/+10%;
-# 256 +40/+3/-7%, and -2/-4.5% at 4k/16k alone. Session 13 measured it
-# against the launch grid launched tile-fastest (`TILE_FASTEST_CAUSAL`), which
-# won at 16k: d=128 575 -> 590 and d=256 604 -> 618 TFLOP/s, while the
-# persistent grid kept 4k (d=128 541 against 498, d=256 537 against 523;
-# results/h200_mosaic_forward_order.md, three rounds). The longest kv_len
-# per head dim at which it is the default (None: every length):
-PERSISTENT_CAUSAL_MAX_KV_LEN = {64: None, 128: 8192, 256: 4096}
-# `mosaic_forward(tile_fastest=None)`: causal calls on the launch grid launch
-# a head's query tiles together, so that the CTAs at work at once stream the
-# same K/V through L2 (as the backward's kernels do since session 12): +2.3%
-# at d=256 and +2.6% at d=128 (against the persistent grid) at 16k, three
-# rounds each in two sessions (results/h200_mosaic_forward_tile_order.md,
-# h200_mosaic_forward_order.md). Non-causal calls run the persistent grid,
-# which walks tiles tile-fastest already.
-TILE_FASTEST_CAUSAL = True
-# `mosaic_forward(sum_after_pv=None)` takes P's row sum after P V is issued
-# at these head dims without a causal mask (this kernel only: the ranged
-# and FP8 kernels keep the sum before P V): at d=128 +2.3% at 4k (576 ->
-# 590 TFLOP/s) and +2.0% at 16k (587 -> 599), two rounds each, one run; at
-# d=256 -2.7% and -1.2% (tokamax's sm90 forward does it above 128 only).
-# Session 11's form of it (`late_row_sum`, removed: it re-associated the
-# sum) measured d=128 without a mask +1.6% at 1k, +2.6% at 4k and -1.6%
-# at 16k, three rounds (results/h200_mosaic_late_sum_r3.md): 4k agrees,
-# 16k does not. Bitwise the same as the default order at every head dim,
-# on both grids (GPU tests, session 16). Under causal masking session 11
-# measured -2% to +1.6%: off. results/h200_mosaic_sum_after_pv.md.
-SUM_AFTER_PV_HEAD_DIMS = (128,)
-# `mosaic_forward(lazy_rescale=None)` rescales O lazily (FlashAttention-4's
-# threshold, 8 in log2 units: `LAZY_RESCALE_THRESHOLD`) at these (head_dim,
-# is_causal). Session 18's A/B on the H200, two rounds, 16k / 4k / 1k
-# (results/h200_mosaic_rescale.md): d=256 +3.9 / +7.8 / +6.5% without a
-# mask and +4.3 / +2.2 / +4.1% causal; d=128 without a mask +3.1 / +4.2 /
-# +3.6%, causal -1.3 / -0.2 / -3.7%; d=64 +0.2 / +0.7 / -0.3% without a
-# mask and +1.1 / +1.3 / -7.6% causal. Session 15's ncu of the d=256
-# forward counted O's rescale as 69 M of its 260 M warp instructions.
-LAZY_RESCALE_DEFAULTS = frozenset({(256, False), (256, True), (128, False)})
-LAZY_RESCALE_THRESHOLD = 8.0
-# `mosaic_forward(hw_turns=None)` takes the consumers' turns on hardware
-# barriers at these head dims (`hw_turns_by_default`). Session 21's A/B on
-# the H200 (settled, three rounds in alternating order, forward alone, off
-# -> on, TFLOP/s, results/h200_mosaic_hw_turns.md), head_dim 64 without a
-# mask (three consumers) 386 -> 390 at 1k, 457 -> 462 at 4k, 484 -> 490 at
-# 16k; causal 288 -> 307 at 1k (two consumers: a ring on hardware
-# barriers instead of the rendezvous), 406 -> 409 at 4k and 456 -> 456 at
-# 16k (three consumers). At d=128 and d=256 (two consumers) the same run
-# read -0.4% to +1.8% at 1k and 4k but -1.1% to -2.2% at 16k: off there.
-# The plain forward only: the masked and FP8 forwards keep mbarrier turns
-# (never measured with these).
-HW_TURNS_HEAD_DIMS = (64,)
-
-
-def persistent_by_default(*, is_causal: bool, head_dim: int, kv_len: int,
-                          overlap_scores: bool = False) -> bool:
-  """Whether `mosaic_forward(persistent=None)` runs the persistent grid."""
-  if not PERSISTENT_BY_DEFAULT or overlap_scores:
-    return False
-  if not is_causal:
-    return True
-  limit = PERSISTENT_CAUSAL_MAX_KV_LEN.get(head_dim, 0)
-  return limit is None or kv_len <= limit
-
-
-def tile_fastest_by_default(*, is_causal: bool, persistent: bool) -> bool:
-  """Whether `mosaic_forward(tile_fastest=None)` launches the launch grid
-  tile-fastest (the persistent grid has its own order)."""
-  return TILE_FASTEST_CAUSAL and is_causal and not persistent
-
-
-def sum_after_pv_by_default(*, head_dim: int, is_causal: bool,
-                            overlap_scores: bool = False) -> bool:
-  """Whether `mosaic_forward(sum_after_pv=None)` takes P's row sum after
-  P V is issued (`SUM_AFTER_PV_HEAD_DIMS`; never with `overlap_scores`,
-  which orders its steps its own way)."""
-  return (head_dim in SUM_AFTER_PV_HEAD_DIMS and not is_causal
-          and not overlap_scores)
-
-
-def hw_turns_by_default(*, head_dim: int, overlap_scores: bool = False
-                        ) -> bool:
-  """Whether `mosaic_forward(hw_turns=None)` takes the consumers' turns on
-  hardware barriers (`HW_TURNS_HEAD_DIMS`; never with `overlap_scores`,
-  which takes its own turns)."""
-  return head_dim in HW_TURNS_HEAD_DIMS and not overlap_scores
-
-
-def lazy_rescale_by_default(*, head_dim: int, is_causal: bool,
-                            overlap_scores: bool = False) -> bool:
-  """Whether `mosaic_forward(lazy_rescale=None)` rescales O lazily
-  (`LAZY_RESCALE_DEFAULTS`; never with `overlap_scores`, which has its own
-  step)."""
-  return ((head_dim, bool(is_causal)) in LAZY_RESCALE_DEFAULTS
-          and not overlap_scores)
-
-
-def consumers_by_default(*, head_dim: int, q_len: int, is_causal: bool,
-                         block_q: int = 64,
-                         overlap_scores: bool = False) -> int:
-  """Consumer warpgroups of `mosaic_forward(num_consumers=None)`: three
-  where measured faster (`THREE_CONSUMER_HEAD_DIMS`) and the kernel takes
-  the call (q_len whole blocks of block_q rows, no `overlap_scores`), else
-  two."""
-  if (head_dim not in THREE_CONSUMER_HEAD_DIMS or overlap_scores
-      or q_len % block_q
-      or q_len < THREE_CONSUMER_MIN_Q_LEN[bool(is_causal)]):
-    return NUM_CONSUMERS
-  return 3
-
-
-def default_block_kv(head_dim: int) -> int:
-  """K/V tile that fits two pipeline stages in shared memory at this head dim.
-
-  At head_dim 256, Q (2 x 64 rows) and two stages of 128-row K and V tiles
-  would need 320 KiB; 64-row K/V tiles need 192 KiB.
-  """
-  return 64 if head_dim > 128 else 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,99 +128,59 @@ class KernelStatic:
   # `masked.plan_rows`) instead of computed from causal geometry.
   spec: Any = None
   scale: float = 0.0
-  # Causal: run the CTAs with the most K/V blocks first (see `tile_index`).
-  heavy_first: bool = True
-  # Consumer schedule variants (`tune_mosaic --kernels forward_schedule`;
-  # `mosaic_forward` turns `split_handover` on, measured 1-7% faster on the
-  # H200 in session 5, see benchmarks/NOTES.md): `fence_softmax` pins the softmax step's results
-  # (O rescaled, l, m, P) with an optimization barrier before the hand-over,
-  # so that none of it sinks past the barrier into the other consumer's
-  # matmul turn; `split_handover` arrives at the hand-over barrier, then
-  # waits for V, then for the other consumer, instead of waiting for V after
-  # the whole rendezvous.
-  fence_softmax: bool = False
+  # The rendezvous of two consumers (`turns.Rendezvous`) split: a consumer
+  # arrives at the hand-over barrier, then waits for V, then for the
+  # other, instead of waiting for V after the whole rendezvous; 1.3%,
+  # 2.0% and 7.0% faster at head_dim 64, 128, 256 (16k,
+  # h200_mosaic_schedule.md). The plain form's; the masked and FP8 forms
+  # keep the whole rendezvous (not measured with it).
   split_handover: bool = False
-  # FlashAttention-3's intra-warpgroup overlap (§3.2), off (measured 1-4%
-  # over the plain schedule, less than `split_handover`): step j issues S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} together, and runs
-  # the softmax of S_j while P_{j-1} V_{j-1} is still on the tensor cores
-  # (`_overlapped_steps`). Plain bf16/f16 kernel only (not FP8, not ranged);
-  # it has its own hand-over points, so the two options above do not apply.
-  overlap_scores: bool = False
   # Persistent grid (`_persistent_kernel`): `num_ctas` CTAs (one per SM) walk
   # the tiles in turn, so that a tile's prologue (Q and the first K/V
   # loads) and epilogue (the O store) overlap its neighbours' work instead of
-  # costing a CTA launch each. Plain bf16/f16 form only. `stage_o_apart`:
-  # O and the LSE go out through a buffer of their own (it fits at head_dim
-  # <= 128), so the next tile's Q loads while this one's O is written.
+  # costing a CTA launch each. Plain form only. `stage_o_apart`: O and the
+  # LSE go out through a buffer of their own where it fits, so the next
+  # tile's Q loads while this one's O is written.
   persistent: bool = False
   num_ctas: int = 0
   stage_o_apart: bool = False
-  # Launch grid order (`tune_mosaic --kernels forward_launch`): the default
-  # launches batch fastest and the Q tile slowest, so CTAs running at once
-  # are the same Q tile of many heads; `tile_fastest` launches a head's Q
-  # tiles together instead, so that they stream the same K/V through L2.
+  # Launch grid order: a head's query tiles launched together, so that the
+  # CTAs at work at once stream the same K/V through L2 (the plain form's:
+  # +2.3% at d=256 and +2.6% at d=128 causal at 16k,
+  # h200_mosaic_forward_tile_order.md), rather than the same tile of many
+  # heads (the masked and FP8 forms').
   tile_fastest: bool = False
-  # Consumer warpgroups (plain bf16/f16 form; 2 elsewhere). With three the
-  # tensor cores pass round the consumers by one barrier each (`_Turns`),
-  # and the last tile of a (batch, head) may be short: a consumer whose rows
-  # start past q_len takes the last 64 rows, without math (`skip_spare`) or
-  # computing them again, and stores nothing (`consumer_rows`), so q_len
+  # Consumer warpgroups (plain form; 2 elsewhere). With three the last tile
+  # of a (batch, head) may be short: a consumer whose rows start past q_len
+  # takes the last 64 rows and stores nothing (`consumer_rows`), so q_len
   # need only be a multiple of block_q.
   num_consumers: int = NUM_CONSUMERS
   q_len: int = 0
-  # Turns of two consumers (plain kernel, not `overlap_scores`; three always
-  # take them round the ring): `ring_turns` passes the turn on as three
-  # consumers do (`turns.RingTurns`: one pass after S is issued, one wait before
-  # P V, per step) instead of meeting at a rendezvous twice a step.
-  # `hw_turns` takes ring turns (of two or three) on the CTA's hardware
-  # barriers (`bar.arrive` / `bar.sync`, `compat.named_barrier`) instead of
-  # shared-memory mbarriers: no polling, no shared-memory traffic.
-  # tokamax's forward takes its turns so. Scheduling only: bitwise the same.
-  # `mosaic_forward`'s default at `HW_TURNS_HEAD_DIMS` since session 21.
-  ring_turns: bool = False
+  # The consumers pass the turn round a ring of the CTA's hardware barriers
+  # (`turns.RingTurns`: `bar.arrive` / `bar.sync`, no polling, no
+  # shared-memory traffic) instead of meeting at an mbarrier rendezvous.
+  # Scheduling only: bitwise the same.
   hw_turns: bool = False
-  # Two consumers at 240 registers and the producer at 24 (FlashAttention-
-  # 3's split) instead of 232 and 40: room for O, S and the softmax at
-  # head_dim 256 (128 + 32 f32 registers before P). Scheduling only:
-  # bitwise the same (GPU tests, session 15); measured -1% to +2%
-  # (results/h200_mosaic_forward_lean.md): off.
-  lean_producer: bool = False
-  # P's row sum taken after P V is issued, while the wgmma runs, rather
-  # than before (tokamax's sm90 forward orders it so above head_dim 128).
-  # The same expression, `l * alpha + rowsum(P)`, moved: bitwise the same
-  # (GPU tests, session 16). Not with `overlap_scores`.
-  # Default where measured faster (`SUM_AFTER_PV_HEAD_DIMS`).
+  # P's row sum taken after P V is issued, while the wgmma runs (tokamax's
+  # sm90 forward orders it so above head_dim 128): the same expression,
+  # `l * alpha + rowsum(P)`, moved, so bitwise the same.
   sum_after_pv: bool = False
-  # O's rescale skipped where no row's max moved (FlashAttention-4's lazy
-  # rescaling; `mosaic_forward(lazy_rescale=True)`): a row keeps its running
-  # max until a tile's max exceeds it by more than `rescale_threshold`
-  # (log2 units; P's entries then stay below 2**threshold), and each thread
-  # multiplies its part of O only at steps where the max of one of its rows
-  # moved (a branch in the thread: `multiply_rows_in_threads`). 0.0: the
-  # max moves whenever it grows, as without the option, so only multiplies
-  # by exactly 1 are skipped: bitwise the same. None: rescale every step.
-  # Plain step only (not `overlap_scores`).
+  # O's lazy rescale: a row keeps its running max until a tile's max
+  # exceeds it by more than `rescale_threshold` (log2 units; P's entries
+  # then stay below 2**threshold), and each warp multiplies its part of O
+  # only at steps where the max of one of its rows moved
+  # (`multiply_rows_in_threads`). 0.0: the max moves whenever it grows, so
+  # only multiplies by exactly 1 are skipped: bitwise the eager rescale.
+  # None: rescale every step.
   rescale_threshold: float | None = None
-  # The lazy rescale's skip decided per warp (`vote.sync.any`) rather than
-  # per thread: no divergence before P V's warp-synchronous wgmma, which
-  # otherwise relies on ptxas reconverging the warp after the branch.
-  # `mosaic_forward`'s default with the lazy rescale since session 19,
-  # for that safety: against per thread, three rounds, cell by cell -2.5%
-  # to +1.4% (d=256 causal -1.5% at 16k and -2.5% at 1k, cells at 1.05x
-  # the best peer and more; the geometric mean of the 12 cells +0.1%),
-  # results/h200_mosaic_rescale_warp.md; bitwise the same on the H200 (4
-  # GPU tests).
-  rescale_per_warp: bool = False
   # Three consumers, short last tile (q_len not a multiple of 3 * block_q):
   # a consumer with no rows of its own (`consumer_rows`) walks the tile's
   # steps without math instead of computing the last rows again: it waits
   # for each K and V tile and releases it, and passes each turn on as soon
-  # as it has it, so that the others' matmuls take its turns. Plain
-  # bf16/f16 kernel without a causal mask (where three consumers run at
-  # q_len 1024 and up). What is stored is computed as without it:
-  # bitwise the same (lse too, since its add is unfused: `_add_unfused`,
-  # which since session 23 rounds every forward's lse, possibly an ulp
-  # from before).
+  # as it has it, so that the others' matmuls take its turns (386 -> 396
+  # TFLOP/s at d=64 1k without a mask, h200_mosaic_skip_spare.md). Plain
+  # form without a causal mask (where three consumers run from q_len
+  # 1024). What is stored is computed as without it: bitwise the same.
   skip_spare: bool = False
 
   @property
@@ -442,28 +197,9 @@ class KernelStatic:
     """Warpgroup index of the TMA producer (after the consumers)."""
     return self.num_consumers
 
-  @property
-  def ring(self) -> bool:
-    """Whether the consumers take turns round a ring (`turns.RingTurns`)."""
-    return (self.num_consumers != NUM_CONSUMERS or self.ring_turns
-            or self.hw_turns)
-
 
 def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
-                   block_q: int = 64, block_kv: int | None = None,
-                   max_concurrent_steps: int = 2, heavy_first: bool = True,
-                   fence_softmax: bool = False, split_handover: bool = True,
-                   overlap_scores: bool = False, persistent: bool | None = None,
-                   num_ctas: int | None = None,
-                   tile_fastest: bool | None = None,
-                   num_consumers: int | None = None, ring_turns: bool = False,
-                   hw_turns: bool | None = None,
-                   lean_producer: bool = False,
-                   sum_after_pv: bool | None = None,
-                   lazy_rescale: bool | None = None,
-                   rescale_threshold: float = LAZY_RESCALE_THRESHOLD,
-                   rescale_per_warp: bool | None = None,
-                   skip_spare: bool | None = None):
+                   **options):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -482,52 +218,11 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                  1 1 1 1
                                  1 1 1 1
 
-    block_q: query rows per consumer warpgroup; the CTA tile is
-      num_consumers * block_q.
-    block_kv: K/V rows per pipeline stage; None picks `default_block_kv`.
-    max_concurrent_steps: depth of the K/V ring (TMA stages in flight).
-    heavy_first: under causal masking, launch the query tiles with the most
-      K/V blocks first (`tile_index`); False launches them in order.
-    fence_softmax, split_handover, overlap_scores: consumer schedule
-      variants (see `KernelStatic`); the results are the same either way
-      (with `overlap_scores`, given `lazy_rescale=False`: it has no lazy
-      form). `split_handover` is the default: 1.3%, 2.0% and 7% faster than the
-      plain hand-over at head_dim 64, 128, 256 (H200, seq 16k).
-    persistent: one CTA per SM walks the tiles (`_persistent_kernel`);
-      not with `overlap_scores`. None: where measured faster
-      (`persistent_by_default`).
-    num_ctas: CTAs of the persistent grid; None: the GPU's SM count.
-    tile_fastest: the launch grid's CTAs in tile-fastest order (see
-      `KernelStatic`); the results are the same either way. None: causal
-      calls on the launch grid (`tile_fastest_by_default`).
-    num_consumers: consumer warpgroups, 2 or 3 (3: not with
-      `overlap_scores`); None: `consumers_by_default`. Each row's sums
-      are the same either way, so the results are bitwise the same.
-    ring_turns, hw_turns: how the consumers take turns (see
-      `KernelStatic`); not with `overlap_scores`. Bitwise the same.
-      hw_turns None: where measured faster (`hw_turns_by_default`: at
-      head_dim 64, where `ring_turns=True` therefore runs its ring on
-      hardware barriers unless `hw_turns=False`).
-    lean_producer: the consumers at 240 registers, the producer at 24
-      (see `KernelStatic`); two consumers only. Bitwise the same.
-    sum_after_pv: P's row sum after P V is issued (see `KernelStatic`);
-      not with `overlap_scores`. Bitwise the same. None: where measured
-      faster (`sum_after_pv_by_default`).
-    lazy_rescale: O rescaled only where a row's max moved, and a row's max
-      moved only when it grows by more than `rescale_threshold` (see
-      `KernelStatic`); False rescales every step. Not with
-      `overlap_scores`. None: where measured faster
-      (`lazy_rescale_by_default`).
-    rescale_threshold: log2 units, 0 to 8. At 0 `lazy_rescale` is bitwise
-      the same as rescaling every step; a larger value changes rounding
-      only (P's entries stay below 2**threshold).
-    rescale_per_warp: the lazy rescale's skip decided per warp instead of
-      per thread (see `KernelStatic`); bitwise the same. Only with
-      `lazy_rescale`. None: per warp wherever the rescale is lazy.
-    skip_spare: three consumers' short last tiles without math for the
-      consumer that has no rows there (see `KernelStatic`); bitwise the
-      same. Without a causal mask only (elsewhere it changes nothing).
-      None: `SKIP_SPARE_BY_DEFAULT`.
+    **options: fields of `plan.ForwardConfig` replacing the plan's choice
+      for this call (`plan.forward_config`): tiles, pipeline depth,
+      consumers, grid, turns, the row sum's place, the lazy rescale. Every
+      choice gives bitwise the same result, but for the lazy rescale's
+      threshold (above 0 it changes rounding).
 
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
@@ -539,100 +234,47 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       head dim, lengths not multiples of the tiles, non-positive scale, tiles
       that do not fit in shared memory), so that a dispatcher falls back.
   """
-  if block_kv is None:
-    block_kv = default_block_kv(query.shape[-1])
-  if num_consumers is None:
-    num_consumers = consumers_by_default(
-        head_dim=query.shape[-1], q_len=query.shape[1], is_causal=is_causal,
-        block_q=block_q, overlap_scores=overlap_scores)
-  if num_consumers not in _REGISTERS_BY_CONSUMERS:
-    raise ValueError(f"num_consumers must be one of "
-                     f"{tuple(_REGISTERS_BY_CONSUMERS)}, got {num_consumers}")
-  if num_consumers != NUM_CONSUMERS and overlap_scores:
-    raise NotImplementedError(
-        f"overlap_scores runs {NUM_CONSUMERS} consumers, not {num_consumers}")
-  if lean_producer and num_consumers != NUM_CONSUMERS:
-    raise NotImplementedError(
-        f"lean_producer: {NUM_CONSUMERS} consumers, not {num_consumers}")
-  if hw_turns is None:
-    hw_turns = hw_turns_by_default(head_dim=query.shape[-1],
-                                   overlap_scores=overlap_scores)
-  if (ring_turns or hw_turns) and overlap_scores:
-    raise NotImplementedError(
-        "overlap_scores takes its own turns: no ring_turns or hw_turns")
-  if sum_after_pv is None:
-    sum_after_pv = sum_after_pv_by_default(
-        head_dim=query.shape[-1], is_causal=is_causal,
-        overlap_scores=overlap_scores)
-  if sum_after_pv and overlap_scores:
-    raise NotImplementedError(
-        "sum_after_pv: the plain step only (overlap_scores has its own order)")
-  if lazy_rescale is None:
-    lazy_rescale = lazy_rescale_by_default(
-        head_dim=query.shape[-1], is_causal=is_causal,
-        overlap_scores=overlap_scores)
-  if lazy_rescale and overlap_scores:
-    raise NotImplementedError("lazy_rescale: the plain step only "
-                              "(overlap_scores has its own)")
-  rescale = rescale_fields(lazy_rescale, rescale_per_warp,
-                           threshold=rescale_threshold)
+  config = forward_config(head_dim=query.shape[-1], is_causal=is_causal,
+                               q_len=query.shape[1], kv_len=key.shape[1],
+                               **options)
+  if config.num_consumers not in (2, 3):
+    raise ValueError(f"num_consumers must be 2 or 3, got "
+                     f"{config.num_consumers}")
   static = check_supported(query, key, value, scale=scale,
-                           is_causal=is_causal, block_q=block_q,
-                           block_kv=block_kv,
-                           max_concurrent_steps=max_concurrent_steps,
-                           num_consumers=num_consumers)
-  static = dataclasses.replace(static, heavy_first=bool(heavy_first),
-                               **rescale,
-                               fence_softmax=bool(fence_softmax),
-                               split_handover=bool(split_handover),
-                               overlap_scores=bool(overlap_scores),
-                               ring_turns=bool(ring_turns),
-                               hw_turns=bool(hw_turns),
-                               lean_producer=bool(lean_producer),
-                               sum_after_pv=bool(sum_after_pv))
-  if skip_spare is None:
-    skip_spare = SKIP_SPARE_BY_DEFAULT
-  # Recorded only where it applies, so that elsewhere the kernel is the same.
-  static = dataclasses.replace(static, skip_spare=_skips_spare(
-      dataclasses.replace(static, skip_spare=bool(skip_spare))))
-  if persistent is None:
-    persistent = persistent_by_default(
-        is_causal=is_causal, head_dim=query.shape[-1], kv_len=key.shape[1],
-        overlap_scores=overlap_scores)
-  if tile_fastest is None:
-    tile_fastest = tile_fastest_by_default(is_causal=is_causal,
-                                           persistent=persistent)
-  static = dataclasses.replace(static, tile_fastest=bool(tile_fastest))
-  if persistent:
-    static = persistent_static(static, query.shape, num_ctas)
+                           is_causal=is_causal, block_q=config.block_q,
+                           block_kv=config.block_kv,
+                           max_concurrent_steps=config.max_concurrent_steps,
+                           num_consumers=config.num_consumers)
+  static = dataclasses.replace(
+      static, split_handover=True, tile_fastest=True,
+      # Three consumers always take hardware turns (`turns.RingTurns`).
+      hw_turns=config.hw_turns or config.num_consumers != NUM_CONSUMERS,
+      sum_after_pv=config.sum_after_pv,
+      **rescale_fields(config.lazy_rescale,
+                       threshold=config.rescale_threshold))
+  static = dataclasses.replace(static, skip_spare=_skips_spare(static))
+  if config.persistent:
+    static = persistent_static(static, query.shape, config.num_ctas)
   return launch(static, query, key, value)
 
 
-def rescale_fields(lazy_rescale: bool, rescale_per_warp: bool | None, *,
-                   threshold: float = LAZY_RESCALE_THRESHOLD) -> dict:
-  """`KernelStatic`'s `rescale_threshold` and `rescale_per_warp` for a
-  forward's `lazy_rescale` (decided), `rescale_per_warp` (None: per warp
-  wherever the rescale is lazy) and threshold (log2 units, 0 to 8; read
-  only when lazy). The plain, masked and FP8 forwards share them."""
-  if rescale_per_warp is None:
-    rescale_per_warp = lazy_rescale
-  if rescale_per_warp and not lazy_rescale:
-    raise ValueError("rescale_per_warp needs lazy_rescale")
+def rescale_fields(lazy_rescale: bool, *,
+                   threshold: float = ForwardConfig.rescale_threshold
+                   ) -> dict:
+  """`KernelStatic.rescale_threshold` for a forward's `lazy_rescale` and
+  threshold (log2 units, 0 to 8; read only when lazy). The plain, masked
+  and FP8 forwards share it."""
   if lazy_rescale and not (math.isfinite(threshold)
                            and 0 <= threshold <= _MAX_RESCALE_THRESHOLD):
     raise ValueError(
         f"rescale_threshold must be from 0 to {_MAX_RESCALE_THRESHOLD} "
         f"(log2 units), got {threshold}")
-  return dict(rescale_threshold=float(threshold) if lazy_rescale else None,
-              rescale_per_warp=bool(rescale_per_warp))
+  return dict(rescale_threshold=float(threshold) if lazy_rescale else None)
 
 
 def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
                       ) -> KernelStatic:
   """`static` for the persistent grid over query tiles of `q_shape`."""
-  if static.overlap_scores:
-    raise NotImplementedError(
-        "the persistent forward has no overlap_scores schedule")
   batch, q_len, num_heads, head_dim = q_shape
   num_ctas = persistent_num_ctas(
       num_ctas, paired=static.is_causal,
@@ -646,15 +288,6 @@ def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
       <= _FORWARD_SMEM_LIMIT_BYTES)
 
 
-def _smem_transforms(rows_bytes: int, itemsize: int):
-  """8-row tiles with the widest swizzle (up to 128 B) a tile row fills: the
-  shared-memory layout that both TMA writes and wgmma reads without bank
-  conflicts."""
-  swizzle = min(_SWIZZLE_BYTES, rows_bytes)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)),
-          plgpu.SwizzleTransform(swizzle))
-
-
 def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
             segments=None):
   """Builds and calls the kernel; `value` is [B, Hkv, D, T] in FP8.
@@ -665,16 +298,16 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
   batch, q_len, num_heads, head_dim = query.shape
   block_q, block_kv = static.block_q, static.block_kv
   consumers = static.num_consumers
-  if static.ring and (static.fp8 or static.ranged):
+  if static.hw_turns and (static.fp8 or static.ranged):
     raise NotImplementedError(
         f"the FP8 and masked kernels run {NUM_CONSUMERS} consumers, meeting "
         "at a rendezvous")
   num_q_tiles = pl.cdiv(q_len, static.tile_rows)
   itemsize = static.dtype.itemsize
-  transforms = _smem_transforms(head_dim * itemsize, itemsize)
+  transforms = swizzled(head_dim * itemsize, itemsize)
   stages = static.num_stages
   v_tile = (head_dim, block_kv) if static.fp8 else (block_kv, head_dim)
-  v_transforms = (_smem_transforms(block_kv, itemsize) if static.fp8
+  v_transforms = (swizzled(block_kv, itemsize) if static.fp8
                   else transforms)
   scratch = (
       # Q, then (bfloat16 / float16) O on the way out.
@@ -700,12 +333,12 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
     scratch += (
         # O: an FP8 Q buffer is too small for it.
         plgpu.SMEM((consumers, block_q, head_dim), out_dtype,
-                   transforms=_smem_transforms(head_dim * out_dtype.itemsize,
+                   transforms=swizzled(head_dim * out_dtype.itemsize,
                                                out_dtype.itemsize)),
         plgpu.SMEM((consumers, *descale.shape[-2:]), jnp.float32),
         plgpu.Barrier(num_barriers=consumers),        # descale_arrived
         plgpu.SMEM((consumers, block_q, block_kv), static.dtype,
-                   transforms=_smem_transforms(block_kv, itemsize)),  # P
+                   transforms=swizzled(block_kv, itemsize)),  # P
     )
     inputs += (descale,)
   lse_len = q_len
@@ -761,38 +394,6 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
   )(*inputs), *inputs)
 
 
-def check_layout(query, key, value) -> tuple[int, int]:
-  """(kv_len, num_kv_heads) of [batch, len, heads, dim] q, k, v that share
-  batch, head dim and dtype, with heads a multiple of K/V heads; else a
-  ValueError/TypeError naming the shapes. Shared by every Mosaic kernel."""
-  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-    raise ValueError("query, key and value must be [batch, len, heads, dim]; "
-                     f"got {query.shape}, {key.shape}, {value.shape}")
-  batch, _, num_heads, head_dim = query.shape
-  kv_shape = (batch, key.shape[1], key.shape[2], head_dim)
-  if key.shape != kv_shape or value.shape != kv_shape:
-    raise ValueError(f"key and value must both be {kv_shape} for query "
-                     f"{query.shape}; got {key.shape}, {value.shape}")
-  kv_len, num_kv_heads = key.shape[1], key.shape[2]
-  if num_heads % num_kv_heads:
-    raise ValueError(f"num_heads {num_heads} is not a multiple of "
-                     f"num_kv_heads {num_kv_heads}")
-  if query.dtype != key.dtype or query.dtype != value.dtype:
-    raise TypeError("query, key and value must share a dtype; got "
-                    f"{query.dtype}, {key.dtype}, {value.dtype}")
-  return kv_len, num_kv_heads
-
-
-def check_tiles(block_q: int, block_kv: int, max_concurrent_steps: int):
-  """Tile sizes whole in wgmma's 64 rows and a pipeline at least 1 deep."""
-  if max_concurrent_steps < 1:
-    raise ValueError(
-        f"max_concurrent_steps must be >= 1, got {max_concurrent_steps}")
-  if block_q % _TILE_MULTIPLE or block_kv % _TILE_MULTIPLE:
-    raise NotImplementedError(f"block_q {block_q} and block_kv {block_kv} "
-                              f"must be multiples of {_TILE_MULTIPLE}")
-
-
 def check_supported(query, key, value, *, scale, is_causal, block_q,
                      block_kv, max_concurrent_steps,
                      fp8_out_dtype=None, spec=None,
@@ -809,12 +410,12 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   if fp8 and dtype != _FP8:
     raise TypeError(f"mosaic_forward_fp8 takes float8_e4m3fn inputs (see "
                     f"quantize_fp8), got {dtype}")
-  if not fp8 and dtype not in _SUPPORTED_DTYPES:
+  if not fp8 and dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_forward supports bfloat16 and float16, got {dtype}")
-  if head_dim not in _SUPPORTED_HEAD_DIMS:
+  if head_dim not in SUPPORTED_HEAD_DIMS:
     raise NotImplementedError(f"mosaic_forward supports head_dim in "
-                              f"{_SUPPORTED_HEAD_DIMS}, got {head_dim}")
+                              f"{SUPPORTED_HEAD_DIMS}, got {head_dim}")
   check_tiles(block_q, block_kv, max_concurrent_steps)
   if spec is not None and fp8_out_dtype is not None:
     raise NotImplementedError("the FP8 kernel has no masks yet")
@@ -849,19 +450,11 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   return KernelStatic(block_q=block_q, block_kv=block_kv, num_stages=num_stages,
                  num_kv_blocks=num_kv_blocks, head_dim=head_dim,
                  group=num_heads // num_kv_heads,
-                 scale_log2=float(scale) * _LOG2E, is_causal=bool(is_causal),
+                 scale_log2=float(scale) * LOG2E, is_causal=bool(is_causal),
                  dtype=dtype, fp8=fp8, out_dtype=fp8_out_dtype,
                  num_q_blocks=num_q_blocks if fp8 else 0, spec=spec,
                  scale=float(scale), num_consumers=num_consumers,
                  q_len=q_len)
-
-
-def check_shared_memory(needed: int, limit: int, tiles: str) -> None:
-  """NotImplementedError (a dispatcher falls back) where `tiles` need more
-  shared memory than `limit` bytes."""
-  if needed > limit:
-    raise NotImplementedError(f"{tiles} need {needed} bytes of shared "
-                              f"memory; sm90 has {limit}")
 
 
 def _smem_bytes(block_q, block_kv, num_stages, head_dim, itemsize,
@@ -874,9 +467,8 @@ def _smem_bytes(block_q, block_kv, num_stages, head_dim, itemsize,
 def _skips_spare(static: KernelStatic) -> bool:
   """Whether a tile may have a consumer without rows that skips its math
   (`KernelStatic.skip_spare`, given the shape)."""
-  return (static.skip_spare and static.num_consumers != NUM_CONSUMERS
+  return (static.num_consumers != NUM_CONSUMERS
           and not static.is_causal and not static.ranged and not static.fp8
-          and not static.overlap_scores
           and static.q_len % static.tile_rows != 0)
 
 
@@ -945,13 +537,6 @@ class _Tile(NamedTuple):
                     # unless `static.stage_o_apart`)
 
 
-class _Plan(NamedTuple):
-  """The ranged kernel's plan row of one tile (see `masked.plan_rows`)."""
-  gmem: Any       # int32 [PLAN_WIDTH] of this (batch, q tile)
-  smem: Any       # int32 [consumers + 1, PLAN_WIDTH]: one slot per warpgroup
-  arrived: Any    # barriers [consumers + 1]
-
-
 def _forward_kernel(*refs, static: KernelStatic):
   """Kernel body; refs: `_launch`'s inputs, outputs and scratch, in order:
 
@@ -973,17 +558,18 @@ def _forward_kernel(*refs, static: KernelStatic):
   wg = lax.axis_index("wg")
   num_q_tiles = pl.cdiv(q_ref.shape[1], static.tile_rows)
   q_tile = tile_index("q_tile", num_q_tiles, reverse=(
-      static.heavy_first and static.is_causal and not static.ranged))
+      static.is_causal and not static.ranged))
   tile_start = q_tile * static.tile_rows
   plan = segment_refs = None
   if static.ranged:
-    plan = _Plan(inputs[3].at[batch, q_tile],
+    plan = PlanRow(inputs[3].at[batch, q_tile],
                  *scratch[10:12])
   if segmented:
     segment_refs = _SegmentRefs(inputs[4].at[batch], inputs[5].at[batch],
                                 *scratch[12:16])
 
-  consumer_registers, producer_registers = _registers(static)
+  consumer_registers, producer_registers = register_split(
+      lean=False, num_consumers=static.num_consumers)
 
   @pl.when(wg < static.num_consumers)
   def _consumer():
@@ -1007,63 +593,6 @@ def _forward_kernel(*refs, static: KernelStatic):
              v_consumed, batch=batch, kv_head=head // static.group,
              tile_start=tile_start, static=static, plan=plan,
              segments=segment_refs)
-
-
-class PersistentSchedule(NamedTuple):
-  """A persistent CTA's share of a (batch, head, tile) space."""
-  count: Any    # tiles this CTA computes
-  tile_of: Any  # n -> (batch, head, tile) of its n-th tile
-
-
-def persistent_schedule(*, num_tiles: int, num_heads: int, batch: int,
-                        paired: bool, num_ctas: int, cta
-                        ) -> PersistentSchedule:
-  """Which tiles CTA `cta` of `num_ctas` computes, and in which order.
-
-  Tiles of equal cost (`paired` False): CTA c takes tiles c, c + num_ctas,
-  ... in tile-fastest order, so that CTAs at work at once share a head's
-  streamed tiles in L2. Tiles whose cost falls or rises linearly with their
-  index (causal masking: query tile i reads i + 1 K/V blocks, K/V tile j
-  n - j Q blocks), where a round-robin of single tiles would load CTAs
-  unevenly: each head's tiles are paired first with last, (n-1, 0),
-  (n-2, 1), ..., every pair costing the same, and CTAs take pairs
-  round-robin (num_ctas at most the number of pairs). With an odd `num_tiles`
-  the last tile of a head pairs with the first of the next (one uneven
-  pair per head).
-  """
-  total = batch * num_heads * num_tiles
-  if paired:
-    num_pairs = pl.cdiv(total, 2)
-    # Every CTA has a pair; the last pair of an odd total has one tile.
-    num_local_pairs = lax.div(num_pairs - 1 - cta, num_ctas) + 1
-    last_pair = cta + (num_local_pairs - 1) * num_ctas
-    count = 2 * num_local_pairs - jnp.where(2 * last_pair + 1 >= total, 1, 0)
-    linear_of = lambda n: 2 * (cta + lax.div(n, 2) * num_ctas) + lax.rem(n, 2)
-  else:
-    count = lax.div(total - 1 - cta, num_ctas) + 1  # every CTA has a tile
-    linear_of = lambda n: cta + n * num_ctas
-
-  def tile_of(n):
-    linear = linear_of(n)
-    batch_head = lax.div(linear, num_tiles)
-    tile = lax.rem(linear, num_tiles)
-    if paired:  # 0, 1, 2, 3, ... -> n-1, 0, n-2, 1, ...
-      half = lax.div(tile, 2)
-      tile = jnp.where(lax.rem(tile, 2) == 0, num_tiles - 1 - half, half)
-    return lax.div(batch_head, num_heads), lax.rem(batch_head, num_heads), tile
-
-  return PersistentSchedule(count, tile_of)
-
-
-def persistent_num_ctas(num_ctas: int | None, *, num_tiles: int,
-                        paired: bool) -> int:
-  """CTAs of a persistent grid over `num_tiles` tiles: `num_ctas` (None:
-  one per SM), at most one per tile (per pair, when `paired`)."""
-  if num_ctas is None:
-    num_ctas = versions.num_sms()
-  if num_ctas < 1:
-    raise ValueError(f"num_ctas must be >= 1, got {num_ctas}")
-  return min(num_ctas, pl.cdiv(num_tiles, 2) if paired else num_tiles)
 
 
 class _PersistentTiles(NamedTuple):
@@ -1117,7 +646,8 @@ def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
   tiles = persistent_tiles(q_ref.shape, static, lax.axis_index("cta"))
   wg = lax.axis_index("wg")
 
-  consumer_registers, producer_registers = _registers(static)
+  consumer_registers, producer_registers = register_split(
+      lean=False, num_consumers=static.num_consumers)
 
   @pl.when(wg < static.num_consumers)
   def _consumer():
@@ -1181,41 +711,9 @@ def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
     lax.fori_loop(0, tiles.count, tile_body, jnp.int32(0))
 
 
-def launch_grid(grid, names, *, tile_fastest: bool):
-  """(grid, names) for `plgpu.kernel` from a launch grid written tile axis
-  first. Pallas hands CUDA the grid reversed, so the first axis launches
-  slowest; `tile_fastest` reverses it, so that it launches fastest."""
-  if tile_fastest:
-    return tuple(grid)[::-1], tuple(names)[::-1]
-  return grid, names
-
-
-def tile_index(axis_name: str, num_tiles: int, *, reverse: bool):
-  """The tile a CTA computes: its grid index, or, reversed, the last first.
-
-  CTAs launch in grid order, the tile axis slowest (Pallas reverses the
-  grid for CUDA). Under causal masking query tile i reads i + 1 K/V blocks,
-  so in order the heaviest tiles launch last and the GPU ends on a tail of
-  long CTAs;
-  heaviest first (longest-processing-time-first scheduling) ends it on
-  short ones. At seq 16k, 16 heads, 128-row tiles a tile costs 1 to 128
-  blocks against ~1000 per SM in all, so the tail is worth up to ~12%.
-  """
-  index = lax.axis_index(axis_name)
-  return num_tiles - 1 - index if reverse else index
-
-
-def _read_plan(plan: _Plan, slot):
-  """Copies the tile's plan row into `slot`; returns a scalar reader."""
-  row = plan.smem.at[slot]
-  plgpu.copy_gmem_to_smem(plan.gmem, row, plan.arrived.at[slot])
-  plgpu.barrier_wait(plan.arrived.at[slot])
-  return lambda i: row[i]
-
-
 def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
              v_consumed, *, batch, kv_head, tile_start, static: KernelStatic,
-             plan: _Plan | None, segments: _SegmentRefs | None):
+             plan: PlanRow | None, segments: _SegmentRefs | None):
   """Producer warpgroup: TMA K/V block j into ring slot j % num_stages.
 
   Ranged kernel: blocks [first, total) of the plan's union, block j into
@@ -1230,8 +728,8 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
              for w in range(static.num_consumers)]
     total = steps[-1]
   else:
-    read = _read_plan(plan, static.producer)
-    first, total = read(_PLAN_UNION), read(_PLAN_UNION + 1)
+    read = read_plan(plan, static.producer)
+    first, total = read(PLAN_UNION), read(PLAN_UNION + 1)
 
   def load(step, slot, ref, smem, arrived):
     rows = pl.ds(step * static.block_kv, static.block_kv)
@@ -1279,7 +777,7 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
 def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
              q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
              pingpong, *, batch, head, wg, tile_start, static: KernelStatic,
-             fp8: _Fp8Refs | None, plan: _Plan | None,
+             fp8: _Fp8Refs | None, plan: PlanRow | None,
              segments: _SegmentRefs | None = None, tile: _Tile | None = None):
   """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile.
 
@@ -1307,12 +805,12 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     else:
       slot_of = lambda step: lax.rem(tile.base + step, static.num_stages)
   else:
-    read = _read_plan(plan, wg)
+    read = read_plan(plan, wg)
     lo, unmasked_lo, unmasked_hi, hi = (read(wg * 4 + i) for i in range(4))
-    first, num_steps = read(_PLAN_UNION), read(_PLAN_UNION + 1)
-    values = masking.MaskValues(q_offset=read(_PLAN_SCALARS),
-                                q_lengths=read(_PLAN_SCALARS + 1),
-                                kv_lengths=read(_PLAN_SCALARS + 2))
+    first, num_steps = read(PLAN_UNION), read(PLAN_UNION + 1)
+    values = masking.MaskValues(q_offset=read(PLAN_SCALARS),
+                                q_lengths=read(PLAN_SCALARS + 1),
+                                kv_lengths=read(PLAN_SCALARS + 2))
     slot_of = lambda step: lax.rem(step - first, static.num_stages)
     if segments is not None:
       q_ids_smem = segments.q_smem.at[wg]
@@ -1334,8 +832,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       return values
     kv_ids = plgpu.layout_cast(segments.kv_smem[slot],
                                plgpu.Layout.WGMMA.reduce(0))
-    return values._replace(q_segments=_rows(q_ids, shape),
-                           kv_segments=_cols(kv_ids, shape))
+    return values._replace(q_segments=per_row(q_ids, shape),
+                           kv_segments=per_column(kv_ids, shape))
 
   if fp8 is not None:
     plgpu.copy_gmem_to_smem(fp8.descale_gmem, fp8.descale_smem,
@@ -1400,26 +898,22 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       # exp2 takes the bare log2(e).
       s = masking.modify_scores(static.spec, s * static.scale, None, None,
                                 values)
-      scale_log2 = _LOG2E
+      scale_log2 = LOG2E
     if masked and plan is None:
-      s = jnp.where(_causal_mask(q_start, step, static), s, -jnp.inf)
+      s = jnp.where(causal_mask(q_start, step, static), s, -jnp.inf)
     elif masked:
-      s = jnp.where(_variant_mask(q_start, step, static, step_values), s,
+      s = jnp.where(variant_mask(q_start, step, static, step_values), s,
                     -jnp.inf)
     if fp8 is not None:  # the true scores: S times the Q and K factors
       k_factor = _descale(fp8, static.num_q_blocks + step)
       scale_log2 = scale_log2 * (q_factor * k_factor)
     m_new, alpha, p = _exponentiate(s, m, scale_log2,
                                     threshold=static.rescale_threshold)
-    acc = _rescale(acc, alpha,
-                   skip_ones=static.rescale_threshold is not None,
-                   per_warp=static.rescale_per_warp)
+    acc = _rescale(acc, alpha, skip_ones=static.rescale_threshold is not None)
     p_f32 = p
     if not static.sum_after_pv:
       l = l * alpha + p.sum(axis=1)
     p = p.astype(static.dtype)
-    if static.fence_softmax:
-      acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
     if fp8 is not None:
       # An 8-bit wgmma LHS in registers needs a layout that this JAX cannot
       # convert the accumulator's into, so P goes through shared memory.
@@ -1488,9 +982,9 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
         tile.load_next_q()
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     if fp8 is None:
-      acc = acc * _rows(1.0 / l_safe, acc.shape)
+      acc = acc * per_row(1.0 / l_safe, acc.shape)
     else:
-      acc = acc * _rows(v_factor / l_safe, acc.shape)
+      acc = acc * per_row(v_factor / l_safe, acc.shape)
       o_smem, out_dtype = fp8.o_smem, static.out_dtype
     o_smem[...] = acc.astype(out_dtype)
     lse = _add_unfused(m * _LN2, jnp.log(l_safe))
@@ -1510,15 +1004,6 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     elif not static.stage_o_apart:  # Q's buffer is free once O has left it
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       tile.load_next_q()
-
-  if static.overlap_scores:
-    _overlapped_steps(
-        m, l, q_smem, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
-        v_consumed, num_steps=num_steps, num_unmasked=num_unmasked,
-        slot_of=slot_of, consumed_base=consumed_base,
-        take_turn=turn.after_scores,
-        q_start=q_start, finish=finish, static=static)
-    return
 
   carry = (acc, m, l)
   masked_body = functools.partial(step_body, masked=True)
@@ -1559,94 +1044,6 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
 
 
-def _overlapped_steps(m, l, q_smem, k_smem, v_smem, k_arrived,
-                      v_arrived, k_consumed, v_consumed, *, num_steps,
-                      num_unmasked, slot_of, consumed_base, take_turn,
-                      q_start, finish, static: KernelStatic):
-  """The plain kernel's K/V loop with intra-warpgroup overlap (§3.2).
-
-  Step 0 computes S_0 and its softmax alone. Step j >= 1 issues
-  S_j = Q K_jᵀ and then O += P_{j-1} V_{j-1}, hands the tensor cores to the
-  other consumer, waits for S_j only, and runs the softmax of S_j while
-  P_{j-1} V_{j-1} may still run; then it waits for O and rescales it. The
-  last P V follows the loop. O lives in one wgmma accumulator across the
-  loop, so the epilogue (`finish`) runs inside its scope. Every step takes
-  the same two turns as in the plain loop, so the ping-pong stays paired.
-  """
-  if static.fp8 or static.ranged:
-    raise NotImplementedError("overlap_scores: plain bf16/f16 kernel only")
-  block_q, block_kv = static.block_q, static.block_kv
-
-  def masked_scores(s, step):
-    if static.is_causal:
-      return jnp.where(_causal_mask(q_start, step, static), s, -jnp.inf)
-    return s
-
-  # Step 0: S_0 (K_0 was awaited by the caller), and its softmax; under
-  # causal masking block 0 may straddle the diagonal, and its mask is
-  # applied whether it does or not (once per tile).
-  def first_scores(s_ref):  # block 0 is in ring slot 0
-    plgpu.wgmma(s_ref, q_smem, k_smem.at[0].transpose((1, 0)))
-    take_turn(0)
-    return s_ref[...]
-
-  s = pl.run_scoped(first_scores, plgpu.ACC((block_q, block_kv), jnp.float32))
-  plgpu.barrier_arrive(k_consumed.at[consumed_base])
-  m, alpha, p = _exponentiate(masked_scores(s, 0), m, static.scale_log2)
-  first_carry = (m, l * alpha + p.sum(axis=1), p.astype(static.dtype))
-  take_turn(0)
-
-  def with_o(o_ref):
-    def step_body(step, carry, *, masked: bool):
-      m, l, p_prev = carry
-      slot, prev_slot = slot_of(step), slot_of(step - 1)
-      plgpu.barrier_wait(k_arrived.at[slot])
-      plgpu.barrier_wait(v_arrived.at[prev_slot])
-
-      def scores(s_ref):
-        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-        plgpu.wgmma(o_ref, p_prev, v_smem.at[prev_slot])
-        take_turn(step)
-        # S_j is the older of the two wgmma groups in flight.
-        return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-
-      s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
-      plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
-      if masked:
-        s = masked_scores(s, step)
-      m_new, alpha, p = _exponentiate(s, m, static.scale_log2)
-      l = l * alpha + p.sum(axis=1)
-      p = p.astype(static.dtype)
-      o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)  # P_{j-1} V_{j-1}
-      plgpu.barrier_arrive(v_consumed.at[consumed_base + prev_slot])
-      o_ref[...] = o * _rows(alpha, o.shape)
-      take_turn(step)
-      return m_new, l, p
-
-    carry = first_carry
-    split = (max(num_unmasked, 1) if isinstance(num_unmasked, int)
-             else jnp.maximum(num_unmasked, 1))
-    carry = lax.fori_loop(1, split, functools.partial(step_body, masked=False),
-                          carry)
-    if static.is_causal:
-      carry = lax.fori_loop(split, num_steps,
-                            functools.partial(step_body, masked=True), carry)
-    m, l, p = carry
-    # Without a causal mask the step counts are Python ints (the lowering
-    # takes no arithmetic on constants alone: computed here instead).
-    last = ((num_steps - 1) % static.num_stages
-            if isinstance(num_steps, int) else slot_of(num_steps - 1))
-    plgpu.barrier_wait(v_arrived.at[last])
-    plgpu.wgmma(o_ref, p, v_smem.at[last])
-    o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-    plgpu.barrier_arrive(v_consumed.at[consumed_base + last])
-    finish(o, m, l)
-
-  # O starts at zero: a fresh accumulator (run_state's closure handling
-  # trips over constant scalars in this lowering).
-  pl.run_scoped(with_o, plgpu.ACC((block_q, static.head_dim), jnp.float32))
-
-
 def _exponentiate(s, m, scale_log2, *, threshold: float | None = None):
   """Online softmax on a [block_q, block_kv] tile of scores (-inf where
   masked) against the running max `m` (log2 units): (m_new, alpha = the
@@ -1664,7 +1061,7 @@ def _exponentiate(s, m, scale_log2, *, threshold: float | None = None):
   m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_ref)
   # One FMA per score: s * (scale log2 e) - m (§3.1, exp2 on the MUFU).
-  p = jnp.exp2(s * scale_log2 - _rows(m_ref, s.shape))
+  p = jnp.exp2(s * scale_log2 - per_row(m_ref, s.shape))
   return m_new, alpha, p
 
 
@@ -1712,31 +1109,28 @@ def add_rounded_in_threads(_, a, b):
                               _is_signed=None)
 
 
-def _rescale(acc, alpha, *, skip_ones: bool, per_warp: bool = False):
+def _rescale(acc, alpha, *, skip_ones: bool):
   """O [block_q, head_dim] times each row's alpha [block_q]; with
-  `skip_ones`, each thread (`per_warp`: each warp) skips the multiply when
-  every alpha of its rows is exactly 1 (`multiply_rows_in_threads`)."""
+  `skip_ones`, each warp skips the multiply when every alpha of its rows
+  is exactly 1 (`multiply_rows_in_threads`)."""
   if not skip_ones:
-    return acc * _rows(alpha, acc.shape)
+    return acc * per_row(alpha, acc.shape)
   return plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
       return_type=plgpu.ShapeDtypeStruct(acc.shape, acc.dtype,
                                          plgpu.Layout.WGMMA),
-  )(functools.partial(multiply_rows_in_threads, per_warp=per_warp))(
-      acc, alpha)
+  )(multiply_rows_in_threads)(acc, alpha)
 
 
-def multiply_rows_in_threads(_, acc, alpha, *, per_warp: bool = False):
+def multiply_rows_in_threads(_, acc, alpha):
   """`acc * alpha[:, None]` on Mosaic GPU fragments (WGMMA layout, alpha
-  in its row layout), behind a branch in each thread: a thread multiplies
-  its registers only if one of its rows' alphas is not exactly 1. No
-  thread waits for another (a warpgroup-wide vote would need a reduction
-  through shared memory), a warp runs the multiply if any of its threads
-  does, and skipping a multiply by 1 is exact. `per_warp`: the warp's
-  threads first agree (`vote.sync.any`), so the branch never diverges
-  within a warp (the threads whose alphas are all 1 then multiply by 1).
-  Interpreted on a CPU as the plain product (tests/mosaic_interpret.py
-  knows this function)."""
+  in its row layout), behind a branch in each warp: a warp multiplies its
+  registers only if one of its threads' rows' alphas is not exactly 1
+  (`vote.sync.any`), and skipping a multiply by 1 is exact. The warp's
+  threads agree first, so that the branch never diverges within a warp
+  before P V's warp-synchronous wgmma (a warpgroup-wide vote would need a
+  reduction through shared memory). Interpreted on a CPU as the plain
+  product (tests/mosaic_interpret.py knows this function)."""
   one = arith.constant(ir.F32Type.get(), 1.0)
   moved = None
   for register in alpha.registers.flat:
@@ -1744,9 +1138,8 @@ def multiply_rows_in_threads(_, acc, alpha, *, per_warp: bool = False):
       differs = arith.cmpf(arith.CmpFPredicate.UNE,
                            vector.extract(register, [], [i]), one)
       moved = differs if moved is None else arith.ori(moved, differs)
-  if per_warp:
-    every_lane = arith.constant(ir.IntegerType.get_signless(32), -1)
-    moved = nvvm.vote_sync(every_lane, moved, nvvm.VoteSyncKind.any)
+  every_lane = arith.constant(ir.IntegerType.get_signless(32), -1)
+  moved = nvvm.vote_sync(every_lane, moved, nvvm.VoteSyncKind.any)
   registers = list(acc.registers.flat)
   branch = scf.IfOp(moved, [r.type for r in registers], has_else=True)
   with ir.InsertionPoint(branch.then_block):
@@ -1765,35 +1158,3 @@ def _descale(fp8: _Fp8Refs, i):
   """Factor i of the FP8 descale row, stored [n / 32, 32] (see
   `fp8.descale_rows`)."""
   return fp8.descale_smem[i // _DESCALE_WIDTH, i % _DESCALE_WIDTH]
-
-
-def _rows(x, shape):
-  """Broadcasts a per-row vector [rows] over the columns of `shape`."""
-  return lax.broadcast_in_dim(x, shape, [0])
-
-
-def _cols(x, shape):
-  """Broadcasts a per-column vector [cols] over the rows of `shape`."""
-  return lax.broadcast_in_dim(x, shape, [1])
-
-
-def _variant_mask(q_start, step, static: KernelStatic, values):
-  """`masking.keep` on the [block_q, block_kv] tile at (q_start, step)."""
-  shape = (static.block_q, static.block_kv)
-  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-  return masking.keep(static.spec, rows + q_start,
-                      cols + step * static.block_kv, values)
-
-
-def _causal_mask(q_start, step, static, *, kv_offset: int = 0, shape=None):
-  """True where query q_start + r may attend key step * block_kv + c
-  (+ `kv_offset`: a part of the tile's keys, [block_q, part] `shape`)."""
-  shape = shape or (static.block_q, static.block_kv)
-  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-  queries = rows + q_start
-  first_key = step * static.block_kv
-  if kv_offset:
-    first_key = first_key + kv_offset
-  return queries >= cols + first_key

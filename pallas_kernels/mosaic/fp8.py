@@ -10,18 +10,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels.mosaic import forward
+from pallas_kernels.mosaic import common, forward, plan
 
 # Largest finite e4m3 value: quantisation maps a block's amax onto it.
 FP8_MAX = 448.0
-# `mosaic_forward_fp8(lazy_rescale=None)` rescales O lazily at these head
-# dims. Session 19's A/B on the H200 (results/h200_mosaic_fp8_rescale*.md,
-# two runs, two and three rounds, per-tensor scales), lazy against every
-# step: d=256 +4.7 / +3.8% without a mask and +6.9 / +6.0% causal at 16k,
-# +4.0 / +2.6% and +0.6 / +3.1% at 4k, -1.5% and +0.9% at 1k; d=128 -5.9%
-# to -10.4% (where the bf16 kernel gains without a mask); d=64 -8.2% to
-# -14.6%.
-FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
 
 
 def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
@@ -29,8 +21,7 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                        out_dtype=jnp.bfloat16, block_q: int = 64,
                        block_kv: int | None = None,
                        max_concurrent_steps: int = 2,
-                       lazy_rescale: bool | None = None,
-                       rescale_per_warp: bool | None = None):
+                       lazy_rescale: bool | None = None):
   """FlashAttention-3 forward on float8_e4m3fn inputs (FA3 §3.3).
 
   Q·Kᵀ and P·V run as FP8 wgmma with float32 accumulation; P is rounded to
@@ -48,25 +39,23 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
     v_descale: float32 [batch, num_kv_heads]: per tensor and head only; a
       per-block V factor would rescale the accumulator at every step.
     scale, is_causal, block_q, block_kv, max_concurrent_steps: as
-      `forward.mosaic_forward` (block_kv: None picks `default_block_kv`).
+      `forward.mosaic_forward` (block_kv: None picks
+      `plan.default_block_kv`).
     out_dtype: dtype of the output (bfloat16 or float16).
-    lazy_rescale: O rescaled only where a row's max moved by more than
-      `forward.LAZY_RESCALE_THRESHOLD` (see `forward.KernelStatic`; the
-      skip decided per warp). P, rounded to e4m3 before P V, then stays
-      below 2**8 = 256, within e4m3's 448, and keeps e4m3's relative
-      precision. None: at `FP8_LAZY_RESCALE_HEAD_DIMS`.
-    rescale_per_warp: the lazy rescale's skip decided per warp (bitwise
-      the per-thread skip); None: per warp wherever the rescale is lazy.
-      Only with `lazy_rescale`.
+    lazy_rescale: O rescaled only where a row's max moved by more than 8
+      (log2 units, see `forward.KernelStatic`). P, rounded to e4m3 before
+      P V, then stays below 2**8 = 256, within e4m3's 448, and keeps
+      e4m3's relative precision. None: at
+      `plan.FP8_LAZY_RESCALE_HEAD_DIMS`.
 
   Returns:
     out [batch, q_len, num_heads, head_dim] in `out_dtype`, lse float32
     [batch, num_heads, q_len], as `forward.mosaic_forward`.
   """
   if block_kv is None:
-    block_kv = forward.default_block_kv(query.shape[-1])
+    block_kv = plan.default_block_kv(query.shape[-1])
   out_dtype = jnp.dtype(out_dtype)
-  if out_dtype not in forward._SUPPORTED_DTYPES:
+  if out_dtype not in common.SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"out_dtype must be bfloat16 or float16, got {out_dtype}")
   static = forward.check_supported(query, key, value, scale=scale,
@@ -75,9 +64,9 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                                    max_concurrent_steps=max_concurrent_steps,
                                    fp8_out_dtype=out_dtype)
   if lazy_rescale is None:
-    lazy_rescale = query.shape[-1] in FP8_LAZY_RESCALE_HEAD_DIMS
-  static = dataclasses.replace(
-      static, **forward.rescale_fields(lazy_rescale, rescale_per_warp))
+    lazy_rescale = query.shape[-1] in plan.FP8_LAZY_RESCALE_HEAD_DIMS
+  static = dataclasses.replace(static,
+                               **forward.rescale_fields(lazy_rescale))
   descale = descale_rows(query.shape, key.shape, q_descale, k_descale,
                           v_descale, static)
   # [batch, kv_heads, head_dim, kv_len]: an XLA transpose, one pass over V

@@ -12,19 +12,13 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_kernels import masking
-from pallas_kernels.mosaic import forward
+from pallas_kernels.mosaic import forward, plan
+from pallas_kernels.mosaic.common import PLAN_WIDTH
 
 
 # What the masked kernel covers; the rest stays with the Triton kernels.
 _RANGED_FEATURES = ("is_causal", "window", "has_q_offset", "has_q_lengths",
                     "has_kv_lengths", "has_segments", "logits_soft_cap")
-
-
-# `mosaic_forward_masked(lazy_rescale=None)` rescales O lazily at these head
-# dims. Session 18's A/B on a causal 1k window, two rounds, 16k / 4k
-# (results/h200_mosaic_rescale_masked.md): d=256 +7.1 / +6.1%, d=128
-# -1.4 / -0.8%, d=64 -7.9 / -7.5%.
-MASKED_LAZY_RESCALE_HEAD_DIMS = (256,)
 
 
 def mosaic_forward_masked(query, key, value, *, scale: float,
@@ -33,9 +27,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                           kv_segments=None, block_q: int = 64,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2,
-                          tile_fastest: bool = False,
-                          lazy_rescale: bool | None = None,
-                          rescale_per_warp: bool | None = None):
+                          lazy_rescale: bool | None = None):
   """`forward.mosaic_forward` with masks, score capping and any lengths.
 
   The masks are `pallas_kernels.masking`'s (the one definition): `spec` may use
@@ -53,17 +45,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     spec: `masking.MaskSpec` for (q_len, kv_len).
     q_offset, q_lengths, kv_lengths: int32 [batch] or None, as the spec says.
     q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
-    tile_fastest: launch a head's query tiles together (see
-      `forward.KernelStatic`); the same results either way. Off: on a
-      causal 1k window it moved -1.1% to +1.8% (results/
-      h200_mosaic_masked_order.md, three rounds), no clear gain.
-    lazy_rescale: O rescaled only where a row's max moved by more than
-      `forward.LAZY_RESCALE_THRESHOLD` (see `forward.KernelStatic`); the
-      results change by rounding only. None: at the head dims of
-      `MASKED_LAZY_RESCALE_HEAD_DIMS`.
-    rescale_per_warp: the lazy rescale's skip decided per warp, as
-      `forward.mosaic_forward`'s (bitwise the per-thread skip); None: per
-      warp wherever the rescale is lazy. Only with `lazy_rescale`.
+    lazy_rescale: O rescaled only where a row's max moved by more than 8
+      (log2 units, see `forward.KernelStatic`); the results change by
+      rounding only. None: at `plan.MASKED_LAZY_RESCALE_HEAD_DIMS`.
 
   Returns:
     (out [batch, q_len, num_heads, head_dim], lse float32
@@ -77,18 +61,17 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   if spec.logits_soft_cap is not None and not scale > 0:
     raise NotImplementedError("scale must be positive")
   if block_kv is None:
-    block_kv = forward.default_block_kv(query.shape[-1])
+    block_kv = plan.default_block_kv(query.shape[-1])
   static = forward.check_supported(query, key, value, scale=scale,
                                    is_causal=spec.is_causal, block_q=block_q,
                                    block_kv=block_kv,
                                    max_concurrent_steps=max_concurrent_steps,
                                    spec=spec)
   if lazy_rescale is None:
-    lazy_rescale = query.shape[-1] in MASKED_LAZY_RESCALE_HEAD_DIMS
-  static = dataclasses.replace(
-      static, tile_fastest=bool(tile_fastest),
-      **forward.rescale_fields(lazy_rescale, rescale_per_warp))
-  plan = plan_rows(static, query.shape[0], q_offset=q_offset,
+    lazy_rescale = query.shape[-1] in plan.MASKED_LAZY_RESCALE_HEAD_DIMS
+  static = dataclasses.replace(static,
+                               **forward.rescale_fields(lazy_rescale))
+  rows = plan_rows(static, query.shape[0], q_offset=q_offset,
                    q_lengths=q_lengths, kv_lengths=kv_lengths,
                    q_segments=q_segments, kv_segments=kv_segments)
   q_len = query.shape[1]
@@ -97,7 +80,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   if spec.has_segments:  # padded like the rows they label
     segments = (pad_ids(q_segments, query.shape[1]),
                 pad_ids(kv_segments, key.shape[1]))
-  out, lse = forward.launch(static, query, key, value, plan=plan,
+  out, lse = forward.launch(static, query, key, value, plan=rows,
                             segments=segments)
   return out[:, :q_len], lse[..., :q_len]
 
@@ -132,7 +115,7 @@ def check_ranged_features(spec: masking.MaskSpec, kernel: str):
 
 def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset,
               q_lengths, kv_lengths, q_segments, kv_segments):
-  """int32 [batch, num_q_tiles, forward.PLAN_WIDTH]: each tile's loop ranges
+  """int32 [batch, num_q_tiles, PLAN_WIDTH]: each tile's loop ranges
   over K/V blocks (`tile_plans`)."""
   spec = static.spec
   states = masking.classify_blocks(spec, static.block_q, static.block_kv,
@@ -150,7 +133,7 @@ def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset,
 def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,
                num_consumers: int, num_cols: int, q_offset, q_lengths,
                kv_lengths):
-  """int32 [batch, num_tiles, forward.PLAN_WIDTH]: the plan row of each CTA.
+  """int32 [batch, num_tiles, PLAN_WIDTH]: the plan row of each CTA.
 
   A CTA tile is `num_consumers` (1 or 2) consecutive blocks of the grid's
   axis, one per consumer warpgroup. Its row (the layout `forward` reads):
@@ -186,7 +169,7 @@ def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,
                        per_batch(q_lengths, spec.q_len),
                        per_batch(kv_lengths, spec.kv_len)], -1)
   # A missing second consumer's range is zeros: the union stays at
-  # forward._PLAN_UNION whatever the number of consumers.
+  # `common.PLAN_UNION` whatever the number of consumers.
   absent = []
   if num_consumers < forward.NUM_CONSUMERS:
     absent.append(jnp.zeros(
@@ -197,4 +180,4 @@ def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,
       union_lo[..., None], union_hi[..., None],
       jnp.broadcast_to(scalars[:, None], (batch, num_tiles, 3))], -1)
   return jnp.pad(row.astype(jnp.int32),
-                 ((0, 0), (0, 0), (0, forward.PLAN_WIDTH - row.shape[-1])))
+                 ((0, 0), (0, 0), (0, PLAN_WIDTH - row.shape[-1])))

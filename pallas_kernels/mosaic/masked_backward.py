@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic import backward, masked
+from pallas_kernels.mosaic.plan import BackwardConfig
 
 
 def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
@@ -37,8 +38,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                            q_segments=None, kv_segments=None,
                            block_q: int = 64, block_kv: int = 64,
                            max_concurrent_steps: int = 2,
-                           overlap_softmax: bool = False,
-                           tile_fastest: bool = True):
+                           overlap_softmax: bool = False):
   """Gradients of `masked.mosaic_forward_masked`'s output for q, k and v.
 
   Args:
@@ -58,11 +58,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
     q_offset, q_lengths, kv_lengths: int32 [batch] or None, as spec says.
     q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
     block_q, block_kv, max_concurrent_steps, overlap_softmax: as
-      `backward.mosaic_backward`.
-    tile_fastest: as `backward.mosaic_backward`'s. On: on a causal 1k
-      window it gained 1.5-4.6% at seq 4k and moved less than 1% either way
-      at 16k (results/h200_mosaic_masked_order.md, three rounds; bitwise
-      the other order in 6 GPU tests).
+      `plan.BackwardConfig`'s. Off by default: the ranged kernels have not
+      been timed with `overlap_softmax`.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -82,13 +79,17 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   if (q_len, kv_len) != (spec.q_len, spec.kv_len):
     raise ValueError(f"spec is for q_len {spec.q_len}, kv_len {spec.kv_len}; "
                      f"got query {query.shape}, key {key.shape}")
-  tiles = dict(scale=scale, is_causal=spec.is_causal, block_q=block_q,
-               block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
-               spec=spec)
+  # Launched tile-fastest as the plain kernels: on a causal 1k window +1.5%
+  # to +4.6% at seq 4k, less than 1% either way at 16k
+  # (h200_mosaic_masked_order.md). Not yet with lean producers.
+  config = BackwardConfig(block_q=block_q, block_kv=block_kv,
+                          max_concurrent_steps=max_concurrent_steps,
+                          overlap_softmax=overlap_softmax,
+                          lean_producer=False)
   # Configuring raises for tiles that do not fit, before any work is traced.
   dq_config, dkdv_configs = backward.statics(
-      query, key, overlap_softmax=overlap_softmax,
-      tile_fastest=tile_fastest, **tiles)
+      query, key, scale=scale, is_causal=spec.is_causal, config=config,
+      spec=spec)
   dq_plan, dkdv_plan = plan_rows(
       spec, query.shape[0], block_q=block_q, block_kv=block_kv,
       dq_consumers=dq_config.num_consumers,

@@ -1,17 +1,13 @@
 """How the forward's consumer warpgroups take turns on the tensor cores.
 
 FlashAttention-3 §3.1: while one consumer's matmuls run, the others do
-their softmax. Two ways here (`forward.KernelStatic`):
+their softmax. Two ways here (`forward.KernelStatic.hw_turns`):
 
   rendezvous  two consumers meet at one two-arrival mbarrier, twice a step
-              (`Rendezvous`; the default of two, but for the plain
-              forward at head_dim 64)
-  ring        each consumer waits at its own barrier, issues its matmuls
-              and passes the turn to the next (`RingTurns`; three
-              consumers always, two with `ring_turns` or `hw_turns`), on
-              one-arrival mbarriers or, with `hw_turns` (the default at
-              head_dim 64: `forward.HW_TURNS_HEAD_DIMS`), on the CTA's
-              hardware barriers
+              (`Rendezvous`)
+  ring        each consumer waits at its own hardware barrier, issues its
+              matmuls and passes the turn to the next (`RingTurns`; three
+              consumers always, two at head_dim 64: `plan.FORWARD_PLAN`)
 
 Both have one interface, which `forward._consume` calls at fixed points of
 its step (`consumer_turns` builds the right one): `begin()` before S_0,
@@ -24,7 +20,6 @@ from __future__ import annotations
 
 import functools
 
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -37,35 +32,36 @@ HW_TURN_BARRIER = 8
 
 
 def turn_barriers(static):
-  """The consumers' turn barriers: two consumers meet at one barrier of two
-  arrivals (a rendezvous); a ring passes the turn on by one barrier of one
-  arrival per consumer (`RingTurns`; with `hw_turns`, unused)."""
-  if not static.ring:
+  """The rendezvous' mbarrier of two arrivals; with a ring of hardware
+  barriers, one mbarrier of one arrival per consumer, which the ring does
+  not use but the kernel still allocates and initialises: dropping them
+  changes the kernel that was measured."""
+  if not static.hw_turns:
     return plgpu.Barrier(num_arrivals=2, num_barriers=1)
   return plgpu.Barrier(num_arrivals=1, num_barriers=static.num_consumers)
 
 
 def turns_of(barriers, static):
   """What `forward._consume` takes turns with: the rendezvous barrier of two
-  consumers, or the ring's barriers (`turn_barriers`)."""
-  return barriers if static.ring else barriers.at[0]
+  consumers, or (unused) the ring's (`turn_barriers`)."""
+  return barriers if static.hw_turns else barriers.at[0]
 
 
 def seed_turns(turns, wg, static):
   """Gives warpgroup 0 the first turn of a ring (`RingTurns`): the last
   consumer arrives once at warpgroup 0's barrier, as if it had just passed
   the turn on. Consumers that meet at a rendezvous: nothing to do."""
-  if static.ring:
+  if static.hw_turns:
     last = static.num_consumers - 1
-    pl.when(wg == last)(lambda: RingTurns.arrive(turns, 0, static))
+    pl.when(wg == last)(lambda: RingTurns.arrive(0))
 
 
 class RingTurns:
-  """Consumers take turns on the tensor cores round a ring (three always,
-  two with `ring_turns` or `hw_turns`).
+  """Consumers take turns on the tensor cores round a ring of hardware
+  barriers (`KernelStatic.hw_turns`).
 
-  Consumer w waits at its own barrier `turns[w]` (one arrival), issues its
-  matmuls, and arrives at `turns[(w + 1) % n]`, so the turn goes 0, 1, 2,
+  Consumer w waits at its own barrier (`HW_TURN_BARRIER + w`), issues its
+  matmuls, and arrives at consumer w + 1's, so the turn goes 0, 1, 2,
   0, ... and a consumer's softmax may run under the others' matmuls for as
   long as all of theirs take (FlashAttention-3 §3.1 with three
   warpgroups). A consumer's turns bracket its matmul phases: phase 0 issues
@@ -78,26 +74,21 @@ class RingTurns:
   flight (`seed_turns`).
   """
 
-  def __init__(self, turns, *, wg, num_steps, num_shared,
-               static):
-    self._turns, self._wg, self._static = turns, wg, static
+  def __init__(self, *, wg, num_steps, num_shared, static):
+    self._wg, self._static = wg, static
     self._num_steps, self._num_shared = num_steps, num_shared
 
-  # Hardware barriers of `hw_turns`: consumer w waits at barrier
-  # HW_TURN_BARRIER + w, which counts its own 128 threads (bar.sync) and
-  # the 128 of the consumer that passes it the turn (bar.arrive). A ring is
-  # safe on such barriers, which have no phases: consumer w - 1 passes to w
-  # again only after w has waited (the turn goes round first); a
-  # rendezvous (both arrive, then both wait) is not, so two consumers take
-  # hardware turns round a ring too.
+  # Consumer w waits at barrier HW_TURN_BARRIER + w, which counts its own
+  # 128 threads (bar.sync) and the 128 of the consumer that passes it the
+  # turn (bar.arrive). A ring is safe on such barriers, which have no
+  # phases: consumer w - 1 passes to w again only after w has waited (the
+  # turn goes round first); a rendezvous (both arrive, then both wait) is
+  # not, so two consumers take hardware turns round a ring too.
   @staticmethod
-  def arrive(turns, w: int, static):
+  def arrive(w: int):
     """Passes the turn to consumer `w` (a Python int)."""
-    if static.hw_turns:
-      compat.named_barrier("arrive", HW_TURN_BARRIER + w,
-                           2 * THREADS_PER_WARPGROUP)
-    else:
-      plgpu.barrier_arrive(turns.at[w])
+    compat.named_barrier("arrive", HW_TURN_BARRIER + w,
+                         2 * THREADS_PER_WARPGROUP)
 
   def _per_consumer(self, fn):
     """fn(w) for this consumer, w as a Python int (a hardware barrier's id
@@ -107,16 +98,9 @@ class RingTurns:
 
   def _pass_on(self):
     n = self._static.num_consumers
-    if not self._static.hw_turns:
-      plgpu.barrier_arrive(self._turns.at[lax.rem(self._wg + 1, n)])
-      return
-    self._per_consumer(lambda w: self.arrive(self._turns, (w + 1) % n,
-                                             self._static))
+    self._per_consumer(lambda w: self.arrive((w + 1) % n))
 
   def _wait(self):
-    if not self._static.hw_turns:
-      plgpu.barrier_wait(self._turns.at[self._wg])
-      return
     self._per_consumer(lambda w: compat.named_barrier(
         "sync", HW_TURN_BARRIER + w, 2 * THREADS_PER_WARPGROUP))
 
@@ -196,10 +180,10 @@ class Rendezvous:
 def consumer_turns(barriers, *, wg, num_steps, num_shared, static,
                    ranged: bool):
   """The turn-taking of consumer `wg` (`barriers`: from `turns_of`):
-  `RingTurns` where `static.ring`, else `Rendezvous`. `num_steps`: its K/V
-  blocks; `num_shared`: warpgroup 0's (None in the ranged kernel)."""
-  if static.ring:
-    return RingTurns(barriers, wg=wg, num_steps=num_steps,
-                     num_shared=num_shared, static=static)
+  `RingTurns` where `static.hw_turns`, else `Rendezvous`. `num_steps`: its
+  K/V blocks; `num_shared`: warpgroup 0's (None in the ranged kernel)."""
+  if static.hw_turns:
+    return RingTurns(wg=wg, num_steps=num_steps, num_shared=num_shared,
+                     static=static)
   return Rendezvous(barriers, wg=wg, num_shared=num_shared, static=static,
                     ranged=ranged)

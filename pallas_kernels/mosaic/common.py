@@ -1,0 +1,232 @@
+"""What the Mosaic forward and backward kernels share.
+
+Layout checks (`check_layout`, `check_tiles`, `check_shared_memory`), the
+shared-memory tile layout (`swizzled`), the register split between consumer
+and producer warpgroups (`register_split`), launch grids (`launch_grid`,
+`tile_index`), persistent grids (`persistent_schedule`,
+`persistent_num_ctas`), the masked kernels' plan rows of loop ranges
+(`PlanRow`, `read_plan`), and the per-tile helpers of both directions'
+softmax (`per_row`, `per_column`, `causal_mask`, `variant_mask`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels import compat as versions
+from pallas_kernels import masking
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+LOG2E = math.log2(math.e)
+THREADS_PER_WARPGROUP = 128
+# Dynamic shared memory per CTA on sm90 (227 KiB), less a little for barriers.
+SMEM_LIMIT_BYTES = 227 * 1024 - 1024
+SWIZZLE_BYTES = 128
+# wgmma works on 64-row slabs (m64nNk16) and a 128-byte swizzle is 64 16-bit
+# elements, so every tile dimension is a multiple of 64.
+_TILE_MULTIPLE = 64
+# Register reallocation (FlashAttention-3 §3.1, setmaxnreg) of a CTA with one
+# producer warpgroup, (consumer, producer) registers a thread: 2 * 232 + 40 =
+# 504 of a 512-per-thread-slot budget (64K registers / 128 threads). The
+# producer only issues TMA; the consumers hold the accumulators. Four
+# warpgroups launch at 128 a thread: 3 * 160 + 32 = 512 (at head_dim 64 a
+# forward consumer holds O in 32 f32 registers, S in 64, P in 32).
+_REGISTERS_BY_CONSUMERS = {2: (232, 40), 3: (160, 32)}
+# Two consumers at 240 and the producer at setmaxnreg's least, 24
+# (FlashAttention-3's split), 504 as well.
+_LEAN_REGISTERS = (240, 24)
+# The masked kernels' int32 plan row per (batch, tile), built by
+# `masked.tile_plans`: [lo, unmasked_lo, unmasked_hi, hi] of consumer 0 and
+# of consumer 1, the union [first, total) the producer streams, then
+# q_offset, q_length, kv_length; padded to 32 (128 bytes, one copy).
+PLAN_WIDTH = 32
+PLAN_UNION, PLAN_SCALARS = 8, 10
+
+
+def register_split(*, lean: bool, num_consumers: int = 2) -> tuple[int, int]:
+  """(consumer, producer) registers a thread after setmaxnreg, for
+  `num_consumers` consumers and one producer warpgroup (`lean`: the
+  producer at setmaxnreg's least, two consumers only)."""
+  if lean:
+    return _LEAN_REGISTERS
+  return _REGISTERS_BY_CONSUMERS[num_consumers]
+
+
+def swizzled(row_bytes: int, itemsize: int):
+  """8-row tiles with the widest swizzle (up to 128 B) a tile row of
+  `row_bytes` fills: the shared-memory layout that both TMA writes and
+  wgmma reads without bank conflicts."""
+  swizzle = min(SWIZZLE_BYTES, row_bytes)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def check_layout(query, key, value) -> tuple[int, int]:
+  """(kv_len, num_kv_heads) of [batch, len, heads, dim] q, k, v that share
+  batch, head dim and dtype, with heads a multiple of K/V heads; else a
+  ValueError/TypeError naming the shapes."""
+  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+    raise ValueError("query, key and value must be [batch, len, heads, dim]; "
+                     f"got {query.shape}, {key.shape}, {value.shape}")
+  batch, _, num_heads, head_dim = query.shape
+  kv_shape = (batch, key.shape[1], key.shape[2], head_dim)
+  if key.shape != kv_shape or value.shape != kv_shape:
+    raise ValueError(f"key and value must both be {kv_shape} for query "
+                     f"{query.shape}; got {key.shape}, {value.shape}")
+  kv_len, num_kv_heads = key.shape[1], key.shape[2]
+  if num_heads % num_kv_heads:
+    raise ValueError(f"num_heads {num_heads} is not a multiple of "
+                     f"num_kv_heads {num_kv_heads}")
+  if query.dtype != key.dtype or query.dtype != value.dtype:
+    raise TypeError("query, key and value must share a dtype; got "
+                    f"{query.dtype}, {key.dtype}, {value.dtype}")
+  return kv_len, num_kv_heads
+
+
+def check_tiles(block_q: int, block_kv: int, max_concurrent_steps: int):
+  """Tile sizes whole in wgmma's 64 rows and a pipeline at least 1 deep."""
+  if max_concurrent_steps < 1:
+    raise ValueError(
+        f"max_concurrent_steps must be >= 1, got {max_concurrent_steps}")
+  if block_q % _TILE_MULTIPLE or block_kv % _TILE_MULTIPLE:
+    raise NotImplementedError(f"block_q {block_q} and block_kv {block_kv} "
+                              f"must be multiples of {_TILE_MULTIPLE}")
+
+
+def check_shared_memory(needed: int, limit: int, tiles: str) -> None:
+  """NotImplementedError (a dispatcher falls back) where `tiles` need more
+  shared memory than `limit` bytes."""
+  if needed > limit:
+    raise NotImplementedError(f"{tiles} need {needed} bytes of shared "
+                              f"memory; sm90 has {limit}")
+
+
+def launch_grid(grid, names, *, tile_fastest: bool):
+  """(grid, names) for `plgpu.kernel` from a launch grid written tile axis
+  first. Pallas hands CUDA the grid reversed, so the first axis launches
+  slowest; `tile_fastest` reverses it, so that it launches fastest: the
+  CTAs at work at once are a head's tiles, streaming the same tiles of the
+  other operands through L2."""
+  if tile_fastest:
+    return tuple(grid)[::-1], tuple(names)[::-1]
+  return grid, names
+
+
+def tile_index(axis_name: str, num_tiles: int, *, reverse: bool):
+  """The tile a CTA computes: its grid index, or, reversed, the last first.
+
+  Under causal masking query tile i reads i + 1 K/V blocks, so in order the
+  heaviest tiles launch last and the GPU ends on a tail of long CTAs;
+  heaviest first (longest-processing-time-first scheduling) ends it on
+  short ones: 543 against 470 TFLOP/s at d=128 and 620 against 475 at
+  d=256 (the forward at 16k, h200_mosaic_order.md).
+  """
+  index = lax.axis_index(axis_name)
+  return num_tiles - 1 - index if reverse else index
+
+
+class PersistentSchedule(NamedTuple):
+  """A persistent CTA's share of a (batch, head, tile) space."""
+  count: Any    # tiles this CTA computes
+  tile_of: Any  # n -> (batch, head, tile) of its n-th tile
+
+
+def persistent_schedule(*, num_tiles: int, num_heads: int, batch: int,
+                        paired: bool, num_ctas: int, cta
+                        ) -> PersistentSchedule:
+  """Which tiles CTA `cta` of `num_ctas` computes, and in which order.
+
+  Tiles of equal cost (`paired` False): CTA c takes tiles c, c + num_ctas,
+  ... in tile-fastest order, so that CTAs at work at once share a head's
+  streamed tiles in L2. Tiles whose cost falls or rises linearly with their
+  index (causal masking: query tile i reads i + 1 K/V blocks, K/V tile j
+  n - j Q blocks), where a round-robin of single tiles would load CTAs
+  unevenly: each head's tiles are paired first with last, (n-1, 0),
+  (n-2, 1), ..., every pair costing the same, and CTAs take pairs
+  round-robin (num_ctas at most the number of pairs). With an odd `num_tiles`
+  the last tile of a head pairs with the first of the next (one uneven
+  pair per head).
+  """
+  total = batch * num_heads * num_tiles
+  if paired:
+    num_pairs = pl.cdiv(total, 2)
+    # Every CTA has a pair; the last pair of an odd total has one tile.
+    num_local_pairs = lax.div(num_pairs - 1 - cta, num_ctas) + 1
+    last_pair = cta + (num_local_pairs - 1) * num_ctas
+    count = 2 * num_local_pairs - jnp.where(2 * last_pair + 1 >= total, 1, 0)
+    linear_of = lambda n: 2 * (cta + lax.div(n, 2) * num_ctas) + lax.rem(n, 2)
+  else:
+    count = lax.div(total - 1 - cta, num_ctas) + 1  # every CTA has a tile
+    linear_of = lambda n: cta + n * num_ctas
+
+  def tile_of(n):
+    linear = linear_of(n)
+    batch_head = lax.div(linear, num_tiles)
+    tile = lax.rem(linear, num_tiles)
+    if paired:  # 0, 1, 2, 3, ... -> n-1, 0, n-2, 1, ...
+      half = lax.div(tile, 2)
+      tile = jnp.where(lax.rem(tile, 2) == 0, num_tiles - 1 - half, half)
+    return lax.div(batch_head, num_heads), lax.rem(batch_head, num_heads), tile
+
+  return PersistentSchedule(count, tile_of)
+
+
+def persistent_num_ctas(num_ctas: int | None, *, num_tiles: int,
+                        paired: bool) -> int:
+  """CTAs of a persistent grid over `num_tiles` tiles: `num_ctas` (None:
+  one per SM), at most one per tile (per pair, when `paired`)."""
+  if num_ctas is None:
+    num_ctas = versions.num_sms()
+  if num_ctas < 1:
+    raise ValueError(f"num_ctas must be >= 1, got {num_ctas}")
+  return min(num_ctas, pl.cdiv(num_tiles, 2) if paired else num_tiles)
+
+
+class PlanRow(NamedTuple):
+  """A masked kernel's plan row of one tile (see `masked.tile_plans`)."""
+  gmem: Any       # int32 [PLAN_WIDTH] of this (batch, tile)
+  smem: Any       # int32 [consumers + 1, PLAN_WIDTH]: one slot per warpgroup
+  arrived: Any    # barriers [consumers + 1]
+
+
+def read_plan(plan: PlanRow, slot):
+  """Copies the tile's plan row into `slot`; returns a scalar reader."""
+  row = plan.smem.at[slot]
+  plgpu.copy_gmem_to_smem(plan.gmem, row, plan.arrived.at[slot])
+  plgpu.barrier_wait(plan.arrived.at[slot])
+  return lambda i: row[i]
+
+
+def per_row(x, shape):
+  """Broadcasts a per-row vector [rows] over the columns of `shape`."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def per_column(x, shape):
+  """Broadcasts a per-column vector [cols] over the rows of `shape`."""
+  return lax.broadcast_in_dim(x, shape, [1])
+
+
+def variant_mask(q_start, step, static, values):
+  """`masking.keep` on the [block_q, block_kv] tile of queries from
+  q_start and keys from step * block_kv."""
+  shape = (static.block_q, static.block_kv)
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  return masking.keep(static.spec, rows + q_start,
+                      cols + step * static.block_kv, values)
+
+
+def causal_mask(q_start, step, static):
+  """[block_q, block_kv]: True where query q_start + r may attend key
+  step * block_kv + c."""
+  shape = (static.block_q, static.block_kv)
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  return rows + q_start >= cols + step * static.block_kv

@@ -1,0 +1,311 @@
+"""The plan: which Mosaic kernel runs a call, and on what schedule.
+
+Every schedule decision of the plain forward and backward is a field of
+`ForwardConfig` or `BackwardConfig`. A call's plan is the row of `FORWARD_PLAN`
+or `BACKWARD_PLAN` that covers its head dim, causal masking and lengths,
+with the fields a caller names replacing the row's (`forward_config`,
+`backward_config`). Each row carries the measurement that chose it: H200,
+bf16, batch·seq 16k, hidden 2048 (the standard grid), TFLOP/s of the kernel
+alone, A/Bs of a few candidates timed in turn in one process
+(`benchmarks/tune_mosaic.py`; the tables under `benchmarks/results/`).
+Options measured slower and dropped are in `benchmarks/NOTES.md`, "Mosaic
+options tried and removed".
+
+The masked and FP8 forms share the kernels; their few decisions are the
+constants at the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# Lengths from lo to hi, both included; hi None: unbounded.
+Range = tuple[int, int | None]
+ANY: Range = (0, None)
+# wgmma works on 64-row slabs: the least tile.
+_MIN_TILE = 64
+
+
+def below(n: int) -> Range:
+  return (0, n - 1)
+
+
+def up_to(n: int) -> Range:
+  return (0, n)
+
+
+def at_least(n: int) -> Range:
+  return (n, None)
+
+
+def above(n: int) -> Range:
+  return (n + 1, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+  """How `forward.mosaic_forward` runs a call.
+
+  block_q: query rows per consumer warpgroup; a CTA computes
+    `num_consumers * block_q`.
+  block_kv: K/V rows per pipeline stage; None: `default_block_kv`.
+  max_concurrent_steps: depth of the K/V ring (TMA stages in flight).
+  num_consumers: consumer warpgroups, 2 or 3; three take their turns on
+    hardware barriers.
+  persistent: one CTA per SM walks the tiles (`num_ctas` of them; None:
+    the GPU's SM count) instead of one CTA a tile. The launch grid
+    launches a head's query tiles together, heaviest first under causal
+    masking.
+  hw_turns: two consumers pass the turn on the tensor cores round a ring
+    of hardware barriers instead of meeting at an mbarrier rendezvous.
+  sum_after_pv: P's row sum taken while P V runs (bitwise the same).
+  lazy_rescale: O rescaled only where a row's running max grew by more
+    than `rescale_threshold` (log2 units, 0 to 8; at 0 bitwise the eager
+    rescale).
+  """
+  block_q: int = 64
+  block_kv: int | None = None
+  max_concurrent_steps: int = 2
+  num_consumers: int = 2
+  persistent: bool = True
+  num_ctas: int | None = None
+  hw_turns: bool = False
+  sum_after_pv: bool = False
+  lazy_rescale: bool = False
+  rescale_threshold: float = 8.0
+
+
+# (head_dim, causal, q_len range, kv_len range, plan), one row per call.
+FORWARD_PLAN: tuple[tuple[int, bool, Range, Range, ForwardConfig], ...] = (
+    # d=64: three consumers from q_len 1024 (causal 2048), so that a
+    # softmax, as long as the matmuls at d=64, runs under two others'
+    # turns: 16k 423 -> 490 / 371 -> 431 (full / causal), 4k 383 -> 434 /
+    # 320 -> 371, 1k 289 -> 318 / 243 -> 233 (h200_mosaic_consumers.md).
+    # Their turns, and two consumers', on hardware barriers: three 386 ->
+    # 390 at 1k, 457 -> 462 at 4k, 484 -> 490 at 16k; two (causal 1k) 288
+    # -> 307 against the rendezvous (h200_mosaic_hw_turns.md). The
+    # persistent grid at every length: causal +12% / +2% at 4k / 16k
+    # (h200_mosaic_persistent.md).
+    (64, False, below(1024), ANY, ForwardConfig(hw_turns=True)),
+    (64, False, at_least(1024), ANY,
+     ForwardConfig(num_consumers=3, hw_turns=True)),
+    (64, True, below(2048), ANY, ForwardConfig(hw_turns=True)),
+    (64, True, at_least(2048), ANY,
+     ForwardConfig(num_consumers=3, hw_turns=True)),
+    # d=128: without a mask the row sum after P V,
+    # +1.7% / +1.9% / +2.7% at 1k / 4k / 16k (h200_mosaic_sum_after_pv_rest
+    # .md), and O rescaled lazily, +3.6% / +4.2% / +3.1%
+    # (h200_mosaic_rescale.md; causal -3.7% to -0.2%, off). Causal: the
+    # persistent grid up to 8k (541 against 498 at 4k), the launch grid
+    # from 16k (590 against 575, h200_mosaic_forward_order.md).
+    (128, False, ANY, ANY,
+     ForwardConfig(sum_after_pv=True, lazy_rescale=True)),
+    (128, True, ANY, up_to(8192), ForwardConfig()),
+    (128, True, ANY, above(8192), ForwardConfig(persistent=False)),
+    # d=256: O rescaled lazily, +6.5% / +7.8% / +3.9% at 1k / 4k / 16k
+    # without a mask, +4.1% / +2.2% / +4.3% causal. Causal: the persistent
+    # grid up to 4k (537 against 523), the launch grid above (618 against
+    # 604 at 16k).
+    (256, False, ANY, ANY, ForwardConfig(lazy_rescale=True)),
+    (256, True, ANY, up_to(4096), ForwardConfig(lazy_rescale=True)),
+    (256, True, ANY, above(4096),
+     ForwardConfig(persistent=False, lazy_rescale=True)),
+)
+
+
+def forward_config(*, head_dim: int, is_causal: bool, q_len: int, kv_len: int,
+                 **options) -> ForwardConfig:
+  """The configuration of a forward call: its row of `FORWARD_PLAN`,
+  `options` (`ForwardConfig`'s fields) replacing the row's. Three
+  consumers planned where q_len is not whole `block_q` rows fall back to
+  two."""
+  config = dataclasses.replace(
+      _row(FORWARD_PLAN, head_dim, is_causal, q_len, kv_len), **options)
+  if config.block_kv is None:
+    config = dataclasses.replace(config, block_kv=default_block_kv(head_dim))
+  if ("num_consumers" not in options and config.num_consumers == 3
+      and q_len % config.block_q):
+    config = dataclasses.replace(config, num_consumers=2)
+  return config
+
+
+def default_block_kv(head_dim: int) -> int:
+  """K/V rows per stage of the forwards (plain, masked, FP8): 128, the
+  sweep's best at d=128 (64 x 128 in two stages: 495 / 469 TFLOP/s full /
+  causal at 4k, h200_mosaic_sweep.md) and within 1% of it at d=64; 64 at
+  head_dim 256, where Q (2 x 64 rows) and two stages of 128-row K and V
+  tiles would need 320 KiB of shared memory (64-row ones: 192)."""
+  return 64 if head_dim > 128 else 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+  """How `backward.mosaic_backward` runs a call.
+
+  block_q, block_kv: Q and K/V rows of a tile: per consumer warpgroup of
+    the kernel that keeps them resident, per streamed step of the other.
+  max_concurrent_steps: depth of both kernels' TMA rings.
+  fused_dq: one kernel, the dK/dV kernel also summing dQ in float32 in a
+    fixed order (`fused_dq.py`), instead of a dK/dV and a dQ kernel; on
+    the launch grid only, where dK and dV fit one pass and kv_len gives
+    two consumers.
+  persistent: both kernels on a grid of `num_ctas` CTAs (None: one per SM)
+    that walk their tiles, the streamed ring running on across them;
+    else one CTA a tile, a head's tiles launched together.
+  shared_rows: the dK/dV kernel's two consumers share one copy of the
+    K/V rows, each computing half of dK's and dV's columns: one pass where
+    dK and dV do not fit one consumer's registers (head_dim 256).
+  lean_producer: the two kernels' consumers at 240 registers a thread and
+    producers at 24 (not 232 and 40). The fused kernel's four warpgroups
+    have none to spare.
+  prefetch_lse: the dK/dV kernel reads each step's lse before its matmuls.
+  scores_ahead: the dK/dV kernel issues each step's Sᵀ right behind the
+    step before's dK (without a causal mask; not with shared rows, nor in
+    the fused kernel: there it does nothing).
+  dq_tiles: the dQ kernel's own (block_q, block_kv); None: the dK/dV
+    kernel's.
+  overlap_softmax: each consumer computes P while dP's wgmma runs and dS
+    while dV's does (FlashAttention-3 §3.2 within a step): 2.6%, 3.4% and
+    2.3% faster at head_dim 64, 128, 256 (16k, h200_mosaic_schedule.md).
+  Every choice gives bitwise the same gradients, but for the fused dQ
+  (another order of float32 sums, fixed: deterministic too).
+  """
+  block_q: int = 64
+  block_kv: int = 64
+  max_concurrent_steps: int = 2
+  fused_dq: bool = False
+  persistent: bool = False
+  num_ctas: int | None = None
+  shared_rows: bool = False
+  lean_producer: bool = True
+  prefetch_lse: bool = False
+  scores_ahead: bool = False
+  dq_tiles: tuple[int, int] | None = None
+  overlap_softmax: bool = True
+
+
+# (head_dim, causal, q_len range, kv_len range, config), one row per call.
+# Every launch grid launches a head's tiles together: 2-9% over the same
+# tile of many heads (h200_mosaic_tile_order.md). Lean producers wherever
+# the two kernels run, but on the persistent grid at d=128 under causal
+# masking: d=64 +1% to +6% (-1% at 4k and 16k without a mask), d=128 +1%
+# to +3% without a mask, d=256 +2% to +5%; d=128 causal -1.0% / -0.5% /
+# +0.2% at 1k / 4k / 16k, but with lse read early on the launch grid 413
+# -> 419 at 4k, 477 -> 478 at 16k (h200_mosaic_lean.md,
+# h200_mosaic_causal_128.md).
+BACKWARD_PLAN: tuple[tuple[int, bool, Range, Range, BackwardConfig], ...] = (
+    # d=64: 128-row Q tiles, 13% faster than 64 (337 / 266 against 297 /
+    # 247 full / causal at 4k, h200_mosaic_sweep.md). The persistent grid
+    # up to kv_len 1k (+1% / +6% at 1k), under causal masking up to 8k
+    # (339 against the launch grid's 333 at 4k; at 16k the launch grid
+    # 375 / 379 against 374 / 367, h200_mosaic_persistent_wide.md and
+    # h200_mosaic_fused_recheck_wide*.md). On the launch grid without a
+    # mask each step's Sᵀ behind the step before's dK: 387 -> 403 at 4k,
+    # 400 -> 421 at 16k, where it passed the fused dQ's 411
+    # (h200_mosaic_scores_ahead.md); under causal masking the dQ kernel on 64
+    # x 128 tiles, 381 -> 391 at 16k, 331 -> 337 at 4k
+    # (h200_mosaic_dq_tiles.md).
+    (64, False, ANY, up_to(1024), BackwardConfig(block_q=128,
+                                                 persistent=True)),
+    (64, False, ANY, above(1024), BackwardConfig(block_q=128,
+                                                 scores_ahead=True)),
+    (64, True, ANY, up_to(8192), BackwardConfig(block_q=128,
+                                                persistent=True)),
+    (64, True, ANY, above(8192), BackwardConfig(block_q=128,
+                                                dq_tiles=(64, 128))),
+    # d=128: the persistent grid up to kv_len 1k (+8% / +11% at 1k, -3% /
+    # -17% at 4k, h200_mosaic_persistent_backward.md). lse read before
+    # the dK/dV matmuls, 378 -> 402 / 438 -> 457 / 459 -> 488 at 1k / 4k
+    # / 16k without a mask (h200_mosaic_prefetch_lse.md); causal on the
+    # launch grid 409 -> 413 at 4k, 471 -> 477 at 16k, on the persistent
+    # grid 305 -> 299 (off). From kv_len 16k without a mask the fused dQ,
+    # each step's dQ piece issued beside the next step's dV and dK and lse
+    # read early: 523 and 512 against the two kernels' 492 and 494
+    # (h200_mosaic_fused_lse.md); at 4k the two kernels lead, 475 against
+    # 451, and under causal masking at 16k, 496 against 440
+    # (h200_mosaic_merged.md).
+    (128, False, ANY, up_to(1024), BackwardConfig(persistent=True,
+                                                  prefetch_lse=True)),
+    (128, False, ANY, (1025, 16383), BackwardConfig(prefetch_lse=True)),
+    (128, False, ANY, at_least(16384), BackwardConfig(fused_dq=True,
+                                                      prefetch_lse=True)),
+    (128, True, ANY, up_to(1024), BackwardConfig(persistent=True,
+                                                 lean_producer=False)),
+    (128, True, ANY, above(1024), BackwardConfig(prefetch_lse=True)),
+    # d=256: the persistent grid up to kv_len 1k (+47% / +17% at 1k), dK
+    # and dV in two passes there; above, one pass with shared rows, 310 /
+    # 312 -> 352 / 346 at 16k, 288 / 258 -> 331 / 280 at 4k (on the
+    # persistent grid at 1k 253 / 195 -> 256 / 191, h200_mosaic_shared_
+    # dkdv.md).
+    (256, False, ANY, up_to(1024), BackwardConfig(persistent=True)),
+    (256, False, ANY, above(1024), BackwardConfig(shared_rows=True)),
+    (256, True, ANY, up_to(1024), BackwardConfig(persistent=True)),
+    (256, True, ANY, above(1024), BackwardConfig(shared_rows=True)),
+)
+
+
+def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
+                    kv_len: int, **options) -> BackwardConfig:
+  """The configuration of a backward call: its row of `BACKWARD_PLAN`,
+  `options` (`BackwardConfig`'s fields) replacing the row's.
+
+  What the row plans but the kernels cannot take for this call falls back,
+  unless named in `options`: Q tiles that do not divide q_len to 64 rows;
+  the fused dQ where kv_len is not two consumers' K/V tiles or the dQ tile
+  not one [64, 64] piece a consumer to the two kernels; dQ tiles that do not divide the lengths to the dK/dV kernel's;
+  Sᵀ ahead without a ring of two stages or `overlap_softmax` to off. A
+  persistent grid or dQ tiles named in `options` ask for the two kernels,
+  and the fused dQ for the launch grid; a persistent grid drops the plan's
+  Sᵀ ahead and dQ tiles.
+  """
+  config = dataclasses.replace(
+      _row(BACKWARD_PLAN, head_dim, is_causal, q_len, kv_len), **options)
+  planned = lambda name: name not in options
+  if planned("block_q") and q_len % config.block_q:
+    config = dataclasses.replace(config, block_q=_MIN_TILE)
+  if config.dq_tiles is not None and tuple(config.dq_tiles) == (
+      config.block_q, config.block_kv):
+    config = dataclasses.replace(config, dq_tiles=None)  # the same tiles
+  pieces = -(-config.block_q // _MIN_TILE) * -(-head_dim // _MIN_TILE)
+  if planned("fused_dq") and config.fused_dq and (
+      kv_len % (2 * config.block_kv) or pieces != 2
+      or options.get("persistent")
+      or (not planned("dq_tiles") and config.dq_tiles is not None)):
+    config = dataclasses.replace(config, fused_dq=False)
+  if planned("persistent") and options.get("fused_dq"):
+    config = dataclasses.replace(config, persistent=False)
+  if planned("dq_tiles") and config.dq_tiles and (
+      config.persistent or q_len % config.dq_tiles[0]
+      or kv_len % config.dq_tiles[1]):
+    config = dataclasses.replace(config, dq_tiles=None)
+  if planned("scores_ahead") and config.scores_ahead and (
+      config.persistent or config.max_concurrent_steps < 2
+      or not config.overlap_softmax):
+    config = dataclasses.replace(config, scores_ahead=False)
+  return config
+
+
+def _row(rows, head_dim: int, is_causal: bool, q_len: int, kv_len: int):
+  """The plan of the row that covers the call."""
+  for d, causal, q_range, kv_range, config in rows:
+    if (d, causal) == (head_dim, bool(is_causal)) and _within(
+        q_len, q_range) and _within(kv_len, kv_range):
+      return config
+  raise NotImplementedError(
+      f"the Mosaic kernels run head_dim 64, 128 and 256, got {head_dim}")
+
+
+def _within(length: int, bounds: Range) -> bool:
+  lo, hi = bounds
+  return lo <= length and (hi is None or length <= hi)
+
+
+# The masked forward (`masked.mosaic_forward_masked`) rescales O lazily at
+# d=256: on a causal 1k window +7.1% / +6.1% at 16k / 4k; d=128 -1.4% /
+# -0.8%, d=64 -7.9% / -7.5% (h200_mosaic_rescale_masked.md). It launches
+# tile-slowest: tile-fastest moved it -1.1% to +1.8% (h200_mosaic_masked_
+# order.md).
+MASKED_LAZY_RESCALE_HEAD_DIMS = (256,)
+# The FP8 forward (`fp8.mosaic_forward_fp8`) likewise: d=256 +4.7% / +3.8%
+# without a mask and +6.9% / +6.0% causal at 16k; d=128 -5.9% to -10.4%,
+# d=64 -8.2% to -14.6% (h200_mosaic_fp8_rescale*.md).
+FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
