@@ -44,20 +44,20 @@ from pallas_kernels.mosaic.masked import mosaic_forward_masked
 from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
 
 # Each choice the plans make, turned the other way (or to another value),
-# beside the plan itself ({}).
+# beside the plan itself ({}), where the kernels take them (three
+# consumers, the dQ kernel's own tiles: not at head_dim 256).
 FORWARD_OPTIONS = ({}, dict(persistent=True, num_ctas=3),
                    dict(persistent=False), dict(num_consumers=2),
-                   dict(num_consumers=3), dict(hw_turns=True),
-                   dict(hw_turns=False), dict(sum_after_pv=True),
-                   dict(sum_after_pv=False), dict(lazy_rescale=True),
+                   dict(hw_turns=True), dict(hw_turns=False),
+                   dict(sum_after_pv=True), dict(sum_after_pv=False),
+                   dict(lazy_rescale=True),
                    dict(lazy_rescale=True, rescale_threshold=0.0),
                    dict(lazy_rescale=False))
 BACKWARD_OPTIONS = ({}, dict(overlap_softmax=False),
                     dict(persistent=True, num_ctas=3),
-                    dict(persistent=False), dict(block_q=128),
-                    dict(prefetch_lse=True), dict(prefetch_lse=False),
-                    dict(lean_producer=False), dict(lean_producer=True),
-                    dict(dq_tiles=(64, 128), persistent=False))
+                    dict(persistent=False), dict(prefetch_lse=True),
+                    dict(prefetch_lse=False), dict(lean_producer=False),
+                    dict(lean_producer=True))
 
 
 def lowers(fn, *shapes) -> str | None:
@@ -74,19 +74,21 @@ def kernels(head_dim: int):
   """(name, fn, shapes) of every kernel variant at `head_dim`."""
   q, kv = (2, 512, 4, head_dim), (2, 768, 2, head_dim)
   lse = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
+  narrow = head_dim < 256
   for causal in (False, True):
-    for options in FORWARD_OPTIONS:
+    for options in FORWARD_OPTIONS + ((dict(num_consumers=3),) * narrow):
       yield (f"forward d{head_dim} causal={causal} {options}",
              lambda q, k, v, c=causal, o=options: mosaic_forward(
                  q, k, v, scale=0.1, is_causal=c, **o), (q, kv, kv))
-    forms = BACKWARD_OPTIONS
-    if head_dim < 256:  # where dK and dV take one pass
-      forms += (dict(fused_dq=True, persistent=False),)
+    forms = BACKWARD_OPTIONS + ((dict(block_q=64),) * (head_dim == 64))
+    if narrow:  # dK and dV in one pass, the dQ kernel's own tiles fit
+      forms += (dict(fused_dq=True, persistent=False),
+                dict(dq_tiles=(64, 128), persistent=False))
     if head_dim == 256:
       forms += (dict(shared_rows=True, persistent=False),
                 dict(shared_rows=True, persistent=True, num_ctas=3),
                 dict(shared_rows=False, persistent=False))
-    if not causal and head_dim < 256:
+    if not causal and narrow:
       forms += (dict(scores_ahead=True, persistent=False),
                 dict(scores_ahead=True, persistent=True, num_ctas=3),
                 dict(scores_ahead=False, persistent=False))

@@ -9,13 +9,14 @@ At seq 4096 (`--seq`), batch·seq = 16384, hidden 2048, bf16, for head_dim
 max_concurrent_steps) of `FORWARD_SPACE` for `mosaic_forward` (timing the
 forward) and of `BACKWARD_SPACE` for `mosaic_backward` (timing the backward
 alone, on residuals from one forward); `--kernels` picks other sweeps of
-`KERNELS`, each an A/B of one choice of the plan (`pallas_kernels.mosaic.
-plan`) against its alternatives, every other choice as the plan makes it. A candidate the kernel refuses (too
-much shared memory or too many registers: NotImplementedError) is recorded
-with its reason. A cell's candidates are compiled first, then timed one
-at a time, so nothing else runs on the GPU while one is timed; with
-`--rounds N` they are timed N times in turn (A, B, B, A, ...), each keeping
-the median of its rounds, since the GPU's clocks drift between candidates
+`KERNELS`, each an A/B of one choice of the plan
+(`pallas_kernels/mosaic/plan.py`) against its alternatives, every other
+choice as the plan makes it. A candidate the kernel refuses (too much
+shared memory or too many registers: NotImplementedError) is recorded with
+its reason. A cell's candidates are compiled first, then timed one at a
+time, so nothing else runs on the GPU while one is timed; with `--rounds
+N` they are timed N times in turn (A, B, B, A, ...), each keeping the
+median of its rounds, since the GPU's clocks drift between candidates
 timed one after another (single A/Bs of a few % flipped sign between
 runs). The best per (kernel, head_dim) is the best geometric mean of its
 causal and non-causal TFLOP/s.

@@ -53,7 +53,7 @@ check the Mosaic forward's numerics in CI, without a GPU):
       partly past the end writes its in-bounds part; and with
       `reduction_op="add"` (the fused backward's dQ writer, which the
       stock one refuses) an atomic read-add-write of that part.
-* The fused backward's cross-CTA order (`backward._write_dq`): in the
+* The fused backward's cross-CTA order (`fused_dq.write_dq`): in the
   wrapped `interpret`, with the kernel's token, as above,
     - `get_global` of a semaphore array (`plgpu.SemaphoreType.REGULAR`,
       which the stock interpreter cannot allocate: its callbacks fail to
@@ -70,17 +70,16 @@ check the Mosaic forward's numerics in CI, without a GPU):
       itself or for earlier CTAs: the fused kernel's turns (K/V tile j
       after tile j - 1) are always already handed on, and a wait on a
       later CTA would never return (the test then times out);
-    - `compat.named_barrier`'s inline PTX (`bar.sync` / `bar.arrive`, the
-      fused consumers' meetings before K becomes dK and, with
-      `hw_ds_sync`, each step, and the forward's `hw_turns`), recognised by its code object: a barrier of the CTA's
-      host threads, 128 threads a warpgroup. Made a no-op, the deferred
-      fused forms' dq goes wrong: the race it guards against happens here
-      too.
-    - `forward.multiply_rows_in_threads` (the lazy rescale's branch in
+    - `compat.named_barrier`'s inline PTX (`bar.sync` / `bar.arrive`: the
+      fused consumers' meeting before K becomes dK, and the forward's
+      `hw_turns`), recognised by its code object: a barrier of the CTA's
+      host threads, 128 threads a warpgroup. Made a no-op, the fused dQ's
+      dq goes wrong: the race it guards against happens here too.
+    - `softmax.multiply_rows_in_threads` (the lazy rescale's branch in
       each thread, Mosaic GPU code): its product, `acc * alpha[:, None]`,
       which the branch equals since it skips only multiplies by exactly
       1; whether it skips the right threads shows only on a GPU.
-    - `forward.add_rounded_in_threads` (the LSE's add, unfused by PTX's
+    - `softmax.add_rounded_in_threads` (the LSE's add, unfused by PTX's
       `add.rn`): `a + b`.
 
 Each simulated warpgroup is a host thread whose kernel blocks inside XLA
@@ -168,7 +167,7 @@ else:
 
 if WHY_NOT is None:
   from pallas_kernels.mosaic import compat as mosaic_compat
-  from pallas_kernels.mosaic import forward as mosaic_forward_module
+  from pallas_kernels.mosaic import softmax as mosaic_softmax
   _NAMED_BARRIER_EMIT = next(
       c for c in mosaic_compat.named_barrier.__code__.co_consts
       if isinstance(c, types.CodeType) and c.co_name == "emit")
@@ -534,14 +533,14 @@ def _is_row_multiply(eqn) -> bool:
   fn = eqn.params.get("mgpu_fn")
   return (eqn.primitive is gpu_primitives.inline_mgpu_p
           and getattr(fn, "func", fn)  # through functools.partial
-          is mosaic_forward_module.multiply_rows_in_threads)
+          is mosaic_softmax.multiply_rows_in_threads)
 
 
 def _is_rounded_add(eqn) -> bool:
   """Whether `eqn` is the forward's `add_rounded_in_threads` (`a + b`)."""
   return (eqn.primitive is gpu_primitives.inline_mgpu_p
           and eqn.params.get("mgpu_fn")
-          is mosaic_forward_module.add_rounded_in_threads)
+          is mosaic_softmax.add_rounded_in_threads)
 
 
 class _NamedBarriers:

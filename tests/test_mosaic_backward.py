@@ -20,7 +20,7 @@ from pallas_kernels.config import BlockSizes
 from tests.attention_checks import Case, check_against_reference, random_inputs
 
 try:
-  from pallas_kernels.mosaic import backward, plan
+  from pallas_kernels.mosaic import backward, dkdv, plan
   from pallas_kernels.mosaic.backward import mosaic_backward
   from pallas_kernels.mosaic.forward import mosaic_forward
 except ImportError as e:  # a jaxlib built without Mosaic GPU
@@ -376,7 +376,7 @@ def test_scores_ahead_lowers_where_it_applies(cuda_lowering):
 
 
 class _FakePipeline:
-  """A stand-in for `plgpu` in `_walk_scores_ahead`: wgmma groups complete
+  """A stand-in for `plgpu` in `dkdv.walk_scores_ahead`: wgmma groups complete
   in issue order when waited for, and every ordering rule the walk relies
   on is asserted as it runs (what the interpreter, whose wgmmas are
   synchronous, and a GPU test, where a race may not show, cannot see)."""
@@ -441,7 +441,7 @@ class _FakePipeline:
                                                (7, 3)])
 def test_scores_ahead_walk_keeps_the_pipeline_rules(monkeypatch, num_steps,
                                                     stages):
-  """`_walk_scores_ahead`'s order of issues, waits and releases, on a
+  """`dkdv.walk_scores_ahead`'s order of issues, waits and releases, on a
   stand-in for `plgpu`: no slot released while a wgmma reads its tiles, no
   accumulator read or zeroed while a wgmma into it runs, nothing in flight
   where the loop turns (ptxas C7514), at most two wgmmas in flight
@@ -457,8 +457,8 @@ def test_scores_ahead_walk_keeps_the_pipeline_rules(monkeypatch, num_steps,
       assert not fake.pending, "a wgmma in flight across the back edge"
     return carry
 
-  monkeypatch.setattr(backward, "plgpu", fake)
-  monkeypatch.setattr(backward, "lax", SimpleNamespace(fori_loop=fori_loop))
+  monkeypatch.setattr(dkdv, "plgpu", fake)
+  monkeypatch.setattr(dkdv, "lax", SimpleNamespace(fori_loop=fori_loop))
   ref = functools.partial(_FakePipeline.Ref, fake)
   s_ref, dp_ref, dk_ref, dv_ref = (ref(n) for n in ("S", "dP", "dK", "dV"))
   slot_of = lambda step: step % stages
@@ -477,7 +477,7 @@ def test_scores_ahead_walk_keeps_the_pipeline_rules(monkeypatch, num_steps,
     fake.wgmma(dv_ref, p, ("dO", slot))
     fake.wgmma(dk_ref, "dS", ("Q", slot))
 
-  backward._walk_scores_ahead(
+  dkdv.walk_scores_ahead(
       s_ref, dp_ref, num_steps=num_steps, arrived=[ref("q_arrived"),
                                                    ref("do_arrived")],
       consumed=ref("consumed"), slot_of=slot_of, products=products,

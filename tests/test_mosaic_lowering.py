@@ -362,14 +362,14 @@ def test_persistent_tiles_cover_every_tile_once(shape, head_dim, num_ctas,
   causal masking, heaviest paired with lightest, the CTAs' K/V block counts
   differ by at most one pair's (the launch grid's tail is up to a whole
   head's heaviest tiles)."""
-  from pallas_kernels.mosaic import forward
+  from pallas_kernels.mosaic import forward_kernel
   batch, q_len, heads = shape
   static = _static(q_len, q_len, head_dim, is_causal=is_causal,
                    num_ctas=num_ctas, batch=batch, heads=heads)
   seen, loads = [], []
   for cta in range(static.num_ctas):
-    tiles = forward.persistent_tiles((batch, q_len, heads, head_dim), static,
-                                     cta)
+    tiles = forward_kernel.persistent_tiles(
+        (batch, q_len, heads, head_dim), static, cta)
     mine = [tuple(int(x) for x in tiles.tile_of(n))
             for n in range(int(tiles.count))]
     seen += mine
@@ -422,7 +422,7 @@ def test_three_consumers_cover_every_row_once(q_len, num_ctas, is_causal):
   take the last block again and store nothing), and the producer streams
   as many K/V blocks as the tile's last consumer reads. The spares skip
   their math where the tile is short and unmasked (`skip_spare`)."""
-  from pallas_kernels.mosaic import forward
+  from pallas_kernels.mosaic import forward, forward_kernel
   batch, heads, head_dim = 2, 3, 64
   static = _static(q_len, 640, head_dim, is_causal=is_causal,
                    num_consumers=3, num_ctas=num_ctas, batch=batch,
@@ -430,16 +430,17 @@ def test_three_consumers_cover_every_row_once(q_len, num_ctas, is_causal):
   assert forward._skips_spare(static) == (not is_causal and q_len % 192 != 0)
   stored = []
   for cta in range(static.num_ctas):
-    tiles = forward.persistent_tiles((batch, q_len, heads, head_dim), static,
-                                     cta)
+    tiles = forward_kernel.persistent_tiles(
+        (batch, q_len, heads, head_dim), static, cta)
     for n in range(int(tiles.count)):
       b, h, start = (int(x) for x in tiles.tile_of(n))
-      rows = [int(forward.consumer_rows(start, w, static)) for w in range(3)]
+      rows = [int(forward_kernel.consumer_rows(start, w, static))
+              for w in range(3)]
       assert rows == sorted(rows) and rows[-1] <= q_len - 64
       stored += [(b, h, r) for w, r in enumerate(rows)
                  if start + 64 * w < q_len]
       assert int(tiles.blocks(start)) == int(
-          forward._num_kv_steps(rows[-1], static))
+          forward_kernel._num_kv_steps(rows[-1], static))
   want = [(b, h, r) for b in range(batch) for h in range(heads)
           for r in range(0, q_len, 64)]
   assert sorted(stored) == want
@@ -469,7 +470,7 @@ def test_three_consumers_are_bitwise_two_on_gpu(head_dim, block_kv,
   their math without a mask. A turn barrier off by a phase would hang or
   race, a wrong spare consumer would store stale rows, a spare that
   released a slot or passed a turn too often or not at all would hang. lse
-  bitwise since its add is unfused (`forward._add_unfused`)."""
+  bitwise since its add is unfused (`softmax.add_unfused`)."""
   run = functools.partial(
       _forward_runner(head_dim, is_causal, seed=5, q_len=q_len),
       block_kv=block_kv)

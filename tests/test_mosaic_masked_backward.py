@@ -29,7 +29,7 @@ from tests.attention_checks import Case, check_against_reference, random_inputs
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from pallas_kernels.mosaic import attention as mosaic_attention_module
-  from pallas_kernels.mosaic import backward, common, compat
+  from pallas_kernels.mosaic import backward, common, compat, pipeline
   from pallas_kernels.mosaic.masked_backward import (
       mosaic_backward_masked, padded_statistics, plan_rows)
 except ImportError as e:  # a jaxlib built without Mosaic GPU
@@ -242,7 +242,7 @@ def test_padded_statistics_make_padding_rows_empty():
 
 def _runs(row, consumer):
   """A consumer's (start, stop, kind) runs over its CTA's union, in the
-  order `backward._ranged_walk` walks them."""
+  order `pipeline.ranged_walk` walks them."""
   lo, unmasked_lo, unmasked_hi, hi = row[4 * consumer:4 * consumer + 4]
   first, total = row[common.PLAN_UNION:common.PLAN_UNION + 2]
   return ((first, lo, "skip"), (lo, unmasked_lo, "masked"),
@@ -274,8 +274,8 @@ def _computed_steps(plan, consumers: int):
 
 
 def _step_gradients(step, head, tensors, *, spec, config, transposed: bool):
-  """The kernels' step math on one tile (`backward._probabilities`,
-  `backward._score_gradient`, `masking.keep` on masked steps only).
+  """The kernels' step math on one tile (`pipeline.tile_probabilities`,
+  `pipeline.score_gradient`, `masking.keep` on masked steps only).
 
   step: a `_computed_steps` row (own block: Q in dQ, K/V in dK/dV).
   Returns dS K (dQ's update) or, transposed, (dSᵀ Q, Pᵀ dO).
@@ -308,11 +308,11 @@ def _step_gradients(step, head, tensors, *, spec, config, transposed: bool):
     s, dp, broadcast = k_t @ q_t.T, v_t @ do_t.T, common.per_column
   else:
     s, dp, broadcast = q_t @ k_t.T, do_t @ v_t.T, common.per_row
-  p, slope = backward._probabilities(s, lse_log2, broadcast, values, config)
+  p, slope = pipeline.tile_probabilities(s, lse_log2, broadcast, values, config)
   kept = masking.keep(spec, as_q(qs + jnp.arange(block_q)),
                       as_kv(ks + jnp.arange(block_kv)), values)
   p = jnp.where(kept | ~masked, p, 0.0)
-  ds = backward._score_gradient(p, dp, broadcast(delta, s.shape), slope)
+  ds = pipeline.score_gradient(p, dp, broadcast(delta, s.shape), slope)
   return (ds @ q_t, p @ do_t) if transposed else ds @ k_t
 
 

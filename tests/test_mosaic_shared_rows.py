@@ -1,4 +1,4 @@
-"""The dK/dV kernel with shared rows (`backward._Static.shared_rows`).
+"""The dK/dV kernel with shared rows (`pipeline.BackwardStatic.shared_rows`).
 
 Both consumers take the CTA's K/V rows; each computes Sᵀ and dPᵀ for half
 of the step's Q rows and dK and dV for half of the head_dim columns, the

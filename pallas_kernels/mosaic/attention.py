@@ -1,22 +1,24 @@
-"""`flash_attention_mosaic`: the Hopper forward wired by `jax.custom_vjp`.
+"""The Mosaic kernels wired by `jax.custom_vjp`, as `jax_flash` calls them.
 
-Forward: `mosaic_forward` (wgmma, TMA, warp specialisation). Backward, by
-`backward`: "triton", the recomputing FlashAttention-2 backward of the Triton
-family (it needs only the forward's q, k, v, o, lse), or "mosaic",
-`mosaic_backward` (falling back to "triton" for calls it does not cover).
-`jax_flash` uses "mosaic": it passed the GPU tests on the H200 and made
-fwd+bwd at seq 16k 1.07-1.26x faster than with the Triton backward
-(`benchmarks/results/h200_mosaic.md`).
+`flash_attention_mosaic`: `mosaic_forward` (wgmma, TMA, warp
+specialisation) and, by `backward`, `mosaic_backward` ("mosaic", falling
+back to the Triton family's recomputing backward for calls it does not
+cover) or that Triton backward ("triton"; it needs only the forward's q,
+k, v, o, lse). With the Mosaic backward fwd+bwd at seq 16k runs 1.07-1.26x
+faster than with the Triton one (`benchmarks/results/h200_mosaic.md`).
 
 `flash_attention_mosaic_masked`: the masked forward (`mosaic_forward_masked`:
-window, q_offset, lengths, segment ids, soft cap, any lengths) with the Triton backward
-for the same `MaskSpec`. `mosaic_attention` routes calls to it while
-`MASKED_KERNEL_ENABLED` (on since its GPU tests passed). With
-`MASKED_BACKWARD_ENABLED` (on since its GPU tests passed), its gradients come
-from the masked Mosaic backward (`mosaic_backward_masked`, falling back to
-Triton for calls it does not cover): at seq 16k, d=128, fwd+bwd of a causal
-1k window 1.85 ms against 2.04 ms with the Triton backward, soft cap 19.6 ms
-against 28.8 ms (`benchmarks/results/h200_masks_mosaic_masked_backward.md`).
+window, q_offset, lengths, segment ids, soft cap, any lengths) with the
+masked Mosaic backward (`mosaic_backward_masked`, falling back to Triton's
+for calls it does not cover): at seq 16k, d=128, fwd+bwd of a causal 1k
+window 1.85 ms against 2.04 ms with the Triton backward, soft cap 19.6 ms
+against 28.8 ms (`benchmarks/results/h200_masks_mosaic.md`).
+`MASKED_KERNEL_ENABLED` and `MASKED_BACKWARD_ENABLED` route masks back to
+the Triton kernels if either ever regresses.
+
+`mosaic_attention` pads head dims to the kernels' and picks the plain or
+masked pair; `mosaic_attention_backward` gives its gradients from given
+residuals.
 """
 from __future__ import annotations
 
@@ -38,12 +40,8 @@ from pallas_kernels.triton.backward import flash_backward
 
 
 BACKWARDS = ("triton", "mosaic")
-# The masked forward passed its GPU tests on the H200 (2026-11-29); the
-# switch stays so that a regression can route masks back to Triton.
+# Masks on the masked Mosaic forward and backward (else the Triton kernels).
 MASKED_KERNEL_ENABLED = True
-# The masked Mosaic backward passed tests/test_mosaic_masked_backward.py on
-# the H200 (2026-11-29, 13 GPU tests); the switch routes masked gradients back
-# to the Triton backward if it ever regresses.
 MASKED_BACKWARD_ENABLED = True
 # Head dims the kernels take natively; others are zero-padded up to one.
 NATIVE_HEAD_DIMS = (64, 128, 256)
@@ -141,7 +139,7 @@ def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
     return False
   if not MASKED_KERNEL_ENABLED:
     raise NotImplementedError(
-        "the masked Mosaic kernel is not enabled yet (GPU tests pending); "
+        "the masked Mosaic kernel is not enabled (MASKED_KERNEL_ENABLED); "
         f"masks run on the Triton kernels (got {spec})")
   return True
 

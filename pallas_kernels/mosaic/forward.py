@@ -6,42 +6,25 @@ al. 2024, §3.1):
 
   consumers   warpgroups 0, 1 (and 2): each owns `block_q` query rows, Q in
               shared memory; S = Q Kᵀ and O += P V by `wgmma`, the online
-              softmax in registers.
+              softmax in registers (`softmax.py`). They take turns on the
+              tensor cores, so that one's softmax runs under the others'
+              matmuls (`turns.py`).
   producer    the last warpgroup: streams K and V tiles by TMA into a ring
               of `max_concurrent_steps` shared-memory slots.
 
-Barriers per ring slot:
-
-  k_arrived[s], v_arrived[s]        TMA completion (producer -> consumers)
-  k_consumed[w, s], v_consumed[w, s] consumer w is done reading (-> producer);
-                                    stored flat, at w * num_stages + s
-
-The consumed barriers are per consumer so that, under causal masking, the
-warpgroup with fewer K/V blocks simply stops arriving and the producer stops
-waiting for it: no flush loop is needed.
-
-The consumers take turns on the tensor cores (§3.1), so that one's softmax
-runs under the others' matmuls (`turns.py`): two meet at an mbarrier
-rendezvous, or pass the turn round a ring of hardware barriers (`hw_turns`);
-three always take the ring, a softmax then running under two turns.
-
-Softmax (§3.1, and FlashAttention-2 §3.1): exp2 with log2(e) folded into the
-scale, the running max m kept in that base-2 domain, O unnormalised until the
-end. The natural-log LSE is `(m + log2 l) * ln 2 = m ln 2 + ln l`. O's
-rescale may be lazy (FlashAttention-4's threshold): a row's running max
-moves only when a tile's max exceeds it by more than 8 (log2 units), and each
-warp multiplies its part of O only where one of its rows' maxima moved
-(`multiply_rows_in_threads`).
+(`forward_kernel.py` is the warpgroups' code.) The output O stays
+unnormalised until the end; the natural-log LSE is
+`(m + log2 l) * ln 2 = m ln 2 + ln l` of the base-2 running max m and sum l.
 
 Causal (top-left aligned, as `jax.nn.dot_product_attention`): query i attends
 keys j <= i. The K/V loop stops at the last block a row tile can see, and the
 blocks that straddle the diagonal run in a second loop that applies the mask,
 so the blocks before the diagonal pay nothing for it.
 
-Persistent grid (`_persistent_kernel`): one CTA per SM walks the tiles, the
-K/V ring and its barrier phases running on from tile to tile, so that each
-tile's Q load and O store overlap the neighbouring tiles' work instead of
-costing a launch. Causal tiles go to the CTAs in pairs of equal cost
+Persistent grid: one CTA per SM walks the tiles, the K/V ring and its
+barrier phases running on from tile to tile, so that each tile's Q load and
+O store overlap the neighbouring tiles' work instead of costing a launch.
+Causal tiles go to the CTAs in pairs of equal cost
 (`common.persistent_schedule`).
 
 Two more forms of the same kernel, chosen by `KernelStatic` at trace time
@@ -55,147 +38,39 @@ Two more forms of the same kernel, chosen by `KernelStatic` at trace time
   fp8     (`fp8.mosaic_forward_fp8`) e4m3 operands, V transposed, P through
           shared memory, per-block descale factors.
 
-Which schedule a call runs is `plan.forward_config`'s choice.
+Which schedule a call runs is `plan.forward_config`'s choice; this module
+checks the call, builds the kernel's statics and launches it.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
 
-from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, nvvm, scf, vector
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
-import numpy as np
 
-from pallas_kernels import masking
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat, turns
 from pallas_kernels.mosaic.common import (
-    LOG2E, PLAN_SCALARS, PLAN_UNION, PLAN_WIDTH, SMEM_LIMIT_BYTES,
-    SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, PlanRow, causal_mask, check_layout,
-    check_shared_memory, check_tiles, launch_grid, per_column, per_row,
-    persistent_num_ctas, persistent_schedule, read_plan, register_split,
-    swizzled, tile_index, variant_mask)
+    LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS,
+    check_layout, check_shared_memory, check_tiles, launch_grid,
+    persistent_num_ctas, swizzled)
+from pallas_kernels.mosaic.forward_kernel import (
+    NUM_CONSUMERS, KernelStatic, forward_kernel, persistent_kernel)
 from pallas_kernels.mosaic.plan import ForwardConfig, forward_config
 
-# Consumer warpgroups of the masked and FP8 forms, and of the plain one but
-# where its plan takes three.
-NUM_CONSUMERS = 2
 # The forward's shared memory also leaves the 2 KiB that Mosaic GPU reserves
 # for cross-warp reductions (`CompilerParams.reduction_scratch_bytes`'
 # default) and the padding of its small buffers to the swizzled ones'
 # alignment: three consumers at head_dim 128 with O staged apart came to 512
 # bytes under `SMEM_LIMIT_BYTES` and failed to compile on the H200.
 _FORWARD_SMEM_LIMIT_BYTES = SMEM_LIMIT_BYTES - 2048
-_LN2 = math.log(2.0)
-_FP8 = jnp.dtype(jnp.float8_e4m3fn)
-# The FP8 descale row is copied as [n / 32, 32] floats: a TMA copies at most
-# 256 elements along each dimension (1-D it would cap seq near 8k), and a
-# row of 32 floats is 128 bytes, a whole number of the warpgroup's copies.
-_DESCALE_WIDTH = 32
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # `rescale_threshold`'s bound: P's entries stay below 2**threshold, and
 # float16's largest is ~2**16 (bfloat16's ~2**128).
 _MAX_RESCALE_THRESHOLD = 8.0
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelStatic:
-  """Everything the kernel body needs that is known at trace time."""
-  block_q: int
-  block_kv: int
-  num_stages: int
-  num_kv_blocks: int
-  head_dim: int
-  group: int             # query heads per K/V head (GQA)
-  scale_log2: float      # scale * log2(e): scores enter exp2 directly
-  is_causal: bool
-  dtype: jnp.dtype
-  # FP8 (e4m3) inputs (`mosaic_forward_fp8`): V arrives transposed, since
-  # wgmma reads 8-bit B operands only K-major ([head_dim, block_kv] tiles);
-  # per-block descale factors come in one float32 row per (batch, head):
-  # [Q blocks | K/V blocks | V | padding], see `fp8.descale_rows`.
-  fp8: bool = False
-  out_dtype: jnp.dtype | None = None
-  num_q_blocks: int = 0
-  # Masked ("ranged") kernel (`mosaic_forward_masked`): the static mask spec,
-  # the softmax scale, and loop ranges read per tile from a plan row (see
-  # `masked.plan_rows`) instead of computed from causal geometry.
-  spec: Any = None
-  scale: float = 0.0
-  # The rendezvous of two consumers (`turns.Rendezvous`) split: a consumer
-  # arrives at the hand-over barrier, then waits for V, then for the
-  # other, instead of waiting for V after the whole rendezvous; 1.3%,
-  # 2.0% and 7.0% faster at head_dim 64, 128, 256 (16k,
-  # h200_mosaic_schedule.md). The plain form's; the masked and FP8 forms
-  # keep the whole rendezvous (not measured with it).
-  split_handover: bool = False
-  # Persistent grid (`_persistent_kernel`): `num_ctas` CTAs (one per SM) walk
-  # the tiles in turn, so that a tile's prologue (Q and the first K/V
-  # loads) and epilogue (the O store) overlap its neighbours' work instead of
-  # costing a CTA launch each. Plain form only. `stage_o_apart`: O and the
-  # LSE go out through a buffer of their own where it fits, so the next
-  # tile's Q loads while this one's O is written.
-  persistent: bool = False
-  num_ctas: int = 0
-  stage_o_apart: bool = False
-  # Launch grid order: a head's query tiles launched together, so that the
-  # CTAs at work at once stream the same K/V through L2 (the plain form's:
-  # +2.3% at d=256 and +2.6% at d=128 causal at 16k,
-  # h200_mosaic_forward_tile_order.md), rather than the same tile of many
-  # heads (the masked and FP8 forms').
-  tile_fastest: bool = False
-  # Consumer warpgroups (plain form; 2 elsewhere). With three the last tile
-  # of a (batch, head) may be short: a consumer whose rows start past q_len
-  # takes the last 64 rows and stores nothing (`consumer_rows`), so q_len
-  # need only be a multiple of block_q.
-  num_consumers: int = NUM_CONSUMERS
-  q_len: int = 0
-  # The consumers pass the turn round a ring of the CTA's hardware barriers
-  # (`turns.RingTurns`: `bar.arrive` / `bar.sync`, no polling, no
-  # shared-memory traffic) instead of meeting at an mbarrier rendezvous.
-  # Scheduling only: bitwise the same.
-  hw_turns: bool = False
-  # P's row sum taken after P V is issued, while the wgmma runs (tokamax's
-  # sm90 forward orders it so above head_dim 128): the same expression,
-  # `l * alpha + rowsum(P)`, moved, so bitwise the same.
-  sum_after_pv: bool = False
-  # O's lazy rescale: a row keeps its running max until a tile's max
-  # exceeds it by more than `rescale_threshold` (log2 units; P's entries
-  # then stay below 2**threshold), and each warp multiplies its part of O
-  # only at steps where the max of one of its rows moved
-  # (`multiply_rows_in_threads`). 0.0: the max moves whenever it grows, so
-  # only multiplies by exactly 1 are skipped: bitwise the eager rescale.
-  # None: rescale every step.
-  rescale_threshold: float | None = None
-  # Three consumers, short last tile (q_len not a multiple of 3 * block_q):
-  # a consumer with no rows of its own (`consumer_rows`) walks the tile's
-  # steps without math instead of computing the last rows again: it waits
-  # for each K and V tile and releases it, and passes each turn on as soon
-  # as it has it, so that the others' matmuls take its turns (386 -> 396
-  # TFLOP/s at d=64 1k without a mask, h200_mosaic_skip_spare.md). Plain
-  # form without a causal mask (where three consumers run from q_len
-  # 1024). What is stored is computed as without it: bitwise the same.
-  skip_spare: bool = False
-
-  @property
-  def ranged(self) -> bool:
-    return self.spec is not None
-
-  @property
-  def tile_rows(self) -> int:
-    """Query rows per CTA tile."""
-    return self.num_consumers * self.block_q
-
-  @property
-  def producer(self) -> int:
-    """Warpgroup index of the TMA producer (after the consumers)."""
-    return self.num_consumers
 
 
 def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
@@ -235,8 +110,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       that do not fit in shared memory), so that a dispatcher falls back.
   """
   config = forward_config(head_dim=query.shape[-1], is_causal=is_causal,
-                               q_len=query.shape[1], kv_len=key.shape[1],
-                               **options)
+                          q_len=query.shape[1], kv_len=key.shape[1],
+                          **options)
   if config.num_consumers not in (2, 3):
     raise ValueError(f"num_consumers must be 2 or 3, got "
                      f"{config.num_consumers}")
@@ -289,7 +164,7 @@ def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
 
 
 def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
-            segments=None):
+           segments=None):
   """Builds and calls the kernel; `value` is [B, Hkv, D, T] in FP8.
 
   In the ranged kernel the LSE is returned padded to whole tiles (its rows
@@ -334,7 +209,7 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
         # O: an FP8 Q buffer is too small for it.
         plgpu.SMEM((consumers, block_q, head_dim), out_dtype,
                    transforms=swizzled(head_dim * out_dtype.itemsize,
-                                               out_dtype.itemsize)),
+                                       out_dtype.itemsize)),
         plgpu.SMEM((consumers, *descale.shape[-2:]), jnp.float32),
         plgpu.Barrier(num_barriers=consumers),        # descale_arrived
         plgpu.SMEM((consumers, block_q, block_kv), static.dtype,
@@ -371,13 +246,13 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
                              *inputs),
   )
   if static.persistent:
-    body = _persistent_kernel
+    body = persistent_kernel
     grid, grid_names = (static.num_ctas,), ("cta",)
   else:
     # Pallas hands CUDA the grid reversed: batch is the fastest axis and
     # q_tile the slowest, so CTAs launched together are the same Q tile of
     # different heads (`tile_index`); `tile_fastest` reverses that.
-    body = _forward_kernel
+    body = forward_kernel
     grid, grid_names = launch_grid((num_q_tiles, num_heads, batch),
                                    ("q_tile", "head", "batch"),
                                    tile_fastest=static.tile_fastest)
@@ -395,9 +270,9 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
 
 
 def check_supported(query, key, value, *, scale, is_causal, block_q,
-                     block_kv, max_concurrent_steps,
-                     fp8_out_dtype=None, spec=None,
-                     num_consumers: int = NUM_CONSUMERS) -> KernelStatic:
+                    block_kv, max_concurrent_steps,
+                    fp8_out_dtype=None, spec=None,
+                    num_consumers: int = NUM_CONSUMERS) -> KernelStatic:
   """Validates the call; anything this kernel lacks is NotImplementedError.
 
   `fp8_out_dtype` is given for the FP8 kernel (inputs float8_e4m3fn), `spec`
@@ -407,7 +282,7 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   kv_len, num_kv_heads = check_layout(query, key, value)
   dtype = jnp.dtype(query.dtype)
   fp8 = fp8_out_dtype is not None
-  if fp8 and dtype != _FP8:
+  if fp8 and dtype != FP8:
     raise TypeError(f"mosaic_forward_fp8 takes float8_e4m3fn inputs (see "
                     f"quantize_fp8), got {dtype}")
   if not fp8 and dtype not in SUPPORTED_DTYPES:
@@ -447,14 +322,14 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
       smem_bytes, _FORWARD_SMEM_LIMIT_BYTES,
       f"block_q {block_q}, block_kv {block_kv}, {num_stages} stages at "
       f"head_dim {head_dim}")
-  return KernelStatic(block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-                 num_kv_blocks=num_kv_blocks, head_dim=head_dim,
-                 group=num_heads // num_kv_heads,
-                 scale_log2=float(scale) * LOG2E, is_causal=bool(is_causal),
-                 dtype=dtype, fp8=fp8, out_dtype=fp8_out_dtype,
-                 num_q_blocks=num_q_blocks if fp8 else 0, spec=spec,
-                 scale=float(scale), num_consumers=num_consumers,
-                 q_len=q_len)
+  return KernelStatic(
+      block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+      num_kv_blocks=num_kv_blocks, head_dim=head_dim,
+      group=num_heads // num_kv_heads, scale_log2=float(scale) * LOG2E,
+      is_causal=bool(is_causal), dtype=dtype, fp8=fp8,
+      out_dtype=fp8_out_dtype, num_q_blocks=num_q_blocks if fp8 else 0,
+      spec=spec, scale=float(scale), num_consumers=num_consumers,
+      q_len=q_len)
 
 
 def _smem_bytes(block_q, block_kv, num_stages, head_dim, itemsize,
@@ -470,691 +345,3 @@ def _skips_spare(static: KernelStatic) -> bool:
   return (static.num_consumers != NUM_CONSUMERS
           and not static.is_causal and not static.ranged and not static.fp8
           and static.q_len % static.tile_rows != 0)
-
-
-def consumer_rows(tile_start, wg, static: KernelStatic):
-  """First query row of consumer `wg` in the tile that starts at `tile_start`.
-
-  Two consumers: `tile_start + wg * block_q` (tiles are whole). More: the
-  last tile of a (batch, head) may be short, and a consumer whose rows
-  would start at or past q_len takes the last block_q rows instead. It
-  stores nothing, and walks their K/V blocks without math
-  (`KernelStatic.skip_spare`, the default without a causal mask) or
-  computes them again, bitwise as their owner does (a row's sums do not
-  depend on the consumer); later consumers never start before earlier
-  ones, so the last still reads the most K/V blocks.
-  """
-  start = tile_start + wg * static.block_q
-  if static.num_consumers == NUM_CONSUMERS:
-    return start
-  return jnp.minimum(start, static.q_len - static.block_q)
-
-
-def _num_kv_steps(q_start, static: KernelStatic):
-  """K/V blocks that rows [q_start, q_start + block_q) attend to."""
-  if not static.is_causal:
-    return static.num_kv_blocks
-  last_row = q_start + static.block_q
-  return jnp.minimum(pl.cdiv(last_row, static.block_kv), static.num_kv_blocks)
-
-
-def _num_unmasked_steps(q_start, num_steps, static: KernelStatic):
-  """Leading K/V blocks that lie wholly at or below the diagonal.
-
-  Block j needs no mask when its last key, (j + 1) * block_kv - 1, is at most
-  the first query row, q_start.
-  """
-  if not static.is_causal:
-    return num_steps
-  return jnp.minimum((q_start + 1) // static.block_kv, num_steps)
-
-
-class _Fp8Refs(NamedTuple):
-  """One consumer's extra refs in the FP8 kernel."""
-  descale_gmem: Any    # float32 [n / 32, 32]: this (batch, head)'s factors
-  descale_smem: Any    # float32 [n / 32, 32]
-  descale_arrived: Any
-  o_smem: Any          # [block_q, head_dim] in the output dtype
-  p_smem: Any          # [block_q, block_kv] FP8: P, the LHS of P V
-
-
-class _SegmentRefs(NamedTuple):
-  """The ranged kernel's segment ids (`spec.has_segments`)."""
-  q_gmem: Any        # int32 [q_len] of this batch
-  kv_gmem: Any       # int32 [kv_len] of this batch
-  q_smem: Any        # int32 [consumers, block_q]
-  q_arrived: Any     # barriers [consumers]
-  kv_smem: Any       # int32 [stages, block_kv]: streamed with K
-  kv_arrived: Any    # barriers [stages]
-
-
-class _Tile(NamedTuple):
-  """A persistent CTA's current tile, as `_consume` needs it."""
-  base: Any         # global index of the tile's first K/V block: the ring
-                    # slot and barrier phase go on from the previous tile
-  load_next_q: Any  # () -> None: issues the next tile's Q load, if any
-  o_smem: Any       # [block_q, head_dim]: where O is staged (Q's buffer
-                    # unless `static.stage_o_apart`)
-
-
-def _forward_kernel(*refs, static: KernelStatic):
-  """Kernel body; refs: `_launch`'s inputs, outputs and scratch, in order:
-
-  q, k, v, [descale (FP8)], [plan (ranged)], out, lse, the 10 common scratch
-  refs, [FP8's 4], [ranged's 2].
-  """
-  segmented = static.ranged and static.spec.has_segments
-  num_inputs = 3 + static.fp8 + static.ranged + 2 * segmented
-  inputs, scratch = refs[:num_inputs], refs[num_inputs + 2:]
-  q_ref, k_ref, v_ref = inputs[:3]
-  out_ref, lse_ref = refs[num_inputs:num_inputs + 2]
-  (q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
-   k_consumed, v_consumed, pingpong) = scratch[:10]
-  if static.fp8:
-    descale_ref = inputs[3]
-    o_smem, descale_smem, descale_arrived, p_smem = scratch[10:14]
-  batch = lax.axis_index("batch")
-  head = lax.axis_index("head")
-  wg = lax.axis_index("wg")
-  num_q_tiles = pl.cdiv(q_ref.shape[1], static.tile_rows)
-  q_tile = tile_index("q_tile", num_q_tiles, reverse=(
-      static.is_causal and not static.ranged))
-  tile_start = q_tile * static.tile_rows
-  plan = segment_refs = None
-  if static.ranged:
-    plan = PlanRow(inputs[3].at[batch, q_tile],
-                 *scratch[10:12])
-  if segmented:
-    segment_refs = _SegmentRefs(inputs[4].at[batch], inputs[5].at[batch],
-                                *scratch[12:16])
-
-  consumer_registers, producer_registers = register_split(
-      lean=False, num_consumers=static.num_consumers)
-
-  @pl.when(wg < static.num_consumers)
-  def _consumer():
-    plgpu.set_max_registers(consumer_registers, action="increase")
-    turns.seed_turns(pingpong, wg, static)
-    if static.fp8:
-      fp8 = _Fp8Refs(descale_ref.at[batch, head], descale_smem.at[wg],
-                     descale_arrived.at[wg], o_smem.at[wg], p_smem.at[wg])
-    else:
-      fp8 = None
-    _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
-             lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
-             k_consumed, v_consumed, turns.turns_of(pingpong, static),
-             batch=batch, head=head, wg=wg, tile_start=tile_start,
-             static=static, fp8=fp8, plan=plan, segments=segment_refs)
-
-  @pl.when(wg == static.producer)
-  def _producer():
-    plgpu.set_max_registers(producer_registers, action="decrease")
-    _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
-             v_consumed, batch=batch, kv_head=head // static.group,
-             tile_start=tile_start, static=static, plan=plan,
-             segments=segment_refs)
-
-
-class _PersistentTiles(NamedTuple):
-  """The forward's persistent schedule, in query rows."""
-  count: Any    # tiles this CTA computes
-  tile_of: Any  # n -> (batch, head, first query row) of its n-th tile
-  blocks: Any   # first query row -> K/V blocks the tile streams
-
-
-def persistent_tiles(q_shape, static: KernelStatic, cta) -> _PersistentTiles:
-  """Which query tiles CTA `cta` computes (`persistent_schedule`; under
-  causal masking query tile i reads i + 1 blocks, so tiles go in pairs)."""
-  batch_size, q_len, num_heads, _ = q_shape
-  tile_rows = static.tile_rows
-  schedule = persistent_schedule(
-      num_tiles=pl.cdiv(q_len, tile_rows), num_heads=num_heads,
-      batch=batch_size, paired=static.is_causal, num_ctas=static.num_ctas,
-      cta=cta)
-
-  def tile_of(n):
-    batch, head, q_tile = schedule.tile_of(n)
-    return batch, head, q_tile * tile_rows
-
-  def blocks(tile_start):  # the last consumer's rows reach furthest
-    return _num_kv_steps(
-        consumer_rows(tile_start, static.num_consumers - 1, static), static)
-
-  return _PersistentTiles(schedule.count, tile_of, blocks)
-
-
-def _persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
-                       static: KernelStatic):
-  """The plain kernel on a persistent grid of `num_ctas` CTAs.
-
-  Each CTA computes its tiles (`persistent_tiles`) one after another. The
-  producer streams their K/V blocks through the ring without draining it:
-  a tile's blocks continue a running count `base`, block base + j going to
-  slot (base + j) % num_stages, so every barrier's phases run on across
-  tiles. Both consumers wait for and release every block (under causal
-  masking warpgroup 0 passes through the blocks only warpgroup 1 reads),
-  so the producer always waits for both. A consumer issues the next tile's
-  Q load as soon as its Q is dead, and leaves each O store in flight until
-  its buffer is needed again.
-  """
-  (q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
-   k_consumed, v_consumed, pingpong) = scratch[:10]
-  o_smem = q_smem
-  if static.stage_o_apart:
-    o_smem, lse_smem = scratch[10:12]
-  stages = static.num_stages
-  tiles = persistent_tiles(q_ref.shape, static, lax.axis_index("cta"))
-  wg = lax.axis_index("wg")
-
-  consumer_registers, producer_registers = register_split(
-      lean=False, num_consumers=static.num_consumers)
-
-  @pl.when(wg < static.num_consumers)
-  def _consumer():
-    plgpu.set_max_registers(consumer_registers, action="increase")
-    turns.seed_turns(pingpong, wg, static)
-
-    def load_q(n):
-      batch, head, tile_start = tiles.tile_of(n)
-      rows = pl.ds(consumer_rows(tile_start, wg, static), static.block_q)
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg],
-                              q_arrived.at[wg])
-
-    load_q(0)
-
-    def tile_body(n, base):
-      batch, head, tile_start = tiles.tile_of(n)
-      tile = _Tile(base=base,
-                   load_next_q=lambda: pl.when(n + 1 < tiles.count)(
-                       lambda: load_q(n + 1)),
-                   o_smem=o_smem.at[wg])
-      _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
-               lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
-               k_consumed, v_consumed, turns.turns_of(pingpong, static),
-               batch=batch,
-               head=head, wg=wg, tile_start=tile_start, static=static,
-               fp8=None, plan=None, tile=tile)
-      return base + tiles.blocks(tile_start)
-
-    lax.fori_loop(0, tiles.count, tile_body, jnp.int32(0))
-    plgpu.wait_smem_to_gmem(0)
-
-  @pl.when(wg == static.producer)
-  def _producer():
-    plgpu.set_max_registers(producer_registers, action="decrease")
-
-    def tile_body(n, base):
-      batch, head, tile_start = tiles.tile_of(n)
-      kv_head = lax.div(head, static.group)
-      num_blocks = tiles.blocks(tile_start)
-
-      @pl.loop(0, num_blocks)
-      def _step(step):
-        block = base + step
-        slot = lax.rem(block, stages)
-        rows = pl.ds(step * static.block_kv, static.block_kv)
-        # K before V, as in `_produce`; a slot is refilled once both
-        # consumers have released the block `stages` earlier.
-        for ref, smem, arrived, consumed in (
-            (k_ref, k_smem, k_arrived, k_consumed),
-            (v_ref, v_smem, v_arrived, v_consumed)):
-          @pl.when(block >= stages)
-          def _wait(consumed=consumed):
-            for w in range(static.num_consumers):
-              plgpu.barrier_wait(consumed.at[w * stages + slot])
-
-          plgpu.copy_gmem_to_smem(ref.at[batch, rows, kv_head],
-                                  smem.at[slot], arrived.at[slot])
-
-      return base + num_blocks
-
-    lax.fori_loop(0, tiles.count, tile_body, jnp.int32(0))
-
-
-def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
-             v_consumed, *, batch, kv_head, tile_start, static: KernelStatic,
-             plan: PlanRow | None, segments: _SegmentRefs | None):
-  """Producer warpgroup: TMA K/V block j into ring slot j % num_stages.
-
-  Ranged kernel: blocks [first, total) of the plan's union, block j into
-  slot (j - first) % num_stages; every consumer walks all of them.
-  """
-  stages = static.num_stages
-  # Consumer w reads blocks [0, steps[w]); a later consumer's rows come
-  # later, so it reads at least as many blocks as an earlier one.
-  first = 0
-  if plan is None:
-    steps = [_num_kv_steps(consumer_rows(tile_start, w, static), static)
-             for w in range(static.num_consumers)]
-    total = steps[-1]
-  else:
-    read = read_plan(plan, static.producer)
-    first, total = read(PLAN_UNION), read(PLAN_UNION + 1)
-
-  def load(step, slot, ref, smem, arrived):
-    rows = pl.ds(step * static.block_kv, static.block_kv)
-    if static.fp8 and ref is v_ref:  # V transposed: [B, Hkv, D, T]
-      block = ref.at[batch, kv_head, :, rows]
-    else:
-      block = ref.at[batch, rows, kv_head]
-    plgpu.copy_gmem_to_smem(block, smem.at[slot], arrived.at[slot])
-    if segments is not None and ref is k_ref:  # key ids travel with K
-      plgpu.copy_gmem_to_smem(segments.kv_gmem.at[rows],
-                              segments.kv_smem.at[slot],
-                              segments.kv_arrived.at[slot])
-
-  def wait_consumed(consumed, step, slot):
-    # The slot held block step - stages; wait for every consumer that read it.
-    for w in range(static.num_consumers):
-      if static.is_causal and plan is None:
-        pl.when(step - stages < steps[w])(
-            functools.partial(plgpu.barrier_wait,
-                              consumed.at[w * stages + slot]))
-      else:
-        plgpu.barrier_wait(consumed.at[w * stages + slot])
-
-  # Fill the ring. Under causal masking an early tile may need fewer blocks
-  # than there are stages.
-  for i in range(stages):
-    def fill(i=i):
-      load(first + i, i, k_ref, k_smem, k_arrived)
-      load(first + i, i, v_ref, v_smem, v_arrived)
-    if static.is_causal or plan is not None:
-      pl.when(first + i < total)(fill)
-    else:
-      fill()
-
-  @pl.loop(first + stages, total)
-  def _refill(step):
-    slot = lax.rem(step if plan is None else step - first, stages)
-    # K before V: consumers need K_j first (S = Q K_jᵀ) and release it first.
-    wait_consumed(k_consumed, step, slot)
-    load(step, slot, k_ref, k_smem, k_arrived)
-    wait_consumed(v_consumed, step, slot)
-    load(step, slot, v_ref, v_smem, v_arrived)
-
-
-def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
-             q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
-             pingpong, *, batch, head, wg, tile_start, static: KernelStatic,
-             fp8: _Fp8Refs | None, plan: PlanRow | None,
-             segments: _SegmentRefs | None = None, tile: _Tile | None = None):
-  """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile.
-
-  Persistent grid (`tile` given): Q was loaded by the previous tile (or the
-  kernel's prologue), ring slots count on from `tile.base`, and O's store
-  is left in flight for the next tile to overlap.
-
-  Ranged kernel: both consumers walk every block of the plan's union (a
-  block outside its own range is a skip: its barriers, no math), so that
-  each barrier's phase advances alike in every thread, and take turns at
-  every step.
-  """
-  block_q, block_kv = static.block_q, static.block_kv
-  q_start = consumer_rows(tile_start, wg, static)
-  q_rows = pl.ds(q_start, block_q)
-  if plan is None:
-    first = 0
-    num_steps = _num_kv_steps(q_start, static)
-    num_unmasked = _num_unmasked_steps(q_start, num_steps, static)
-    # Steps in which every consumer runs and so takes turns: all of
-    # warpgroup 0's (it never has more blocks than a later one).
-    num_shared = _num_kv_steps(tile_start, static)
-    if tile is None:
-      slot_of = lambda step: lax.rem(step, static.num_stages)
-    else:
-      slot_of = lambda step: lax.rem(tile.base + step, static.num_stages)
-  else:
-    read = read_plan(plan, wg)
-    lo, unmasked_lo, unmasked_hi, hi = (read(wg * 4 + i) for i in range(4))
-    first, num_steps = read(PLAN_UNION), read(PLAN_UNION + 1)
-    values = masking.MaskValues(q_offset=read(PLAN_SCALARS),
-                                q_lengths=read(PLAN_SCALARS + 1),
-                                kv_lengths=read(PLAN_SCALARS + 2))
-    slot_of = lambda step: lax.rem(step - first, static.num_stages)
-    if segments is not None:
-      q_ids_smem = segments.q_smem.at[wg]
-      plgpu.copy_gmem_to_smem(segments.q_gmem.at[q_rows], q_ids_smem,
-                              segments.q_arrived.at[wg])
-      plgpu.barrier_wait(segments.q_arrived.at[wg])
-      q_ids = plgpu.layout_cast(q_ids_smem[...],
-                                plgpu.Layout.WGMMA.reduce(1))
-  consumed_base = wg * static.num_stages
-
-  def wait_key_ids(slot):
-    """Every step waits for its key ids (each barrier phase, every thread)."""
-    if segments is not None:
-      plgpu.barrier_wait(segments.kv_arrived.at[slot])
-
-  def with_key_ids(values, slot, shape):
-    """`values` with this step's [block_q, block_kv] segment id tiles."""
-    if segments is None:
-      return values
-    kv_ids = plgpu.layout_cast(segments.kv_smem[slot],
-                               plgpu.Layout.WGMMA.reduce(0))
-    return values._replace(q_segments=per_row(q_ids, shape),
-                           kv_segments=per_column(kv_ids, shape))
-
-  if fp8 is not None:
-    plgpu.copy_gmem_to_smem(fp8.descale_gmem, fp8.descale_smem,
-                            fp8.descale_arrived)
-  if tile is None:
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_smem, q_arrived)
-  if fp8 is not None:
-    plgpu.barrier_wait(fp8.descale_arrived)
-    q_factor = _descale(fp8, q_start // block_q)
-    v_factor = _descale(fp8, static.num_q_blocks + static.num_kv_blocks)
-  plgpu.barrier_wait(q_arrived)
-
-  turn = turns.consumer_turns(
-      pingpong, wg=wg, num_steps=num_steps,
-      num_shared=num_shared if plan is None else None, static=static,
-      ranged=plan is not None)
-
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
-                        row_layout)
-  l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
-  acc = plgpu.layout_cast(jnp.zeros((block_q, static.head_dim), jnp.float32),
-                          plgpu.Layout.WGMMA)
-
-  # Every row tile sees block 0 (top-left causal), so num_steps >= 1. Later
-  # K tiles are awaited under the previous P V (see `accumulate`).
-  if tile is not None:
-    plgpu.barrier_wait(k_arrived.at[slot_of(0)])
-  elif plan is None:
-    plgpu.barrier_wait(k_arrived.at[0])
-  else:  # an empty union loads nothing
-    pl.when(first < num_steps)(
-        functools.partial(plgpu.barrier_wait, k_arrived.at[0]))
-
-  def wait_next_k(step):
-    next_step = step + 1
-    @pl.when(next_step < num_steps)
-    def _():
-      plgpu.barrier_wait(k_arrived.at[slot_of(next_step)])
-
-  turn.begin()
-
-  def step_body(step, carry, *, masked: bool):
-    acc, m, l = carry
-    slot = slot_of(step)
-    if plan is not None:
-      wait_key_ids(slot)
-
-    def scores(s_ref):
-      plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-      turn.after_scores(step)
-      return s_ref[...]
-
-    s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
-    if masked and plan is not None:
-      # Read before the slot is released: the key ids share it with K.
-      step_values = with_key_ids(values, slot, s.shape)
-    plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
-    scale_log2 = static.scale_log2
-    if plan is not None and static.spec.modifies_scores:
-      # Scores change before the masks (DESIGN's order): scale first, then
-      # exp2 takes the bare log2(e).
-      s = masking.modify_scores(static.spec, s * static.scale, None, None,
-                                values)
-      scale_log2 = LOG2E
-    if masked and plan is None:
-      s = jnp.where(causal_mask(q_start, step, static), s, -jnp.inf)
-    elif masked:
-      s = jnp.where(variant_mask(q_start, step, static, step_values), s,
-                    -jnp.inf)
-    if fp8 is not None:  # the true scores: S times the Q and K factors
-      k_factor = _descale(fp8, static.num_q_blocks + step)
-      scale_log2 = scale_log2 * (q_factor * k_factor)
-    m_new, alpha, p = _exponentiate(s, m, scale_log2,
-                                    threshold=static.rescale_threshold)
-    acc = _rescale(acc, alpha, skip_ones=static.rescale_threshold is not None)
-    p_f32 = p
-    if not static.sum_after_pv:
-      l = l * alpha + p.sum(axis=1)
-    p = p.astype(static.dtype)
-    if fp8 is not None:
-      # An 8-bit wgmma LHS in registers needs a layout that this JAX cannot
-      # convert the accumulator's into, so P goes through shared memory.
-      fp8.p_smem[...] = p
-      plgpu.commit_smem()
-      p = fp8.p_smem
-    turn.before_values(step, functools.partial(plgpu.barrier_wait,
-                                               v_arrived.at[slot]))
-
-    def accumulate(o_ref, l_ref=None):
-      v_tile = v_smem.at[slot]
-      if fp8 is not None:  # stored [head_dim, block_kv]: K-major for wgmma
-        v_tile = v_tile.transpose((1, 0))
-      plgpu.wgmma(o_ref, p, v_tile)
-      if l_ref is not None:  # `sum_after_pv`: while P V_j runs
-        l_ref[...] = l_ref[...] * alpha + p_f32.sum(axis=1)
-      # Wait for K_{j+1} while P V_j runs on the tensor cores.
-      wait_next_k(step)
-
-    if static.sum_after_pv:
-      acc, l = pl.run_state(lambda refs: accumulate(*refs))(
-          (plgpu.ACC.init(acc), l))
-    else:
-      acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
-    plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
-    return acc, m_new, l
-
-  def skip_body(step, carry):
-    """A block of the union outside this consumer's range: barriers only."""
-    slot = slot_of(step)
-    wait_key_ids(slot)
-    plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
-    turn.after_scores(step)  # the rendezvous' two turns of a step
-    turn.after_scores(step)
-    plgpu.barrier_wait(v_arrived.at[slot])
-    wait_next_k(step)
-    plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
-    return carry
-
-  def spare_body(step, carry):
-    """A step without math (`KernelStatic.skip_spare`): K and V awaited
-    and released, the turn passed on at once, where `step_body` takes it."""
-    slot = slot_of(step)
-    turn.after_scores(step)
-    plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
-    turn.before_values(step, functools.partial(plgpu.barrier_wait,
-                                               v_arrived.at[slot]))
-    wait_next_k(step)
-    plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
-    return carry
-
-  def finish(acc, m, l):
-    """Ends the turns, normalises, writes O and the LSE."""
-    turn.end()
-
-    # Epilogue: normalise, and write O through the Q buffer (Q is dead now;
-    # in FP8 through a buffer of its own, in the output dtype).
-    empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
-    o_smem, out_dtype = q_smem, static.dtype
-    if tile is not None:
-      o_smem = tile.o_smem
-      if static.stage_o_apart:
-        # Q is dead: the next tile's loads under this one's epilogue; O and
-        # the LSE wait only for the previous tile's stores to leave them.
-        tile.load_next_q()
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if fp8 is None:
-      acc = acc * per_row(1.0 / l_safe, acc.shape)
-    else:
-      acc = acc * per_row(v_factor / l_safe, acc.shape)
-      o_smem, out_dtype = fp8.o_smem, static.out_dtype
-    o_smem[...] = acc.astype(out_dtype)
-    lse = _add_unfused(m * _LN2, jnp.log(l_safe))
-    lse_smem[...] = jnp.where(empty, -jnp.inf, lse)
-    plgpu.commit_smem()
-
-    def store():
-      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, q_rows, head])
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, q_rows])
-
-    if static.num_consumers == NUM_CONSUMERS:
-      store()
-    else:  # a short last tile's spare consumers store nothing
-      pl.when(tile_start + wg * block_q < static.q_len)(store)
-    if tile is None:
-      plgpu.wait_smem_to_gmem(0)
-    elif not static.stage_o_apart:  # Q's buffer is free once O has left it
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      tile.load_next_q()
-
-  carry = (acc, m, l)
-  masked_body = functools.partial(step_body, masked=True)
-  if plan is None and static.skip_spare:
-    # A consumer with no rows in this tile (`KernelStatic.skip_spare`)
-    # walks every step without math; its O stays 0 and is not stored.
-    spare = tile_start + wg * block_q >= static.q_len
-    computed = jnp.where(spare, 0, num_steps)
-    carry = lax.fori_loop(0, computed,
-                          functools.partial(step_body, masked=False), carry)
-    lax.fori_loop(computed, num_steps, spare_body, None)
-  elif plan is None:
-    carry = lax.fori_loop(0, num_unmasked,
-                          functools.partial(step_body, masked=False), carry)
-    if static.is_causal:
-      carry = lax.fori_loop(num_unmasked, num_steps, masked_body, carry)
-  else:
-    for start, stop, body in (
-        (first, lo, skip_body), (lo, unmasked_lo, masked_body),
-        (unmasked_lo, unmasked_hi, functools.partial(step_body,
-                                                     masked=False)),
-        (unmasked_hi, hi, masked_body), (hi, num_steps, skip_body)):
-      carry = lax.fori_loop(start, stop, body, carry)
-  finish(*carry)
-  if tile is not None and static.is_causal:
-    # Persistent: the blocks only the other consumer reads pass through this
-    # one too (barriers, no math, no turns), so that every consumer waits
-    # for each barrier phase and the next tile finds them in step.
-    last = _num_kv_steps(
-        consumer_rows(tile_start, static.num_consumers - 1, static), static)
-
-    @pl.loop(num_steps, last)
-    def _pass_through(step):
-      slot = slot_of(step)
-      plgpu.barrier_wait(k_arrived.at[slot])
-      plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
-      plgpu.barrier_wait(v_arrived.at[slot])
-      plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
-
-
-def _exponentiate(s, m, scale_log2, *, threshold: float | None = None):
-  """Online softmax on a [block_q, block_kv] tile of scores (-inf where
-  masked) against the running max `m` (log2 units): (m_new, alpha = the
-  factor for what was summed so far, p = the tile's exponentials, f32).
-
-  With a `threshold` a row's max moves only when the tile's max exceeds it
-  by more than that (`KernelStatic.rescale_threshold`), and its p stays
-  below 2**threshold. A row whose max did not move has alpha exactly 1, or
-  0 while it has seen no key (its O and l are still 0)."""
-  m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-  if threshold:  # 0.0 moves on any growth: m_new as it is
-    m_new = jnp.where(m_new > m + threshold, m_new, m)
-  # A row that has seen only masked keys keeps m = -inf; exponentiate
-  # against 0 there so that it stays at p = 0, l = 0 instead of NaN.
-  m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  alpha = jnp.exp2(m - m_ref)
-  # One FMA per score: s * (scale log2 e) - m (§3.1, exp2 on the MUFU).
-  p = jnp.exp2(s * scale_log2 - per_row(m_ref, s.shape))
-  return m_new, alpha, p
-
-
-def _add_unfused(a, b):
-  """a + b of two [block_q] row vectors (WGMMA row layout), by
-  `add_rounded_in_threads`: an add that ptxas never fuses with the
-  multiplies before it. lse = m ln2 + log(l) holds two products (jnp.log
-  is log2 times ln2), and which of them ptxas contracted into an FMA
-  depended on the code around it: two schedules of one computation gave
-  lse 1 ulp apart in a quarter of the rows (H200, session 23)."""
-  row = plgpu.Layout.WGMMA.reduce(1)
-  return plgpu.inline_mgpu(
-      arg_types=(row, row),
-      return_type=plgpu.ShapeDtypeStruct(a.shape, a.dtype, row),
-  )(add_rounded_in_threads)(a, b)
-
-
-def add_rounded_in_threads(_, a, b):
-  """`a + b` on Mosaic GPU fragments of one layout, each element by PTX
-  `add.rn.f32`: an add with an explicit rounding mode is never contracted
-  into an FMA (PTX ISA, `add`). Interpreted on a CPU as `a + b`
-  (tests/mosaic_interpret.py knows this function)."""
-  f32 = ir.F32Type.get()
-
-  def add(x, y):
-    return llvm.inline_asm(f32, [x, y], "add.rn.f32 $0, $1, $2;", "=f,f,f")
-
-  def add_register(x, y):
-    if not isinstance(x.type, ir.VectorType):
-      return add(x, y)
-    result = llvm.mlir_undef(x.type)
-    for i in range(ir.VectorType(x.type).shape[0]):
-      position = ir.DenseI64ArrayAttr.get([i])
-      element = add(
-          vector.extract(x, dynamic_position=[], static_position=position),
-          vector.extract(y, dynamic_position=[], static_position=position))
-      result = vector.insert(element, result, dynamic_position=[],
-                             static_position=position)
-    return result
-
-  registers = np.empty(a.registers.shape, dtype=object)
-  for index in np.ndindex(a.registers.shape):
-    registers[index] = add_register(a.registers[index], b.registers[index])
-  return mgpu.FragmentedArray(_registers=registers, _layout=a.layout,
-                              _is_signed=None)
-
-
-def _rescale(acc, alpha, *, skip_ones: bool):
-  """O [block_q, head_dim] times each row's alpha [block_q]; with
-  `skip_ones`, each warp skips the multiply when every alpha of its rows
-  is exactly 1 (`multiply_rows_in_threads`)."""
-  if not skip_ones:
-    return acc * per_row(alpha, acc.shape)
-  return plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
-      return_type=plgpu.ShapeDtypeStruct(acc.shape, acc.dtype,
-                                         plgpu.Layout.WGMMA),
-  )(multiply_rows_in_threads)(acc, alpha)
-
-
-def multiply_rows_in_threads(_, acc, alpha):
-  """`acc * alpha[:, None]` on Mosaic GPU fragments (WGMMA layout, alpha
-  in its row layout), behind a branch in each warp: a warp multiplies its
-  registers only if one of its threads' rows' alphas is not exactly 1
-  (`vote.sync.any`), and skipping a multiply by 1 is exact. The warp's
-  threads agree first, so that the branch never diverges within a warp
-  before P V's warp-synchronous wgmma (a warpgroup-wide vote would need a
-  reduction through shared memory). Interpreted on a CPU as the plain
-  product (tests/mosaic_interpret.py knows this function)."""
-  one = arith.constant(ir.F32Type.get(), 1.0)
-  moved = None
-  for register in alpha.registers.flat:
-    for i in range(ir.VectorType(register.type).shape[0]):
-      differs = arith.cmpf(arith.CmpFPredicate.UNE,
-                           vector.extract(register, [], [i]), one)
-      moved = differs if moved is None else arith.ori(moved, differs)
-  every_lane = arith.constant(ir.IntegerType.get_signless(32), -1)
-  moved = nvvm.vote_sync(every_lane, moved, nvvm.VoteSyncKind.any)
-  registers = list(acc.registers.flat)
-  branch = scf.IfOp(moved, [r.type for r in registers], has_else=True)
-  with ir.InsertionPoint(branch.then_block):
-    product = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
-    scf.yield_(list(product.registers.flat))
-  with ir.InsertionPoint(branch.else_block):
-    scf.yield_(registers)
-  results = np.empty(len(registers), dtype=object)
-  results[:] = list(branch.results)
-  return mgpu.FragmentedArray(
-      _registers=results.reshape(acc.registers.shape), _layout=acc.layout,
-      _is_signed=None)
-
-
-def _descale(fp8: _Fp8Refs, i):
-  """Factor i of the FP8 descale row, stored [n / 32, 32] (see
-  `fp8.descale_rows`)."""
-  return fp8.descale_smem[i // _DESCALE_WIDTH, i % _DESCALE_WIDTH]

@@ -1,6 +1,6 @@
 """`mosaic_forward_fp8`: the Mosaic forward on float8_e4m3fn inputs.
 
-The kernel is `forward.py`'s with `static.fp8` set (FP8 wgmma, V transposed,
+The kernel is the forward's with `static.fp8` set (FP8 wgmma, V transposed,
 P through shared memory, descale factors read per block); this module
 quantises and lays out the inputs and descale rows.
 """
@@ -10,7 +10,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels.mosaic import common, forward, plan
+from pallas_kernels.mosaic import common, forward, forward_kernel, plan
 
 # Largest finite e4m3 value: quantisation maps a block's amax onto it.
 FP8_MAX = 448.0
@@ -103,7 +103,7 @@ def quantize_fp8(x, *, block_rows: int | None = None):
   # An all-zero block keeps descale 1 (anything but 0 would do).
   descale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
   step = jnp.where(expand > 0, expand / FP8_MAX, 1.0)
-  return (x32 / step).astype(forward._FP8), descale
+  return (x32 / step).astype(forward.FP8), descale
 
 
 def descale_rows(q_shape, k_shape, q_descale, k_descale, v_descale,
@@ -113,7 +113,7 @@ def descale_rows(q_shape, k_shape, q_descale, k_descale, v_descale,
 
   Padded to a multiple of 32 floats (Mosaic copies multiples of 128 bytes,
   one per thread of the warpgroup) and folded into rows of 32, since a TMA
-  copies at most 256 elements along a dimension (`forward._descale`).
+  copies at most 256 elements along a dimension (`forward_kernel._descale`).
   """
   batch, _, num_heads, _ = q_shape
   num_kv_heads = k_shape[2]
@@ -133,7 +133,7 @@ def descale_rows(q_shape, k_shape, q_descale, k_descale, v_descale,
   v = per_block(v_descale, num_kv_heads, 1, "v_descale")
   kv = jnp.repeat(jnp.concatenate([k, v], axis=2), static.group, axis=1)
   rows = jnp.concatenate([q, kv], axis=2)
-  width = forward._DESCALE_WIDTH
+  width = forward_kernel.DESCALE_WIDTH
   pad = -rows.shape[2] % width
   rows = jnp.pad(rows, ((0, 0), (0, 0), (0, pad)), constant_values=1.0)
   return rows.reshape(batch, num_heads, -1, width)

@@ -1,6 +1,6 @@
 """`mosaic_forward_masked`: the Mosaic forward with masks and any lengths.
 
-The kernel is `forward.py`'s in its "ranged" form: each 64-row query block
+The kernel is the forward's in its "ranged" form: each 64-row query block
 reads its K/V loop ranges from a plan row built here, in XLA, by
 `pallas_kernels.masking` (the one definition of the masks), and applies
 `masking.keep` / `masking.modify_scores` on the tiles that need them.

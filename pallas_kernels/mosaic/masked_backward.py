@@ -1,6 +1,6 @@
 """`mosaic_backward_masked`: the Mosaic backward with masks and any lengths.
 
-The kernels are `backward.py`'s in their ranged form, as `masked.py` is the
+The kernels are the backward's in their ranged form, as `masked.py` is the
 forward's. Both read their loop ranges from plan rows built here, in XLA,
 from ONE `masking.classify_blocks` map of [block_q, block_kv] tiles (the one
 definition of the masks):

@@ -251,11 +251,12 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
   What the row plans but the kernels cannot take for this call falls back,
   unless named in `options`: Q tiles that do not divide q_len to 64 rows;
   the fused dQ where kv_len is not two consumers' K/V tiles or the dQ tile
-  not one [64, 64] piece a consumer to the two kernels; dQ tiles that do not divide the lengths to the dK/dV kernel's;
-  Sᵀ ahead without a ring of two stages or `overlap_softmax` to off. A
-  persistent grid or dQ tiles named in `options` ask for the two kernels,
-  and the fused dQ for the launch grid; a persistent grid drops the plan's
-  Sᵀ ahead and dQ tiles.
+  not one [64, 64] piece a consumer to the two kernels; dQ tiles that do
+  not divide the lengths to the dK/dV kernel's; Sᵀ ahead without a ring of
+  two stages or `overlap_softmax` to off. A persistent grid or dQ tiles
+  named in `options` ask for the two kernels, and the fused dQ for the
+  launch grid; a persistent grid drops the plan's Sᵀ ahead and dQ
+  tiles.
   """
   config = dataclasses.replace(
       _row(BACKWARD_PLAN, head_dim, is_causal, q_len, kv_len), **options)

@@ -1,7 +1,7 @@
 """How the forward's consumer warpgroups take turns on the tensor cores.
 
 FlashAttention-3 §3.1: while one consumer's matmuls run, the others do
-their softmax. Two ways here (`forward.KernelStatic.hw_turns`):
+their softmax. Two ways here (`forward_kernel.KernelStatic.hw_turns`):
 
   rendezvous  two consumers meet at one two-arrival mbarrier, twice a step
               (`Rendezvous`)
@@ -9,12 +9,13 @@ their softmax. Two ways here (`forward.KernelStatic.hw_turns`):
               matmuls and passes the turn to the next (`RingTurns`; three
               consumers always, two at head_dim 64: `plan.FORWARD_PLAN`)
 
-Both have one interface, which `forward._consume` calls at fixed points of
-its step (`consumer_turns` builds the right one): `begin()` before S_0,
-`after_scores(step)` once S_step is issued, `before_values(step, wait)`
-before P_step V_step (`wait()` awaits V's tile there), `end()` after the
-last P V. `turn_barriers` allocates the mbarriers, `turns_of` hands
-`_consume` what it takes turns with, `seed_turns` starts a ring.
+Both have one interface, which `forward_kernel._consume` calls at fixed
+points of its step (`consumer_turns` builds the right one): `begin()`
+before S_0, `after_scores(step)` once S_step is issued,
+`before_values(step, wait)` before P_step V_step (`wait()` awaits V's tile
+there), `end()` after the last P V. `turn_barriers` allocates the
+mbarriers, `turns_of` hands `_consume` what it takes turns with,
+`seed_turns` starts a ring.
 """
 from __future__ import annotations
 
