@@ -356,7 +356,7 @@ def test_scores_ahead_is_bitwise_the_default_on_gpu(head_dim, kwargs):
                              **kwargs)
 
 
-def test_scores_ahead_lowers_where_it_applies(cuda_lowering):
+def test_scores_ahead_lowers_where_it_applies(lowering_semantics):
   """The option changes the plain dK/dV kernel without a causal mask
   (64- and 128-row Q tiles, either grid), and the rest is refused by
   name."""
@@ -548,7 +548,7 @@ def test_dq_tiles_lower_and_change_the_dq_kernel_only(is_causal,
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim, block_q", [(64, 128), (128, 64)])
 def test_fused_dq_lowers_as_one_kernel(head_dim, block_q, is_causal,
-                                       cuda_lowering):
+                                       lowering_semantics):
   """`fused_dq=True`: one kernel computes dq, dk and dv (GQA 2:1, kv_len >
   q_len), at the tiles each head dim plans."""
   text = _lower(head_dim, is_causal, block_q=block_q, fused_dq=True)

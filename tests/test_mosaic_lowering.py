@@ -390,7 +390,7 @@ def test_persistent_tiles_cover_every_tile_once(shape, head_dim, num_ctas,
 @pytest.mark.parametrize("head_dim, block_kv, persistent",
                          [(64, 128, True), (128, 64, False)])
 def test_three_consumers_lower(head_dim, block_kv, persistent, is_causal,
-                               cuda_lowering):
+                               lowering_semantics):
   lower = functools.partial(_lower, head_dim, is_causal, block_kv=block_kv,
                             persistent=persistent, hw_turns=True)
   text = lower(q_len=320, num_consumers=3)
