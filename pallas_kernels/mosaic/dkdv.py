@@ -40,8 +40,7 @@ from pallas_kernels.mosaic.pipeline import (
     grid_args, ids_arrived, kernel_name, load_own_ids, produce,
     ranged_refs, ranged_scratch, ranged_walk, ring_slot, score_gradient,
     tile_probabilities, tile_transforms, tile_values, variant_mask_t,
-    walk_group,
-    wgmma_accumulate, wgmma_fresh, wgmma_then)
+    walk_group, wgmma_accumulate, wgmma_fresh, wgmma_then)
 from pallas_kernels.mosaic.shared_rows import (
     column_part, dkdv_consume_shared, exchange_scratch, exchange_transforms,
     load_column_parts)
@@ -115,10 +114,10 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
       functools.partial(_dkdv_kernel, static=static),
       out_type=out_type,
       scratch_types=scratch,
-      # Pallas hands CUDA the grid reversed: batch is the fastest axis and
-      # kv_tile the slowest, so CTAs launched together are the same K/V
-      # tile of different heads. The fused dQ relies on this order: K/V tile
-      # j of a head launches after tile j - 1 (see `FusedDq`).
+      # The tile axis launches fastest in the two kernels
+      # (`BackwardStatic.tile_fastest`) and slowest in the fused dQ, which
+      # relies on it: K/V tile j of a head launches after tile j - 1 (see
+      # `FusedDq`).
       **grid_args(static, (pl.cdiv(kv_len, static.kv_rows_per_cta),
                            num_kv_heads, batch),
                   ("kv_tile", "kv_head", "batch")),
