@@ -3,10 +3,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-
 import jax.numpy as jnp
+from jaxtyping import PRNGKeyArray
 
 from jax_flash import masking, reference, validation
+from jax_flash.reference import (AlibiSlopes, Bias, KeyValue, Lengths, Lse,
+                                 Mask, MaskFn, Out, QOffset, Query, ScoreFn,
+                                 SegmentIds, Sinks, Window)
 from jax_flash.validation import AttentionCall
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
@@ -17,13 +20,21 @@ IMPLEMENTATIONS: tuple[str, ...] = ("mosaic", "triton", "xla")
 
 
 def flash_attention(
-    query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-    segment_ids=None, q_offset=None, logits_soft_cap=None, alibi_slopes=None,
-    mask_fn=None, score_fn=None, dropout_rate=0.0, dropout_rng=None,
-    sinks=None, return_residual=False,
+    query: Query, key: KeyValue, value: KeyValue, bias: Bias | None = None,
+    mask: Mask | None = None, *, scale: float | None = None,
+    is_causal: bool = False, query_seq_lengths: Lengths | None = None,
+    key_value_seq_lengths: Lengths | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None, q_offset: QOffset | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: AlibiSlopes | None = None,
+    mask_fn: MaskFn | masking.BlockMask | None = None,
+    score_fn: ScoreFn | None = None, dropout_rate: float = 0.0,
+    dropout_rng: PRNGKeyArray | None = None, sinks: Sinks | None = None,
+    return_residual: bool = False,
     implementation: Implementation | None = None,
-    block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+    block_sizes: BlockSizes | None = None, interpret: bool | None = None,
+) -> Out | tuple[Out, Lse]:
   """Exact softmax attention, tiled so the N x N scores never reach HBM.
 
   A drop-in superset of `jax.nn.dot_product_attention` (same layout, same

@@ -1,15 +1,45 @@
 """`attention_reference`: plain jnp attention, the oracle every kernel is tested against."""
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jax_flash import masking, validation
 from jax_flash.validation import AttentionCall
 
+# The public signatures' shapes (jaxtyping). Documentation only: nothing
+# checks them at run time (no `jaxtyped` decorator, no import hook), so
+# tracing and dispatch are as without them. "*batch" is one axis, or none
+# in jax.nn's unbatched form; "#" marks an axis that may be 1 (broadcast),
+# and "*#leading" the leading axes a bias or mask of lower rank gains.
+Query = Float[Array, "*batch q_len heads dim"]
+KeyValue = Float[Array, "*batch kv_len kv_heads dim"]
+Bias = Float[Array, "*#leading #q_len #kv_len"]
+Mask = Bool[Array, "*#leading #q_len #kv_len"] | Bias
+Lengths = Int[Array, "*batch"]
+SegmentIds = (Int[Array, "*batch seq"]
+              | tuple[Int[Array, "*batch q_len"], Int[Array, "*batch kv_len"]])
+QOffset = int | Int[Array, "*batch"]
+Window = int | tuple[int | None, int | None]
+AlibiSlopes = Float[Array, "*batch heads"]
+Sinks = Float[Array, " heads"]
+MaskFn = Callable[[Array, Array, Array, Array], Bool[Array, "..."]]
+ScoreFn = Callable[[Array, Array, Array, Array, Array], Float[Array, "..."]]
+Out = Float[Array, "*batch q_len heads dim"]
+Lse = Float[Array, "*batch q_len heads"]
 
-def reference_attention(call: AttentionCall, query, key, value, bias=None,
-                        sinks=None, *, compute_dtype=jnp.float32):
+
+def reference_attention(
+    call: AttentionCall, query: Float[Array, "batch q_len heads dim"],
+    key: Float[Array, "batch kv_len kv_heads dim"],
+    value: Float[Array, "batch kv_len kv_heads dim"],
+    bias: Float[Array, "#batch #heads #q_len #kv_len"] | None = None,
+    sinks: Sinks | None = None, *, compute_dtype=jnp.float32,
+) -> tuple[Float[Array, "batch q_len heads dim"],
+           Float[Array, "batch q_len heads"]]:
   """Materialised softmax attention under the semantics of `jax_flash.masking`.
 
   Args:
@@ -95,8 +125,17 @@ def masked_logits(call: AttentionCall, query, key, bias=None, *,
   return jnp.where(keep, logits, -jnp.inf), values
 
 
-def reference_backward(call: AttentionCall, query, key, value, out, lse,
-                       d_out, d_lse):
+def reference_backward(
+    call: AttentionCall, query: Float[Array, "batch q_len heads dim"],
+    key: Float[Array, "batch kv_len kv_heads dim"],
+    value: Float[Array, "batch kv_len kv_heads dim"],
+    out: Float[Array, "batch q_len heads dim"],
+    lse: Float[Array, "batch q_len heads"],
+    d_out: Float[Array, "batch q_len heads dim"],
+    d_lse: Float[Array, "batch q_len heads"],
+) -> tuple[Float[Array, "batch q_len heads dim"],
+           Float[Array, "batch kv_len kv_heads dim"],
+           Float[Array, "batch kv_len kv_heads dim"]]:
   """(dq, dk, dv) from given residuals, by the softmax gradient's formula.
 
   `out` [batch, q_len, heads, dim] and `lse` float32 [batch, q_len, heads]
@@ -128,17 +167,28 @@ def reference_backward(call: AttentionCall, query, key, value, out, lse,
 
 
 def attention_reference(
-    query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-    segment_ids=None, q_offset=None, logits_soft_cap=None, alibi_slopes=None,
-    mask_fn=None, score_fn=None, dropout_rate=0.0, dropout_rng=None,
-    sinks=None, return_residual=False, implementation=None, block_sizes=None,
-    interpret=None):
+    query: Query, key: KeyValue, value: KeyValue, bias: Bias | None = None,
+    mask: Mask | None = None, *, scale: float | None = None,
+    is_causal: bool = False, query_seq_lengths: Lengths | None = None,
+    key_value_seq_lengths: Lengths | None = None,
+    local_window_size: Window | None = None,
+    segment_ids: SegmentIds | None = None, q_offset: QOffset | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: AlibiSlopes | None = None,
+    mask_fn: MaskFn | masking.BlockMask | None = None,
+    score_fn: ScoreFn | None = None, dropout_rate: float = 0.0,
+    dropout_rng: PRNGKeyArray | None = None, sinks: Sinks | None = None,
+    return_residual: bool = False, implementation: str | None = None,
+    block_sizes=None, interpret: bool | None = None,
+) -> Out | tuple[Out, Lse]:
   """Pure-jnp attention with `flash_attention`'s signature, float32 accumulate.
 
   Materialises the [batch, heads, q_len, kv_len] logits: use it as an oracle,
   not in a model. `implementation`, `block_sizes` and `interpret` are accepted
-  for signature compatibility and ignored.
+  for signature compatibility and ignored. Returns out [batch, q_len,
+  num_heads, head_dim] in query's dtype, or (out, lse float32 [batch, q_len,
+  num_heads]) with `return_residual=True`; without a batch axis in query,
+  neither has one.
   """
   del implementation, block_sizes, interpret
   query, key, value, restore = validation.add_batch_axis(query, key, value)
@@ -154,8 +204,14 @@ def attention_reference(
   return (out, lse) if return_residual else out
 
 
-def naive_attention(query, key, value, bias=None, mask=None, *,
-                    compute_dtype=jnp.float32, **variants):
+def naive_attention(
+    query: Float[Array, "batch q_len heads dim"],
+    key: Float[Array, "batch kv_len kv_heads dim"],
+    value: Float[Array, "batch kv_len kv_heads dim"],
+    bias: Bias | None = None, mask: Mask | None = None, *,
+    compute_dtype=jnp.float32, **variants,
+) -> tuple[Float[Array, "batch q_len heads dim"],
+           Float[Array, "batch q_len heads"]]:
   """`attention_reference`'s (out, lse) with the arithmetic in `compute_dtype`.
 
   With the input dtype, this is the "naive low-precision" yardstick of the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,6 +125,11 @@ def check_against_reference(attention, case: Case, dtype, *, seed: int = 0,
   ours = forward_and_grads(attention, q, k, v, d_out, d_lse)
   up = lambda x: x.astype(jnp.float32)
   exact = reference_in(jnp.float32)(up(q), up(k), up(v), up(d_out), d_lse)
+  # Shapes as the reference's; out and the gradients in the inputs' dtype,
+  # lse in float32.
+  chex.assert_trees_all_equal_shapes(ours, exact)
+  chex.assert_type([ours[name] for name in ("out", "dq", "dk", "dv")], dtype)
+  chex.assert_type(ours["lse"], jnp.float32)
   errors = {}
   if dtype == jnp.float32:
     for name, ref in exact.items():
@@ -131,7 +137,6 @@ def check_against_reference(attention, case: Case, dtype, *, seed: int = 0,
       scale_of_ref = max(1.0, float(jnp.max(jnp.abs(jnp.where(
           jnp.isfinite(ref), ref, 0.0)))))
       errors[name] = err
-      assert ours[name].dtype == (jnp.float32), name
       assert err <= f32_tol * scale_of_ref, (name, err, scale_of_ref)
     return errors
   naive = reference_in(dtype)(q, k, v, d_out, d_lse)

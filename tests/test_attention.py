@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,10 +61,31 @@ def test_default_block_sizes_match_reference():
                           is_causal=True, seed=3)
 
 
-def test_custom_scale():
-  case = Case(1, 40, 50, 2, 2, 32)
-  check_against_reference(_triton(SMALL_BLOCKS, scale=0.37), case,
-                          jnp.float32, scale=0.37)
+class JitAndEagerTest(chex.TestCase):
+  """The same call traced under jit and run op by op (`chex.variants`), a
+  scale of the caller's, against the reference: output, lse and every
+  gradient, with shapes and dtypes as given."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_custom_scale_matches_reference(self):
+    case = Case(1, 40, 50, 2, 2, 32)
+    q, k, v, d_out, d_lse = random_inputs(case, jnp.float32, 6)
+
+    def run(attention):
+      @self.variant
+      def forward_and_vjp(q, k, v, d_out, d_lse):
+        (out, lse), vjp = jax.vjp(attention, q, k, v)
+        return (out, lse), vjp((d_out, d_lse))
+      return forward_and_vjp(q, k, v, d_out, d_lse)
+
+    (out, lse), grads = run(_triton(SMALL_BLOCKS, scale=0.37))
+    chex.assert_shape(out, q.shape)
+    chex.assert_shape(lse, (1, 40, 2))
+    chex.assert_type([out, lse, *grads], jnp.float32)
+    chex.assert_trees_all_equal_shapes_and_dtypes(grads, (q, k, v))
+    want = run(functools.partial(jax_flash.attention_reference, scale=0.37,
+                                 return_residual=True))
+    chex.assert_trees_all_close(((out, lse), grads), want, atol=2e-5)
 
 
 def test_matches_jax_nn_dot_product_attention():
@@ -105,11 +127,10 @@ def test_unbatched_inputs_and_low_rank_bias_like_jax_nn(implementation):
   ours = run(jax_flash.flash_attention, implementation=implementation,
              block_sizes=SMALL_BLOCKS)
   theirs = run(jax.nn.dot_product_attention)
-  names = ("out", "lse", "dq", "dk", "dv", "dbias")
-  for name, a, b in zip(names, ours, theirs):
-    assert a.shape == b.shape, (name, a.shape, b.shape)
-    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=name)
-  assert ours[1].shape == (37, 4)                          # lse [Tq, heads]
+  # out, lse, dq, dk, dv, dbias: shapes (dbias in the bias's) and values.
+  chex.assert_trees_all_close(ours, theirs, atol=1e-4, rtol=1e-4)
+  chex.assert_shape(ours[1], (37, 4))                      # lse [Tq, heads]
+  chex.assert_shape(ours[5], bias.shape)
 
 
 def test_per_batch_arguments_without_the_batch_axis():
@@ -125,8 +146,8 @@ def test_per_batch_arguments_without_the_batch_axis():
                                implementation="triton",
                                block_sizes=SMALL_BLOCKS),
              jax_flash.attention_reference):
-    np.testing.assert_array_equal(fn(q, k, v, is_causal=True, **shared),
-                                  fn(q, k, v, is_causal=True, **broadcast))
+    chex.assert_trees_all_equal(fn(q, k, v, is_causal=True, **shared),
+                                fn(q, k, v, is_causal=True, **broadcast))
   np.testing.assert_allclose(
       jax_flash.flash_attention(q, k, v, is_causal=True, **shared,
                                 implementation="triton"),
@@ -157,9 +178,8 @@ def test_vmap_over_unbatched_calls():
   got, got_vjp = jax.vjp(
       lambda q, k, v: jax.vmap(per_example)(q, k, v, ids, lengths), q, k, v)
   want, want_vjp = jax.vjp(batched, q, k, v)
-  np.testing.assert_allclose(got, want, atol=2e-6)
-  for g, w in zip(got_vjp(d_out), want_vjp(d_out)):
-    np.testing.assert_allclose(g, w, atol=1e-5)
+  chex.assert_trees_all_close(got, want, atol=2e-6)
+  chex.assert_trees_all_close(got_vjp(d_out), want_vjp(d_out), atol=1e-5)
 
 
 def test_deterministic_bitwise():
@@ -171,10 +191,7 @@ def test_deterministic_bitwise():
     out, vjp = jax.vjp(_triton(SMALL_BLOCKS, True), q, k, v)
     return out, vjp((d_out, jnp.zeros_like(out[1])))
 
-  first = jax.tree.leaves(run(q, k, v))
-  second = jax.tree.leaves(run(q, k, v))
-  for a, b in zip(first, second):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  chex.assert_trees_all_equal(run(q, k, v), run(q, k, v))
 
 
 def test_jit_grad_vmap_checkpoint():
@@ -194,14 +211,27 @@ def test_jit_grad_vmap_checkpoint():
       "grad(checkpoint)": lambda f: jax.grad(jax.checkpoint(f), (0, 1, 2)),
   }.items():
     got = transform(functools.partial(loss, attention))(q, k, v)
-    for g, e in zip(got, expected):
-      np.testing.assert_allclose(g, e, atol=1e-4, err_msg=name)
+    chex.assert_trees_all_close(got, expected, atol=1e-4,
+                                custom_message=name)
 
   # vmap over a leading axis (e.g. layers): batch of batches.
   stacked = [jnp.stack([x, x[::-1]]) for x in (q, k, v)]
   got = jax.vmap(attention)(*stacked)
   want = jax.vmap(reference)(*stacked)
   np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_signatures_name_shapes_without_checking_them():
+  """The public signatures carry jaxtyping shapes, which resolve; nothing
+  checks them at run time (no `jaxtyped` wrapper), so calls trace as
+  without them."""
+  import typing
+  for fn in (jax_flash.flash_attention, jax_flash.attention_reference):
+    hints = typing.get_type_hints(fn)
+    assert "*batch q_len heads dim" in str(hints["query"])
+    assert "*batch kv_len kv_heads dim" in str(hints["key"])
+    assert "*batch q_len heads" in str(hints["return"])
+    assert not hasattr(fn, "__wrapped__"), fn
 
 
 def test_decode_single_query_and_single_key():

@@ -7,6 +7,7 @@ and K1's part of dQ; the two parts' dQ sum to the whole.
 """
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,8 +94,8 @@ def test_own_residuals_give_flash_attentions_gradients(implementation):
                                    is_causal=True,
                                    implementation=implementation,
                                    interpret=interpret)
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
     for g, w in zip(got, want):
-      assert g.shape == w.shape and g.dtype == w.dtype
       w32 = np.asarray(w, np.float32)
       np.testing.assert_allclose(np.asarray(g, np.float32), w32,
                                  atol=tol * float(np.max(np.abs(w32))))
@@ -107,8 +108,7 @@ def test_empty_rows_get_zero_gradients():
   out, lse = flash_attention(q, k, v, return_residual=True)
   out, lse = out.at[:, :3].set(0.0), lse.at[:, :3].set(-jnp.inf)
   dq, dk, dv = flash_attention_backward(q, k, v, out, lse, d_out, d_lse)
-  assert np.all(np.isfinite(dq)) and np.all(np.isfinite(dk))
-  assert np.all(np.isfinite(dv))
+  chex.assert_tree_all_finite((dq, dk, dv))
   np.testing.assert_array_equal(dq[:, :3], 0.0)
 
 
