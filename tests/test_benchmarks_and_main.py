@@ -552,7 +552,7 @@ def test_backward_breakdown_times_every_piece(head_dim, want, monkeypatch,
   monkeypatch.setattr(peers, "tokamax_mosaic", unavailable)
   assert backward_breakdown.main(["--seq", "256", "--head-dim",
                                   str(head_dim), "--tokens", "512",
-                                  "--reps", "1"]) == 0
+                                  "--hidden", "256", "--reps", "1"]) == 0
   names = [line.split("|")[1].strip() for line in
            capsys.readouterr().out.splitlines()[3:]]
   assert names == ["forward", "row statistics", "delta by XLA", *want,

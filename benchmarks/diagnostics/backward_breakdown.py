@@ -82,9 +82,12 @@ def main(argv=None) -> int:
   parser.add_argument("--reps", type=int, default=20)
   parser.add_argument("--tokens", type=int, default=16384,
                       help="batch * seq_len")
+  parser.add_argument("--hidden", type=int, default=2048,
+                      help="num_heads * head_dim")
   args = parser.parse_args(argv)
   cell_of = lambda mode: common.Cell.standard(
-      mode, args.seq, args.head_dim, args.causal, tokens=args.tokens)
+      mode, args.seq, args.head_dim, args.causal, tokens=args.tokens,
+      hidden=args.hidden)
   fwd_bwd = cell_of("fwd_bwd")
   forward_flops = cell_of("fwd").flops
   rows = [(name, fn, fn_args, forward_flops * (1.0 if name == "forward"
