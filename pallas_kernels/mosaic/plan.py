@@ -201,8 +201,8 @@ BACKWARD_PLAN: tuple[tuple[int, bool, Range, Range, BackwardConfig], ...] = (
     # h200_mosaic_fused_recheck_wide*.md). On the launch grid without a
     # mask each step's Sᵀ behind the step before's dK: 387 -> 403 at 4k,
     # 400 -> 421 at 16k, where it passed the fused dQ's 411
-    # (h200_mosaic_scores_ahead.md); under causal masking the dQ kernel on 64
-    # x 128 tiles, 381 -> 391 at 16k, 331 -> 337 at 4k
+    # (h200_mosaic_scores_ahead.md); under causal masking the dQ kernel on
+    # 64 x 128 tiles, 381 -> 391 at 16k, 331 -> 337 at 4k
     # (h200_mosaic_dq_tiles.md).
     (64, False, ANY, up_to(1024), BackwardConfig(block_q=128,
                                                  persistent=True)),
@@ -221,8 +221,8 @@ BACKWARD_PLAN: tuple[tuple[int, bool, Range, Range, BackwardConfig], ...] = (
     # each step's dQ piece issued beside the next step's dV and dK and lse
     # read early: 523 and 512 against the two kernels' 492 and 494
     # (h200_mosaic_fused_lse.md); at 4k the two kernels lead, 475 against
-    # 451, and under causal masking at 16k, 496 against 440
-    # (h200_mosaic_merged.md).
+    # 451 (h200_mosaic_merged.md), and under causal masking at 16k, 496
+    # against 440 (h200_mosaic_fused_lse.md).
     (128, False, ANY, up_to(1024), BackwardConfig(persistent=True,
                                                   prefetch_lse=True)),
     (128, False, ANY, (1025, 16383), BackwardConfig(prefetch_lse=True)),
