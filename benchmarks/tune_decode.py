@@ -124,7 +124,8 @@ def main(argv=None):
         np.asarray(lengths), NUM_KV_HEADS, HEAD_DIM, 2)
     default = decode_kernel.DecodeTiling.for_call(
         batch=batch, num_kv_heads=NUM_KV_HEADS, rows=q_len * call.group,
-        head_dim=HEAD_DIM, capacity=call.capacity, num_sms=compat.num_sms())
+        head_dim=HEAD_DIM, capacity=call.capacity, num_sms=compat.num_sms(),
+        paged=bool(page_size))
     runs = [(name, tiling, functools.partial(_ours, call, tiling))
             for name, tiling in (variants if args.sweep == "tiles"
                                  else split_variants)(default)]

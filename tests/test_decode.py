@@ -295,6 +295,11 @@ def test_default_tiling_fills_the_gpu():
         batch=batch, num_kv_heads=8, rows=4, head_dim=128, capacity=capacity,
         num_sms=132)
     assert tiling.num_splits == splits, (batch, capacity, tiling)
+  # One sequence in pages: two waves.
+  paged = decode_kernel.DecodeTiling.for_call(
+      batch=1, num_kv_heads=8, rows=4, head_dim=128, capacity=131072,
+      num_sms=132, paged=True)
+  assert paged.num_splits == 33
   many = decode_kernel.DecodeTiling.for_call(
       batch=64, num_kv_heads=8, rows=4, head_dim=128, capacity=4096,
       num_sms=132)

@@ -62,7 +62,7 @@ class DecodeTiling:
   @classmethod
   def for_call(cls, *, batch: int, num_kv_heads: int, rows: int,
                head_dim: int, capacity: int, num_sms: int,
-               itemsize: int = 2) -> "DecodeTiling":
+               paged: bool = False, itemsize: int = 2) -> "DecodeTiling":
     """The default schedule: every SM busy, each split a few tiles long.
 
     Args:
@@ -70,6 +70,7 @@ class DecodeTiling:
       head_dim: of the cache (its tiles are padded to a power of two).
       capacity: cache positions per sequence (the upper bound of a length).
       num_sms: streaming multiprocessors of the GPU.
+      paged: the cache is paged (its rows gathered through a table).
       itemsize: bytes per cache element.
     """
     dp = common.KernelDims.for_head_dim(head_dim).head_dim_padded
@@ -86,6 +87,9 @@ class DecodeTiling:
       # as long as it is: more, shorter spans balance the SMs' work.
       splits = max(splits, min((_WAVES * num_sms) // programs,
                                tiles // _MIN_TILES_PER_SPLIT))
+    elif paged:
+      # A page's rows wait on a table read: two waves hide it better.
+      splits = max(splits, (_PAGED_WAVES * num_sms) // programs)
     splits = max(1, min(splits, tiles // _MIN_TILES_PER_SHORT_SPLIT))
     # Triton buffers num_stages - 1 steps of K and V ahead.
     per_step = 2 * block_k * dp * itemsize
@@ -104,6 +108,11 @@ class DecodeTiling:
 # - one wave when the batch is one sequence: 16 splits at 1 x 128k read
 #   4.0 TB/s, 32 (two waves) 3.85, 66 3.6; 17 would start a second wave
 #   for 4 programs;
+# - one sequence in pages: two waves (33 splits at 1 x 128k: 3.81-3.84
+#   TB/s in pages of 16-256, cuDNN's paged attention 3.54-3.63; in one
+#   wave, 16 splits, 3.27-3.35: each tile's rows wait on a table read, and
+#   more programs in flight hide it; results/h200_decode_two_wave_splits.md
+#   against h200_decode.md, which ran the one-wave rule there);
 # - with several sequences, up to four waves of spans at least 32 tiles
 #   long: with ragged lengths (16 x 16k, lengths uniform in [2k, 16k]) 4
 #   splits read 3.77 TB/s against 3.50 with 2 and 3.29 with one; with full
@@ -116,6 +125,7 @@ _BLOCK_K = 128
 _TILE_ELEMENTS = 16384
 _NUM_STAGES = 3
 _WAVES = 4
+_PAGED_WAVES = 2
 _MIN_TILES_PER_SPLIT = 32
 _MIN_TILES_PER_SHORT_SPLIT = 4
 
@@ -151,7 +161,7 @@ def flash_decode(query, key_cache, value_cache, lengths, tables, slopes, *,
     tiling = DecodeTiling.for_call(
         batch=batch, num_kv_heads=num_kv_heads, rows=rows, head_dim=head_dim,
         capacity=spec.kv_len, num_sms=compat.num_sms(),
-        itemsize=jnp.dtype(key_cache.dtype).itemsize)
+        paged=bool(page_size), itemsize=jnp.dtype(key_cache.dtype).itemsize)
   with compat.quiet_triton_deprecation():
     partial_out, partial_lse = _decode_partials(
         query, key_cache, value_cache, lengths, tables, slopes, scale=scale,
