@@ -158,8 +158,8 @@ def main(argv=None):
                           us=ms * 1e3, gbps=gbps, max_diff=err))
       print(f"{cell} {name:>14}: "
             f"{ms * 1e3:8.1f} us {gbps:7.0f} GB/s diff {err:.2e}")
-    common.write_json(args.out, dict(common.run_header("benchmarks.tune_decode"),
-                                     records=records))
+    header = common.run_header("benchmarks.tune_decode")
+    common.write_json(args.out, dict(header, records=records))
   with open(args.out.removesuffix(".json") + ".md", "w") as f:
     f.write(render_md(records))
 

@@ -315,7 +315,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, tables_ref, slopes_ref,
   unmasked_hi = jnp.clip(full_hi, unmasked_lo, end)
 
   def cache_rows(kv_start):
-    """Rows of the [cache_rows, Dp] view holding positions kv_start + [0, block_k)."""
+    """Rows of the [cache_rows, Dp] view that hold positions
+    kv_start + [0, block_k) of sequence b."""
     pos = kv_start + jnp.arange(block_k, dtype=jnp.int32)
     if not page_size:
       return b * max_len + jnp.minimum(pos, max_len - 1)
