@@ -74,8 +74,9 @@ class BlockSizes:
     (`benchmarks/results/h200_block_sweep.json`) for 16-bit inputs. float32
     (`dtype`) gets smaller tiles on a GPU: its tiles take twice the shared
     memory, and the 16-bit tiles at head dim 128 took over a minute to
-    compile (`benchmarks/float32_probe.py`). On the CPU (interpret mode) large
-    tiles mean fewer interpreted steps, which is all that matters there.
+    compile (`benchmarks/diagnostics/float32_probe.py`). On the CPU
+    (interpret mode) large tiles mean fewer interpreted steps, which is all
+    that matters there.
     """
     if device_kind is None:
       device_kind = jax.devices()[0].device_kind
@@ -111,9 +112,9 @@ _GPU_DEFAULTS = {
                     num_warps_dq=8, num_stages_dq=2),
 }
 
-# float32 on a GPU (`benchmarks/float32_probe.py`, H200): half-size K/V tiles
-# (a float32 tile takes twice the shared memory), and at head dim 256 32-row
-# tiles in one stage: 64x32 tiles in two stages asked for 256 KiB there
+# float32 on a GPU (`benchmarks/diagnostics/float32_probe.py`, H200):
+# half-size K/V tiles (a float32 tile takes twice the shared memory), and at
+# head dim 256 32-row tiles in one stage: 64x32 tiles in two stages asked for 256 KiB there
 # (Triton's layout scratch for the split TF32 products comes on top of the
 # tiles that `common.fit_stages` counts).
 _GPU_FLOAT32_DEFAULTS = {

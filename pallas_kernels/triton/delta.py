@@ -9,7 +9,7 @@ with the LSE), XLA fused it all and took 0.32-0.39 ms at the grid's seq-1k
 cells on the H200, a quarter of the backward; reading O and dO (2 x 64 MiB)
 takes ~30 us. With the sum in this kernel the statistics take 0.06-0.07
 ms, about what XLA's sum alone takes (0.055 ms;
-`benchmarks/backward_breakdown.py`): the kernel fixes the sum's
+`benchmarks/diagnostics/backward_breakdown.py`): the kernel fixes the sum's
 cost whatever XLA fuses around it, and both backwards share it. One
 program reads a [block, head_dim] tile of each (contiguous head_dim rows,
 strided by the heads) and writes its block of the row.
