@@ -114,9 +114,9 @@ _GPU_DEFAULTS = {
 
 # float32 on a GPU (`benchmarks/diagnostics/float32_probe.py`, H200):
 # half-size K/V tiles (a float32 tile takes twice the shared memory), and at
-# head dim 256 32-row tiles in one stage: 64x32 tiles in two stages asked for 256 KiB there
-# (Triton's layout scratch for the split TF32 products comes on top of the
-# tiles that `common.fit_stages` counts).
+# head dim 256 32-row tiles in one stage: 64x32 tiles in two stages asked
+# for 256 KiB there (Triton's layout scratch for the split TF32 products
+# comes on top of the tiles that `common.fit_stages` counts).
 _GPU_FLOAT32_DEFAULTS = {
     128: BlockSizes(block_q=64, block_k=32, num_warps=4, num_stages=2,
                     block_q_dkv=32, block_kv_dkv=64, num_warps_dkdv=4,
