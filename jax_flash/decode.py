@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -158,7 +157,7 @@ def write_kv_cache(key_cache, value_cache, new_key, new_value, positions, *,
     raise ValueError(
         "new_key must be [batch, t, num_kv_heads, head_dim] with the cache's "
         f"heads and head_dim {key_cache.shape[2:]}, got {new_key.shape}")
-  positions = _int_array("positions", positions, (batch,))
+  positions = validation._check_int_array("positions", positions, (batch,))
   offsets = positions[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   if block_tables is None:
     if key_cache.shape[0] != batch:
@@ -186,17 +185,6 @@ def write_kv_cache(key_cache, value_cache, new_key, new_value, positions, *,
 # --- validation -----------------------------------------------------------
 
 
-def _int_array(name: str, x, shape: tuple[int, ...]):
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer array, got {x.dtype}")
-  if x.ndim == 0 and len(shape) == 1:
-    x = jnp.broadcast_to(x, shape)
-  if x.shape != shape:
-    raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
-  return x.astype(jnp.int32)
-
-
 def _block_tables(block_tables, batch: int):
   tables = jnp.asarray(block_tables)
   if not jnp.issubdtype(tables.dtype, jnp.integer):
@@ -206,14 +194,6 @@ def _block_tables(block_tables, batch: int):
     raise ValueError(f"block_tables must have shape [batch, pages_per_seq] "
                      f"with batch {batch}, got {tables.shape}")
   return tables.astype(jnp.int32)
-
-
-def _concrete(x):
-  try:
-    return np.asarray(x)
-  except (jax.errors.TracerArrayConversionError,
-          jax.errors.ConcretizationTypeError):
-    return None
 
 
 def normalise_decode_call(query, key_cache, value_cache, cache_lengths, *,
@@ -265,8 +245,9 @@ def normalise_decode_call(query, key_cache, value_cache, cache_lengths, *,
     tables = _block_tables(block_tables, batch)
     page_size = rows
     capacity = tables.shape[1] * page_size
-  lengths = _int_array("cache_lengths", cache_lengths, (batch,))
-  concrete = _concrete(lengths)
+  lengths = validation._check_int_array("cache_lengths", cache_lengths,
+                                         (batch,))
+  concrete = validation._concrete_values(lengths)
   if concrete is not None and (concrete.min() < 0
                                or concrete.max() > capacity):
     raise ValueError(f"cache_lengths must lie in [0, {capacity}] (the "
@@ -302,7 +283,7 @@ def normalise_decode_call(query, key_cache, value_cache, cache_lengths, *,
 def _check_pages(tables, lengths, page_size: int, num_pages: int):
   """Page indices that a sequence reads must name a page of the cache
   (checked where the tables and lengths are concrete)."""
-  values = _concrete(tables)
+  values = validation._concrete_values(tables)
   if values is None or lengths is None:
     return
   used = np.arange(values.shape[1])[None, :] * page_size < lengths[:, None]
