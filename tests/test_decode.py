@@ -285,37 +285,27 @@ def test_generation_loop_equals_full_attention():
     np.testing.assert_allclose(got, want[:, t:t + 1], atol=2e-5)
 
 
+def _default_tiling(**overrides):
+  """`DecodeTiling.for_call` at 8 K/V heads, 4 rows, d=128 on 132 SMs."""
+  args = dict(batch=1, num_kv_heads=8, rows=4, head_dim=128, capacity=4096,
+              num_sms=132)
+  return decode_kernel.DecodeTiling.for_call(**(args | overrides))
+
+
 def test_default_tiling_fills_the_gpu():
-  """One sequence: one wave of programs. Several: up to four waves of
-  spans at least 32 tiles long (ragged lengths balance)."""
+  """One sequence: one wave of programs (two in pages). Several: up to
+  four waves of spans at least 32 tiles long (ragged lengths balance)."""
   for batch, capacity, splits in ((1, 131072, 16), (1, 32768, 16),
                                   (8, 32768, 8), (16, 16384, 4),
-                                  (4, 65536, 16)):
-    tiling = decode_kernel.DecodeTiling.for_call(
-        batch=batch, num_kv_heads=8, rows=4, head_dim=128, capacity=capacity,
-        num_sms=132)
+                                  (4, 65536, 16), (64, 4096, 1)):
+    tiling = _default_tiling(batch=batch, capacity=capacity)
     assert tiling.num_splits == splits, (batch, capacity, tiling)
-  # One sequence in pages: two waves.
-  paged = decode_kernel.DecodeTiling.for_call(
-      batch=1, num_kv_heads=8, rows=4, head_dim=128, capacity=131072,
-      num_sms=132, paged=True)
-  assert paged.num_splits == 33
-  many = decode_kernel.DecodeTiling.for_call(
-      batch=64, num_kv_heads=8, rows=4, head_dim=128, capacity=4096,
-      num_sms=132)
-  assert many.num_splits == 1
-  short = decode_kernel.DecodeTiling.for_call(
-      batch=1, num_kv_heads=1, rows=1, head_dim=128, capacity=300,
-      num_sms=132)
+  assert _default_tiling(capacity=131072, paged=True).num_splits == 33
+  short = _default_tiling(num_kv_heads=1, rows=1, capacity=300)
   assert short.num_splits == 1 and short.block_k == 128
-  tiny = decode_kernel.DecodeTiling.for_call(
-      batch=1, num_kv_heads=1, rows=1, head_dim=128, capacity=20,
-      num_sms=132)
-  assert tiny.block_k == 32
+  assert _default_tiling(num_kv_heads=1, rows=1, capacity=20).block_k == 32
   # d=256: 64 positions a step, so that three stages fit in shared memory.
-  wide = decode_kernel.DecodeTiling.for_call(
-      batch=8, num_kv_heads=8, rows=4, head_dim=256, capacity=32768,
-      num_sms=132)
+  wide = _default_tiling(batch=8, head_dim=256, capacity=32768)
   assert wide.block_k == 64 and wide.num_stages == 3
 
 
