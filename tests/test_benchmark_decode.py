@@ -13,6 +13,10 @@ import pytest
 from benchmarks import decode
 from pallas_kernels import compat
 
+# Its module-scoped fixtures (a child process, a trained model) are built
+# once: every test of the file runs in one xdist worker (pyproject).
+pytestmark = pytest.mark.xdist_group("test_benchmark_decode")
+
 # DESIGN.md section 5's fields of a decode record.
 RECORD_FIELDS = {"impl", "batch", "q_len", "kv_len", "num_heads",
                  "num_kv_heads", "head_dim", "page_size", "us", "gbps"}

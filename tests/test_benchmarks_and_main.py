@@ -13,6 +13,10 @@ import pytest
 from benchmarks import common, memory, render, run_grid, tune_blocks
 from pallas_kernels import compat
 
+# Its module-scoped fixtures (a child process, a trained model) are built
+# once: every test of the file runs in one xdist worker (pyproject).
+pytestmark = pytest.mark.xdist_group("test_benchmarks_and_main")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_FIELDS = {"impl", "mode", "seq_len", "head_dim", "causal", "dtype",
                  "batch", "num_heads", "ms", "tflops", "peak_gib"}

@@ -12,6 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+# Its module-scoped fixtures (a child process, a trained model) are built
+# once: every test of the file runs in one xdist worker (pyproject).
+pytestmark = pytest.mark.xdist_group("test_generate_example")
+
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / (
     "generate.py")
 

@@ -22,6 +22,10 @@ from jax_flash.sharding import sequence_parallel_attention
 from tests import sharding_worker
 from tests.attention_checks import Case, check_against_reference
 
+# Its module-scoped fixtures (a child process, a trained model) are built
+# once: every test of the file runs in one xdist worker (pyproject).
+pytestmark = pytest.mark.xdist_group("test_sharding")
+
 # Two subprocesses in a plain run; one under pytest-xdist, whose other
 # process already keeps the second core (and memory) busy.
 NUM_WORKERS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2

@@ -9,6 +9,10 @@ import sys
 
 import pytest
 
+# Its module-scoped fixtures (a child process, a trained model) are built
+# once: every test of the file runs in one xdist worker (pyproject).
+pytestmark = pytest.mark.xdist_group("test_train_example")
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FINAL = re.compile(r"\[(?P<name>[^\]]+)\] final train loss (?P<train>[\d.]+)"
                    r"\s+valid loss (?P<valid>[\d.]+)")

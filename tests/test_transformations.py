@@ -44,6 +44,10 @@ from jax_flash.sharding import ring_attention, zigzag_indices
 from tests import sharding_worker
 from tests.attention_checks import Case
 
+# Its module-scoped fixtures (a child process, a trained model) are built
+# once: every test of the file runs in one xdist worker (pyproject).
+pytestmark = pytest.mark.xdist_group("test_transformations")
+
 IMPLEMENTATIONS = ("triton", "xla")
 CASE = Case(batch=2, q_len=28, kv_len=28, num_heads=4, num_kv_heads=2,
             head_dim=24)
