@@ -60,6 +60,24 @@ BACKWARD_OPTIONS = ({}, dict(overlap_softmax=False),
                     dict(lean_producer=True))
 
 
+# The masked kernels' cases (tests/test_mosaic_masked.py runs all but the
+# grid-sized window in the interpreter): awkward lengths, every mask kind.
+MASKED_CASES = {  # name: (q_len, kv_len, MaskSpec fields, operands)
+    "ragged causal": (200, 333, dict(is_causal=True), {}),
+    "bottom-right causal": (256, 512, dict(is_causal=True,
+                                           has_q_offset=True),
+                            dict(q_offset=[256, 100])),
+    "causal window": (384, 384, dict(is_causal=True, window=(100, 0)), {}),
+    "lengths": (256, 256, dict(has_q_lengths=True, has_kv_lengths=True),
+                dict(q_lengths=[100, 256], kv_lengths=[256, 0])),
+    "soft cap": (97, 300, dict(is_causal=True, logits_soft_cap=20.0), {}),
+    "segments": (256, 200, dict(has_segments=True),
+                 dict(q_segments=[[0] * 100 + [1] * 156] * 2,
+                      kv_segments=[[0] * 60 + [1] * 140] * 2)),
+    "grid window": (4096, 4096, dict(is_causal=True, window=(1024, 0)), {}),
+}
+
+
 def lowers(fn, *shapes) -> str | None:
   """None if `fn` lowers for CUDA on bfloat16 `shapes`, else the error."""
   args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
@@ -134,21 +152,7 @@ def calls():
         name = f"grid seq{seq} d{d} causal{int(causal)}"
         yield f"{name} fwd", attend, (x, x, x)
         yield f"{name} fwdbwd", with_gradients(attend), (x, x, x, x)
-  masks = {  # name: (q_len, kv_len, MaskSpec fields, operands)
-      "ragged causal": (200, 333, dict(is_causal=True), {}),
-      "bottom-right causal": (256, 512, dict(is_causal=True,
-                                             has_q_offset=True),
-                              dict(q_offset=[256, 100])),
-      "causal window": (384, 384, dict(is_causal=True, window=(100, 0)), {}),
-      "lengths": (256, 256, dict(has_q_lengths=True, has_kv_lengths=True),
-                  dict(q_lengths=[100, 256], kv_lengths=[256, 0])),
-      "soft cap": (97, 300, dict(is_causal=True, logits_soft_cap=20.0), {}),
-      "segments": (256, 200, dict(has_segments=True),
-                   dict(q_segments=[[0] * 100 + [1] * 156] * 2,
-                        kv_segments=[[0] * 60 + [1] * 140] * 2)),
-      "grid window": (4096, 4096, dict(is_causal=True, window=(1024, 0)), {}),
-  }
-  for mask, (q_len, kv_len, fields, values) in masks.items():
+  for mask, (q_len, kv_len, fields, values) in MASKED_CASES.items():
     for d in (64, 128, 256):
       spec = MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
       batch = 2 if q_len < 1000 else 4

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import lower_mosaic
 import jax_flash
 from jax_flash import masking, validation
 from jax_flash.validation import Operands
@@ -27,18 +28,8 @@ except ImportError as e:  # a jaxlib built without Mosaic GPU
 
 
 # name: (q_len, kv_len, MaskSpec fields, operands)
-VARIANTS = {
-    "ragged causal": (200, 333, dict(is_causal=True), {}),
-    "bottom-right causal": (256, 512, dict(is_causal=True, has_q_offset=True),
-                            dict(q_offset=[256, 100])),
-    "causal window": (384, 384, dict(is_causal=True, window=(100, 0)), {}),
-    "lengths": (256, 256, dict(has_q_lengths=True, has_kv_lengths=True),
-                dict(q_lengths=[100, 256], kv_lengths=[256, 0])),
-    "soft cap": (97, 300, dict(is_causal=True, logits_soft_cap=20.0), {}),
-    "segments": (256, 200, dict(has_segments=True),
-                 dict(q_segments=[[0] * 100 + [1] * 156] * 2,
-                      kv_segments=[[0] * 60 + [1] * 140] * 2)),
-}
+VARIANTS = {name: case for name, case in lower_mosaic.MASKED_CASES.items()
+            if name != "grid window"}  # (too large to interpret)
 
 
 def _operands(values: dict) -> Operands:
