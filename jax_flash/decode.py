@@ -163,11 +163,8 @@ def write_kv_cache(key_cache, value_cache, new_key, new_value, positions, *,
     if key_cache.shape[0] != batch:
       raise ValueError(f"new_key's batch ({batch}) must match the dense "
                        f"cache's ({key_cache.shape[0]})")
-    rows = (jnp.arange(batch, dtype=jnp.int32)[:, None],
-            offsets)
     # Positions past max_len are out of bounds: "drop" leaves the cache.
-    write = lambda cache, new: cache.at[rows].set(
-        new.astype(cache.dtype), mode="drop")
+    rows = (jnp.arange(batch, dtype=jnp.int32)[:, None], offsets)
   else:
     tables = _block_tables(block_tables, batch)
     page_size = key_cache.shape[1]
@@ -177,8 +174,8 @@ def write_kv_cache(key_cache, value_cache, new_key, new_value, positions, *,
     # Past the capacity: an out-of-range page index, which "drop" skips.
     page = jnp.where(offsets < capacity, page, key_cache.shape[0])
     rows = (page, offsets % page_size)
-    write = lambda cache, new: cache.at[rows].set(
-        new.astype(cache.dtype), mode="drop")
+  write = lambda cache, new: cache.at[rows].set(new.astype(cache.dtype),
+                                                mode="drop")
   return write(key_cache, new_key), write(value_cache, new_value)
 
 

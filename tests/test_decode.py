@@ -92,7 +92,7 @@ def _oracle(q, k, v, lengths, **kwargs):
       implementation="xla", **kwargs)
 
 
-def _assert_close(ours, want, dtype, atol=2e-5):
+def _assert_close(ours, want, atol=2e-5):
   for got, ref in zip(ours, want):
     got = np.asarray(got, np.float32)
     ref = np.asarray(ref, np.float32)
@@ -134,7 +134,7 @@ def test_dense_cache_matches_oracle(case, impl, tiling):
   want = _oracle(q, k, v, lengths)
   ours = _run(impl, q, _poison(k, lengths), _poison(v, lengths), lengths,
               tiling)
-  _assert_close(ours, want, jnp.float32)
+  _assert_close(ours, want)
 
 
 @pytest.mark.parametrize("impl, tiling", IMPLS, ids=IMPL_IDS)
@@ -151,7 +151,7 @@ def test_paged_cache_matches_oracle(page_size, impl, tiling):
           < np.asarray(lengths)[:, None])
   tables = jnp.where(used, tables, jnp.asarray(-7, jnp.int32))
   ours = _run(impl, q, k_pages, v_pages, lengths, tiling, block_tables=tables)
-  _assert_close(ours, want, jnp.float32)
+  _assert_close(ours, want)
 
 
 VARIANTS = {
@@ -173,7 +173,7 @@ def test_score_and_mask_options_match_oracle(variant, impl, tiling):
   want = _oracle(q, k, v, lengths, **kwargs)
   ours = _run(impl, q, _poison(k, lengths), _poison(v, lengths), lengths,
               tiling, **kwargs)
-  _assert_close(ours, want, jnp.float32)
+  _assert_close(ours, want)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -207,7 +207,7 @@ def test_lengths_and_tables_are_traced_one_compile_serves_a_loop():
     lengths = jnp.asarray(lengths, jnp.int32)
     got = step(q, lengths, tables)
     want, _ = _oracle(q, k, v, lengths)
-    _assert_close([got], [want], jnp.float32)
+    _assert_close([got], [want])
   assert len(traces) == 1
 
 
@@ -397,4 +397,4 @@ def test_inside_shard_map_over_the_batch(check_vma):
       mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec),
       check_vma=check_vma))
   _assert_close(run(q, _poison(k, lengths), _poison(v, lengths), lengths),
-                _oracle(q, k, v, lengths), jnp.float32)
+                _oracle(q, k, v, lengths))

@@ -224,6 +224,46 @@ def score_grad(spec: MaskSpec, qk, scale: float, q_idx, kv_idx, values, ds):
   return ds * slope
 
 
+def softmax_init(rows: int, width: int):
+  """The online softmax's state before the first K/V tile: the unnormalised
+  output acc [rows, width], running max m and sum l [rows] (base 2)."""
+  return (jnp.zeros((rows, width), jnp.float32),
+          jnp.full((rows,), -jnp.inf, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+
+
+def softmax_step(m, l, s, masked: bool):
+  """One K/V tile of the online softmax (FlashAttention-2 Alg. 1).
+
+  Args:
+    m, l: running max and sum [rows]; s: base-2 logits [rows, block_k].
+    masked: the tile has masked (-inf) logits.
+
+  Returns:
+    (m_new, correction [rows] to scale acc by, p [rows, block_k] the
+    tile's weights, l_new).
+  """
+  m_new = jnp.maximum(m, jnp.max(s, axis=1))
+  if masked:
+    # A row with every key masked so far keeps m = -inf; shift by 0 instead
+    # so that exp2 gives 0, not NaN.
+    m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  else:
+    m_new_safe = m_new
+  correction = jnp.exp2(m - m_new_safe)
+  p = jnp.exp2(s - m_new_safe[:, None])
+  return m_new, correction, p, l * correction + jnp.sum(p, axis=1)
+
+
+def softmax_finish(acc, m, l):
+  """(out [rows, width], natural-log lse [rows]) from the final state; rows
+  with nothing to attend to give 0 and -inf."""
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  out = acc / l_safe[:, None]
+  return out, jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN_2)
+
+
 def dropout_keep(spec: MaskSpec, reader, q_idx, kv_idx, batch, head):
   """The dropout mask of a tile (None without dropout)."""
   if not spec.dropout_rate:

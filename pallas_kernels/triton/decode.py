@@ -349,26 +349,17 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, tables_ref, slopes_ref,
     kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
     qk = common.matmul(q, k, precision, transpose_b=True)
     s = common.logits_base2(spec, qk, scale, q_idx, kv_idx, values, masked)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    # A row with nothing kept so far keeps m = -inf: shift by 0, not NaN.
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-    correction = jnp.exp2(m - m_safe)
-    p = jnp.exp2(s - m_safe[:, None])
-    l = l * correction + jnp.sum(p, axis=1)
+    m_new, correction, p, l = common.softmax_step(m, l, s, masked)
     v = load(v_ref, idx, kv_start, masked)
     acc = acc * correction[:, None] + common.matmul(p.astype(v.dtype), v,
                                                     precision)
     return acc, m_new, l
 
-  carry = (jnp.zeros((block_r, dims.head_dim_padded), jnp.float32),
-           jnp.full((block_r,), -jnp.inf, jnp.float32),
-           jnp.zeros((block_r,), jnp.float32))
+  carry = common.softmax_init(block_r, dims.head_dim_padded)
   acc, m, l = common.run_block_loop((start, unmasked_lo, unmasked_hi, end),
                                     body, carry)
-  empty = l == 0.0  # nothing in this span: out 0, lse -inf
-  l_safe = jnp.where(empty, 1.0, l)
-  lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * common.LN_2)
-  common.store_tile(o_ref, tile, acc / l_safe[:, None], dims, rows - row0)
+  out, lse = common.softmax_finish(acc, m, l)  # an empty span: 0, -inf
+  common.store_tile(o_ref, tile, out, dims, rows - row0)
   common.store_rows(lse_ref, tile, lse, rows - row0)
 
 

@@ -43,16 +43,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale: float, spec: MaskSpec,
     values = reader.values(q_start, kv_start)
     qk = common.matmul(q, k, tiling.precision, transpose_b=True)
     s = common.logits_base2(spec, qk, scale, q_idx, kv_idx, values, masked)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    if masked:
-      # A row with every key masked so far keeps m = -inf; shift by 0 instead
-      # so that exp2 gives 0, not NaN.
-      m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    else:
-      m_new_safe = m_new
-    correction = jnp.exp2(m - m_new_safe)
-    p = jnp.exp2(s - m_new_safe[:, None])
-    l = l * correction + jnp.sum(p, axis=1)
+    m_new, correction, p, l = common.softmax_step(m, l, s, masked)
     kept = common.dropout_keep(spec, reader, q_idx, kv_idx, batch, head)
     if kept is not None:
       # The softmax sum uses every weight; only the output sees dropout.
@@ -62,16 +53,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale: float, spec: MaskSpec,
     acc = acc * correction[:, None] + pv
     return acc, m_new, l
 
-  carry = (jnp.zeros((block_q, dims.head_dim_padded), jnp.float32),
-           jnp.full((block_q,), -jnp.inf, jnp.float32),
-           jnp.zeros((block_q,), jnp.float32))
+  carry = common.softmax_init(block_q, dims.head_dim_padded)
   block_state = reader.block_state if spec.needs_block_map else None
   acc, m, l = common.run_block_loop(reader.ranges(), body, carry, block_state)
 
-  empty = l == 0.0  # nothing to attend to: output 0, lse -inf
-  l_safe = jnp.where(empty, 1.0, l)
-  out = acc / l_safe[:, None]
-  lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * common.LN_2)
+  out, lse = common.softmax_finish(acc, m, l)
   common.store_tile(o_ref, tile, out, dims, spec.q_len - q_start)
   common.store_rows(lse_ref, tile, lse, spec.q_len - q_start)
 
