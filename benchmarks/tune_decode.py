@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
+from benchmarks import decode as decode_benchmark
 from jax_flash import decode
 from pallas_kernels import compat
 from pallas_kernels.triton import decode as decode_kernel
@@ -32,29 +33,14 @@ CELLS = [(1, 131072, 1, 0), (8, 32768, 1, 0), (64, 4096, 1, 0),
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def make_cache(batch, length, page_size, key, ragged=False):
-  """(q, key_cache, value_cache, lengths, tables): full sequences, or
-  lengths uniform in [length / 8, length] when ragged; pages shuffled."""
-  keys = jax.random.split(key, 3)
-  dtype = jnp.bfloat16
-  shape_q = (batch, 1, NUM_HEADS, HEAD_DIM)
-  if page_size:
-    pages_per_seq = length // page_size
-    num_pages = batch * pages_per_seq
-    shape_c = (num_pages, page_size, NUM_KV_HEADS, HEAD_DIM)
-    perm = np.random.default_rng(0).permutation(num_pages)
-    tables = jnp.asarray(perm.reshape(batch, pages_per_seq), jnp.int32)
-  else:
-    shape_c = (batch, length, NUM_KV_HEADS, HEAD_DIM)
-    tables = None
-  q = common.random_array(keys[0], shape_q, dtype)
-  k = common.random_array(keys[1], shape_c, dtype)
-  v = common.random_array(keys[2], shape_c, dtype)
-  lengths = np.full((batch,), length)
-  if ragged:
-    lengths = np.random.default_rng(1).integers(length // 8, length + 1,
-                                                batch)
-  return q, k, v, jnp.asarray(lengths, jnp.int32), tables
+def make_cache(batch, length, q_len, page_size, ragged=False):
+  """(q, key_cache, value_cache, lengths, tables) as `benchmarks.decode`
+  builds a cell: random values, full or ragged lengths, shuffled pages."""
+  cell = decode_benchmark.DecodeCell(batch, length, q_len, page_size,
+                                     bool(ragged), NUM_HEADS, NUM_KV_HEADS,
+                                     HEAD_DIM)
+  return decode_benchmark.cache_inputs(
+      cell, decode_benchmark.make_sequences(cell, seed=0), seed=0)
 
 
 def split_variants(default: decode_kernel.DecodeTiling):
@@ -114,10 +100,9 @@ def main(argv=None):
   cells = CELLS if args.cells is None else [CELLS[i] for i in args.cells]
   records = []
   for batch, length, q_len, page_size, *ragged in cells:
-    q, k, v, lengths, tables = make_cache(batch, length, page_size,
-                                          jax.random.key(0), bool(ragged))
+    q, k, v, lengths, tables = make_cache(batch, length, q_len, page_size,
+                                          bool(ragged))
     cell = [batch, length, q_len, page_size, *ragged]
-    q = jnp.repeat(q, q_len, axis=1)
     call, (lengths, tables, slopes, _) = decode.normalise_decode_call(
         q, k, v, lengths, block_tables=tables)
     nbytes = decode_kernel.cache_bytes_read(
