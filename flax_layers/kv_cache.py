@@ -29,6 +29,7 @@ import math
 import jax.numpy as jnp
 
 import jax_flash
+from jax_flash.decode import dense_view
 from flax_layers.attention_fn import attend, flash_attention_fn, unfused_reason
 
 
@@ -137,7 +138,7 @@ def decode(attention_fn, query, key, value, *, cached_key, cached_value,
         block_tables=tables, **options)
     out = jnp.reshape(out, query.shape).astype(dtype)
   else:
-    dense_keys, dense_values = _dense_view(keys, values, tables, lengths)
+    dense_keys, dense_values = dense_view(keys, values, lengths, tables)
     unflat = lambda x: jnp.reshape(x, batch_shape + x.shape[1:])
     out = attend(attention_fn, query, unflat(dense_keys),
                  unflat(dense_values), mask=mask, is_causal=True,
@@ -183,19 +184,3 @@ def _decode_options(attention_fn) -> dict | None:
     return None
   # Block sizes are the training kernels'; decode_attention picks its own.
   return {k: v for k, v in bound.items() if k != "block_sizes"}
-
-
-def _dense_view(keys, values, tables, lengths):
-  """The cache as dense [batch, capacity, kv_heads, head_dim] arrays (pages
-  gathered by `tables`, unless None), zero at and past each length: rows
-  not written may hold anything, and a mask stops a NaN only where its
-  weight is not 0."""
-  if tables is not None:
-    pages = jnp.clip(tables, 0, keys.shape[0] - 1)
-    gather = lambda x: x[pages].reshape(
-        (tables.shape[0], tables.shape[1] * x.shape[1]) + x.shape[2:])
-    keys, values = gather(keys), gather(values)
-  valid = jnp.arange(keys.shape[1])[None, :] < lengths[:, None]
-  clean = lambda x: jnp.where(valid[..., None, None], x,
-                              jnp.zeros((), x.dtype))
-  return clean(keys), clean(values)

@@ -296,17 +296,24 @@ def _check_pages(tables, lengths, page_size: int, num_pages: int):
 # --- implementations ---------------------------------------------------------
 
 
-def dense_view(call: DecodeCall, key_cache, value_cache, lengths, tables):
+def dense_view(key_cache, value_cache, lengths, tables=None):
   """The cache as dense [batch, capacity, num_kv_heads, head_dim] arrays with
   every entry at or past a sequence's length set to 0 (so that garbage,
-  NaN included, cannot reach the result through 0 * NaN). XLA's path and
-  the tests' oracle; it reads and writes the whole cache."""
+  NaN included, cannot reach a result through 0 * NaN).
+
+  Args:
+    key_cache, value_cache: dense or paged, as `decode_attention` takes them.
+    lengths: int32 [batch]; tables: int32 [batch, pages_per_seq] or None.
+
+  XLA's path, the Flax layers' unfused fallback and the tests' oracle; it
+  reads and writes the whole cache.
+  """
   if tables is not None:
     pages = jnp.clip(tables, 0, key_cache.shape[0] - 1)
     gather = lambda cache: cache[pages].reshape(
-        call.batch, call.capacity, call.num_kv_heads, call.head_dim)
+        (tables.shape[0], tables.shape[1] * cache.shape[1]) + cache.shape[2:])
     key_cache, value_cache = gather(key_cache), gather(value_cache)
-  valid = (jnp.arange(call.capacity)[None, :] < lengths[:, None])
+  valid = jnp.arange(key_cache.shape[1])[None, :] < lengths[:, None]
   valid = valid[:, :, None, None]
   clean = lambda cache: jnp.where(valid, cache, jnp.zeros((), cache.dtype))
   return clean(key_cache), clean(value_cache)
@@ -314,7 +321,7 @@ def dense_view(call: DecodeCall, key_cache, value_cache, lengths, tables):
 
 def _run_xla(call: DecodeCall, query, key_cache, value_cache, lengths, tables,
              slopes, **_):
-  key, value = dense_view(call, key_cache, value_cache, lengths, tables)
+  key, value = dense_view(key_cache, value_cache, lengths, tables)
   attention_call = validation.AttentionCall(
       validation.AttentionShape(call.batch, call.q_len, call.capacity,
                                 call.num_heads, call.num_kv_heads,
