@@ -116,8 +116,8 @@ def jax_flash_all_mosaic(cell: common.Cell, *, interpret: bool = False
   from pallas_kernels.config import BlockSizes
   flash_attention_mosaic = _mosaic_module().flash_attention_mosaic
   mosaic_backward = _mosaic_module().backward.mosaic_backward
-  # `backward="mosaic"` falls back to the Triton backward for calls it does
-  # not cover; here that must be a skip, not a mislabelled timing.
+  # The Mosaic backward falls back to the Triton one for calls it does not
+  # cover; here that must be a skip, not a mislabelled timing.
   x = jax.ShapeDtypeStruct(cell.shape, cell.dtype)
   lse = jax.ShapeDtypeStruct((cell.batch, cell.num_heads, cell.seq_len),
                              jnp.float32)
@@ -127,8 +127,7 @@ def jax_flash_all_mosaic(cell: common.Cell, *, interpret: bool = False
 
   def attention(q, k, v):
     out, _ = flash_attention_mosaic(q, k, v, cell.head_dim**-0.5, cell.causal,
-                                    BlockSizes.get_default(cell.head_dim),
-                                    "mosaic")
+                                    BlockSizes.get_default(cell.head_dim))
     return out
   return _benchmark(cell, attention)
 

@@ -1,11 +1,12 @@
 """The Mosaic kernels wired by `jax.custom_vjp`, as `jax_flash` calls them.
 
 `flash_attention_mosaic`: `mosaic_forward` (wgmma, TMA, warp
-specialisation) and, by `backward`, `mosaic_backward` ("mosaic", falling
-back to the Triton family's recomputing backward for calls it does not
-cover) or that Triton backward ("triton"; it needs only the forward's q,
-k, v, o, lse). With the Mosaic backward fwd+bwd at seq 16k runs 1.07-1.26x
-faster than with the Triton one (`benchmarks/results/h200_mosaic.md`).
+specialisation) and `mosaic_backward`, falling back to the Triton family's
+recomputing backward (it needs only the forward's q, k, v, o, lse) for
+calls the Mosaic backward does not cover. With the Mosaic backward fwd+bwd
+at seq 16k runs 1.07-1.26x faster than with the Triton one
+(`benchmarks/results/h200_mosaic.md`), which is why the Triton backward is
+no longer an option here.
 
 `flash_attention_mosaic_masked`: the masked forward (`mosaic_forward_masked`:
 window, q_offset, lengths, segment ids, soft cap, any lengths) with the
@@ -39,7 +40,6 @@ from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
 from pallas_kernels.triton.backward import flash_backward
 
 
-BACKWARDS = ("triton", "mosaic")
 # Masks on the masked Mosaic forward and backward (else the Triton kernels).
 MASKED_KERNEL_ENABLED = True
 MASKED_BACKWARD_ENABLED = True
@@ -56,7 +56,7 @@ def backward_tiles(head_dim: int, q_len: int) -> dict:
 
 
 def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
-                     backward_blocks: BlockSizes, backward: str = "mosaic",
+                     backward_blocks: BlockSizes,
                      spec: MaskSpec | None = None,
                      operands: Operands | None = None):
   """`flash_attention_mosaic` (or, for masks, the masked kernel) for any
@@ -81,7 +81,7 @@ def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
                                              spec, backward_blocks)
   else:
     out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
-                                      backward_blocks, backward)
+                                      backward_blocks)
   return out[..., :head_dim], lse
 
 
@@ -109,7 +109,7 @@ def mosaic_attention_backward(query, key, value, out, lse, d_out, d_lse, *,
                                 (*residuals, operands or Operands()),
                                 cotangents)
   else:
-    dq, dk, dv = _bwd(scale, is_causal, backward_blocks, "mosaic", residuals,
+    dq, dk, dv = _bwd(scale, is_causal, backward_blocks, residuals,
                       cotangents)
   return tuple(x[..., :head_dim] for x in (dq, dk, dv))
 
@@ -150,35 +150,31 @@ def _tile_aligned(query, key) -> bool:
           and key.shape[1] % default_block_kv(query.shape[-1]) == 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def flash_attention_mosaic(query, key, value, scale: float, is_causal: bool,
-                           backward_blocks: BlockSizes,
-                           backward: str = "mosaic"):
+                           backward_blocks: BlockSizes):
   """Exact attention on sm90; returns (out [B, Tq, N, D], lse f32 [B, N, Tq]).
 
-  `backward_blocks` are the Triton backward's tiles; `backward` is one of
-  `BACKWARDS` (see the module docstring).
+  `backward_blocks` are the Triton backward's tiles, for the calls the
+  Mosaic backward does not cover.
   """
-  if backward not in BACKWARDS:
-    raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
   return mosaic_forward(query, key, value, scale=scale, is_causal=is_causal)
 
 
-def _fwd(query, key, value, scale, is_causal, backward_blocks, backward):
+def _fwd(query, key, value, scale, is_causal, backward_blocks):
   out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
-                                    backward_blocks, backward)
+                                    backward_blocks)
   return (out, lse), (query, key, value, out, lse)
 
 
-def _bwd(scale, is_causal, backward_blocks, backward, residuals, cotangents):
+def _bwd(scale, is_causal, backward_blocks, residuals, cotangents):
   query, key, value, out, lse = residuals
   d_out, d_lse = cotangents
-  if backward == "mosaic":
-    try:
-      return mosaic_backward(query, key, value, out, lse, d_out, d_lse,
-                             scale=scale, is_causal=is_causal)
-    except NotImplementedError:
-      pass  # a call the Mosaic kernels do not cover: the Triton backward
+  try:
+    return mosaic_backward(query, key, value, out, lse, d_out, d_lse,
+                           scale=scale, is_causal=is_causal)
+  except NotImplementedError:
+    pass  # a call the Mosaic kernels do not cover: the Triton backward
   spec = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
                   is_causal=is_causal)
   with compat.quiet_triton_deprecation():
