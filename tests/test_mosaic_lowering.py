@@ -222,15 +222,25 @@ def _replan(monkeypatch, **fields):
       for *key, row in plan.FORWARD_PLAN))
 
 
-def _forward_runner(head_dim, is_causal, *, seed, q_len=1024):
+def _forward_runner(head_dim, is_causal, *, seed, q_len=1024,
+                    input_q_len=None):
   """`run(**options) -> (out, lse)`: `mosaic_forward` with `options` on one
   set of random GQA 4:1 inputs (b2, q_len, k1536, h8:2), for comparing
-  options bit for bit. Skips without sm90."""
+  options bit for bit. With `input_q_len` > q_len the inputs have that many
+  query rows and `run(..., rows=q_len)` computes on the first q_len only
+  (rows do not depend on each other: causal masks are top-left aligned), so
+  a kernel that takes only whole tiles can give another's expected rows.
+  Skips without sm90."""
   _require_sm90()
-  q, k, v, _, _ = random_inputs(Case(2, q_len, 1536, 8, 2, head_dim),
-                                jnp.bfloat16, seed)
-  return lambda **kwargs: jax.jit(lambda q, k, v: mosaic_forward(
-      q, k, v, scale=head_dim**-0.5, is_causal=is_causal, **kwargs))(q, k, v)
+  q, k, v, _, _ = random_inputs(
+      Case(2, input_q_len or q_len, 1536, 8, 2, head_dim), jnp.bfloat16, seed)
+
+  def run(rows=q_len, **kwargs):
+    out, lse = jax.jit(lambda q, k, v: mosaic_forward(
+        q, k, v, scale=head_dim**-0.5, is_causal=is_causal, **kwargs))(
+            q[:, :rows], k, v)
+    return out[:, :q_len], lse[:, :, :q_len]
+  return run
 
 
 # Persistent grids that make CTAs walk several tiles, with the ring's slots
@@ -471,10 +481,14 @@ def test_three_consumers_are_bitwise_two_on_gpu(head_dim, block_kv,
   race, a wrong spare consumer would store stale rows, a spare that
   released a slot or passed a turn too often or not at all would hang. lse
   bitwise since its add is unfused (`softmax.add_unfused`)."""
+  # Two consumers take whole 128-row tiles only: 1088's expected rows come
+  # from 1152 rows of input.
   run = functools.partial(
-      _forward_runner(head_dim, is_causal, seed=5, q_len=q_len),
+      _forward_runner(head_dim, is_causal, seed=5, q_len=q_len,
+                      input_q_len=-(-q_len // 128) * 128),
       block_kv=block_kv)
-  want = run(num_consumers=2, persistent=False, hw_turns=False)
+  want = run(rows=-(-q_len // 128) * 128, num_consumers=2, persistent=False,
+             hw_turns=False)
   for kwargs in (dict(persistent=False), dict(persistent=True, num_ctas=1),
                  dict(persistent=True, num_ctas=7), dict(persistent=True)):
     for attempt in range(3):
