@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.mosaic import common, forward, forward_kernel, plan
 
@@ -20,6 +21,8 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                        scale: float, is_causal: bool,
                        out_dtype=jnp.bfloat16, block_q: int = 64,
                        block_kv: int | None = None,
+                       q_descale_rows: int | None = None,
+                       k_descale_rows: int | None = None,
                        max_concurrent_steps: int = 2,
                        lazy_rescale: bool | None = None):
   """FlashAttention-3 forward on float8_e4m3fn inputs (FA3 §3.3).
@@ -33,14 +36,18 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
     query: float8_e4m3fn [batch, q_len, num_heads, head_dim].
     key, value: float8_e4m3fn [batch, kv_len, num_kv_heads, head_dim].
     q_descale: float32 [batch, num_heads] (per tensor and head) or
-      [batch, num_heads, q_len // block_q] (per block of `block_q` rows).
+      [batch, num_heads, cdiv(q_len, q_descale_rows)] (per block of rows).
     k_descale: float32 [batch, num_kv_heads] or
-      [batch, num_kv_heads, kv_len // block_kv].
+      [batch, num_kv_heads, cdiv(kv_len, k_descale_rows)].
     v_descale: float32 [batch, num_kv_heads]: per tensor and head only; a
       per-block V factor would rescale the accumulator at every step.
     scale, is_causal, block_q, block_kv, max_concurrent_steps: as
       `forward.mosaic_forward` (block_kv: None picks
-      `plan.default_block_kv`).
+      `plan.default_block_kv`, or 64 where that does not divide
+      `k_descale_rows`).
+    q_descale_rows, k_descale_rows: query / key rows per factor of a
+      per-block descale, multiples of block_q / block_kv (factors repeat
+      over the kernel's tiles); None: block_q / block_kv.
     out_dtype: dtype of the output (bfloat16 or float16).
     lazy_rescale: O rescaled only where a row's max moved by more than 8
       (log2 units, see `forward.KernelStatic`). P, rounded to e4m3 before
@@ -48,12 +55,26 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
       e4m3's relative precision. None: at
       `plan.FP8_LAZY_RESCALE_HEAD_DIMS`.
 
+  Any q_len: Q is padded with zero rows to the kernel's tile (block_q
+  times the consumers) and their outputs dropped; causal masks are top-left
+  aligned, so the real rows see the same keys. kv_len must be a multiple
+  of block_kv (NotImplementedError): the FP8 kernel has no masks, and a
+  padded key would be attended to.
+
   Returns:
     out [batch, q_len, num_heads, head_dim] in `out_dtype`, lse float32
     [batch, num_heads, q_len], as `forward.mosaic_forward`.
   """
+  common.check_layout(query, key, value)
+  q_len = query.shape[1]
+  q_descale_rows = q_descale_rows or block_q
   if block_kv is None:
     block_kv = plan.default_block_kv(query.shape[-1])
+    if k_descale_rows and k_descale_rows % block_kv:
+      block_kv = 64
+  k_descale_rows = k_descale_rows or block_kv
+  tile_rows = block_q * forward_kernel.NUM_CONSUMERS
+  query = jnp.pad(query, ((0, 0), (0, -q_len % tile_rows), (0, 0), (0, 0)))
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype not in common.SUPPORTED_DTYPES:
     raise NotImplementedError(
@@ -67,12 +88,39 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
     lazy_rescale = query.shape[-1] in plan.FP8_LAZY_RESCALE_HEAD_DIMS
   static = dataclasses.replace(static,
                                **forward.rescale_fields(lazy_rescale))
-  descale = descale_rows(query.shape, key.shape, q_descale, k_descale,
-                          v_descale, static)
+  descale = descale_rows(
+      query.shape, key.shape,
+      per_tile(q_descale, q_descale_rows, q_len, block_q,
+               static.num_q_blocks, "q_descale"),
+      per_tile(k_descale, k_descale_rows, key.shape[1], block_kv,
+               static.num_kv_blocks, "k_descale"),
+      v_descale, static)
   # [batch, kv_heads, head_dim, kv_len]: an XLA transpose, one pass over V
   # in FP8 (FA3 transposes in the kernel instead).
   value_t = jnp.transpose(value, (0, 2, 3, 1))
-  return forward.launch(static, query, key, value_t, descale)
+  out, lse = forward.launch(static, query, key, value_t, descale)
+  return out[:, :q_len], lse[:, :, :q_len]
+
+
+def per_tile(descale, rows: int, length: int, tile: int, num_tiles: int,
+             name: str):
+  """A per-block descale [batch, heads, cdiv(length, rows)] as one factor
+  per kernel tile of `tile` rows, [batch, heads, num_tiles] (tiles past
+  `length`, Q's padding, take the last factor); [batch, heads] (per tensor
+  and head) passes through, and other shapes to `descale_rows`, which
+  names them."""
+  descale = jnp.asarray(descale, jnp.float32)
+  if descale.ndim != 3:
+    return descale
+  if rows % tile:
+    raise NotImplementedError(f"{name}: {rows} rows per factor is not a "
+                              f"multiple of the kernel's {tile}-row tiles")
+  blocks = -(-length // rows)
+  if descale.shape[2] != blocks:
+    raise ValueError(f"{name} must have cdiv({length}, {rows}) = {blocks} "
+                     f"blocks; got {descale.shape}")
+  index = np.minimum(np.arange(num_tiles) * tile // rows, blocks - 1)
+  return descale[:, :, index]
 
 
 def quantize_fp8(x, *, block_rows: int | None = None):
