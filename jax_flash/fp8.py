@@ -160,8 +160,8 @@ def quantize_fp8(x: Tokens, *,
 
 def quantize_qkv(
     query: Query, key: KeyValue, value: KeyValue, *,
-    granularity: Granularity = "block", q_block_rows: int = Q_BLOCK_ROWS,
-    k_block_rows: int = K_BLOCK_ROWS, incoherent: bool = False,
+    granularity: Granularity = "block", q_block_rows: int | None = None,
+    k_block_rows: int | None = None, incoherent: bool = False,
     seed: int | jax.Array = 0,
 ) -> tuple[Fp8Tensor, Fp8Tensor, Fp8Tensor]:
   """Q, K and V quantised for `flash_attention_fp8`, as FlashAttention-3.
@@ -171,9 +171,10 @@ def quantize_qkv(
     key, value: [batch, kv_len, num_kv_heads, head_dim].
     granularity: of Q's and K's scales (see `quantize_fp8`): "block" (FA3's
       block quantisation) or "tensor".
-    q_block_rows, k_block_rows: rows per Q / K scale with "block". The
-      kernel takes multiples of its tiles: of 64 for Q, of 128 for K at
-      head_dim <= 128 (of 64 at 256, or with a 64-row K tile, slower).
+    q_block_rows, k_block_rows: rows per Q / K scale with "block"
+      (default 64 and 128). The kernel takes multiples of its tiles: of 64
+      for Q, of 128 for K at head_dim <= 128 (of 64 at 256, or with a
+      64-row K tile, slower).
     incoherent: rotate Q and K by `hadamard_rotation(head_dim, seed)` before
       quantising (exact: the logits do not change). head_dim must then be a
       power of two.
@@ -199,6 +200,9 @@ def quantize_qkv(
     query, key = (jnp.matmul(x.astype(jnp.float32), rotation,
                              precision=jax.lax.Precision.HIGHEST)
                   for x in (query, key))
+  if granularity == "block":
+    q_block_rows = q_block_rows or Q_BLOCK_ROWS
+    k_block_rows = k_block_rows or K_BLOCK_ROWS
   q8 = _quantize(query, granularity, q_block_rows, "query")
   k8 = _quantize(key, granularity, k_block_rows, "key")
   v8 = _quantize(value, "tensor", None, "value")

@@ -20,10 +20,86 @@ try:
 except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
 
-from benchmarks.fp8_accuracy import (errors, naive_fp8, quantized_forward,
-                                     random_qkv)
+from benchmarks.fp8_accuracy import emulated_fp8_attention
+from jax_flash import fp8 as public_fp8
 
 FP8 = jnp.float8_e4m3fn
+
+
+def _quantized(q, k, v, per_block: bool):
+  """`jax_flash.fp8.Fp8Tensor`s of q (per 64-row block or per head), k and
+  v (per head)."""
+  q8 = (public_fp8.quantize_fp8(q, granularity="block", block_rows=64)
+        if per_block else public_fp8.quantize_fp8(q))
+  return q8, public_fp8.quantize_fp8(k), public_fp8.quantize_fp8(v)
+
+
+def quantized_forward(q, k, v, *, is_causal: bool, per_block: bool,
+                      **options):
+  """(out, lse [B, N, Tq]) of the FP8 forward on quantised q, k, v
+  (`options`: more of `mosaic_forward_fp8`'s, e.g. lazy_rescale)."""
+  q8, k8, v8 = _quantized(q, k, v, per_block)
+  return mosaic_forward_fp8(q8.data, k8.data, v8.data,
+                            q_descale=q8.descale, k_descale=k8.descale,
+                            v_descale=v8.descale,
+                            scale=q.shape[-1]**-0.5, is_causal=is_causal,
+                            **options)
+
+
+def naive_fp8(q, k, v, *, is_causal: bool, per_block: bool):
+  """(out float32 [B, T, H, D], lse float32 [B, T, H]): float32 attention
+  on the same quantised inputs with P in e4m3, the yardstick."""
+  return emulated_fp8_attention(*_quantized(q, k, v, per_block),
+                                is_causal=is_causal)
+
+
+def errors(q, k, v, *, is_causal: bool, per_block: bool,
+           **options) -> dict[str, float]:
+  """The kernel's, the naive FP8 computation's and bf16's errors against
+  float32 on the bf16 inputs (max and mean of the output, max of the LSE;
+  `options` go to the kernel), and the output rows where the kernel's
+  exceeds 2x naive's max."""
+  f32 = lambda x: x.astype(jnp.float32)
+  out8, lse8 = quantized_forward(q, k, v, is_causal=is_causal,
+                                 per_block=per_block, **options)
+  want, want_lse = attention_reference(f32(q), f32(k), f32(v),
+                                       is_causal=is_causal,
+                                       return_residual=True)
+  bf16 = attention_reference(q, k, v, is_causal=is_causal)
+  naive, naive_lse = naive_fp8(q, k, v, is_causal=is_causal,
+                               per_block=per_block)
+  diff = lambda a: jnp.abs(f32(a) - want)
+  naive_max = diff(naive).max()
+  return {"fp8_max": float(diff(out8).max()),
+          "fp8_mean": float(diff(out8).mean()),
+          "naive_fp8_max": float(naive_max),
+          "naive_fp8_mean": float(diff(naive).mean()),
+          "rows_over": int((diff(out8).max(axis=-1) > 2 * naive_max).sum()),
+          "bf16_max": float(diff(bf16).max()),
+          "bf16_mean": float(diff(bf16).mean()),
+          "fp8_lse_max": float(jnp.abs(jnp.swapaxes(lse8, 1, 2)
+                                       - want_lse).max()),
+          "naive_fp8_lse_max": float(jnp.abs(naive_lse - want_lse).max())}
+
+
+def random_qkv(seq: int, head_dim: int, seed: int = 0):
+  """bf16 q [2, seq, 8, D], k and v [2, seq, 2, D].
+
+  Drawn in float32 (bf16 draws all share one amax, which would make the
+  per-block scales equal to the per-tensor ones), and Q's blocks of 64
+  rows scaled by 2^u, u uniform in [-2, 2], so that parts of the sequence
+  differ in range as activations do and per-block scales have something to
+  gain.
+  """
+  keys = jax.random.split(jax.random.key(seed), 4)
+  shape_q, shape_kv = (2, seq, 8, head_dim), (2, seq, 2, head_dim)
+  block_scale = 2.0 ** jax.random.uniform(keys[3], (-(-seq // 64),),
+                                          minval=-2.0, maxval=2.0)
+  row_scale = jnp.repeat(block_scale, 64)[:seq, None, None]
+  q = jax.random.normal(keys[0], shape_q) * row_scale
+  return (q.astype(jnp.bfloat16),
+          jax.random.normal(keys[1], shape_kv).astype(jnp.bfloat16),
+          jax.random.normal(keys[2], shape_kv).astype(jnp.bfloat16))
 
 
 @pytest.mark.parametrize("block_rows", [None, 64])
@@ -51,6 +127,38 @@ def test_quantize_fp8_round_trip(block_rows):
 def test_quantize_fp8_rejects_ragged_blocks():
   with pytest.raises(ValueError, match="block_rows"):
     quantize_fp8(jnp.ones((1, 100, 1, 16)), block_rows=64)
+
+
+@pytest.mark.parametrize("q_len, kv_len, head_dim, q_rows, k_rows", [
+    (200, 256, 64, 128, 256),     # Q padded to 256; K factors over 2 tiles
+    (1088, 1152, 256, 64, 128),   # d=256: 64-row K tiles, 2 per factor
+    (256, 256, 128, 64, 64),      # 64-row K factors: block_kv 64
+])
+def test_fp8_forward_takes_coarser_descale_blocks(q_len, kv_len, head_dim,
+                                                  q_rows, k_rows,
+                                                  cuda_lowering):
+  """Q padded to the kernel's tile and descale blocks that span several
+  tiles (`jax_flash.fp8.quantize_qkv`'s defaults) lower for CUDA."""
+  q = jax.ShapeDtypeStruct((1, q_len, 4, head_dim), FP8)
+  kv = jax.ShapeDtypeStruct((1, kv_len, 2, head_dim), FP8)
+  descale = lambda heads, length, rows: jnp.ones(
+      (1, heads, -(-length // rows)))
+  lowered = jax.jit(lambda q, k, v: mosaic_forward_fp8(
+      q, k, v, q_descale=descale(4, q_len, q_rows),
+      k_descale=descale(2, kv_len, k_rows), v_descale=jnp.ones((1, 2)),
+      q_descale_rows=q_rows, k_descale_rows=k_rows, scale=0.1,
+      is_causal=True)).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+  out, lse = lowered.out_info
+  assert out.shape == q.shape and lse.shape == (1, 4, q_len)
+
+
+def test_fp8_forward_rejects_descale_blocks_across_tiles():
+  q = jax.ShapeDtypeStruct((1, 256, 2, 64), FP8)
+  with pytest.raises(NotImplementedError, match="k_descale"):
+    jax.eval_shape(lambda q: mosaic_forward_fp8(
+        q, q, q, q_descale=jnp.ones((1, 2)), k_descale=jnp.ones((1, 2, 3)),
+        v_descale=jnp.ones((1, 2)), k_descale_rows=96, scale=0.1,
+        is_causal=False), q)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
