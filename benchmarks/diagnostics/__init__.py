@@ -6,6 +6,7 @@ Each is a module, run from the repository root as
   backward_breakdown  one grid cell's fwd+bwd piece by piece, beside tokamax
   compile_probe       compile, first-run and second-run time per shape
   float32_probe       float32 on the Triton path: tiles, dot precision, error
+  kernel_profile      a program's GPU kernels by time (the generation loop)
   ncu_kernels         one cell's kernels, once each, for Nsight Compute
   ncu_summary         tables from Nsight Compute's raw and SASS exports
   order_probe         does the kernel timed before move a timing (clocks)
