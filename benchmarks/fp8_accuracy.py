@@ -57,16 +57,20 @@ METHODS = {"bf16": None,
 
 
 def outlier_qkv(seed: int, *, batch: int, seq: int, heads: int,
-                head_dim: int):
-  """float32 q, k, v [batch, seq, heads, head_dim]: N(0, 1) plus N(0, 100)
-  at a fraction OUTLIER_FRACTION of the entries (FA3 §4.3)."""
-  def draw(key):
+                head_dim: int, kv_heads: int | None = None):
+  """float32 q [batch, seq, heads, head_dim], k and v [batch, seq,
+  kv_heads (default heads), head_dim]: N(0, 1) plus N(0, 100) at a fraction
+  OUTLIER_FRACTION of the entries (FA3 §4.3)."""
+  def draw(key, heads):
     normal, outlier, where = jax.random.split(key, 3)
     shape = (batch, seq, heads, head_dim)
     return (jax.random.normal(normal, shape)
             + jnp.where(jax.random.bernoulli(where, OUTLIER_FRACTION, shape),
                         OUTLIER_STD * jax.random.normal(outlier, shape), 0.0))
-  return tuple(draw(k) for k in jax.random.split(jax.random.key(seed), 3))
+  keys = jax.random.split(jax.random.key(seed), 3)
+  kv_heads = kv_heads or heads
+  return draw(keys[0], heads), draw(keys[1], kv_heads), draw(keys[2],
+                                                             kv_heads)
 
 
 def reference_float64(query, key, value) -> np.ndarray:

@@ -301,12 +301,12 @@ _forward.defvjp(_forward_fwd, _forward_bwd)
 def _run_mosaic(call: _Fp8Call, q, k, v, q_descale, k_descale, v_descale, *,
                 interpret: bool):
   """The sm90 FP8 kernel; NotImplementedError where it cannot run."""
-  if interpret:
-    raise NotImplementedError("the Mosaic FP8 kernel has no interpret mode")
   cc = compat.gpu_compute_capability()
   if cc is None or cc[0] != 9:
     raise NotImplementedError(
         f"the Mosaic FP8 kernel needs an sm90 GPU (FP8 wgmma), got {cc}")
+  if interpret:
+    raise NotImplementedError("the Mosaic FP8 kernel has no interpret mode")
   try:  # Imported here: Mosaic GPU is absent from some jaxlib builds.
     from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
   except ImportError as e:
