@@ -131,9 +131,10 @@ def test_quantize_qkv_layouts():
   assert q8.rotated and k8.rotated and not v8.rotated
   # V is never rotated; Q and K are rotated by the same H.
   np.testing.assert_array_equal(v8.data, quantize_fp8(v).data)
-  h = hadamard_rotation(64, seed=0)
-  np.testing.assert_array_equal(
-      q8.data, quantize_fp8(jnp.matmul(q, h, precision="highest")).data)
+  rotated = jnp.matmul(q, hadamard_rotation(64, seed=0),
+                       precision="highest")
+  assert bool(jnp.all(jnp.abs(q8.dequantize() - rotated)
+                      <= 2**-4 * jnp.abs(rotated) + 2**-10 * q8.descale.max()))
   # A pytree: two leaves, the rest static.
   assert len(jax.tree.leaves(q8)) == 2
   rebuilt = jax.tree.map(lambda x: x, q8)
