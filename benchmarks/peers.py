@@ -142,9 +142,9 @@ def jax_flash_mosaic_fp8(cell: common.Cell, *, interpret: bool = False,
   if cell.mode != "fwd":
     raise NotImplementedError("the FP8 kernel is forward only")
   mosaic_forward_fp8 = _mosaic_module().mosaic_forward_fp8
-  quantize_fp8 = _mosaic_module().quantize_fp8
   q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
-  (q8, qs), (k8, ks), (v8, vs) = map(quantize_fp8, (q, k, v))
+  (q8, qs), (k8, ks), (v8, vs) = (
+      (x.data, x.descale) for x in map(jax_flash.fp8.quantize_fp8, (q, k, v)))
 
   def attention(q8, k8, v8, qs, ks, vs):
     out, _ = mosaic_forward_fp8(q8, k8, v8, q_descale=qs, k_descale=ks,

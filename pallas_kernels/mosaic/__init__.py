@@ -11,11 +11,11 @@ from pallas_kernels.mosaic.attention import (flash_attention_mosaic,
                                              mosaic_attention,
                                              mosaic_attention_backward)
 from pallas_kernels.mosaic.forward import mosaic_forward
-from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8, quantize_fp8
+from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
 from pallas_kernels.mosaic.masked import mosaic_forward_masked
 from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
 
 __all__ = ["flash_attention_mosaic", "mosaic_attention",
            "mosaic_attention_backward",
            "mosaic_backward_masked", "mosaic_forward", "mosaic_forward_fp8",
-           "mosaic_forward_masked", "quantize_fp8"]
+           "mosaic_forward_masked"]

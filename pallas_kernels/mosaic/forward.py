@@ -284,7 +284,7 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   fp8 = fp8_out_dtype is not None
   if fp8 and dtype != FP8:
     raise TypeError(f"mosaic_forward_fp8 takes float8_e4m3fn inputs (see "
-                    f"quantize_fp8), got {dtype}")
+                    f"jax_flash.fp8.quantize_fp8), got {dtype}")
   if not fp8 and dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_forward supports bfloat16 and float16, got {dtype}")

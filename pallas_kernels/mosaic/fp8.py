@@ -13,9 +13,6 @@ import numpy as np
 
 from pallas_kernels.mosaic import common, forward, forward_kernel, plan
 
-# Largest finite e4m3 value: quantisation maps a block's amax onto it.
-FP8_MAX = 448.0
-
 
 def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                        scale: float, is_causal: bool,
@@ -29,7 +26,7 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
 
   Q·Kᵀ and P·V run as FP8 wgmma with float32 accumulation; P is rounded to
   e4m3 before P·V. True inputs are `query * q_descale` etc. (see
-  `quantize_fp8`), so the kernel multiplies each S tile by its Q and K
+  `jax_flash.fp8.quantize_fp8`), so the kernel multiplies each S tile by its Q and K
   blocks' factors and the output by V's.
 
   Args:
@@ -121,37 +118,6 @@ def per_tile(descale, rows: int, length: int, tile: int, num_tiles: int,
                      f"blocks; got {descale.shape}")
   index = np.minimum(np.arange(num_tiles) * tile // rows, blocks - 1)
   return descale[:, :, index]
-
-
-def quantize_fp8(x, *, block_rows: int | None = None):
-  """Per-tensor-and-head or per-block e4m3 quantisation for the FP8 forward.
-
-  Args:
-    x: [batch, seq, heads, head_dim], any float dtype.
-    block_rows: None for one factor per (batch, head); else one per block of
-      `block_rows` sequence rows (seq must be a multiple).
-
-  Returns:
-    (x_fp8, descale): float8_e4m3fn like x, and float32 [batch, heads] or
-    [batch, heads, seq // block_rows] with x ≈ x_fp8 * descale.
-  """
-  batch, seq, heads, dim = x.shape
-  x32 = x.astype(jnp.float32)
-  if block_rows is None:
-    amax = jnp.max(jnp.abs(x32), axis=(1, 3))                  # [B, H]
-    expand = amax[:, None, :, None]
-  else:
-    if seq % block_rows:
-      raise ValueError(f"seq {seq} is not a multiple of block_rows "
-                       f"{block_rows}")
-    blocks = x32.reshape(batch, seq // block_rows, block_rows, heads, dim)
-    amax = jnp.moveaxis(jnp.max(jnp.abs(blocks), axis=(2, 4)), 1, 2)
-    expand = jnp.repeat(jnp.moveaxis(amax, 2, 1), block_rows,
-                        axis=1)[..., None]                     # [B, T, H, 1]
-  # An all-zero block keeps descale 1 (anything but 0 would do).
-  descale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-  step = jnp.where(expand > 0, expand / FP8_MAX, 1.0)
-  return (x32 / step).astype(forward.FP8), descale
 
 
 def descale_rows(q_shape, k_shape, q_descale, k_descale, v_descale,
