@@ -157,7 +157,7 @@ class Measurement:
 
 # XLA's autotuner times candidate kernels on the GPU while it compiles: two
 # such compilations at once would disturb each other's choice.
-_autotune_lock = threading.Lock()
+autotune_lock = threading.Lock()
 
 
 def compile_benchmark(build: Callable[[], tuple[Callable, tuple]], *,
@@ -171,7 +171,7 @@ def compile_benchmark(build: Callable[[], tuple[Callable, tuple]], *,
   """
   fn, args = build()
   lowered = fn.lower(*args)
-  with _autotune_lock if autotuned else contextlib.nullcontext():
+  with autotune_lock if autotuned else contextlib.nullcontext():
     return lowered.compile(), args
 
 
@@ -244,6 +244,28 @@ def device_header() -> dict[str, str]:
 def run_header(module: str | None = None, argv=None) -> dict[str, Any]:
   """The device, JAX version and exact command line, for a results file."""
   return {**device_header(), "command": command_line(module, argv)}
+
+
+def suite_result(module: str, argv, args) -> dict[str, Any]:
+  """An empty results file of a benchmark suite: the run header, its
+  timing settings (`args.warmup`, `reps`, `rounds`, `seed`), no records."""
+  return {**run_header(module, argv),
+          "settings": {name: getattr(args, name)
+                       for name in ("warmup", "reps", "rounds", "seed")},
+          "records": [], "skipped": []}
+
+
+def run_suite(run: Callable, args, result: dict, path: str,
+              render_file: Callable) -> list[str]:
+  """`run(args, result)`, then `result` written to `path` and rendered by
+  `render_file(path)` (returning the paths written) even when the run is
+  cut short, so that what was measured is kept."""
+  try:
+    run(args, result)
+  finally:
+    write_json(path, result)
+    paths = render_file(path)
+  return paths
 
 
 def write_json(path: str, data: dict) -> None:

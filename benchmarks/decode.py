@@ -47,7 +47,6 @@ import importlib
 import re
 import statistics
 import sys
-import threading
 import time
 import warnings
 from typing import Callable, NamedTuple
@@ -58,7 +57,7 @@ import numpy as np
 from tqdm import tqdm
 
 import jax_flash
-from benchmarks import common, render
+from benchmarks import common, peers, render
 from pallas_kernels import compat
 from pallas_kernels.triton.decode import cache_bytes_read
 
@@ -199,22 +198,8 @@ def cache_inputs(cell: DecodeCell, seqs: Sequences, seed: int) -> CacheInputs:
 # ---------------------------------------------------------------- implementations
 
 
-class Unavailable(Exception):
-  """The implementation cannot run on this machine (no GPU, not installed)."""
-
-
-class SameProgram(Exception):
-  """A forced implementation is what implementation=None already ran."""
-
-
 Step = tuple[Callable, tuple]  # (jitted step, its arguments)
 Builder = Callable[[DecodeCell, CacheInputs], Step]
-
-
-def _require_gpu(what: str) -> None:
-  cc = compat.gpu_compute_capability()
-  if cc is None or cc < (8, 0):
-    raise Unavailable(f"{what} needs an sm80+ GPU (found {cc})")
 
 
 def _ours(implementation: str | None) -> Builder:
@@ -223,7 +208,7 @@ def _ours(implementation: str | None) -> Builder:
     del cell
     if implementation is not None and not compat.has_gpu():
       # It would run in Pallas interpret mode: nothing to time.
-      raise Unavailable(f"implementation={implementation!r} needs a GPU "
+      raise peers.Unavailable(f"implementation={implementation!r} needs a GPU "
                         "(interpret mode elsewhere)")
     def step(query, key, value, lengths, tables):
       return jax_flash.decode_attention(query, key, value, lengths,
@@ -258,7 +243,7 @@ def cudnn(cell: DecodeCell, inputs: CacheInputs) -> Step:
   only positions <= i), so for q_len > 1 every row attends to the whole
   valid cache (exact for q_len 1; the same bytes read either way)."""
   del cell
-  _require_gpu("cuDNN attention")
+  peers.require_gpu("cuDNN attention")
   def step(query, key, value, lengths):
     return jax.nn.dot_product_attention(query, key, value,
                                         key_value_seq_lengths=lengths,
@@ -271,8 +256,8 @@ def cudnn_paged(cell: DecodeCell, inputs: CacheInputs) -> Step:
   """cuDNN's paged attention (JAX's private binding): pages
   [num_pages, page_size, Hkv, D], page tables [batch, 1, pages_per_seq, 1],
   a padding mask from the lengths; non-causal, as `cudnn`."""
-  _require_gpu("cuDNN paged attention")
-  with _IMPORT_LOCK:
+  peers.require_gpu("cuDNN paged attention")
+  with peers.IMPORT_LOCK:
     cudnn_attention = importlib.import_module(
         "jax._src.cudnn.fused_attention_stablehlo")
   tables = inputs.tables[:, None, :, None]
@@ -286,17 +271,10 @@ def cudnn_paged(cell: DecodeCell, inputs: CacheInputs) -> Step:
                          inputs.lengths, tables)
 
 
-# Builders run in threads; modules are imported under this lock (two
-# threads importing the same modules at once have seen them half
-# initialised, `peers._mosaic_module`), and so is the warnings filter,
-# which is process-wide.
-_IMPORT_LOCK = threading.Lock()
-
-
 def _pallas_ops(name: str):
   """`jax.experimental.pallas.ops.gpu.<name>` (JAX 0.11 deprecates these
   modules in favour of tokamax; they still work)."""
-  with _IMPORT_LOCK, warnings.catch_warnings():
+  with peers.IMPORT_LOCK, warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     return importlib.import_module(f"jax.experimental.pallas.ops.gpu.{name}")
 
@@ -337,7 +315,7 @@ def pallas_decode(cell: DecodeCell, inputs: CacheInputs, *,
   `gqa`'s own cancels, so XLA copies nothing. `interpret`: Pallas
   interpret mode (the tests' check of the call on a CPU)."""
   if not interpret:
-    _require_gpu("pallas.ops.gpu.decode_attention")
+    peers.require_gpu("pallas.ops.gpu.decode_attention")
   gqa = _pallas_ops("decode_attention").gqa
   block_k = 128
   def fits(splits):
@@ -362,7 +340,7 @@ def pallas_paged(cell: DecodeCell, inputs: CacheInputs, *,
   the splits halved until they divide the pages (its asserts). It applies
   no softmax scale: 1/sqrt(D) is folded into the query."""
   if not interpret:
-    _require_gpu("pallas.ops.gpu.paged_attention")
+    peers.require_gpu("pallas.ops.gpu.paged_attention")
   paged_attention = _pallas_ops("paged_attention").paged_attention
   pages_per_seq = inputs.tables.shape[1]
   per_step = max(1, min(8, 512 // cell.page_size))
@@ -397,10 +375,9 @@ def implementations(paged: bool) -> dict[str, Builder]:
 
 
 ALL_IMPLS = [*implementations(False), *implementations(True)]
-# Peers whose compilation runs XLA's autotuner: one at a time (it times
-# candidate kernels on the GPU, and two at once would disturb each other).
+# Peers whose compilation runs XLA's autotuner: one at a time
+# (`common.autotune_lock`).
 AUTOTUNED = frozenset({"xla", "cudnn", "cudnn_paged"})
-_AUTOTUNE_LOCK = threading.Lock()
 
 
 def forced_implementation(impl: str) -> str | None:
@@ -410,18 +387,6 @@ def forced_implementation(impl: str) -> str | None:
     if name in FORCED:
       return name
   return None
-
-
-def implementation_run(hlo_text: str) -> str:
-  """Which of our implementations a lowered program runs, from its
-  kernels' custom calls: Mosaic GPU's `mosaic_gpu_v2`, Pallas Triton's
-  `__gpu$xla.gpu.triton`; a program with neither is XLA's."""
-  targets = " ".join(re.findall(r"custom_call\s*@(\S+?)\(", hlo_text))
-  if "mosaic_gpu" in targets:
-    return "mosaic"
-  if "xla.gpu.triton" in targets:
-    return "triton"
-  return "xla"
 
 
 # ---------------------------------------------------------------- building
@@ -439,7 +404,7 @@ def build(impl: str, cell: DecodeCell, inputs: CacheInputs,
   """Lowers and compiles `impl` on the cell (safe from several threads).
 
   `default`: for a forced implementation of ours, the build of
-  implementation=None; when that ran the same one, SameProgram."""
+  implementation=None; when that ran the same one, peers.SameProgram."""
   forced = forced_implementation(impl)
   if forced is not None and default is not None:
     try:
@@ -447,13 +412,13 @@ def build(impl: str, cell: DecodeCell, inputs: CacheInputs,
     except Exception:  # the default failed: the forced one says why itself
       ran = None
     if ran == forced:
-      raise SameProgram(f"the program {OURS[cell.paged]} ran "
+      raise peers.SameProgram(f"the program {OURS[cell.paged]} ran "
                         f"(implementation=None chose {forced!r})")
   fn, args = implementations(cell.paged)[impl](cell, inputs)
   lowered = fn.lower(*args)
-  ran = (implementation_run(lowered.as_text())
+  ran = (peers.implementation_run(lowered.as_text())
          if impl.startswith("jax_flash") else None)
-  with _AUTOTUNE_LOCK if impl in AUTOTUNED else contextlib.nullcontext():
+  with common.autotune_lock if impl in AUTOTUNED else contextlib.nullcontext():
     compiled = lowered.compile()
   stats = compiled.memory_analysis()
   temp = None if stats is None else stats.temp_size_in_bytes / 2**20
@@ -463,14 +428,6 @@ def build(impl: str, cell: DecodeCell, inputs: CacheInputs,
 def skip_entry(impl: str, cell: DecodeCell, reason: str) -> dict:
   """A row of the results' "skipped" list."""
   return {"impl": impl, **cell.fields(), "reason": reason}
-
-
-def _reason(error: BaseException) -> str:
-  if isinstance(error, SameProgram):
-    return f"SameProgram: {error}"
-  if common.is_oom(error):
-    return f"OOM: {common.describe_error(error)}"
-  return common.describe_error(error)
 
 
 # ---------------------------------------------------------------- timing
@@ -500,14 +457,14 @@ def time_cell(cell: DecodeCell, built: dict, reference, lengths, args,
       runnable[impl] = b
       del out
     except Exception as e:  # one implementation's failure ends nothing else
-      result["skipped"].append(skip_entry(impl, cell, _reason(e)))
+      result["skipped"].append(skip_entry(impl, cell, peers.skip_reason(e)))
   for round_index in range(args.rounds):
     for impl, b in common.round_order(list(runnable.items()), round_index):
       try:
         rounds[impl].append(common.time_fn(b.compiled, *b.args,
                                            warmup=args.warmup, reps=args.reps))
       except Exception as e:
-        result["skipped"].append(skip_entry(impl, cell, _reason(e)))
+        result["skipped"].append(skip_entry(impl, cell, peers.skip_reason(e)))
         del runnable[impl]
   nbytes = cache_bytes_read(lengths, cell.num_kv_heads, cell.head_dim,
                             jnp.dtype(cell.dtype).itemsize)
@@ -529,7 +486,7 @@ def oracle_last_row(seqs: Sequences):
         q, k, v, n, implementation="xla")[:, -1].astype(jnp.float32))
     return jax.block_until_ready(fn(*seqs))
   except Exception as e:  # the timings stand without the check
-    tqdm.write(f"no oracle ({_reason(e)}); max_diff left empty")
+    tqdm.write(f"no oracle ({peers.skip_reason(e)}); max_diff left empty")
     return None
 
 
@@ -563,7 +520,7 @@ def run(args, result: dict) -> None:
         reference = oracle_last_row(seqs)
       except Exception as e:  # e.g. out of memory for the caches
         for cell in layouts:
-          result["skipped"] += [skip_entry(impl, cell, _reason(e))
+          result["skipped"] += [skip_entry(impl, cell, peers.skip_reason(e))
                                 for impl in impls_of[cell.paged]]
         bar.update(sum(len(impls_of[c.paged]) for c in layouts))
         continue
@@ -585,7 +542,7 @@ def _measure_layout(cell, impls, seqs, reference, lengths, pool, args,
   try:
     inputs = cache_inputs(cell, seqs, args.seed)
   except Exception as e:
-    result["skipped"] += [skip_entry(impl, cell, _reason(e)) for impl in impls]
+    result["skipped"] += [skip_entry(impl, cell, peers.skip_reason(e)) for impl in impls]
     return
   ours = OURS[cell.paged]
   futures = {}
@@ -894,15 +851,8 @@ def main(argv=None) -> int:
     for path in args.render:
       print(*render_decode(path))
     return 0
-  result = {**common.run_header("benchmarks.decode", argv),
-            "settings": {name: getattr(args, name) for name in (
-                "warmup", "reps", "rounds", "seed")},
-            "records": [], "skipped": []}
-  try:
-    run(args, result)
-  finally:  # what was measured is kept, even when the run is cut short
-    common.write_json(args.json, result)
-    paths = render_decode(args.json)
+  result = common.suite_result("benchmarks.decode", argv, args)
+  paths = common.run_suite(run, args, result, args.json, render_decode)
   for q_len in sorted({r["q_len"] for r in result["records"]}):
     print(f"\nq_len {q_len}\n"
           + render.markdown_table(*decode_table(result, q_len)))

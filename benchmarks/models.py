@@ -19,7 +19,7 @@ cell (T + 1) / T times DESIGN section 5's count, which `dense_tflops` uses
 
 `jax_flash` is `flash_attention` as users call it (implementation=None;
 `implementation`: the kernel its program runs); `jax_flash_mosaic`/`_triton`
-force one (a SameProgram skip where None ran it); `cudnn`, `xla`:
+force one (a peers.SameProgram skip where None ran it); `cudnn`, `xla`:
 `jax.nn.dot_product_attention`; `tokamax_*` where tokamax imports; `matmul`:
 the ceiling, a dense bf16 matmul of about the cell's FLOPs. A peer that
 cannot take a cell gets a skip entry with the reason. A cell's random inputs
@@ -52,7 +52,6 @@ from tqdm import tqdm
 
 import jax_flash
 from benchmarks import common, peers, render
-from benchmarks.decode import SameProgram, _reason, implementation_run
 from pallas_kernels import compat
 
 # ---------------------------------------------------------------- cells
@@ -218,12 +217,12 @@ AttentionFor = Callable[[ModelCell, str, bool], Callable[..., jax.Array]]
 def _jax_flash(implementation: str | None) -> AttentionFor:
   def attention_for(cell, mode, interpret):
     if implementation == "mosaic":
-      peers._require_gpu("the Mosaic GPU kernels", sm=(9, 0))
+      peers.require_gpu("the Mosaic GPU kernels", sm=(9, 0))
     elif implementation == "triton" and not interpret:
-      peers._require_gpu("the Triton kernels")
+      peers.require_gpu("the Triton kernels")
     if implementation == "mosaic" or (implementation is None
                                       and compat.has_gpu()):
-      peers._mosaic_module()  # imported before tracing, under its lock
+      peers.mosaic_module()  # imported before tracing, under its lock
     def attention(q, k, v, segment_ids, lengths):
       return jax_flash.flash_attention(
           q, k, v, is_causal=cell.causal, local_window_size=cell.window_size,
@@ -243,7 +242,7 @@ def _jax_nn(implementation: str) -> AttentionFor:
       raise NotImplementedError("jax.nn.dot_product_attention has no "
                                 "logits_soft_cap")
     if implementation == "cudnn":
-      peers._require_gpu("cuDNN attention")
+      peers.require_gpu("cuDNN attention")
       if cell.documents:
         raise NotImplementedError("jax.nn takes no segment ids; cuDNN would "
                                   "read a dense [B, 1, T, T] mask as a bias")
@@ -252,7 +251,7 @@ def _jax_nn(implementation: str) -> AttentionFor:
     logits = cell.batch * cell.num_heads * cell.seq_len**2 * 4
     needed = logits * (2.5 if mode == "fwd_bwd" else 1.0)
     if (implementation == "xla" and compat.has_gpu()
-        and needed >= peers._XLA_MAX_BYTES):
+        and needed >= peers.XLA_MAX_BYTES):
       raise peers.TooLarge(f"XLA attention would need about "
                            f"{needed / 2**30:.0f} GiB of logits")
     def attention(q, k, v, segment_ids, lengths):
@@ -271,9 +270,9 @@ def _tokamax(implementation: str) -> AttentionFor:
   documents only as a dense mask, so not here. Arguments a cell does not
   use are left out (an older tokamax may lack them)."""
   def attention_for(cell, mode, interpret):
-    peers._require_gpu(f"tokamax {implementation}")
+    peers.require_gpu(f"tokamax {implementation}")
     try:
-      with peers._IMPORT_LOCK:  # builds run in threads (`peers._mosaic_module`)
+      with peers.IMPORT_LOCK:  # builds run in threads (`peers.mosaic_module`)
         import tokamax
     except Exception as e:  # ImportError, or a wheel built for another JAX
       raise peers.Unavailable(f"tokamax not importable "
@@ -343,7 +342,7 @@ def build(impl: str, cell: ModelCell, mode: str, inputs: Inputs, pairs: int,
           interpret: bool, default=None) -> Built:
   """Lowers and compiles `impl` (safe from several threads). `default`: the
   future of jax_flash's build; a forced implementation that is the program
-  it runs raises SameProgram."""
+  it runs raises peers.SameProgram."""
   forced = FORCED.get(impl)
   if forced and default is not None:
     try:
@@ -351,13 +350,13 @@ def build(impl: str, cell: ModelCell, mode: str, inputs: Inputs, pairs: int,
     except Exception:  # the default failed: the forced one says why itself
       ran = None
     if ran == forced:
-      raise SameProgram(f"the program jax_flash ran (implementation=None "
+      raise peers.SameProgram(f"the program jax_flash ran (implementation=None "
                         f"chose {forced!r})")
   fn, args, flops = program(impl, cell, mode, inputs, pairs, interpret)
   lowered = fn.lower(*args)
-  ran = forced or (implementation_run(lowered.as_text())
+  ran = forced or (peers.implementation_run(lowered.as_text())
                    if impl == "jax_flash" else None)
-  with (common._autotune_lock if impl in AUTOTUNED
+  with (common.autotune_lock if impl in AUTOTUNED
         else contextlib.nullcontext()):
     return Built(lowered.compile(), args, flops, ran)
 
@@ -395,7 +394,7 @@ def time_mode(cell, mode, builds: dict, inputs, pairs, args, result
       built = future.result()
       out = jax.block_until_ready(built.compiled(*built.args))
     except Exception as e:  # one implementation's failure ends nothing else
-      result["skipped"].append(skip_entry(impl, cell, mode, _reason(e)))
+      result["skipped"].append(skip_entry(impl, cell, mode, peers.skip_reason(e)))
       continue
     runnable[impl] = built
     if impl == "jax_flash":
@@ -410,7 +409,7 @@ def time_mode(cell, mode, builds: dict, inputs, pairs, args, result
         times[impl].append(common.measure(built.compiled, built.args,
                                           warmup=args.warmup, reps=args.reps))
       except Exception as e:
-        result["skipped"].append(skip_entry(impl, cell, mode, _reason(e)))
+        result["skipped"].append(skip_entry(impl, cell, mode, peers.skip_reason(e)))
         del runnable[impl]
   dense = common.attention_flops(cell.batch, cell.seq_len, cell.seq_len,
                                  cell.num_heads, cell.head_dim, cell.causal,
@@ -436,7 +435,7 @@ def measure_cell(cell: ModelCell, todo: dict, pool, args, result) -> None:
   try:
     inputs = make_inputs(cell, args.seed)
   except Exception as e:  # out of memory for the inputs
-    result["skipped"] += [skip_entry(i, cell, m, _reason(e))
+    result["skipped"] += [skip_entry(i, cell, m, peers.skip_reason(e))
                           for m, impls in todo.items() for i in impls]
     return
   pairs = attended_pairs(cell, inputs.segment_ids, inputs.lengths)
@@ -659,21 +658,14 @@ def main(argv=None) -> int:
     for path in args.render:
       print(*render_models(path))
     return 0
-  result = {**common.run_header("benchmarks.models", argv),
-            "settings": {name: getattr(args, name) for name in (
-                "warmup", "reps", "rounds", "seed")},
-            "records": [], "skipped": []}
+  result = common.suite_result("benchmarks.models", argv, args)
   if args.resume and os.path.exists(args.out):
     previous = render.load(args.out)
     result["records"] = previous["records"]
     # A peer unavailable then (a wheel missing) is tried again.
     result["skipped"] = [e for e in previous["skipped"]
                          if not e["reason"].startswith("Unavailable")]
-  try:
-    run(args, result)
-  finally:  # what was measured is kept, even when the run is cut short
-    common.write_json(args.out, result)
-    paths = render_models(args.out)
+  paths = common.run_suite(run, args, result, args.out, render_models)
   for mode in args.modes:
     print(f"\n{mode}\n" + render.markdown_table(*mode_table(result, mode)))
   print("wrote", args.out, *paths)

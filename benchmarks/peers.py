@@ -11,6 +11,7 @@ the caller's to record, never to crash on.
 """
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 from typing import Callable, NamedTuple
@@ -23,11 +24,41 @@ from benchmarks import common
 from pallas_kernels import compat
 
 
-_IMPORT_LOCK = threading.Lock()
+# Peers are built in threads; modules are imported under this lock (two
+# threads importing the same modules at once have seen them half
+# initialised, `mosaic_module`), and so is the warnings filter, which is
+# process-wide.
+IMPORT_LOCK = threading.Lock()
 
 
 class Unavailable(Exception):
   """The peer cannot run on this machine (not installed, wrong device)."""
+
+
+class SameProgram(Exception):
+  """A forced implementation of ours is what implementation=None already
+  ran (not timed twice)."""
+
+
+def implementation_run(hlo_text: str) -> str:
+  """Which of our implementations a lowered program runs, from its
+  kernels' custom calls: Mosaic GPU's `mosaic_gpu_v2`, Pallas Triton's
+  `__gpu$xla.gpu.triton`; a program with neither is XLA's."""
+  targets = " ".join(re.findall(r"custom_call\s*@(\S+?)\(", hlo_text))
+  if "mosaic_gpu" in targets:
+    return "mosaic"
+  if "xla.gpu.triton" in targets:
+    return "triton"
+  return "xla"
+
+
+def skip_reason(error: BaseException) -> str:
+  """A skip entry's reason: the error's kind and message."""
+  if isinstance(error, SameProgram):
+    return f"SameProgram: {error}"
+  if common.is_oom(error):
+    return f"OOM: {common.describe_error(error)}"
+  return common.describe_error(error)
 
 
 class TooLarge(Exception):
@@ -41,7 +72,7 @@ class TooLarge(Exception):
 
 # XLA attention materialises float32 logits [batch, heads, q_len, kv_len];
 # fwd+bwd holds about 2.5 such arrays. Beyond this it is skipped.
-_XLA_MAX_BYTES = 64 * 2**30
+XLA_MAX_BYTES = 64 * 2**30
 
 
 class Benchmark(NamedTuple):
@@ -66,7 +97,7 @@ def _benchmark(cell: common.Cell, attention: AttentionFn,
   return Benchmark(jax.jit(loss_grad), (q, k, v, d_out))
 
 
-def _require_gpu(what: str, sm: tuple[int, int] = (8, 0)) -> None:
+def require_gpu(what: str, sm: tuple[int, int] = (8, 0)) -> None:
   cc = compat.gpu_compute_capability()
   if cc is None or cc < sm:
     raise Unavailable(f"{what} needs an sm{sm[0]}{sm[1]}+ GPU (found {cc})")
@@ -82,11 +113,11 @@ def jax_flash_triton(cell: common.Cell, *, interpret: bool = False,
   return _benchmark(cell, attention)
 
 
-def _mosaic_module():
+def mosaic_module():
   """`pallas_kernels.mosaic`, imported under a lock: `run_grid` builds peers
   in threads, and two threads importing its submodules at once saw them
   partially initialised (seen on the H200)."""
-  with _IMPORT_LOCK:
+  with IMPORT_LOCK:
     import pallas_kernels.mosaic
     import pallas_kernels.mosaic.backward
     return pallas_kernels.mosaic
@@ -98,8 +129,8 @@ def jax_flash_mosaic(cell: common.Cell, *, interpret: bool = False
   the Mosaic forward and backward (the Triton backward where the Mosaic one
   does not cover a call)."""
   del interpret
-  _require_gpu("the Mosaic GPU kernels", sm=(9, 0))
-  _mosaic_module()  # imported before tracing (see there)
+  require_gpu("the Mosaic GPU kernels", sm=(9, 0))
+  mosaic_module()  # imported before tracing (see there)
 
   def attention(q, k, v):
     return jax_flash.flash_attention(q, k, v, is_causal=cell.causal,
@@ -112,10 +143,10 @@ def jax_flash_all_mosaic(cell: common.Cell, *, interpret: bool = False
   """The Mosaic forward and backward, skipping cells the Mosaic backward
   does not cover (where `jax_flash_mosaic` would time the Triton one)."""
   del interpret
-  _require_gpu("the Mosaic GPU kernels", sm=(9, 0))
+  require_gpu("the Mosaic GPU kernels", sm=(9, 0))
   from pallas_kernels.config import BlockSizes
-  flash_attention_mosaic = _mosaic_module().flash_attention_mosaic
-  mosaic_backward = _mosaic_module().backward.mosaic_backward
+  flash_attention_mosaic = mosaic_module().flash_attention_mosaic
+  mosaic_backward = mosaic_module().backward.mosaic_backward
   # The Mosaic backward falls back to the Triton one for calls it does not
   # cover; here that must be a skip, not a mislabelled timing.
   x = jax.ShapeDtypeStruct(cell.shape, cell.dtype)
@@ -138,10 +169,10 @@ def jax_flash_mosaic_fp8(cell: common.Cell, *, interpret: bool = False,
   per-tensor scales, bf16 output). Forward only. `options`: more of
   `mosaic_forward_fp8`'s (a sweep's candidate, `tune_mosaic`)."""
   del interpret
-  _require_gpu("the FP8 Mosaic forward", sm=(9, 0))
+  require_gpu("the FP8 Mosaic forward", sm=(9, 0))
   if cell.mode != "fwd":
     raise NotImplementedError("the FP8 kernel is forward only")
-  mosaic_forward_fp8 = _mosaic_module().mosaic_forward_fp8
+  mosaic_forward_fp8 = mosaic_module().mosaic_forward_fp8
   q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
   (q8, qs), (k8, ks), (v8, vs) = (
       (x.data, x.descale) for x in map(jax_flash.fp8.quantize_fp8, (q, k, v)))
@@ -159,9 +190,9 @@ def xla(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
   del interpret
   logits = cell.batch * cell.num_heads * cell.seq_len**2 * 4
   needed = logits * (2.5 if cell.mode == "fwd_bwd" else 1.0)
-  if needed > _XLA_MAX_BYTES and compat.has_gpu():
+  if needed > XLA_MAX_BYTES and compat.has_gpu():
     raise TooLarge(f"XLA attention would need about {needed / 2**30:.0f} GiB "
-                   f"of logits (limit {_XLA_MAX_BYTES / 2**30:.0f} GiB)")
+                   f"of logits (limit {XLA_MAX_BYTES / 2**30:.0f} GiB)")
   def attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=cell.causal,
                                         implementation="xla")
@@ -171,7 +202,7 @@ def xla(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
 def cudnn(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
   """cuDNN's fused attention through `jax.nn.dot_product_attention`."""
   del interpret
-  _require_gpu("cuDNN attention")
+  require_gpu("cuDNN attention")
   def attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=cell.causal,
                                         implementation="cudnn")
@@ -186,7 +217,7 @@ def pallas_triton_mha(cell: common.Cell, *, interpret: bool = False
   to be a multiple of the forward tile when longer than it.
   """
   if not interpret:
-    _require_gpu("pallas.ops.gpu.attention")
+    require_gpu("pallas.ops.gpu.attention")
   with warnings.catch_warnings():
     # JAX 0.11 deprecates the module in favour of tokamax; it still works.
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -206,7 +237,7 @@ def pallas_mgpu(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
   its backward has no causal case (NotImplementedError, recorded as skipped).
   """
   del interpret
-  _require_gpu("attention_mgpu", sm=(9, 0))
+  require_gpu("attention_mgpu", sm=(9, 0))
   from jax.experimental.pallas.ops.gpu import attention_mgpu
   config = attention_mgpu.TuningConfig(
       block_q=64, block_kv=128, max_concurrent_steps=2, causal=cell.causal,
@@ -219,7 +250,7 @@ def pallas_mgpu(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
 
 
 def _tokamax(cell: common.Cell, implementation: str) -> Benchmark:
-  _require_gpu(f"tokamax {implementation}")
+  require_gpu(f"tokamax {implementation}")
   try:
     import tokamax
   except Exception as e:  # ImportError, or a wheel built for another JAX

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import decode
+from benchmarks import decode, peers
 from pallas_kernels import compat
 
 # Its module-scoped fixtures (a child process, a trained model) are built
@@ -142,12 +142,12 @@ def test_cells_and_implementations_are_read_as_documented():
   assert decode.forced_implementation("jax_flash_paged_triton") == "triton"
   assert decode.forced_implementation("jax_flash_mosaic") == "mosaic"
   assert decode.forced_implementation("jax_flash_paged") is None
-  assert decode.implementation_run(
+  assert peers.implementation_run(
       'stablehlo.custom_call @mosaic_gpu_v2(%0)') == "mosaic"
-  assert decode.implementation_run(
+  assert peers.implementation_run(
       'stablehlo.custom_call @__gpu$xla.gpu.triton(%0)') == "triton"
   # A path in the text is not a kernel.
-  assert decode.implementation_run(
+  assert peers.implementation_run(
       'loc("jax/_src/pallas/mosaic_gpu/x.py") stablehlo.dot') == "xla"
 
 
