@@ -718,16 +718,7 @@ def render_decode(path: str) -> tuple[str, str]:
               render.markdown_table(["impl", "largest max_diff"], [
                   [i, f"{d:.3g}" + (" **check**" if d > SUSPECT_DIFF else "")]
                   for i, d in diffs.items()]), ""]
-  if result.get("unmeasured"):
-    lines += ["## Not measured (time budget)", "",
-              ", ".join(result["unmeasured"]), ""]
-  if result["skipped"]:
-    lines += ["## Skipped", "",
-              render.markdown_table(*render.skipped_table(result)), ""]
-  with open(stem + ".md", "w") as f:
-    f.write("\n".join(lines))
-  plot_gbps(stem + ".png", result)
-  return stem + ".md", stem + ".png"
+  return render.write_suite_files(stem, lines, result, plot_gbps)
 
 
 def plot_gbps(path: str, result: dict) -> None:

@@ -567,16 +567,7 @@ def render_models(path: str) -> tuple[str, str]:
                 render.markdown_table(*mode_table(result, mode)), "",
                 "Geometric mean of ours / best peer over the cells a peer "
                 "ran: " + (f"**{mean:.3f}**" if mean else "—"), ""]
-  if result.get("unmeasured"):
-    lines += ["## Not measured (time budget)", "",
-              ", ".join(result["unmeasured"]), ""]
-  if result["skipped"]:
-    lines += ["## Skipped", "",
-              render.markdown_table(*render.skipped_table(result)), ""]
-  with open(stem + ".md", "w") as f:
-    f.write("\n".join(lines))
-  plot_ratios(stem + ".png", result)
-  return stem + ".md", stem + ".png"
+  return render.write_suite_files(stem, lines, result, plot_ratios)
 
 
 def plot_ratios(path: str, result: dict) -> None:

@@ -12,7 +12,7 @@ import argparse
 import collections
 import json
 import os
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from benchmarks import common
 from benchmarks.peers import CEILING, OTHER_PRECISION, OURS, PEERS
@@ -122,6 +122,23 @@ def summary_table(result: dict) -> tuple[list[str], list[list]]:
                  _fmt(tflops, best_name), _ratio(tflops),
                  _fmt(tflops, CEILING)])
   return headers, rows
+
+
+def write_suite_files(stem: str, lines: list[str], result: dict,
+                      plot: Callable[[str, dict], None]) -> tuple[str, str]:
+  """A suite's `stem`.md: `lines`, then the cells the time budget left
+  unmeasured and the skipped runs with their reasons; and its `stem`.png
+  drawn by `plot(path, result)`. Returns both paths."""
+  if result.get("unmeasured"):
+    lines = lines + ["## Not measured (time budget)", "",
+                     ", ".join(result["unmeasured"]), ""]
+  if result["skipped"]:
+    lines = lines + ["## Skipped", "",
+                     markdown_table(*skipped_table(result)), ""]
+  with open(stem + ".md", "w") as f:
+    f.write("\n".join(lines))
+  plot(stem + ".png", result)
+  return stem + ".md", stem + ".png"
 
 
 def skipped_table(result: dict) -> tuple[list[str], list[list]]:
