@@ -75,7 +75,8 @@ def flash_attention(
     alibi_slopes: float32 [num_heads] or [batch, num_heads]; adds
       -slope * |q_pos - kv_idx| to the logits. Not differentiated.
     mask_fn: (b, h, q_idx, kv_idx) -> bool, jnp ops traced into the kernels.
-      Its block sparsity is computed once per call; pass a `BlockMask`
+      Its block sparsity is computed once per call (for one batch or head
+      where mask_fn ignores `b` or `h`); pass a `BlockMask`
       (`BlockMask.from_mask_fn`) instead to compute it once for many calls.
       Fully masked tiles are skipped (block-sparse attention).
     score_fn: (score, b, h, q_idx, kv_idx) -> score, elementwise in score,

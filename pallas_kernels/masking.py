@@ -322,6 +322,28 @@ def block_ranges(states):
   return jnp.stack([lo, unmasked_lo, unmasked_hi, hi], -1).astype(jnp.int32)
 
 
+# Mask evaluations per step of `BlockMask.from_mask_fn`'s loop.
+_STRIP_EVALUATIONS = 1 << 24
+
+
+def arguments_used(mask_fn) -> tuple[bool, bool]:
+  """Whether `mask_fn(b, h, q_idx, kv_idx)` reads `b` and `h`, from one
+  trace of it on small int32 arguments. Conservative: an argument counts
+  as read if any equation takes it, and a function that does not trace
+  there (indexing arrays it closes over in a way these shapes break) is
+  taken to read both."""
+  args = [jax.ShapeDtypeStruct(shape, jnp.int32)
+          for shape in ((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 2, 1),
+                        (1, 1, 1, 2))]
+  try:
+    jaxpr = jax.make_jaxpr(mask_fn)(*args).jaxpr
+  except Exception:  # noqa: BLE001  (any failure: assume it reads both)
+    return True, True
+  taken = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
+  taken |= {id(v) for v in jaxpr.outvars}
+  return tuple(id(v) in taken for v in jaxpr.invars[:2])
+
+
 @jax.tree_util.register_pytree_node_class
 class BlockMask:
   """Block-level sparsity of a `mask_fn`, computed once and reusable.
@@ -357,34 +379,48 @@ class BlockMask:
 
   @classmethod
   def from_mask_fn(cls, mask_fn, *, batch: int, num_heads: int, q_len: int,
-                   kv_len: int, tile: int = 16, per_batch: bool = True,
-                   per_head: bool = True) -> "BlockMask":
+                   kv_len: int, tile: int = 16, per_batch: bool | None = None,
+                   per_head: bool | None = None) -> "BlockMask":
     """Evaluates `mask_fn(b, h, q_idx, kv_idx) -> bool` block by block.
 
-    Set `per_batch` / `per_head` to False when the mask ignores `b` / `h`,
-    so the map (and its cost) shrinks to one batch / head.
+    `per_batch` / `per_head`: whether the mask depends on `b` / `h`; None
+    finds out by tracing `mask_fn` once (`arguments_used`). A mask that
+    ignores one is evaluated for one batch / head only, so the map and its
+    cost shrink by that factor (16x for a document mask over 16 heads).
     """
+    if per_batch is None or per_head is None:
+      uses_batch, uses_head = arguments_used(mask_fn)
+      per_batch = uses_batch if per_batch is None else per_batch
+      per_head = uses_head if per_head is None else per_head
     nb = batch if per_batch else 1
     nh = num_heads if per_head else 1
     nq, nk = -(-q_len // tile), -(-kv_len // tile)
+    # Strips of about 2**24 evaluations: few sequential steps of `lax.map`
+    # (one tile row each made 1,024 steps at 16k), bounded memory.
+    per_strip = max(1, min(nq, _STRIP_EVALUATIONS // (nb * nh * tile * tile
+                                                       * nk)))
+    strips = -(-nq // per_strip)
+    rows = per_strip * tile
     b = jnp.arange(nb)[:, None, None, None]
     h = jnp.arange(nh)[None, :, None, None]
     kv_idx = jnp.arange(nk * tile)[None, None, None, :]
 
     def strip(i):
-      q_idx = (i * tile + jnp.arange(tile))[None, None, :, None]
+      q_idx = (i * rows + jnp.arange(rows))[None, None, :, None]
       inside = (q_idx < q_len) & (kv_idx < kv_len)
+      shape = (nb, nh, per_strip, tile, nk, tile)
       kept = jnp.broadcast_to(mask_fn(b, h, q_idx, kv_idx),
-                              (nb, nh, tile, nk * tile))
-      kept = kept.reshape(nb, nh, tile, nk, tile)
-      inside = jnp.broadcast_to(inside, (nb, nh, tile, nk * tile)).reshape(
-          nb, nh, tile, nk, tile)
-      any_kept = (kept & inside).any((2, 4))
-      all_kept = (kept | ~inside).all((2, 4))
-      return _classify(~any_kept, all_kept)
+                              (nb, nh, rows, nk * tile)).reshape(shape)
+      inside = jnp.broadcast_to(inside, (nb, nh, rows, nk * tile)).reshape(
+          shape)
+      any_kept = (kept & inside).any((3, 5))
+      all_kept = (kept | ~inside).all((3, 5))
+      return _classify(~any_kept, all_kept)         # [nb, nh, per_strip, nk]
 
-    states = lax.map(strip, jnp.arange(nq))           # [nq, nb, nh, nk]
-    return cls(jnp.moveaxis(states, 0, 2), tile, mask_fn)
+    states = lax.map(strip, jnp.arange(strips))     # [strips, nb, nh, ...]
+    states = jnp.moveaxis(states, 0, 2).reshape(nb, nh, strips * per_strip,
+                                                nk)
+    return cls(states[:, :, :nq], tile, mask_fn)
 
   def coarsen(self, block_q: int, block_k: int):
     """States for [block_q, block_k] tiles (multiples of `tile`)."""

@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from jax_flash import masking
@@ -145,3 +146,35 @@ def test_block_mask_coarsening():
       np.asarray(fine.states)[0, 0], 2 * (np.indices((4, 4)).sum(0) % 2 == 0))
   # 32 x 32 tiles mix kept and dropped 16 x 16 blocks: all partial.
   assert (np.asarray(fine.coarsen(32, 32)) == masking.PARTIAL).all()
+
+
+@pytest.mark.parametrize("mask_fn, used", [
+    (lambda b, h, i, j: i >= j, (False, False)),
+    (lambda b, h, i, j: i >= j + h, (False, True)),
+    (lambda b, h, i, j: (i * 7 + j * 3 + b + h) % 5 != 0, (True, True)),
+    (lambda b, h, i, j: jnp.where(b > 0, i >= j, True), (True, False)),
+])
+def test_block_mask_evaluates_what_mask_fn_reads(mask_fn, used,
+                                                  monkeypatch):
+  """The map is computed for every batch and head only where `mask_fn`
+  reads `b` and `h`, and in strips of several tile rows (a ragged last
+  strip here): each block's state equals the one found from every
+  (query, key) pair at once."""
+  from pallas_kernels import masking as kernel_masking
+  assert kernel_masking.arguments_used(mask_fn) == used
+  monkeypatch.setattr(kernel_masking, "_STRIP_EVALUATIONS", 1000)
+  q_len, kv_len, tile = 100, 77, 16
+  block_mask = BlockMask.from_mask_fn(mask_fn, batch=2, num_heads=3,
+                                      q_len=q_len, kv_len=kv_len)
+  nb, nh = 2 if used[0] else 1, 3 if used[1] else 1
+  assert block_mask.states.shape == (nb, nh, 7, 5)
+  b, h, i, j = np.ix_(range(nb), range(nh), range(7 * tile), range(5 * tile))
+  kept = np.broadcast_to(np.asarray(mask_fn(b, h, i, j)),
+                         (nb, nh, 7 * tile, 5 * tile))
+  inside = np.broadcast_to((i < q_len) & (j < kv_len), kept.shape)
+  blocks = lambda x: x.reshape(nb, nh, 7, tile, 5, tile)
+  any_kept = blocks(kept & inside).any((3, 5))
+  all_kept = blocks(kept | ~inside).all((3, 5))
+  want = np.where(~any_kept, EMPTY, np.where(all_kept, FULL,
+                                             masking.PARTIAL))
+  np.testing.assert_array_equal(block_mask.states, want)
