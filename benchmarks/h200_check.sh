@@ -103,10 +103,10 @@ for step in "$@"; do
       python3 -m benchmarks.run_grid --include "$OUT/grid_full.json" "$OUT/grid_causal.json" \
         --time-budget 0 --no-render --out "$OUT/h200.json" 2>&1 | tail -n 45 ;;
     masks)  # what masks save and score changes cost at 16k, on the
-            # Triton path and on the Mosaic one
-      for impl in triton mosaic; do
-        suffix=; [ $impl = mosaic ] && suffix=_mosaic
-        timeout 100 python3 -m benchmarks.masks --implementation $impl \
+            # Triton path, the Mosaic one and what implementation=None runs
+      for impl in ${MASKS_IMPLS:-triton mosaic auto}; do
+        suffix=; [ $impl = triton ] || suffix=_$impl
+        timeout ${MASKS_TIMEOUT:-200} python3 -m benchmarks.masks --implementation $impl \
           --out "$OUT/h200_masks$suffix.json" > "$LOGS/masks_$impl.log" 2>&1
         tail -18 "$LOGS/masks_$impl.log"
       done ;;

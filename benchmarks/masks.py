@@ -1,58 +1,125 @@
 """What masks save and what score changes cost, on one long sequence.
 
     python -m benchmarks.masks          # -> benchmarks/results/h200_masks.{json,md}
+    python -m benchmarks.masks --implementation mosaic   # h200_masks_mosaic.*
+    python -m benchmarks.masks --implementation auto     # h200_masks_auto.*
 
 bf16, batch 1, 16 heads, head_dim 128, seq 16k (`--seq`), forward and
-forward+backward of `jax_flash.flash_attention` (Triton kernels, or with
-`--implementation mosaic` the Mosaic ones; rows they do not cover are left
-out). Masks are
-judged by their speed-up over full attention (the work they let the kernels
-skip); score changes (soft cap, ALiBi, dropout) by their overhead over plain
-attention. TFLOP/s use the dense count 4·B·T²·N·D (x3.5 for fwd+bwd) for every
-row, so they compare time, not useful work.
+forward+backward of `jax_flash.flash_attention` with `--implementation`
+(triton; mosaic, where a call it does not take is left out; auto:
+implementation=None, each record saying which kernel ran).
+
+Each row is judged against a yardstick (`Variant.against`):
+- masks by their speed-up over full attention (the work they let the
+  kernels skip);
+- the same mask or score change written two ways against each other: the
+  causal mask and a document mask as `mask_fn` against `is_causal` and
+  `segment_ids`, ALiBi and the soft cap as `score_fn` against
+  `alibi_slopes` and `logits_soft_cap`;
+- score changes (soft cap, ALiBi, dropout) by their cost over the plain
+  causal call;
+- a dense bias against cuDNN's attention with the same bias (`jax.nn`,
+  where cuDNN runs).
+`x yardstick` is the yardstick's time over the row's (above 1: faster).
+TFLOP/s use the dense count 4·B·T²·N·D (x3.5 for fwd+bwd) for every row,
+so they compare time, not useful work.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 import jax_flash
-from benchmarks import common, render
+from benchmarks import common, peers, render
 from pallas_kernels import compat
 
 
-def variants(seq: int, num_heads: int) -> dict[str, dict]:
-  """The measured calls' keyword arguments, by row name."""
-  documents = jnp.repeat(jnp.arange(16, dtype=jnp.int32), seq // 16)[None]
+class Variant(NamedTuple):
+  kwargs: dict          # flash_attention's keyword arguments
+  against: str | None   # the row it is judged against (None: itself)
+  peer: str | None = None  # run by jax.nn with this implementation instead
+
+
+def variants(seq: int, num_heads: int) -> dict[str, Variant]:
+  """The measured calls, by row name, yardsticks before the rows they
+  judge."""
+  document = seq // 16
+  documents = jnp.repeat(jnp.arange(16, dtype=jnp.int32), document)[None]
+  slopes = 2.0 ** -jnp.arange(1, num_heads + 1, dtype=jnp.float32)
+  causal = dict(is_causal=True)
+
+  # Written as arithmetic on the indices: mask_fn and score_fn are traced
+  # into the kernels, which take no arrays they close over.
+  def alibi_score(score, b, h, q_idx, kv_idx):
+    del b
+    slope = jnp.exp2(-(h + 1).astype(jnp.float32))
+    return score - slope * jnp.abs(q_idx - kv_idx).astype(jnp.float32)
+
+  def softcap_score(score, *_):
+    return 30.0 * jnp.tanh(score / 30.0)
+
+  bias = jax.random.normal(jax.random.key(1), (1, num_heads, seq, seq),
+                           jnp.bfloat16)
   return {
-      "full": {},
-      "causal": dict(is_causal=True),
-      "sliding window 1k (causal)": dict(is_causal=True,
-                                         local_window_size=(1024, 0)),
-      "16 documents (segment ids)": dict(segment_ids=documents),
-      "softcap 30": dict(logits_soft_cap=30.0),
-      "alibi": dict(alibi_slopes=2.0 ** -jnp.arange(1, num_heads + 1,
-                                                    dtype=jnp.float32)),
-      "dropout 0.1": dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+      "full": Variant({}, None),
+      "causal": Variant(causal, "full"),
+      "sliding window 1k (causal)": Variant(
+          dict(is_causal=True, local_window_size=(1024, 0)), "full"),
+      "16 documents (segment ids)": Variant(dict(segment_ids=documents),
+                                            "full"),
+      "causal as mask_fn": Variant(
+          dict(mask_fn=lambda b, h, q, k: q >= k), "causal"),
+      "16 documents as mask_fn": Variant(
+          dict(mask_fn=lambda b, h, q, k: q // document == k // document),
+          "16 documents (segment ids)"),
+      "softcap 30": Variant(dict(logits_soft_cap=30.0), "full"),
+      "causal + softcap 30": Variant(dict(causal, logits_soft_cap=30.0),
+                                     "causal"),
+      "causal + softcap as score_fn": Variant(
+          dict(causal, score_fn=softcap_score), "causal + softcap 30"),
+      "alibi": Variant(dict(alibi_slopes=slopes), "full"),
+      "causal + alibi": Variant(dict(causal, alibi_slopes=slopes), "causal"),
+      "causal + ALiBi as score_fn": Variant(
+          dict(causal, score_fn=alibi_score), "causal + alibi"),
+      "dropout 0.1": Variant(
+          dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "full"),
+      "causal + dropout 0.1": Variant(
+          dict(causal, dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+          "causal"),
+      "dense bias (cuDNN)": Variant(dict(bias=bias), None, peer="cudnn"),
+      "dense bias": Variant(dict(bias=bias), "dense bias (cuDNN)"),
   }
 
 
-def build(mode: str, shape, kwargs, interpret: bool,
-          implementation: str = "triton"):
+def build(mode: str, shape, variant: Variant, interpret: bool,
+          implementation: str | None = "triton"):
+  """(jitted fn, inputs) of one row: the forward, or the gradients of
+  <out, d_out> with respect to q, k and v."""
   q, k, v, d_out = common.attention_inputs(shape, jnp.bfloat16)
 
   def attention(q, k, v):
+    if variant.peer is not None:
+      peers.require_gpu(f"jax.nn's {variant.peer} attention")
+      return jax.nn.dot_product_attention(q, k, v,
+                                          implementation=variant.peer,
+                                          **variant.kwargs)
     return jax_flash.flash_attention(q, k, v, implementation=implementation,
-                                     interpret=interpret, **kwargs)
+                                     interpret=interpret, **variant.kwargs)
 
   if mode == "fwd":
     return jax.jit(attention), (q, k, v)
   loss = lambda q, k, v, d: jnp.sum(attention(q, k, v).astype(jnp.float32)
                                     * d.astype(jnp.float32))
   return jax.jit(jax.grad(loss, (0, 1, 2))), (q, k, v, d_out)
+
+
+def kernel_ran(fn, inputs) -> str:
+  """Which implementation a jitted call's program runs."""
+  return peers.implementation_run(fn.lower(*inputs).as_text())
 
 
 def main(argv=None) -> int:
@@ -62,45 +129,72 @@ def main(argv=None) -> int:
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--reps", type=int, default=10)
-  parser.add_argument("--implementation", choices=("triton", "mosaic"),
+  parser.add_argument("--implementation", choices=("triton", "mosaic",
+                                                   "auto"),
                       default="triton")
+  parser.add_argument("--variants", nargs="+", metavar="NAME",
+                      help="rows to measure (default: all; a row's "
+                      "yardstick is measured with it)")
   parser.add_argument("--out", default=None,
-                      help="default benchmarks/results/h200_masks[_mosaic].json")
+                      help="default benchmarks/results/h200_masks[_IMPL].json")
   args = parser.parse_args(argv)
   suffix = "" if args.implementation == "triton" else "_" + args.implementation
   out_path = args.out or f"benchmarks/results/h200_masks{suffix}.json"
+  implementation = None if args.implementation == "auto" else (
+      args.implementation)
   interpret = not compat.has_gpu()
   shape = (1, args.seq, args.heads, args.head_dim)
-  rows = []
   table = variants(args.seq, args.heads)
+  if args.variants:
+    unknown = set(args.variants) - set(table)
+    if unknown:
+      parser.error(f"unknown variants {sorted(unknown)}; known: "
+                   f"{list(table)}")
+    wanted = set(args.variants)
+    wanted |= {table[name].against for name in args.variants} - {None}
+    table = {name: v for name, v in table.items() if name in wanted}
+  rows, skipped = [], []
   with common.progress(total=2 * len(table), desc="masks") as bar:
     for mode in ("fwd", "fwd_bwd"):
-      base_ms = None
-      for name, kwargs in table.items():
-        fn, inputs = build(mode, shape, kwargs, interpret,
-                           args.implementation)
+      times = {}
+      for name, variant in table.items():
+        fn, inputs = build(mode, shape, variant, interpret, implementation)
         try:
+          # Interpreted kernels lower to plain XLA: name the request.
+          ran = variant.peer or (args.implementation if interpret
+                                 else kernel_ran(fn, inputs))
           ms = common.time_fn(fn, *inputs, warmup=2, reps=args.reps)
-        except NotImplementedError as e:  # a variant this backend lacks
-          print(f"{name} {mode}: skipped ({e})")
+        except (NotImplementedError, peers.Unavailable) as e:
+          # a variant this backend lacks, or a peer without a GPU
+          skipped.append(dict(variant=name, mode=mode,
+                              reason=peers.skip_reason(e)))
           bar.update()
           continue
-        base_ms = base_ms or ms
+        times[name] = ms
+        yardstick = times.get(variant.against)
         flops = common.attention_flops(1, args.seq, args.seq, args.heads,
                                        args.head_dim, False, mode)
-        rows.append(dict(variant=name, mode=mode, seq_len=args.seq,
-                         num_heads=args.heads, head_dim=args.head_dim,
-                         ms=ms, tflops_dense=flops / ms / 1e9,
-                         speedup_vs_full=base_ms / ms))
+        rows.append(dict(variant=name, mode=mode, implementation=ran,
+                         seq_len=args.seq, num_heads=args.heads,
+                         head_dim=args.head_dim, ms=ms,
+                         tflops_dense=flops / ms / 1e9,
+                         against=variant.against,
+                         vs_against=yardstick / ms if yardstick else None))
         bar.update()
   result = {**common.run_header("benchmarks.masks", argv),
             "implementation": args.implementation,
-            "records": rows}
+            "records": rows, "skipped": skipped}
   text = render.write_results(
-      out_path, result, ["variant", "mode", "ms", "dense TFLOP/s", "x full"],
-      [[r["variant"], r["mode"], f"{r['ms']:.3f}", f"{r['tflops_dense']:.0f}",
-        f"{r['speedup_vs_full']:.2f}"] for r in rows])
+      out_path, result,
+      ["variant", "mode", "ran", "ms", "dense TFLOP/s", "yardstick",
+       "x yardstick"],
+      [[r["variant"], r["mode"], r["implementation"], f"{r['ms']:.3f}",
+        f"{r['tflops_dense']:.0f}", r["against"] or "",
+        "" if r["vs_against"] is None else f"{r['vs_against']:.2f}"]
+       for r in rows])
   print(text)
+  for entry in skipped:
+    print(f"skipped {entry['variant']} {entry['mode']}: {entry['reason']}")
   return 0
 
 

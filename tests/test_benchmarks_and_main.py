@@ -431,6 +431,26 @@ def test_masks_benchmark_skips_what_a_backend_lacks(tmp_path):
     assert result["records"] == []
 
 
+def test_masks_benchmark_judges_each_row_by_its_yardstick(tmp_path):
+  """`--variants` measures a row with its yardstick (the built-in form of
+  the same mask or score change) and records their ratio."""
+  from benchmarks import masks
+  out = tmp_path / "masks.json"
+  assert masks.main(["--seq", "32", "--heads", "2", "--head-dim", "32",
+                     "--reps", "1", "--variants", "16 documents as mask_fn",
+                     "causal + ALiBi as score_fn", "--out", str(out)]) == 0
+  records = {(r["variant"], r["mode"]): r
+             for r in json.loads(out.read_text())["records"]}
+  assert set(records) == {(v, m) for m in ("fwd", "fwd_bwd") for v in (
+      "16 documents (segment ids)", "16 documents as mask_fn",
+      "causal + alibi", "causal + ALiBi as score_fn")}
+  for mode in ("fwd", "fwd_bwd"):
+    row = records["16 documents as mask_fn", mode]
+    assert row["against"] == "16 documents (segment ids)"
+    assert row["vs_against"] == pytest.approx(
+        records["16 documents (segment ids)", mode]["ms"] / row["ms"])
+
+
 def test_grid_rounds_interleave_and_keep_the_median(monkeypatch):
   """`--rounds`: a cell's implementations are timed in turn, round after
   round, every other round in reverse; each keeps the median of its rounds; one that fails to build or
