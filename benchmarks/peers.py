@@ -209,6 +209,39 @@ def cudnn(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
   return _benchmark(cell, attention)
 
 
+def cudnn_fp8(cell: common.Cell, *, interpret: bool = False) -> Benchmark:
+  """cuDNN's FP8 (e4m3) attention forward, through JAX's cuDNN bindings
+  (`jax._src.cudnn.fused_attention_stablehlo.dot_product_attention` with
+  `use_fp8=True`; private), on inputs quantised beforehand with per-tensor
+  factors (untimed). Forward only, e4m3 output; no GQA."""
+  del interpret
+  require_gpu("cuDNN FP8 attention", sm=(9, 0))
+  if cell.mode != "fwd":
+    raise NotImplementedError("timed as a forward only")
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+  except ImportError as e:
+    raise Unavailable(f"JAX's cuDNN bindings: {common.describe_error(e)}")
+  q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
+  quantized = [jax_flash.fp8.quantize_fp8(x) for x in (q, k, v)]
+  one = jnp.ones((1, 1, 1, 1), jnp.float32)
+  # Every factor of FP8Params; the forward reads the descales of q, k and
+  # v (one per tensor: cuDNN takes scalars) and the score/output scales.
+  params = {name: one for name in cudnn_attention.fp8_params_keys}
+  for name, x in zip(("descale_q", "descale_k", "descale_v"), quantized):
+    params[name] = jnp.max(x.descale).reshape(1, 1, 1, 1)
+  mask = (cudnn_attention.MaskType.CAUSAL if cell.causal
+          else cudnn_attention.MaskType.NO_MASK)
+
+  def attention(q8, k8, v8, params):
+    out, _, _ = cudnn_attention.dot_product_attention(
+        q8, k8, v8, fp8_params=params, scale=cell.head_dim**-0.5,
+        mask_type=mask, qkv_layout="BTNH", use_fp8=True)
+    return out
+  return Benchmark(jax.jit(attention),
+                   (*(x.data for x in quantized), params))
+
+
 def pallas_triton_mha(cell: common.Cell, *, interpret: bool = False
                       ) -> Benchmark:
   """JAX's own Pallas Triton kernel (`pallas.ops.gpu.attention.mha`).
@@ -302,6 +335,7 @@ PEERS: dict[str, PeerFn] = {
     "jax_flash_mosaic_fp8": jax_flash_mosaic_fp8,
     "xla": xla,
     "cudnn": cudnn,
+    "cudnn_fp8": cudnn_fp8,
     "pallas_triton_mha": pallas_triton_mha,
     "pallas_mgpu": pallas_mgpu,
     "tokamax_mosaic": tokamax_mosaic,
@@ -311,6 +345,6 @@ PEERS: dict[str, PeerFn] = {
 # This project's implementations; tables compare the faster of them.
 OURS = ("jax_flash_mosaic", "jax_flash_all_mosaic", "jax_flash_triton")
 # Shown, but neither ours nor a peer in the ratios: another precision.
-OTHER_PRECISION = ("jax_flash_mosaic_fp8",)
+OTHER_PRECISION = ("jax_flash_mosaic_fp8", "cudnn_fp8")
 # Not a peer to beat but the hardware's ceiling for the same FLOPs.
 CEILING = "matmul"
