@@ -115,8 +115,17 @@ def test_backward_plan_follows_its_rows():
   assert config(128, True, 2048).prefetch_lse
   assert config(256, True, 2048).shared_rows
   assert not config(256, True, 1024).shared_rows
+  # Head dims between the rows' run on the next one's rows, less what
+  # their width cannot take: the fused dQ's whole 64-column pieces (96),
+  # shared rows' halves of whole swizzle tiles (176: 88 columns a half).
+  assert config(96, False, 1024) == config(128, False, 1024)
+  assert not config(96, False, 16384).fused_dq
+  assert config(96, False, 16384).prefetch_lse
+  assert config(160, True, 2048).shared_rows
+  assert config(192, True, 2048).shared_rows
+  assert not config(176, True, 2048).shared_rows
   with pytest.raises(NotImplementedError, match="head_dim"):
-    config(96, False, 1024)
+    config(320, False, 1024)
   with pytest.raises(TypeError, match="prefetch_stats"):
     config(128, False, 1024, prefetch_stats=True)
 
@@ -195,9 +204,10 @@ def test_d_lse_lowers(cuda_lowering):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(q_len=200), "q_len 200"),
     (dict(kv_len=200), "kv_len 200"),
-    (dict(head_dim=96), "head_dim"),
+    (dict(head_dim=72), "head_dim"),    # not a multiple of 16
     (dict(dtype=jnp.float32), "bfloat16 and float16"),
     (dict(block_q=96), "multiples of 64"),
+    (dict(head_dim=96, fused_dq=True), "head_dim multiples of 64"),
     (dict(head_dim=256, block_kv=128), "registers"),
     (dict(head_dim=128, block_q=256), "registers"),
     (dict(head_dim=256, max_concurrent_steps=4), "shared memory"),
@@ -624,7 +634,7 @@ def test_mosaic_backward_deterministic_and_empty_rows_on_gpu():
 
 @pytest.mark.parametrize("shape, kwargs, masked", [
     (dict(q_len=256, kv_len=384, head_dim=64), dict(is_causal=True), False),
-    (dict(q_len=256, kv_len=256, head_dim=96), {}, False),   # padded to 128
+    (dict(q_len=256, kv_len=256, head_dim=72), {}, False),   # padded to 80
     (dict(q_len=200, kv_len=330, head_dim=64),               # ragged: masked
      dict(is_causal=True, q_offset=130), True),
     (dict(q_len=256, kv_len=256, head_dim=128),

@@ -93,7 +93,8 @@ def test_lazy_rescale_masked_forward_lowers(head_dim, cuda_lowering):
 
 def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,
                                                      monkeypatch):
-  """Head dim 96, ragged lengths, window and lengths, through `jax.grad`."""
+  """Head dim 96 (at its own width), ragged lengths, window and lengths,
+  through `jax.grad`."""
   monkeypatch.setattr(mosaic_attention_module, "MASKED_KERNEL_ENABLED", True)
   spec = masking.MaskSpec(q_len=200, kv_len=333, is_causal=True,
                           window=(50, None), has_kv_lengths=True)

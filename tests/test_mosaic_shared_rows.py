@@ -61,7 +61,7 @@ def test_shared_rows_lower_as_one_dkdv_pass(head_dim, is_causal, persistent,
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(head_dim=64), "64-column tiles"),   # 32 columns a consumer
+    (dict(head_dim=176), "swizzle"),          # 88 columns a consumer
     (dict(block_q=128), "shared memory"),     # 2 x 2 x 128 x 256 ring
     (dict(kv_len=800), "multiple of block_kv"),
     (dict(spec=object()), "ranged"),

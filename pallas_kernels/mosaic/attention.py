@@ -17,9 +17,9 @@ against 28.8 ms (`benchmarks/results/h200_masks_mosaic.md`).
 `MASKED_KERNEL_ENABLED` and `MASKED_BACKWARD_ENABLED` route masks back to
 the Triton kernels if either ever regresses.
 
-`mosaic_attention` pads head dims to the kernels' and picks the plain or
-masked pair; `mosaic_attention_backward` gives its gradients from given
-residuals.
+`mosaic_attention` pads head dims the kernels do not take to the next they
+do and picks the plain or masked pair; `mosaic_attention_backward` gives
+its gradients from given residuals.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from pallas_kernels.masking import Operands
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.mosaic.backward import mosaic_backward
+from pallas_kernels.mosaic.common import HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS
 from pallas_kernels.mosaic.forward import mosaic_forward
 from pallas_kernels.mosaic.plan import backward_config, default_block_kv
 from pallas_kernels.mosaic.masked import mosaic_forward_masked
@@ -43,8 +44,6 @@ from pallas_kernels.triton.backward import flash_backward
 # Masks on the masked Mosaic forward and backward (else the Triton kernels).
 MASKED_KERNEL_ENABLED = True
 MASKED_BACKWARD_ENABLED = True
-# Head dims the kernels take natively; others are zero-padded up to one.
-NATIVE_HEAD_DIMS = (64, 128, 256)
 
 
 def backward_tiles(head_dim: int, q_len: int) -> dict:
@@ -66,9 +65,10 @@ def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
   `is_causal`; without `MASKED_KERNEL_ENABLED` they raise
   NotImplementedError (the caller falls back to the Triton kernels).
 
-  A head dim that is not native is zero-padded to the next native one
-  (zero columns add nothing to q·k, and the padded output columns are
-  dropped), as the Triton kernels pad inside theirs; the padding's
+  The kernels compute head dims that are multiples of 16 from 64 to 256
+  at their own width; another is zero-padded to the next such (72 to 80,
+  40 to 64: zero columns add nothing to q·k, and the padded output columns
+  are dropped), as the Triton kernels pad inside theirs; the padding's
   gradient is the slice, by autodiff.
 
   Returns (out [B, Tq, N, D], lse float32 [B, N, Tq]).
@@ -115,17 +115,19 @@ def mosaic_attention_backward(query, key, value, out, lse, d_out, d_lse, *,
 
 
 def _pad_head_dim(*arrays):
-  """Zero-pads the last axis to the next native head dim. Zero columns add
-  nothing to q·k, and padded output columns are dropped; the Triton kernels
-  pad inside theirs."""
+  """Zero-pads the last axis to the next head dim the kernels compute at
+  its own width (`common.own_width_head_dim`: a multiple of 16, at least
+  64). Zero columns add nothing to q·k, and padded output columns are
+  dropped; the Triton kernels pad inside theirs."""
   head_dim = arrays[0].shape[-1]
-  native = next((d for d in NATIVE_HEAD_DIMS if d >= head_dim), None)
-  if native is None:
+  least, most = SUPPORTED_HEAD_DIMS[0], SUPPORTED_HEAD_DIMS[-1]
+  if head_dim > most:
     raise NotImplementedError(
-        f"the Mosaic kernels support head_dim up to 256, got {head_dim}")
-  if native == head_dim:
+        f"the Mosaic kernels support head_dim up to {most}, got {head_dim}")
+  width = max(least, -(-head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE)
+  if width == head_dim:
     return arrays
-  pad = [(0, 0)] * 3 + [(0, native - head_dim)]
+  pad = [(0, 0)] * 3 + [(0, width - head_dim)]
   return tuple(jnp.pad(x, pad) for x in arrays)
 
 

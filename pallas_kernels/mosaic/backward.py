@@ -23,7 +23,7 @@ Warp specialisation as in the forward (FlashAttention-3, Shah et al. 2024,
 streams the loop's tiles by TMA into a ring of shared-memory slots
 (`pipeline.produce`); every consumer walks every streamed step
 (`pipeline.Walk`). Two more forms of the dK/dV kernel: with shared rows
-(`shared_rows.py`: at head_dim 256 two consumers on one copy of the K/V
+(`shared_rows.py`: above head_dim 128 two consumers on one copy of the K/V
 rows, each with half of dK's and dV's columns, where one consumer could not
 hold both), and fused with dQ (`fused_dq.py`: a fourth warpgroup adds each
 K/V tile's share of dQ to a float32 sum in a fixed order; one kernel
@@ -49,14 +49,16 @@ this module turns it into the kernels' statics (`statics`) and runs them
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic.common import (
-    LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS,
-    THREADS_PER_WARPGROUP, check_layout, check_shared_memory, check_tiles,
+    HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS, SWIZZLES, THREADS_PER_WARPGROUP, check_layout,
+    check_shared_memory, check_tiles, own_width_head_dim,
     persistent_num_ctas)
 from pallas_kernels.mosaic.dkdv import launch_dkdv
 from pallas_kernels.mosaic.dq import launch_dq
@@ -64,7 +66,6 @@ from pallas_kernels.mosaic.fused_dq import (DQ_PIECE, ZERO_CELL_BYTES,
                                             fused_smem_bytes, num_dq_pieces)
 from pallas_kernels.mosaic.pipeline import BackwardStatic
 from pallas_kernels.mosaic.plan import BackwardConfig, backward_config
-from pallas_kernels.mosaic.shared_rows import EXCHANGE_SWIZZLES
 from pallas_kernels.triton.delta import row_delta
 
 _MAX_CONSUMERS = 2
@@ -81,7 +82,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
-    query: [batch, q_len, num_heads, head_dim], bfloat16 or float16.
+    query: [batch, q_len, num_heads, head_dim], bfloat16 or float16;
+      head_dim a multiple of 16 from 64 to 256.
     key, value: [batch, kv_len, num_kv_heads, head_dim], same dtype;
       num_heads % num_kv_heads == 0 (query head h reads K/V head
       h // (num_heads // num_kv_heads)).
@@ -202,9 +204,11 @@ def check_supported(query, key, value, out, lse, d_out, d_lse, *, block_q,
   if dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_backward supports bfloat16 and float16, got {dtype}")
-  if head_dim not in SUPPORTED_HEAD_DIMS:
-    raise NotImplementedError(f"mosaic_backward supports head_dim in "
-                              f"{SUPPORTED_HEAD_DIMS}, got {head_dim}")
+  if not own_width_head_dim(head_dim, dtype):
+    raise NotImplementedError(
+        f"mosaic_backward supports head_dim a multiple of "
+        f"{HEAD_DIM_MULTIPLE} from {SUPPORTED_HEAD_DIMS[0]} to "
+        f"{SUPPORTED_HEAD_DIMS[-1]}, got {head_dim}")
   check_tiles_divide(q_len, kv_len, block_q=block_q, block_kv=block_kv,
                      max_concurrent_steps=max_concurrent_steps,
                      any_lengths=any_lengths)
@@ -396,12 +400,12 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
   consumers = _num_consumers(_tiled_length(kv_len, block_kv, spec), block_kv,
                              smem_of)
   if fused_dq and (num_dq_pieces(block_q, head_dim) != consumers
-                   or block_kv % DQ_PIECE):
+                   or block_kv % DQ_PIECE or head_dim % DQ_PIECE):
     raise NotImplementedError(
         f"the fused dQ gives each of its consumers one [{DQ_PIECE}, "
         f"{DQ_PIECE}] piece of the [{block_q}, {head_dim}] dQ tile and "
-        f"needs block_kv a multiple of {DQ_PIECE}; here {consumers} "
-        f"consumers, block_kv {block_kv}")
+        f"needs block_kv and head_dim multiples of {DQ_PIECE}; here "
+        f"{consumers} consumers, block_kv {block_kv}")
   opaque = fused_dq and (
       smem_of(consumers) + ZERO_CELL_BYTES <= SMEM_LIMIT_BYTES)
   return [
@@ -429,12 +433,12 @@ def _shared_rows_static(query, key, *, scale, is_causal, block_q, block_kv,
   q_part, d_part = block_q // consumers, head_dim // consumers
   if spec is not None:
     raise NotImplementedError("the ranged backward has no shared K/V rows")
-  if q_part * itemsize not in EXCHANGE_SWIZZLES or d_part % 64:
+  if math.gcd(q_part, d_part) * itemsize % SWIZZLES[-1]:
     raise NotImplementedError(
         f"shared K/V rows split the {block_q} streamed rows and head_dim "
-        f"{head_dim} between {consumers} consumers: each part of the "
-        f"exchanged scores must be a swizzle row ({EXCHANGE_SWIZZLES} "
-        f"bytes) and each part of the columns whole 64-column tiles")
+        f"{head_dim} between {consumers} consumers: both parts must be "
+        f"whole tiles of one swizzle (`shared_rows.shared_transforms`), "
+        f"at least {SWIZZLES[-1]} bytes wide")
   if kv_len % block_kv:
     raise NotImplementedError(
         f"kv_len {kv_len} must be a multiple of block_kv {block_kv} "

@@ -22,12 +22,28 @@ from pallas_kernels import compat as versions
 from pallas_kernels import masking
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The plans' head dims (`plan.FORWARD_PLAN`, `plan.BACKWARD_PLAN`), each
+# measured. The 16-bit kernels compute any multiple of `HEAD_DIM_MULTIPLE`
+# from the least to the greatest of them at its own width
+# (`own_width_head_dim`), on the plan of the next of these
+# (`plan.plan_head_dim`).
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# A head dim at its own width: a multiple of 16, since the contraction of
+# S = Q Kᵀ over head_dim is whole swizzle tiles, and the narrowest swizzle
+# wgmma takes, 32 bytes, is 16 16-bit elements (`swizzled`); P V's
+# N = head_dim is then a multiple of wgmma's 8 and at most its 256. Below
+# 64 a call is padded to 64 (the forward there is bound by the softmax's
+# exponentials, not the matmuls: d=64 already needs three consumers to hide
+# it); above 256 wgmma's N ends. TMA's 16-byte global strides ask only a
+# multiple of 8.
+HEAD_DIM_MULTIPLE = 16
 LOG2E = math.log2(math.e)
 THREADS_PER_WARPGROUP = 128
 # Dynamic shared memory per CTA on sm90 (227 KiB), less a little for barriers.
 SMEM_LIMIT_BYTES = 227 * 1024 - 1024
-SWIZZLE_BYTES = 128
+# The swizzles that TMA writes and wgmma reads, widest first (Mosaic GPU's
+# wgmma takes no unswizzled operand).
+SWIZZLES = (128, 64, 32)
 # wgmma works on 64-row slabs (m64nNk16) and a 128-byte swizzle is 64 16-bit
 # elements, so every tile dimension is a multiple of 64.
 _TILE_MULTIPLE = 64
@@ -58,13 +74,37 @@ def register_split(*, lean: bool, num_consumers: int = 2) -> tuple[int, int]:
   return _REGISTERS_BY_CONSUMERS[num_consumers]
 
 
-def swizzled(row_bytes: int, itemsize: int):
-  """8-row tiles with the widest swizzle (up to 128 B) a tile row of
-  `row_bytes` fills: the shared-memory layout that both TMA writes and
-  wgmma reads without bank conflicts."""
-  swizzle = min(SWIZZLE_BYTES, row_bytes)
+def swizzled(columns: int, dtype):
+  """8-row tiles with the widest swizzle (128, 64 or 32 B) whose tile
+  width divides a tile row of `columns` elements of `dtype`: the
+  shared-memory layout that both TMA writes and wgmma reads without bank
+  conflicts.
+
+  A wgmma contracts over whole swizzle tiles, so their width must divide
+  the row: a 16-bit row of head_dim 96 (192 B) takes 64-byte tiles (32
+  elements), of 80 (160 B) 32-byte ones (16 elements); rows of a multiple
+  of 128 B (the plans' head dims, tiles of 64 rows or more) take 128.
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  row_bytes = columns * itemsize
+  swizzle = next((s for s in SWIZZLES if row_bytes % s == 0), None)
+  if swizzle is None:
+    raise NotImplementedError(f"a shared-memory row of {row_bytes} bytes is "
+                              f"no whole number of {SWIZZLES[-1]}-byte "
+                              "swizzle tiles")
   return (plgpu.TilingTransform((8, swizzle // itemsize)),
           plgpu.SwizzleTransform(swizzle))
+
+
+def own_width_head_dim(head_dim: int, dtype) -> bool:
+  """Whether the kernels compute `head_dim` at its own width in `dtype`:
+  in 16 bits a multiple of `HEAD_DIM_MULTIPLE` from 64 to 256; in FP8
+  (whose transposed V and P tiles take other swizzles, not lowered at
+  other widths) the plans' dims only."""
+  if jnp.dtype(dtype).itemsize != 2:
+    return head_dim in SUPPORTED_HEAD_DIMS
+  return (SUPPORTED_HEAD_DIMS[0] <= head_dim <= SUPPORTED_HEAD_DIMS[-1]
+          and head_dim % HEAD_DIM_MULTIPLE == 0)
 
 
 def check_layout(query, key, value) -> tuple[int, int]:

@@ -15,9 +15,10 @@ Grid over K/V tiles of `kv_rows_per_cta` rows of one (batch, K/V head):
               by TMA through the ring (`pipeline.produce`).
   dQ writer   fused dQ only, the last warpgroup (`fused_dq.write_dq`).
 
-At head_dim 256 the two consumers share one copy of the rows
-(`shared_rows.dkdv_consume_shared`), or, on the persistent grid, the kernel
-runs twice, once per output, with one consumer.
+Above head_dim 128 the two consumers share one copy of the rows
+(`shared_rows.dkdv_consume_shared`), or the kernel runs twice, once per
+output (the plan's choice on the persistent grid; and where the halves of
+head_dim are no whole swizzle tiles).
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
-from pallas_kernels.mosaic.common import THREADS_PER_WARPGROUP, per_column
+from pallas_kernels.mosaic.common import (THREADS_PER_WARPGROUP, per_column,
+                                          swizzled)
 from pallas_kernels.mosaic.fused_dq import (
     DQ_PIECE, PIECES_DONE_BARRIER, FusedDq, issue_dq_piece,
     num_dq_pieces, stage_dq_piece, stage_dq_pieces, write_dq)
@@ -39,11 +41,11 @@ from pallas_kernels.mosaic.pipeline import (
     dkdv_causal_runs, each_tile, first_q_block, first_unmasked_q_block,
     grid_args, ids_arrived, kernel_name, load_own_ids, produce,
     ranged_refs, ranged_scratch, ranged_walk, ring_slot, score_gradient,
-    tile_probabilities, tile_transforms, tile_values, variant_mask_t,
+    tile_probabilities, tile_values, variant_mask_t,
     walk_group, wgmma_accumulate, wgmma_fresh, wgmma_then)
 from pallas_kernels.mosaic.shared_rows import (
-    column_part, dkdv_consume_shared, exchange_scratch, exchange_transforms,
-    load_column_parts)
+    column_part, dkdv_consume_shared, exchange_scratch, load_column_parts,
+    shared_transforms)
 
 
 def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
@@ -57,15 +59,14 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
   """
   batch, kv_len, num_kv_heads, head_dim = key.shape
   consumers, stages = static.num_consumers, static.num_stages
-  transforms = tile_transforms(static.dtype)
+  transforms = swizzled(head_dim, static.dtype)
   resident_shape = (consumers, static.block_kv, head_dim)
   if static.shared_rows:
     # One copy of the rows, in column parts (a TMA box must be contiguous
-    # in shared memory); every tile in the exchange's swizzle, since a
-    # wgmma's operands share one.
+    # in shared memory); every tile in the swizzle of the exchange's and
+    # the column parts' tiles, since a wgmma's operands share one.
     resident_shape = (consumers, static.block_kv, head_dim // consumers)
-    transforms = exchange_transforms(static.dtype,
-                                     static.block_q // consumers)
+    transforms = shared_transforms(static)
   resident = plgpu.SMEM(resident_shape, static.dtype, transforms=transforms)
   streamed = plgpu.SMEM((stages, static.block_q, head_dim), static.dtype,
                         transforms=transforms)
@@ -101,7 +102,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
         plgpu.Barrier(num_arrivals=consumers, num_barriers=2),  # ds_stored
         plgpu.SMEM((2, num_dq_pieces(static.block_q, head_dim), DQ_PIECE,
                     DQ_PIECE), jnp.float32,
-                   transforms=tile_transforms(jnp.float32)),  # dQ pieces
+                   transforms=swizzled(DQ_PIECE, jnp.float32)),  # dQ pieces
         plgpu.Barrier(num_arrivals=consumers, num_barriers=2),  # dq_staged
         plgpu.Barrier(num_barriers=2),                        # stage_free
         plgpu.Barrier(num_arrivals=consumers, num_barriers=2),  # ds_read

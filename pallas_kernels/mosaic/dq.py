@@ -25,13 +25,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
-from pallas_kernels.mosaic.common import (causal_mask, per_row, tile_index,
-                                          variant_mask)
+from pallas_kernels.mosaic.common import (causal_mask, per_row, swizzled,
+                                          tile_index, variant_mask)
 from pallas_kernels.mosaic.pipeline import (
     MASKED, SKIP, UNMASKED, BackwardStatic, Walk, each_tile, grid_args,
     ids_arrived, kernel_name, load_own_ids, produce, ranged_refs,
     ranged_scratch, ranged_walk, score_gradient, skip_step,
-    tile_probabilities, tile_transforms, tile_values, walk_runs,
+    tile_probabilities, tile_values, walk_runs,
     wgmma_accumulate, wgmma_fresh, wgmma_then)
 
 
@@ -44,7 +44,7 @@ def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
   """
   batch, q_len, num_heads, head_dim = query.shape
   consumers, stages = static.num_consumers, static.num_stages
-  transforms = tile_transforms(static.dtype)
+  transforms = swizzled(head_dim, static.dtype)
   resident = plgpu.SMEM((consumers, static.block_q, head_dim), static.dtype,
                         transforms=transforms)
   streamed = plgpu.SMEM((stages, static.block_kv, head_dim), static.dtype,

@@ -54,9 +54,9 @@ import jax.numpy as jnp
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat, turns
 from pallas_kernels.mosaic.common import (
-    LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS,
-    check_layout, check_shared_memory, check_tiles, launch_grid,
-    persistent_num_ctas, swizzled)
+    HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS, check_layout, check_shared_memory, check_tiles,
+    launch_grid, own_width_head_dim, persistent_num_ctas, swizzled)
 from pallas_kernels.mosaic.forward_kernel import (
     NUM_CONSUMERS, KernelStatic, forward_kernel, persistent_kernel)
 from pallas_kernels.mosaic.plan import ForwardConfig, forward_config
@@ -78,7 +78,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   """FlashAttention-3 forward on sm90.
 
   Args:
-    query: [batch, q_len, num_heads, head_dim], bfloat16 or float16.
+    query: [batch, q_len, num_heads, head_dim], bfloat16 or float16;
+      head_dim a multiple of 16 from 64 to 256, computed at its own width
+      (`common.own_width_head_dim`).
     key, value: [batch, kv_len, num_kv_heads, head_dim], same dtype;
       num_heads % num_kv_heads == 0 (query head h reads K/V head
       h // (num_heads // num_kv_heads)).
@@ -178,11 +180,10 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
         f"the FP8 and masked kernels run {NUM_CONSUMERS} consumers, meeting "
         "at a rendezvous")
   num_q_tiles = pl.cdiv(q_len, static.tile_rows)
-  itemsize = static.dtype.itemsize
-  transforms = swizzled(head_dim * itemsize, itemsize)
+  transforms = swizzled(head_dim, static.dtype)
   stages = static.num_stages
   v_tile = (head_dim, block_kv) if static.fp8 else (block_kv, head_dim)
-  v_transforms = (swizzled(block_kv, itemsize) if static.fp8
+  v_transforms = (swizzled(block_kv, static.dtype) if static.fp8
                   else transforms)
   scratch = (
       # Q, then (bfloat16 / float16) O on the way out.
@@ -208,12 +209,11 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
     scratch += (
         # O: an FP8 Q buffer is too small for it.
         plgpu.SMEM((consumers, block_q, head_dim), out_dtype,
-                   transforms=swizzled(head_dim * out_dtype.itemsize,
-                                       out_dtype.itemsize)),
+                   transforms=swizzled(head_dim, out_dtype)),
         plgpu.SMEM((consumers, *descale.shape[-2:]), jnp.float32),
         plgpu.Barrier(num_barriers=consumers),        # descale_arrived
         plgpu.SMEM((consumers, block_q, block_kv), static.dtype,
-                   transforms=swizzled(block_kv, itemsize)),  # P
+                   transforms=swizzled(block_kv, static.dtype)),  # P
     )
     inputs += (descale,)
   lse_len = q_len
@@ -288,9 +288,11 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   if not fp8 and dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_forward supports bfloat16 and float16, got {dtype}")
-  if head_dim not in SUPPORTED_HEAD_DIMS:
-    raise NotImplementedError(f"mosaic_forward supports head_dim in "
-                              f"{SUPPORTED_HEAD_DIMS}, got {head_dim}")
+  if not own_width_head_dim(head_dim, dtype):
+    raise NotImplementedError(
+        f"mosaic_forward supports head_dim in {SUPPORTED_HEAD_DIMS}"
+        + ("" if fp8 else f" and the multiples of {HEAD_DIM_MULTIPLE} "
+           "between") + f", got {head_dim}")
   check_tiles(block_q, block_kv, max_concurrent_steps)
   if spec is not None and fp8_out_dtype is not None:
     raise NotImplementedError("the FP8 kernel has no masks yet")

@@ -47,7 +47,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
     lazy_rescale: O rescaled only where a row's max moved by more than 8
       (log2 units, see `forward.KernelStatic`); the results change by
-      rounding only. None: at `plan.MASKED_LAZY_RESCALE_HEAD_DIMS`.
+      rounding only. None: at `plan.MASKED_LAZY_RESCALE_HEAD_DIMS` (by
+      `plan.plan_head_dim`).
 
   Returns:
     (out [batch, q_len, num_heads, head_dim], lse float32
@@ -68,7 +69,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                                    max_concurrent_steps=max_concurrent_steps,
                                    spec=spec)
   if lazy_rescale is None:
-    lazy_rescale = query.shape[-1] in plan.MASKED_LAZY_RESCALE_HEAD_DIMS
+    lazy_rescale = (plan.plan_head_dim(query.shape[-1])
+                    in plan.MASKED_LAZY_RESCALE_HEAD_DIMS)
   static = dataclasses.replace(static,
                                **forward.rescale_fields(lazy_rescale))
   rows = plan_rows(static, query.shape[0], q_offset=q_offset,

@@ -43,7 +43,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
 
   Args:
     query: [batch, q_len, num_heads, head_dim], bfloat16 or float16;
-      head_dim 64, 128 or 256; any q_len.
+      head_dim a multiple of 16 from 64 to 256; any q_len.
     key, value: [batch, kv_len, num_kv_heads, head_dim], same dtype; any
       kv_len; num_heads % num_kv_heads == 0.
     out: the forward's output, like query.

@@ -37,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic.common import (
-    LOG2E, PLAN_SCALARS, PLAN_UNION, PLAN_WIDTH, SWIZZLE_BYTES, PlanRow,
+    LOG2E, PLAN_SCALARS, PLAN_UNION, PLAN_WIDTH, PlanRow,
     launch_grid, per_column, per_row, persistent_schedule, read_plan,
     register_split)
 
@@ -122,8 +122,8 @@ class BackwardStatic:
   # Consumer c computes Sᵀ and dPᵀ for its part of the step's Q rows, and
   # dK and dV for its part of the head_dim columns; the parts of Pᵀ and
   # dSᵀ meet in shared memory (`dkdv_consume_shared`). So dK and dV fit
-  # one pass where a consumer could not hold both whole (head_dim 256),
-  # with two consumers.
+  # one pass where a consumer could not hold both whole (head_dim above
+  # 128), with two consumers.
   shared_rows: bool = False
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
@@ -320,14 +320,6 @@ def grid_args(static: BackwardStatic, grid, names) -> dict:
 def kernel_name(static: BackwardStatic, outputs: str) -> str:
   return ("mosaic_flash_backward_" + ("masked_" if static.ranged else "")
           + outputs)
-
-
-def tile_transforms(dtype):
-  """128-byte swizzle with 8-row tiles: what TMA writes and wgmma reads
-  without bank conflicts."""
-  swizzle_elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, swizzle_elems)),
-          plgpu.SwizzleTransform(SWIZZLE_BYTES))
 
 
 def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic):

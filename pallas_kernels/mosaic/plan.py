@@ -13,10 +13,22 @@ options tried and removed".
 
 The masked and FP8 forms share the kernels; their few decisions are the
 constants at the end.
+
+Rows are keyed by the head dims measured, 64, 128 and 256. A head dim
+between them (a multiple of 16, computed at its own width: 80, 96, 160,
+192, ...) runs on the rows of the next measured one (`plan_head_dim`):
+the same tiles, so the same wgmma shapes but N = head_dim and fewer K
+steps, and shared memory and registers no more than that dim's (checked
+at the actual width by the kernels). Where a row's choice needs the
+measured width itself (the fused dQ's 64-column pieces, shared rows' column
+halves of whole swizzle tiles), `backward_config` falls back as for other
+calls it cannot take. Unmeasured at these dims: the rows are a start, not
+a tuning.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 # Lengths from lo to hi, both included; hi None: unbounded.
 Range = tuple[int, int | None]
@@ -133,8 +145,22 @@ def default_block_kv(head_dim: int) -> int:
   sweep's best at d=128 (64 x 128 in two stages: 495 / 469 TFLOP/s full /
   causal at 4k, h200_mosaic_sweep.md) and within 1% of it at d=64; 64 at
   head_dim 256, where Q (2 x 64 rows) and two stages of 128-row K and V
-  tiles would need 320 KiB of shared memory (64-row ones: 192)."""
-  return 64 if head_dim > 128 else 128
+  tiles would need 320 KiB of shared memory (64-row ones: 192). A head dim
+  between takes its `plan_head_dim`'s (at 192, 128-row tiles would need
+  240 KiB)."""
+  return 64 if plan_head_dim(head_dim) > 128 else 128
+
+
+def plan_head_dim(head_dim: int) -> int:
+  """The head dim whose plan rows a call of `head_dim` runs on: the least
+  that the rows are keyed by at or above it (see the module's
+  docstring)."""
+  measured = sorted({row[0] for row in FORWARD_PLAN})
+  for d in measured:
+    if head_dim <= d:
+      return d
+  raise NotImplementedError(
+      f"the Mosaic kernels run head_dim up to {measured[-1]}, got {head_dim}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +179,7 @@ class BackwardConfig:
     else one CTA a tile, a head's tiles launched together.
   shared_rows: the dK/dV kernel's two consumers share one copy of the
     K/V rows, each computing half of dK's and dV's columns: one pass where
-    dK and dV do not fit one consumer's registers (head_dim 256).
+    dK and dV do not fit one consumer's registers (head_dim above 128).
   lean_producer: the two kernels' consumers at 240 registers a thread and
     producers at 24 (not 232 and 40). The fused kernel's four warpgroups
     have none to spare.
@@ -251,7 +277,10 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
   What the row plans but the kernels cannot take for this call falls back,
   unless named in `options`: Q tiles that do not divide q_len to 64 rows;
   the fused dQ where kv_len is not two consumers' K/V tiles or the dQ tile
-  not one [64, 64] piece a consumer to the two kernels; dQ tiles that do
+  not one [64, 64] piece a consumer (head_dim 96's tile is not whole
+  pieces) to the two kernels; shared rows where the halves of head_dim and
+  block_q share no swizzle tile (at block_q 64: a head_dim not a multiple
+  of 32, such as 176) to dK and dV apart; dQ tiles that do
   not divide the lengths to the dK/dV kernel's; Sᵀ ahead without a ring of
   two stages or `overlap_softmax` to off. A persistent grid or dQ tiles
   named in `options` ask for the two kernels, and the fused dQ for the
@@ -268,10 +297,16 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
     config = dataclasses.replace(config, dq_tiles=None)  # the same tiles
   pieces = -(-config.block_q // _MIN_TILE) * -(-head_dim // _MIN_TILE)
   if planned("fused_dq") and config.fused_dq and (
-      kv_len % (2 * config.block_kv) or pieces != 2
+      kv_len % (2 * config.block_kv) or pieces != 2 or head_dim % _MIN_TILE
       or options.get("persistent")
       or (not planned("dq_tiles") and config.dq_tiles is not None)):
     config = dataclasses.replace(config, fused_dq=False)
+  # Two consumers' halves of head_dim and of block_q must be whole 16-bit
+  # tiles of one swizzle, the narrowest 32 bytes: gcd(d / 2, block_q / 2)
+  # a multiple of 16 (`shared_rows.shared_transforms`).
+  if planned("shared_rows") and config.shared_rows and math.gcd(
+      head_dim, config.block_q) % 32:
+    config = dataclasses.replace(config, shared_rows=False)
   if planned("persistent") and options.get("fused_dq"):
     config = dataclasses.replace(config, persistent=False)
   if planned("dq_tiles") and config.dq_tiles and (
@@ -286,13 +321,14 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
 
 
 def _row(rows, head_dim: int, is_causal: bool, q_len: int, kv_len: int):
-  """The plan of the row that covers the call."""
+  """The plan of the row that covers the call (of its `plan_head_dim`)."""
+  key = (plan_head_dim(head_dim), bool(is_causal))
   for d, causal, q_range, kv_range, config in rows:
-    if (d, causal) == (head_dim, bool(is_causal)) and _within(
-        q_len, q_range) and _within(kv_len, kv_range):
+    if (d, causal) == key and _within(q_len, q_range) and _within(
+        kv_len, kv_range):
       return config
   raise NotImplementedError(
-      f"the Mosaic kernels run head_dim 64, 128 and 256, got {head_dim}")
+      f"no plan row covers q_len {q_len}, kv_len {kv_len}")
 
 
 def _within(length: int, bounds: Range) -> bool:

@@ -1,9 +1,10 @@
-"""The dK/dV kernel's consumers on shared K/V rows (head_dim 256).
+"""The dK/dV kernel's consumers on shared K/V rows (head_dim above 128).
 
-Two f32 accumulators dK and dV of [64, 256] are 256 registers a thread: one
-consumer cannot hold both. With shared rows the CTA keeps one copy of its
-`block_kv` K/V rows, in column halves, and its two consumers divide the
-work of each streamed step: consumer c computes Sᵀ and dPᵀ for its half of
+Two f32 accumulators dK and dV of [64, 256] are 256 registers a thread (of
+[64, 160], 160): one consumer cannot hold both beside its score tiles.
+With shared rows the CTA keeps one copy of its `block_kv` K/V rows, in
+column halves, and its two consumers divide the work of each streamed
+step: consumer c computes Sᵀ and dPᵀ for its half of
 the step's Q rows, stores its halves of Pᵀ and dSᵀ in shared memory
 (`Exchange`), and sums dK and dV for its half of the head_dim columns from
 both consumers' halves, in the order one consumer owning all the columns
@@ -13,27 +14,32 @@ would run: 310 / 312 -> 352 / 346 TFLOP/s full / causal at 16k
 """
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic.common import per_column
+from pallas_kernels.mosaic.common import per_column, swizzled
 from pallas_kernels.mosaic.pipeline import (
     BackwardStatic, Walk, causal_mask_t, ring_slot, score_gradient,
     tile_probabilities, walk_group, wgmma_accumulate_sums, wgmma_fresh,
     wgmma_then)
 
-# Swizzles (bytes) that a part of the exchanged Pᵀ and dSᵀ, one swizzle row
-# wide, can take: wgmma reads 32-, 64- and 128-byte swizzled operands.
-EXCHANGE_SWIZZLES = (32, 64, 128)
+def shared_transforms(static: BackwardStatic):
+  """The one layout of every 16-bit tile of the kernel with shared rows.
 
-
-def exchange_transforms(dtype, columns: int):
-  """A [rows, columns] 16-bit tile exactly one swizzle row wide."""
-  swizzle = columns * jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(swizzle))
+  Its wgmmas pair K's and V's column parts with the streamed Q and dO
+  tiles (contracting over head_dim / n columns), and the exchanged Pᵀ and
+  dSᵀ parts with Q's and dO's column parts (over block_q / n rows), and a
+  wgmma's operands share one swizzle: so its tiles must divide both part
+  widths. The widest that does (`common.swizzled`): at block_q 64, head_dim
+  256 and 192 take 64 B (32 columns), 160 and 224 take 32 B (16).
+  """
+  consumers = static.num_consumers
+  return swizzled(math.gcd(static.block_q // consumers,
+                           static.head_dim // consumers), static.dtype)
 
 
 def exchange_scratch(static: BackwardStatic, rows: int, part_columns: int, *,
@@ -44,8 +50,7 @@ def exchange_scratch(static: BackwardStatic, rows: int, part_columns: int, *,
   then the barriers `exchanged` and `free`."""
   consumers = static.num_consumers
   part = plgpu.SMEM((rows, part_columns), static.dtype,
-                    transforms=exchange_transforms(static.dtype,
-                                                   part_columns))
+                    transforms=shared_transforms(static))
   return tuple(part for _ in range(kinds * consumers)) + tuple(
       plgpu.Barrier(num_arrivals=consumers, num_barriers=1)
       for _ in range(2))
