@@ -6,8 +6,10 @@
 
 Lowers the forward and the backward on their plans (`mosaic.plan`) and with
 each choice of `plan.ForwardConfig` and `plan.BackwardConfig` turned the
-other way, the masked forward and backward, at head dims 64, 128 and 256,
-causal or not; prints one line per kernel and exits non-zero if any fails.
+other way, the masked forward and backward, at head dims 64, 128 and 256
+and at head dims between them computed at their own width (80, 96, 160,
+192: 32-, 64- and 128-byte swizzles), causal or not; prints one line per
+kernel and exits non-zero if any fails.
 The test suite does the same under the CPU machines' JAX (0.10.2); this
 script exists to run it under the GPU machine's JAX (0.11.2, Python 3.12)
 before spending GPU time, since Mosaic GPU's API moves between versions:
@@ -19,7 +21,8 @@ before spending GPU time, since Mosaic GPU's API moves between versions:
 
 `--dump` writes, for these forms and for the standard grid's calls through
 `mosaic_attention` (forward, and forward and backward; bf16, seq 1k, 4k,
-16k), the masked calls and the FP8 forward, the lowered module with each
+16k), the model-shape suite's head dims between (`OWN_WIDTH_CALLS`), the
+masked calls and the FP8 forward, the lowered module with each
 Mosaic GPU kernel printed without its source locations (which move with
 every edit of the code around them); `--compare` says which forms differ.
 A change that should not touch the kernels (a refactoring) must leave
@@ -60,6 +63,19 @@ BACKWARD_OPTIONS = ({}, dict(overlap_softmax=False),
                     dict(lean_producer=True))
 
 
+# The plans' head dims, and head dims between them that the kernels compute
+# at their own width on the next one's plan (`plan.plan_head_dim`): 16-bit
+# rows of 160, 192, 320 and 384 bytes, in 32-, 64-, 64- and 128-byte
+# swizzles.
+HEAD_DIMS = (64, 128, 256)
+OWN_WIDTH_HEAD_DIMS = (80, 96, 160, 192)
+# benchmarks.models' cells at those dims (name: batch, seq, heads, head
+# dim), causal, through `mosaic_attention`.
+OWN_WIDTH_CALLS = {"dim96_causal_2k": (8, 2048, 32, 96),
+                   "dim160_causal_4k": (4, 4096, 32, 160),
+                   "dim192_causal_4k": (4, 4096, 16, 192)}
+
+
 # The masked kernels' cases (tests/test_mosaic_masked.py runs all but the
 # grid-sized window in the interpreter): awkward lengths, every mask kind.
 MASKED_CASES = {  # name: (q_len, kv_len, MaskSpec fields, operands)
@@ -92,17 +108,23 @@ def kernels(head_dim: int):
   """(name, fn, shapes) of every kernel variant at `head_dim`."""
   q, kv = (2, 512, 4, head_dim), (2, 768, 2, head_dim)
   lse = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
-  narrow = head_dim < 256
+  # Up to 128, one consumer holds dK and dV (three forward consumers fit);
+  # the fused dQ's pieces need whole 64 columns; above, shared rows split
+  # head_dim in halves of whole swizzle tiles (a multiple of 32).
+  narrow = head_dim <= 128
+  fused = narrow and head_dim % 64 == 0
+  shared = head_dim > 128 and head_dim % 32 == 0
   for causal in (False, True):
     for options in FORWARD_OPTIONS + ((dict(num_consumers=3),) * narrow):
       yield (f"forward d{head_dim} causal={causal} {options}",
              lambda q, k, v, c=causal, o=options: mosaic_forward(
                  q, k, v, scale=0.1, is_causal=c, **o), (q, kv, kv))
     forms = BACKWARD_OPTIONS + ((dict(block_q=64),) * (head_dim == 64))
-    if narrow:  # dK and dV in one pass, the dQ kernel's own tiles fit
-      forms += (dict(fused_dq=True, persistent=False),
-                dict(dq_tiles=(64, 128), persistent=False))
-    if head_dim == 256:
+    if fused:  # dK and dV in one pass, whole dQ pieces
+      forms += (dict(fused_dq=True, persistent=False),)
+    if narrow:  # the dQ kernel's own tiles fit
+      forms += (dict(dq_tiles=(64, 128), persistent=False),)
+    if shared:
       forms += (dict(shared_rows=True, persistent=False),
                 dict(shared_rows=True, persistent=True, num_ctas=3),
                 dict(shared_rows=False, persistent=False))
@@ -165,6 +187,23 @@ def calls():
       yield f"masked {mask} d{d} fwd", attend, (q, kv, kv)
       yield f"masked {mask} d{d} fwdbwd", with_gradients(attend), (q, kv,
                                                                    kv, q)
+  for name, (batch, seq, heads, d) in OWN_WIDTH_CALLS.items():
+    x = bf16(batch, seq, heads, d)
+    attend = lambda q, k, v, d=d: mosaic_attention(
+        q, k, v, scale=d**-0.5, is_causal=True,
+        backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
+    yield f"{name} fwd", attend, (x, x, x)
+    yield f"{name} fwdbwd", with_gradients(attend), (x, x, x, x)
+  for d in OWN_WIDTH_HEAD_DIMS:
+    q_len, kv_len, fields, _ = MASKED_CASES["ragged causal"]
+    spec = MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
+    q, kv = bf16(2, q_len, 4, d), bf16(2, kv_len, 2, d)
+    attend = lambda q, k, v, d=d, s=spec: mosaic_attention(
+        q, k, v, scale=d**-0.5, is_causal=True,
+        backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"), spec=s)
+    yield f"masked ragged causal d{d} fwd", attend, (q, kv, kv)
+    yield f"masked ragged causal d{d} fwdbwd", with_gradients(attend), (
+        q, kv, kv, q)
   fp8 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   for seq in (1024, 4096):
@@ -184,7 +223,7 @@ def calls():
           yield (f"fp8 seq{seq} d{d} causal{int(causal)} "
                  f"block{int(per_block)}", forward,
                  (x, x, x, q_descale, k_descale, f32(batch, heads)))
-  for d in (64, 128, 256):
+  for d in HEAD_DIMS + OWN_WIDTH_HEAD_DIMS:
     for name, fn, shapes in kernels(d):
       yield f"option {name}", fn, [bf16(*shape) for shape in shapes]
 
@@ -273,7 +312,7 @@ def main(argv=None) -> int:
     return dump(args.dump)
   print(f"JAX {jax.__version__}", flush=True)
   failures = 0
-  for head_dim in (64, 128, 256):
+  for head_dim in HEAD_DIMS + OWN_WIDTH_HEAD_DIMS:
     for name, fn, shapes in kernels(head_dim):
       error = lowers(fn, *shapes)
       failures += error is not None
