@@ -350,6 +350,54 @@ def test_interpreted_wide_forms_in_a_larger_pool():
       f"{expected} passed"), child.stdout[-4000:] + child.stderr[-2000:]
 
 
+# Head dims between the plans' 64, 128 and 256, computed at their own width
+# on the next one's plan (`plan.plan_head_dim`): 16-bit rows of 160, 192,
+# 320 and 384 bytes in 32-, 64-, 64- and 128-byte swizzles (the
+# interpreter checks the kernels' arithmetic at those widths; the swizzles
+# themselves, `test_mosaic_head_dims`' lowering and `-m gpu`). Each: the
+# forward on its plan (persistent, two CTAs), under causal masking for
+# 80 and 160; the masked forward on ragged causal lengths. The backward on
+# its plan up to kv_len 1024 (the two kernels at 80 and 96; above 128 dK
+# and dV in a pass each, at 160) and with shared K/V rows (the plan above
+# 128 and 1024, at 160 in 32-byte swizzle tiles, at 192 in 64).
+OWN_WIDTH_CASES = [(80, True), (96, False), (160, True), (192, False)]
+
+
+@pytest.mark.parametrize("head_dim, is_causal", OWN_WIDTH_CASES)
+def test_interpreted_own_width_forward_matches_reference(head_dim,
+                                                         is_causal):
+  case = Case(1, 128, 256, 2, 1, head_dim)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=3)
+  out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
+                                  scale=head_dim**-0.5, is_causal=is_causal,
+                                  num_ctas=2)
+  assert out.shape == q.shape
+  assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("head_dim", [d for d, _ in OWN_WIDTH_CASES])
+def test_interpreted_own_width_masked_forward_matches_reference(head_dim):
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  case, variants = MASKED_VARIANTS["ragged causal"]
+  case = Case(1, case.q_len, case.kv_len, 1, 1, head_dim)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
+  scale, spec, operands = _masked_call(q, k, v, variants)
+  out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
+                                  scale=scale, spec=spec, **operands)
+  assert_forward_within_rule(q, k, v, out, lse, **variants)
+
+
+@pytest.mark.parametrize("head_dim, is_causal, options", [
+    *((d, c, dict(num_ctas=2)) for d, c in OWN_WIDTH_CASES[:3]),
+    (160, False, dict(shared_rows=True, persistent=False)),
+    (192, True, dict(shared_rows=True, persistent=False)),
+], ids=str)
+def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
+                                                          options):
+  """dq, dk, dv (`_backward_test`), GQA 2:1."""
+  _backward_test(Case(1, 128, 128, 2, 1, head_dim), is_causal, options)
+
+
 @pytest.mark.parametrize("name", ["ragged causal", "lengths"])
 def test_interpreted_mosaic_backward_masked_matches_reference(name,
                                                               monkeypatch):
