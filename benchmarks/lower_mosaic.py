@@ -91,7 +91,24 @@ MASKED_CASES = {  # name: (q_len, kv_len, MaskSpec fields, operands)
                  dict(q_segments=[[0] * 100 + [1] * 156] * 2,
                       kv_segments=[[0] * 60 + [1] * 140] * 2)),
     "grid window": (4096, 4096, dict(is_causal=True, window=(1024, 0)), {}),
+    # ALiBi on every visited tile: bottom-right causal with per-batch
+    # slopes; beside the soft cap (its derivative in the backward).
+    "alibi causal": (200, 333, dict(is_causal=True, has_q_offset=True,
+                                    has_alibi=True),
+                     dict(q_offset=[133, 0],
+                          alibi_slopes=[[0.5, 0.25, 0.125, 0.0625],
+                                        [1.0, 0.5, 0.25, 0.125]])),
+    "alibi soft cap": (97, 300, dict(logits_soft_cap=20.0, has_alibi=True),
+                       dict(alibi_slopes=[[0.5, 0.25, 0.125, 0.0625]] * 2)),
 }
+
+
+def masked_operands(values: dict) -> Operands:
+  """`Operands` of a MASKED_CASES entry: the ALiBi slopes float32, the
+  rest int32."""
+  return Operands(**{k: jnp.asarray(v, jnp.float32 if k == "alibi_slopes"
+                                    else jnp.int32)
+                     for k, v in values.items()})
 
 
 def lowers(fn, *shapes) -> str | None:
@@ -182,8 +199,7 @@ def calls():
       attend = lambda q, k, v, d=d, s=spec, values=values: mosaic_attention(
           q, k, v, scale=d**-0.5, is_causal=s.is_causal,
           backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"), spec=s,
-          operands=Operands(**{k: jnp.asarray(v, jnp.int32)
-                               for k, v in values.items()}))
+          operands=masked_operands(values))
       yield f"masked {mask} d{d} fwd", attend, (q, kv, kv)
       yield f"masked {mask} d{d} fwdbwd", with_gradients(attend), (q, kv,
                                                                    kv, q)

@@ -86,6 +86,18 @@ class MaskSpec:
             or self.logits_soft_cap is not None)
 
   @property
+  def scores_read_positions(self) -> bool:
+    """Whether `modify_scores` reads the positions `q_idx` / `kv_idx`
+    (ALiBi, `score_fn`), so that a kernel must pass its tile's."""
+    return self.has_alibi or self.score_fn is not None
+
+  @property
+  def scores_shift_only(self) -> bool:
+    """Whether every score change adds a term that does not depend on the
+    score (bias, ALiBi): the final logit's slope in `scale * q·k` is 1."""
+    return self.score_fn is None and self.logits_soft_cap is None
+
+  @property
   def needs_block_map(self) -> bool:
     """Whether empty blocks can sit between non-empty ones (needs a per-block
     skip inside the loop rather than loop bounds alone)."""

@@ -68,14 +68,16 @@ def test_implementation_none_uses_kernels_on_gpu():
     return jax.jit(lambda q, k, v: jax_flash.flash_attention(
         q, k, v, **kwargs)).lower(q, k, v).as_text()
 
-  # Tile-aligned, and a ragged length (the masked Mosaic forward's, since
-  # MASKED_KERNEL_ENABLED): Mosaic on Hopper.
-  for text in (lowered(jnp.bfloat16, 512), lowered(jnp.bfloat16, 500)):
+  # Tile-aligned, a ragged length and ALiBi (the masked Mosaic forward's,
+  # since MASKED_KERNEL_ENABLED): Mosaic on Hopper.
+  for text in (lowered(jnp.bfloat16, 512), lowered(jnp.bfloat16, 500),
+               lowered(jnp.bfloat16, 512, alibi_slopes=jnp.ones(4))):
     assert ("mosaic_flash_forward" in text) == on_hopper
     assert "flash_forward" in text
-  # float32 and ALiBi: not Mosaic's; Triton takes them.
+  # float32 and a score_fn: not Mosaic's; Triton takes them.
   for text in (lowered(jnp.float32, 512),
-               lowered(jnp.bfloat16, 512, alibi_slopes=jnp.ones(4))):
+               lowered(jnp.bfloat16, 512,
+                       score_fn=lambda s, *_: s * 0.5)):
     assert "mosaic_flash_forward" not in text
     assert "flash_forward" in text
 

@@ -157,6 +157,16 @@ MASKED_VARIANTS = {
     "segments": (Case(1, 100, 150, 1, 1, 64),
                  dict(segment_ids=(_segment_ids(30, 50, 20),
                                    _segment_ids(90, 20, 40)))),
+    # ALiBi on every visited tile, a slope per (batch, query head): GQA
+    # 2:1 (each head of a K/V tile's group its own in dK/dV),
+    # bottom-right causal in one batch, top-left in the other.
+    "alibi": (Case(2, 64, 100, 2, 1, 64),
+              dict(is_causal=True, q_offset=jnp.array([36, 0]),
+                   alibi_slopes=jnp.array([[0.5, 0.25], [0.125, 1.0]]))),
+    # Slopes per head; before the soft cap, not causal.
+    "alibi soft cap": (Case(1, 97, 170, 2, 1, 64),
+                       dict(logits_soft_cap=5.0,
+                            alibi_slopes=jnp.array([0.3, 0.05]))),
 }
 
 
@@ -398,7 +408,7 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
   _backward_test(Case(1, 128, 128, 2, 1, head_dim), is_causal, options)
 
 
-@pytest.mark.parametrize("name", ["ragged causal", "lengths"])
+@pytest.mark.parametrize("name", ["ragged causal", "lengths", "alibi"])
 def test_interpreted_mosaic_backward_masked_matches_reference(name,
                                                               monkeypatch):
   """`mosaic_backward_masked`'s dq, dk, dv (its plan rows, padded

@@ -1,6 +1,6 @@
 """The masked Mosaic forward (window, q_offset, lengths, segment ids, soft
-cap, any lengths): cross-lowered for CUDA on the CPU, checked against the reference on
-a GPU. `implementation=None` routes calls to it only once
+cap, ALiBi, any lengths): cross-lowered for CUDA on the CPU, checked against
+the reference on a GPU. `implementation=None` routes calls to it only once
 `MASKED_KERNEL_ENABLED` is set, after the GPU tests here have passed.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tests.attention_checks import (Case, assert_forward_within_rule,
 
 try:
   from pallas_kernels.mosaic import attention as mosaic_attention_module
+  from pallas_kernels.mosaic.attention import masked_operand_kwargs
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
 except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
@@ -33,7 +34,7 @@ VARIANTS = {name: case for name, case in lower_mosaic.MASKED_CASES.items()
 
 
 def _operands(values: dict) -> Operands:
-  return Operands(**{k: jnp.asarray(v, jnp.int32) for k, v in values.items()})
+  return lower_mosaic.masked_operands(values)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -43,15 +44,11 @@ def test_masked_forward_lowers_for_cuda(head_dim, name, lowering_semantics):
   spec = masking.MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
   q = jax.ShapeDtypeStruct((2, q_len, 4, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, kv_len, 2, head_dim), jnp.bfloat16)
-  operands = _operands(values)
+  operands = masked_operand_kwargs(_operands(values))
 
   def forward(q, k, v):
     return mosaic_forward_masked(q, k, v, scale=head_dim**-0.5, spec=spec,
-                                 q_offset=operands.q_offset,
-                                 q_lengths=operands.q_lengths,
-                                 kv_lengths=operands.kv_lengths,
-                                 q_segments=operands.q_segments,
-                                 kv_segments=operands.kv_segments)
+                                 **operands)
 
   lowered = jax.jit(forward).trace(q, kv, kv).lower(
       lowering_platforms=("cuda",))
@@ -65,14 +62,11 @@ def _masked_forward(name, head_dim, **options):
   shapes (b2, h4:2) it takes."""
   q_len, kv_len, fields, values = VARIANTS[name]
   spec = masking.MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
-  operands = _operands(values)
+  operands = masked_operand_kwargs(_operands(values))
 
   def forward(q, k, v):
-    return mosaic_forward_masked(
-        q, k, v, scale=head_dim**-0.5, spec=spec, q_offset=operands.q_offset,
-        q_lengths=operands.q_lengths, kv_lengths=operands.kv_lengths,
-        q_segments=operands.q_segments, kv_segments=operands.kv_segments,
-        **options)
+    return mosaic_forward_masked(q, k, v, scale=head_dim**-0.5, spec=spec,
+                                 **operands, **options)
   return forward, Case(2, q_len, kv_len, 4, 2, head_dim)
 
 
@@ -153,6 +147,16 @@ _GPU_VARIANTS = {
                          dict(is_causal=True, segment_ids=jnp.repeat(
                              jnp.arange(8, dtype=jnp.int32), 256)[None]
                              .repeat(2, 0))),
+    # A slope per (batch, head), GQA 4:1, bottom-right causal and ragged.
+    "alibi": (Case(2, 1000, 1537, 8, 2, 128),
+              dict(is_causal=True, q_offset=jnp.array([537, 0]),
+                   alibi_slopes=jnp.stack([
+                       2.0 ** -jnp.arange(1, 9, dtype=jnp.float32),
+                       jnp.linspace(0.01, 0.5, 8)]))),
+    "alibi soft cap, d=96": (Case(1, 777, 1100, 8, 2, 96),
+                             dict(logits_soft_cap=20.0,
+                                  alibi_slopes=2.0 ** -jnp.arange(
+                                      1, 9, dtype=jnp.float32))),
 }
 
 
@@ -163,7 +167,6 @@ def test_lazy_rescale_masked_forward_matches_reference_on_gpu(name,
                                                               head_dim):
   """The ranged forward with O rescaled lazily, on each mask variant (at
   this head dim), against the float32 reference within DESIGN's rule."""
-  from pallas_kernels.mosaic.attention import masked_operand_kwargs
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90")
   case, variants = _GPU_VARIANTS[name]

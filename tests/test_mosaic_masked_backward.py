@@ -1,5 +1,5 @@
 """The masked Mosaic backward (window, q_offset, lengths, segment ids, soft
-cap, any lengths).
+cap, ALiBi, any lengths).
 
 On the CPU: the plan rows are checked against a brute-force `masking.keep`
 per tile, the kernels' algorithm (plans, walks, padded statistics, step
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import lower_mosaic
 import jax_flash
 from jax_flash import masking
 from jax_flash.reference import naive_attention
@@ -65,18 +66,28 @@ VARIANTS = {
                  dict(q_offset=[150, 0], kv_lengths=[450, 201],
                       q_segments=_ids([(70, 3), (230, 4)], 2),
                       kv_segments=_ids([(200, 3), (250, 4)], 2))),
+    # ALiBi's slopes per (batch, query head): each head of a K/V tile's
+    # group reads its own.
+    "alibi": (200, 333, dict(is_causal=True, has_q_offset=True,
+                             has_alibi=True),
+              dict(q_offset=[133, 0],
+                   alibi_slopes=[[0.5, 0.25, 0.125, 0.0625],
+                                 [1.0, 0.5, 0.25, 0.125]])),
+    "alibi soft cap": (97, 300, dict(has_kv_lengths=True, has_alibi=True,
+                                     logits_soft_cap=20.0),
+                       dict(kv_lengths=[300, 150],
+                            alibi_slopes=[[0.5, 0.25, 0.125, 0.0625]] * 2)),
 }
 
 
 def _spec_and_operands(name):
   q_len, kv_len, fields, values = VARIANTS[name]
   spec = masking.MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
-  operands = Operands(**{k: jnp.asarray(v, jnp.int32)
-                         for k, v in values.items()})
-  return spec, operands
+  return spec, lower_mosaic.masked_operands(values)
 
 
 def _operand_kwargs(operands: Operands) -> dict:
+  """The masks' operands, as `plan_rows` takes them."""
   return dict(q_offset=operands.q_offset, q_lengths=operands.q_lengths,
               kv_lengths=operands.kv_lengths, q_segments=operands.q_segments,
               kv_segments=operands.kv_segments)
@@ -280,7 +291,7 @@ def _step_gradients(step, head, tensors, *, spec, config, transposed: bool):
   step: a `_computed_steps` row (own block: Q in dQ, K/V in dK/dV).
   Returns dS K (dQ's update) or, transposed, (dSᵀ Q, Pᵀ dO).
   """
-  q, k, v, d_out, stats, q_ids, kv_ids = tensors
+  q, k, v, d_out, stats, q_ids, kv_ids, slopes = tensors
   b, own, streamed, masked = step[0], step[1], step[2], step[3] > 0
   q_block, kv_block = (streamed, own) if transposed else (own, streamed)
   block_q, block_kv, group = config.block_q, config.block_kv, config.group
@@ -299,6 +310,8 @@ def _step_gradients(step, head, tensors, *, spec, config, transposed: bool):
     as_q, as_kv = as_kv, as_q
   values = masking.MaskValues(q_offset=step[4], q_lengths=step[5],
                               kv_lengths=step[6])
+  if slopes is not None:
+    values = values._replace(alibi_slope=slopes[b, head])
   if q_ids is not None:
     values = values._replace(
         q_segments=as_q(jax.lax.dynamic_slice(q_ids[b], (qs,), (block_q,))),
@@ -308,9 +321,11 @@ def _step_gradients(step, head, tensors, *, spec, config, transposed: bool):
     s, dp, broadcast = k_t @ q_t.T, v_t @ do_t.T, common.per_column
   else:
     s, dp, broadcast = q_t @ k_t.T, do_t @ v_t.T, common.per_row
-  p, slope = pipeline.tile_probabilities(s, lse_log2, broadcast, values, config)
-  kept = masking.keep(spec, as_q(qs + jnp.arange(block_q)),
-                      as_kv(ks + jnp.arange(block_kv)), values)
+  positions = (as_q(qs + jnp.arange(block_q)),
+               as_kv(ks + jnp.arange(block_kv)))
+  p, slope = pipeline.tile_probabilities(s, lse_log2, broadcast, values, config,
+                                         positions=lambda: positions)
+  kept = masking.keep(spec, *positions, values)
   p = jnp.where(kept | ~masked, p, 0.0)
   ds = pipeline.score_gradient(p, dp, broadcast(delta, s.shape), slope)
   return (ds @ q_t, p @ do_t) if transposed else ds @ k_t
@@ -343,7 +358,7 @@ def _emulated_backward(q, k, v, out, lse, d_out, d_lse, *, scale, spec,
       out, lse, d_out, d_lse)
   tensors = (pad(q, q_rows), pad(k, kv_rows), pad(v, kv_rows),
              pad(d_out, q_rows), stats, pad(operands.q_segments, q_rows),
-             pad(operands.kv_segments, kv_rows))
+             pad(operands.kv_segments, kv_rows), operands.alibi_slopes)
 
   def gradients(config, plan, *, transposed):
     steps = _computed_steps(plan, config.num_consumers)
@@ -385,6 +400,8 @@ def _api_variants(spec, operands: Operands) -> dict:
       variants[arg] = getattr(operands, name)
   if operands.q_segments is not None:
     variants["segment_ids"] = (operands.q_segments, operands.kv_segments)
+  if operands.alibi_slopes is not None:
+    variants["alibi_slopes"] = operands.alibi_slopes
   return variants
 
 
@@ -400,6 +417,14 @@ _EMULATED = {
     "lengths with empty rows, d=256": (
         100, 130, 2, 2, 256, dict(has_q_lengths=True, has_kv_lengths=True),
         dict(q_lengths=[70, 100], kv_lengths=[130, 0])),
+    # ALiBi's term and the soft cap's slope on every computed step, a
+    # slope per (batch, query head).
+    "alibi, soft cap, GQA 4:1": (
+        130, 200, 4, 1, 64,
+        dict(is_causal=True, has_q_offset=True, has_alibi=True,
+             logits_soft_cap=5.0),
+        dict(q_offset=[70, 0], alibi_slopes=[[0.5, 0.25, 0.125, 0.0625],
+                                             [1.0, 0.3, 0.01, 0.2]])),
 }
 
 
@@ -409,8 +434,7 @@ def test_kernel_algorithm_matches_reference_gradients(name):
   of the reference, with random cotangents of out and lse."""
   q_len, kv_len, heads, kv_heads, head_dim, fields, values = _EMULATED[name]
   spec = masking.MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
-  operands = Operands(**{k: jnp.asarray(v, jnp.int32)
-                         for k, v in values.items()})
+  operands = lower_mosaic.masked_operands(values)
   case = Case(2, q_len, kv_len, heads, kv_heads, head_dim)
   q, k, v, d_out, d_lse = random_inputs(case, jnp.float32, seed=1)
   scale = head_dim ** -0.5
@@ -452,7 +476,9 @@ def _lower(name, head_dim, *, with_d_lse=True, num_heads=4, num_kv_heads=2,
 
   def backward_fn(*args):
     return mosaic_backward_masked(*args, scale=head_dim**-0.5, spec=spec,
-                                  **_operand_kwargs(operands), **blocks)
+                                  **_operand_kwargs(operands),
+                                  alibi_slopes=operands.alibi_slopes,
+                                  **blocks)
 
   lowered = jax.jit(backward_fn).trace(*args).lower(
       lowering_platforms=("cuda",))
@@ -466,7 +492,12 @@ def _expected_kernels(head_dim):
   return {"dq", "dk", "dv"} if head_dim == 256 else {"dq", "dkdv"}
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+# Lowered at one head dim only (to keep CI short), the others at each.
+_AT_ONE_HEAD_DIM = ("alibi soft cap",)
+
+
+@pytest.mark.parametrize("name", [name for name in VARIANTS
+                                  if name not in _AT_ONE_HEAD_DIM])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_masked_backward_lowers_for_cuda(head_dim, name, cuda_lowering,
                                          monkeypatch):
@@ -500,11 +531,12 @@ def test_masked_backward_lowers_other_calls(name, kwargs, cuda_lowering):
 
 @pytest.mark.parametrize("name, head_dim", [("combined", 64),
                                             ("soft cap", 128),
-                                            ("segments", 256)])
+                                            ("segments", 256),
+                                            ("alibi soft cap", 64)])
 def test_overlapped_masked_backward_lowers(name, head_dim,
                                            lowering_semantics):
-  """`overlap_softmax` in the ranged kernels: the soft cap's slope and the
-  masks enter the overlapped step as they do the plain one."""
+  """`overlap_softmax` in the ranged kernels: the soft cap's slope, ALiBi
+  and the masks enter the overlapped step as they do the plain one."""
   text = _lower(name, head_dim, overlap_softmax=True)
   assert _kernels(text) == _expected_kernels(head_dim)
   assert text != _lower(name, head_dim)
@@ -571,7 +603,6 @@ def _lower_masked_gradients():
 @pytest.mark.parametrize("fields, match", [
     (dict(has_dense_mask=True), "has_dense_mask"),
     (dict(has_bias=True), "has_bias"),
-    (dict(has_alibi=True), "has_alibi"),
     (dict(dropout_rate=0.1), "dropout_rate"),
     (dict(score_fn=lambda s, b, h, q, k: s), "score_fn"),
     (dict(mask_fn=lambda b, h, q, k: q >= k), "mask_fn"),
@@ -641,6 +672,15 @@ _GPU_VARIANTS = {
                                    _document_ids(2, 1000, 250)))),
     "soft cap, d=96": (Case(1, 777, 1100, 8, 2, 96),
                        dict(is_causal=True, logits_soft_cap=20.0)),
+    "alibi": (Case(2, 500, 2047, 8, 2, 64),
+              dict(is_causal=True, q_offset=jnp.array([1547, 100]),
+                   alibi_slopes=jnp.stack([
+                       2.0 ** -jnp.arange(1, 9, dtype=jnp.float32),
+                       jnp.linspace(0.01, 0.5, 8)]))),
+    "alibi soft cap, d=96": (Case(1, 777, 1100, 8, 2, 96),
+                             dict(logits_soft_cap=20.0,
+                                  alibi_slopes=2.0 ** -jnp.arange(
+                                      1, 9, dtype=jnp.float32))),
     "combined": (Case(2, 1500, 1537, 4, 2, 128),
                  dict(is_causal=True, local_window_size=(512, 0),
                       q_offset=jnp.array([37, 0]),

@@ -35,12 +35,12 @@ attends keys j <= i. Tiles wholly above the diagonal are left out of the
 loop bounds; only tiles that straddle it are masked.
 
 Ranged form (`masked_backward.mosaic_backward_masked`: window, q_offset,
-lengths, segment ids, soft cap, any lengths), chosen by
+lengths, segment ids, soft cap, ALiBi, any lengths), chosen by
 `BackwardStatic.spec` at trace time (the plain form's code is untouched by
 it). Each CTA reads a plan row of loop ranges built in XLA from
 `masking.classify_blocks` (see `masked.tile_plans`); masked steps apply
-`masking.keep`, score changes (the soft cap) enter through
-`masking.modify_scores` and its derivative.
+`masking.keep`, score changes (the soft cap, ALiBi: every visited step)
+enter through `masking.modify_scores` and its derivative.
 
 Which kernels and schedule a call runs is `plan.backward_config`'s choice;
 this module turns it into the kernels' statics (`statics`) and runs them
@@ -59,7 +59,7 @@ from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, SWIZZLES, THREADS_PER_WARPGROUP, check_layout,
     check_shared_memory, check_tiles, own_width_head_dim,
-    persistent_num_ctas)
+    persistent_num_ctas, slope_rows_bytes)
 from pallas_kernels.mosaic.dkdv import launch_dkdv
 from pallas_kernels.mosaic.dq import launch_dq
 from pallas_kernels.mosaic.fused_dq import (DQ_PIECE, ZERO_CELL_BYTES,
@@ -150,7 +150,7 @@ def _config(query, key, is_causal: bool, options) -> BackwardConfig:
 def gradients(query, key, value, d_out, stats,
               dq_config: BackwardStatic | None,
               dkdv_configs: list[BackwardStatic], *, dq_plan=None,
-              dkdv_plan=None, segments=None):
+              dkdv_plan=None, segments=None, slopes=None):
   """(dq, dk, dv) by the dQ kernel and the dK/dV pass(es), or by the one
   fused kernel.
 
@@ -163,18 +163,21 @@ def gradients(query, key, value, d_out, stats,
       [batch, num_tiles, PLAN_WIDTH] (see `masked.tile_plans`), or None.
     segments: the ranged kernels' (q ids [batch, q_len], kv ids
       [batch, kv_len]) when the spec has segment ids, else None.
+    slopes: the ranged kernels' ALiBi slopes as `common.slope_rows` when
+      the spec has them, else None.
   """
   if dq_config is None:
     (static,) = dkdv_configs
     dq_sum, dk, dv = launch_dkdv(query, key, value, d_out, stats, static)
     return (dq_sum * static.scale).astype(query.dtype), dk, dv
   dq = launch_dq(query, key, value, d_out, stats, dq_config, plan=dq_plan,
-                 segments=segments)
+                 segments=segments, slopes=slopes)
   grads = {}
   for static in dkdv_configs:
     grads.update(zip(static.outputs,
                      launch_dkdv(query, key, value, d_out, stats, static,
-                                 plan=dkdv_plan, segments=segments)))
+                                 plan=dkdv_plan, segments=segments,
+                                 slopes=slopes)))
   return dq, grads["dk"], grads["dv"]
 
 
@@ -339,7 +342,8 @@ def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
       itemsize=jnp.dtype(query.dtype).itemsize, resident_stats=block_q,
       streamed_stats=0) + _ranged_smem_bytes(
           spec, num_consumers=consumers, num_stages=stages,
-          resident_rows=block_q, streamed_rows=block_kv)
+          resident_rows=block_q, streamed_rows=block_kv,
+          num_heads=num_heads)
   return BackwardStatic(
       block_q=block_q, block_kv=block_kv,
       num_consumers=_num_consumers(_tiled_length(q_len, block_q, spec),
@@ -391,7 +395,8 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
       itemsize=jnp.dtype(query.dtype).itemsize, resident_stats=0,
       streamed_stats=block_q) + _ranged_smem_bytes(
           spec, num_consumers=consumers, num_stages=stages,
-          resident_rows=block_kv, streamed_rows=block_q) + (
+          resident_rows=block_kv, streamed_rows=block_q,
+          num_heads=num_heads) + (
               fused_smem_bytes(
                   num_consumers=consumers, block_q=block_q,
                   block_kv=block_kv, head_dim=head_dim,
@@ -504,17 +509,18 @@ def _smem_bytes(*, num_consumers, num_stages, resident_rows, streamed_rows,
 
 
 def _ranged_smem_bytes(spec, *, num_consumers, num_stages, resident_rows,
-                       streamed_rows) -> int:
+                       streamed_rows, num_heads) -> int:
   """The ranged kernels' extra shared memory (0 for the plain ones): a plan
-  row per warpgroup and, with segment ids, the int32 ids of each consumer's
-  rows and of each ring slot."""
+  row per warpgroup, with segment ids the int32 ids of each consumer's rows
+  and of each ring slot, with ALiBi each consumer's slopes."""
   if spec is None:
     return 0
-  plan = (num_consumers + 1) * PLAN_WIDTH * 4
-  if not spec.has_segments:
-    return plan
-  return plan + (num_consumers * resident_rows
-                 + num_stages * streamed_rows) * 4
+  extra = (num_consumers + 1) * PLAN_WIDTH * 4
+  if spec.has_segments:
+    extra += (num_consumers * resident_rows + num_stages * streamed_rows) * 4
+  if spec.has_alibi:
+    extra += num_consumers * slope_rows_bytes(num_heads)
+  return extra
 
 
 def _tiled_length(length: int, block: int, spec) -> int:

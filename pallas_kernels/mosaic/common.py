@@ -5,8 +5,9 @@ shared-memory tile layout (`swizzled`), the register split between consumer
 and producer warpgroups (`register_split`), launch grids (`launch_grid`,
 `tile_index`), persistent grids (`persistent_schedule`,
 `persistent_num_ctas`), the masked kernels' plan rows of loop ranges
-(`PlanRow`, `read_plan`), and the per-tile helpers of both directions'
-softmax (`per_row`, `per_column`, `causal_mask`, `variant_mask`).
+(`PlanRow`, `read_plan`) and ALiBi slopes (`SlopeRows`, `slope_reader`),
+and the per-tile helpers of both directions' softmax (`per_row`,
+`per_column`, `tile_indices`, `causal_mask`, `variant_mask`).
 """
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ _LEAN_REGISTERS = (240, 24)
 # q_offset, q_length, kv_length; padded to 32 (128 bytes, one copy).
 PLAN_WIDTH = 32
 PLAN_UNION, PLAN_SCALARS = 8, 10
+# ALiBi slopes travel as rows of 32 floats (`slope_rows`).
+SLOPE_ROW_WIDTH = 32
 
 
 def register_split(*, lean: bool, num_consumers: int = 2) -> tuple[int, int]:
@@ -253,14 +256,57 @@ def per_column(x, shape):
   return lax.broadcast_in_dim(x, shape, [1])
 
 
-def variant_mask(q_start, step, static, values):
-  """`masking.keep` on the [block_q, block_kv] tile of queries from
+def tile_indices(q_start, step, static):
+  """(q_idx, kv_idx) [block_q, block_kv] of the tile of queries from
   q_start and keys from step * block_kv."""
   shape = (static.block_q, static.block_kv)
   rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
   cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-  return masking.keep(static.spec, rows + q_start,
-                      cols + step * static.block_kv, values)
+  return rows + q_start, cols + step * static.block_kv
+
+
+def variant_mask(q_start, step, static, values):
+  """`masking.keep` on the [block_q, block_kv] tile of `tile_indices`."""
+  return masking.keep(static.spec, *tile_indices(q_start, step, static),
+                      values)
+
+
+class SlopeRows(NamedTuple):
+  """A masked kernel's ALiBi slopes (`spec.has_alibi`), read once by each
+  consumer (see `slope_rows`)."""
+  gmem: Any       # float32 [rows, SLOPE_ROW_WIDTH]: this batch's, by head
+  smem: Any       # float32 [consumers, rows, SLOPE_ROW_WIDTH]
+  arrived: Any    # barriers [consumers]
+
+
+def slope_rows(alibi_slopes):
+  """float32 [batch, ceil(heads / 32), 32] of slopes [batch, heads]: head h
+  at [h // 32, h % 32]. Each batch's rows are one TMA copy of whole
+  128-byte rows (a 1-D copy would need 16-byte multiples and at most 256
+  heads)."""
+  batch, num_heads = alibi_slopes.shape
+  rows = -(-num_heads // SLOPE_ROW_WIDTH)
+  padded = jnp.pad(alibi_slopes.astype(jnp.float32),
+                   ((0, 0), (0, rows * SLOPE_ROW_WIDTH - num_heads)))
+  return padded.reshape(batch, rows, SLOPE_ROW_WIDTH)
+
+
+def slope_rows_bytes(num_heads: int) -> int:
+  """Shared memory of one consumer's copy of `slope_rows`."""
+  return -(-num_heads // SLOPE_ROW_WIDTH) * SLOPE_ROW_WIDTH * 4
+
+
+def copy_slopes(slopes: SlopeRows, slot):
+  """Starts copying the batch's slopes into `slot` (`slope_reader` waits)."""
+  plgpu.copy_gmem_to_smem(slopes.gmem, slopes.smem.at[slot],
+                          slopes.arrived.at[slot])
+
+
+def slope_reader(slopes: SlopeRows, slot):
+  """Waits for `copy_slopes` into `slot` (once); returns head -> its slope."""
+  plgpu.barrier_wait(slopes.arrived.at[slot])
+  own = slopes.smem.at[slot]
+  return lambda head: own[head // SLOPE_ROW_WIDTH, head % SLOPE_ROW_WIDTH]
 
 
 def causal_mask(q_start, step, static):

@@ -31,8 +31,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
-from pallas_kernels.mosaic.common import (THREADS_PER_WARPGROUP, per_column,
-                                          swizzled)
+from pallas_kernels.mosaic.common import (
+    THREADS_PER_WARPGROUP, copy_slopes, per_column, slope_reader, swizzled)
 from pallas_kernels.mosaic.fused_dq import (
     DQ_PIECE, PIECES_DONE_BARRIER, FusedDq, issue_dq_piece,
     num_dq_pieces, stage_dq_piece, stage_dq_pieces, write_dq)
@@ -40,22 +40,22 @@ from pallas_kernels.mosaic.pipeline import (
     MASKED, UNMASKED, BackwardStatic, Walk, causal_mask_t, column_statistic,
     dkdv_causal_runs, each_tile, first_q_block, first_unmasked_q_block,
     grid_args, ids_arrived, kernel_name, load_own_ids, produce,
-    ranged_refs, ranged_scratch, ranged_walk, ring_slot, score_gradient,
-    tile_probabilities, tile_values, variant_mask_t,
-    walk_group, wgmma_accumulate, wgmma_fresh, wgmma_then)
+    ranged_inputs, ranged_refs, ranged_scratch, ranged_walk, ring_slot,
+    score_gradient, tile_indices_t, tile_probabilities, tile_values,
+    variant_mask_t, walk_group, wgmma_accumulate, wgmma_fresh, wgmma_then)
 from pallas_kernels.mosaic.shared_rows import (
     column_part, dkdv_consume_shared, exchange_scratch, load_column_parts,
     shared_transforms)
 
 
 def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
-                plan=None, segments=None):
+                plan=None, segments=None, slopes=None):
   """Launches the dK/dV kernel for `static.outputs`; returns them in order
   (fused dQ: the f32 [batch, q_len, num_heads, head_dim] sum of dS K, not
   yet scaled, first).
 
-  Ranged: `plan` int32 [batch, num_kv_tiles, PLAN_WIDTH]; `segments` as
-  `gradients` takes them.
+  Ranged: `plan` int32 [batch, num_kv_tiles, PLAN_WIDTH]; `segments` and
+  `slopes` as `gradients` takes them.
   """
   batch, kv_len, num_kv_heads, head_dim = key.shape
   consumers, stages = static.num_consumers, static.num_stages
@@ -86,8 +86,8 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
   inputs = (query, key, value, d_out, stats)
   if static.ranged:
     scratch += ranged_scratch(static, resident_rows=static.block_kv,
-                              streamed_rows=static.block_q)
-    inputs += (plan, *(segments or ()))
+                              streamed_rows=static.block_q, slopes=slopes)
+    inputs += ranged_inputs(plan, segments, slopes)
   if static.shared_rows:
     scratch += exchange_scratch(static, static.block_kv,
                                 static.block_q // consumers, kinds=2)
@@ -133,14 +133,14 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
 
 def _dkdv_kernel(*refs, static: BackwardStatic):
   """Kernel body; refs: `launch_dkdv`'s inputs (q, k, v, dO, stats, then
-  the ranged kernel's plan, q ids, kv ids), the outputs, its scratch list.
+  the ranged kernel's `ranged_inputs`), the outputs, its scratch list.
 
   Launch grid: one K/V tile per CTA. Persistent grid (`static.persistent`):
   each CTA computes its tiles of `persistent_schedule` in turn (causal:
   K/V tile j reads the Q tiles from j on, so tiles go in pairs), the ring
   of streamed steps running on across tiles (see `produce`).
   """
-  num_inputs = 5 + static.ranged + 2 * static.segmented
+  num_inputs = 5 + static.ranged + 2 * static.segmented + static.alibi
   names = ("dq_sum",) * static.fused_dq + static.outputs
   inputs = refs[:num_inputs]
   out_refs = dict(zip(names, refs[num_inputs:num_inputs + len(names)]))
@@ -164,8 +164,9 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   (k_smem, v_smem, q_ring, do_ring, stats_ring, k_arrived, v_arrived,
    q_arrived, do_arrived, stats_arrived, consumed) = scratch[:11]
   tile_start = kv_tile * static.kv_rows_per_cta
-  plan, ids = ranged_refs(static, inputs[5:], scratch[11:], batch=batch,
-                          tile=kv_tile, own_is_query=False)
+  plan, ids, slopes = ranged_refs(static, inputs[5:], scratch[11:],
+                                  batch=batch, tile=kv_tile,
+                                  own_is_query=False)
   num_steps = None
   if plan is None:
     # The union of the consumers' Q tiles, per query head of the group:
@@ -195,7 +196,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                               v_arrived.at[wg])
       plgpu.barrier_wait(v_arrived.at[wg])
     plgpu.barrier_wait(k_arrived.at[wg])
-    q_of = None
+    q_of = head_values = positions = None
     if plan is None:
       if fused is None:
         walk = Walk(first, per_head,
@@ -205,12 +206,19 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
         walk = Walk(0, per_head, _fused_runs(kv_start, first, static), None)
       tile_mask = lambda i, slot: causal_mask_t(kv_start, i, static)
     else:
+      if slopes is not None:  # in flight while the plan row loads
+        copy_slopes(slopes, wg)
       walk = ranged_walk(plan, wg)
       own_ids = load_own_ids(ids, kv_rows, wg)
       shape = (static.block_kv, static.block_q)
       tile_mask = lambda i, slot: variant_mask_t(
           kv_start, i, static, tile_values(walk.values, own_ids, ids, slot,
                                            shape, own_is_query=False))
+      positions = functools.partial(tile_indices_t, kv_start, static=static)
+      if slopes is not None:  # each query head of the group has its own
+        slope_of = slope_reader(slopes, wg)
+        head_values = lambda g: walk.values._replace(
+            alibi_slope=slope_of(kv_head * static.group + g))
     resident = None
     if static.opaque_resident:  # see `BackwardStatic.opaque_resident`
       zero_smem = scratch[-1]
@@ -229,7 +237,8 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       grads = _dkdv_consume(own_k, own_v, q_ring, do_ring, stats_ring,
                             arrived, consumed, walk=walk,
                             tile_mask=tile_mask, static=static, base=base,
-                            fused=fused, wg=wg, q_of=q_of, resident=resident)
+                            fused=fused, wg=wg, q_of=q_of, resident=resident,
+                            head_values=head_values, positions=positions)
     if fused is not None:
       # The other consumers' last dQ pieces read this one's K rows: every
       # consumer is past them before any overwrites its K with dK (a race
@@ -363,7 +372,8 @@ def _fused_runs(kv_start, first, static: BackwardStatic):
 def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
                   consumed, *, walk: Walk, tile_mask, static: BackwardStatic,
                   base=None, fused: FusedDq | None = None, wg=None,
-                  q_of=None, resident=None):
+                  q_of=None, resident=None, head_values=None,
+                  positions=None):
   """Consumer: dK, dV (f32, unscaled dK) of its `block_kv` K/V rows.
 
   Walks the producer's steps: for each query head of the group, Q tiles
@@ -374,7 +384,9 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
   (`issue_dq_piece`), and the walk's positions are Q tiles
   `q_of(position)`. `resident` (`BackwardStatic.opaque_resident`): called each
   step, returns that step's views of the K and V rows and the zero that
-  offsets them.
+  offsets them. Ranged: `head_values(g)` (ALiBi) the score changes'
+  `masking.MaskValues` of query head g of the group (else `walk.values`),
+  `positions(q_block)` the Sᵀ tile's (q_idx, kv_idx).
   """
   slot_of = ring_slot(static, base)
   zeros = plgpu.layout_cast(
@@ -382,7 +394,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       plgpu.Layout.WGMMA)
   grads = tuple(zeros for _ in static.outputs)
 
-  def step_body(i, grads, *, head_base, masked):
+  def step_body(i, grads, *, head_base, group_index, masked):
     step = head_base + i
     q_block = i if q_of is None else q_of(i)
     slot = slot_of(step)
@@ -403,7 +415,8 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       """(Pᵀ, its slope)."""
       p_t, slope = tile_probabilities(
           s_t, column_stat(0) if lse_log2 is None else lse_log2, per_column,
-          walk.values, static)
+          walk.values if head_values is None else head_values(group_index),
+          static, positions=lambda: positions(q_block))
       if masked:
         p_t = jnp.where(tile_mask(q_block, slot), p_t, 0.0)
       return p_t, slope

@@ -25,22 +25,23 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
-from pallas_kernels.mosaic.common import (causal_mask, per_row, swizzled,
-                                          tile_index, variant_mask)
+from pallas_kernels.mosaic.common import (
+    causal_mask, copy_slopes, per_row, slope_reader, swizzled, tile_index,
+    tile_indices, variant_mask)
 from pallas_kernels.mosaic.pipeline import (
     MASKED, SKIP, UNMASKED, BackwardStatic, Walk, each_tile, grid_args,
-    ids_arrived, kernel_name, load_own_ids, produce, ranged_refs,
-    ranged_scratch, ranged_walk, score_gradient, skip_step,
+    ids_arrived, kernel_name, load_own_ids, produce, ranged_inputs,
+    ranged_refs, ranged_scratch, ranged_walk, score_gradient, skip_step,
     tile_probabilities, tile_values, walk_runs,
     wgmma_accumulate, wgmma_fresh, wgmma_then)
 
 
 def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
-              plan=None, segments=None):
+              plan=None, segments=None, slopes=None):
   """Launches the dQ kernel; returns dq like query.
 
-  Ranged: `plan` int32 [batch, num_q_tiles, PLAN_WIDTH]; `segments` as
-  `gradients` takes them.
+  Ranged: `plan` int32 [batch, num_q_tiles, PLAN_WIDTH]; `segments` and
+  `slopes` as `gradients` takes them.
   """
   batch, q_len, num_heads, head_dim = query.shape
   consumers, stages = static.num_consumers, static.num_stages
@@ -65,8 +66,8 @@ def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
   inputs = (query, key, value, d_out, stats)
   if static.ranged:
     scratch += ranged_scratch(static, resident_rows=static.block_q,
-                              streamed_rows=static.block_kv)
-    inputs += (plan, *(segments or ()))
+                              streamed_rows=static.block_kv, slopes=slopes)
+    inputs += ranged_inputs(plan, segments, slopes)
   return compat.vary_like(plgpu.kernel(
       functools.partial(_dq_kernel, static=static),
       out_type=versions.output_struct(query.shape, query.dtype, *inputs),
@@ -82,10 +83,10 @@ def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
 
 def _dq_kernel(*refs, static: BackwardStatic):
   """Kernel body; refs: `launch_dq`'s inputs (q, k, v, dO, stats, then the
-  ranged kernel's plan, q ids, kv ids), dq, its scratch list. Launch or
+  ranged kernel's `ranged_inputs`), dq, its scratch list. Launch or
   persistent grid as `_dkdv_kernel` (causal: query tile i reads i + 1 K/V
   tiles, so persistent tiles go in pairs)."""
-  num_inputs = 5 + static.ranged + 2 * static.segmented
+  num_inputs = 5 + static.ranged + 2 * static.segmented + static.alibi
   inputs, dq_ref, scratch = (refs[:num_inputs], refs[num_inputs],
                              refs[num_inputs + 1:])
   wg = lax.axis_index("wg")
@@ -113,8 +114,8 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
   (q_smem, do_smem, stats_smem, k_ring, v_ring, q_arrived, do_arrived,
    stats_arrived, k_arrived, v_arrived, consumed) = scratch[:11]
   tile_start = q_tile * static.q_rows_per_cta
-  plan, ids = ranged_refs(static, inputs[5:], scratch[11:], batch=batch,
-                          tile=q_tile, own_is_query=True)
+  plan, ids, slopes = ranged_refs(static, inputs[5:], scratch[11:],
+                                  batch=batch, tile=q_tile, own_is_query=True)
   num_steps = None
   if plan is None:
     # The last consumer's rows come last, so it sees the most K/V tiles.
@@ -142,7 +143,12 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
                   None)
       tile_mask = lambda step, slot: causal_mask(q_start, step, static)
     else:
+      if slopes is not None:  # in flight while the plan row loads
+        copy_slopes(slopes, wg)
       walk = ranged_walk(plan, wg)
+      if slopes is not None:  # this head's, for every tile it visits
+        walk = walk._replace(values=walk.values._replace(
+            alibi_slope=slope_reader(slopes, wg)(head)))
       own_ids = load_own_ids(ids, q_rows, wg)
       shape = (static.block_q, static.block_kv)
       tile_mask = lambda step, slot: variant_mask(
@@ -150,7 +156,8 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
                                              shape, own_is_query=True))
     dq = _dq_consume(own_q, own_do, lse_log2, delta, k_ring, v_ring, arrived,
                      consumed, walk=walk, tile_mask=tile_mask, static=static,
-                     base=base)
+                     base=base, positions=functools.partial(
+                         tile_indices, q_start, static=static))
     own_q[...] = dq.astype(static.dtype)  # Q is dead: dQ goes out through it
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(own_q, dq_ref.at[batch, q_rows, head])
@@ -187,13 +194,13 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
 
 def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
                 consumed, *, walk: Walk, tile_mask, static: BackwardStatic,
-                base=None):
+                base=None, positions=None):
   """Consumer: dQ (f32, scaled) of its `block_q` rows.
 
   `lse_log2` and `delta` are the rows' statistics. Walks the producer's
   steps, K/V tiles [walk.first, walk.first + walk.num_blocks), treated as
   `walk.runs` say (skipped, masked by `tile_mask(kv_block, slot)`, or
-  unmasked).
+  unmasked); `positions(kv_block)`: the S tile's (q_idx, kv_idx).
   """
   dq = plgpu.layout_cast(
       jnp.zeros((static.block_q, static.head_dim), jnp.float32),
@@ -215,7 +222,8 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
                 (do_smem, v_tile.transpose((1, 0)))]    # dP = dO Vᵀ
 
     def probabilities(s):
-      p, slope = tile_probabilities(s, lse_log2, per_row, walk.values, static)
+      p, slope = tile_probabilities(s, lse_log2, per_row, walk.values, static,
+                                    positions=lambda: positions(step))
       if masked:
         p = jnp.where(tile_mask(step, slot), p, 0.0)
       return p, slope

@@ -56,7 +56,8 @@ from pallas_kernels.mosaic import compat, turns
 from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, check_layout, check_shared_memory, check_tiles,
-    launch_grid, own_width_head_dim, persistent_num_ctas, swizzled)
+    launch_grid, own_width_head_dim, persistent_num_ctas, slope_rows_bytes,
+    swizzled)
 from pallas_kernels.mosaic.forward_kernel import (
     NUM_CONSUMERS, KernelStatic, forward_kernel, persistent_kernel)
 from pallas_kernels.mosaic.plan import ForwardConfig, forward_config
@@ -166,8 +167,9 @@ def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
 
 
 def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
-           segments=None):
-  """Builds and calls the kernel; `value` is [B, Hkv, D, T] in FP8.
+           segments=None, slopes=None):
+  """Builds and calls the kernel; `value` is [B, Hkv, D, T] in FP8; the
+  ranged kernel's `slopes` are `common.slope_rows` (`spec.has_alibi`).
 
   In the ranged kernel the LSE is returned padded to whole tiles (its rows
   are TMA'd whole, and TMA needs 16-byte strides), for the caller to slice.
@@ -238,6 +240,10 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
         plgpu.Barrier(num_barriers=stages),
     )
     inputs += segments
+  if slopes is not None:
+    scratch += (plgpu.SMEM((consumers, *slopes.shape[1:]), jnp.float32),
+                plgpu.Barrier(num_barriers=consumers))  # slopes_arrived
+    inputs += (slopes,)
   out_type = (
       versions.output_struct(query.shape, out_dtype, *inputs),
       # Sequence minor, so that each consumer stores its LSE rows with one
@@ -316,6 +322,8 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   smem_bytes = _smem_bytes(block_q, block_kv, num_stages, head_dim,
                            dtype.itemsize, num_consumers)
   num_q_blocks = q_len // block_q
+  if spec is not None and spec.has_alibi:
+    smem_bytes += num_consumers * slope_rows_bytes(num_heads)
   if fp8:  # the O buffer, and the descale rows
     smem_bytes += num_consumers * (
         block_q * head_dim * fp8_out_dtype.itemsize + block_q * block_kv

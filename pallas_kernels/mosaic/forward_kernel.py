@@ -45,9 +45,9 @@ import jax.numpy as jnp
 from pallas_kernels import masking
 from pallas_kernels.mosaic import turns
 from pallas_kernels.mosaic.common import (
-    LOG2E, PLAN_SCALARS, PLAN_UNION, PlanRow, causal_mask, per_column,
-    per_row, persistent_schedule, read_plan, register_split, tile_index,
-    variant_mask)
+    LOG2E, PLAN_SCALARS, PLAN_UNION, PlanRow, SlopeRows, causal_mask,
+    copy_slopes, per_column, per_row, persistent_schedule, read_plan,
+    register_split, slope_reader, tile_index, tile_indices, variant_mask)
 from pallas_kernels.mosaic.softmax import add_unfused, exponentiate, rescale
 
 # Consumer warpgroups of the masked and FP8 forms, and of the plain one but
@@ -251,11 +251,13 @@ def forward_kernel(*refs, static: KernelStatic):
   """Kernel body; refs: `forward.launch`'s inputs, outputs and scratch, in
   order:
 
-  q, k, v, [descale (FP8)], [plan (ranged)], out, lse, the 10 common scratch
-  refs, [FP8's 4], [ranged's 2].
+  q, k, v, [descale (FP8)], [plan (ranged)], [q ids, kv ids (segments)],
+  [slopes (ALiBi)], out, lse, the 10 common scratch refs, [FP8's 4],
+  [ranged's 2], [segments' 4], [ALiBi's 2].
   """
   segmented = static.ranged and static.spec.has_segments
-  num_inputs = 3 + static.fp8 + static.ranged + 2 * segmented
+  alibi = static.ranged and static.spec.has_alibi
+  num_inputs = 3 + static.fp8 + static.ranged + 2 * segmented + alibi
   inputs, scratch = refs[:num_inputs], refs[num_inputs + 2:]
   q_ref, k_ref, v_ref = inputs[:3]
   out_ref, lse_ref = refs[num_inputs:num_inputs + 2]
@@ -271,13 +273,17 @@ def forward_kernel(*refs, static: KernelStatic):
   q_tile = tile_index("q_tile", num_q_tiles, reverse=(
       static.is_causal and not static.ranged))
   tile_start = q_tile * static.tile_rows
-  plan = segment_refs = None
+  plan = segment_refs = slopes = None
   if static.ranged:
     plan = PlanRow(inputs[3].at[batch, q_tile],
                    *scratch[10:12])
   if segmented:
     segment_refs = _SegmentRefs(inputs[4].at[batch], inputs[5].at[batch],
                                 *scratch[12:16])
+  if alibi:
+    first_scratch = 12 + 4 * segmented
+    slopes = SlopeRows(inputs[-1].at[batch],
+                       *scratch[first_scratch:first_scratch + 2])
 
   consumer_registers, producer_registers = register_split(
       lean=False, num_consumers=static.num_consumers)
@@ -295,7 +301,8 @@ def forward_kernel(*refs, static: KernelStatic):
              lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
              k_consumed, v_consumed, turns.turns_of(pingpong, static),
              batch=batch, head=head, wg=wg, tile_start=tile_start,
-             static=static, fp8=fp8, plan=plan, segments=segment_refs)
+             static=static, fp8=fp8, plan=plan, segments=segment_refs,
+             slopes=slopes)
 
   @pl.when(wg == static.producer)
   def _producer():
@@ -461,7 +468,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
              q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
              pingpong, *, batch, head, wg, tile_start, static: KernelStatic,
              fp8: _Fp8Refs | None, plan: PlanRow | None,
-             segments: _SegmentRefs | None = None, tile: _Tile | None = None):
+             segments: _SegmentRefs | None = None, tile: _Tile | None = None,
+             slopes: SlopeRows | None = None):
   """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile.
 
   Persistent grid (`tile` given): Q was loaded by the previous tile (or the
@@ -488,12 +496,16 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     else:
       slot_of = lambda step: lax.rem(tile.base + step, static.num_stages)
   else:
+    if slopes is not None:  # in flight while the plan row loads
+      copy_slopes(slopes, wg)
     read = read_plan(plan, wg)
     lo, unmasked_lo, unmasked_hi, hi = (read(wg * 4 + i) for i in range(4))
     first, num_steps = read(PLAN_UNION), read(PLAN_UNION + 1)
     values = masking.MaskValues(q_offset=read(PLAN_SCALARS),
                                 q_lengths=read(PLAN_SCALARS + 1),
                                 kv_lengths=read(PLAN_SCALARS + 2))
+    if slopes is not None:  # this head's, for every tile it visits
+      values = values._replace(alibi_slope=slope_reader(slopes, wg)(head))
     slot_of = lambda step: lax.rem(step - first, static.num_stages)
     if segments is not None:
       q_ids_smem = segments.q_smem.at[wg]
@@ -577,9 +589,11 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
     scale_log2 = static.scale_log2
     if plan is not None and static.spec.modifies_scores:
-      # Scores change before the masks (DESIGN's order): scale first, then
-      # exp2 takes the bare log2(e).
-      s = masking.modify_scores(static.spec, s * static.scale, None, None,
+      # Scores change before the masks (DESIGN's order), on every visited
+      # tile: scale first, then exp2 takes the bare log2(e).
+      positions = (tile_indices(q_start, step, static)
+                   if static.spec.scores_read_positions else (None, None))
+      s = masking.modify_scores(static.spec, s * static.scale, *positions,
                                 values)
       scale_log2 = LOG2E
     if masked and plan is None:

@@ -13,31 +13,34 @@ import jax.numpy as jnp
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic import forward, plan
-from pallas_kernels.mosaic.common import PLAN_WIDTH
+from pallas_kernels.mosaic.common import PLAN_WIDTH, slope_rows
 
 
 # What the masked kernel covers; the rest stays with the Triton kernels.
 _RANGED_FEATURES = ("is_causal", "window", "has_q_offset", "has_q_lengths",
-                    "has_kv_lengths", "has_segments", "logits_soft_cap")
+                    "has_kv_lengths", "has_segments", "logits_soft_cap",
+                    "has_alibi")
 
 
 def mosaic_forward_masked(query, key, value, *, scale: float,
                           spec: masking.MaskSpec, q_offset=None,
                           q_lengths=None, kv_lengths=None, q_segments=None,
-                          kv_segments=None, block_q: int = 64,
+                          kv_segments=None, alibi_slopes=None,
+                          block_q: int = 64,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2,
                           lazy_rescale: bool | None = None):
-  """`forward.mosaic_forward` with masks, score capping and any lengths.
+  """`forward.mosaic_forward` with masks, score changes and any lengths.
 
-  The masks are `pallas_kernels.masking`'s (the one definition): `spec` may use
-  is_causal, window, q_offset, q/kv lengths, segment ids and
-  logits_soft_cap. The K/V
-  tiles each 64-row query block visits, and which of them need the mask,
-  come from `masking.classify_blocks` (tiles that the masks empty are
-  skipped, the unmasked run pays nothing for the mask). Lengths that are not
-  multiples of the tiles are handled by TMA: reads past the end fill zeros
-  (masked as keys past kv_len), writes past the end are dropped.
+  The masks and score changes are `pallas_kernels.masking`'s (the one
+  definition): `spec` may use is_causal, window, q_offset, q/kv lengths,
+  segment ids, logits_soft_cap and ALiBi. The K/V tiles each 64-row query
+  block visits, and which of them need the mask, come from
+  `masking.classify_blocks` (tiles that the masks empty are skipped, the
+  unmasked run pays nothing for the mask; the score changes, which empty
+  no tile, apply on every visited one). Lengths that are not multiples of
+  the tiles are handled by TMA: reads past the end fill zeros (masked as
+  keys past kv_len), writes past the end are dropped.
 
   Args:
     query, key, value, scale, block_q, block_kv, max_concurrent_steps: as
@@ -45,6 +48,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     spec: `masking.MaskSpec` for (q_len, kv_len).
     q_offset, q_lengths, kv_lengths: int32 [batch] or None, as the spec says.
     q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
+    alibi_slopes: float32 [batch, num_heads] (`spec.has_alibi`) or None;
+      each (batch, head)'s is one scalar of its CTAs.
     lazy_rescale: O rescaled only where a row's max moved by more than 8
       (log2 units, see `forward.KernelStatic`); the results change by
       rounding only. None: at `plan.MASKED_LAZY_RESCALE_HEAD_DIMS` (by
@@ -61,6 +66,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   check_ranged_features(spec, "the masked Mosaic forward")
   if spec.logits_soft_cap is not None and not scale > 0:
     raise NotImplementedError("scale must be positive")
+  check_slopes(spec, alibi_slopes, query.shape)
   if block_kv is None:
     block_kv = plan.default_block_kv(query.shape[-1])
   static = forward.check_supported(query, key, value, scale=scale,
@@ -82,9 +88,25 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   if spec.has_segments:  # padded like the rows they label
     segments = (pad_ids(q_segments, query.shape[1]),
                 pad_ids(kv_segments, key.shape[1]))
+  slopes = slope_rows(alibi_slopes) if spec.has_alibi else None
   out, lse = forward.launch(static, query, key, value, plan=rows,
-                            segments=segments)
+                            segments=segments, slopes=slopes)
   return out[:, :q_len], lse[..., :q_len]
+
+
+def check_slopes(spec: masking.MaskSpec, alibi_slopes, q_shape):
+  """ValueError unless `alibi_slopes` is float [batch, num_heads] exactly
+  when `spec.has_alibi` (`validation` broadcasts [num_heads] ones)."""
+  batch, _, num_heads, _ = q_shape
+  if not spec.has_alibi:
+    if alibi_slopes is not None:
+      raise ValueError("alibi_slopes given but spec.has_alibi is False")
+    return
+  if alibi_slopes is None or alibi_slopes.shape != (batch, num_heads):
+    raise ValueError(
+        f"alibi_slopes must be [batch, num_heads] = ({batch}, {num_heads}) "
+        f"for query {q_shape}; got "
+        f"{None if alibi_slopes is None else alibi_slopes.shape}")
 
 
 # TMA reads a [rows, head_dim] tile through 8-row tiling, which this JAX

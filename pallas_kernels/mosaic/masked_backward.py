@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic import backward, masked
+from pallas_kernels.mosaic.common import slope_rows
 from pallas_kernels.mosaic.plan import BackwardConfig
 
 
@@ -36,6 +37,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                            scale: float, spec: masking.MaskSpec,
                            q_offset=None, q_lengths=None, kv_lengths=None,
                            q_segments=None, kv_segments=None,
+                           alibi_slopes=None,
                            block_q: int = 64, block_kv: int = 64,
                            max_concurrent_steps: int = 2,
                            overlap_softmax: bool = False):
@@ -54,9 +56,12 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
     d_lse: the cotangent of lse, like lse, or None (zero).
     scale: multiplies q·k in the forward.
     spec: `masking.MaskSpec` for (q_len, kv_len): is_causal, window,
-      q_offset, q/kv lengths, segment ids, logits_soft_cap.
+      q_offset, q/kv lengths, segment ids, logits_soft_cap, ALiBi.
     q_offset, q_lengths, kv_lengths: int32 [batch] or None, as spec says.
     q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
+    alibi_slopes: float32 [batch, num_heads] or None, as spec says. ALiBi
+      adds a term that does not depend on q or k: the steps recompute the
+      forward's logits with it, and dS is as without it.
     block_q, block_kv, max_concurrent_steps, overlap_softmax: as
       `plan.BackwardConfig`'s. Off by default: the ranged kernels have not
       been timed with `overlap_softmax`.
@@ -71,6 +76,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       falls back to the Triton backward.
   """
   masked.check_ranged_features(spec, "the masked Mosaic backward")
+  masked.check_slopes(spec, alibi_slopes, query.shape)
   backward.check_supported(query, key, value, out, lse, d_out, d_lse,
                            block_q=block_q, block_kv=block_kv,
                            max_concurrent_steps=max_concurrent_steps,
@@ -106,9 +112,11 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   if spec.has_segments:  # padded like the rows they label
     segments = (masked.pad_ids(q_segments, query.shape[1]),
                 masked.pad_ids(kv_segments, key.shape[1]))
+  slopes = slope_rows(alibi_slopes) if spec.has_alibi else None
   dq, dk, dv = backward.gradients(query, key, value, d_out, stats, dq_config,
                                   dkdv_configs, dq_plan=dq_plan,
-                                  dkdv_plan=dkdv_plan, segments=segments)
+                                  dkdv_plan=dkdv_plan, segments=segments,
+                                  slopes=slopes)
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
 
 

@@ -37,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic.common import (
-    LOG2E, PLAN_SCALARS, PLAN_UNION, PLAN_WIDTH, PlanRow,
+    LOG2E, PLAN_SCALARS, PLAN_UNION, PLAN_WIDTH, PlanRow, SlopeRows,
     launch_grid, per_column, per_row, persistent_schedule, read_plan,
     register_split)
 
@@ -147,6 +147,10 @@ class BackwardStatic:
   def segmented(self) -> bool:
     return self.ranged and self.spec.has_segments
 
+  @property
+  def alibi(self) -> bool:
+    return self.ranged and self.spec.has_alibi
+
 
 class Walk(NamedTuple):
   """A warpgroup's walk over the steps its CTA streams.
@@ -172,10 +176,10 @@ def walk_runs(runs, bodies, carry):
 
 def walk_group(walk: Walk, step_body, arrived, consumed, slot_of,
                static: BackwardStatic, grads):
-  """A dK/dV consumer's walk: for each query head of the group, the runs
+  """A dK/dV consumer's walk: for each query head g of the group, the runs
   of `walk`, skipped steps released at once, the others
-  `step_body(i, grads, head_base=, masked=)`; step of walk position i of
-  query head g is head_base + i."""
+  `step_body(i, grads, head_base=, group_index=g, masked=)`; step of walk
+  position i of query head g is head_base + i."""
   def skip_body(i, grads, *, head_base):
     skip_step(arrived, consumed, slot_of(head_base + i))
     return grads
@@ -185,9 +189,9 @@ def walk_group(walk: Walk, step_body, arrived, consumed, slot_of,
     bodies = {
         SKIP: functools.partial(skip_body, head_base=head_base),
         MASKED: functools.partial(step_body, head_base=head_base,
-                                  masked=True),
+                                  group_index=g, masked=True),
         UNMASKED: functools.partial(step_body, head_base=head_base,
-                                    masked=False)}
+                                    group_index=g, masked=False)}
     return walk_runs(walk.runs, bodies, grads)
 
   return lax.fori_loop(0, static.group, head_body, grads)
@@ -322,19 +326,27 @@ def kernel_name(static: BackwardStatic, outputs: str) -> str:
           + outputs)
 
 
-def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic):
+def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
+                       positions=None):
   """P = exp(final logit - lse) of a tile of raw q·k, and the slope of the
-  final logit in scale·q·k (None without score changes).
+  final logit in scale·q·k (None without score changes, or where they only
+  add a term: ALiBi).
 
   `broadcast` spreads the per-row `lse_log2` over `s`: `per_row` for S
-  tiles, `per_column` for Sᵀ. Score changes (the soft cap) follow
+  tiles, `per_column` for Sᵀ. Score changes (the soft cap, ALiBi) follow
   `modify_scores`, the one definition, and its derivative is that
-  function's `jax.jvp`.
+  function's `jax.jvp`; `positions()` gives the tile's (q_idx, kv_idx)
+  where they read them (`spec.scores_read_positions`).
   """
   if not (static.ranged and static.spec.modifies_scores):
     return jnp.exp2(s * static.scale_log2 - broadcast(lse_log2, s.shape)), None
-  modify = lambda x: masking.modify_scores(static.spec, x, None, None, values)
-  logits, slope = jax.jvp(modify, (s * static.scale,), (jnp.ones_like(s),))
+  spec = static.spec
+  q_idx, kv_idx = positions() if spec.scores_read_positions else (None, None)
+  modify = lambda x: masking.modify_scores(spec, x, q_idx, kv_idx, values)
+  if spec.scores_shift_only:  # slope 1: dS as without them
+    logits, slope = modify(s * static.scale), None
+  else:
+    logits, slope = jax.jvp(modify, (s * static.scale,), (jnp.ones_like(s),))
   return jnp.exp2(logits * LOG2E - broadcast(lse_log2, s.shape)), slope
 
 
@@ -385,7 +397,7 @@ def first_unmasked_q_block(kv_start, static: BackwardStatic):
                      static.num_q_blocks)
 
 
-def _tile_indices_t(kv_start, q_block, static: BackwardStatic, q_rows=None):
+def tile_indices_t(kv_start, q_block, static: BackwardStatic, q_rows=None):
   """(query, key) indices of the [block_kv, block_q] Sᵀ tile of keys
   kv_start + r and queries q_block * block_q + c; `q_rows` = (offset,
   count): only that part of the tile's queries (shared K/V rows)."""
@@ -409,13 +421,13 @@ def causal_mask_t(kv_start, q_block, static: BackwardStatic, q_rows=None):
   masked step only (SASS). A row against a column of indices
   spilled none but ran the backward 1.5% and 1.2% slower at 16k and 4k
   (8fbd8ee, results/h200_mosaic_mask_form.md), so this form stays."""
-  queries, keys = _tile_indices_t(kv_start, q_block, static, q_rows)
+  queries, keys = tile_indices_t(kv_start, q_block, static, q_rows)
   return queries >= keys
 
 
 def variant_mask_t(kv_start, q_block, static: BackwardStatic, values):
-  """`masking.keep` on the Sᵀ tile of `_tile_indices_t`."""
-  return masking.keep(static.spec, *_tile_indices_t(kv_start, q_block, static),
+  """`masking.keep` on the Sᵀ tile of `tile_indices_t`."""
+  return masking.keep(static.spec, *tile_indices_t(kv_start, q_block, static),
                       values)
 
 
@@ -431,9 +443,11 @@ class SegmentIds(NamedTuple):
   ring_arrived: Any    # barriers [stages]
 
 
-def ranged_scratch(static: BackwardStatic, *, resident_rows, streamed_rows):
+def ranged_scratch(static: BackwardStatic, *, resident_rows, streamed_rows,
+                   slopes=None):
   """The ranged kernels' scratch after the common list: plan rows (one per
-  warpgroup) and, with segment ids, `SegmentIds`' shared memory."""
+  warpgroup), with segment ids `SegmentIds`' shared memory, with ALiBi
+  each consumer's copy of `slopes` (`common.slope_rows`)."""
   consumers, stages = static.num_consumers, static.num_stages
   scratch = (plgpu.SMEM((consumers + 1, PLAN_WIDTH), jnp.int32),
              plgpu.Barrier(num_barriers=consumers + 1))   # plan_arrived
@@ -442,24 +456,45 @@ def ranged_scratch(static: BackwardStatic, *, resident_rows, streamed_rows):
                 plgpu.Barrier(num_barriers=consumers),
                 plgpu.SMEM((stages, streamed_rows), jnp.int32),
                 plgpu.Barrier(num_barriers=stages))
+  if static.alibi:
+    scratch += (plgpu.SMEM((consumers, *slopes.shape[1:]), jnp.float32),
+                plgpu.Barrier(num_barriers=consumers))    # slopes_arrived
   return scratch
 
 
-def ranged_refs(static: BackwardStatic, inputs, scratch, *, batch, tile,
-                own_is_query: bool):
-  """(`PlanRow`, `SegmentIds` or None) of a ranged kernel, or (None, None).
+def ranged_inputs(plan, segments, slopes) -> tuple:
+  """The ranged kernels' inputs after the common five: plan rows, the
+  segment ids (q, kv), the slope rows; those absent left out."""
+  return (plan, *(segments or ()), *(() if slopes is None else (slopes,)))
 
-  `inputs` are the kernel's inputs after the common five (plan, q ids,
-  kv ids), `scratch` its scratch after the common list.
+
+class RangedRefs(NamedTuple):
+  """A ranged kernel's refs beyond the common ones (None where absent)."""
+  plan: PlanRow | None = None
+  ids: SegmentIds | None = None
+  slopes: SlopeRows | None = None
+
+
+def ranged_refs(static: BackwardStatic, inputs, scratch, *, batch, tile,
+                own_is_query: bool) -> RangedRefs:
+  """`RangedRefs` of a ranged kernel (all None in a plain one).
+
+  `inputs` are the kernel's inputs after the common five
+  (`ranged_inputs`), `scratch` its scratch after the common list
+  (`ranged_scratch`).
   """
   if not static.ranged:
-    return None, None
+    return RangedRefs()
   plan = PlanRow(inputs[0].at[batch, tile], *scratch[:2])
-  if not static.segmented:
-    return plan, None
-  q_ids, kv_ids = inputs[1].at[batch], inputs[2].at[batch]
-  own, streamed = (q_ids, kv_ids) if own_is_query else (kv_ids, q_ids)
-  return plan, SegmentIds(own, streamed, *scratch[2:6])
+  ids = slopes = None
+  if static.segmented:
+    q_ids, kv_ids = inputs[1].at[batch], inputs[2].at[batch]
+    own, streamed = (q_ids, kv_ids) if own_is_query else (kv_ids, q_ids)
+    ids = SegmentIds(own, streamed, *scratch[2:6])
+  if static.alibi:
+    first = 2 + 4 * static.segmented
+    slopes = SlopeRows(inputs[-1].at[batch], *scratch[first:first + 2])
+  return RangedRefs(plan, ids, slopes)
 
 
 def ids_arrived(ids: SegmentIds | None):

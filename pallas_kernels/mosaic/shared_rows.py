@@ -147,7 +147,8 @@ def dkdv_consume_shared(c: int, k_smem, v_smem, q_ring, do_ring, stats_ring,
   column_stats = lambda stats, n: plgpu.layout_cast(
       stats[n, rows(c)], plgpu.Layout.WGMMA.reduce(0))
 
-  def step_body(i, grads, *, head_base, masked):
+  def step_body(i, grads, *, head_base, group_index, masked):
+    del group_index  # the plain form's: no score changes by head
     slot = slot_of(head_base + i)
     for barrier in arrived:
       plgpu.barrier_wait(barrier.at[slot])
