@@ -100,12 +100,22 @@ MASKED_CASES = {  # name: (q_len, kv_len, MaskSpec fields, operands)
                                         [1.0, 0.5, 0.25, 0.125]])),
     "alibi soft cap": (97, 300, dict(logits_soft_cap=20.0, has_alibi=True),
                        dict(alibi_slopes=[[0.5, 0.25, 0.125, 0.0625]] * 2)),
+    # Dropout's keep mask regenerated from its hash on every visited tile.
+    "dropout causal": (200, 333, dict(is_causal=True, dropout_rate=0.1),
+                       dict(dropout_seed=1234)),
+    "dropout alibi lengths": (256, 256, dict(has_kv_lengths=True,
+                                             has_alibi=True,
+                                             dropout_rate=0.25),
+                              dict(kv_lengths=[256, 100],
+                                   alibi_slopes=[[0.5, 0.25, 0.125,
+                                                  0.0625]] * 2,
+                                   dropout_seed=-7)),
 }
 
 
 def masked_operands(values: dict) -> Operands:
   """`Operands` of a MASKED_CASES entry: the ALiBi slopes float32, the
-  rest int32."""
+  rest int32 (the dropout seed a scalar)."""
   return Operands(**{k: jnp.asarray(v, jnp.float32 if k == "alibi_slopes"
                                     else jnp.int32)
                      for k, v in values.items()})

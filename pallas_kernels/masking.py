@@ -223,12 +223,39 @@ def dropout_keep(seed, batch, head, q_idx, kv_idx, rate: float):
 
   The same bits in the forward kernel, the backward kernels and the reference:
   no RNG state is carried. Keeps a weight with probability `1 - rate`.
+
+  Composed of the pieces below, which a kernel may evaluate apart (the
+  query's hash once per row, the key's once per column) and combine on a
+  tile: elementwise, so the bits are the same however they broadcast.
   """
-  u = lambda v: jnp.asarray(v).astype(jnp.uint32)
-  stream = _mix32(u(seed) ^ _mix32(u(batch) * jnp.uint32(0x9E3779B1)
-                                   + u(head)))
-  x = _mix32(u(q_idx) * jnp.uint32(0x27D4EB2F) ^ stream)
-  x = _mix32(x ^ u(kv_idx) * jnp.uint32(0x165667B1))
+  return dropout_keep_hashed(
+      dropout_query_hash(dropout_stream(seed, batch, head), q_idx),
+      dropout_key_hash(kv_idx), rate)
+
+
+def _u32(v):
+  return jnp.asarray(v).astype(jnp.uint32)
+
+
+def dropout_stream(seed, batch, head):
+  """uint32 hash of (seed, batch, head): one stream per attention matrix."""
+  return _mix32(_u32(seed) ^ _mix32(_u32(batch) * jnp.uint32(0x9E3779B1)
+                                    + _u32(head)))
+
+
+def dropout_query_hash(stream, q_idx):
+  """uint32 hash of a query row in its stream."""
+  return _mix32(_u32(q_idx) * jnp.uint32(0x27D4EB2F) ^ stream)
+
+
+def dropout_key_hash(kv_idx):
+  """uint32 hash of a key column (the same in every stream)."""
+  return _u32(kv_idx) * jnp.uint32(0x165667B1)
+
+
+def dropout_keep_hashed(query_hash, key_hash, rate: float):
+  """Whether the (query, key) weight is kept, from the two hashes."""
+  x = _mix32(query_hash ^ key_hash)
   # Compare the top 24 bits as int32: exact, and no unsigned compare needed.
   threshold = int(round(rate * (1 << 24)))
   return lax.shift_right_logical(x, jnp.uint32(8)).astype(jnp.int32) >= threshold

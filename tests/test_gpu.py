@@ -68,10 +68,12 @@ def test_implementation_none_uses_kernels_on_gpu():
     return jax.jit(lambda q, k, v: jax_flash.flash_attention(
         q, k, v, **kwargs)).lower(q, k, v).as_text()
 
-  # Tile-aligned, a ragged length and ALiBi (the masked Mosaic forward's,
-  # since MASKED_KERNEL_ENABLED): Mosaic on Hopper.
+  # Tile-aligned, a ragged length, ALiBi and dropout (the masked Mosaic
+  # forward's, since MASKED_KERNEL_ENABLED): Mosaic on Hopper.
   for text in (lowered(jnp.bfloat16, 512), lowered(jnp.bfloat16, 500),
-               lowered(jnp.bfloat16, 512, alibi_slopes=jnp.ones(4))):
+               lowered(jnp.bfloat16, 512, alibi_slopes=jnp.ones(4)),
+               lowered(jnp.bfloat16, 512, dropout_rate=0.1,
+                       dropout_rng=jax.random.key(0))):
     assert ("mosaic_flash_forward" in text) == on_hopper
     assert "flash_forward" in text
   # float32 and a score_fn: not Mosaic's; Triton takes them.

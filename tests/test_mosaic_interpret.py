@@ -6,8 +6,9 @@ and wgmma, so these tests run the real kernel bodies (warp specialisation,
 the K/V ring, online softmax, causal block skipping, the persistent walk;
 the backward's dQ and dK/dV kernels, and the fused one with its dQ writer's
 semaphores and reduce-adds; the masked forward's and backward's plan rows,
-masks and ragged tiles) at small shapes, against the reference with
-FlashAttention's tolerance rule. What it cannot see (wgmma pipelining,
+masks, ragged tiles, ALiBi and dropout) at small shapes, against the
+reference with FlashAttention's tolerance rule, and dropout's kept weights
+bit for bit against the Triton kernels'. What it cannot see (wgmma pipelining,
 shared-memory limits, registers, speed) stays with `-m gpu` on an H200.
 
 Kernels of more warpgroups than this process's CPU client can run
@@ -22,11 +23,13 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_flash import validation
+import jax_flash
+from jax_flash import masking, validation
 from jax_flash.reference import naive_attention
 from tests import mosaic_interpret
 from tests.attention_checks import (Case, assert_forward_within_rule,
@@ -167,6 +170,10 @@ MASKED_VARIANTS = {
     "alibi soft cap": (Case(1, 97, 170, 2, 1, 64),
                        dict(logits_soft_cap=5.0,
                             alibi_slopes=jnp.array([0.3, 0.05]))),
+    # The reference drops the same weights (`masking.dropout_keep`).
+    "dropout": (Case(2, 64, 100, 2, 1, 64),
+                dict(is_causal=True, q_offset=jnp.array([36, 0]),
+                     dropout_rate=0.3, dropout_rng=jax.random.key(3))),
 }
 
 
@@ -408,7 +415,8 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
   _backward_test(Case(1, 128, 128, 2, 1, head_dim), is_causal, options)
 
 
-@pytest.mark.parametrize("name", ["ragged causal", "lengths", "alibi"])
+@pytest.mark.parametrize("name", ["ragged causal", "lengths", "alibi",
+                                  "dropout"])
 def test_interpreted_mosaic_backward_masked_matches_reference(name,
                                                               monkeypatch):
   """`mosaic_backward_masked`'s dq, dk, dv (its plan rows, padded
@@ -436,3 +444,56 @@ def test_interpreted_mosaic_backward_masked_matches_reference(name,
                                scale=scale, spec=spec, **operands)
   for grad, ours in zip(("dq", "dk", "dv"), grads):
     assert_within_rule(grad, ours, exact[grad], lowp[grad])
+
+
+def test_interpreted_dropout_drops_the_triton_kernels_bits(monkeypatch):
+  """The masked Mosaic kernels drop exactly the weights the Triton kernels
+  drop (and `masking.dropout_keep` says), recovered bit for bit from their
+  results: with Q = 0 every kept weight is 1 / kv_len, and with V the
+  identity over the keys, O[i, j] is weight (i, j) times 1 / (1 - rate),
+  nonzero exactly where kept; with dO the identity over the queries, dV of
+  the dK/dV kernel (its Sᵀ tiles) is the transpose. Two heads (two
+  streams; the batch's part of the stream is checked against the
+  reference by the "dropout" variant), two 64-key tiles. Also: the LSE is
+  log(kv_len), dropout's excluded, as in the reference."""
+  from pallas_kernels.mosaic import backward
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
+  batch, q_len, kv_len, heads, dim, rate = 1, 64, 128, 2, 128, 0.3
+  q = jnp.zeros((batch, q_len, heads, dim), jnp.bfloat16)
+  k = jax.random.normal(jax.random.key(1), (batch, kv_len, heads, dim),
+                        jnp.bfloat16)
+  identity = lambda n: jnp.broadcast_to(
+      jnp.eye(n, dim, dtype=jnp.bfloat16)[None, :, None],
+      (batch, n, heads, dim))
+  variants = dict(dropout_rate=rate, dropout_rng=jax.random.key(42))
+  scale, spec, operands = _masked_call(q, k, identity(kv_len), variants)
+  out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k,
+                                  identity(kv_len), scale=scale, spec=spec,
+                                  block_kv=64, **operands)
+  triton_out = jax_flash.flash_attention(q, k, identity(kv_len),
+                                         implementation="triton",
+                                         interpret=True, **variants)
+  expected = np.asarray(masking.dropout_keep(
+      operands["dropout_seed"], np.arange(batch)[:, None, None, None],
+      np.arange(heads)[None, None, :, None],
+      np.arange(q_len)[None, :, None, None],
+      np.arange(kv_len)[None, None, None, :], rate))   # [b, q, h, kv]
+  np.testing.assert_array_equal(out[..., :kv_len] != 0, expected)
+  np.testing.assert_array_equal(np.asarray(triton_out, np.float32) != 0,
+                                expected)
+  kept_weight = np.float32(jnp.bfloat16(1 / (kv_len * (1 - rate))))
+  np.testing.assert_array_equal(out[..., :kv_len][expected], kept_weight)
+  np.testing.assert_allclose(lse, np.log(kv_len), rtol=1e-6)
+
+  d_out = identity(q_len)
+  args = (jnp.asarray(out, jnp.bfloat16), jnp.asarray(lse), d_out,
+          jnp.zeros_like(lse))
+  stats = backward.row_statistics(*args)
+  monkeypatch.setattr(backward, "row_statistics", lambda *given: stats)
+  _, _, dv = mosaic_interpret.run(mosaic_backward_masked, q, k,
+                                  identity(kv_len), *args, scale=scale,
+                                  spec=spec, **operands)
+  # dv [b, kv, h, i] = kept (i, kv) weight of head h.
+  np.testing.assert_array_equal(dv[..., :q_len] != 0,
+                                expected.transpose(0, 3, 2, 1))

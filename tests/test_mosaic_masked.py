@@ -1,7 +1,8 @@
 """The masked Mosaic forward (window, q_offset, lengths, segment ids, soft
-cap, ALiBi, any lengths): cross-lowered for CUDA on the CPU, checked against
-the reference on a GPU. `implementation=None` routes calls to it only once
-`MASKED_KERNEL_ENABLED` is set, after the GPU tests here have passed.
+cap, ALiBi, dropout, any lengths): cross-lowered for CUDA on the CPU,
+checked against the reference on a GPU. `implementation=None` routes calls
+to it only once `MASKED_KERNEL_ENABLED` is set, after the GPU tests here
+have passed.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,
 @pytest.mark.parametrize("fields, match", [
     (dict(has_dense_mask=True), "has_dense_mask"),
     (dict(has_bias=True), "has_bias"),
-    (dict(dropout_rate=0.1), "dropout_rate"),
+    (dict(score_fn=lambda s, b, h, q, k: s), "score_fn"),
 ])
 def test_masked_forward_refuses_other_features(fields, match):
   spec = masking.MaskSpec(q_len=128, kv_len=128, **fields)
@@ -157,6 +158,12 @@ _GPU_VARIANTS = {
                              dict(logits_soft_cap=20.0,
                                   alibi_slopes=2.0 ** -jnp.arange(
                                       1, 9, dtype=jnp.float32))),
+    # The reference drops the same weights (`masking.dropout_keep`).
+    "dropout, causal window": (Case(2, 1000, 1537, 8, 2, 128),
+                               dict(is_causal=True,
+                                    local_window_size=(500, 0),
+                                    dropout_rate=0.1,
+                                    dropout_rng=jax.random.key(5))),
 }
 
 

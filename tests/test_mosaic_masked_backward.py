@@ -1,5 +1,5 @@
 """The masked Mosaic backward (window, q_offset, lengths, segment ids, soft
-cap, ALiBi, any lengths).
+cap, ALiBi, dropout, any lengths).
 
 On the CPU: the plan rows are checked against a brute-force `masking.keep`
 per tile, the kernels' algorithm (plans, walks, padded statistics, step
@@ -20,7 +20,7 @@ import pytest
 
 from benchmarks import lower_mosaic
 import jax_flash
-from jax_flash import masking
+from jax_flash import masking, validation
 from jax_flash.reference import naive_attention
 from jax_flash.validation import Operands
 from pallas_kernels import compat as versions
@@ -77,6 +77,10 @@ VARIANTS = {
                                      logits_soft_cap=20.0),
                        dict(kv_lengths=[300, 150],
                             alibi_slopes=[[0.5, 0.25, 0.125, 0.0625]] * 2)),
+    # Dropout's mask regenerated in both kernels (dK/dV: per query head).
+    "dropout": (200, 333, dict(is_causal=True, has_q_offset=True,
+                               dropout_rate=0.1),
+                dict(q_offset=[133, 0], dropout_seed=1234)),
 }
 
 
@@ -87,10 +91,11 @@ def _spec_and_operands(name):
 
 
 def _operand_kwargs(operands: Operands) -> dict:
-  """The masks' operands, as `plan_rows` takes them."""
+  """The masks' operands and the dropout seed, as `plan_rows` takes them."""
   return dict(q_offset=operands.q_offset, q_lengths=operands.q_lengths,
               kv_lengths=operands.kv_lengths, q_segments=operands.q_segments,
-              kv_segments=operands.kv_segments)
+              kv_segments=operands.kv_segments,
+              dropout_seed=operands.dropout_seed)
 
 
 def _plans(spec, batch, operands: Operands, **tiles):
@@ -532,11 +537,13 @@ def test_masked_backward_lowers_other_calls(name, kwargs, cuda_lowering):
 @pytest.mark.parametrize("name, head_dim", [("combined", 64),
                                             ("soft cap", 128),
                                             ("segments", 256),
-                                            ("alibi soft cap", 64)])
+                                            ("alibi soft cap", 64),
+                                            ("dropout", 128)])
 def test_overlapped_masked_backward_lowers(name, head_dim,
                                            lowering_semantics):
-  """`overlap_softmax` in the ranged kernels: the soft cap's slope, ALiBi
-  and the masks enter the overlapped step as they do the plain one."""
+  """`overlap_softmax` in the ranged kernels: the soft cap's slope, ALiBi,
+  dropout and the masks enter the overlapped step as they do the plain
+  one."""
   text = _lower(name, head_dim, overlap_softmax=True)
   assert _kernels(text) == _expected_kernels(head_dim)
   assert text != _lower(name, head_dim)
@@ -603,7 +610,6 @@ def _lower_masked_gradients():
 @pytest.mark.parametrize("fields, match", [
     (dict(has_dense_mask=True), "has_dense_mask"),
     (dict(has_bias=True), "has_bias"),
-    (dict(dropout_rate=0.1), "dropout_rate"),
     (dict(score_fn=lambda s, b, h, q, k: s), "score_fn"),
     (dict(mask_fn=lambda b, h, q, k: q >= k), "mask_fn"),
 ])
@@ -681,6 +687,16 @@ _GPU_VARIANTS = {
                              dict(logits_soft_cap=20.0,
                                   alibi_slopes=2.0 ** -jnp.arange(
                                       1, 9, dtype=jnp.float32))),
+    # The reference drops the same weights (`masking.dropout_keep`).
+    "dropout": (Case(2, 1000, 1537, 8, 2, 128),
+                dict(is_causal=True, dropout_rate=0.1,
+                     dropout_rng=jax.random.key(5))),
+    "dropout, segments, d=256": (Case(2, 777, 1024, 4, 2, 256),
+                                 dict(segment_ids=(
+                                     _document_ids(2, 777, 300),
+                                     _document_ids(2, 1024, 400)),
+                                      dropout_rate=0.25,
+                                      dropout_rng=jax.random.key(6))),
     "combined": (Case(2, 1500, 1537, 4, 2, 128),
                  dict(is_causal=True, local_window_size=(512, 0),
                       q_offset=jnp.array([37, 0]),
@@ -758,3 +774,50 @@ def test_masked_backward_deterministic_and_empty_rows_on_gpu(monkeypatch):
   for _ in range(2):
     for a, b in zip(first, grads(q, k, v, d_out, d_lse)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.gpu
+def test_dropout_bits_match_triton_on_gpu(monkeypatch):
+  """The masked Mosaic kernels drop the weights the Triton kernels drop
+  (and `masking.dropout_keep` says), bit for bit, at GPU sizes: with Q = 0
+  every weight is 1 / kv_len and with V the identity over the keys O[i, j]
+  is nonzero exactly where weight (i, j) is kept; with dO the identity over
+  the queries, dV is its transpose (the dK/dV kernel's Sᵀ tiles)."""
+  _require_sm90()
+  monkeypatch.setattr(mosaic_attention_module, "MASKED_KERNEL_ENABLED", True)
+  monkeypatch.setattr(mosaic_attention_module, "MASKED_BACKWARD_ENABLED",
+                      True)
+  batch, length, heads, dim, rate = 2, 256, 4, 256, 0.2
+  q = jnp.zeros((batch, length, heads, dim), jnp.bfloat16)
+  k = jax.random.normal(jax.random.key(1), q.shape, jnp.bfloat16)
+  identity = jnp.broadcast_to(jnp.eye(length, dim, dtype=jnp.bfloat16)[
+      None, :, None], q.shape)
+  expected = np.asarray(masking.dropout_keep(
+      _dropout_seed(jax.random.key(9)), np.arange(batch)[:, None, None,
+                                                         None],
+      np.arange(heads)[None, None, :, None],
+      np.arange(length)[None, :, None, None],
+      np.arange(length)[None, None, None, :], rate))   # [b, q, h, kv]
+
+  def bits(implementation):
+    def attention(q, k, v):
+      return jax_flash.flash_attention(
+          q, k, v, dropout_rate=rate, dropout_rng=jax.random.key(9),
+          implementation=implementation)
+    out, pullback = jax.jit(lambda q, k, v: jax.vjp(attention, q, k, v))(
+        q, k, identity)
+    _, _, dv = jax.jit(pullback)(identity)
+    return (np.asarray(out, np.float32) != 0,
+            np.asarray(dv, np.float32).transpose(0, 3, 2, 1) != 0)
+
+  for implementation in ("mosaic", "triton"):
+    out_bits, dv_bits = bits(implementation)
+    np.testing.assert_array_equal(out_bits, expected, err_msg=implementation)
+    np.testing.assert_array_equal(dv_bits, expected, err_msg=implementation)
+
+
+def _dropout_seed(rng):
+  """The int32 dropout seed `flash_attention` derives from `rng`."""
+  return validation.normalise_call(
+      *(jnp.zeros((1, 1, 1, 16)),) * 3, dropout_rate=0.5,
+      dropout_rng=rng).operands.dropout_seed

@@ -9,11 +9,11 @@ at seq 16k runs 1.07-1.26x faster than with the Triton one
 no longer an option here.
 
 `flash_attention_mosaic_masked`: the masked forward (`mosaic_forward_masked`:
-window, q_offset, lengths, segment ids, soft cap, ALiBi, any lengths) with the
-masked Mosaic backward (`mosaic_backward_masked`, falling back to Triton's
-for calls it does not cover): at seq 16k, d=128, fwd+bwd of a causal 1k
-window 1.85 ms against 2.04 ms with the Triton backward, soft cap 19.6 ms
-against 28.8 ms (`benchmarks/results/h200_masks_mosaic.md`).
+window, q_offset, lengths, segment ids, soft cap, ALiBi, dropout, any
+lengths) with the masked Mosaic backward (`mosaic_backward_masked`, falling
+back to Triton's for calls it does not cover): at seq 16k, d=128, fwd+bwd
+of a causal 1k window 1.85 ms against 2.04 ms with the Triton backward,
+soft cap 19.6 ms against 28.8 ms (`benchmarks/results/h200_masks_mosaic.md`).
 `MASKED_KERNEL_ENABLED` and `MASKED_BACKWARD_ENABLED` route masks back to
 the Triton kernels if either ever regresses.
 
@@ -192,12 +192,14 @@ flash_attention_mosaic.defvjp(_fwd, _bwd)
 def masked_operand_kwargs(operands: Operands) -> dict:
   """The masked Mosaic kernels' keyword operands (q_offset, q_lengths,
   kv_lengths: int32 [batch] or None; the segment ids; the ALiBi slopes,
-  float32 [batch, num_heads]) from `operands`."""
+  float32 [batch, num_heads]; the dropout seed, int32 []) from
+  `operands`."""
   return dict(q_offset=operands.q_offset, q_lengths=operands.q_lengths,
               kv_lengths=operands.kv_lengths,
               q_segments=operands.q_segments,
               kv_segments=operands.kv_segments,
-              alibi_slopes=operands.alibi_slopes)
+              alibi_slopes=operands.alibi_slopes,
+              dropout_seed=operands.dropout_seed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -209,7 +211,8 @@ def flash_attention_mosaic_masked(query, key, value, operands: Operands,
   by the Triton backward for the same `spec`.
 
   `operands` carries q_offset, q_lengths, kv_lengths (int32 [batch]), the
-  segment ids and the ALiBi slopes (float32 [batch, num_heads]);
+  segment ids, the ALiBi slopes (float32 [batch, num_heads]) and the
+  dropout seed (int32 []);
   returns (out [B, Tq, N, D], lse float32 [B, N, Tq]).
   """
   return mosaic_forward_masked(query, key, value, scale=scale, spec=spec,

@@ -35,12 +35,13 @@ attends keys j <= i. Tiles wholly above the diagonal are left out of the
 loop bounds; only tiles that straddle it are masked.
 
 Ranged form (`masked_backward.mosaic_backward_masked`: window, q_offset,
-lengths, segment ids, soft cap, ALiBi, any lengths), chosen by
+lengths, segment ids, soft cap, ALiBi, dropout, any lengths), chosen by
 `BackwardStatic.spec` at trace time (the plain form's code is untouched by
 it). Each CTA reads a plan row of loop ranges built in XLA from
 `masking.classify_blocks` (see `masked.tile_plans`); masked steps apply
 `masking.keep`, score changes (the soft cap, ALiBi: every visited step)
-enter through `masking.modify_scores` and its derivative.
+enter through `masking.modify_scores` and its derivative, and dropout's
+kept weights are regenerated from `masking.dropout_keep`'s hash.
 
 Which kernels and schedule a call runs is `plan.backward_config`'s choice;
 this module turns it into the kernels' statics (`statics`) and runs them

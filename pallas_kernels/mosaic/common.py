@@ -6,8 +6,9 @@ and producer warpgroups (`register_split`), launch grids (`launch_grid`,
 `tile_index`), persistent grids (`persistent_schedule`,
 `persistent_num_ctas`), the masked kernels' plan rows of loop ranges
 (`PlanRow`, `read_plan`) and ALiBi slopes (`SlopeRows`, `slope_reader`),
-and the per-tile helpers of both directions' softmax (`per_row`,
-`per_column`, `tile_indices`, `causal_mask`, `variant_mask`).
+the per-tile helpers of both directions' softmax (`per_row`,
+`per_column`, `tile_indices`, `causal_mask`, `variant_mask`) and dropout's
+keep mask from row and column hashes (`dropout_kept`).
 """
 from __future__ import annotations
 
@@ -61,9 +62,11 @@ _LEAN_REGISTERS = (240, 24)
 # The masked kernels' int32 plan row per (batch, tile), built by
 # `masked.tile_plans`: [lo, unmasked_lo, unmasked_hi, hi] of consumer 0 and
 # of consumer 1, the union [first, total) the producer streams, then
-# q_offset, q_length, kv_length; padded to 32 (128 bytes, one copy).
+# q_offset, q_length, kv_length and, with dropout, its seed; padded to 32
+# (128 bytes, one copy).
 PLAN_WIDTH = 32
 PLAN_UNION, PLAN_SCALARS = 8, 10
+PLAN_DROPOUT_SEED = PLAN_SCALARS + 3
 # ALiBi slopes travel as rows of 32 floats (`slope_rows`).
 SLOPE_ROW_WIDTH = 32
 
@@ -269,6 +272,34 @@ def variant_mask(q_start, step, static, values):
   """`masking.keep` on the [block_q, block_kv] tile of `tile_indices`."""
   return masking.keep(static.spec, *tile_indices(q_start, step, static),
                       values)
+
+
+def dropout_query_hashes(seed, batch, head, q_start, rows: int, layout):
+  """uint32 [rows] in `layout`: `masking.dropout_query_hash` of queries
+  q_start + i in the stream of (seed, batch, head)."""
+  q_idx = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=layout)
+  return masking.dropout_query_hash(
+      masking.dropout_stream(seed, batch, head), q_idx + q_start)
+
+
+def dropout_key_hashes(kv_start, cols: int, layout):
+  """uint32 [cols] in `layout`: `masking.dropout_key_hash` of keys
+  kv_start + j."""
+  kv_idx = plgpu.broadcasted_iota(jnp.int32, (cols,), 0, layout=layout)
+  return masking.dropout_key_hash(kv_idx + kv_start)
+
+
+def dropout_kept(query_hashes, key_hashes, shape, rate: float, *,
+                 transposed: bool = False):
+  """bool `shape`: `masking.dropout_keep_hashed` of every pair, queries
+  down the rows and keys across the columns (transposed: the other way,
+  an Sᵀ tile). The bits of `masking.dropout_keep`, which the Triton
+  kernels and the reference use."""
+  if transposed:
+    queries, keys = per_column(query_hashes, shape), per_row(key_hashes, shape)
+  else:
+    queries, keys = per_row(query_hashes, shape), per_column(key_hashes, shape)
+  return masking.dropout_keep_hashed(queries, keys, rate)
 
 
 class SlopeRows(NamedTuple):

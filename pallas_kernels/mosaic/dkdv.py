@@ -32,14 +32,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    THREADS_PER_WARPGROUP, copy_slopes, per_column, slope_reader, swizzled)
+    THREADS_PER_WARPGROUP, copy_slopes, dropout_key_hashes, dropout_kept,
+    dropout_query_hashes, per_column, slope_reader, swizzled)
 from pallas_kernels.mosaic.fused_dq import (
     DQ_PIECE, PIECES_DONE_BARRIER, FusedDq, issue_dq_piece,
     num_dq_pieces, stage_dq_piece, stage_dq_pieces, write_dq)
 from pallas_kernels.mosaic.pipeline import (
     MASKED, UNMASKED, BackwardStatic, Walk, causal_mask_t, column_statistic,
     dkdv_causal_runs, each_tile, first_q_block, first_unmasked_q_block,
-    grid_args, ids_arrived, kernel_name, load_own_ids, produce,
+    grid_args, ids_arrived, keep_scale, kernel_name, load_own_ids, produce,
     ranged_inputs, ranged_refs, ranged_scratch, ranged_walk, ring_slot,
     score_gradient, tile_indices_t, tile_probabilities, tile_values,
     variant_mask_t, walk_group, wgmma_accumulate, wgmma_fresh, wgmma_then)
@@ -196,7 +197,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                               v_arrived.at[wg])
       plgpu.barrier_wait(v_arrived.at[wg])
     plgpu.barrier_wait(k_arrived.at[wg])
-    q_of = head_values = positions = None
+    q_of = head_values = positions = kept_of = None
     if plan is None:
       if fused is None:
         walk = Walk(first, per_head,
@@ -208,7 +209,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
     else:
       if slopes is not None:  # in flight while the plan row loads
         copy_slopes(slopes, wg)
-      walk = ranged_walk(plan, wg)
+      walk = ranged_walk(plan, wg, dropout=static.dropout)
       own_ids = load_own_ids(ids, kv_rows, wg)
       shape = (static.block_kv, static.block_q)
       tile_mask = lambda i, slot: variant_mask_t(
@@ -219,6 +220,12 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
         slope_of = slope_reader(slopes, wg)
         head_values = lambda g: walk.values._replace(
             alibi_slope=slope_of(kv_head * static.group + g))
+      if static.dropout:  # the keys' half of the hash, once
+        kept_of = functools.partial(
+            _dropout_kept_t, seed=walk.dropout_seed, batch=batch,
+            kv_head=kv_head, key_hashes=dropout_key_hashes(
+                kv_start, static.block_kv, plgpu.Layout.WGMMA.reduce(1)),
+            static=static)
     resident = None
     if static.opaque_resident:  # see `BackwardStatic.opaque_resident`
       zero_smem = scratch[-1]
@@ -238,7 +245,8 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                             arrived, consumed, walk=walk,
                             tile_mask=tile_mask, static=static, base=base,
                             fused=fused, wg=wg, q_of=q_of, resident=resident,
-                            head_values=head_values, positions=positions)
+                            head_values=head_values, positions=positions,
+                            kept_of=kept_of)
     if fused is not None:
       # The other consumers' last dQ pieces read this one's K rows: every
       # consumer is past them before any overwrites its K with dK (a race
@@ -342,6 +350,18 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   return num_steps
 
 
+def _dropout_kept_t(q_block, g, *, seed, batch, kv_head, key_hashes,
+                    static: BackwardStatic):
+  """Dropout's kept weights of the Sᵀ tile of Q tile `q_block` of query
+  head g of the group (keys down the rows, their hashes given)."""
+  query_hashes = dropout_query_hashes(
+      seed, batch, kv_head * static.group + g, q_block * static.block_q,
+      static.block_q, plgpu.Layout.WGMMA.reduce(0))
+  return dropout_kept(query_hashes, key_hashes,
+                      (static.block_kv, static.block_q),
+                      static.spec.dropout_rate, transposed=True)
+
+
 def _fused_q_block(i, *, first, static: BackwardStatic):
   """The Q tile of position i of a fused dK/dV tile's walk over Q tiles
   [first, num_q_blocks): in order, or under causal masking from the last
@@ -373,7 +393,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
                   consumed, *, walk: Walk, tile_mask, static: BackwardStatic,
                   base=None, fused: FusedDq | None = None, wg=None,
                   q_of=None, resident=None, head_values=None,
-                  positions=None):
+                  positions=None, kept_of=None):
   """Consumer: dK, dV (f32, unscaled dK) of its `block_kv` K/V rows.
 
   Walks the producer's steps: for each query head of the group, Q tiles
@@ -386,7 +406,8 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
   step, returns that step's views of the K and V rows and the zero that
   offsets them. Ranged: `head_values(g)` (ALiBi) the score changes'
   `masking.MaskValues` of query head g of the group (else `walk.values`),
-  `positions(q_block)` the Sᵀ tile's (q_idx, kv_idx).
+  `positions(q_block)` the Sᵀ tile's (q_idx, kv_idx), `kept_of(q_block, g)`
+  dropout's kept weights of the Sᵀ tile of query head g, or None.
   """
   slot_of = ring_slot(static, base)
   zeros = plgpu.layout_cast(
@@ -412,14 +433,15 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     lse_log2 = column_stat(0) if static.prefetch_lse else None
 
     def probabilities(s_t):
-      """(Pᵀ, its slope)."""
+      """(Pᵀ, its slope, dropout's kept weights or None)."""
       p_t, slope = tile_probabilities(
           s_t, column_stat(0) if lse_log2 is None else lse_log2, per_column,
           walk.values if head_values is None else head_values(group_index),
           static, positions=lambda: positions(q_block))
       if masked:
         p_t = jnp.where(tile_mask(q_block, slot), p_t, 0.0)
-      return p_t, slope
+      return p_t, slope, (None if kept_of is None
+                          else kept_of(q_block, group_index))
 
     store_ds = None
     if fused is not None:  # this step's dSᵀ, for every consumer to read
@@ -432,28 +454,30 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         ds_smem[...] = ds_t
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
-      (p_t, slope), *dp_t = wgmma_then(shape, products, probabilities)
+      (p_t, slope, kept), *dp_t = wgmma_then(shape, products, probabilities)
       piece = None
       if fused is not None:
         piece = functools.partial(issue_dq_piece, fused, wg, step=step,
                                   static=static, offset=offset)
       grads = _dkdv_accumulate_overlapped(
           grads, p_t, dp_t, slope, q_tile, do_tile, stats_ring.at[slot],
-          static, store_ds=store_ds, piece=piece)
+          static, store_ds=store_ds, piece=piece, kept=kept)
       plgpu.barrier_arrive(consumed.at[slot])
       if piece is not None:
         *grads, piece_value = grads
         stage_dq_piece(fused, wg, piece_value, step=step)
       return tuple(grads)
     s_t, *dp_t = wgmma_fresh(shape, products)
-    p_t, slope = probabilities(s_t)
+    p_t, slope, kept = probabilities(s_t)
     updates = []
     for name in static.outputs:
       if name == "dv":
-        updates.append((p_t.astype(static.dtype), do_tile))  # dV += Pᵀ dO
+        updates.append((_weights(p_t, kept).astype(static.dtype),
+                        do_tile))  # dV += Pᵀ dO
       else:
         ds_t = score_gradient(p_t, dp_t[0],
-                              per_column(column_stat(1), s_t.shape), slope)
+                              per_column(column_stat(1), s_t.shape), slope,
+                              kept, keep_scale(static))
         updates.append((ds_t.astype(static.dtype), q_tile))  # dK += dSᵀ Q
     grads = wgmma_accumulate(grads, updates)
     plgpu.barrier_arrive(consumed.at[slot])
@@ -466,13 +490,22 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     offset = 0 if resident is None else resident()[2]
     pl.when(last >= 0)(functools.partial(
         stage_dq_pieces, fused, wg, step=last, static=static, offset=offset))
-  return tuple(grad * static.scale if name == "dk" else grad
+  factors = {"dk": static.scale}
+  if static.dropout:  # the kept weights' 1 / (1 - rate), once
+    factors["dv"] = keep_scale(static)
+  return tuple(grad * factors[name] if name in factors else grad
                for name, grad in zip(static.outputs, grads))
+
+
+def _weights(p_t, kept):
+  """Pᵀ as it multiplied V in the forward: dropped where `kept` says (its
+  factor comes at the end)."""
+  return p_t if kept is None else jnp.where(kept, p_t, 0.0)
 
 
 def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
                                 stats, static: BackwardStatic, store_ds=None,
-                                piece=None):
+                                piece=None, kept=None):
   """`grads` (in `static.outputs` order) plus this step's dV += Pᵀ dO and
   dK += dSᵀ Q, with dV's wgmma issued first, so that dS is computed while
   it runs. `dp_t` is [dPᵀ] when dK is an output, else []; `stats` is the
@@ -480,7 +513,7 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
   `store_ds` (fused dQ) takes dSᵀ while dK's wgmma runs. `piece(acc_ref)`
   (fused dQ) issues a [DQ_PIECE, DQ_PIECE] product after them, into a
   fresh accumulator returned after the gradients, all waited for at
-  once."""
+  once. `kept`: dropout's kept weights, or None."""
   accs = [plgpu.ACC.init(grad) for grad in grads]
   if piece is not None:
     accs.append(plgpu.ACC.init(plgpu.layout_cast(
@@ -490,11 +523,12 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
     grad_refs = acc_refs[:len(grads)]
     named = dict(zip(static.outputs, grad_refs))
     if "dv" in named:
-      plgpu.wgmma(named["dv"], p_t.astype(static.dtype), do_tile)
+      plgpu.wgmma(named["dv"], _weights(p_t, kept).astype(static.dtype),
+                  do_tile)
     if "dk" in named:
       delta = plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0))
       ds_t = score_gradient(p_t, dp_t[0], per_column(delta, p_t.shape),
-                            slope)
+                            slope, kept, keep_scale(static))
       ds_t = ds_t.astype(static.dtype)
       plgpu.wgmma(named["dk"], ds_t, q_tile)
       if store_ds is not None:

@@ -26,13 +26,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    causal_mask, copy_slopes, per_row, slope_reader, swizzled, tile_index,
+    causal_mask, copy_slopes, dropout_key_hashes, dropout_kept,
+    dropout_query_hashes, per_row, slope_reader, swizzled, tile_index,
     tile_indices, variant_mask)
 from pallas_kernels.mosaic.pipeline import (
     MASKED, SKIP, UNMASKED, BackwardStatic, Walk, each_tile, grid_args,
-    ids_arrived, kernel_name, load_own_ids, produce, ranged_inputs,
-    ranged_refs, ranged_scratch, ranged_walk, score_gradient, skip_step,
-    tile_probabilities, tile_values, walk_runs,
+    ids_arrived, keep_scale, kernel_name, load_own_ids, produce,
+    ranged_inputs, ranged_refs, ranged_scratch, ranged_walk, score_gradient,
+    skip_step, tile_probabilities, tile_values, walk_runs,
     wgmma_accumulate, wgmma_fresh, wgmma_then)
 
 
@@ -138,6 +139,7 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     lse_log2 = plgpu.layout_cast(own_stats[0], row_layout)
     delta = plgpu.layout_cast(own_stats[1], row_layout)
+    kept_of = None
     if plan is None:
       walk = Walk(0, num_steps, _dq_causal_runs(q_start, num_steps, static),
                   None)
@@ -145,10 +147,19 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
     else:
       if slopes is not None:  # in flight while the plan row loads
         copy_slopes(slopes, wg)
-      walk = ranged_walk(plan, wg)
+      walk = ranged_walk(plan, wg, dropout=static.dropout)
       if slopes is not None:  # this head's, for every tile it visits
         walk = walk._replace(values=walk.values._replace(
             alibi_slope=slope_reader(slopes, wg)(head)))
+      if static.dropout:  # the rows' half of the hash, once
+        query_hashes = dropout_query_hashes(
+            walk.dropout_seed, batch, head, q_start, static.block_q,
+            plgpu.Layout.WGMMA.reduce(1))
+        kept_of = lambda step: dropout_kept(
+            query_hashes, dropout_key_hashes(
+                step * static.block_kv, static.block_kv,
+                plgpu.Layout.WGMMA.reduce(0)),
+            (static.block_q, static.block_kv), static.spec.dropout_rate)
       own_ids = load_own_ids(ids, q_rows, wg)
       shape = (static.block_q, static.block_kv)
       tile_mask = lambda step, slot: variant_mask(
@@ -157,7 +168,8 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
     dq = _dq_consume(own_q, own_do, lse_log2, delta, k_ring, v_ring, arrived,
                      consumed, walk=walk, tile_mask=tile_mask, static=static,
                      base=base, positions=functools.partial(
-                         tile_indices, q_start, static=static))
+                         tile_indices, q_start, static=static),
+                     kept_of=kept_of)
     own_q[...] = dq.astype(static.dtype)  # Q is dead: dQ goes out through it
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(own_q, dq_ref.at[batch, q_rows, head])
@@ -194,13 +206,14 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
 
 def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
                 consumed, *, walk: Walk, tile_mask, static: BackwardStatic,
-                base=None, positions=None):
+                base=None, positions=None, kept_of=None):
   """Consumer: dQ (f32, scaled) of its `block_q` rows.
 
   `lse_log2` and `delta` are the rows' statistics. Walks the producer's
   steps, K/V tiles [walk.first, walk.first + walk.num_blocks), treated as
   `walk.runs` say (skipped, masked by `tile_mask(kv_block, slot)`, or
-  unmasked); `positions(kv_block)`: the S tile's (q_idx, kv_idx).
+  unmasked); `positions(kv_block)`: the S tile's (q_idx, kv_idx);
+  `kept_of(kv_block)`: dropout's kept weights of the S tile, or None.
   """
   dq = plgpu.layout_cast(
       jnp.zeros((static.block_q, static.head_dim), jnp.float32),
@@ -222,19 +235,21 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
                 (do_smem, v_tile.transpose((1, 0)))]    # dP = dO Vᵀ
 
     def probabilities(s):
+      """(P, its slope, dropout's kept weights or None)."""
       p, slope = tile_probabilities(s, lse_log2, per_row, walk.values, static,
                                     positions=lambda: positions(step))
       if masked:
         p = jnp.where(tile_mask(step, slot), p, 0.0)
-      return p, slope
+      return p, slope, None if kept_of is None else kept_of(step)
 
     shape = (static.block_q, static.block_kv)
     if static.overlap_softmax:
-      (p, slope), dp = wgmma_then(shape, products, probabilities)
+      (p, slope, kept), dp = wgmma_then(shape, products, probabilities)
     else:
       s, dp = wgmma_fresh(shape, products)
-      p, slope = probabilities(s)
-    ds = score_gradient(p, dp, per_row(delta, p.shape), slope)
+      p, slope, kept = probabilities(s)
+    ds = score_gradient(p, dp, per_row(delta, p.shape), slope, kept,
+                        keep_scale(static))
     (dq,) = wgmma_accumulate((dq,), [(ds.astype(static.dtype), k_tile)])
     plgpu.barrier_arrive(consumed.at[slot])
     return dq

@@ -34,7 +34,11 @@ Two more forms of the same kernel, chosen by `KernelStatic` at trace time
           a plan row; both consumers walk the union of their ranges (a block
           outside one's own range is a skip: barriers, no math), so every
           barrier phase advances alike in every thread; masks by
-          `pallas_kernels.masking.keep`, segment ids streamed with K.
+          `pallas_kernels.masking.keep`, segment ids streamed with K; score
+          changes (soft cap, ALiBi: a slope per head, from shared memory)
+          by `masking.modify_scores` on every visited tile; dropout by
+          `masking.dropout_keep`'s hash (the seed in the plan row) on P
+          after the row sum.
   fp8     (`fp8.mosaic_forward_fp8`) e4m3 operands, V transposed, P through
           shared memory, per-block descale factors.
 

@@ -45,8 +45,9 @@ import jax.numpy as jnp
 from pallas_kernels import masking
 from pallas_kernels.mosaic import turns
 from pallas_kernels.mosaic.common import (
-    LOG2E, PLAN_SCALARS, PLAN_UNION, PlanRow, SlopeRows, causal_mask,
-    copy_slopes, per_column, per_row, persistent_schedule, read_plan,
+    LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_UNION, PlanRow, SlopeRows,
+    causal_mask, copy_slopes, dropout_key_hashes, dropout_kept,
+    dropout_query_hashes, per_column, per_row, persistent_schedule, read_plan,
     register_split, slope_reader, tile_index, tile_indices, variant_mask)
 from pallas_kernels.mosaic.softmax import add_unfused, exponentiate, rescale
 
@@ -506,6 +507,10 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                                 kv_lengths=read(PLAN_SCALARS + 2))
     if slopes is not None:  # this head's, for every tile it visits
       values = values._replace(alibi_slope=slope_reader(slopes, wg)(head))
+    if static.spec.dropout_rate:  # the rows' half of the hash, once
+      query_hashes = dropout_query_hashes(
+          read(PLAN_DROPOUT_SEED), batch, head, q_start, block_q,
+          plgpu.Layout.WGMMA.reduce(1))
     slot_of = lambda step: lax.rem(step - first, static.num_stages)
     if segments is not None:
       q_ids_smem = segments.q_smem.at[wg]
@@ -610,6 +615,13 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     p_f32 = p
     if not static.sum_after_pv:
       l = l * alpha + p.sum(axis=1)
+    if plan is not None and static.spec.dropout_rate:
+      # The row sum (so the LSE) takes every weight; only P V sees dropout,
+      # its 1 / (1 - rate) applied to O at the end.
+      p = jnp.where(dropout_kept(
+          query_hashes, dropout_key_hashes(step * block_kv, block_kv,
+                                           plgpu.Layout.WGMMA.reduce(0)),
+          p.shape, static.spec.dropout_rate), p, 0.0)
     p = p.astype(static.dtype)
     if fp8 is not None:
       # An 8-bit wgmma LHS in registers needs a layout that this JAX cannot
@@ -678,7 +690,10 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
         # the LSE wait only for the previous tile's stores to leave them.
         tile.load_next_q()
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if fp8 is None:
+    if fp8 is None and plan is not None and static.spec.dropout_rate:
+      acc = acc * per_row((1.0 / (1.0 - static.spec.dropout_rate)) / l_safe,
+                          acc.shape)
+    elif fp8 is None:
       acc = acc * per_row(1.0 / l_safe, acc.shape)
     else:
       acc = acc * per_row(v_factor / l_safe, acc.shape)

@@ -3,7 +3,8 @@
 The kernel is the forward's in its "ranged" form: each 64-row query block
 reads its K/V loop ranges from a plan row built here, in XLA, by
 `pallas_kernels.masking` (the one definition of the masks), and applies
-`masking.keep` / `masking.modify_scores` on the tiles that need them.
+`masking.keep` / `masking.modify_scores` on the tiles that need them, and
+`masking.dropout_keep`'s hash with dropout.
 """
 from __future__ import annotations
 
@@ -19,22 +20,24 @@ from pallas_kernels.mosaic.common import PLAN_WIDTH, slope_rows
 # What the masked kernel covers; the rest stays with the Triton kernels.
 _RANGED_FEATURES = ("is_causal", "window", "has_q_offset", "has_q_lengths",
                     "has_kv_lengths", "has_segments", "logits_soft_cap",
-                    "has_alibi")
+                    "has_alibi", "dropout_rate")
 
 
 def mosaic_forward_masked(query, key, value, *, scale: float,
                           spec: masking.MaskSpec, q_offset=None,
                           q_lengths=None, kv_lengths=None, q_segments=None,
                           kv_segments=None, alibi_slopes=None,
-                          block_q: int = 64,
+                          dropout_seed=None, block_q: int = 64,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2,
                           lazy_rescale: bool | None = None):
-  """`forward.mosaic_forward` with masks, score changes and any lengths.
+  """`forward.mosaic_forward` with masks, score changes, dropout and any
+  lengths.
 
-  The masks and score changes are `pallas_kernels.masking`'s (the one
-  definition): `spec` may use is_causal, window, q_offset, q/kv lengths,
-  segment ids, logits_soft_cap and ALiBi. The K/V tiles each 64-row query
+  The masks, score changes and dropout are `pallas_kernels.masking`'s (the
+  one definition): `spec` may use is_causal, window, q_offset, q/kv
+  lengths, segment ids, logits_soft_cap, ALiBi and dropout_rate. The K/V
+  tiles each 64-row query
   block visits, and which of them need the mask, come from
   `masking.classify_blocks` (tiles that the masks empty are skipped, the
   unmasked run pays nothing for the mask; the score changes, which empty
@@ -50,6 +53,10 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
     alibi_slopes: float32 [batch, num_heads] (`spec.has_alibi`) or None;
       each (batch, head)'s is one scalar of its CTAs.
+    dropout_seed: int32 [] (`spec.dropout_rate` > 0) or None. P's weights
+      are dropped by `masking.dropout_keep` (the Triton kernels' and the
+      reference's bits) after the row sum, so that the LSE is dropout's
+      (every weight counts in it), and O is scaled by 1 / (1 - rate).
     lazy_rescale: O rescaled only where a row's max moved by more than 8
       (log2 units, see `forward.KernelStatic`); the results change by
       rounding only. None: at `plan.MASKED_LAZY_RESCALE_HEAD_DIMS` (by
@@ -67,6 +74,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   if spec.logits_soft_cap is not None and not scale > 0:
     raise NotImplementedError("scale must be positive")
   check_slopes(spec, alibi_slopes, query.shape)
+  check_dropout_seed(spec, dropout_seed)
   if block_kv is None:
     block_kv = plan.default_block_kv(query.shape[-1])
   static = forward.check_supported(query, key, value, scale=scale,
@@ -81,7 +89,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                                **forward.rescale_fields(lazy_rescale))
   rows = plan_rows(static, query.shape[0], q_offset=q_offset,
                    q_lengths=q_lengths, kv_lengths=kv_lengths,
-                   q_segments=q_segments, kv_segments=kv_segments)
+                   q_segments=q_segments, kv_segments=kv_segments,
+                   dropout_seed=dropout_seed)
   q_len = query.shape[1]
   query, key, value = (pad_rows(x) for x in (query, key, value))
   segments = None
@@ -107,6 +116,18 @@ def check_slopes(spec: masking.MaskSpec, alibi_slopes, q_shape):
         f"alibi_slopes must be [batch, num_heads] = ({batch}, {num_heads}) "
         f"for query {q_shape}; got "
         f"{None if alibi_slopes is None else alibi_slopes.shape}")
+
+
+def check_dropout_seed(spec: masking.MaskSpec, dropout_seed):
+  """ValueError unless an int32 [] `dropout_seed` is given exactly when
+  `spec.dropout_rate` is not 0."""
+  if not spec.dropout_rate:
+    if dropout_seed is not None:
+      raise ValueError("dropout_seed given but spec.dropout_rate is 0")
+    return
+  if dropout_seed is None or jnp.shape(dropout_seed) != ():
+    raise ValueError(f"dropout_rate {spec.dropout_rate} needs an int32 [] "
+                     f"dropout_seed; got {dropout_seed!r}")
 
 
 # TMA reads a [rows, head_dim] tile through 8-row tiling, which this JAX
@@ -138,7 +159,8 @@ def check_ranged_features(spec: masking.MaskSpec, kernel: str):
 
 
 def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset,
-              q_lengths, kv_lengths, q_segments, kv_segments):
+              q_lengths, kv_lengths, q_segments, kv_segments,
+              dropout_seed=None):
   """int32 [batch, num_q_tiles, PLAN_WIDTH]: each tile's loop ranges
   over K/V blocks (`tile_plans`)."""
   spec = static.spec
@@ -151,19 +173,21 @@ def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset,
   return tile_plans(ranges, spec=spec, batch=batch,
                     num_consumers=forward.NUM_CONSUMERS,
                     num_cols=static.num_kv_blocks, q_offset=q_offset,
-                    q_lengths=q_lengths, kv_lengths=kv_lengths)
+                    q_lengths=q_lengths, kv_lengths=kv_lengths,
+                    dropout_seed=dropout_seed)
 
 
 def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,
                num_consumers: int, num_cols: int, q_offset, q_lengths,
-               kv_lengths):
+               kv_lengths, dropout_seed=None):
   """int32 [batch, num_tiles, PLAN_WIDTH]: the plan row of each CTA.
 
   A CTA tile is `num_consumers` (1 or 2) consecutive blocks of the grid's
   axis, one per consumer warpgroup. Its row (the layout `forward` reads):
   [lo, unmasked_lo, unmasked_hi, hi] of each consumer (zeros for a missing
   second one), the union [first, total) that the producer streams, then
-  q_offset, q_length and kv_length; zero-padded to PLAN_WIDTH.
+  q_offset, q_length, kv_length and, with dropout, its seed
+  (`common.PLAN_DROPOUT_SEED`); zero-padded to PLAN_WIDTH.
 
   A consumer whose rows attend to nothing (or a block past the end) gets
   the empty range at the union's start, so that it walks the union's steps
@@ -174,6 +198,7 @@ def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,
       block's row of the classification, over `num_cols` blocks.
     q_offset, q_lengths, kv_lengths: int32 [batch] or None (the defaults:
       0, spec.q_len, spec.kv_len).
+    dropout_seed: int32 [] where `spec.dropout_rate`, else None.
   """
   num_blocks = ranges.shape[1]
   num_tiles = -(-num_blocks // num_consumers)
@@ -189,9 +214,11 @@ def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,
   ranges = jnp.where(nonempty[..., None], ranges, union_lo[..., None, None])
   per_batch = lambda x, default: jnp.broadcast_to(
       jnp.asarray(default if x is None else x, jnp.int32), (batch,))
-  scalars = jnp.stack([per_batch(q_offset, 0),
-                       per_batch(q_lengths, spec.q_len),
-                       per_batch(kv_lengths, spec.kv_len)], -1)
+  scalars = [per_batch(q_offset, 0), per_batch(q_lengths, spec.q_len),
+             per_batch(kv_lengths, spec.kv_len)]
+  if spec.dropout_rate:
+    scalars.append(per_batch(dropout_seed, 0))
+  scalars = jnp.stack(scalars, -1)
   # A missing second consumer's range is zeros: the union stays at
   # `common.PLAN_UNION` whatever the number of consumers.
   absent = []
@@ -202,6 +229,7 @@ def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,
   row = jnp.concatenate([
       ranges.reshape(batch, num_tiles, 4 * num_consumers), *absent,
       union_lo[..., None], union_hi[..., None],
-      jnp.broadcast_to(scalars[:, None], (batch, num_tiles, 3))], -1)
+      jnp.broadcast_to(scalars[:, None],
+                       (batch, num_tiles, scalars.shape[-1]))], -1)
   return jnp.pad(row.astype(jnp.int32),
                  ((0, 0), (0, 0), (0, PLAN_WIDTH - row.shape[-1])))

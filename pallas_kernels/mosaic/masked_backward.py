@@ -37,7 +37,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                            scale: float, spec: masking.MaskSpec,
                            q_offset=None, q_lengths=None, kv_lengths=None,
                            q_segments=None, kv_segments=None,
-                           alibi_slopes=None,
+                           alibi_slopes=None, dropout_seed=None,
                            block_q: int = 64, block_kv: int = 64,
                            max_concurrent_steps: int = 2,
                            overlap_softmax: bool = False):
@@ -56,12 +56,16 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
     d_lse: the cotangent of lse, like lse, or None (zero).
     scale: multiplies q·k in the forward.
     spec: `masking.MaskSpec` for (q_len, kv_len): is_causal, window,
-      q_offset, q/kv lengths, segment ids, logits_soft_cap, ALiBi.
+      q_offset, q/kv lengths, segment ids, logits_soft_cap, ALiBi,
+      dropout_rate.
     q_offset, q_lengths, kv_lengths: int32 [batch] or None, as spec says.
     q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
     alibi_slopes: float32 [batch, num_heads] or None, as spec says. ALiBi
       adds a term that does not depend on q or k: the steps recompute the
       forward's logits with it, and dS is as without it.
+    dropout_seed: int32 [] or None, as spec says: each step regenerates the
+      forward's kept weights (`masking.dropout_keep`'s bits); dV takes
+      them, dP is dropped as they were, both scaled by 1 / (1 - rate).
     block_q, block_kv, max_concurrent_steps, overlap_softmax: as
       `plan.BackwardConfig`'s. Off by default: the ranged kernels have not
       been timed with `overlap_softmax`.
@@ -77,6 +81,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   """
   masked.check_ranged_features(spec, "the masked Mosaic backward")
   masked.check_slopes(spec, alibi_slopes, query.shape)
+  masked.check_dropout_seed(spec, dropout_seed)
   backward.check_supported(query, key, value, out, lse, d_out, d_lse,
                            block_q=block_q, block_kv=block_kv,
                            max_concurrent_steps=max_concurrent_steps,
@@ -101,7 +106,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       dq_consumers=dq_config.num_consumers,
       dkdv_consumers=dkdv_configs[0].num_consumers, q_offset=q_offset,
       q_lengths=q_lengths, kv_lengths=kv_lengths, q_segments=q_segments,
-      kv_segments=kv_segments)
+      kv_segments=kv_segments, dropout_seed=dropout_seed)
   # The dQ grid's last tile reaches furthest down the query rows.
   rows_per_tile = dq_config.num_consumers * block_q
   stats = padded_statistics(out, lse, d_out, d_lse,
@@ -123,7 +128,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
 def plan_rows(spec: masking.MaskSpec, batch: int, *, block_q: int,
               block_kv: int, dq_consumers: int, dkdv_consumers: int,
               q_offset=None, q_lengths=None, kv_lengths=None,
-              q_segments=None, kv_segments=None):
+              q_segments=None, kv_segments=None, dropout_seed=None):
   """The two kernels' plan rows, from one classification of the tiles.
 
   Returns:
@@ -138,7 +143,8 @@ def plan_rows(spec: masking.MaskSpec, batch: int, *, block_q: int,
                                    kv_segments=kv_segments)[:, 0]
   num_q_blocks, num_kv_blocks = states.shape[-2:]      # [B|1, nq, nk]
   scalars = dict(spec=spec, batch=batch, q_offset=q_offset,
-                 q_lengths=q_lengths, kv_lengths=kv_lengths)
+                 q_lengths=q_lengths, kv_lengths=kv_lengths,
+                 dropout_seed=dropout_seed)
   dq_plan = masked.tile_plans(masking.block_ranges(states),
                               num_consumers=dq_consumers,
                               num_cols=num_kv_blocks, **scalars)

@@ -37,9 +37,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic.common import (
-    LOG2E, PLAN_SCALARS, PLAN_UNION, PLAN_WIDTH, PlanRow, SlopeRows,
-    launch_grid, per_column, per_row, persistent_schedule, read_plan,
-    register_split)
+    LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_UNION, PLAN_WIDTH, PlanRow,
+    SlopeRows, launch_grid, per_column, per_row, persistent_schedule,
+    read_plan, register_split)
 
 # The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
 # the producer: 2 * 232 + 24 + 24 = 512 per thread slot. 24 is setmaxnreg's
@@ -151,6 +151,10 @@ class BackwardStatic:
   def alibi(self) -> bool:
     return self.ranged and self.spec.has_alibi
 
+  @property
+  def dropout(self) -> bool:
+    return self.ranged and bool(self.spec.dropout_rate)
+
 
 class Walk(NamedTuple):
   """A warpgroup's walk over the steps its CTA streams.
@@ -159,12 +163,13 @@ class Walk(NamedTuple):
   the group in the dK/dV kernel); `runs` are (start, stop, kind) block
   ranges that cover them in order, kind one of SKIP, MASKED, UNMASKED;
   `values` are the ranged kernels' `masking.MaskValues` (None in the plain
-  ones).
+  ones), `dropout_seed` theirs with dropout.
   """
   first: Any
   num_blocks: Any
   runs: tuple
   values: Any
+  dropout_seed: Any = None
 
 
 def walk_runs(runs, bodies, carry):
@@ -197,7 +202,8 @@ def walk_group(walk: Walk, step_body, arrived, consumed, slot_of,
   return lax.fori_loop(0, static.group, head_body, grads)
 
 
-def ranged_walk(plan: PlanRow, slot, *, consumer: bool = True) -> Walk:
+def ranged_walk(plan: PlanRow, slot, *, consumer: bool = True,
+                dropout: bool = False) -> Walk:
   """Reads the CTA's plan row (see `masked.tile_plans`) into `slot`.
 
   A consumer (`slot` = its warpgroup) walks the union [first, total) in five
@@ -205,7 +211,7 @@ def ranged_walk(plan: PlanRow, slot, *, consumer: bool = True) -> Walk:
   full tiles [unmasked_lo, unmasked_hi), that run, the other masked edge,
   skips after. All of them, in every consumer, so that every ring barrier
   goes through the same phases in every thread. The producer (`consumer`
-  False) needs only the union.
+  False) needs only the union; a consumer with `dropout` also its seed.
   """
   read = read_plan(plan, slot)
   first, total = read(PLAN_UNION), read(PLAN_UNION + 1)
@@ -218,7 +224,8 @@ def ranged_walk(plan: PlanRow, slot, *, consumer: bool = True) -> Walk:
   values = masking.MaskValues(q_offset=read(PLAN_SCALARS),
                               q_lengths=read(PLAN_SCALARS + 1),
                               kv_lengths=read(PLAN_SCALARS + 2))
-  return Walk(first, total - first, runs, values)
+  seed = read(PLAN_DROPOUT_SEED) if dropout else None
+  return Walk(first, total - first, runs, values, seed)
 
 
 def ring_slot(static: BackwardStatic, base=None):
@@ -350,11 +357,22 @@ def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
   return jnp.exp2(logits * LOG2E - broadcast(lse_log2, s.shape)), slope
 
 
-def score_gradient(p, dp, delta, slope):
+def score_gradient(p, dp, delta, slope, kept=None, keep_scale=1.0):
   """dS = P ∘ (dP - delta), times the score changes' slope when there is
-  one; dS is then dL / d(scale·q·k), scaled once at the end."""
+  one; dS is then dL / d(scale·q·k), scaled once at the end.
+
+  Dropout (`kept`, bool like P, and 1 / (1 - rate)): dP is the gradient of
+  the weights that multiplied V, so it is dropped and scaled as they were
+  first."""
+  if kept is not None:
+    dp = jnp.where(kept, dp * keep_scale, 0.0)
   ds = p * (dp - delta)
   return ds if slope is None else ds * slope
+
+
+def keep_scale(static: BackwardStatic) -> float:
+  """1 / (1 - rate): the factor of the weights dropout keeps."""
+  return 1.0 / (1.0 - static.spec.dropout_rate) if static.dropout else 1.0
 
 
 def column_statistic(stats_ring, slot, n):
