@@ -98,23 +98,29 @@ def variants(seq: int, num_heads: int) -> dict[str, Variant]:
 def build(mode: str, shape, variant: Variant, interpret: bool,
           implementation: str | None = "triton"):
   """(jitted fn, inputs) of one row: the forward, or the gradients of
-  <out, d_out> with respect to q, k and v."""
+  <out, d_out> with respect to q, k and v. The variant's arrays (bias,
+  segment ids, slopes, the dropout key) are arguments of the jitted
+  function, not constants folded into its program (a [1, 16, 16k, 16k]
+  bias is 8.6 GB)."""
   q, k, v, d_out = common.attention_inputs(shape, jnp.bfloat16)
+  arrays = {n: x for n, x in variant.kwargs.items()
+            if isinstance(x, jax.Array)}
+  static = {n: x for n, x in variant.kwargs.items() if n not in arrays}
 
-  def attention(q, k, v):
+  def attention(q, k, v, arrays):
     if variant.peer is not None:
       peers.require_gpu(f"jax.nn's {variant.peer} attention")
       return jax.nn.dot_product_attention(q, k, v,
                                           implementation=variant.peer,
-                                          **variant.kwargs)
+                                          **static, **arrays)
     return jax_flash.flash_attention(q, k, v, implementation=implementation,
-                                     interpret=interpret, **variant.kwargs)
+                                     interpret=interpret, **static, **arrays)
 
   if mode == "fwd":
-    return jax.jit(attention), (q, k, v)
-  loss = lambda q, k, v, d: jnp.sum(attention(q, k, v).astype(jnp.float32)
-                                    * d.astype(jnp.float32))
-  return jax.jit(jax.grad(loss, (0, 1, 2))), (q, k, v, d_out)
+    return jax.jit(attention), (q, k, v, arrays)
+  loss = lambda q, k, v, d, arrays: jnp.sum(
+      attention(q, k, v, arrays).astype(jnp.float32) * d.astype(jnp.float32))
+  return jax.jit(jax.grad(loss, (0, 1, 2))), (q, k, v, d_out, arrays)
 
 
 def kernel_ran(fn, inputs) -> str:

@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from benchmarks import common, memory, render, run_grid, tune_blocks
@@ -449,6 +450,21 @@ def test_masks_benchmark_judges_each_row_by_its_yardstick(tmp_path):
     assert row["against"] == "16 documents (segment ids)"
     assert row["vs_against"] == pytest.approx(
         records["16 documents (segment ids)", mode]["ms"] / row["ms"])
+
+
+def test_masks_benchmark_passes_arrays_as_arguments():
+  """A row's arrays (the dense bias, segment ids, slopes) are arguments of
+  its jitted program, not constants in it: at 16k x 16 heads the bias is
+  8.6 GB, which lowering would copy into the program."""
+  from benchmarks import masks
+  table = masks.variants(64, 2)
+  for name in ("dense bias", "16 documents (segment ids)", "alibi"):
+    fn, inputs = masks.build("fwd", (1, 64, 2, 32), table[name],
+                             interpret=True)
+    arrays = inputs[-1]
+    assert set(arrays) == {n for n, x in table[name].kwargs.items()
+                           if isinstance(x, jax.Array)} != set()
+    assert "dense<" not in fn.lower(*inputs).as_text().split("func.func")[0]
 
 
 def test_grid_rounds_interleave_and_keep_the_median(monkeypatch):
