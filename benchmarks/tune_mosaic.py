@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -70,6 +71,11 @@ AHEAD_SPACE = dict(scores_ahead=(False, True), fused_dq=(False,),
 DQ_TILES_CANDIDATES = [dict(fused_dq=False, persistent=False, dq_tiles=tiles)
                        for tiles in (None, (64, 128), (64, 64))]
 BACKWARD_STAGES_SPACE = dict(max_concurrent_steps=(2, 3))
+# dK/dV on K/V copies, MQA (one K/V head for the cell's 2048 / head_dim
+# query heads: batch x K/V tiles CTAs, 128 at the standard grid's
+# batch·seq 16k), on the launch grid's two kernels.
+KV_COPIES_SPACE = dict(kv_head_copies=(1, 2, 4, 8, 16), persistent=(False,),
+                       fused_dq=(False,))
 # What the fused dQ's fixed order costs (`turn_cost_benchmark`): the fused
 # kernel, the same without its turn waits (a diagnostic: its dQ is
 # wrong), and the two kernels. If the unordered kernel gains much and the
@@ -98,10 +104,15 @@ def forward_benchmark(cell: common.Cell, blocks: dict):
   return fn, (q, k, v)
 
 
-def backward_benchmark(cell: common.Cell, blocks: dict):
+def backward_benchmark(cell: common.Cell, blocks: dict,
+                       num_kv_heads: int | None = None):
+  """The backward alone; `num_kv_heads`: K and V of that many heads (the
+  cell's first) for its query heads (GQA, MQA)."""
   from pallas_kernels.mosaic.backward import mosaic_backward
   from pallas_kernels.mosaic.forward import mosaic_forward
   q, k, v, d_out = common.attention_inputs(cell.shape, cell.dtype)
+  if num_kv_heads is not None:
+    k, v = k[:, :, :num_kv_heads], v[:, :, :num_kv_heads]
   scale = cell.head_dim**-0.5
   out, lse = jax.jit(lambda q, k, v: mosaic_forward(
       q, k, v, scale=scale, is_causal=cell.causal))(q, k, v)
@@ -209,6 +220,9 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_ahead": _backward(AHEAD_SPACE, causal=(False,)),
            "backward_dq_tiles": _backward(DQ_TILES_CANDIDATES),
            "backward_stages": _backward(BACKWARD_STAGES_SPACE),
+           "backward_kv_copies": (functools.partial(backward_benchmark,
+                                                    num_kv_heads=1),
+                                  KV_COPIES_SPACE, 2.5, (False, True)),
            "backward_turn_cost": (turn_cost_benchmark,
                                   TURN_COST_CANDIDATES, 2.5, (False, True)),
            "forward_fp8_rescale": (fp8_forward_benchmark,

@@ -130,6 +130,30 @@ def test_backward_plan_follows_its_rows():
     config(128, False, 1024, prefetch_stats=True)
 
 
+def test_kv_head_copies_fill_four_waves_of_ctas():
+  """`plan.planned_kv_copies`: the fewest copies dividing the group that
+  give the dK/dV kernel `DKDV_MIN_CTAS` CTAs (K/V tiles of two consumers'
+  rows); 1 for the fused dQ and persistent grids; named copies checked."""
+  base = plan.backward_config(head_dim=128, is_causal=True, q_len=8192,
+                              kv_len=8192)
+  copies = lambda config=base, **kw: plan.planned_kv_copies(
+      config, **{**dict(batch=2, num_kv_heads=1, group=48, kv_len=8192),
+                 **kw})
+  assert plan.DKDV_MIN_CTAS == 528
+  assert copies() == 6             # 128 CTAs; x4 = 512 < 528; x6 = 768
+  assert copies(group=8) == 8      # the whole group when still short
+  assert copies(num_kv_heads=8, group=4) == 1          # 1024 CTAs
+  assert copies(batch=1, num_kv_heads=4, group=8) == 4  # 256; x2 = 512
+  fused = dataclasses.replace(base, fused_dq=True)
+  assert copies(fused) == 1
+  assert copies(dataclasses.replace(base, persistent=True)) == 1
+  assert copies(dataclasses.replace(base, kv_head_copies=3)) == 3
+  with pytest.raises(ValueError, match="kv_head_copies must divide"):
+    copies(dataclasses.replace(base, kv_head_copies=5))
+  with pytest.raises(NotImplementedError, match="launch grid"):
+    copies(dataclasses.replace(fused, kv_head_copies=2))
+
+
 def test_backward_kernels_follow_their_plan():
   """The kernels' statics carry the plan's choices: the fused dQ with its
   own launch order, registers and opaque resident rows (where the zero's
@@ -341,6 +365,30 @@ def test_schedule_choices_are_bitwise_on_gpu(head_dim, option, kwargs,
   not)."""
   _assert_bitwise_either_way(option, head_dim, is_causal, 59, runs=2,
                              **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, num_kv_heads, copies", [
+    (64, 2, 4), (128, 2, 2), (128, 1, 8), (256, 2, 4)], ids=str)
+def test_kv_head_copies_on_gpu(head_dim, num_kv_heads, copies, is_causal):
+  """dK/dV on K/V copies (`kv_head_copies`), GQA 8:2 and MQA 8:1: dK and
+  dV against the reference within the rule; dQ (its kernel reads the
+  call's K/V heads) bit for bit the plain kernels'."""
+  _require_sm90()
+  case = Case(2, 1024, 1536, 8, num_kv_heads, head_dim)
+  options = dict(persistent=False, fused_dq=False)
+  attention = jax.jit(functools.partial(
+      mosaic_attention_with(kv_head_copies=copies, **options),
+      is_causal=is_causal))
+  check_against_reference(attention, case, jnp.bfloat16, is_causal=is_causal)
+  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 5)
+  scale = head_dim**-0.5
+  out, lse = mosaic_forward(q, k, v, scale=scale, is_causal=is_causal)
+  dq = {c: jax.jit(functools.partial(
+      mosaic_backward, scale=scale, is_causal=is_causal, kv_head_copies=c,
+      **options))(q, k, v, out, lse, d_out)[0] for c in (1, copies)}
+  np.testing.assert_array_equal(np.asarray(dq[copies]), np.asarray(dq[1]))
 
 
 @pytest.mark.gpu

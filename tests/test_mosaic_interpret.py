@@ -230,6 +230,11 @@ BACKWARD_CASES = [
     # kernels' diagonals differ.
     (Case(1, 256, 256, 1, 1, 64), True,
      dict(block_q=128, persistent=False, dq_tiles=(64, 128))),
+    # dK/dV on two copies of each K/V head of GQA 4:2, each walking one
+    # query head (`kv_head_copies`), the copies summed after (copies in
+    # another order would pair query heads with the wrong K/V head).
+    (Case(1, 128, 256, 4, 2, 64), True,
+     dict(persistent=False, kv_head_copies=2)),
 ]
 
 
@@ -415,9 +420,12 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
   _backward_test(Case(1, 128, 128, 2, 1, head_dim), is_causal, options)
 
 
-@pytest.mark.parametrize("name", ["ragged causal", "lengths", "alibi",
-                                  "dropout"])
-def test_interpreted_mosaic_backward_masked_matches_reference(name,
+@pytest.mark.parametrize("name, copies", [
+    ("ragged causal", None), ("lengths", None), ("alibi", None),
+    # Dropout's hash and ALiBi's slopes are per query head: on K/V copies
+    # (`kv_head_copies`) each copy's heads must still be the call's.
+    ("dropout", 2)])
+def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
                                                               monkeypatch):
   """`mosaic_backward_masked`'s dq, dk, dv (its plan rows, padded
   statistics and ranged kernels) under a random cotangent of out and of
@@ -441,7 +449,8 @@ def test_interpreted_mosaic_backward_masked_matches_reference(name,
   monkeypatch.setattr(backward, "row_statistics", precomputed_statistics)
   scale, spec, operands = _masked_call(q, k, v, variants)
   grads = mosaic_interpret.run(mosaic_backward_masked, q, k, v, *args,
-                               scale=scale, spec=spec, **operands)
+                               scale=scale, spec=spec, kv_head_copies=copies,
+                               **operands)
   for grad, ours in zip(("dq", "dk", "dv"), grads):
     assert_within_rule(grad, ours, exact[grad], lowp[grad])
 

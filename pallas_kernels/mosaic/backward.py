@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -66,7 +67,8 @@ from pallas_kernels.mosaic.dq import launch_dq
 from pallas_kernels.mosaic.fused_dq import (DQ_PIECE, ZERO_CELL_BYTES,
                                             fused_smem_bytes, num_dq_pieces)
 from pallas_kernels.mosaic.pipeline import BackwardStatic
-from pallas_kernels.mosaic.plan import BackwardConfig, backward_config
+from pallas_kernels.mosaic.plan import (BackwardConfig, backward_config,
+                                       planned_kv_copies)
 from pallas_kernels.triton.delta import row_delta
 
 _MAX_CONSUMERS = 2
@@ -140,6 +142,10 @@ def _config(query, key, is_causal: bool, options) -> BackwardConfig:
   config = backward_config(head_dim=query.shape[-1], is_causal=is_causal,
                            q_len=query.shape[1], kv_len=key.shape[1],
                            **options)
+  batch, _, num_heads, _ = query.shape
+  config = dataclasses.replace(config, kv_head_copies=planned_kv_copies(
+      config, batch=batch, num_kv_heads=key.shape[2],
+      group=num_heads // key.shape[2], kv_len=key.shape[1]))
   if config.dq_tiles is not None and (
       len(config.dq_tiles) != 2
       or not all(isinstance(n, int) for n in config.dq_tiles)):
@@ -173,13 +179,37 @@ def gradients(query, key, value, d_out, stats,
     return (dq_sum * static.scale).astype(query.dtype), dk, dv
   dq = launch_dq(query, key, value, d_out, stats, dq_config, plan=dq_plan,
                  segments=segments, slopes=slopes)
+  # K/V copies (`plan.BackwardConfig.kv_head_copies`): the dK/dV statics'
+  # group is the call's over the copies.
+  num_kv_heads = key.shape[2]
+  copies = query.shape[2] // num_kv_heads // dkdv_configs[0].group
+  if copies > 1:  # K/V head i's copies are heads i * copies + c
+    key, value = (jnp.repeat(x, copies, axis=2) for x in (key, value))
   grads = {}
   for static in dkdv_configs:
     grads.update(zip(static.outputs,
                      launch_dkdv(query, key, value, d_out, stats, static,
                                  plan=dkdv_plan, segments=segments,
                                  slopes=slopes)))
+  if copies > 1:
+    grads = {name: _sum_copies(grad, copies) for name, grad in grads.items()}
   return dq, grads["dk"], grads["dv"]
+
+
+def _with_heads(key, num_heads: int):
+  """`key`'s shape and dtype with `num_heads` K/V heads (statics read only
+  these)."""
+  batch, kv_len, _, head_dim = key.shape
+  return jax.ShapeDtypeStruct((batch, kv_len, num_heads, head_dim),
+                              key.dtype)
+
+
+def _sum_copies(grad, copies: int):
+  """[batch, kv_len, heads * copies, head_dim] -> [..., heads, ...]: each
+  head's copies summed in float32, in order."""
+  batch, kv_len, heads, head_dim = grad.shape
+  parts = grad.reshape(batch, kv_len, heads // copies, copies, head_dim)
+  return parts.astype(jnp.float32).sum(axis=3).astype(grad.dtype)
 
 
 def check_supported(query, key, value, out, lse, d_out, d_lse, *, block_q,
@@ -284,11 +314,17 @@ def statics(query, key, *, scale: float, is_causal: bool,
       tiles, block_q=config.dq_tiles[0], block_kv=config.dq_tiles[1])
   dq_config = dataclasses.replace(dq_static(query, key, **dq_tiles_args),
                                   **options)
+  # The dK/dV kernel sees the K/V heads `gradients` gives it: with copies,
+  # each walks group / copies query heads.
+  copies = config.kv_head_copies or 1
+  if copies > 1 and config.persistent:
+    raise NotImplementedError("kv_head_copies: not on a persistent grid")
   dkdv_configs = [dataclasses.replace(
       static, **options, prefetch_lse=bool(config.prefetch_lse),
       scores_ahead=bool(config.scores_ahead))
                   for static in dkdv_statics(
-                      query, key, shared_rows=config.shared_rows, **tiles)]
+                      query, _with_heads(key, key.shape[2] * copies),
+                      shared_rows=config.shared_rows, **tiles)]
   for static in dkdv_configs if config.scores_ahead else ():
     if static.outputs != ("dk", "dv"):
       raise NotImplementedError(

@@ -25,12 +25,14 @@ contributes nothing to any gradient.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic import backward, masked
 from pallas_kernels.mosaic.common import slope_rows
-from pallas_kernels.mosaic.plan import BackwardConfig
+from pallas_kernels.mosaic.plan import BackwardConfig, planned_kv_copies
 
 
 def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
@@ -40,7 +42,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                            alibi_slopes=None, dropout_seed=None,
                            block_q: int = 64, block_kv: int = 64,
                            max_concurrent_steps: int = 2,
-                           overlap_softmax: bool = False):
+                           overlap_softmax: bool = False,
+                           kv_head_copies: int | None = None):
   """Gradients of `masked.mosaic_forward_masked`'s output for q, k and v.
 
   Args:
@@ -66,9 +69,10 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
     dropout_seed: int32 [] or None, as spec says: each step regenerates the
       forward's kept weights (`masking.dropout_keep`'s bits); dV takes
       them, dP is dropped as they were, both scaled by 1 / (1 - rate).
-    block_q, block_kv, max_concurrent_steps, overlap_softmax: as
-      `plan.BackwardConfig`'s. Off by default: the ranged kernels have not
-      been timed with `overlap_softmax`.
+    block_q, block_kv, max_concurrent_steps, overlap_softmax,
+      kv_head_copies: as `plan.BackwardConfig`'s (kv_head_copies None:
+      `plan.planned_kv_copies`' choice). overlap_softmax is off by
+      default: the ranged kernels have not been timed with it.
 
   Returns:
     (dq, dk, dv), shaped and typed like (query, key, value).
@@ -96,7 +100,11 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   config = BackwardConfig(block_q=block_q, block_kv=block_kv,
                           max_concurrent_steps=max_concurrent_steps,
                           overlap_softmax=overlap_softmax,
-                          lean_producer=False)
+                          lean_producer=False, kv_head_copies=kv_head_copies)
+  batch, _, num_heads, _ = query.shape
+  config = dataclasses.replace(config, kv_head_copies=planned_kv_copies(
+      config, batch=batch, num_kv_heads=key.shape[2],
+      group=num_heads // key.shape[2], kv_len=kv_len))
   # Configuring raises for tiles that do not fit, before any work is traced.
   dq_config, dkdv_configs = backward.statics(
       query, key, scale=scale, is_causal=spec.is_causal, config=config,

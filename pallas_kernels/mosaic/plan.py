@@ -192,8 +192,17 @@ class BackwardConfig:
   overlap_softmax: each consumer computes P while dP's wgmma runs and dS
     while dV's does (FlashAttention-3 §3.2 within a step): 2.6%, 3.4% and
     2.3% faster at head_dim 64, 128, 256 (16k, h200_mosaic_schedule.md).
+  kv_head_copies: the dK/dV kernel runs on K and V repeated this many
+    times along their heads, each copy's CTAs walking group / copies of
+    its query heads; XLA then sums the copies' dK and dV in float32
+    (deterministic). More CTAs where batch x K/V heads x K/V tiles is
+    about a wave of SMs (MQA, few K/V heads): under causal masking one
+    wave of tiles whose work runs from 1 to all Q tiles takes as long as
+    its longest. None: `planned_kv_copies`' choice. Needs the two
+    kernels on the launch grid.
   Every choice gives bitwise the same gradients, but for the fused dQ
-  (another order of float32 sums, fixed: deterministic too).
+  (another order of float32 sums, fixed: deterministic too) and
+  kv_head_copies (dK and dV rounded to 16 bits per copy before the sum).
   """
   block_q: int = 64
   block_kv: int = 64
@@ -207,6 +216,7 @@ class BackwardConfig:
   scores_ahead: bool = False
   dq_tiles: tuple[int, int] | None = None
   overlap_softmax: bool = True
+  kv_head_copies: int | None = None
 
 
 # (head_dim, causal, q_len range, kv_len range, config), one row per call.
@@ -318,6 +328,39 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
       or not config.overlap_softmax):
     config = dataclasses.replace(config, scores_ahead=False)
   return config
+
+
+# dK/dV CTAs (batch x K/V heads x K/V tiles of two consumers' rows) that
+# `planned_kv_copies` aims for: four waves of the H100's and H200's 132 SMs.
+DKDV_MIN_CTAS = 4 * 132
+
+
+def planned_kv_copies(config: BackwardConfig, *, batch: int,
+                      num_kv_heads: int, group: int, kv_len: int) -> int:
+  """`config.kv_head_copies`, or where None the fewest copies (a divisor of
+  the GQA `group`) that give the dK/dV kernel `DKDV_MIN_CTAS` CTAs; 1
+  where the kernels cannot take copies (the fused dQ, a persistent grid).
+
+  Raises:
+    ValueError: copies named that do not divide the group.
+    NotImplementedError: copies named with the fused dQ or a persistent
+      grid.
+  """
+  copies = config.kv_head_copies
+  if copies is not None:
+    if copies < 1 or group % copies:
+      raise ValueError(f"kv_head_copies must divide the GQA group of "
+                       f"{group} query heads per K/V head; got {copies}")
+    if copies > 1 and (config.fused_dq or config.persistent):
+      raise NotImplementedError(
+          "kv_head_copies: the two backward kernels on the launch grid only "
+          "(not the fused dQ, not a persistent grid)")
+    return copies
+  if config.fused_dq or config.persistent:
+    return 1
+  ctas = batch * num_kv_heads * -(-kv_len // (2 * config.block_kv))
+  return next((c for c in range(1, group + 1)
+               if group % c == 0 and ctas * c >= DKDV_MIN_CTAS), group)
 
 
 def _row(rows, head_dim: int, is_causal: bool, q_len: int, kv_len: int):
