@@ -76,6 +76,21 @@ OWN_WIDTH_CALLS = {"dim96_causal_2k": (8, 2048, 32, 96),
                    "dim192_causal_4k": (4, 4096, 16, 192)}
 
 
+def head_score(s, b, h, q_idx, kv_idx):
+  """A `score_fn` of every argument: a soft cap per (batch, head) and a
+  distance penalty."""
+  cap = 10.0 + b + 2.0 * h
+  return cap * jnp.tanh(s / cap) - 0.01 * (q_idx - kv_idx)
+
+
+def head_blocks(b, h, q_idx, kv_idx):
+  """A `mask_fn` of every argument: blocks of 64 (h + 1) positions, every
+  seventh pair dropped by (b, h)."""
+  block = 64 * (h + 1)
+  return (q_idx // block == kv_idx // block) & (
+      (q_idx + kv_idx + b + h) % 7 != 0)
+
+
 # The masked kernels' cases (tests/test_mosaic_masked.py runs all but the
 # grid-sized window in the interpreter): awkward lengths, every mask kind.
 MASKED_CASES = {  # name: (q_len, kv_len, MaskSpec fields, operands)
@@ -100,6 +115,15 @@ MASKED_CASES = {  # name: (q_len, kv_len, MaskSpec fields, operands)
                                         [1.0, 0.5, 0.25, 0.125]])),
     "alibi soft cap": (97, 300, dict(logits_soft_cap=20.0, has_alibi=True),
                        dict(alibi_slopes=[[0.5, 0.25, 0.125, 0.0625]] * 2)),
+    # A score_fn of the CTA's batch and head (dK/dV: each head of the
+    # group), its derivative by jax.jvp in the backward.
+    "score_fn causal": (200, 333, dict(is_causal=True, score_fn=head_score),
+                        {}),
+    # A mask_fn of the CTA's batch and head on the tiles its BlockMask
+    # leaves partial (dK/dV: each head of the group), beside lengths.
+    "mask_fn lengths": (256, 200, dict(has_kv_lengths=True,
+                                       mask_fn=head_blocks),
+                        dict(kv_lengths=[200, 150])),
     # Dropout's keep mask regenerated from its hash on every visited tile.
     "dropout causal": (200, 333, dict(is_causal=True, dropout_rate=0.1),
                        dict(dropout_seed=1234)),

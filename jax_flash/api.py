@@ -177,13 +177,20 @@ def triton_setup(call: AttentionCall, dtype, block_sizes, interpret):
   check_triton_device(head_dim, interpret)
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(head_dim, dtype=dtype)
+  return block_sizes, with_block_mask(call)
+
+
+def with_block_mask(call: AttentionCall):
+  """`call.operands`, with `mask_fn`'s `masking.BlockMask` built where the
+  caller passed the function alone (the kernels skip and unmask tiles by
+  it; forward and backward share it)."""
   operands = call.operands
   if call.spec.mask_fn is not None and operands.block_mask is None:
     shape = call.shape
     operands = operands._replace(block_mask=masking.BlockMask.from_mask_fn(
         call.spec.mask_fn, batch=shape.batch, num_heads=shape.num_heads,
         q_len=shape.q_len, kv_len=shape.kv_len))
-  return block_sizes, operands
+  return operands
 
 
 def check_triton_device(head_dim: int, interpret: bool):
@@ -212,16 +219,17 @@ def _run_mosaic(call: AttentionCall, query, key, value, *, block_sizes,
                 interpret):
   """The sm90 kernels (sinks applied outside); masks beyond `is_causal`
   raise NotImplementedError unless the masked kernel is enabled."""
-  block_sizes, mosaic = mosaic_setup(call, block_sizes, interpret)
+  block_sizes, mosaic, operands = mosaic_setup(call, block_sizes, interpret)
   out, lse = mosaic.mosaic_attention(
       query, key, value, scale=call.scale, is_causal=call.spec.is_causal,
-      backward_blocks=block_sizes, spec=call.spec, operands=call.operands)
+      backward_blocks=block_sizes, spec=call.spec, operands=operands)
   return _kernel_result(call, out, lse)
 
 
 def mosaic_setup(call: AttentionCall, block_sizes, interpret):
-  """(Triton backward tiles, the `pallas_kernels.mosaic` module) of a Mosaic
-  call; NotImplementedError where the kernels cannot run it."""
+  """(Triton backward tiles, the `pallas_kernels.mosaic` module, operands
+  `with_block_mask`) of a Mosaic call; NotImplementedError where the
+  kernels cannot run it."""
   if interpret:
     raise NotImplementedError("the Mosaic GPU kernels have no interpret mode")
   cc = compat.gpu_compute_capability()
@@ -234,7 +242,7 @@ def mosaic_setup(call: AttentionCall, block_sizes, interpret):
     from pallas_kernels import mosaic
   except ImportError as e:
     raise NotImplementedError(f"Mosaic GPU is not importable: {e}") from e
-  return block_sizes, mosaic
+  return block_sizes, mosaic, with_block_mask(call)
 
 
 _IMPLEMENTATIONS = {"mosaic": _run_mosaic, "triton": _run_triton,

@@ -96,11 +96,12 @@ def _triton(call: AttentionCall, query, key, value, out, lse, d_out, d_lse,
 
 def _mosaic(call: AttentionCall, query, key, value, out, lse, d_out, d_lse,
             *, block_sizes, interpret):
-  block_sizes, mosaic = api.mosaic_setup(call, block_sizes, interpret)
+  block_sizes, mosaic, operands = api.mosaic_setup(call, block_sizes,
+                                                   interpret)
   return mosaic.mosaic_attention_backward(
       query, key, value, out, _kernel_rows(lse), d_out, _kernel_rows(d_lse),
       scale=call.scale, is_causal=call.spec.is_causal,
-      backward_blocks=block_sizes, spec=call.spec, operands=call.operands)
+      backward_blocks=block_sizes, spec=call.spec, operands=operands)
 
 
 def _kernel_rows(x):

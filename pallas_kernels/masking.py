@@ -92,6 +92,12 @@ class MaskSpec:
     return self.has_alibi or self.score_fn is not None
 
   @property
+  def reads_batch_and_head(self) -> bool:
+    """Whether `keep` or `modify_scores` read `MaskValues.batch` / `.head`
+    (`mask_fn`, `score_fn`), so that a kernel must pass its tile's."""
+    return self.mask_fn is not None or self.score_fn is not None
+
+  @property
   def scores_shift_only(self) -> bool:
     """Whether every score change adds a term that does not depend on the
     score (bias, ALiBi): the final logit's slope in `scale * q·k` is 1."""

@@ -142,3 +142,23 @@ def check_against_reference(attention, case: Case, dtype, *, seed: int = 0,
   naive = reference_in(dtype)(q, k, v, d_out, d_lse)
   return {name: assert_within_rule(name, ours[name], ref, naive[name])
           for name, ref in exact.items()}
+
+
+def blocks_and_stripes(b, h, i, j):
+  """A `mask_fn` of every argument: queries and keys in blocks of
+  128 (h + 1) positions see only their own block, where keys past the
+  first 128 drop every fifth pair by (b, h). At 64- and 128-position tiles
+  some tiles are empty, some full and some partial, and which differs
+  between heads (a tile empty for head 0 is kept whole for head 1)."""
+  block = 128 * (h + 1)
+  return (i // block == j // block) & (
+      (j < 128) | ((i + 2 * j + h + b) % 5 != 0))
+
+
+def position_score(s, b, h, q_idx, kv_idx):
+  """A `score_fn` that reads all its arguments: a soft cap that depends on
+  the batch and the query head, and a distance penalty per head (its slope
+  in s is not 1, so the backward's chain rule counts; a kernel that passes
+  the wrong b or h is off by far more than rounding)."""
+  cap = 1.5 + b + 4.0 * h
+  return cap * jnp.tanh(s / cap) - 0.05 * (h + 1) * (q_idx - kv_idx)

@@ -68,18 +68,19 @@ def test_implementation_none_uses_kernels_on_gpu():
     return jax.jit(lambda q, k, v: jax_flash.flash_attention(
         q, k, v, **kwargs)).lower(q, k, v).as_text()
 
-  # Tile-aligned, a ragged length, ALiBi and dropout (the masked Mosaic
-  # forward's, since MASKED_KERNEL_ENABLED): Mosaic on Hopper.
+  # Tile-aligned, a ragged length, ALiBi, dropout, a score_fn and a mask_fn
+  # (the masked Mosaic forward's): Mosaic on Hopper.
   for text in (lowered(jnp.bfloat16, 512), lowered(jnp.bfloat16, 500),
                lowered(jnp.bfloat16, 512, alibi_slopes=jnp.ones(4)),
                lowered(jnp.bfloat16, 512, dropout_rate=0.1,
-                       dropout_rng=jax.random.key(0))):
+                       dropout_rng=jax.random.key(0)),
+               lowered(jnp.bfloat16, 512, score_fn=lambda s, *_: s * 0.5),
+               lowered(jnp.bfloat16, 512, mask_fn=lambda b, h, i, j: i >= j)):
     assert ("mosaic_flash_forward" in text) == on_hopper
     assert "flash_forward" in text
-  # float32 and a score_fn: not Mosaic's; Triton takes them.
+  # float32 and a bias: not Mosaic's; Triton takes them.
   for text in (lowered(jnp.float32, 512),
-               lowered(jnp.bfloat16, 512,
-                       score_fn=lambda s, *_: s * 0.5)):
+               lowered(jnp.bfloat16, 512, bias=jnp.zeros((512, 512)))):
     assert "mosaic_flash_forward" not in text
     assert "flash_forward" in text
 

@@ -34,6 +34,7 @@ from jax_flash.reference import naive_attention
 from tests import mosaic_interpret
 from tests.attention_checks import (Case, assert_forward_within_rule,
                                     assert_within_rule, forward_and_grads,
+                                    blocks_and_stripes, position_score,
                                     random_inputs)
 
 if mosaic_interpret.WHY_NOT is not None:
@@ -170,6 +171,16 @@ MASKED_VARIANTS = {
     "alibi soft cap": (Case(1, 97, 170, 2, 1, 64),
                        dict(logits_soft_cap=5.0,
                             alibi_slopes=jnp.array([0.3, 0.05]))),
+    # A score_fn of (b, h): GQA 2:1 (dK/dV passes each head of the group
+    # its own h), bottom-right causal in one batch.
+    "score_fn": (Case(2, 64, 100, 2, 1, 64),
+                 dict(is_causal=True, q_offset=jnp.array([36, 0]),
+                      score_fn=position_score)),
+    # A mask_fn of (b, h): its BlockMask's empty tiles skipped, full ones
+    # unmasked, the rest masked head by head (dK/dV: each head of the
+    # group); rows past 128 attend to a ragged last block.
+    "mask_fn": (Case(2, 200, 256, 2, 1, 64),
+                dict(mask_fn=blocks_and_stripes)),
     # The reference drops the same weights (`masking.dropout_keep`).
     "dropout": (Case(2, 64, 100, 2, 1, 64),
                 dict(is_causal=True, q_offset=jnp.array([36, 0]),
@@ -421,7 +432,11 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
 
 
 @pytest.mark.parametrize("name, copies", [
-    ("ragged causal", None), ("lengths", None), ("alibi", None),
+    ("ragged causal", None), ("lengths", None),
+    # ALiBi's slopes, mask_fn's and score_fn's h per query head of a K/V
+    # tile's group (no copies: with as many copies as the group, each copy
+    # is one head).
+    ("alibi", 1), ("score_fn", 1), ("mask_fn", 1),
     # Dropout's hash and ALiBi's slopes are per query head: on K/V copies
     # (`kv_head_copies`) each copy's heads must still be the call's.
     ("dropout", 2)])

@@ -344,9 +344,10 @@ def test_persistent_forward_matches_reference_on_gpu(case, dtype, is_causal,
 def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,
                                                          monkeypatch):
   """`implementation=None` as on an H200, cross-lowered: Mosaic for aligned
-  and ragged 16-bit calls (ragged, ALiBi and dropout through the masked
-  forward), Triton for float32 and for a `score_fn` (the same expectations
-  as the GPU's `test_implementation_none_uses_kernels_on_gpu`)."""
+  and ragged 16-bit calls (ragged, ALiBi, dropout, a `score_fn` and a
+  `mask_fn` through the masked forward), Triton for float32 and for a bias
+  (the same expectations as the GPU's
+  `test_implementation_none_uses_kernels_on_gpu`)."""
   monkeypatch.setattr(versions, "gpu_compute_capability", lambda: (9, 0))
   monkeypatch.setattr(versions, "has_gpu", lambda: True)
 
@@ -359,10 +360,12 @@ def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,
   for text in (lowered(jnp.bfloat16, 512), lowered(jnp.bfloat16, 500),
                lowered(jnp.bfloat16, 512, alibi_slopes=jnp.ones(4)),
                lowered(jnp.bfloat16, 512, dropout_rate=0.1,
-                       dropout_rng=jax.random.key(0))):
+                       dropout_rng=jax.random.key(0)),
+               lowered(jnp.bfloat16, 512, score_fn=lambda s, *_: s * 0.5),
+               lowered(jnp.bfloat16, 512, mask_fn=lambda b, h, i, j: i >= j)):
     assert _KERNEL_NAME in text
   for text in (lowered(jnp.float32, 512),
-               lowered(jnp.bfloat16, 512, score_fn=lambda s, *_: s * 0.5)):
+               lowered(jnp.bfloat16, 512, bias=jnp.zeros((512, 512)))):
     assert _KERNEL_NAME not in text and "flash_forward" in text
 
 

@@ -19,7 +19,9 @@ from jax_flash.validation import Operands
 from pallas_kernels import compat as versions
 from pallas_kernels.config import BlockSizes
 from tests.attention_checks import (Case, assert_forward_within_rule,
-                                    check_against_reference, random_inputs)
+                                    blocks_and_stripes,
+                                    check_against_reference, position_score,
+                                    random_inputs)
 
 try:
   from pallas_kernels.mosaic import attention as mosaic_attention_module
@@ -112,7 +114,6 @@ def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,
 @pytest.mark.parametrize("fields, match", [
     (dict(has_dense_mask=True), "has_dense_mask"),
     (dict(has_bias=True), "has_bias"),
-    (dict(score_fn=lambda s, b, h, q, k: s), "score_fn"),
 ])
 def test_masked_forward_refuses_other_features(fields, match):
   spec = masking.MaskSpec(q_len=128, kv_len=128, **fields)
@@ -158,6 +159,12 @@ _GPU_VARIANTS = {
                              dict(logits_soft_cap=20.0,
                                   alibi_slopes=2.0 ** -jnp.arange(
                                       1, 9, dtype=jnp.float32))),
+    # A score_fn of (b, h, q_idx, kv_idx), GQA 4:1, ragged.
+    "score_fn, d=96": (Case(2, 777, 1100, 8, 2, 96),
+                       dict(is_causal=True, score_fn=position_score)),
+    # A mask_fn whose tiles differ per head, GQA 4:1, causal, ragged.
+    "mask_fn": (Case(2, 1000, 1537, 8, 2, 128),
+                dict(is_causal=True, mask_fn=blocks_and_stripes)),
     # The reference drops the same weights (`masking.dropout_keep`).
     "dropout, causal window": (Case(2, 1000, 1537, 8, 2, 128),
                                dict(is_causal=True,

@@ -25,7 +25,9 @@ from jax_flash.reference import naive_attention
 from jax_flash.validation import Operands
 from pallas_kernels import compat as versions
 from pallas_kernels.config import BlockSizes
-from tests.attention_checks import Case, check_against_reference, random_inputs
+from tests.attention_checks import (Case, blocks_and_stripes,
+                                    check_against_reference, position_score,
+                                    random_inputs)
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -77,6 +79,14 @@ VARIANTS = {
                                      logits_soft_cap=20.0),
                        dict(kv_lengths=[300, 150],
                             alibi_slopes=[[0.5, 0.25, 0.125, 0.0625]] * 2)),
+    # score_fn's (b, h) per CTA (dK/dV: per query head of the group).
+    "score_fn": (200, 333, dict(is_causal=True, has_q_offset=True,
+                                score_fn=lower_mosaic.head_score),
+                 dict(q_offset=[133, 0])),
+    # mask_fn's (b, h) per CTA (dK/dV: per query head of the group).
+    "mask_fn": (256, 200, dict(has_kv_lengths=True,
+                               mask_fn=lower_mosaic.head_blocks),
+                dict(kv_lengths=[200, 150])),
     # Dropout's mask regenerated in both kernels (dK/dV: per query head).
     "dropout": (200, 333, dict(is_causal=True, has_q_offset=True,
                                dropout_rate=0.1),
@@ -538,7 +548,9 @@ def test_masked_backward_lowers_other_calls(name, kwargs, cuda_lowering):
                                             ("soft cap", 128),
                                             ("segments", 256),
                                             ("alibi soft cap", 64),
-                                            ("dropout", 128)])
+                                            ("dropout", 128),
+                                            ("score_fn", 256),
+                                            ("mask_fn", 64)])
 def test_overlapped_masked_backward_lowers(name, head_dim,
                                            lowering_semantics):
   """`overlap_softmax` in the ranged kernels: the soft cap's slope, ALiBi,
@@ -610,8 +622,6 @@ def _lower_masked_gradients():
 @pytest.mark.parametrize("fields, match", [
     (dict(has_dense_mask=True), "has_dense_mask"),
     (dict(has_bias=True), "has_bias"),
-    (dict(score_fn=lambda s, b, h, q, k: s), "score_fn"),
-    (dict(mask_fn=lambda b, h, q, k: q >= k), "mask_fn"),
 ])
 def test_masked_backward_refuses_other_features(fields, match):
   spec = masking.MaskSpec(q_len=128, kv_len=128, **fields)
@@ -687,6 +697,14 @@ _GPU_VARIANTS = {
                              dict(logits_soft_cap=20.0,
                                   alibi_slopes=2.0 ** -jnp.arange(
                                       1, 9, dtype=jnp.float32))),
+    # A score_fn of (b, h, q_idx, kv_idx), GQA 4:1, bottom-right causal.
+    "score_fn": (Case(2, 500, 2047, 8, 2, 64),
+                 dict(is_causal=True, q_offset=jnp.array([1547, 100]),
+                      score_fn=position_score)),
+    # A mask_fn of (b, h, q_idx, kv_idx) whose tiles differ per head,
+    # GQA 4:1 (no K/V copies at this size), causal and ragged.
+    "mask_fn": (Case(2, 1000, 1100, 8, 2, 128),
+                dict(is_causal=True, mask_fn=blocks_and_stripes)),
     # The reference drops the same weights (`masking.dropout_keep`).
     "dropout": (Case(2, 1000, 1537, 8, 2, 128),
                 dict(is_causal=True, dropout_rate=0.1,

@@ -192,14 +192,15 @@ flash_attention_mosaic.defvjp(_fwd, _bwd)
 def masked_operand_kwargs(operands: Operands) -> dict:
   """The masked Mosaic kernels' keyword operands (q_offset, q_lengths,
   kv_lengths: int32 [batch] or None; the segment ids; the ALiBi slopes,
-  float32 [batch, num_heads]; the dropout seed, int32 []) from
-  `operands`."""
+  float32 [batch, num_heads]; the dropout seed, int32 []; mask_fn's
+  `masking.BlockMask`) from `operands`."""
   return dict(q_offset=operands.q_offset, q_lengths=operands.q_lengths,
               kv_lengths=operands.kv_lengths,
               q_segments=operands.q_segments,
               kv_segments=operands.kv_segments,
               alibi_slopes=operands.alibi_slopes,
-              dropout_seed=operands.dropout_seed)
+              dropout_seed=operands.dropout_seed,
+              block_mask=operands.block_mask)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))

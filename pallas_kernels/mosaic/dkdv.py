@@ -205,21 +205,22 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       else:  # position p of the walk is Q tile `q_of(p)`
         q_of = functools.partial(_fused_q_block, first=first, static=static)
         walk = Walk(0, per_head, _fused_runs(kv_start, first, static), None)
-      tile_mask = lambda i, slot: causal_mask_t(kv_start, i, static)
+      tile_mask = lambda i, slot, values: causal_mask_t(kv_start, i, static)
     else:
       if slopes is not None:  # in flight while the plan row loads
         copy_slopes(slopes, wg)
       walk = ranged_walk(plan, wg, dropout=static.dropout)
       own_ids = load_own_ids(ids, kv_rows, wg)
       shape = (static.block_kv, static.block_q)
-      tile_mask = lambda i, slot: variant_mask_t(
-          kv_start, i, static, tile_values(walk.values, own_ids, ids, slot,
+      tile_mask = lambda i, slot, values: variant_mask_t(
+          kv_start, i, static, tile_values(values, own_ids, ids, slot,
                                            shape, own_is_query=False))
       positions = functools.partial(tile_indices_t, kv_start, static=static)
-      if slopes is not None:  # each query head of the group has its own
-        slope_of = slope_reader(slopes, wg)
-        head_values = lambda g: walk.values._replace(
-            alibi_slope=slope_of(kv_head * static.group + g))
+      if slopes is not None or static.spec.reads_batch_and_head:
+        head_values = functools.partial(
+            _head_values, walk.values, batch=batch, kv_head=kv_head,
+            slope_of=None if slopes is None else slope_reader(slopes, wg),
+            static=static)
       if static.dropout:  # the keys' half of the hash, once
         kept_of = functools.partial(
             _dropout_kept_t, seed=walk.dropout_seed, batch=batch,
@@ -350,6 +351,19 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   return num_steps
 
 
+def _head_values(values, g, *, batch, kv_head, slope_of,
+                 static: BackwardStatic):
+  """`values` of query head g of K/V head `kv_head`'s group: its ALiBi
+  slope (`slope_of(head)`, or None without ALiBi) and, for `mask_fn` and
+  `score_fn`, their (batch, head) arguments."""
+  head = kv_head * static.group + g
+  if slope_of is not None:  # each query head of the group has its own
+    values = values._replace(alibi_slope=slope_of(head))
+  if static.spec.reads_batch_and_head:
+    values = values._replace(batch=batch, head=head)
+  return values
+
+
 def _dropout_kept_t(q_block, g, *, seed, batch, kv_head, key_hashes,
                     static: BackwardStatic):
   """Dropout's kept weights of the Sᵀ tile of Q tile `q_block` of query
@@ -398,16 +412,18 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
 
   Walks the producer's steps: for each query head of the group, Q tiles
   [walk.first, walk.first + walk.num_blocks), treated as `walk.runs` say
-  (skipped, masked by `tile_mask(q_block, slot)`, or unmasked). Persistent:
+  (skipped, masked by `tile_mask(q_block, slot, values)`, or unmasked;
+  `values` the step's head's `masking.MaskValues`). Persistent:
   the ring slots count on from `base`. Fused dQ (`fused`): each step also
   issues consumer `wg`'s piece of the CTA's dS K for the step before
   (`issue_dq_piece`), and the walk's positions are Q tiles
-  `q_of(position)`. `resident` (`BackwardStatic.opaque_resident`): called each
-  step, returns that step's views of the K and V rows and the zero that
-  offsets them. Ranged: `head_values(g)` (ALiBi) the score changes'
-  `masking.MaskValues` of query head g of the group (else `walk.values`),
-  `positions(q_block)` the Sᵀ tile's (q_idx, kv_idx), `kept_of(q_block, g)`
-  dropout's kept weights of the Sᵀ tile of query head g, or None.
+  `q_of(position)`. `resident` (`BackwardStatic.opaque_resident`): called
+  each step, returns that step's views of the K and V rows and the zero
+  that offsets them. Ranged: `head_values(g)` (ALiBi, `mask_fn`,
+  `score_fn`) the `masking.MaskValues` of query head g of the group (else
+  `walk.values`), `positions(q_block)` the Sᵀ tile's (q_idx, kv_idx),
+  `kept_of(q_block, g)` dropout's kept weights of the Sᵀ tile of query
+  head g, or None.
   """
   slot_of = ring_slot(static, base)
   zeros = plgpu.layout_cast(
@@ -434,12 +450,13 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
 
     def probabilities(s_t):
       """(Pᵀ, its slope, dropout's kept weights or None)."""
+      values = (walk.values if head_values is None
+                else head_values(group_index))
       p_t, slope = tile_probabilities(
           s_t, column_stat(0) if lse_log2 is None else lse_log2, per_column,
-          walk.values if head_values is None else head_values(group_index),
-          static, positions=lambda: positions(q_block))
+          values, static, positions=lambda: positions(q_block))
       if masked:
-        p_t = jnp.where(tile_mask(q_block, slot), p_t, 0.0)
+        p_t = jnp.where(tile_mask(q_block, slot, values), p_t, 0.0)
       return p_t, slope, (None if kept_of is None
                           else kept_of(q_block, group_index))
 

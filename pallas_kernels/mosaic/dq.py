@@ -148,6 +148,9 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
       if slopes is not None:  # in flight while the plan row loads
         copy_slopes(slopes, wg)
       walk = ranged_walk(plan, wg, dropout=static.dropout)
+      if static.spec.reads_batch_and_head:  # mask_fn's, score_fn's b and h
+        walk = walk._replace(values=walk.values._replace(batch=batch,
+                                                         head=head))
       if slopes is not None:  # this head's, for every tile it visits
         walk = walk._replace(values=walk.values._replace(
             alibi_slope=slope_reader(slopes, wg)(head)))

@@ -505,6 +505,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     values = masking.MaskValues(q_offset=read(PLAN_SCALARS),
                                 q_lengths=read(PLAN_SCALARS + 1),
                                 kv_lengths=read(PLAN_SCALARS + 2))
+    if static.spec.reads_batch_and_head:  # mask_fn's, score_fn's b and h
+      values = values._replace(batch=batch, head=head)
     if slopes is not None:  # this head's, for every tile it visits
       values = values._replace(alibi_slope=slope_reader(slopes, wg)(head))
     if static.spec.dropout_rate:  # the rows' half of the hash, once

@@ -20,14 +20,15 @@ from pallas_kernels.mosaic.common import PLAN_WIDTH, slope_rows
 # What the masked kernel covers; the rest stays with the Triton kernels.
 _RANGED_FEATURES = ("is_causal", "window", "has_q_offset", "has_q_lengths",
                     "has_kv_lengths", "has_segments", "logits_soft_cap",
-                    "has_alibi", "dropout_rate")
+                    "has_alibi", "dropout_rate", "score_fn", "mask_fn")
 
 
 def mosaic_forward_masked(query, key, value, *, scale: float,
                           spec: masking.MaskSpec, q_offset=None,
                           q_lengths=None, kv_lengths=None, q_segments=None,
                           kv_segments=None, alibi_slopes=None,
-                          dropout_seed=None, block_q: int = 64,
+                          dropout_seed=None, block_mask=None,
+                          block_q: int = 64,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2,
                           lazy_rescale: bool | None = None):
@@ -36,7 +37,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
 
   The masks, score changes and dropout are `pallas_kernels.masking`'s (the
   one definition): `spec` may use is_causal, window, q_offset, q/kv
-  lengths, segment ids, logits_soft_cap, ALiBi and dropout_rate. The K/V
+  lengths, segment ids, logits_soft_cap, ALiBi, mask_fn and score_fn
+  (called with the CTA's batch and query head) and dropout_rate. The K/V
   tiles each 64-row query
   block visits, and which of them need the mask, come from
   `masking.classify_blocks` (tiles that the masks empty are skipped, the
@@ -53,6 +55,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
     alibi_slopes: float32 [batch, num_heads] (`spec.has_alibi`) or None;
       each (batch, head)'s is one scalar of its CTAs.
+    block_mask: `masking.BlockMask` of `spec.mask_fn` (its tiles skip
+      and unmask the kernel's, `tile_states`), or None: built here where
+      `spec.mask_fn` needs one (`block_mask_of`).
     dropout_seed: int32 [] (`spec.dropout_rate` > 0) or None. P's weights
       are dropped by `masking.dropout_keep` (the Triton kernels' and the
       reference's bits) after the row sum, so that the LSE is dropout's
@@ -68,7 +73,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
 
   Raises:
     NotImplementedError: for features outside `_RANGED_FEATURES` (bias,
-      dense masks, dropout, ...) and what `forward.mosaic_forward` refuses.
+      dense masks, sinks), a `block_mask` whose tile does not divide the
+      kernel's, and what `forward.mosaic_forward` refuses.
   """
   check_ranged_features(spec, "the masked Mosaic forward")
   if spec.logits_soft_cap is not None and not scale > 0:
@@ -87,10 +93,11 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                     in plan.MASKED_LAZY_RESCALE_HEAD_DIMS)
   static = dataclasses.replace(static,
                                **forward.rescale_fields(lazy_rescale))
+  block_mask = block_mask_of(spec, block_mask, query.shape)
   rows = plan_rows(static, query.shape[0], q_offset=q_offset,
                    q_lengths=q_lengths, kv_lengths=kv_lengths,
                    q_segments=q_segments, kv_segments=kv_segments,
-                   dropout_seed=dropout_seed)
+                   block_mask=block_mask, dropout_seed=dropout_seed)
   q_len = query.shape[1]
   query, key, value = (pad_rows(x) for x in (query, key, value))
   segments = None
@@ -160,21 +167,60 @@ def check_ranged_features(spec: masking.MaskSpec, kernel: str):
 
 def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset,
               q_lengths, kv_lengths, q_segments, kv_segments,
-              dropout_seed=None):
+              block_mask=None, dropout_seed=None):
   """int32 [batch, num_q_tiles, PLAN_WIDTH]: each tile's loop ranges
   over K/V blocks (`tile_plans`)."""
   spec = static.spec
-  states = masking.classify_blocks(spec, static.block_q, static.block_kv,
-                                   q_offset=q_offset, q_lengths=q_lengths,
-                                   kv_lengths=kv_lengths,
-                                   q_segments=q_segments,
-                                   kv_segments=kv_segments)
-  ranges = masking.block_ranges(states)[:, 0]          # [B|1, nq, 4]
+  states = tile_states(spec, static.block_q, static.block_kv,
+                       q_offset=q_offset, q_lengths=q_lengths,
+                       kv_lengths=kv_lengths, q_segments=q_segments,
+                       kv_segments=kv_segments, block_mask=block_mask)
+  ranges = masking.block_ranges(states)                # [B|1, nq, 4]
   return tile_plans(ranges, spec=spec, batch=batch,
                     num_consumers=forward.NUM_CONSUMERS,
                     num_cols=static.num_kv_blocks, q_offset=q_offset,
                     q_lengths=q_lengths, kv_lengths=kv_lengths,
                     dropout_seed=dropout_seed)
+
+
+def block_mask_of(spec: masking.MaskSpec, block_mask, q_shape):
+  """`block_mask`, or `spec.mask_fn`'s `masking.BlockMask` for queries
+  [batch, q_len, num_heads, dim] where it needs one and none is given."""
+  if spec.mask_fn is None or block_mask is not None:
+    return block_mask
+  batch, _, num_heads, _ = q_shape
+  return masking.BlockMask.from_mask_fn(spec.mask_fn, batch=batch,
+                                        num_heads=num_heads, q_len=spec.q_len,
+                                        kv_len=spec.kv_len)
+
+
+def tile_states(spec: masking.MaskSpec, block_q: int, block_kv: int, *,
+                q_offset=None, q_lengths=None, kv_lengths=None,
+                q_segments=None, kv_segments=None, block_mask=None):
+  """int32 [batch | 1, num_q_blocks, num_kv_blocks]: the EMPTY / PARTIAL /
+  FULL state of every [block_q, block_kv] tile (`masking.classify_blocks`),
+  one for all heads: the plan rows are per batch, so that a tile `mask_fn`
+  empties (or fills) for some heads only is PARTIAL, and the kernels'
+  `masking.keep` masks it head by head.
+
+  Raises:
+    ValueError: `spec.mask_fn` without its `block_mask` (`block_mask_of`).
+    NotImplementedError: a `block_mask` tile that does not divide the
+      kernel's tiles.
+  """
+  if spec.mask_fn is not None:
+    if block_mask is None:
+      raise ValueError("mask_fn needs its BlockMask (block_mask=)")
+    if block_q % block_mask.tile or block_kv % block_mask.tile:
+      raise NotImplementedError(
+          f"the BlockMask's tile {block_mask.tile} does not divide the "
+          f"kernel's tiles ({block_q}, {block_kv})")
+  states = masking.classify_blocks(
+      spec, block_q, block_kv, q_offset=q_offset, q_lengths=q_lengths,
+      kv_lengths=kv_lengths, q_segments=q_segments, kv_segments=kv_segments,
+      fine_map=block_mask if spec.mask_fn is not None else None)
+  least, most = states.min(1), states.max(1)
+  return jnp.where(least == most, least, masking.PARTIAL)
 
 
 def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,

@@ -40,7 +40,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                            q_offset=None, q_lengths=None, kv_lengths=None,
                            q_segments=None, kv_segments=None,
                            alibi_slopes=None, dropout_seed=None,
-                           block_q: int = 64, block_kv: int = 64,
+                           block_mask=None, block_q: int = 64,
+                           block_kv: int = 64,
                            max_concurrent_steps: int = 2,
                            overlap_softmax: bool = False,
                            kv_head_copies: int | None = None):
@@ -60,7 +61,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
     scale: multiplies q·k in the forward.
     spec: `masking.MaskSpec` for (q_len, kv_len): is_causal, window,
       q_offset, q/kv lengths, segment ids, logits_soft_cap, ALiBi,
-      dropout_rate.
+      score_fn (its derivative in score by `jax.jvp`, per tile), dropout_rate.
     q_offset, q_lengths, kv_lengths: int32 [batch] or None, as spec says.
     q_segments, kv_segments: int32 [batch, q_len] / [batch, kv_len] or None.
     alibi_slopes: float32 [batch, num_heads] or None, as spec says. ALiBi
@@ -69,6 +70,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
     dropout_seed: int32 [] or None, as spec says: each step regenerates the
       forward's kept weights (`masking.dropout_keep`'s bits); dV takes
       them, dP is dropped as they were, both scaled by 1 / (1 - rate).
+    block_mask: `masking.BlockMask` of `spec.mask_fn` (`masked.tile_states`),
+      or None: built here where it needs one (`masked.block_mask_of`).
     block_q, block_kv, max_concurrent_steps, overlap_softmax,
       kv_head_copies: as `plan.BackwardConfig`'s (kv_head_copies None:
       `plan.planned_kv_copies`' choice). overlap_softmax is off by
@@ -79,7 +82,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
 
   Raises:
     NotImplementedError: for features outside `masked._RANGED_FEATURES`
-      (bias, dense masks, dropout, ...) and for what the kernels do not
+      (bias, dense masks, sinks), a `block_mask` whose tile does not
+      divide the kernels', and for what the kernels do not
       cover (dtype, head dim, tiles that do not fit), so that the caller
       falls back to the Triton backward.
   """
@@ -109,12 +113,14 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   dq_config, dkdv_configs = backward.statics(
       query, key, scale=scale, is_causal=spec.is_causal, config=config,
       spec=spec)
+  block_mask = masked.block_mask_of(spec, block_mask, query.shape)
   dq_plan, dkdv_plan = plan_rows(
       spec, query.shape[0], block_q=block_q, block_kv=block_kv,
       dq_consumers=dq_config.num_consumers,
       dkdv_consumers=dkdv_configs[0].num_consumers, q_offset=q_offset,
       q_lengths=q_lengths, kv_lengths=kv_lengths, q_segments=q_segments,
-      kv_segments=kv_segments, dropout_seed=dropout_seed)
+      kv_segments=kv_segments, block_mask=block_mask,
+      dropout_seed=dropout_seed)
   # The dQ grid's last tile reaches furthest down the query rows.
   rows_per_tile = dq_config.num_consumers * block_q
   stats = padded_statistics(out, lse, d_out, d_lse,
@@ -136,8 +142,10 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
 def plan_rows(spec: masking.MaskSpec, batch: int, *, block_q: int,
               block_kv: int, dq_consumers: int, dkdv_consumers: int,
               q_offset=None, q_lengths=None, kv_lengths=None,
-              q_segments=None, kv_segments=None, dropout_seed=None):
-  """The two kernels' plan rows, from one classification of the tiles.
+              q_segments=None, kv_segments=None, block_mask=None,
+              dropout_seed=None):
+  """The two kernels' plan rows, from one classification of the tiles
+  (`masked.tile_states`).
 
   Returns:
     (dq_plan int32 [batch, num_q_tiles, PLAN_WIDTH], ranges over K/V blocks;
@@ -145,10 +153,10 @@ def plan_rows(spec: masking.MaskSpec, batch: int, *, block_q: int,
     blocks), in `masked.tile_plans`' layout; a tile is `dq_consumers` Q
     blocks or `dkdv_consumers` K/V blocks.
   """
-  states = masking.classify_blocks(spec, block_q, block_kv, q_offset=q_offset,
-                                   q_lengths=q_lengths, kv_lengths=kv_lengths,
-                                   q_segments=q_segments,
-                                   kv_segments=kv_segments)[:, 0]
+  states = masked.tile_states(spec, block_q, block_kv, q_offset=q_offset,
+                              q_lengths=q_lengths, kv_lengths=kv_lengths,
+                              q_segments=q_segments, kv_segments=kv_segments,
+                              block_mask=block_mask)
   num_q_blocks, num_kv_blocks = states.shape[-2:]      # [B|1, nq, nk]
   scalars = dict(spec=spec, batch=batch, q_offset=q_offset,
                  q_lengths=q_lengths, kv_lengths=kv_lengths,
