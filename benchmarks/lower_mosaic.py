@@ -2,6 +2,7 @@
 
     python -m benchmarks.lower_mosaic                 # every form lowers
     python -m benchmarks.lower_mosaic --dump DIR      # each form's modules
+    python -m benchmarks.lower_mosaic --dump DIR --forms "masked bias"
     python -m benchmarks.lower_mosaic --compare A B   # two dumps, form by form
 
 Lowers the forward and the backward on their plans (`mosaic.plan`) and with
@@ -237,6 +238,16 @@ def calls():
       yield f"masked {mask} d{d} fwd", attend, (q, kv, kv)
       yield f"masked {mask} d{d} fwdbwd", with_gradients(attend), (q, kv,
                                                                    kv, q)
+  # A bias per head on the masked forward (its tiles streamed beside the
+  # K/V ring; its gradients are the Triton backward's, which JAX 0.11.2
+  # lowers only beside a GPU).
+  for d in (64, 128, 256):
+    spec = MaskSpec(q_len=200, kv_len=333, is_causal=True, has_bias=True)
+    q, kv, bias = bf16(2, 200, 4, d), bf16(2, 333, 2, d), bf16(1, 4, 200, 333)
+    biased = lambda q, k, v, b, d=d, s=spec: mosaic_attention(
+        q, k, v, scale=d**-0.5, is_causal=True, spec=s, bias=b,
+        backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
+    yield f"masked bias d{d} fwd", biased, (q, kv, kv, bias)
   for name, (batch, seq, heads, d) in OWN_WIDTH_CALLS.items():
     x = bf16(batch, seq, heads, d)
     attend = lambda q, k, v, d=d: mosaic_attention(
@@ -305,12 +316,15 @@ def canonical(fn, args) -> str:
       for i, kernel in enumerate(kernels_seen)])
 
 
-def dump(directory: str) -> int:
+def dump(directory: str, forms: str | None = None) -> int:
   """Writes `calls()`' canonical texts to `directory` (gzip, one file each,
-  and index.tsv); a form that does not lower is written as its error."""
+  and index.tsv); a form that does not lower is written as its error.
+  `forms`: a regular expression; only the forms whose names it finds."""
   os.makedirs(directory, exist_ok=True)
   index = []
   for name, fn, args in calls():
+    if forms is not None and not re.search(forms, name):
+      continue
     try:
       text = canonical(fn, args)
     except Exception as e:  # recorded, as what the form gives
@@ -355,11 +369,13 @@ def main(argv=None) -> int:
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--dump", metavar="DIR")
   parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+  parser.add_argument("--forms", metavar="REGEX",
+                      help="--dump only the forms whose names match")
   args = parser.parse_args(argv)
   if args.compare:
     return compare(*args.compare)
   if args.dump:
-    return dump(args.dump)
+    return dump(args.dump, args.forms)
   print(f"JAX {jax.__version__}", flush=True)
   failures = 0
   for head_dim in HEAD_DIMS + OWN_WIDTH_HEAD_DIMS:

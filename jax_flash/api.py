@@ -222,7 +222,8 @@ def _run_mosaic(call: AttentionCall, query, key, value, *, block_sizes,
   block_sizes, mosaic, operands = mosaic_setup(call, block_sizes, interpret)
   out, lse = mosaic.mosaic_attention(
       query, key, value, scale=call.scale, is_causal=call.spec.is_causal,
-      backward_blocks=block_sizes, spec=call.spec, operands=operands)
+      backward_blocks=block_sizes, spec=call.spec, operands=operands,
+      bias=call.bias)
   return _kernel_result(call, out, lse)
 
 

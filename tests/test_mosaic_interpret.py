@@ -181,6 +181,13 @@ MASKED_VARIANTS = {
     # group); rows past 128 attend to a ragged last block.
     "mask_fn": (Case(2, 200, 256, 2, 1, 64),
                 dict(mask_fn=blocks_and_stripes)),
+    # A bias per (batch, head), its sequence axes padded to TMA's 8-row
+    # tiling (100 and 150), streamed tile by tile; bottom-right causal.
+    "bias": (Case(2, 100, 150, 2, 1, 64),
+             dict(is_causal=True, q_offset=jnp.array([50, 0]),
+                  bias=2.0 * jax.random.normal(jax.random.key(4),
+                                               (2, 2, 100, 150),
+                                               jnp.bfloat16))),
     # The reference drops the same weights (`masking.dropout_keep`).
     "dropout": (Case(2, 64, 100, 2, 1, 64),
                 dict(is_causal=True, q_offset=jnp.array([36, 0]),
@@ -190,10 +197,14 @@ MASKED_VARIANTS = {
 
 def _masked_call(q, k, v, variants):
   """(scale, spec, keyword operands) of the masked Mosaic kernels for
-  `flash_attention`'s mask arguments `variants`, as jax_flash makes them."""
+  `flash_attention`'s mask arguments `variants`, as jax_flash makes them
+  (the bias, which only the forward takes, where there is one)."""
   from pallas_kernels.mosaic.attention import masked_operand_kwargs
   call = validation.normalise_call(q, k, v, **variants)
-  return call.scale, call.spec, masked_operand_kwargs(call.operands)
+  operands = masked_operand_kwargs(call.operands)
+  if call.bias is not None:
+    operands["bias"] = call.bias
+  return call.scale, call.spec, operands
 
 
 @pytest.mark.parametrize("name", list(MASKED_VARIANTS))

@@ -344,10 +344,11 @@ def test_persistent_forward_matches_reference_on_gpu(case, dtype, is_causal,
 def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,
                                                          monkeypatch):
   """`implementation=None` as on an H200, cross-lowered: Mosaic for aligned
-  and ragged 16-bit calls (ragged, ALiBi, dropout, a `score_fn` and a
-  `mask_fn` through the masked forward), Triton for float32 and for a bias
-  (the same expectations as the GPU's
-  `test_implementation_none_uses_kernels_on_gpu`)."""
+  and ragged 16-bit calls (ragged, ALiBi, dropout, a `score_fn`, a
+  `mask_fn` and a bias in q's dtype through the masked forward), Triton
+  for float32, a float32 bias beside bfloat16 q and a dense mask (the same
+  expectations as the GPU's `test_implementation_none_uses_kernels_on_gpu`).
+  """
   monkeypatch.setattr(versions, "gpu_compute_capability", lambda: (9, 0))
   monkeypatch.setattr(versions, "has_gpu", lambda: True)
 
@@ -362,10 +363,14 @@ def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,
                lowered(jnp.bfloat16, 512, dropout_rate=0.1,
                        dropout_rng=jax.random.key(0)),
                lowered(jnp.bfloat16, 512, score_fn=lambda s, *_: s * 0.5),
-               lowered(jnp.bfloat16, 512, mask_fn=lambda b, h, i, j: i >= j)):
+               lowered(jnp.bfloat16, 512, mask_fn=lambda b, h, i, j: i >= j),
+               lowered(jnp.bfloat16, 512,
+                       bias=jnp.zeros((512, 512), jnp.bfloat16))):
     assert _KERNEL_NAME in text
   for text in (lowered(jnp.float32, 512),
-               lowered(jnp.bfloat16, 512, bias=jnp.zeros((512, 512)))):
+               lowered(jnp.bfloat16, 512, bias=jnp.zeros((512, 512))),
+               lowered(jnp.bfloat16, 512,
+                       mask=jnp.tril(jnp.ones((512, 512), bool)))):
     assert _KERNEL_NAME not in text and "flash_forward" in text
 
 

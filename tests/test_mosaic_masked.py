@@ -7,6 +7,7 @@ have passed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +16,12 @@ import pytest
 from benchmarks import lower_mosaic
 import jax_flash
 from jax_flash import masking, validation
+from jax_flash.reference import naive_attention
 from jax_flash.validation import Operands
 from pallas_kernels import compat as versions
 from pallas_kernels.config import BlockSizes
 from tests.attention_checks import (Case, assert_forward_within_rule,
+                                    assert_within_rule,
                                     blocks_and_stripes,
                                     check_against_reference, position_score,
                                     random_inputs)
@@ -111,9 +114,61 @@ def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,
   assert "mosaic_flash_forward" in lowered.as_text()
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_masked_forward_with_bias_lowers_for_cuda(head_dim, cuda_lowering):
+  """A bias per head (batch broadcast), ragged lengths (its axes padded to
+  8), causal: each consumer's bias tile fits beside the K/V ring."""
+  spec = masking.MaskSpec(q_len=200, kv_len=333, is_causal=True,
+                          has_bias=True)
+  q = jax.ShapeDtypeStruct((2, 200, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 333, 2, head_dim), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((1, 4, 200, 333), jnp.bfloat16)
+  lowered = jax.jit(lambda q, k, v, b: mosaic_forward_masked(
+      q, k, v, scale=head_dim**-0.5, spec=spec, bias=b)).trace(
+          q, kv, kv, bias).lower(lowering_platforms=("cuda",))
+  assert "mosaic_flash_forward" in lowered.as_text()
+
+
+def test_bias_gradients_come_from_the_triton_backward(cuda_lowering):
+  """With a bias, the Mosaic forward and the Triton backward (which writes
+  dbias, summed over the broadcast batch axis)."""
+  spec = masking.MaskSpec(q_len=256, kv_len=256, is_causal=True,
+                          has_bias=True)
+  q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.bfloat16)
+
+  def loss(q, k, v, b):
+    out, lse = mosaic_attention_module.mosaic_attention(
+        q, k, v, scale=0.1, is_causal=True, spec=spec, bias=b,
+        backward_blocks=BlockSizes.get_default(128, "NVIDIA H200"))
+    return out.astype(jnp.float32).sum() + lse.sum()
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(
+      q, q, q, bias).lower(lowering_platforms=("cuda",))
+  assert [g.shape for g in lowered.out_info] == [q.shape] * 3 + [bias.shape]
+  text = lowered.as_text()
+  assert "mosaic_flash_forward" in text and "flash_backward" in text
+
+
+@pytest.mark.parametrize("bias, match", [
+    (None, "bias must be"),                                 # missing
+    (jnp.zeros((2, 1, 128, 128), jnp.bfloat16), "bias must be"),  # batch 2
+    (jnp.zeros((1, 2, 1, 128), jnp.bfloat16), "q_len, kv_len"),   # broadcast
+    (jnp.zeros((1, 2, 128, 128), jnp.float32), "dtype"),
+])
+def test_masked_forward_checks_the_bias(bias, match):
+  """A bias the kernel cannot stream is NotImplementedError (the Triton
+  kernels take it); a wrong one is ValueError."""
+  spec = masking.MaskSpec(q_len=128, kv_len=128, has_bias=True)
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+  error = ValueError if match == "bias must be" else NotImplementedError
+  with pytest.raises(error, match=match):
+    jax.eval_shape(lambda q: mosaic_forward_masked(q, q, q, scale=0.125,
+                                                   spec=spec, bias=bias), q)
+
+
 @pytest.mark.parametrize("fields, match", [
     (dict(has_dense_mask=True), "has_dense_mask"),
-    (dict(has_bias=True), "has_bias"),
 ])
 def test_masked_forward_refuses_other_features(fields, match):
   spec = masking.MaskSpec(q_len=128, kv_len=128, **fields)
@@ -216,3 +271,42 @@ def test_masked_kernel_matches_reference_on_gpu(name, dtype, monkeypatch):
           (case.batch, case.kv_len, case.num_kv_heads, case.head_dim)))
   ).as_text()
   check_against_reference(attention, case, dtype, seed=3, **variants)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_bias_on_the_masked_forward_on_gpu(head_dim, dtype):
+  """A bias per head streamed by the masked Mosaic forward (ragged lengths,
+  bottom-right causal in one batch, GQA 4:1): out, lse, dq, dk, dv and
+  dbias (the Triton backward's, summed over the broadcast batch axis)
+  against the reference by DESIGN's rule."""
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic forward needs sm90")
+  case = Case(2, 1000, 1537, 8, 2, head_dim)
+  bias = (2.0 * jax.random.normal(jax.random.key(8), (1, 8, 1000, 1537))
+          ).astype(dtype)
+  variants = dict(is_causal=True, q_offset=jnp.array([537, 0]))
+
+  def attention(q, k, v, bias):
+    return jax_flash.flash_attention(q, k, v, bias=bias, return_residual=True,
+                                     implementation="mosaic", **variants)
+
+  q, k, v, d_out, _ = random_inputs(case, dtype, 3)
+  assert "mosaic_flash_forward" in jax.jit(attention).lower(
+      q, k, v, bias).as_text()
+  check_against_reference(functools.partial(attention, bias=bias), case,
+                          dtype, seed=3, bias=bias, **variants)
+
+  def dbias(attend, compute_dtype):
+    """d<out, d_out>/d bias of `attend(q, k, v, bias)` on inputs in
+    `compute_dtype`."""
+    up = lambda x: x.astype(compute_dtype)
+    loss = lambda b: jnp.sum(attend(up(q), up(k), up(v), b)[0].astype(
+        jnp.float32) * d_out.astype(jnp.float32))
+    return jax.jit(jax.grad(loss))(up(bias))
+
+  reference = lambda dt: dbias(lambda q, k, v, b: naive_attention(
+      q, k, v, bias=b, compute_dtype=dt, **variants), dt)
+  assert_within_rule("dbias", dbias(attention, dtype),
+                     reference(jnp.float32), reference(dtype))

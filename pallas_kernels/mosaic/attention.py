@@ -57,13 +57,14 @@ def backward_tiles(head_dim: int, q_len: int) -> dict:
 def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
                      backward_blocks: BlockSizes,
                      spec: MaskSpec | None = None,
-                     operands: Operands | None = None):
+                     operands: Operands | None = None, bias=None):
   """`flash_attention_mosaic` (or, for masks, the masked kernel) for any
   head dim up to 256.
 
   `spec` and `operands` (`validation.Operands`) describe masks beyond
-  `is_causal`; without `MASKED_KERNEL_ENABLED` they raise
-  NotImplementedError (the caller falls back to the Triton kernels).
+  `is_causal`, `bias` (None, or [B | 1, N | 1, Tq, Tk]) the spec's bias;
+  without `MASKED_KERNEL_ENABLED` they raise NotImplementedError (the
+  caller falls back to the Triton kernels).
 
   The kernels compute head dims that are multiples of 16 from 64 to 256
   at their own width; another is zero-padded to the next such (72 to 80,
@@ -76,7 +77,7 @@ def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
   head_dim = query.shape[-1]
   query, key, value = _pad_head_dim(query, key, value)
   if _masked(query, key, is_causal, spec):
-    out, lse = flash_attention_mosaic_masked(query, key, value,
+    out, lse = flash_attention_mosaic_masked(query, key, value, bias,
                                              operands or Operands(), scale,
                                              spec, backward_blocks)
   else:
@@ -105,9 +106,9 @@ def mosaic_attention_backward(query, key, value, out, lse, d_out, d_lse, *,
                                                 d_out)
   residuals, cotangents = (query, key, value, out, lse), (d_out, d_lse)
   if _masked(query, key, is_causal, spec):
-    dq, dk, dv, _ = _masked_bwd(scale, spec, backward_blocks,
-                                (*residuals, operands or Operands()),
-                                cotangents)
+    dq, dk, dv, _, _ = _masked_bwd(scale, spec, backward_blocks,
+                                   (*residuals, None, operands or Operands()),
+                                   cotangents)
   else:
     dq, dk, dv = _bwd(scale, is_causal, backward_blocks, residuals,
                       cotangents)
@@ -203,45 +204,48 @@ def masked_operand_kwargs(operands: Operands) -> dict:
               block_mask=operands.block_mask)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def flash_attention_mosaic_masked(query, key, value, operands: Operands,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def flash_attention_mosaic_masked(query, key, value, bias, operands: Operands,
                                   scale: float, spec: MaskSpec,
                                   backward_blocks: BlockSizes):
   """`mosaic_forward_masked`; gradients by `mosaic_backward_masked` while
-  `MASKED_BACKWARD_ENABLED`, else (or where it raises NotImplementedError)
-  by the Triton backward for the same `spec`.
+  `MASKED_BACKWARD_ENABLED`, else (or where it raises NotImplementedError:
+  a bias, whose gradient it does not write) by the Triton backward for the
+  same `spec`.
 
-  `operands` carries q_offset, q_lengths, kv_lengths (int32 [batch]), the
-  segment ids, the ALiBi slopes (float32 [batch, num_heads]) and the
-  dropout seed (int32 []);
+  `bias` is None or [B | 1, N | 1, Tq, Tk] (differentiable); `operands`
+  carries q_offset, q_lengths, kv_lengths (int32 [batch]), the segment
+  ids, the ALiBi slopes (float32 [batch, num_heads]), the dropout seed
+  (int32 []) and mask_fn's BlockMask;
   returns (out [B, Tq, N, D], lse float32 [B, N, Tq]).
   """
   return mosaic_forward_masked(query, key, value, scale=scale, spec=spec,
-                               **masked_operand_kwargs(operands))
+                               bias=bias, **masked_operand_kwargs(operands))
 
 
-def _masked_fwd(query, key, value, operands, scale, spec, backward_blocks):
-  out, lse = flash_attention_mosaic_masked(query, key, value, operands, scale,
-                                           spec, backward_blocks)
-  return (out, lse), (query, key, value, out, lse, operands)
+def _masked_fwd(query, key, value, bias, operands, scale, spec,
+                backward_blocks):
+  out, lse = flash_attention_mosaic_masked(query, key, value, bias, operands,
+                                           scale, spec, backward_blocks)
+  return (out, lse), (query, key, value, out, lse, bias, operands)
 
 
 def _masked_bwd(scale, spec, backward_blocks, residuals, cotangents):
-  query, key, value, out, lse, operands = residuals
+  query, key, value, out, lse, bias, operands = residuals
   d_out, d_lse = cotangents
   if MASKED_BACKWARD_ENABLED:
     try:
       dq, dk, dv = mosaic_backward_masked(
           query, key, value, out, lse, d_out, d_lse, scale=scale, spec=spec,
           **masked_operand_kwargs(operands))
-      return dq, dk, dv, None
+      return dq, dk, dv, None, None
     except NotImplementedError:
       pass  # a call the masked Mosaic backward does not cover: Triton's
   with compat.quiet_triton_deprecation():
-    dq, dk, dv, _ = flash_backward(
-        query, key, value, out, lse, d_out, d_lse, operands, None,
+    dq, dk, dv, dbias = flash_backward(
+        query, key, value, out, lse, d_out, d_lse, operands, bias,
         scale=scale, spec=spec, block_sizes=backward_blocks, interpret=False)
-  return dq, dk, dv, None
+  return dq, dk, dv, dbias, None
 
 
 flash_attention_mosaic_masked.defvjp(_masked_fwd, _masked_bwd)

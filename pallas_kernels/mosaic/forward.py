@@ -171,9 +171,11 @@ def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
 
 
 def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
-           segments=None, slopes=None):
+           segments=None, slopes=None, bias=None):
   """Builds and calls the kernel; `value` is [B, Hkv, D, T] in FP8; the
-  ranged kernel's `slopes` are `common.slope_rows` (`spec.has_alibi`).
+  ranged kernel's `slopes` are `common.slope_rows` (`spec.has_alibi`), its
+  `bias` [batch | 1, heads | 1, q_len, kv_len] in query's dtype
+  (`spec.has_bias`).
 
   In the ranged kernel the LSE is returned padded to whole tiles (its rows
   are TMA'd whole, and TMA needs 16-byte strides), for the caller to slice.
@@ -248,6 +250,11 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
     scratch += (plgpu.SMEM((consumers, *slopes.shape[1:]), jnp.float32),
                 plgpu.Barrier(num_barriers=consumers))  # slopes_arrived
     inputs += (slopes,)
+  if bias is not None:  # each consumer's tile of its step
+    scratch += (plgpu.SMEM((consumers, block_q, block_kv), static.dtype,
+                           transforms=swizzled(block_kv, static.dtype)),
+                plgpu.Barrier(num_barriers=consumers))  # bias_arrived
+    inputs += (bias,)
   out_type = (
       versions.output_struct(query.shape, out_dtype, *inputs),
       # Sequence minor, so that each consumer stores its LSE rows with one
@@ -328,6 +335,8 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   num_q_blocks = q_len // block_q
   if spec is not None and spec.has_alibi:
     smem_bytes += num_consumers * slope_rows_bytes(num_heads)
+  if spec is not None and spec.has_bias:
+    smem_bytes += num_consumers * block_q * block_kv * dtype.itemsize
   if fp8:  # the O buffer, and the descale rows
     smem_bytes += num_consumers * (
         block_q * head_dim * fp8_out_dtype.itemsize + block_q * block_kv

@@ -14,20 +14,23 @@ import jax.numpy as jnp
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic import forward, plan
-from pallas_kernels.mosaic.common import PLAN_WIDTH, slope_rows
+from pallas_kernels.mosaic.common import PLAN_WIDTH, slope_rows, swizzled
 
 
-# What the masked kernel covers; the rest stays with the Triton kernels.
+# What the masked kernels cover; the rest stays with the Triton kernels.
 _RANGED_FEATURES = ("is_causal", "window", "has_q_offset", "has_q_lengths",
                     "has_kv_lengths", "has_segments", "logits_soft_cap",
                     "has_alibi", "dropout_rate", "score_fn", "mask_fn")
+# The forward also takes a bias (its gradient comes from the Triton
+# backward, which writes dbias).
+_FORWARD_FEATURES = _RANGED_FEATURES + ("has_bias",)
 
 
 def mosaic_forward_masked(query, key, value, *, scale: float,
                           spec: masking.MaskSpec, q_offset=None,
                           q_lengths=None, kv_lengths=None, q_segments=None,
                           kv_segments=None, alibi_slopes=None,
-                          dropout_seed=None, block_mask=None,
+                          dropout_seed=None, block_mask=None, bias=None,
                           block_q: int = 64,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2,
@@ -58,6 +61,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     block_mask: `masking.BlockMask` of `spec.mask_fn` (its tiles skip
       and unmask the kernel's, `tile_states`), or None: built here where
       `spec.mask_fn` needs one (`block_mask_of`).
+    bias: [batch | 1, num_heads | 1, q_len, kv_len] in query's dtype
+      (`spec.has_bias`), added to the scaled logits, or None; each
+      consumer streams the tile of its next step.
     dropout_seed: int32 [] (`spec.dropout_rate` > 0) or None. P's weights
       are dropped by `masking.dropout_keep` (the Triton kernels' and the
       reference's bits) after the row sum, so that the LSE is dropout's
@@ -72,11 +78,14 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     [batch, num_heads, q_len]), as `forward.mosaic_forward`.
 
   Raises:
-    NotImplementedError: for features outside `_RANGED_FEATURES` (bias,
-      dense masks, sinks), a `block_mask` whose tile does not divide the
-      kernel's, and what `forward.mosaic_forward` refuses.
+    NotImplementedError: for features outside `_FORWARD_FEATURES` (dense
+      masks, sinks), a bias of another dtype or broadcast along q_len or
+      kv_len, a `block_mask` whose tile does not divide the kernel's, and
+      what `forward.mosaic_forward` refuses.
   """
-  check_ranged_features(spec, "the masked Mosaic forward")
+  check_ranged_features(spec, "the masked Mosaic forward",
+                        _FORWARD_FEATURES)
+  check_bias(spec, bias, query)
   if spec.logits_soft_cap is not None and not scale > 0:
     raise NotImplementedError("scale must be positive")
   check_slopes(spec, alibi_slopes, query.shape)
@@ -105,8 +114,10 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     segments = (pad_ids(q_segments, query.shape[1]),
                 pad_ids(kv_segments, key.shape[1]))
   slopes = slope_rows(alibi_slopes) if spec.has_alibi else None
+  if spec.has_bias:
+    bias = pad_bias(bias, static)
   out, lse = forward.launch(static, query, key, value, plan=rows,
-                            segments=segments, slopes=slopes)
+                            segments=segments, slopes=slopes, bias=bias)
   return out[:, :q_len], lse[..., :q_len]
 
 
@@ -123,6 +134,41 @@ def check_slopes(spec: masking.MaskSpec, alibi_slopes, q_shape):
         f"alibi_slopes must be [batch, num_heads] = ({batch}, {num_heads}) "
         f"for query {q_shape}; got "
         f"{None if alibi_slopes is None else alibi_slopes.shape}")
+
+
+def pad_bias(bias, static: forward.KernelStatic):
+  """`bias` zero-padded to whole tiles of its shared-memory layout (TMA
+  needs its sequence axes to be: 8 rows, and 64 columns at a 128-byte
+  swizzle); a copy, only for lengths that are not."""
+  rows, columns = swizzled(static.block_kv, static.dtype)[0].tiling
+  pad = [(0, 0), (0, 0), (0, -bias.shape[2] % rows),
+         (0, -bias.shape[3] % columns)]
+  return jnp.pad(bias, pad) if any(p for _, p in pad) else bias
+
+
+def check_bias(spec: masking.MaskSpec, bias, query):
+  """ValueError unless a bias is given exactly when `spec.has_bias`;
+  NotImplementedError for one the kernel does not stream (another dtype
+  than query's, or broadcast along a sequence axis: the Triton kernels
+  take those)."""
+  if not spec.has_bias:
+    if bias is not None:
+      raise ValueError("bias given but spec.has_bias is False")
+    return
+  batch, q_len, num_heads, _ = query.shape
+  if bias is None or bias.ndim != 4 or bias.shape[0] not in (1, batch) or (
+      bias.shape[1] not in (1, num_heads)):
+    raise ValueError(
+        f"bias must be [batch | 1, num_heads | 1, q_len, kv_len] for query "
+        f"{query.shape}; got {None if bias is None else bias.shape}")
+  if bias.shape[2:] != (q_len, spec.kv_len):
+    raise NotImplementedError(
+        f"the masked Mosaic forward streams bias tiles of [q_len, kv_len] = "
+        f"({q_len}, {spec.kv_len}); got {bias.shape}")
+  if bias.dtype != query.dtype:
+    raise NotImplementedError(
+        f"the masked Mosaic forward takes a bias in query's dtype "
+        f"{query.dtype}, got {bias.dtype}")
 
 
 def check_dropout_seed(spec: masking.MaskSpec, dropout_seed):
@@ -155,11 +201,12 @@ def pad_ids(ids, length: int):
   return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, length - ids.shape[1])))
 
 
-def check_ranged_features(spec: masking.MaskSpec, kernel: str):
+def check_ranged_features(spec: masking.MaskSpec, kernel: str,
+                          features=_RANGED_FEATURES):
   """Raises NotImplementedError naming the features of `spec` outside
-  `_RANGED_FEATURES` (the caller falls back to the Triton kernels)."""
+  `features` (the caller falls back to the Triton kernels)."""
   unsupported = [f.name for f in dataclasses.fields(spec)
-                 if f.name not in ("q_len", "kv_len", *_RANGED_FEATURES)
+                 if f.name not in ("q_len", "kv_len", *features)
                  and getattr(spec, f.name) != f.default]
   if unsupported:
     raise NotImplementedError(f"{kernel} does not support {unsupported}")
