@@ -40,6 +40,7 @@ def test_attention_flops_is_flash_attentions_count():
   assert cell.flops == 4 * 16384 * 4096 * 2048
 
 
+@pytest.mark.slow  # tooling of the GPU runs
 def test_compile_times_lists_the_tests_that_compile_longest(tmp_path):
   """`pytest --compile-times N` (tests/compile_times.py) sums JAX's compile
   events per test and lists the longest, in one process as under xdist."""
@@ -296,6 +297,7 @@ def _collected(*args) -> list[str]:
   return [line for line in run.stdout.splitlines() if "::" in line]
 
 
+@pytest.mark.slow  # tooling of the GPU runs
 def test_gpu_test_shards_partition_the_gpu_suite():
   """`pytest --shard I/N` (tests/conftest.py) splits a selection into N
   disjoint parts that together are all of it, and `h200_check.sh

@@ -37,6 +37,11 @@ from tests.attention_checks import (Case, assert_forward_within_rule,
                                     blocks_and_stripes, position_score,
                                     random_inputs)
 
+# `slow` (run by `pytest -m slow`, not by default): cases whose kernel form
+# a faster default case already takes, kept for a kernel change's check
+# before GPU time; the GPU suite runs them all at realistic sizes.
+slow = lambda *values: pytest.param(*values, marks=pytest.mark.slow)
+
 if mosaic_interpret.WHY_NOT is not None:
   pytest.skip(mosaic_interpret.WHY_NOT, allow_module_level=True)
 try:
@@ -47,14 +52,14 @@ except ImportError as e:  # a jaxlib built without Mosaic GPU
 # (case, is_causal, mosaic_forward options). The default grid is the
 # persistent one; a CPU has no SM count, so it gets two CTAs.
 CASES = [
-    (Case(1, 128, 128, 1, 1, 64), False, dict(persistent=False)),
+    slow(Case(1, 128, 128, 1, 1, 64), False, dict(persistent=False)),
     (Case(1, 128, 128, 1, 1, 64), True, dict(persistent=False)),
-    (Case(1, 256, 256, 2, 2, 64), False, dict(num_ctas=2)),
+    slow(Case(1, 256, 256, 2, 2, 64), False, dict(num_ctas=2)),
     (Case(1, 256, 256, 2, 2, 64), True, dict(num_ctas=2)),
     # GQA 2:1, and kv_len != q_len both ways under causal masking (empty
     # and partly masked K/V blocks, rows that attend to nothing).
     (Case(1, 128, 256, 2, 1, 64), True, dict(persistent=False)),
-    (Case(1, 256, 128, 1, 1, 64), True, dict(persistent=False)),
+    slow(Case(1, 256, 128, 1, 1, 64), True, dict(persistent=False)),
     # Three consumers (d=64's plan from q_len 1024) on a short tile; four
     # warpgroups (`_skip_if_too_wide`), their turns on hardware barriers.
     (Case(1, 192, 128, 1, 1, 64), False, dict(persistent=False,
@@ -72,22 +77,22 @@ CASES = [
                                               num_consumers=3)),
     # The consumer schedules: two consumers' turns at a rendezvous and on
     # hardware barriers, and P's row sum after P V.
-    (Case(1, 128, 128, 1, 1, 64), True, dict(persistent=False,
-                                             hw_turns=False)),
-    (Case(1, 128, 128, 1, 1, 64), True, dict(persistent=False,
-                                             hw_turns=True)),
-    (Case(1, 128, 128, 2, 2, 64), False, dict(num_ctas=2,
-                                              sum_after_pv=True)),
+    slow(Case(1, 128, 128, 1, 1, 64), True, dict(persistent=False,
+                                                 hw_turns=False)),
+    slow(Case(1, 128, 128, 1, 1, 64), True, dict(persistent=False,
+                                                 hw_turns=True)),
+    slow(Case(1, 128, 128, 2, 2, 64), False, dict(num_ctas=2,
+                                                  sum_after_pv=True)),
     # O rescaled only at steps where a row's max moved (`lazy_rescale`): on
     # any growth (the persistent grid, causal), and beyond 8 (the default
     # threshold; d=128 without a mask has it by its plan, below).
-    (Case(1, 256, 256, 2, 2, 64), True, dict(num_ctas=2, lazy_rescale=True,
-                                             rescale_threshold=0.0)),
-    (Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False,
-                                             lazy_rescale=True)),
+    slow(Case(1, 256, 256, 2, 2, 64), True,
+         dict(num_ctas=2, lazy_rescale=True, rescale_threshold=0.0)),
+    slow(Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False,
+                                                 lazy_rescale=True)),
     # head_dim 128's 128-row K/V tiles; without a mask its plan takes the
     # row sum after P V and rescales O lazily.
-    (Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False)),
+    slow(Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False)),
     (Case(1, 128, 256, 1, 1, 128), False, dict(num_ctas=2)),
 ]
 
@@ -115,7 +120,7 @@ def test_interpreted_mosaic_forward_matches_reference(case, is_causal,
   assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal)
 
 
-@pytest.mark.parametrize("threshold", [0.0, 8.0])
+@pytest.mark.parametrize("threshold", [slow(0.0), 8.0])
 def test_interpreted_lazy_rescale_with_wide_scores(threshold):
   """Scores 8x the usual spread, so that rows' maxima keep moving by more
   than the threshold after the first K/V tile (at 8: rescales at later
@@ -178,8 +183,9 @@ MASKED_VARIANTS = {
                       score_fn=position_score)),
     # A mask_fn of (b, h): its BlockMask's empty tiles skipped, full ones
     # unmasked, the rest masked head by head (dK/dV: each head of the
-    # group); rows past 128 attend to a ragged last block.
-    "mask_fn": (Case(2, 200, 256, 2, 1, 64),
+    # group); rows past 128 attend to a ragged last block. (The score_fn
+    # case checks the batch argument.)
+    "mask_fn": (Case(1, 130, 256, 2, 1, 64),
                 dict(mask_fn=blocks_and_stripes)),
     # A bias per (batch, head), its sequence axes padded to TMA's 8-row
     # tiling (100 and 150), streamed tile by tile; bottom-right causal.
@@ -207,7 +213,14 @@ def _masked_call(q, k, v, variants):
   return call.scale, call.spec, operands
 
 
-@pytest.mark.parametrize("name", list(MASKED_VARIANTS))
+# Masked forward variants whose masks a default one also takes (the
+# bottom-right offset: "alibi", "bias"; the window: lazy rescale's; the
+# soft cap: "alibi soft cap").
+_SLOW_MASKED = ("bottom-right causal", "causal window", "soft cap")
+
+
+@pytest.mark.parametrize("name", [slow(n) if n in _SLOW_MASKED else n
+                                  for n in MASKED_VARIANTS])
 def test_interpreted_mosaic_forward_masked_matches_reference(name):
   """`mosaic_forward_masked`'s out and lse against the float32 reference
   for the same mask arguments, within twice the plain bf16 computation's
@@ -221,7 +234,7 @@ def test_interpreted_mosaic_forward_masked_matches_reference(name):
   assert_forward_within_rule(q, k, v, out, lse, **variants)
 
 
-@pytest.mark.parametrize("name", ["causal window", "soft cap"])
+@pytest.mark.parametrize("name", [slow("causal window"), "soft cap"])
 def test_interpreted_lazy_rescale_masked_forward(name):
   """The ranged forward with O rescaled lazily (`lazy_rescale`), against
   the reference as above, with Q times 8 (exact in bf16) so that rows'
@@ -243,7 +256,7 @@ BACKWARD_CASES = [
     # d=64's 128-row Q tiles on the persistent grid (its default up to
     # kv_len 1024), GQA 2:1.
     (Case(1, 256, 256, 2, 1, 64), True, dict(block_q=128, num_ctas=2)),
-    (Case(1, 128, 128, 1, 1, 64), False, dict(persistent=False)),
+    slow(Case(1, 128, 128, 1, 1, 64), False, dict(persistent=False)),
     # d=128 on the launch grid, lse read early (its default without a mask)
     # and lean producers (bitwise scheduling, here the same numbers).
     (Case(1, 128, 256, 1, 1, 128), False, dict(persistent=False)),
@@ -255,8 +268,8 @@ BACKWARD_CASES = [
     # dK/dV on two copies of each K/V head of GQA 4:2, each walking one
     # query head (`kv_head_copies`), the copies summed after (copies in
     # another order would pair query heads with the wrong K/V head).
-    (Case(1, 128, 256, 4, 2, 64), True,
-     dict(persistent=False, kv_head_copies=2)),
+    slow(Case(1, 128, 256, 4, 2, 64), True,
+         dict(persistent=False, kv_head_copies=2)),
 ]
 
 
@@ -270,16 +283,16 @@ AHEAD_CASES = [
     # stages; three in two, so that the second tile starts in slot 1: a
     # walk that ignored the ring's `base` would read the wrong slot); a
     # walk of one step; and d=128's 64-row Q tiles with lse read early.
-    (Case(1, 384, 256, 2, 1, 64), False,
-     dict(block_q=128, persistent=False, scores_ahead=True)),
-    (Case(1, 256, 256, 1, 1, 64), False,
-     dict(block_q=128, num_ctas=1, scores_ahead=True)),
-    (Case(1, 384, 256, 1, 1, 64), False,
-     dict(block_q=128, num_ctas=1, scores_ahead=True)),
+    slow(Case(1, 384, 256, 2, 1, 64), False,
+         dict(block_q=128, persistent=False, scores_ahead=True)),
+    slow(Case(1, 256, 256, 1, 1, 64), False,
+         dict(block_q=128, num_ctas=1, scores_ahead=True)),
+    slow(Case(1, 384, 256, 1, 1, 64), False,
+         dict(block_q=128, num_ctas=1, scores_ahead=True)),
     (Case(1, 128, 128, 1, 1, 64), False,
      dict(block_q=128, persistent=False, scores_ahead=True)),
-    (Case(1, 256, 128, 1, 1, 128), False,
-     dict(persistent=False, scores_ahead=True, prefetch_lse=True)),
+    slow(Case(1, 256, 128, 1, 1, 128), False,
+         dict(persistent=False, scores_ahead=True, prefetch_lse=True)),
 ]
 
 # (case, is_causal, mosaic_backward options) of the fused kernel
@@ -372,6 +385,7 @@ def test_interpreted_mosaic_fused_backward_matches_reference(case, is_causal,
   _backward_test(case, is_causal, dict(options, fused_dq=True))
 
 
+@pytest.mark.slow
 def test_interpreted_wide_forms_in_a_larger_pool():
   """Runs the tests that skip here for want of CPU client threads
   (`_skip_if_too_wide`: the three-consumer forward, the fused backward) in
@@ -389,7 +403,7 @@ def test_interpreted_wide_forms_in_a_larger_pool():
       env=env, capture_output=True, text=True, timeout=300, check=False)
   summary = child.stdout.strip().splitlines()[-1] if child.stdout else ""
   expected = len(FUSED_BACKWARD_CASES) + sum(
-      "num_consumers" in options for _, _, options in CASES)
+      "num_consumers" in getattr(case, "values", case)[2] for case in CASES)
   assert child.returncode == 0 and summary.startswith(
       f"{expected} passed"), child.stdout[-4000:] + child.stderr[-2000:]
 
@@ -405,9 +419,13 @@ def test_interpreted_wide_forms_in_a_larger_pool():
 # and dV in a pass each, at 160) and with shared K/V rows (the plan above
 # 128 and 1024, at 160 in 32-byte swizzle tiles, at 192 in 64).
 OWN_WIDTH_CASES = [(80, True), (96, False), (160, True), (192, False)]
+# 96 by default (its 64-byte swizzle), the others with `-m slow`.
+_own_width = lambda d, *rest: (pytest.param(d, *rest) if d == 96
+                               else slow(d, *rest))
 
 
-@pytest.mark.parametrize("head_dim, is_causal", OWN_WIDTH_CASES)
+@pytest.mark.parametrize("head_dim, is_causal",
+                         [_own_width(*c) for c in OWN_WIDTH_CASES])
 def test_interpreted_own_width_forward_matches_reference(head_dim,
                                                          is_causal):
   case = Case(1, 128, 256, 2, 1, head_dim)
@@ -419,7 +437,8 @@ def test_interpreted_own_width_forward_matches_reference(head_dim,
   assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal)
 
 
-@pytest.mark.parametrize("head_dim", [d for d, _ in OWN_WIDTH_CASES])
+@pytest.mark.parametrize("head_dim", [_own_width(d) for d, _ in
+                                      OWN_WIDTH_CASES])
 def test_interpreted_own_width_masked_forward_matches_reference(head_dim):
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   case, variants = MASKED_VARIANTS["ragged causal"]
@@ -432,9 +451,9 @@ def test_interpreted_own_width_masked_forward_matches_reference(head_dim):
 
 
 @pytest.mark.parametrize("head_dim, is_causal, options", [
-    *((d, c, dict(num_ctas=2)) for d, c in OWN_WIDTH_CASES[:3]),
-    (160, False, dict(shared_rows=True, persistent=False)),
-    (192, True, dict(shared_rows=True, persistent=False)),
+    *(_own_width(d, c, dict(num_ctas=2)) for d, c in OWN_WIDTH_CASES[:3]),
+    slow(160, False, dict(shared_rows=True, persistent=False)),
+    slow(192, True, dict(shared_rows=True, persistent=False)),
 ], ids=str)
 def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
                                                           options):
@@ -443,11 +462,11 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
 
 
 @pytest.mark.parametrize("name, copies", [
-    ("ragged causal", None), ("lengths", None),
+    ("ragged causal", None), slow("lengths", None),
     # ALiBi's slopes, mask_fn's and score_fn's h per query head of a K/V
     # tile's group (no copies: with as many copies as the group, each copy
     # is one head).
-    ("alibi", 1), ("score_fn", 1), ("mask_fn", 1),
+    ("alibi", 1), slow("score_fn", 1), ("mask_fn", 1),
     # Dropout's hash and ALiBi's slopes are per query head: on K/V copies
     # (`kv_head_copies`) each copy's heads must still be the call's.
     ("dropout", 2)])

@@ -43,6 +43,12 @@ def _operands(values: dict) -> Operands:
   return lower_mosaic.masked_operands(values)
 
 
+# Mosaic GPU's other lowering semantics (the one-line switch in
+# `pallas_kernels.mosaic.compat`) for these forms with `-m slow`.
+_SEMANTICS = ["Warpgroup", pytest.param("Lane", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("lowering_semantics", _SEMANTICS, indirect=True)
 @pytest.mark.parametrize("name", list(VARIANTS))
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_masked_forward_lowers_for_cuda(head_dim, name, lowering_semantics):

@@ -544,6 +544,12 @@ def test_masked_backward_lowers_other_calls(name, kwargs, cuda_lowering):
   assert _kernels(_lower(name, 64, **kwargs)) == expected
 
 
+# Mosaic GPU's other lowering semantics (the one-line switch in
+# `pallas_kernels.mosaic.compat`) for these forms with `-m slow`.
+_SEMANTICS = ["Warpgroup", pytest.param("Lane", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("lowering_semantics", _SEMANTICS, indirect=True)
 @pytest.mark.parametrize("name, head_dim", [("combined", 64),
                                             ("soft cap", 128),
                                             ("segments", 256),
