@@ -194,6 +194,16 @@ MASKED_VARIANTS = {
                   bias=2.0 * jax.random.normal(jax.random.key(4),
                                                (2, 2, 100, 150),
                                                jnp.bfloat16))),
+    # A dense mask per batch (rows 0-9 of batch 1 see nothing) beside a
+    # bias per head, under a soft cap (the mask after it): both streamed.
+    "dense mask, bias": (Case(2, 100, 150, 2, 1, 64),
+                         dict(logits_soft_cap=5.0,
+                              mask=jax.random.bernoulli(
+                                  jax.random.key(6), 0.6, (2, 1, 100, 150)
+                              ).at[1, :, :10].set(False),
+                              bias=jax.random.normal(jax.random.key(7),
+                                                     (1, 2, 100, 150),
+                                                     jnp.bfloat16))),
     # The reference drops the same weights (`masking.dropout_keep`).
     "dropout": (Case(2, 64, 100, 2, 1, 64),
                 dict(is_causal=True, q_offset=jnp.array([36, 0]),

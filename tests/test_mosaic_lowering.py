@@ -345,10 +345,10 @@ def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,
                                                          monkeypatch):
   """`implementation=None` as on an H200, cross-lowered: Mosaic for aligned
   and ragged 16-bit calls (ragged, ALiBi, dropout, a `score_fn`, a
-  `mask_fn` and a bias in q's dtype through the masked forward), Triton
-  for float32, a float32 bias beside bfloat16 q and a dense mask (the same
-  expectations as the GPU's `test_implementation_none_uses_kernels_on_gpu`).
-  """
+  `mask_fn`, a bias in q's dtype and a dense mask through the masked
+  forward), Triton for float32, a float32 bias beside bfloat16 q and a
+  mask broadcast along the queries (the same expectations as the GPU's
+  `test_implementation_none_uses_kernels_on_gpu`)."""
   monkeypatch.setattr(versions, "gpu_compute_capability", lambda: (9, 0))
   monkeypatch.setattr(versions, "has_gpu", lambda: True)
 
@@ -365,12 +365,13 @@ def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,
                lowered(jnp.bfloat16, 512, score_fn=lambda s, *_: s * 0.5),
                lowered(jnp.bfloat16, 512, mask_fn=lambda b, h, i, j: i >= j),
                lowered(jnp.bfloat16, 512,
-                       bias=jnp.zeros((512, 512), jnp.bfloat16))):
+                       bias=jnp.zeros((512, 512), jnp.bfloat16)),
+               lowered(jnp.bfloat16, 512,
+                       mask=jnp.tril(jnp.ones((512, 512), bool)))):
     assert _KERNEL_NAME in text
   for text in (lowered(jnp.float32, 512),
                lowered(jnp.bfloat16, 512, bias=jnp.zeros((512, 512))),
-               lowered(jnp.bfloat16, 512,
-                       mask=jnp.tril(jnp.ones((512, 512), bool)))):
+               lowered(jnp.bfloat16, 512, mask=jnp.ones((1, 512), bool))):
     assert _KERNEL_NAME not in text and "flash_forward" in text
 
 

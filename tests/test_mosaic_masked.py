@@ -135,6 +135,23 @@ def test_masked_forward_with_bias_lowers_for_cuda(head_dim, cuda_lowering):
   assert "mosaic_flash_forward" in lowered.as_text()
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_masked_forward_with_dense_mask_lowers_for_cuda(head_dim,
+                                                        cuda_lowering):
+  """A dense mask per batch (int8 tiles: 128- and 64-byte rows) beside a
+  bias per head, ragged lengths."""
+  spec = masking.MaskSpec(q_len=200, kv_len=333, has_dense_mask=True,
+                          has_bias=True, logits_soft_cap=20.0)
+  q = jax.ShapeDtypeStruct((2, 200, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 333, 2, head_dim), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((1, 4, 200, 333), jnp.bfloat16)
+  mask = jax.ShapeDtypeStruct((2, 1, 200, 333), jnp.bool_)
+  lowered = jax.jit(lambda q, k, v, b, m: mosaic_forward_masked(
+      q, k, v, scale=head_dim**-0.5, spec=spec, bias=b, dense_mask=m)).trace(
+          q, kv, kv, bias, mask).lower(lowering_platforms=("cuda",))
+  assert "mosaic_flash_forward" in lowered.as_text()
+
+
 def test_bias_gradients_come_from_the_triton_backward(cuda_lowering):
   """With a bias, the Mosaic forward and the Triton backward (which writes
   dbias, summed over the broadcast batch axis)."""
@@ -156,32 +173,27 @@ def test_bias_gradients_come_from_the_triton_backward(cuda_lowering):
   assert "mosaic_flash_forward" in text and "flash_backward" in text
 
 
-@pytest.mark.parametrize("bias, match", [
-    (None, "bias must be"),                                 # missing
-    (jnp.zeros((2, 1, 128, 128), jnp.bfloat16), "bias must be"),  # batch 2
-    (jnp.zeros((1, 2, 1, 128), jnp.bfloat16), "q_len, kv_len"),   # broadcast
-    (jnp.zeros((1, 2, 128, 128), jnp.float32), "dtype"),
+@pytest.mark.parametrize("name, x, match", [
+    ("bias", None, "bias must be"),                                 # missing
+    ("bias", jnp.zeros((2, 1, 128, 128), jnp.bfloat16), "bias must be"),
+    ("bias", jnp.zeros((1, 2, 1, 128), jnp.bfloat16), "q_len, kv_len"),
+    ("bias", jnp.zeros((1, 2, 128, 128), jnp.float32),
+     "takes bias in bfloat16"),
+    ("dense_mask", jnp.ones((1, 2, 128, 1), bool), "q_len, kv_len"),
+    ("dense_mask", jnp.ones((1, 2, 128, 128), jnp.int8), "in bool"),
+    ("dense_mask", jnp.ones((1, 3, 128, 128), bool), "dense_mask must be"),
 ])
-def test_masked_forward_checks_the_bias(bias, match):
-  """A bias the kernel cannot stream is NotImplementedError (the Triton
-  kernels take it); a wrong one is ValueError."""
-  spec = masking.MaskSpec(q_len=128, kv_len=128, has_bias=True)
+def test_masked_forward_checks_the_score_arrays(name, x, match):
+  """A bias or dense mask the kernel cannot stream is NotImplementedError
+  (the Triton kernels take it); a wrong one is ValueError."""
+  spec = masking.MaskSpec(q_len=128, kv_len=128,
+                          **{"bias": dict(has_bias=True),
+                             "dense_mask": dict(has_dense_mask=True)}[name])
   q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
-  error = ValueError if match == "bias must be" else NotImplementedError
+  error = ValueError if "must be" in match else NotImplementedError
   with pytest.raises(error, match=match):
-    jax.eval_shape(lambda q: mosaic_forward_masked(q, q, q, scale=0.125,
-                                                   spec=spec, bias=bias), q)
-
-
-@pytest.mark.parametrize("fields, match", [
-    (dict(has_dense_mask=True), "has_dense_mask"),
-])
-def test_masked_forward_refuses_other_features(fields, match):
-  spec = masking.MaskSpec(q_len=128, kv_len=128, **fields)
-  q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match=match):
-    jax.eval_shape(lambda q: mosaic_forward_masked(q, q, q, scale=0.125,
-                                                   spec=spec), q)
+    jax.eval_shape(lambda q: mosaic_forward_masked(
+        q, q, q, scale=0.125, spec=spec, **{name: x}), q)
 
 
 def test_masks_fall_back_while_the_masked_kernel_is_disabled(monkeypatch):
@@ -226,6 +238,10 @@ _GPU_VARIANTS = {
     # A mask_fn whose tiles differ per head, GQA 4:1, causal, ragged.
     "mask_fn": (Case(2, 1000, 1537, 8, 2, 128),
                 dict(is_causal=True, mask_fn=blocks_and_stripes)),
+    # A dense mask per batch, int8 tiles streamed beside K/V; causal.
+    "dense mask": (Case(2, 1000, 1537, 8, 2, 128),
+                   dict(is_causal=True, mask=jax.random.bernoulli(
+                       jax.random.key(9), 0.7, (2, 1, 1000, 1537)))),
     # The reference drops the same weights (`masking.dropout_keep`).
     "dropout, causal window": (Case(2, 1000, 1537, 8, 2, 128),
                                dict(is_causal=True,

@@ -194,14 +194,16 @@ def masked_operand_kwargs(operands: Operands) -> dict:
   """The masked Mosaic kernels' keyword operands (q_offset, q_lengths,
   kv_lengths: int32 [batch] or None; the segment ids; the ALiBi slopes,
   float32 [batch, num_heads]; the dropout seed, int32 []; mask_fn's
-  `masking.BlockMask`) from `operands`."""
+  `masking.BlockMask`; the dense mask, bool [B | 1, N | 1, Tq, Tk]) from
+  `operands`."""
   return dict(q_offset=operands.q_offset, q_lengths=operands.q_lengths,
               kv_lengths=operands.kv_lengths,
               q_segments=operands.q_segments,
               kv_segments=operands.kv_segments,
               alibi_slopes=operands.alibi_slopes,
               dropout_seed=operands.dropout_seed,
-              block_mask=operands.block_mask)
+              block_mask=operands.block_mask,
+              dense_mask=operands.dense_mask)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -210,13 +212,13 @@ def flash_attention_mosaic_masked(query, key, value, bias, operands: Operands,
                                   backward_blocks: BlockSizes):
   """`mosaic_forward_masked`; gradients by `mosaic_backward_masked` while
   `MASKED_BACKWARD_ENABLED`, else (or where it raises NotImplementedError:
-  a bias, whose gradient it does not write) by the Triton backward for the
-  same `spec`.
+  a bias, whose gradient it does not write, or a dense mask) by the Triton
+  backward for the same `spec`.
 
   `bias` is None or [B | 1, N | 1, Tq, Tk] (differentiable); `operands`
   carries q_offset, q_lengths, kv_lengths (int32 [batch]), the segment
   ids, the ALiBi slopes (float32 [batch, num_heads]), the dropout seed
-  (int32 []) and mask_fn's BlockMask;
+  (int32 []), mask_fn's BlockMask and the dense mask (the forward's);
   returns (out [B, Tq, N, D], lse float32 [B, N, Tq]).
   """
   return mosaic_forward_masked(query, key, value, scale=scale, spec=spec,

@@ -171,11 +171,12 @@ def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
 
 
 def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
-           segments=None, slopes=None, bias=None):
+           segments=None, slopes=None, bias=None, dense_mask=None):
   """Builds and calls the kernel; `value` is [B, Hkv, D, T] in FP8; the
   ranged kernel's `slopes` are `common.slope_rows` (`spec.has_alibi`), its
   `bias` [batch | 1, heads | 1, q_len, kv_len] in query's dtype
-  (`spec.has_bias`).
+  (`spec.has_bias`) and `dense_mask` the same in int8, nonzero where a
+  query sees a key (`spec.has_dense_mask`).
 
   In the ranged kernel the LSE is returned padded to whole tiles (its rows
   are TMA'd whole, and TMA needs 16-byte strides), for the caller to slice.
@@ -250,11 +251,12 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
     scratch += (plgpu.SMEM((consumers, *slopes.shape[1:]), jnp.float32),
                 plgpu.Barrier(num_barriers=consumers))  # slopes_arrived
     inputs += (slopes,)
-  if bias is not None:  # each consumer's tile of its step
-    scratch += (plgpu.SMEM((consumers, block_q, block_kv), static.dtype,
-                           transforms=swizzled(block_kv, static.dtype)),
-                plgpu.Barrier(num_barriers=consumers))  # bias_arrived
-    inputs += (bias,)
+  for tiles in (bias, dense_mask):  # each consumer's tile of its step
+    if tiles is not None:
+      scratch += (plgpu.SMEM((consumers, block_q, block_kv), tiles.dtype,
+                             transforms=swizzled(block_kv, tiles.dtype)),
+                  plgpu.Barrier(num_barriers=consumers))
+      inputs += (tiles,)
   out_type = (
       versions.output_struct(query.shape, out_dtype, *inputs),
       # Sequence minor, so that each consumer stores its LSE rows with one
@@ -337,6 +339,8 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
     smem_bytes += num_consumers * slope_rows_bytes(num_heads)
   if spec is not None and spec.has_bias:
     smem_bytes += num_consumers * block_q * block_kv * dtype.itemsize
+  if spec is not None and spec.has_dense_mask:  # int8
+    smem_bytes += num_consumers * block_q * block_kv
   if fp8:  # the O buffer, and the descale rows
     smem_bytes += num_consumers * (
         block_q * head_dim * fp8_out_dtype.itemsize + block_q * block_kv

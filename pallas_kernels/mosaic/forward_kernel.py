@@ -211,10 +211,12 @@ class _SegmentRefs(NamedTuple):
   kv_arrived: Any    # barriers [stages]
 
 
-class _BiasTiles(NamedTuple):
-  """The ranged kernel's bias (`spec.has_bias`): each consumer copies the
-  [block_q, block_kv] tile of its next step while it computes this one."""
-  gmem: Any          # [q_len, kv_len] of this (batch, head), 16-bit
+class _ScoreTiles(NamedTuple):
+  """A ranged kernel's array over the scores, the bias (`spec.has_bias`,
+  16-bit) or the dense mask (`spec.has_dense_mask`, int8): each consumer
+  copies the [block_q, block_kv] tile of its next step while it computes
+  this one (`_tile_reader`)."""
+  gmem: Any          # [q_len, kv_len] of this (batch, head)
   smem: Any          # [consumers, block_q, block_kv]
   arrived: Any       # barriers [consumers]
 
@@ -261,14 +263,16 @@ def forward_kernel(*refs, static: KernelStatic):
   order:
 
   q, k, v, [descale (FP8)], [plan (ranged)], [q ids, kv ids (segments)],
-  [slopes (ALiBi)], [bias], out, lse, the 10 common scratch refs, [FP8's
-  4], [ranged's 2], [segments' 4], [ALiBi's 2], [bias' 2].
+  [slopes (ALiBi)], [bias], [dense mask], out, lse, the 10 common scratch
+  refs, [FP8's 4], [ranged's 2], [segments' 4], [ALiBi's 2], [bias' 2],
+  [dense mask's 2].
   """
   segmented = static.ranged and static.spec.has_segments
   alibi = static.ranged and static.spec.has_alibi
   biased = static.ranged and static.spec.has_bias
+  dense = static.ranged and static.spec.has_dense_mask
   num_inputs = (3 + static.fp8 + static.ranged + 2 * segmented + alibi
-                + biased)
+                + biased + dense)
   inputs, scratch = refs[:num_inputs], refs[num_inputs + 2:]
   q_ref, k_ref, v_ref = inputs[:3]
   out_ref, lse_ref = refs[num_inputs:num_inputs + 2]
@@ -284,7 +288,7 @@ def forward_kernel(*refs, static: KernelStatic):
   q_tile = tile_index("q_tile", num_q_tiles, reverse=(
       static.is_causal and not static.ranged))
   tile_start = q_tile * static.tile_rows
-  plan = segment_refs = slopes = bias = None
+  plan = segment_refs = slopes = bias = dense_mask = None
   if static.ranged:
     plan = PlanRow(inputs[3].at[batch, q_tile],
                    *scratch[10:12])
@@ -295,13 +299,15 @@ def forward_kernel(*refs, static: KernelStatic):
     first_scratch = 12 + 4 * segmented
     slopes = SlopeRows(inputs[4 + 2 * segmented].at[batch],
                        *scratch[first_scratch:first_scratch + 2])
-  if biased:  # batch and head axes of size 1 broadcast
-    bias_ref = inputs[-1]
-    first_scratch = 12 + 4 * segmented + 2 * alibi
-    bias = _BiasTiles(
-        bias_ref.at[batch if bias_ref.shape[0] > 1 else 0,
-                    head if bias_ref.shape[1] > 1 else 0],
-        *scratch[first_scratch:first_scratch + 2])
+  first_input = 4 + 2 * segmented + alibi
+  first_scratch = 12 + 4 * segmented + 2 * alibi
+  if biased:
+    bias = _score_tiles(inputs[first_input], scratch[first_scratch:],
+                        batch, head)
+  if dense:
+    dense_mask = _score_tiles(inputs[first_input + biased],
+                              scratch[first_scratch + 2 * biased:], batch,
+                              head)
 
   consumer_registers, producer_registers = register_split(
       lean=False, num_consumers=static.num_consumers)
@@ -320,7 +326,7 @@ def forward_kernel(*refs, static: KernelStatic):
              k_consumed, v_consumed, turns.turns_of(pingpong, static),
              batch=batch, head=head, wg=wg, tile_start=tile_start,
              static=static, fp8=fp8, plan=plan, segments=segment_refs,
-             slopes=slopes, bias=bias)
+             slopes=slopes, bias=bias, dense_mask=dense_mask)
 
   @pl.when(wg == static.producer)
   def _producer():
@@ -487,7 +493,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
              pingpong, *, batch, head, wg, tile_start, static: KernelStatic,
              fp8: _Fp8Refs | None, plan: PlanRow | None,
              segments: _SegmentRefs | None = None, tile: _Tile | None = None,
-             slopes: SlopeRows | None = None, bias: _BiasTiles | None = None):
+             slopes: SlopeRows | None = None, bias: _ScoreTiles | None = None,
+             dense_mask: _ScoreTiles | None = None):
   """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile.
 
   Persistent grid (`tile` given): Q was loaded by the previous tile (or the
@@ -539,9 +546,12 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       q_ids = plgpu.layout_cast(q_ids_smem[...],
                                 plgpu.Layout.WGMMA.reduce(1))
   consumed_base = wg * static.num_stages
-  bias_tile = None
+  bias_tile = mask_tile = None
   if bias is not None:
-    bias_tile = _bias_reader(bias, wg, q_rows, lo=lo, hi=hi, static=static)
+    bias_tile = _tile_reader(bias, wg, q_rows, lo=lo, hi=hi, static=static)
+  if dense_mask is not None:
+    mask_tile = _tile_reader(dense_mask, wg, q_rows, lo=lo, hi=hi,
+                             static=static)
 
   def wait_key_ids(slot):
     """Every step waits for its key ids (each barrier phase, every thread)."""
@@ -613,6 +623,10 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     if masked and plan is not None:
       # Read before the slot is released: the key ids share it with K.
       step_values = with_key_ids(values, slot, s.shape)
+    if mask_tile is not None:  # every step of the range reads its tile
+      kept = mask_tile(step) != 0
+      if masked:
+        step_values = step_values._replace(dense_mask=kept)
     plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
     scale_log2 = static.scale_log2
     if plan is not None and static.spec.modifies_scores:
@@ -623,7 +637,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       s = masking.modify_scores(
           static.spec, s * static.scale, *positions,
           values if bias_tile is None else values._replace(
-              bias=bias_tile(step)))
+              bias=bias_tile(step).astype(jnp.float32)))
       scale_log2 = LOG2E
     if masked and plan is None:
       s = jnp.where(causal_mask(q_start, step, static), s, -jnp.inf)
@@ -780,31 +794,38 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
 
 
-def _bias_reader(bias: _BiasTiles, wg, q_rows, *, lo, hi,
+def _score_tiles(ref, scratch, batch, head) -> _ScoreTiles:
+  """`_ScoreTiles` of (batch, head) in `ref` [batch | 1, heads | 1, q_len,
+  kv_len] (axes of size 1 broadcast) and the first two `scratch` refs."""
+  return _ScoreTiles(ref.at[batch if ref.shape[0] > 1 else 0,
+                            head if ref.shape[1] > 1 else 0], *scratch[:2])
+
+
+def _tile_reader(tiles: _ScoreTiles, wg, q_rows, *, lo, hi,
                  static: KernelStatic):
-  """`bias_tile(step)`: the float32 [block_q, block_kv] bias of consumer
-  `wg`'s rows `q_rows` and K/V block `step`, for the steps of its range
-  [lo, hi) in order. One buffer per consumer: the first tile's copy is
-  issued here, each later one as soon as every thread has read the one
-  before (TMA's zero fill past the ends: those keys are masked, those rows
-  dropped), so that it lands under the rest of the step."""
-  smem, arrived = bias.smem.at[wg], bias.arrived.at[wg]
+  """`read(step)`: the [block_q, block_kv] tile of consumer `wg`'s rows
+  `q_rows` and K/V block `step` (WGMMA layout, the array's dtype), for the
+  steps of its range [lo, hi) in order. One buffer per consumer: the first
+  tile's copy is issued here, each later one as soon as every thread has
+  read the one before (TMA's zero fill past the ends: those keys are
+  masked, those rows dropped), so that it lands under the rest of the
+  step."""
+  smem, arrived = tiles.smem.at[wg], tiles.arrived.at[wg]
 
   def copy(step):
     plgpu.copy_gmem_to_smem(
-        bias.gmem.at[q_rows, pl.ds(step * static.block_kv, static.block_kv)],
+        tiles.gmem.at[q_rows, pl.ds(step * static.block_kv, static.block_kv)],
         smem, arrived)
 
   pl.when(lo < hi)(functools.partial(copy, lo))
 
-  def bias_tile(step):
+  def read(step):
     plgpu.barrier_wait(arrived)
-    tile = plgpu.layout_cast(smem[...], plgpu.Layout.WGMMA).astype(
-        jnp.float32)
+    tile = plgpu.layout_cast(smem[...], plgpu.Layout.WGMMA)
     plgpu.commit_smem()  # every thread's reads, before TMA overwrites
     pl.when(step + 1 < hi)(functools.partial(copy, step + 1))
     return tile
-  return bias_tile
+  return read
 
 
 def _descale(fp8: _Fp8Refs, i):

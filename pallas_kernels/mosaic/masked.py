@@ -21,9 +21,9 @@ from pallas_kernels.mosaic.common import PLAN_WIDTH, slope_rows, swizzled
 _RANGED_FEATURES = ("is_causal", "window", "has_q_offset", "has_q_lengths",
                     "has_kv_lengths", "has_segments", "logits_soft_cap",
                     "has_alibi", "dropout_rate", "score_fn", "mask_fn")
-# The forward also takes a bias (its gradient comes from the Triton
-# backward, which writes dbias).
-_FORWARD_FEATURES = _RANGED_FEATURES + ("has_bias",)
+# The forward also takes a bias and a dense mask (their gradients come
+# from the Triton backward, which writes dbias).
+_FORWARD_FEATURES = _RANGED_FEATURES + ("has_bias", "has_dense_mask")
 
 
 def mosaic_forward_masked(query, key, value, *, scale: float,
@@ -31,7 +31,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                           q_lengths=None, kv_lengths=None, q_segments=None,
                           kv_segments=None, alibi_slopes=None,
                           dropout_seed=None, block_mask=None, bias=None,
-                          block_q: int = 64,
+                          dense_mask=None, block_q: int = 64,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2,
                           lazy_rescale: bool | None = None):
@@ -64,6 +64,10 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     bias: [batch | 1, num_heads | 1, q_len, kv_len] in query's dtype
       (`spec.has_bias`), added to the scaled logits, or None; each
       consumer streams the tile of its next step.
+    dense_mask: bool [batch | 1, num_heads | 1, q_len, kv_len]
+      (`spec.has_dense_mask`: True where a query sees a key) or None;
+      streamed as int8 tiles like the bias. It empties no tile in the
+      classification: every visited tile is masked.
     dropout_seed: int32 [] (`spec.dropout_rate` > 0) or None. P's weights
       are dropped by `masking.dropout_keep` (the Triton kernels' and the
       reference's bits) after the row sum, so that the LSE is dropout's
@@ -78,14 +82,17 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     [batch, num_heads, q_len]), as `forward.mosaic_forward`.
 
   Raises:
-    NotImplementedError: for features outside `_FORWARD_FEATURES` (dense
-      masks, sinks), a bias of another dtype or broadcast along q_len or
-      kv_len, a `block_mask` whose tile does not divide the kernel's, and
-      what `forward.mosaic_forward` refuses.
+    NotImplementedError: for features outside `_FORWARD_FEATURES`
+      (sinks), a bias of another dtype than query's, a bias or dense mask
+      broadcast along q_len or kv_len, a `block_mask` whose tile does not
+      divide the kernel's, and what `forward.mosaic_forward` refuses.
   """
   check_ranged_features(spec, "the masked Mosaic forward",
                         _FORWARD_FEATURES)
-  check_bias(spec, bias, query)
+  check_score_array("bias", spec.has_bias, bias, query, spec.kv_len,
+                    dtype=query.dtype)
+  check_score_array("dense_mask", spec.has_dense_mask, dense_mask, query,
+                    spec.kv_len, dtype=jnp.bool_)
   if spec.logits_soft_cap is not None and not scale > 0:
     raise NotImplementedError("scale must be positive")
   check_slopes(spec, alibi_slopes, query.shape)
@@ -115,9 +122,12 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                 pad_ids(kv_segments, key.shape[1]))
   slopes = slope_rows(alibi_slopes) if spec.has_alibi else None
   if spec.has_bias:
-    bias = pad_bias(bias, static)
+    bias = pad_tiles(bias, static)
+  if spec.has_dense_mask:  # one byte an element, as TMA copies it
+    dense_mask = pad_tiles(dense_mask.astype(jnp.int8), static)
   out, lse = forward.launch(static, query, key, value, plan=rows,
-                            segments=segments, slopes=slopes, bias=bias)
+                            segments=segments, slopes=slopes, bias=bias,
+                            dense_mask=dense_mask)
   return out[:, :q_len], lse[..., :q_len]
 
 
@@ -136,39 +146,41 @@ def check_slopes(spec: masking.MaskSpec, alibi_slopes, q_shape):
         f"{None if alibi_slopes is None else alibi_slopes.shape}")
 
 
-def pad_bias(bias, static: forward.KernelStatic):
-  """`bias` zero-padded to whole tiles of its shared-memory layout (TMA
-  needs its sequence axes to be: 8 rows, and 64 columns at a 128-byte
-  swizzle); a copy, only for lengths that are not."""
-  rows, columns = swizzled(static.block_kv, static.dtype)[0].tiling
-  pad = [(0, 0), (0, 0), (0, -bias.shape[2] % rows),
-         (0, -bias.shape[3] % columns)]
-  return jnp.pad(bias, pad) if any(p for _, p in pad) else bias
+def pad_tiles(x, static: forward.KernelStatic):
+  """A bias or dense mask [B | 1, N | 1, q_len, kv_len] zero-padded to
+  whole tiles of its shared-memory layout (TMA needs its sequence axes to
+  be: 8 rows, and the swizzle's columns, 64 of 16 bits or 128 bytes at
+  block_kv 128); a copy, only for lengths that are not."""
+  rows, columns = swizzled(static.block_kv, x.dtype)[0].tiling
+  pad = [(0, 0), (0, 0), (0, -x.shape[2] % rows), (0, -x.shape[3] % columns)]
+  return jnp.pad(x, pad) if any(p for _, p in pad) else x
 
 
-def check_bias(spec: masking.MaskSpec, bias, query):
-  """ValueError unless a bias is given exactly when `spec.has_bias`;
+def check_score_array(name: str, expected: bool, x, query, kv_len: int, *,
+                      dtype):
+  """ValueError unless array `name` (the bias or the dense mask) is given
+  exactly when the spec says (`expected`), [batch | 1, num_heads | 1, ...];
   NotImplementedError for one the kernel does not stream (another dtype
-  than query's, or broadcast along a sequence axis: the Triton kernels
+  than `dtype`, or broadcast along a sequence axis: the Triton kernels
   take those)."""
-  if not spec.has_bias:
-    if bias is not None:
-      raise ValueError("bias given but spec.has_bias is False")
+  if not expected:
+    if x is not None:
+      raise ValueError(f"{name} given but the spec has none")
     return
   batch, q_len, num_heads, _ = query.shape
-  if bias is None or bias.ndim != 4 or bias.shape[0] not in (1, batch) or (
-      bias.shape[1] not in (1, num_heads)):
+  if x is None or x.ndim != 4 or x.shape[0] not in (1, batch) or (
+      x.shape[1] not in (1, num_heads)):
     raise ValueError(
-        f"bias must be [batch | 1, num_heads | 1, q_len, kv_len] for query "
-        f"{query.shape}; got {None if bias is None else bias.shape}")
-  if bias.shape[2:] != (q_len, spec.kv_len):
+        f"{name} must be [batch | 1, num_heads | 1, q_len, kv_len] for "
+        f"query {query.shape}; got {None if x is None else x.shape}")
+  if x.shape[2:] != (q_len, kv_len):
     raise NotImplementedError(
-        f"the masked Mosaic forward streams bias tiles of [q_len, kv_len] = "
-        f"({q_len}, {spec.kv_len}); got {bias.shape}")
-  if bias.dtype != query.dtype:
+        f"the masked Mosaic forward streams {name} tiles of [q_len, kv_len] "
+        f"= ({q_len}, {kv_len}); got {x.shape}")
+  if x.dtype != dtype:
     raise NotImplementedError(
-        f"the masked Mosaic forward takes a bias in query's dtype "
-        f"{query.dtype}, got {bias.dtype}")
+        f"the masked Mosaic forward takes {name} in {jnp.dtype(dtype).name}, "
+        f"got {x.dtype}")
 
 
 def check_dropout_seed(spec: masking.MaskSpec, dropout_seed):

@@ -40,7 +40,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                            q_offset=None, q_lengths=None, kv_lengths=None,
                            q_segments=None, kv_segments=None,
                            alibi_slopes=None, dropout_seed=None,
-                           block_mask=None, block_q: int = 64,
+                           block_mask=None, dense_mask=None,
+                           block_q: int = 64,
                            block_kv: int = 64,
                            max_concurrent_steps: int = 2,
                            overlap_softmax: bool = False,
@@ -72,6 +73,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       them, dP is dropped as they were, both scaled by 1 / (1 - rate).
     block_mask: `masking.BlockMask` of `spec.mask_fn` (`masked.tile_states`),
       or None: built here where it needs one (`masked.block_mask_of`).
+    dense_mask: taken for the forward's signature; `spec.has_dense_mask`
+      raises NotImplementedError (the Triton backward's).
     block_q, block_kv, max_concurrent_steps, overlap_softmax,
       kv_head_copies: as `plan.BackwardConfig`'s (kv_head_copies None:
       `plan.planned_kv_copies`' choice). overlap_softmax is off by
