@@ -13,9 +13,9 @@ Each row is judged against a yardstick (`Variant.against`):
 - masks by their speed-up over full attention (the work they let the
   kernels skip);
 - the same mask or score change written two ways against each other: the
-  causal mask and a document mask as `mask_fn` against `is_causal` and
-  `segment_ids`, ALiBi and the soft cap as `score_fn` against
-  `alibi_slopes` and `logits_soft_cap`;
+  causal mask as `mask_fn` and as a dense mask, and a document mask as
+  `mask_fn`, against `is_causal` and `segment_ids`, ALiBi and the soft cap
+  as `score_fn` against `alibi_slopes` and `logits_soft_cap`;
 - score changes (soft cap, ALiBi, dropout) by their cost over the plain
   causal call;
 - a dense bias against cuDNN's attention with the same bias (`jax.nn`,
@@ -73,6 +73,8 @@ def variants(seq: int, num_heads: int) -> dict[str, Variant]:
                                             "full"),
       "causal as mask_fn": Variant(
           dict(mask_fn=lambda b, h, q, k: q >= k), "causal"),
+      "causal as a dense mask": Variant(
+          dict(mask=jnp.tril(jnp.ones((seq, seq), bool))), "causal"),
       "16 documents as mask_fn": Variant(
           dict(mask_fn=lambda b, h, q, k: q // document == k // document),
           "16 documents (segment ids)"),

@@ -455,12 +455,13 @@ def test_masks_benchmark_judges_each_row_by_its_yardstick(tmp_path):
 
 
 def test_masks_benchmark_passes_arrays_as_arguments():
-  """A row's arrays (the dense bias, segment ids, slopes) are arguments of
-  its jitted program, not constants in it: at 16k x 16 heads the bias is
-  8.6 GB, which lowering would copy into the program."""
+  """A row's arrays (the dense bias and mask, segment ids, slopes) are
+  arguments of its jitted program, not constants in it: at 16k x 16 heads
+  the bias is 8.6 GB, which lowering would copy into the program."""
   from benchmarks import masks
   table = masks.variants(64, 2)
-  for name in ("dense bias", "16 documents (segment ids)", "alibi"):
+  for name in ("dense bias", "causal as a dense mask",
+               "16 documents (segment ids)", "alibi"):
     fn, inputs = masks.build("fwd", (1, 64, 2, 32), table[name],
                              interpret=True)
     arrays = inputs[-1]
