@@ -450,11 +450,11 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
 
     def probabilities(s_t):
       """(Pᵀ, its slope, dropout's kept weights or None)."""
+      lse = column_stat(0) if lse_log2 is None else lse_log2
       values = (walk.values if head_values is None
                 else head_values(group_index))
-      p_t, slope = tile_probabilities(
-          s_t, column_stat(0) if lse_log2 is None else lse_log2, per_column,
-          values, static, positions=lambda: positions(q_block))
+      p_t, slope = tile_probabilities(s_t, lse, per_column, values, static,
+                                      positions=lambda: positions(q_block))
       if masked:
         p_t = jnp.where(tile_mask(q_block, slot, values), p_t, 0.0)
       return p_t, slope, (None if kept_of is None
