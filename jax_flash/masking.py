@@ -7,5 +7,5 @@ the name users and the reference know it by.
 """
 from pallas_kernels.masking import (  # noqa: F401
     EMPTY, FULL, PARTIAL, BlockMask, MaskSpec, MaskValues, Operands,
-    apply_sinks, block_ranges, classify_blocks, dropout_keep, keep,
-    modify_scores)
+    apply_sinks, block_ranges, classify_blocks, dense_block_states,
+    dropout_keep, keep, modify_scores)

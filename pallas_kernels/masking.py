@@ -276,13 +276,17 @@ def _classify(empty, full):
 
 def classify_blocks(spec: MaskSpec, block_q: int, block_k: int, *,
                     q_offset=None, q_lengths=None, kv_lengths=None,
-                    q_segments=None, kv_segments=None, fine_map=None):
+                    q_segments=None, kv_segments=None, fine_map=None,
+                    dense_mask=None):
   """EMPTY / PARTIAL / FULL for every [block_q, block_k] tile.
 
   Args:
     q_offset, q_lengths, kv_lengths: int32 [batch] or None.
     q_segments: int32 [batch, q_len]; kv_segments: int32 [batch, kv_len].
     fine_map: `BlockMask.states` for `mask_fn`, or None.
+    dense_mask: the `spec.has_dense_mask` array, bool [batch | 1,
+      heads | 1, q_len | 1, kv_len | 1] (`dense_block_states`), or None:
+      then every tile is PARTIAL for it.
 
   Returns:
     int32 [batch | 1, heads | 1, num_q_blocks, num_kv_blocks].
@@ -324,12 +328,37 @@ def classify_blocks(spec: MaskSpec, block_q: int, block_k: int, *,
         k_max[:, None, :] < q_min[:, :, None])
     full = full & ((q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]
                    & (q_min[:, :, None] == k_min[:, None, :]))
-  if spec.has_dense_mask:
+  if spec.has_dense_mask and dense_mask is None:
     full = full & False
   states = _classify(empty, full)[:, None]                  # [B|1, 1, nq, nk]
   if fine_map is not None:
     states = jnp.minimum(states, fine_map.coarsen(block_q, block_k))
+  if spec.has_dense_mask and dense_mask is not None:
+    states = jnp.minimum(states,
+                         dense_block_states(dense_mask, block_q, block_k))
   return states
+
+
+def dense_block_states(mask, block_q: int, block_k: int):
+  """EMPTY / PARTIAL / FULL of each [block_q, block_k] tile of a dense
+  mask (any kept, all kept), one reduction over it; positions past its
+  ends count as neither (`classify_blocks` makes a partial last tile
+  PARTIAL). Combined with the other masks' states by `jnp.minimum`.
+
+  Args:
+    mask: bool [batch | 1, heads | 1, q_len | 1, kv_len | 1].
+
+  Returns:
+    int32 [batch | 1, heads | 1, num_q_blocks | 1, num_kv_blocks | 1]: an
+    axis the mask broadcasts along stays of size 1.
+  """
+  b, h, q, k = mask.shape
+  bq, bk = (block_q if q > 1 else 1), (block_k if k > 1 else 1)
+  nq, nk = -(-q // bq), -(-k // bk)
+  pad = ((0, 0), (0, 0), (0, nq * bq - q), (0, nk * bk - k))
+  tiles = lambda fill: jnp.pad(mask, pad, constant_values=fill).reshape(
+      b, h, nq, bq, nk, bk)
+  return _classify(~tiles(False).any((3, 5)), tiles(True).all((3, 5)))
 
 
 def _block_min_max(ids, block: int):

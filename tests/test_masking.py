@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jax_flash import masking
-from jax_flash.masking import EMPTY, FULL, BlockMask, MaskSpec, MaskValues
+from jax_flash.masking import (EMPTY, FULL, PARTIAL, BlockMask, MaskSpec,
+                               MaskValues)
 
 
 def _keep_matrix(spec: MaskSpec, q_pad: int, kv_pad: int, values):
@@ -178,3 +179,42 @@ def test_block_mask_evaluates_what_mask_fn_reads(mask_fn, used,
   want = np.where(~any_kept, EMPTY, np.where(all_kept, FULL,
                                              masking.PARTIAL))
   np.testing.assert_array_equal(block_mask.states, want)
+
+
+def test_dense_mask_tiles_are_classified():
+  """A dense mask's tiles: EMPTY exactly where it keeps nothing inside the
+  sequences, FULL exactly where it keeps every pair of a whole tile, per
+  (batch, head); axes it broadcasts along stay of size 1."""
+  rng = np.random.default_rng(0)
+  q_len, kv_len, block_q, block_k = 100, 150, 32, 64
+  nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
+  # Per tile: nothing kept, a random half, or everything.
+  kinds = rng.integers(0, 3, size=(2, 3, nq, nk))
+  noise = rng.random((2, 3, nq * block_q, nk * block_k)) < 0.5
+  kind = kinds.repeat(block_q, 2).repeat(block_k, 3)
+  mask = np.where(kind == 2, True, np.where(kind == 1, noise, False))
+  mask = mask[:, :, :q_len, :kv_len]
+  spec = masking.MaskSpec(q_len=q_len, kv_len=kv_len, has_dense_mask=True)
+  states = np.asarray(masking.classify_blocks(spec, block_q, block_k,
+                                              dense_mask=jnp.asarray(mask)))
+  assert states.shape == (2, 3, nq, nk)
+  for b, h, i, j in np.ndindex(states.shape):
+    tile = mask[b, h, i * block_q:(i + 1) * block_q,
+                j * block_k:(j + 1) * block_k]
+    whole = (i + 1) * block_q <= q_len and (j + 1) * block_k <= kv_len
+    want = EMPTY if not tile.any() else (
+        FULL if tile.all() and whole else PARTIAL)
+    assert states[b, h, i, j] == want, (b, h, i, j)
+  # A key-padding mask broadcast along batch, heads and queries.
+  keys = jnp.arange(kv_len)[None, None, None, :] < 70
+  assert masking.dense_block_states(keys, block_q, block_k).shape == (
+      1, 1, 1, nk)
+
+
+def test_a_causal_dense_mask_skips_the_tiles_is_causal_skips():
+  spec = masking.MaskSpec(q_len=256, kv_len=256, has_dense_mask=True)
+  causal = jnp.tril(jnp.ones((256, 256), bool))[None, None]
+  dense = masking.classify_blocks(spec, 64, 64, dense_mask=causal)
+  built_in = masking.classify_blocks(
+      masking.MaskSpec(q_len=256, kv_len=256, is_causal=True), 64, 64)
+  np.testing.assert_array_equal(dense, built_in)

@@ -69,6 +69,12 @@ VARIANTS = {
     "dense-mask": (CASE, dict(mask=jax.random.bernoulli(
         jax.random.key(1), 0.6, (2, 1, 70, 90)))),
     "float-mask": (SELF, dict(mask=jnp.tril(jnp.ones((1, 1, 83, 83))))),
+    # Blocks of 32 positions, shifted per head: whole tiles kept or empty
+    # (skipped and unmasked from the mask's own classification), differing
+    # between the heads of a K/V group.
+    "dense-mask-blocks": (CASE, dict(mask=jnp.stack([
+        jnp.arange(70)[:, None] // 32 == (jnp.arange(90) + 16 * h) // 32
+        for h in range(4)])[None])),
     "mask_fn+score_fn": (CASE, dict(
         mask_fn=lambda b, h, i, j: ((i // 16 + j // 16 + h) % 3) != 0,
         score_fn=lambda s, b, h, i, j: s * (1.0 + 0.25 * h) - 0.01 * (i - j))),

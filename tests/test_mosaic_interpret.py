@@ -194,13 +194,19 @@ MASKED_VARIANTS = {
                   bias=2.0 * jax.random.normal(jax.random.key(4),
                                                (2, 2, 100, 150),
                                                jnp.bfloat16))),
-    # A dense mask per batch (rows 0-9 of batch 1 see nothing) beside a
-    # bias per head, under a soft cap (the mask after it): both streamed.
+    # A dense mask per batch beside a bias per head, under a soft cap (the
+    # mask after it): both streamed. Batch 0's mask keeps the first 128
+    # keys and a causal band (its tiles full, empty and partial: skipped,
+    # unmasked, masked); batch 1's is random, rows 0-9 seeing nothing.
     "dense mask, bias": (Case(2, 100, 150, 2, 1, 64),
                          dict(logits_soft_cap=5.0,
-                              mask=jax.random.bernoulli(
-                                  jax.random.key(6), 0.6, (2, 1, 100, 150)
-                              ).at[1, :, :10].set(False),
+                              mask=jnp.stack([
+                                  (jnp.arange(150) < 128)
+                                  | (jnp.arange(100)[:, None]
+                                     >= jnp.arange(150)),
+                                  jax.random.bernoulli(
+                                      jax.random.key(6), 0.6, (100, 150)
+                                  ).at[:10].set(False)])[:, None],
                               bias=jax.random.normal(jax.random.key(7),
                                                      (1, 2, 100, 150),
                                                      jnp.bfloat16))),

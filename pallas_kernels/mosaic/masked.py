@@ -66,8 +66,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       consumer streams the tile of its next step.
     dense_mask: bool [batch | 1, num_heads | 1, q_len, kv_len]
       (`spec.has_dense_mask`: True where a query sees a key) or None;
-      streamed as int8 tiles like the bias. It empties no tile in the
-      classification: every visited tile is masked.
+      streamed as int8 tiles like the bias. Its tiles are classified too
+      (`masking.dense_block_states`): none kept, skipped; all kept,
+      computed without the mask's arithmetic (its tile is still read).
     dropout_seed: int32 [] (`spec.dropout_rate` > 0) or None. P's weights
       are dropped by `masking.dropout_keep` (the Triton kernels' and the
       reference's bits) after the row sum, so that the LSE is dropout's
@@ -113,7 +114,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   rows = plan_rows(static, query.shape[0], q_offset=q_offset,
                    q_lengths=q_lengths, kv_lengths=kv_lengths,
                    q_segments=q_segments, kv_segments=kv_segments,
-                   block_mask=block_mask, dropout_seed=dropout_seed)
+                   block_mask=block_mask, dense_mask=dense_mask,
+                   dropout_seed=dropout_seed)
   q_len = query.shape[1]
   query, key, value = (pad_rows(x) for x in (query, key, value))
   segments = None
@@ -226,14 +228,15 @@ def check_ranged_features(spec: masking.MaskSpec, kernel: str,
 
 def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset,
               q_lengths, kv_lengths, q_segments, kv_segments,
-              block_mask=None, dropout_seed=None):
+              block_mask=None, dense_mask=None, dropout_seed=None):
   """int32 [batch, num_q_tiles, PLAN_WIDTH]: each tile's loop ranges
   over K/V blocks (`tile_plans`)."""
   spec = static.spec
   states = tile_states(spec, static.block_q, static.block_kv,
                        q_offset=q_offset, q_lengths=q_lengths,
                        kv_lengths=kv_lengths, q_segments=q_segments,
-                       kv_segments=kv_segments, block_mask=block_mask)
+                       kv_segments=kv_segments, block_mask=block_mask,
+                       dense_mask=dense_mask)
   ranges = masking.block_ranges(states)                # [B|1, nq, 4]
   return tile_plans(ranges, spec=spec, batch=batch,
                     num_consumers=forward.NUM_CONSUMERS,
@@ -255,12 +258,13 @@ def block_mask_of(spec: masking.MaskSpec, block_mask, q_shape):
 
 def tile_states(spec: masking.MaskSpec, block_q: int, block_kv: int, *,
                 q_offset=None, q_lengths=None, kv_lengths=None,
-                q_segments=None, kv_segments=None, block_mask=None):
+                q_segments=None, kv_segments=None, block_mask=None,
+                dense_mask=None):
   """int32 [batch | 1, num_q_blocks, num_kv_blocks]: the EMPTY / PARTIAL /
   FULL state of every [block_q, block_kv] tile (`masking.classify_blocks`),
   one for all heads: the plan rows are per batch, so that a tile `mask_fn`
-  empties (or fills) for some heads only is PARTIAL, and the kernels'
-  `masking.keep` masks it head by head.
+  or a per-head dense mask empties (or fills) for some heads only is
+  PARTIAL, and the kernels' `masking.keep` masks it head by head.
 
   Raises:
     ValueError: `spec.mask_fn` without its `block_mask` (`block_mask_of`).
@@ -277,7 +281,8 @@ def tile_states(spec: masking.MaskSpec, block_q: int, block_kv: int, *,
   states = masking.classify_blocks(
       spec, block_q, block_kv, q_offset=q_offset, q_lengths=q_lengths,
       kv_lengths=kv_lengths, q_segments=q_segments, kv_segments=kv_segments,
-      fine_map=block_mask if spec.mask_fn is not None else None)
+      fine_map=block_mask if spec.mask_fn is not None else None,
+      dense_mask=dense_mask)
   least, most = states.min(1), states.max(1)
   return jnp.where(least == most, least, masking.PARTIAL)
 

@@ -120,7 +120,8 @@ def prepare(spec: MaskSpec, operands, tiling: Tiling, *, batch: int,
   states = masking.classify_blocks(
       spec, bq, bk, q_offset=operands.q_offset, q_lengths=operands.q_lengths,
       kv_lengths=operands.kv_lengths, q_segments=operands.q_segments,
-      kv_segments=operands.kv_segments, fine_map=_fine_map(spec, operands))
+      kv_segments=operands.kv_segments, fine_map=_fine_map(spec, operands),
+      dense_mask=operands.dense_mask)
   if tiling.kv_tiled:
     states = jnp.swapaxes(states, 2, 3)
   nb, nh = states.shape[:2]
