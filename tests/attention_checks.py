@@ -162,3 +162,27 @@ def position_score(s, b, h, q_idx, kv_idx):
   the wrong b or h is off by far more than rounding)."""
   cap = 1.5 + b + 4.0 * h
   return cap * jnp.tanh(s / cap) - 0.05 * (h + 1) * (q_idx - kv_idx)
+
+
+# `implementation=None` on an sm90 GPU, as (dtype, q_len, flash_attention
+# keyword arguments) of a [1, q_len, 4, 64] self-attention call: the calls
+# that run on Mosaic (tile-aligned, a ragged length, ALiBi, dropout, a
+# score_fn, a mask_fn, a bias in q's dtype and a dense mask, the last six
+# through the masked forward), and those that stay on Triton (float32, a
+# float32 bias beside bfloat16 q, a mask broadcast along the queries).
+# `test_gpu` checks them on a GPU, `test_mosaic_lowering` cross-lowered.
+DISPATCHED_TO_MOSAIC = [
+    (jnp.bfloat16, 512, {}), (jnp.bfloat16, 500, {}),
+    (jnp.bfloat16, 512, dict(alibi_slopes=jnp.ones(4))),
+    (jnp.bfloat16, 512, dict(dropout_rate=0.1,
+                             dropout_rng=jax.random.key(0))),
+    (jnp.bfloat16, 512, dict(score_fn=lambda s, *_: s * 0.5)),
+    (jnp.bfloat16, 512, dict(mask_fn=lambda b, h, i, j: i >= j)),
+    (jnp.bfloat16, 512, dict(bias=jnp.zeros((512, 512), jnp.bfloat16))),
+    (jnp.bfloat16, 512, dict(mask=jnp.tril(jnp.ones((512, 512), bool)))),
+]
+DISPATCHED_TO_TRITON = [
+    (jnp.float32, 512, {}),
+    (jnp.bfloat16, 512, dict(bias=jnp.zeros((512, 512)))),
+    (jnp.bfloat16, 512, dict(mask=jnp.ones((1, 512), bool))),
+]

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import jax_flash
-from tests.attention_checks import Case, check_against_reference, random_inputs
+from tests.attention_checks import (DISPATCHED_TO_MOSAIC, DISPATCHED_TO_TRITON,
+                                    Case, check_against_reference,
+                                    random_inputs)
 
 pytestmark = pytest.mark.gpu
 
@@ -68,26 +70,12 @@ def test_implementation_none_uses_kernels_on_gpu():
     return jax.jit(lambda q, k, v: jax_flash.flash_attention(
         q, k, v, **kwargs)).lower(q, k, v).as_text()
 
-  # Tile-aligned, a ragged length, ALiBi, dropout, a score_fn, a mask_fn,
-  # a bias in q's dtype and a dense mask (the masked Mosaic forward's):
-  # Mosaic on Hopper.
-  for text in (lowered(jnp.bfloat16, 512), lowered(jnp.bfloat16, 500),
-               lowered(jnp.bfloat16, 512, alibi_slopes=jnp.ones(4)),
-               lowered(jnp.bfloat16, 512, dropout_rate=0.1,
-                       dropout_rng=jax.random.key(0)),
-               lowered(jnp.bfloat16, 512, score_fn=lambda s, *_: s * 0.5),
-               lowered(jnp.bfloat16, 512, mask_fn=lambda b, h, i, j: i >= j),
-               lowered(jnp.bfloat16, 512,
-                       bias=jnp.zeros((512, 512), jnp.bfloat16)),
-               lowered(jnp.bfloat16, 512,
-                       mask=jnp.tril(jnp.ones((512, 512), bool)))):
+  for dtype, q_len, kwargs in DISPATCHED_TO_MOSAIC:
+    text = lowered(dtype, q_len, **kwargs)
     assert ("mosaic_flash_forward" in text) == on_hopper
     assert "flash_forward" in text
-  # float32, a float32 bias beside bf16 q and a mask broadcast along the
-  # queries: not Mosaic's; Triton takes them.
-  for text in (lowered(jnp.float32, 512),
-               lowered(jnp.bfloat16, 512, bias=jnp.zeros((512, 512))),
-               lowered(jnp.bfloat16, 512, mask=jnp.ones((1, 512), bool))):
+  for dtype, q_len, kwargs in DISPATCHED_TO_TRITON:
+    text = lowered(dtype, q_len, **kwargs)
     assert "mosaic_flash_forward" not in text
     assert "flash_forward" in text
 

@@ -16,7 +16,8 @@ import pytest
 
 import jax_flash
 from pallas_kernels import compat as versions
-from tests.attention_checks import (Case, assert_forward_within_rule,
+from tests.attention_checks import (DISPATCHED_TO_MOSAIC, DISPATCHED_TO_TRITON,
+                                    Case, assert_forward_within_rule,
                                     check_against_reference, random_inputs)
 
 try:
@@ -343,12 +344,9 @@ def test_persistent_forward_matches_reference_on_gpu(case, dtype, is_causal,
 
 def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,
                                                          monkeypatch):
-  """`implementation=None` as on an H200, cross-lowered: Mosaic for aligned
-  and ragged 16-bit calls (ragged, ALiBi, dropout, a `score_fn`, a
-  `mask_fn`, a bias in q's dtype and a dense mask through the masked
-  forward), Triton for float32, a float32 bias beside bfloat16 q and a
-  mask broadcast along the queries (the same expectations as the GPU's
-  `test_implementation_none_uses_kernels_on_gpu`)."""
+  """`implementation=None` as on an H200, cross-lowered: the calls of
+  `DISPATCHED_TO_MOSAIC` on Mosaic, those of `DISPATCHED_TO_TRITON` on
+  Triton (as the GPU's `test_implementation_none_uses_kernels_on_gpu`)."""
   monkeypatch.setattr(versions, "gpu_compute_capability", lambda: (9, 0))
   monkeypatch.setattr(versions, "has_gpu", lambda: True)
 
@@ -358,20 +356,10 @@ def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,
         q, k, v, interpret=False, **kwargs)).trace(q, q, q).lower(
             lowering_platforms=("cuda",)).as_text()
 
-  for text in (lowered(jnp.bfloat16, 512), lowered(jnp.bfloat16, 500),
-               lowered(jnp.bfloat16, 512, alibi_slopes=jnp.ones(4)),
-               lowered(jnp.bfloat16, 512, dropout_rate=0.1,
-                       dropout_rng=jax.random.key(0)),
-               lowered(jnp.bfloat16, 512, score_fn=lambda s, *_: s * 0.5),
-               lowered(jnp.bfloat16, 512, mask_fn=lambda b, h, i, j: i >= j),
-               lowered(jnp.bfloat16, 512,
-                       bias=jnp.zeros((512, 512), jnp.bfloat16)),
-               lowered(jnp.bfloat16, 512,
-                       mask=jnp.tril(jnp.ones((512, 512), bool)))):
-    assert _KERNEL_NAME in text
-  for text in (lowered(jnp.float32, 512),
-               lowered(jnp.bfloat16, 512, bias=jnp.zeros((512, 512))),
-               lowered(jnp.bfloat16, 512, mask=jnp.ones((1, 512), bool))):
+  for dtype, q_len, kwargs in DISPATCHED_TO_MOSAIC:
+    assert _KERNEL_NAME in lowered(dtype, q_len, **kwargs)
+  for dtype, q_len, kwargs in DISPATCHED_TO_TRITON:
+    text = lowered(dtype, q_len, **kwargs)
     assert _KERNEL_NAME not in text and "flash_forward" in text
 
 
