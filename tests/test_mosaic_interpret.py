@@ -195,20 +195,22 @@ MASKED_VARIANTS = {
                                                (2, 2, 100, 150),
                                                jnp.bfloat16))),
     # A dense mask per batch beside a bias per head, under a soft cap (the
-    # mask after it): both streamed. Batch 0's mask keeps the first 128
-    # keys and a causal band (its tiles full, empty and partial: skipped,
-    # unmasked, masked); batch 1's is random, rows 0-9 seeing nothing.
-    "dense mask, bias": (Case(2, 100, 150, 2, 1, 64),
+    # mask after it): both streamed. Batch 0's keeps keys 128-255 and a
+    # third of the rest: the first query tile's three K/V tiles masked,
+    # unmasked (its mask tile not read), masked; batch 1's is random, rows
+    # 0-9 seeing nothing.
+    "dense mask, bias": (Case(2, 100, 300, 2, 1, 64),
                          dict(logits_soft_cap=5.0,
                               mask=jnp.stack([
-                                  (jnp.arange(150) < 128)
-                                  | (jnp.arange(100)[:, None]
-                                     >= jnp.arange(150)),
+                                  ((jnp.arange(300) >= 128)
+                                   & (jnp.arange(300) < 256))
+                                  | ((jnp.arange(100)[:, None]
+                                      + jnp.arange(300)) % 3 == 0),
                                   jax.random.bernoulli(
-                                      jax.random.key(6), 0.6, (100, 150)
+                                      jax.random.key(6), 0.6, (100, 300)
                                   ).at[:10].set(False)])[:, None],
                               bias=jax.random.normal(jax.random.key(7),
-                                                     (1, 2, 100, 150),
+                                                     (1, 2, 100, 300),
                                                      jnp.bfloat16))),
     # The reference drops the same weights (`masking.dropout_keep`).
     "dropout": (Case(2, 64, 100, 2, 1, 64),

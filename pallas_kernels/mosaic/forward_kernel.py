@@ -547,11 +547,18 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                                 plgpu.Layout.WGMMA.reduce(1))
   consumed_base = wg * static.num_stages
   bias_tile = mask_tile = None
-  if bias is not None:
-    bias_tile = _tile_reader(bias, wg, q_rows, lo=lo, hi=hi, static=static)
-  if dense_mask is not None:
-    mask_tile = _tile_reader(dense_mask, wg, q_rows, lo=lo, hi=hi,
+  if bias is not None:  # every step of the range: [lo, hi)
+    bias_tile = _tile_reader(bias, wg, q_rows, first=lo,
+                             next_of=lambda step: step + 1, end=hi,
                              static=static)
+  if dense_mask is not None:  # the masked steps: the range less the
+    # unmasked run [unmasked_lo, unmasked_hi), whose tiles it keeps whole
+    mask_tile = _tile_reader(
+        dense_mask, wg, q_rows,
+        first=jnp.where(lo < unmasked_lo, lo, unmasked_hi),
+        next_of=lambda step: jnp.where(step + 1 == unmasked_lo, unmasked_hi,
+                                       step + 1),
+        end=hi, static=static)
 
   def wait_key_ids(slot):
     """Every step waits for its key ids (each barrier phase, every thread)."""
@@ -623,10 +630,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     if masked and plan is not None:
       # Read before the slot is released: the key ids share it with K.
       step_values = with_key_ids(values, slot, s.shape)
-    if mask_tile is not None:  # every step of the range reads its tile
-      kept = mask_tile(step) != 0
-      if masked:
-        step_values = step_values._replace(dense_mask=kept)
+    if masked and mask_tile is not None:
+      step_values = step_values._replace(dense_mask=mask_tile(step) != 0)
     plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
     scale_log2 = static.scale_log2
     if plan is not None and static.spec.modifies_scores:
@@ -801,15 +806,15 @@ def _score_tiles(ref, scratch, batch, head) -> _ScoreTiles:
                             head if ref.shape[1] > 1 else 0], *scratch[:2])
 
 
-def _tile_reader(tiles: _ScoreTiles, wg, q_rows, *, lo, hi,
+def _tile_reader(tiles: _ScoreTiles, wg, q_rows, *, first, next_of, end,
                  static: KernelStatic):
   """`read(step)`: the [block_q, block_kv] tile of consumer `wg`'s rows
   `q_rows` and K/V block `step` (WGMMA layout, the array's dtype), for the
-  steps of its range [lo, hi) in order. One buffer per consumer: the first
-  tile's copy is issued here, each later one as soon as every thread has
-  read the one before (TMA's zero fill past the ends: those keys are
-  masked, those rows dropped), so that it lands under the rest of the
-  step."""
+  steps `first`, `next_of(first)`, ... before `end`, read in that order.
+  One buffer per consumer: the first tile's copy is issued here, each later
+  one as soon as every thread has read the one before (TMA's zero fill
+  past the ends: those keys are masked, those rows dropped), so that it
+  lands under the rest of the step."""
   smem, arrived = tiles.smem.at[wg], tiles.arrived.at[wg]
 
   def copy(step):
@@ -817,13 +822,14 @@ def _tile_reader(tiles: _ScoreTiles, wg, q_rows, *, lo, hi,
         tiles.gmem.at[q_rows, pl.ds(step * static.block_kv, static.block_kv)],
         smem, arrived)
 
-  pl.when(lo < hi)(functools.partial(copy, lo))
+  pl.when(first < end)(functools.partial(copy, first))
 
   def read(step):
     plgpu.barrier_wait(arrived)
     tile = plgpu.layout_cast(smem[...], plgpu.Layout.WGMMA)
     plgpu.commit_smem()  # every thread's reads, before TMA overwrites
-    pl.when(step + 1 < hi)(functools.partial(copy, step + 1))
+    following = next_of(step)
+    pl.when(following < end)(functools.partial(copy, following))
     return tile
   return read
 

@@ -66,9 +66,10 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       consumer streams the tile of its next step.
     dense_mask: bool [batch | 1, num_heads | 1, q_len, kv_len]
       (`spec.has_dense_mask`: True where a query sees a key) or None;
-      streamed as int8 tiles like the bias. Its tiles are classified too
-      (`masking.dense_block_states`): none kept, skipped; all kept,
-      computed without the mask's arithmetic (its tile is still read).
+      streamed as int8 tiles like the bias, for the masked steps only.
+      Its tiles are classified too (`masking.dense_block_states`): none
+      kept, skipped; all kept, computed without the mask (its tile is not
+      read).
     dropout_seed: int32 [] (`spec.dropout_rate` > 0) or None. P's weights
       are dropped by `masking.dropout_keep` (the Triton kernels' and the
       reference's bits) after the row sum, so that the LSE is dropout's
