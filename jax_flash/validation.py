@@ -179,6 +179,27 @@ def _broadcastable(name: str, x, shape: AttentionShape):
   return jnp.reshape(x, padded)
 
 
+def _check_block_mask(block_mask, shape: AttentionShape):
+  """A `BlockMask` passed as mask_fn, checked to be one of this call's
+  shape: its tiles decide which the kernels skip, so one built for other
+  lengths would silently drop or keep the wrong blocks."""
+  tile = block_mask.tile
+  want = (-(-shape.q_len // tile), -(-shape.kv_len // tile))
+  nb, nh, nq, nk = block_mask.states.shape
+  lengths = block_mask.lengths
+  if (nq, nk) != want or nb not in (1, shape.batch) or (
+      nh not in (1, shape.num_heads)) or (
+          lengths is not None and lengths != (shape.q_len, shape.kv_len)):
+    raise ValueError(
+        f"mask_fn's BlockMask has states {block_mask.states.shape} (tile "
+        f"{tile}, lengths {lengths}); this call needs [batch | 1, "
+        f"num_heads | 1, {want[0]}, "
+        f"{want[1]}] for batch {shape.batch}, {shape.num_heads} heads, "
+        f"q_len {shape.q_len}, kv_len {shape.kv_len}: build it with "
+        "BlockMask.from_mask_fn for these shapes")
+  return block_mask
+
+
 def _check_segments(segment_ids, shape: AttentionShape):
   if segment_ids is None:
     return None, None
@@ -282,7 +303,7 @@ def normalise_call(query, key, value, *, bias=None, mask=None, scale=None,
       raise TypeError(f"{name} must be callable, got {fn!r}")
   block_mask = None
   if isinstance(mask_fn, masking.BlockMask):
-    block_mask, mask_fn = mask_fn, mask_fn.mask_fn
+    block_mask, mask_fn = _check_block_mask(mask_fn, shape), mask_fn.mask_fn
   if sinks is not None:
     sinks = jnp.asarray(sinks)
     if sinks.shape != (shape.num_heads,):

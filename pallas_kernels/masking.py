@@ -434,18 +434,22 @@ class BlockMask:
     states: int32 [batch | 1, heads | 1, q_len / tile, kv_len / tile].
     tile: the block size the states are kept at.
     mask_fn: the function they summarise.
+    lengths: the (q_len, kv_len) they were evaluated for, or None (not
+      known: only the states' shape is checked against a call's).
   """
 
-  def __init__(self, states, tile: int, mask_fn):
+  def __init__(self, states, tile: int, mask_fn,
+               lengths: tuple[int, int] | None = None):
     self.states = states
     self.tile = tile
     self.mask_fn = mask_fn
+    self.lengths = lengths
 
   def __call__(self, b, h, q_idx, kv_idx):
     return self.mask_fn(b, h, q_idx, kv_idx)
 
   def tree_flatten(self):
-    return (self.states,), (self.tile, self.mask_fn)
+    return (self.states,), (self.tile, self.mask_fn, self.lengths)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -494,7 +498,7 @@ class BlockMask:
     states = lax.map(strip, jnp.arange(strips))     # [strips, nb, nh, ...]
     states = jnp.moveaxis(states, 0, 2).reshape(nb, nh, strips * per_strip,
                                                 nk)
-    return cls(states[:, :, :nq], tile, mask_fn)
+    return cls(states[:, :, :nq], tile, mask_fn, (q_len, kv_len))
 
   def coarsen(self, block_q: int, block_k: int):
     """States for [block_q, block_k] tiles (multiples of `tile`)."""

@@ -227,6 +227,14 @@ def test_variants_under_jit_and_vmap():
     (dict(query_seq_lengths=jnp.array([[1, 2]])), ValueError,
      r"query_seq_lengths must have shape \(2,\) \(or \(\)"),
     (dict(mask_fn=3), TypeError, "mask_fn must be callable"),
+    # A BlockMask built for other lengths would skip the wrong tiles.
+    (dict(mask_fn=BlockMask.from_mask_fn(lambda b, h, i, j: i >= j, batch=2,
+                                         num_heads=4, q_len=8, kv_len=8)),
+     ValueError, r"BlockMask has states \(1, 1, 1, 1\).*kv_len 12"),
+    (dict(mask_fn=BlockMask.from_mask_fn(lambda b, h, i, j: i + b >= j,
+                                         batch=3, num_heads=4, q_len=8,
+                                         kv_len=12)),
+     ValueError, r"BlockMask has states \(3, 1, 1, 1\)"),
     (dict(sinks=jnp.ones(3)), ValueError, r"sinks must have shape"),
 ])
 def test_bad_variant_arguments(kwargs, error, match):
