@@ -125,6 +125,13 @@ MASKED_CASES = {  # name: (q_len, kv_len, MaskSpec fields, operands)
     "mask_fn lengths": (256, 200, dict(has_kv_lengths=True,
                                        mask_fn=head_blocks),
                         dict(kv_lengths=[200, 150])),
+    # A dense mask per head: its int8 tiles on the masked steps (dK/dV from
+    # its transpose), its own tiles classified.
+    "dense mask": (256, 200, dict(has_dense_mask=True),
+                   dict(dense_mask=[[[[(i // 64 + j // 64 + h) % 3 != 0
+                                       for j in range(200)]
+                                      for i in range(256)]
+                                     for h in range(4)]])),
     # Dropout's keep mask regenerated from its hash on every visited tile.
     "dropout causal": (200, 333, dict(is_causal=True, dropout_rate=0.1),
                        dict(dropout_seed=1234)),
@@ -140,9 +147,9 @@ MASKED_CASES = {  # name: (q_len, kv_len, MaskSpec fields, operands)
 
 def masked_operands(values: dict) -> Operands:
   """`Operands` of a MASKED_CASES entry: the ALiBi slopes float32, the
-  rest int32 (the dropout seed a scalar)."""
-  return Operands(**{k: jnp.asarray(v, jnp.float32 if k == "alibi_slopes"
-                                    else jnp.int32)
+  dense mask bool, the rest int32 (the dropout seed a scalar)."""
+  dtypes = {"alibi_slopes": jnp.float32, "dense_mask": jnp.bool_}
+  return Operands(**{k: jnp.asarray(v, dtypes.get(k, jnp.int32))
                      for k, v in values.items()})
 
 

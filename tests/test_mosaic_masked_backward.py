@@ -87,6 +87,8 @@ VARIANTS = {
     "mask_fn": (256, 200, dict(has_kv_lengths=True,
                                mask_fn=lower_mosaic.head_blocks),
                 dict(kv_lengths=[200, 150])),
+    # A dense mask per head (dK/dV: each query head's, transposed).
+    "dense mask": lower_mosaic.MASKED_CASES["dense mask"],
     # Dropout's mask regenerated in both kernels (dK/dV: per query head).
     "dropout": (200, 333, dict(is_causal=True, has_q_offset=True,
                                dropout_rate=0.1),
@@ -105,6 +107,7 @@ def _operand_kwargs(operands: Operands) -> dict:
   return dict(q_offset=operands.q_offset, q_lengths=operands.q_lengths,
               kv_lengths=operands.kv_lengths, q_segments=operands.q_segments,
               kv_segments=operands.kv_segments,
+              dense_mask=operands.dense_mask,
               dropout_seed=operands.dropout_seed)
 
 
@@ -626,7 +629,6 @@ def _lower_masked_gradients():
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(has_dense_mask=True), "has_dense_mask"),
     (dict(has_bias=True), "has_bias"),
 ])
 def test_masked_backward_refuses_other_features(fields, match):
@@ -711,6 +713,14 @@ _GPU_VARIANTS = {
     # GQA 4:1 (no K/V copies at this size), causal and ragged.
     "mask_fn": (Case(2, 1000, 1100, 8, 2, 128),
                 dict(is_causal=True, mask_fn=blocks_and_stripes)),
+    # A dense mask per batch: causal, and past the diagonal documents of
+    # 300 queries (tiles full, empty and partial; dK/dV from its
+    # transpose).
+    "dense mask": (Case(2, 1000, 1000, 8, 2, 128),
+                   dict(mask=(jnp.arange(1000)[:, None] >= jnp.arange(1000))
+                        & ((jnp.arange(1000)[:, None] // 300
+                            == jnp.arange(1000) // 300)
+                           | (jnp.arange(2)[:, None, None] == 0))[:, None])),
     # The reference drops the same weights (`masking.dropout_keep`).
     "dropout": (Case(2, 1000, 1537, 8, 2, 128),
                 dict(is_causal=True, dropout_rate=0.1,

@@ -212,8 +212,8 @@ def flash_attention_mosaic_masked(query, key, value, bias, operands: Operands,
                                   backward_blocks: BlockSizes):
   """`mosaic_forward_masked`; gradients by `mosaic_backward_masked` while
   `MASKED_BACKWARD_ENABLED`, else (or where it raises NotImplementedError:
-  a bias, whose gradient it does not write, or a dense mask) by the Triton
-  backward for the same `spec`.
+  a bias, whose gradient it does not write) by the Triton backward for the
+  same `spec`.
 
   `bias` is None or [B | 1, N | 1, Tq, Tk] (differentiable); `operands`
   carries q_offset, q_lengths, kv_lengths (int32 [batch]), the segment

@@ -157,7 +157,7 @@ def _config(query, key, is_causal: bool, options) -> BackwardConfig:
 def gradients(query, key, value, d_out, stats,
               dq_config: BackwardStatic | None,
               dkdv_configs: list[BackwardStatic], *, dq_plan=None,
-              dkdv_plan=None, segments=None, slopes=None):
+              dkdv_plan=None, segments=None, slopes=None, dense_masks=None):
   """(dq, dk, dv) by the dQ kernel and the dK/dV pass(es), or by the one
   fused kernel.
 
@@ -172,13 +172,17 @@ def gradients(query, key, value, d_out, stats,
       [batch, kv_len]) when the spec has segment ids, else None.
     slopes: the ranged kernels' ALiBi slopes as `common.slope_rows` when
       the spec has them, else None.
+    dense_masks: the ranged kernels' dense mask as int8 [batch | 1,
+      heads | 1, q_len, kv_len] for dQ and its transpose [..., kv_len,
+      q_len] for dK/dV, padded to their tiles, or None.
   """
+  dq_mask, dkdv_mask = dense_masks or (None, None)
   if dq_config is None:
     (static,) = dkdv_configs
     dq_sum, dk, dv = launch_dkdv(query, key, value, d_out, stats, static)
     return (dq_sum * static.scale).astype(query.dtype), dk, dv
   dq = launch_dq(query, key, value, d_out, stats, dq_config, plan=dq_plan,
-                 segments=segments, slopes=slopes)
+                 segments=segments, slopes=slopes, dense_mask=dq_mask)
   # K/V copies (`plan.BackwardConfig.kv_head_copies`): the dK/dV statics'
   # group is the call's over the copies.
   num_kv_heads = key.shape[2]
@@ -190,7 +194,7 @@ def gradients(query, key, value, d_out, stats,
     grads.update(zip(static.outputs,
                      launch_dkdv(query, key, value, d_out, stats, static,
                                  plan=dkdv_plan, segments=segments,
-                                 slopes=slopes)))
+                                 slopes=slopes, dense_mask=dkdv_mask)))
   if copies > 1:
     grads = {name: _sum_copies(grad, copies) for name, grad in grads.items()}
   return dq, grads["dk"], grads["dv"]
@@ -549,7 +553,8 @@ def _ranged_smem_bytes(spec, *, num_consumers, num_stages, resident_rows,
                        streamed_rows, num_heads) -> int:
   """The ranged kernels' extra shared memory (0 for the plain ones): a plan
   row per warpgroup, with segment ids the int32 ids of each consumer's rows
-  and of each ring slot, with ALiBi each consumer's slopes."""
+  and of each ring slot, with ALiBi each consumer's slopes, with a dense
+  mask each consumer's int8 tile."""
   if spec is None:
     return 0
   extra = (num_consumers + 1) * PLAN_WIDTH * 4
@@ -557,6 +562,8 @@ def _ranged_smem_bytes(spec, *, num_consumers, num_stages, resident_rows,
     extra += (num_consumers * resident_rows + num_stages * streamed_rows) * 4
   if spec.has_alibi:
     extra += num_consumers * slope_rows_bytes(num_heads)
+  if spec.has_dense_mask:
+    extra += num_consumers * resident_rows * streamed_rows
   return extra
 
 

@@ -12,6 +12,7 @@ keep mask from row and column hashes (`dropout_kept`).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -338,6 +339,41 @@ def slope_reader(slopes: SlopeRows, slot):
   plgpu.barrier_wait(slopes.arrived.at[slot])
   own = slopes.smem.at[slot]
   return lambda head: own[head // SLOPE_ROW_WIDTH, head % SLOPE_ROW_WIDTH]
+
+
+def chained_tiles(smem, arrived, source, *, first, next_of, end):
+  """`read(position)`: a consumer's tiles of an array over the scores (a
+  bias, a dense mask), one shared-memory buffer (`smem`, its barrier
+  `arrived`) for positions `first`, `next_of(first)`, ... before `end`,
+  read in that order; `source(position)` is the tile's GMEM view.
+
+  The first copy is issued here, each later one as soon as every thread
+  has read the one before (a fence and a warpgroup barrier: TMA writes
+  through the async proxy), so that it lands under the rest of the step;
+  TMA fills past the array's ends with zeros (those keys are masked, those
+  rows dropped). Returns the tile in the WGMMA layout, in its dtype."""
+  def copy(position):
+    plgpu.copy_gmem_to_smem(source(position), smem, arrived)
+
+  pl.when(first < end)(functools.partial(copy, first))
+
+  def read(position):
+    plgpu.barrier_wait(arrived)
+    tile = plgpu.layout_cast(smem[...], plgpu.Layout.WGMMA)
+    plgpu.commit_smem()  # every thread's reads, before TMA overwrites
+    following = next_of(position)
+    pl.when(following < end)(functools.partial(copy, following))
+    return tile
+  return read
+
+
+def masked_steps(lo, unmasked_lo, unmasked_hi, hi):
+  """(first, next_of, end) of `chained_tiles` over a plan range's masked
+  steps: [lo, hi) less its unmasked run [unmasked_lo, unmasked_hi)."""
+  first = jnp.where(lo < unmasked_lo, lo, unmasked_hi)
+  next_of = lambda step: jnp.where(step + 1 == unmasked_lo, unmasked_hi,
+                                   step + 1)
+  return first, next_of, hi
 
 
 def causal_mask(q_start, step, static):

@@ -32,31 +32,35 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    THREADS_PER_WARPGROUP, copy_slopes, dropout_key_hashes, dropout_kept,
-    dropout_query_hashes, per_column, slope_reader, swizzled)
+    THREADS_PER_WARPGROUP, chained_tiles, copy_slopes, dropout_key_hashes,
+    dropout_kept, dropout_query_hashes, masked_steps, per_column,
+    slope_reader, swizzled)
 from pallas_kernels.mosaic.fused_dq import (
     DQ_PIECE, PIECES_DONE_BARRIER, FusedDq, issue_dq_piece,
     num_dq_pieces, stage_dq_piece, stage_dq_pieces, write_dq)
 from pallas_kernels.mosaic.pipeline import (
-    MASKED, UNMASKED, BackwardStatic, Walk, causal_mask_t, column_statistic,
+    MASKED, UNMASKED, BackwardStatic, DenseTiles, Walk, causal_mask_t,
+    column_statistic,
     dkdv_causal_runs, each_tile, first_q_block, first_unmasked_q_block,
     grid_args, ids_arrived, keep_scale, kernel_name, load_own_ids, produce,
     ranged_inputs, ranged_refs, ranged_scratch, ranged_walk, ring_slot,
     score_gradient, tile_indices_t, tile_probabilities, tile_values,
-    variant_mask_t, walk_group, wgmma_accumulate, wgmma_fresh, wgmma_then)
+    variant_mask_t, walk_group, walk_range, wgmma_accumulate, wgmma_fresh,
+    wgmma_then)
 from pallas_kernels.mosaic.shared_rows import (
     column_part, dkdv_consume_shared, exchange_scratch, load_column_parts,
     shared_transforms)
 
 
 def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
-                plan=None, segments=None, slopes=None):
+                plan=None, segments=None, slopes=None, dense_mask=None):
   """Launches the dK/dV kernel for `static.outputs`; returns them in order
   (fused dQ: the f32 [batch, q_len, num_heads, head_dim] sum of dS K, not
   yet scaled, first).
 
-  Ranged: `plan` int32 [batch, num_kv_tiles, PLAN_WIDTH]; `segments` and
-  `slopes` as `gradients` takes them.
+  Ranged: `plan` int32 [batch, num_kv_tiles, PLAN_WIDTH]; `segments`,
+  `slopes` and `dense_mask` (its transposed [.., kv_len, q_len] form) as
+  `gradients` takes them.
   """
   batch, kv_len, num_kv_heads, head_dim = key.shape
   consumers, stages = static.num_consumers, static.num_stages
@@ -88,7 +92,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
   if static.ranged:
     scratch += ranged_scratch(static, resident_rows=static.block_kv,
                               streamed_rows=static.block_q, slopes=slopes)
-    inputs += ranged_inputs(plan, segments, slopes)
+    inputs += ranged_inputs(plan, segments, slopes, dense_mask)
   if static.shared_rows:
     scratch += exchange_scratch(static, static.block_kv,
                                 static.block_q // consumers, kinds=2)
@@ -141,7 +145,8 @@ def _dkdv_kernel(*refs, static: BackwardStatic):
   K/V tile j reads the Q tiles from j on, so tiles go in pairs), the ring
   of streamed steps running on across tiles (see `produce`).
   """
-  num_inputs = 5 + static.ranged + 2 * static.segmented + static.alibi
+  num_inputs = (5 + static.ranged + 2 * static.segmented + static.alibi
+                + static.dense)
   names = ("dq_sum",) * static.fused_dq + static.outputs
   inputs = refs[:num_inputs]
   out_refs = dict(zip(names, refs[num_inputs:num_inputs + len(names)]))
@@ -165,9 +170,9 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   (k_smem, v_smem, q_ring, do_ring, stats_ring, k_arrived, v_arrived,
    q_arrived, do_arrived, stats_arrived, consumed) = scratch[:11]
   tile_start = kv_tile * static.kv_rows_per_cta
-  plan, ids, slopes = ranged_refs(static, inputs[5:], scratch[11:],
-                                  batch=batch, tile=kv_tile,
-                                  own_is_query=False)
+  plan, ids, slopes, dense = ranged_refs(static, inputs[5:], scratch[11:],
+                                         batch=batch, tile=kv_tile,
+                                         own_is_query=False)
   num_steps = None
   if plan is None:
     # The union of the consumers' Q tiles, per query head of the group:
@@ -205,16 +210,25 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       else:  # position p of the walk is Q tile `q_of(p)`
         q_of = functools.partial(_fused_q_block, first=first, static=static)
         walk = Walk(0, per_head, _fused_runs(kv_start, first, static), None)
-      tile_mask = lambda i, slot, values: causal_mask_t(kv_start, i, static)
+      tile_mask = lambda i, slot, values, g: causal_mask_t(kv_start, i,
+                                                          static)
     else:
       if slopes is not None:  # in flight while the plan row loads
         copy_slopes(slopes, wg)
       walk = ranged_walk(plan, wg, dropout=static.dropout)
       own_ids = load_own_ids(ids, kv_rows, wg)
       shape = (static.block_kv, static.block_q)
-      tile_mask = lambda i, slot, values: variant_mask_t(
-          kv_start, i, static, tile_values(values, own_ids, ids, slot,
-                                           shape, own_is_query=False))
+      dense_tile = None
+      if dense is not None:  # its tiles of the masked steps, in order
+        dense_tile = _dense_tiles_t(dense, walk, wg, kv_rows,
+                                    kv_head=kv_head, static=static)
+
+      def tile_mask(i, slot, values, g):
+        values = tile_values(values, own_ids, ids, slot, shape,
+                             own_is_query=False)
+        if dense_tile is not None:
+          values = values._replace(dense_mask=dense_tile(i, g) != 0)
+        return variant_mask_t(kv_start, i, static, values)
       positions = functools.partial(tile_indices_t, kv_start, static=static)
       if slopes is not None or static.spec.reads_batch_and_head:
         head_values = functools.partial(
@@ -364,6 +378,34 @@ def _head_values(values, g, *, batch, kv_head, slope_of,
   return values
 
 
+def _dense_tiles_t(dense: DenseTiles, walk: Walk, wg, kv_rows, *, kv_head,
+                   static: BackwardStatic):
+  """`read(i, g)`: the int8 [block_kv, block_q] tile of the transposed
+  dense mask for consumer `wg`'s K/V rows, Q tile i and query head g of
+  the group, for the masked steps of the walk in its order (each head's
+  masked Q tiles, head after head; `common.chained_tiles` over positions
+  g * num_q_blocks + i)."""
+  stride = static.num_q_blocks
+  first_i, next_i, hi = masked_steps(*walk_range(walk))
+  end = static.group * stride
+
+  def next_of(position):
+    g, i = lax.div(position, stride), lax.rem(position, stride)
+    following = next_i(i)
+    return jnp.where(following < hi, g * stride + following,
+                     (g + 1) * stride + first_i)
+
+  def source(position):
+    g, i = lax.div(position, stride), lax.rem(position, stride)
+    return dense.source(kv_head * static.group + g, kv_rows,
+                        i * static.block_q, static.block_q)
+
+  read = chained_tiles(dense.smem.at[wg], dense.arrived.at[wg], source,
+                       first=jnp.where(first_i < hi, first_i, end),
+                       next_of=next_of, end=end)
+  return lambda i, g: read(g * stride + i)
+
+
 def _dropout_kept_t(q_block, g, *, seed, batch, kv_head, key_hashes,
                     static: BackwardStatic):
   """Dropout's kept weights of the Sᵀ tile of Q tile `q_block` of query
@@ -412,7 +454,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
 
   Walks the producer's steps: for each query head of the group, Q tiles
   [walk.first, walk.first + walk.num_blocks), treated as `walk.runs` say
-  (skipped, masked by `tile_mask(q_block, slot, values)`, or unmasked;
+  (skipped, masked by `tile_mask(q_block, slot, values, g)`, or unmasked;
   `values` the step's head's `masking.MaskValues`). Persistent:
   the ring slots count on from `base`. Fused dQ (`fused`): each step also
   issues consumer `wg`'s piece of the CTA's dS K for the step before
@@ -456,7 +498,8 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       p_t, slope = tile_probabilities(s_t, lse, per_column, values, static,
                                       positions=lambda: positions(q_block))
       if masked:
-        p_t = jnp.where(tile_mask(q_block, slot, values), p_t, 0.0)
+        p_t = jnp.where(tile_mask(q_block, slot, values, group_index), p_t,
+                        0.0)
       return p_t, slope, (None if kept_of is None
                           else kept_of(q_block, group_index))
 

@@ -26,23 +26,24 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    causal_mask, copy_slopes, dropout_key_hashes, dropout_kept,
-    dropout_query_hashes, per_row, slope_reader, swizzled, tile_index,
-    tile_indices, variant_mask)
+    causal_mask, chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
+    dropout_query_hashes, masked_steps, per_row, slope_reader, swizzled,
+    tile_index, tile_indices, variant_mask)
 from pallas_kernels.mosaic.pipeline import (
     MASKED, SKIP, UNMASKED, BackwardStatic, Walk, each_tile, grid_args,
     ids_arrived, keep_scale, kernel_name, load_own_ids, produce,
     ranged_inputs, ranged_refs, ranged_scratch, ranged_walk, score_gradient,
-    skip_step, tile_probabilities, tile_values, walk_runs,
+    skip_step, tile_probabilities, tile_values, walk_range, walk_runs,
     wgmma_accumulate, wgmma_fresh, wgmma_then)
 
 
 def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
-              plan=None, segments=None, slopes=None):
+              plan=None, segments=None, slopes=None, dense_mask=None):
   """Launches the dQ kernel; returns dq like query.
 
-  Ranged: `plan` int32 [batch, num_q_tiles, PLAN_WIDTH]; `segments` and
-  `slopes` as `gradients` takes them.
+  Ranged: `plan` int32 [batch, num_q_tiles, PLAN_WIDTH]; `segments`,
+  `slopes` and `dense_mask` (its [.., q_len, kv_len] form) as `gradients`
+  takes them.
   """
   batch, q_len, num_heads, head_dim = query.shape
   consumers, stages = static.num_consumers, static.num_stages
@@ -68,7 +69,7 @@ def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
   if static.ranged:
     scratch += ranged_scratch(static, resident_rows=static.block_q,
                               streamed_rows=static.block_kv, slopes=slopes)
-    inputs += ranged_inputs(plan, segments, slopes)
+    inputs += ranged_inputs(plan, segments, slopes, dense_mask)
   return compat.vary_like(plgpu.kernel(
       functools.partial(_dq_kernel, static=static),
       out_type=versions.output_struct(query.shape, query.dtype, *inputs),
@@ -87,7 +88,8 @@ def _dq_kernel(*refs, static: BackwardStatic):
   ranged kernel's `ranged_inputs`), dq, its scratch list. Launch or
   persistent grid as `_dkdv_kernel` (causal: query tile i reads i + 1 K/V
   tiles, so persistent tiles go in pairs)."""
-  num_inputs = 5 + static.ranged + 2 * static.segmented + static.alibi
+  num_inputs = (5 + static.ranged + 2 * static.segmented + static.alibi
+                + static.dense)
   inputs, dq_ref, scratch = (refs[:num_inputs], refs[num_inputs],
                              refs[num_inputs + 1:])
   wg = lax.axis_index("wg")
@@ -115,8 +117,9 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
   (q_smem, do_smem, stats_smem, k_ring, v_ring, q_arrived, do_arrived,
    stats_arrived, k_arrived, v_arrived, consumed) = scratch[:11]
   tile_start = q_tile * static.q_rows_per_cta
-  plan, ids, slopes = ranged_refs(static, inputs[5:], scratch[11:],
-                                  batch=batch, tile=q_tile, own_is_query=True)
+  plan, ids, slopes, dense = ranged_refs(static, inputs[5:], scratch[11:],
+                                         batch=batch, tile=q_tile,
+                                         own_is_query=True)
   num_steps = None
   if plan is None:
     # The last consumer's rows come last, so it sees the most K/V tiles.
@@ -165,9 +168,21 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
             (static.block_q, static.block_kv), static.spec.dropout_rate)
       own_ids = load_own_ids(ids, q_rows, wg)
       shape = (static.block_q, static.block_kv)
-      tile_mask = lambda step, slot: variant_mask(
-          q_start, step, static, tile_values(walk.values, own_ids, ids, slot,
-                                             shape, own_is_query=True))
+      dense_tile = None
+      if dense is not None:  # its tiles of the masked steps, in order
+        first, next_of, end = masked_steps(*walk_range(walk))
+        dense_tile = chained_tiles(
+            dense.smem.at[wg], dense.arrived.at[wg],
+            lambda step: dense.source(head, q_rows, step * static.block_kv,
+                                      static.block_kv),
+            first=first, next_of=next_of, end=end)
+
+      def tile_mask(step, slot):
+        values = tile_values(walk.values, own_ids, ids, slot, shape,
+                             own_is_query=True)
+        if dense_tile is not None:
+          values = values._replace(dense_mask=dense_tile(step) != 0)
+        return variant_mask(q_start, step, static, values)
     dq = _dq_consume(own_q, own_do, lse_log2, delta, k_ring, v_ring, arrived,
                      consumed, walk=walk, tile_mask=tile_mask, static=static,
                      base=base, positions=functools.partial(

@@ -46,9 +46,10 @@ from pallas_kernels import masking
 from pallas_kernels.mosaic import turns
 from pallas_kernels.mosaic.common import (
     LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_UNION, PlanRow, SlopeRows,
-    causal_mask, copy_slopes, dropout_key_hashes, dropout_kept,
-    dropout_query_hashes, per_column, per_row, persistent_schedule, read_plan,
-    register_split, slope_reader, tile_index, tile_indices, variant_mask)
+    causal_mask, chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
+    dropout_query_hashes, masked_steps, per_column, per_row,
+    persistent_schedule, read_plan, register_split, slope_reader, tile_index,
+    tile_indices, variant_mask)
 from pallas_kernels.mosaic.softmax import add_unfused, exponentiate, rescale
 
 # Consumer warpgroups of the masked and FP8 forms, and of the plain one but
@@ -548,17 +549,12 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   consumed_base = wg * static.num_stages
   bias_tile = mask_tile = None
   if bias is not None:  # every step of the range: [lo, hi)
-    bias_tile = _tile_reader(bias, wg, q_rows, first=lo,
-                             next_of=lambda step: step + 1, end=hi,
-                             static=static)
-  if dense_mask is not None:  # the masked steps: the range less the
-    # unmasked run [unmasked_lo, unmasked_hi), whose tiles it keeps whole
-    mask_tile = _tile_reader(
-        dense_mask, wg, q_rows,
-        first=jnp.where(lo < unmasked_lo, lo, unmasked_hi),
-        next_of=lambda step: jnp.where(step + 1 == unmasked_lo, unmasked_hi,
-                                       step + 1),
-        end=hi, static=static)
+    bias_tile = _tile_reader(bias, wg, q_rows, static, first=lo,
+                             next_of=lambda step: step + 1, end=hi)
+  if dense_mask is not None:  # the masked steps (the unmasked run's tiles
+    # it keeps whole)
+    mask_tile = _tile_reader(dense_mask, wg, q_rows, static,
+                             *masked_steps(lo, unmasked_lo, unmasked_hi, hi))
 
   def wait_key_ids(slot):
     """Every step waits for its key ids (each barrier phase, every thread)."""
@@ -806,32 +802,16 @@ def _score_tiles(ref, scratch, batch, head) -> _ScoreTiles:
                             head if ref.shape[1] > 1 else 0], *scratch[:2])
 
 
-def _tile_reader(tiles: _ScoreTiles, wg, q_rows, *, first, next_of, end,
-                 static: KernelStatic):
+def _tile_reader(tiles: _ScoreTiles, wg, q_rows, static: KernelStatic,
+                 first, next_of, end):
   """`read(step)`: the [block_q, block_kv] tile of consumer `wg`'s rows
-  `q_rows` and K/V block `step` (WGMMA layout, the array's dtype), for the
-  steps `first`, `next_of(first)`, ... before `end`, read in that order.
-  One buffer per consumer: the first tile's copy is issued here, each later
-  one as soon as every thread has read the one before (TMA's zero fill
-  past the ends: those keys are masked, those rows dropped), so that it
-  lands under the rest of the step."""
-  smem, arrived = tiles.smem.at[wg], tiles.arrived.at[wg]
-
-  def copy(step):
-    plgpu.copy_gmem_to_smem(
-        tiles.gmem.at[q_rows, pl.ds(step * static.block_kv, static.block_kv)],
-        smem, arrived)
-
-  pl.when(first < end)(functools.partial(copy, first))
-
-  def read(step):
-    plgpu.barrier_wait(arrived)
-    tile = plgpu.layout_cast(smem[...], plgpu.Layout.WGMMA)
-    plgpu.commit_smem()  # every thread's reads, before TMA overwrites
-    following = next_of(step)
-    pl.when(following < end)(functools.partial(copy, following))
-    return tile
-  return read
+  `q_rows` and K/V block `step` (`common.chained_tiles` over steps
+  `first`, `next_of(first)`, ... before `end`)."""
+  return chained_tiles(
+      tiles.smem.at[wg], tiles.arrived.at[wg],
+      lambda step: tiles.gmem.at[q_rows, pl.ds(step * static.block_kv,
+                                                static.block_kv)],
+      first=first, next_of=next_of, end=end)
 
 
 def _descale(fp8: _Fp8Refs, i):

@@ -20,10 +20,11 @@ from pallas_kernels.mosaic.common import PLAN_WIDTH, slope_rows, swizzled
 # What the masked kernels cover; the rest stays with the Triton kernels.
 _RANGED_FEATURES = ("is_causal", "window", "has_q_offset", "has_q_lengths",
                     "has_kv_lengths", "has_segments", "logits_soft_cap",
-                    "has_alibi", "dropout_rate", "score_fn", "mask_fn")
-# The forward also takes a bias and a dense mask (their gradients come
-# from the Triton backward, which writes dbias).
-_FORWARD_FEATURES = _RANGED_FEATURES + ("has_bias", "has_dense_mask")
+                    "has_alibi", "dropout_rate", "score_fn", "mask_fn",
+                    "has_dense_mask")
+# The forward also takes a bias (its gradient, dbias among them, comes
+# from the Triton backward).
+_FORWARD_FEATURES = _RANGED_FEATURES + ("has_bias",)
 
 
 def mosaic_forward_masked(query, key, value, *, scale: float,
@@ -125,9 +126,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                 pad_ids(kv_segments, key.shape[1]))
   slopes = slope_rows(alibi_slopes) if spec.has_alibi else None
   if spec.has_bias:
-    bias = pad_tiles(bias, static)
+    bias = pad_tiles(bias, static.block_kv)
   if spec.has_dense_mask:  # one byte an element, as TMA copies it
-    dense_mask = pad_tiles(dense_mask.astype(jnp.int8), static)
+    dense_mask = pad_tiles(dense_mask.astype(jnp.int8), static.block_kv)
   out, lse = forward.launch(static, query, key, value, plan=rows,
                             segments=segments, slopes=slopes, bias=bias,
                             dense_mask=dense_mask)
@@ -149,12 +150,13 @@ def check_slopes(spec: masking.MaskSpec, alibi_slopes, q_shape):
         f"{None if alibi_slopes is None else alibi_slopes.shape}")
 
 
-def pad_tiles(x, static: forward.KernelStatic):
-  """A bias or dense mask [B | 1, N | 1, q_len, kv_len] zero-padded to
-  whole tiles of its shared-memory layout (TMA needs its sequence axes to
-  be: 8 rows, and the swizzle's columns, 64 of 16 bits or 128 bytes at
-  block_kv 128); a copy, only for lengths that are not."""
-  rows, columns = swizzled(static.block_kv, x.dtype)[0].tiling
+def pad_tiles(x, tile_columns: int):
+  """A bias or dense mask [B | 1, N | 1, rows, columns] zero-padded to
+  whole tiles of its shared-memory layout for tiles `tile_columns` wide
+  (TMA needs its last two axes to be: 8 rows, and the swizzle's columns,
+  64 of 16 bits or 128 bytes at 128 columns); a copy, only for lengths
+  that are not."""
+  rows, columns = swizzled(tile_columns, x.dtype)[0].tiling
   pad = [(0, 0), (0, 0), (0, -x.shape[2] % rows), (0, -x.shape[3] % columns)]
   return jnp.pad(x, pad) if any(p for _, p in pad) else x
 

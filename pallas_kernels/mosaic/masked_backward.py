@@ -73,8 +73,10 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       them, dP is dropped as they were, both scaled by 1 / (1 - rate).
     block_mask: `masking.BlockMask` of `spec.mask_fn` (`masked.tile_states`),
       or None: built here where it needs one (`masked.block_mask_of`).
-    dense_mask: taken for the forward's signature; `spec.has_dense_mask`
-      raises NotImplementedError (the Triton backward's).
+    dense_mask: bool [batch | 1, num_heads | 1, q_len, kv_len]
+      (`spec.has_dense_mask`) or None: streamed as int8 tiles of the
+      masked steps, the dK/dV kernel's from its transpose (a copy), and
+      classified like the forward's (`masked.tile_states`).
     block_q, block_kv, max_concurrent_steps, overlap_softmax,
       kv_head_copies: as `plan.BackwardConfig`'s (kv_head_copies None:
       `plan.planned_kv_copies`' choice). overlap_softmax is off by
@@ -91,6 +93,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       falls back to the Triton backward.
   """
   masked.check_ranged_features(spec, "the masked Mosaic backward")
+  masked.check_score_array("dense_mask", spec.has_dense_mask, dense_mask,
+                           query, spec.kv_len, dtype=jnp.bool_)
   masked.check_slopes(spec, alibi_slopes, query.shape)
   masked.check_dropout_seed(spec, dropout_seed)
   backward.check_supported(query, key, value, out, lse, d_out, d_lse,
@@ -122,7 +126,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       dq_consumers=dq_config.num_consumers,
       dkdv_consumers=dkdv_configs[0].num_consumers, q_offset=q_offset,
       q_lengths=q_lengths, kv_lengths=kv_lengths, q_segments=q_segments,
-      kv_segments=kv_segments, block_mask=block_mask,
+      kv_segments=kv_segments, block_mask=block_mask, dense_mask=dense_mask,
       dropout_seed=dropout_seed)
   # The dQ grid's last tile reaches furthest down the query rows.
   rows_per_tile = dq_config.num_consumers * block_q
@@ -135,10 +139,16 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
     segments = (masked.pad_ids(q_segments, query.shape[1]),
                 masked.pad_ids(kv_segments, key.shape[1]))
   slopes = slope_rows(alibi_slopes) if spec.has_alibi else None
+  dense_masks = None
+  if spec.has_dense_mask:  # int8, [.., q, kv] for dQ, [.., kv, q] for dK/dV
+    mask = dense_mask.astype(jnp.int8)
+    dense_masks = (masked.pad_tiles(mask, dq_config.block_kv),
+                   masked.pad_tiles(jnp.swapaxes(mask, 2, 3),
+                                    dkdv_configs[0].block_q))
   dq, dk, dv = backward.gradients(query, key, value, d_out, stats, dq_config,
                                   dkdv_configs, dq_plan=dq_plan,
                                   dkdv_plan=dkdv_plan, segments=segments,
-                                  slopes=slopes)
+                                  slopes=slopes, dense_masks=dense_masks)
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
 
 
@@ -146,7 +156,7 @@ def plan_rows(spec: masking.MaskSpec, batch: int, *, block_q: int,
               block_kv: int, dq_consumers: int, dkdv_consumers: int,
               q_offset=None, q_lengths=None, kv_lengths=None,
               q_segments=None, kv_segments=None, block_mask=None,
-              dropout_seed=None):
+              dense_mask=None, dropout_seed=None):
   """The two kernels' plan rows, from one classification of the tiles
   (`masked.tile_states`).
 
@@ -159,7 +169,7 @@ def plan_rows(spec: masking.MaskSpec, batch: int, *, block_q: int,
   states = masked.tile_states(spec, block_q, block_kv, q_offset=q_offset,
                               q_lengths=q_lengths, kv_lengths=kv_lengths,
                               q_segments=q_segments, kv_segments=kv_segments,
-                              block_mask=block_mask)
+                              block_mask=block_mask, dense_mask=dense_mask)
   num_q_blocks, num_kv_blocks = states.shape[-2:]      # [B|1, nq, nk]
   scalars = dict(spec=spec, batch=batch, q_offset=q_offset,
                  q_lengths=q_lengths, kv_lengths=kv_lengths,

@@ -39,7 +39,7 @@ from pallas_kernels import masking
 from pallas_kernels.mosaic.common import (
     LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_UNION, PLAN_WIDTH, PlanRow,
     SlopeRows, launch_grid, per_column, per_row, persistent_schedule,
-    read_plan, register_split)
+    read_plan, register_split, swizzled)
 
 # The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
 # the producer: 2 * 232 + 24 + 24 = 512 per thread slot. 24 is setmaxnreg's
@@ -155,6 +155,12 @@ class BackwardStatic:
   def dropout(self) -> bool:
     return self.ranged and bool(self.spec.dropout_rate)
 
+  @property
+  def dense(self) -> bool:
+    """A dense mask, streamed as int8 tiles of the kernel's own rows and
+    its step's streamed ones (`DenseTiles`)."""
+    return self.ranged and self.spec.has_dense_mask
+
 
 class Walk(NamedTuple):
   """A warpgroup's walk over the steps its CTA streams.
@@ -200,6 +206,12 @@ def walk_group(walk: Walk, step_body, arrived, consumed, slot_of,
     return walk_runs(walk.runs, bodies, grads)
 
   return lax.fori_loop(0, static.group, head_body, grads)
+
+
+def walk_range(walk: Walk):
+  """(lo, unmasked_lo, unmasked_hi, hi) of a consumer's `ranged_walk`."""
+  (lo, unmasked_lo, _), _, (unmasked_hi, hi, _) = walk.runs[1:4]
+  return lo, unmasked_lo, unmasked_hi, hi
 
 
 def ranged_walk(plan: PlanRow, slot, *, consumer: bool = True,
@@ -461,11 +473,28 @@ class SegmentIds(NamedTuple):
   ring_arrived: Any    # barriers [stages]
 
 
+class DenseTiles(NamedTuple):
+  """A ranged kernel's dense mask (`BackwardStatic.dense`): int8 [heads | 1,
+  resident len, streamed len] of this batch (the dK/dV kernel's the
+  transposed mask), each consumer's tile of its masked steps copied into
+  a buffer of its own (`common.chained_tiles`)."""
+  gmem: Any          # int8 [heads | 1, resident len, streamed len]
+  smem: Any          # int8 [consumers, resident rows, streamed rows]
+  arrived: Any       # barriers [consumers]
+
+  def source(self, head, rows, start, count):
+    """The GMEM tile of query head `head` (broadcast where the mask has
+    one head), own `rows` and streamed [start, start + count)."""
+    return self.gmem.at[head if self.gmem.shape[0] > 1 else 0, rows,
+                        pl.ds(start, count)]
+
+
 def ranged_scratch(static: BackwardStatic, *, resident_rows, streamed_rows,
                    slopes=None):
   """The ranged kernels' scratch after the common list: plan rows (one per
   warpgroup), with segment ids `SegmentIds`' shared memory, with ALiBi
-  each consumer's copy of `slopes` (`common.slope_rows`)."""
+  each consumer's copy of `slopes` (`common.slope_rows`), with a dense
+  mask each consumer's int8 tile (`DenseTiles`)."""
   consumers, stages = static.num_consumers, static.num_stages
   scratch = (plgpu.SMEM((consumers + 1, PLAN_WIDTH), jnp.int32),
              plgpu.Barrier(num_barriers=consumers + 1))   # plan_arrived
@@ -477,13 +506,20 @@ def ranged_scratch(static: BackwardStatic, *, resident_rows, streamed_rows,
   if static.alibi:
     scratch += (plgpu.SMEM((consumers, *slopes.shape[1:]), jnp.float32),
                 plgpu.Barrier(num_barriers=consumers))    # slopes_arrived
+  if static.dense:
+    scratch += (plgpu.SMEM((consumers, resident_rows, streamed_rows),
+                           jnp.int8,
+                           transforms=swizzled(streamed_rows, jnp.int8)),
+                plgpu.Barrier(num_barriers=consumers))    # mask_arrived
   return scratch
 
 
-def ranged_inputs(plan, segments, slopes) -> tuple:
+def ranged_inputs(plan, segments, slopes, dense_mask=None) -> tuple:
   """The ranged kernels' inputs after the common five: plan rows, the
-  segment ids (q, kv), the slope rows; those absent left out."""
-  return (plan, *(segments or ()), *(() if slopes is None else (slopes,)))
+  segment ids (q, kv), the slope rows, the int8 dense mask; those absent
+  left out."""
+  return (plan, *(segments or ()), *(() if slopes is None else (slopes,)),
+          *(() if dense_mask is None else (dense_mask,)))
 
 
 class RangedRefs(NamedTuple):
@@ -491,6 +527,7 @@ class RangedRefs(NamedTuple):
   plan: PlanRow | None = None
   ids: SegmentIds | None = None
   slopes: SlopeRows | None = None
+  dense: DenseTiles | None = None
 
 
 def ranged_refs(static: BackwardStatic, inputs, scratch, *, batch, tile,
@@ -504,15 +541,21 @@ def ranged_refs(static: BackwardStatic, inputs, scratch, *, batch, tile,
   if not static.ranged:
     return RangedRefs()
   plan = PlanRow(inputs[0].at[batch, tile], *scratch[:2])
-  ids = slopes = None
+  ids = slopes = dense = None
   if static.segmented:
     q_ids, kv_ids = inputs[1].at[batch], inputs[2].at[batch]
     own, streamed = (q_ids, kv_ids) if own_is_query else (kv_ids, q_ids)
     ids = SegmentIds(own, streamed, *scratch[2:6])
+  first = 2 + 4 * static.segmented
   if static.alibi:
-    first = 2 + 4 * static.segmented
-    slopes = SlopeRows(inputs[-1].at[batch], *scratch[first:first + 2])
-  return RangedRefs(plan, ids, slopes)
+    slopes = SlopeRows(inputs[1 + 2 * static.segmented].at[batch],
+                       *scratch[first:first + 2])
+  if static.dense:
+    mask = inputs[-1]
+    first += 2 * static.alibi
+    dense = DenseTiles(mask.at[batch if mask.shape[0] > 1 else 0],
+                       *scratch[first:first + 2])
+  return RangedRefs(plan, ids, slopes, dense)
 
 
 def ids_arrived(ids: SegmentIds | None):
