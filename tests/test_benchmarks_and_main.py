@@ -110,6 +110,7 @@ def test_render_writes_table_and_plot(grid_json):
   assert {row[headers.index("best peer")] for row in rows} == {"xla"}
 
 
+@pytest.mark.slow  # benchmark scripts, run for real on the GPU
 def test_memory_and_tune_blocks_smoke(tmp_path):
   mem_out = str(tmp_path / "memory.json")
   assert memory.main(["--smoke", "--impls", "jax_flash_triton",
@@ -352,6 +353,7 @@ def test_grid_halves_measured_apart_merge_into_one_file(tmp_path):
     assert "Parts, each measured" in f.read()
 
 
+@pytest.mark.slow  # a benchmark script (test_sharding checks the sharding)
 def test_sequence_parallel_smoke_on_four_host_devices(tmp_path):
   """Issue 7's script end to end on CPU host devices (tiny sizes)."""
   out = tmp_path / "sp.json"
