@@ -40,6 +40,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.masking import MaskSpec, Operands
 from pallas_kernels.mosaic.backward import mosaic_backward
@@ -128,10 +129,9 @@ MASKED_CASES = {  # name: (q_len, kv_len, MaskSpec fields, operands)
     # A dense mask per head: its int8 tiles on the masked steps (dK/dV from
     # its transpose), its own tiles classified.
     "dense mask": (256, 200, dict(has_dense_mask=True),
-                   dict(dense_mask=[[[[(i // 64 + j // 64 + h) % 3 != 0
-                                       for j in range(200)]
-                                      for i in range(256)]
-                                     for h in range(4)]])),
+                   dict(dense_mask=(np.arange(4)[:, None, None]
+                                    + np.arange(256)[:, None] // 64
+                                    + np.arange(200) // 64)[None] % 3 != 0)),
     # Dropout's keep mask regenerated from its hash on every visited tile.
     "dropout causal": (200, 333, dict(is_causal=True, dropout_rate=0.1),
                        dict(dropout_seed=1234)),

@@ -341,6 +341,28 @@ def slope_reader(slopes: SlopeRows, slot):
   return lambda head: own[head // SLOPE_ROW_WIDTH, head % SLOPE_ROW_WIDTH]
 
 
+class ScoreTiles(NamedTuple):
+  """A masked kernel's array over the scores (the bias, 16-bit; the dense
+  mask, int8; the dK/dV kernel's is the mask's transpose) of one batch,
+  each consumer's tiles copied into a buffer of its own
+  (`chained_tiles`)."""
+  gmem: Any          # [heads | 1, own len, streamed len] of this batch
+  smem: Any          # [consumers, own rows, streamed rows]
+  arrived: Any       # barriers [consumers]
+
+  @classmethod
+  def of(cls, ref, scratch, batch) -> "ScoreTiles":
+    """Of `ref` [batch | 1, heads | 1, own len, streamed len] (batch
+    broadcast where it has one) and the first two `scratch` refs."""
+    return cls(ref.at[batch if ref.shape[0] > 1 else 0], *scratch[:2])
+
+  def source(self, head, rows, start, count):
+    """The GMEM tile of query head `head` (broadcast where the array has
+    one head), own `rows` and streamed [start, start + count)."""
+    return self.gmem.at[head if self.gmem.shape[0] > 1 else 0, rows,
+                        pl.ds(start, count)]
+
+
 def chained_tiles(smem, arrived, source, *, first, next_of, end):
   """`read(position)`: a consumer's tiles of an array over the scores (a
   bias, a dense mask), one shared-memory buffer (`smem`, its barrier

@@ -32,14 +32,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    THREADS_PER_WARPGROUP, chained_tiles, copy_slopes, dropout_key_hashes,
+    THREADS_PER_WARPGROUP, ScoreTiles, chained_tiles, copy_slopes,
+    dropout_key_hashes,
     dropout_kept, dropout_query_hashes, masked_steps, per_column,
     slope_reader, swizzled)
 from pallas_kernels.mosaic.fused_dq import (
     DQ_PIECE, PIECES_DONE_BARRIER, FusedDq, issue_dq_piece,
     num_dq_pieces, stage_dq_piece, stage_dq_pieces, write_dq)
 from pallas_kernels.mosaic.pipeline import (
-    MASKED, UNMASKED, BackwardStatic, DenseTiles, Walk, causal_mask_t,
+    MASKED, UNMASKED, BackwardStatic, Walk, causal_mask_t,
     column_statistic,
     dkdv_causal_runs, each_tile, first_q_block, first_unmasked_q_block,
     grid_args, ids_arrived, keep_scale, kernel_name, load_own_ids, produce,
@@ -378,7 +379,7 @@ def _head_values(values, g, *, batch, kv_head, slope_of,
   return values
 
 
-def _dense_tiles_t(dense: DenseTiles, walk: Walk, wg, kv_rows, *, kv_head,
+def _dense_tiles_t(dense: ScoreTiles, walk: Walk, wg, kv_rows, *, kv_head,
                    static: BackwardStatic):
   """`read(i, g)`: the int8 [block_kv, block_q] tile of the transposed
   dense mask for consumer `wg`'s K/V rows, Q tile i and query head g of

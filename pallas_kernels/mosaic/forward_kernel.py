@@ -45,7 +45,8 @@ import jax.numpy as jnp
 from pallas_kernels import masking
 from pallas_kernels.mosaic import turns
 from pallas_kernels.mosaic.common import (
-    LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_UNION, PlanRow, SlopeRows,
+    LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_UNION, PlanRow, ScoreTiles,
+    SlopeRows,
     causal_mask, chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
     dropout_query_hashes, masked_steps, per_column, per_row,
     persistent_schedule, read_plan, register_split, slope_reader, tile_index,
@@ -212,16 +213,6 @@ class _SegmentRefs(NamedTuple):
   kv_arrived: Any    # barriers [stages]
 
 
-class _ScoreTiles(NamedTuple):
-  """A ranged kernel's array over the scores, the bias (`spec.has_bias`,
-  16-bit) or the dense mask (`spec.has_dense_mask`, int8): each consumer
-  copies the [block_q, block_kv] tile of its next step while it computes
-  this one (`_tile_reader`)."""
-  gmem: Any          # [q_len, kv_len] of this (batch, head)
-  smem: Any          # [consumers, block_q, block_kv]
-  arrived: Any       # barriers [consumers]
-
-
 class _Tile(NamedTuple):
   """A persistent CTA's current tile, as `_consume` needs it."""
   base: Any         # global index of the tile's first K/V block: the ring
@@ -303,12 +294,10 @@ def forward_kernel(*refs, static: KernelStatic):
   first_input = 4 + 2 * segmented + alibi
   first_scratch = 12 + 4 * segmented + 2 * alibi
   if biased:
-    bias = _score_tiles(inputs[first_input], scratch[first_scratch:],
-                        batch, head)
+    bias = ScoreTiles.of(inputs[first_input], scratch[first_scratch:], batch)
   if dense:
-    dense_mask = _score_tiles(inputs[first_input + biased],
-                              scratch[first_scratch + 2 * biased:], batch,
-                              head)
+    dense_mask = ScoreTiles.of(inputs[first_input + biased],
+                               scratch[first_scratch + 2 * biased:], batch)
 
   consumer_registers, producer_registers = register_split(
       lean=False, num_consumers=static.num_consumers)
@@ -494,8 +483,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
              pingpong, *, batch, head, wg, tile_start, static: KernelStatic,
              fp8: _Fp8Refs | None, plan: PlanRow | None,
              segments: _SegmentRefs | None = None, tile: _Tile | None = None,
-             slopes: SlopeRows | None = None, bias: _ScoreTiles | None = None,
-             dense_mask: _ScoreTiles | None = None):
+             slopes: SlopeRows | None = None, bias: ScoreTiles | None = None,
+             dense_mask: ScoreTiles | None = None):
   """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile.
 
   Persistent grid (`tile` given): Q was loaded by the previous tile (or the
@@ -547,14 +536,20 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       q_ids = plgpu.layout_cast(q_ids_smem[...],
                                 plgpu.Layout.WGMMA.reduce(1))
   consumed_base = wg * static.num_stages
+  def reader(tiles: ScoreTiles, first, next_of, end):
+    """Consumer `wg`'s tiles of its rows, K/V block `step` each."""
+    return chained_tiles(
+        tiles.smem.at[wg], tiles.arrived.at[wg],
+        lambda step: tiles.source(head, q_rows, step * block_kv, block_kv),
+        first=first, next_of=next_of, end=end)
+
   bias_tile = mask_tile = None
   if bias is not None:  # every step of the range: [lo, hi)
-    bias_tile = _tile_reader(bias, wg, q_rows, static, first=lo,
-                             next_of=lambda step: step + 1, end=hi)
+    bias_tile = reader(bias, lo, lambda step: step + 1, hi)
   if dense_mask is not None:  # the masked steps (the unmasked run's tiles
     # it keeps whole)
-    mask_tile = _tile_reader(dense_mask, wg, q_rows, static,
-                             *masked_steps(lo, unmasked_lo, unmasked_hi, hi))
+    mask_tile = reader(dense_mask,
+                       *masked_steps(lo, unmasked_lo, unmasked_hi, hi))
 
   def wait_key_ids(slot):
     """Every step waits for its key ids (each barrier phase, every thread)."""
@@ -793,25 +788,6 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
       plgpu.barrier_wait(v_arrived.at[slot])
       plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
-
-
-def _score_tiles(ref, scratch, batch, head) -> _ScoreTiles:
-  """`_ScoreTiles` of (batch, head) in `ref` [batch | 1, heads | 1, q_len,
-  kv_len] (axes of size 1 broadcast) and the first two `scratch` refs."""
-  return _ScoreTiles(ref.at[batch if ref.shape[0] > 1 else 0,
-                            head if ref.shape[1] > 1 else 0], *scratch[:2])
-
-
-def _tile_reader(tiles: _ScoreTiles, wg, q_rows, static: KernelStatic,
-                 first, next_of, end):
-  """`read(step)`: the [block_q, block_kv] tile of consumer `wg`'s rows
-  `q_rows` and K/V block `step` (`common.chained_tiles` over steps
-  `first`, `next_of(first)`, ... before `end`)."""
-  return chained_tiles(
-      tiles.smem.at[wg], tiles.arrived.at[wg],
-      lambda step: tiles.gmem.at[q_rows, pl.ds(step * static.block_kv,
-                                                static.block_kv)],
-      first=first, next_of=next_of, end=end)
 
 
 def _descale(fp8: _Fp8Refs, i):

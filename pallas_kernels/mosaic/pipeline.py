@@ -38,8 +38,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import masking
 from pallas_kernels.mosaic.common import (
     LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_UNION, PLAN_WIDTH, PlanRow,
-    SlopeRows, launch_grid, per_column, per_row, persistent_schedule,
-    read_plan, register_split, swizzled)
+    ScoreTiles, SlopeRows, launch_grid, per_column, per_row,
+    persistent_schedule, read_plan, register_split, swizzled)
 
 # The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
 # the producer: 2 * 232 + 24 + 24 = 512 per thread slot. 24 is setmaxnreg's
@@ -158,7 +158,7 @@ class BackwardStatic:
   @property
   def dense(self) -> bool:
     """A dense mask, streamed as int8 tiles of the kernel's own rows and
-    its step's streamed ones (`DenseTiles`)."""
+    its step's streamed ones (`common.ScoreTiles`)."""
     return self.ranged and self.spec.has_dense_mask
 
 
@@ -473,28 +473,12 @@ class SegmentIds(NamedTuple):
   ring_arrived: Any    # barriers [stages]
 
 
-class DenseTiles(NamedTuple):
-  """A ranged kernel's dense mask (`BackwardStatic.dense`): int8 [heads | 1,
-  resident len, streamed len] of this batch (the dK/dV kernel's the
-  transposed mask), each consumer's tile of its masked steps copied into
-  a buffer of its own (`common.chained_tiles`)."""
-  gmem: Any          # int8 [heads | 1, resident len, streamed len]
-  smem: Any          # int8 [consumers, resident rows, streamed rows]
-  arrived: Any       # barriers [consumers]
-
-  def source(self, head, rows, start, count):
-    """The GMEM tile of query head `head` (broadcast where the mask has
-    one head), own `rows` and streamed [start, start + count)."""
-    return self.gmem.at[head if self.gmem.shape[0] > 1 else 0, rows,
-                        pl.ds(start, count)]
-
-
 def ranged_scratch(static: BackwardStatic, *, resident_rows, streamed_rows,
                    slopes=None):
   """The ranged kernels' scratch after the common list: plan rows (one per
   warpgroup), with segment ids `SegmentIds`' shared memory, with ALiBi
   each consumer's copy of `slopes` (`common.slope_rows`), with a dense
-  mask each consumer's int8 tile (`DenseTiles`)."""
+  mask each consumer's int8 tile (`common.ScoreTiles`)."""
   consumers, stages = static.num_consumers, static.num_stages
   scratch = (plgpu.SMEM((consumers + 1, PLAN_WIDTH), jnp.int32),
              plgpu.Barrier(num_barriers=consumers + 1))   # plan_arrived
@@ -527,7 +511,7 @@ class RangedRefs(NamedTuple):
   plan: PlanRow | None = None
   ids: SegmentIds | None = None
   slopes: SlopeRows | None = None
-  dense: DenseTiles | None = None
+  dense: ScoreTiles | None = None  # the dK/dV kernel's: the transpose
 
 
 def ranged_refs(static: BackwardStatic, inputs, scratch, *, batch, tile,
@@ -551,10 +535,8 @@ def ranged_refs(static: BackwardStatic, inputs, scratch, *, batch, tile,
     slopes = SlopeRows(inputs[1 + 2 * static.segmented].at[batch],
                        *scratch[first:first + 2])
   if static.dense:
-    mask = inputs[-1]
     first += 2 * static.alibi
-    dense = DenseTiles(mask.at[batch if mask.shape[0] > 1 else 0],
-                       *scratch[first:first + 2])
+    dense = ScoreTiles.of(inputs[-1], scratch[first:], batch)
   return RangedRefs(plan, ids, slopes, dense)
 
 
