@@ -239,7 +239,7 @@ MASKED_VARIANTS = {
 def _masked_call(q, k, v, variants):
   """(scale, spec, keyword operands) of the masked Mosaic kernels for
   `flash_attention`'s mask arguments `variants`, as jax_flash makes them
-  (the bias, which only the forward takes, where there is one)."""
+  (and the bias, where there is one)."""
   from pallas_kernels.mosaic.attention import masked_operand_kwargs
   call = validation.normalise_call(q, k, v, **variants)
   operands = masked_operand_kwargs(call.operands)
@@ -349,13 +349,23 @@ FUSED_BACKWARD_CASES = [
 def _references(q, k, v, d_out, d_lse, **variants):
   """(float32, bf16) `forward_and_grads` of the reference with
   `flash_attention`'s arguments `variants`, under cotangents d_out and
-  d_lse ([batch, q_len, heads])."""
+  d_lse ([batch, q_len, heads]); with a bias among them, also its
+  gradient ("dbias")."""
   def reference(compute_dtype):
     cast = lambda x: x.astype(compute_dtype)
-    return forward_and_grads(
-        lambda q, k, v: naive_attention(q, k, v, compute_dtype=compute_dtype,
-                                        **variants),
-        cast(q), cast(k), cast(v), cast(d_out), d_lse)
+    if "bias" not in variants:
+      return forward_and_grads(
+          lambda q, k, v: naive_attention(
+              q, k, v, compute_dtype=compute_dtype, **variants),
+          cast(q), cast(k), cast(v), cast(d_out), d_lse)
+    others = {n: x for n, x in variants.items() if n != "bias"}
+    (out, lse), vjp = jax.vjp(
+        lambda q, k, v, bias: naive_attention(
+            q, k, v, bias=bias, compute_dtype=compute_dtype, **others),
+        cast(q), cast(k), cast(v), cast(variants["bias"]))
+    grads = vjp((cast(d_out), d_lse))
+    return dict(out=out, lse=lse, **dict(zip(("dq", "dk", "dv", "dbias"),
+                                             grads)))
   return reference(jnp.float32), reference(jnp.bfloat16)
 
 
@@ -506,13 +516,20 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
     ("alibi", 1), slow("score_fn", 1), ("mask_fn", 1), ("dense mask", 1),
     # Dropout's hash and ALiBi's slopes are per query head: on K/V copies
     # (`kv_head_copies`) each copy's heads must still be the call's.
-    ("dropout", 2)])
+    ("dropout", 2),
+    # A bias per (batch, head) in both kernels (dK/dV: each head's
+    # transposed tiles) and dbias, dS in bf16 from the dbias kernel;
+    # bottom-right causal, so that the tiles the plan skips are never
+    # written (the interpreter's outputs start as NaN) and must be zeroed.
+    ("bias", 1),
+    # A bias per head broadcast over the batch: dS in float32, summed.
+    slow("dense mask, bias", 1)])
 def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
                                                               monkeypatch):
-  """`mosaic_backward_masked`'s dq, dk, dv (its plan rows, padded
-  statistics and ranged kernels) under a random cotangent of out and of
-  lse, against the float32 reference's, within twice the plain bf16
-  computation's error. As above, `row_statistics` runs outside the
+  """`mosaic_backward_masked`'s dq, dk, dv and dbias (its plan rows,
+  padded statistics and ranged kernels) under a random cotangent of out
+  and of lse, against the float32 reference's, within twice the plain
+  bf16 computation's error. As above, `row_statistics` runs outside the
   interpreter, on the arguments that the masked backward passes it."""
   from pallas_kernels.mosaic import backward
   from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
@@ -533,7 +550,8 @@ def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
   grads = mosaic_interpret.run(mosaic_backward_masked, q, k, v, *args,
                                scale=scale, spec=spec, kv_head_copies=copies,
                                **operands)
-  for grad, ours in zip(("dq", "dk", "dv"), grads):
+  names = ("dq", "dk", "dv") + (("dbias",) if spec.has_bias else ())
+  for grad, ours in zip(names, grads):
     assert_within_rule(grad, ours, exact[grad], lowp[grad])
 
 
@@ -582,7 +600,7 @@ def test_interpreted_dropout_drops_the_triton_kernels_bits(monkeypatch):
           jnp.zeros_like(lse))
   stats = backward.row_statistics(*args)
   monkeypatch.setattr(backward, "row_statistics", lambda *given: stats)
-  _, _, dv = mosaic_interpret.run(mosaic_backward_masked, q, k,
+  _, _, dv, _ = mosaic_interpret.run(mosaic_backward_masked, q, k,
                                   identity(kv_len), *args, scale=scale,
                                   spec=spec, **operands)
   # dv [b, kv, h, i] = kept (i, kv) weight of head h.

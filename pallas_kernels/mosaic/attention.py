@@ -9,9 +9,10 @@ at seq 16k runs 1.07-1.26x faster than with the Triton one
 no longer an option here.
 
 `flash_attention_mosaic_masked`: the masked forward (`mosaic_forward_masked`:
-window, q_offset, lengths, segment ids, soft cap, ALiBi, dropout, any
-lengths) with the masked Mosaic backward (`mosaic_backward_masked`, falling
-back to Triton's for calls it does not cover): at seq 16k, d=128, fwd+bwd
+window, q_offset, lengths, segment ids, soft cap, ALiBi, dropout, mask_fn,
+score_fn, a bias, a dense mask, any lengths) with the masked Mosaic
+backward (`mosaic_backward_masked`, dbias too, falling back to Triton's for
+calls it does not cover): at seq 16k, d=128, fwd+bwd
 of a causal 1k window 1.85 ms against 2.04 ms with the Triton backward,
 soft cap 19.6 ms against 28.8 ms (`benchmarks/results/h200_masks_mosaic.md`).
 `MASKED_KERNEL_ENABLED` and `MASKED_BACKWARD_ENABLED` route masks back to
@@ -210,10 +211,10 @@ def masked_operand_kwargs(operands: Operands) -> dict:
 def flash_attention_mosaic_masked(query, key, value, bias, operands: Operands,
                                   scale: float, spec: MaskSpec,
                                   backward_blocks: BlockSizes):
-  """`mosaic_forward_masked`; gradients by `mosaic_backward_masked` while
-  `MASKED_BACKWARD_ENABLED`, else (or where it raises NotImplementedError:
-  a bias, whose gradient it does not write) by the Triton backward for the
-  same `spec`.
+  """`mosaic_forward_masked`; gradients, dbias among them, by
+  `mosaic_backward_masked` while `MASKED_BACKWARD_ENABLED`, else (or where
+  it raises NotImplementedError) by the Triton backward for the same
+  `spec`.
 
   `bias` is None or [B | 1, N | 1, Tq, Tk] (differentiable); `operands`
   carries q_offset, q_lengths, kv_lengths (int32 [batch]), the segment
@@ -237,10 +238,10 @@ def _masked_bwd(scale, spec, backward_blocks, residuals, cotangents):
   d_out, d_lse = cotangents
   if MASKED_BACKWARD_ENABLED:
     try:
-      dq, dk, dv = mosaic_backward_masked(
+      dq, dk, dv, dbias = mosaic_backward_masked(
           query, key, value, out, lse, d_out, d_lse, scale=scale, spec=spec,
-          **masked_operand_kwargs(operands))
-      return dq, dk, dv, None, None
+          bias=bias, **masked_operand_kwargs(operands))
+      return dq, dk, dv, dbias, None
     except NotImplementedError:
       pass  # a call the masked Mosaic backward does not cover: Triton's
   with compat.quiet_triton_deprecation():

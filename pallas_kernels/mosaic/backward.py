@@ -157,7 +157,8 @@ def _config(query, key, is_causal: bool, options) -> BackwardConfig:
 def gradients(query, key, value, d_out, stats,
               dq_config: BackwardStatic | None,
               dkdv_configs: list[BackwardStatic], *, dq_plan=None,
-              dkdv_plan=None, segments=None, slopes=None, dense_masks=None):
+              dkdv_plan=None, segments=None, slopes=None, biases=None,
+              dense_masks=None):
   """(dq, dk, dv) by the dQ kernel and the dK/dV pass(es), or by the one
   fused kernel.
 
@@ -172,17 +173,21 @@ def gradients(query, key, value, d_out, stats,
       [batch, kv_len]) when the spec has segment ids, else None.
     slopes: the ranged kernels' ALiBi slopes as `common.slope_rows` when
       the spec has them, else None.
-    dense_masks: the ranged kernels' dense mask as int8 [batch | 1,
+    biases: the ranged kernels' bias, in query's dtype, [batch | 1,
       heads | 1, q_len, kv_len] for dQ and its transpose [..., kv_len,
       q_len] for dK/dV, padded to their tiles, or None.
+    dense_masks: the ranged kernels' dense mask as int8, the same two
+      forms, or None.
   """
+  dq_bias, dkdv_bias = biases or (None, None)
   dq_mask, dkdv_mask = dense_masks or (None, None)
   if dq_config is None:
     (static,) = dkdv_configs
     dq_sum, dk, dv = launch_dkdv(query, key, value, d_out, stats, static)
     return (dq_sum * static.scale).astype(query.dtype), dk, dv
   dq = launch_dq(query, key, value, d_out, stats, dq_config, plan=dq_plan,
-                 segments=segments, slopes=slopes, dense_mask=dq_mask)
+                 segments=segments, slopes=slopes, bias=dq_bias,
+                 dense_mask=dq_mask)
   # K/V copies (`plan.BackwardConfig.kv_head_copies`): the dK/dV statics'
   # group is the call's over the copies.
   num_kv_heads = key.shape[2]
@@ -194,7 +199,8 @@ def gradients(query, key, value, d_out, stats,
     grads.update(zip(static.outputs,
                      launch_dkdv(query, key, value, d_out, stats, static,
                                  plan=dkdv_plan, segments=segments,
-                                 slopes=slopes, dense_mask=dkdv_mask)))
+                                 slopes=slopes, bias=dkdv_bias,
+                                 dense_mask=dkdv_mask)))
   if copies > 1:
     grads = {name: _sum_copies(grad, copies) for name, grad in grads.items()}
   return dq, grads["dk"], grads["dv"]
@@ -311,9 +317,7 @@ def statics(query, key, *, scale: float, is_causal: bool,
         fused, overlap_softmax=True, prefetch_lse=bool(config.prefetch_lse))]
   if config.scores_ahead:
     _check_scores_ahead(config, is_causal=is_causal, spec=spec)
-  options = dict(overlap_softmax=bool(config.overlap_softmax),
-                 tile_fastest=True,
-                 lean_producer=bool(config.lean_producer))
+  options = _kernel_options(config)
   dq_tiles_args = tiles if config.dq_tiles is None else dict(
       tiles, block_q=config.dq_tiles[0], block_kv=config.dq_tiles[1])
   dq_config = dataclasses.replace(dq_static(query, key, **dq_tiles_args),
@@ -364,8 +368,10 @@ def _check_scores_ahead(config: BackwardConfig, *, is_causal: bool, spec):
 
 
 def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
-              max_concurrent_steps, spec=None) -> BackwardStatic:
-  """The dQ kernel's configuration (`spec`: the ranged form's mask spec)."""
+              max_concurrent_steps, spec=None,
+              dbias_dtype=None) -> BackwardStatic:
+  """The dQ kernel's configuration (`spec`: the ranged form's mask spec;
+  `dbias_dtype`: its dbias form, `BackwardStatic.dbias_dtype`)."""
   _, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   registers = _accumulator_registers((block_q, head_dim),
@@ -384,7 +390,9 @@ def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
       streamed_stats=0) + _ranged_smem_bytes(
           spec, num_consumers=consumers, num_stages=stages,
           resident_rows=block_q, streamed_rows=block_kv,
-          num_heads=num_heads)
+          num_heads=num_heads, itemsize=jnp.dtype(query.dtype).itemsize) + (
+              0 if dbias_dtype is None else  # each consumer's dS tile
+              consumers * block_q * block_kv * jnp.dtype(dbias_dtype).itemsize)
   return BackwardStatic(
       block_q=block_q, block_kv=block_kv,
       num_consumers=_num_consumers(_tiled_length(q_len, block_q, spec),
@@ -393,7 +401,20 @@ def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
       num_kv_blocks=num_kv_blocks, head_dim=head_dim,
       group=num_heads // num_kv_heads, scale=float(scale),
       scale_log2=float(scale) * LOG2E, is_causal=bool(is_causal),
-      dtype=jnp.dtype(query.dtype), outputs=("dq",), spec=spec)
+      dtype=jnp.dtype(query.dtype), outputs=("dq",), spec=spec,
+      dbias_dtype=None if dbias_dtype is None else jnp.dtype(dbias_dtype))
+
+
+def dbias_static(query, key, *, scale: float, config: BackwardConfig, spec,
+                 dbias_dtype) -> BackwardStatic:
+  """The dQ kernel's dbias form for the ranged kernels of `config`: its
+  tiles and options, and as many consumers as its shared memory (each
+  consumer's dS tile besides) allows."""
+  static = dq_static(query, key, scale=scale, is_causal=spec.is_causal,
+                     block_q=config.block_q, block_kv=config.block_kv,
+                     max_concurrent_steps=config.max_concurrent_steps,
+                     spec=spec, dbias_dtype=dbias_dtype)
+  return dataclasses.replace(static, **_kernel_options(config))
 
 
 def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
@@ -437,7 +458,7 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
       streamed_stats=block_q) + _ranged_smem_bytes(
           spec, num_consumers=consumers, num_stages=stages,
           resident_rows=block_kv, streamed_rows=block_q,
-          num_heads=num_heads) + (
+          num_heads=num_heads, itemsize=jnp.dtype(query.dtype).itemsize) + (
               fused_smem_bytes(
                   num_consumers=consumers, block_q=block_q,
                   block_kv=block_kv, head_dim=head_dim,
@@ -549,12 +570,19 @@ def _smem_bytes(*, num_consumers, num_stages, resident_rows, streamed_rows,
   return tiles + stats
 
 
+def _kernel_options(config: BackwardConfig) -> dict:
+  """The `BackwardStatic` options that `config` sets on both kernels."""
+  return dict(overlap_softmax=bool(config.overlap_softmax),
+              tile_fastest=True, lean_producer=bool(config.lean_producer))
+
+
 def _ranged_smem_bytes(spec, *, num_consumers, num_stages, resident_rows,
-                       streamed_rows, num_heads) -> int:
+                       streamed_rows, num_heads, itemsize) -> int:
   """The ranged kernels' extra shared memory (0 for the plain ones): a plan
   row per warpgroup, with segment ids the int32 ids of each consumer's rows
-  and of each ring slot, with ALiBi each consumer's slopes, with a dense
-  mask each consumer's int8 tile."""
+  and of each ring slot, with ALiBi each consumer's slopes, with a bias
+  each consumer's tile in q's dtype (`itemsize` bytes), with a dense mask
+  each consumer's int8 tile."""
   if spec is None:
     return 0
   extra = (num_consumers + 1) * PLAN_WIDTH * 4
@@ -562,6 +590,8 @@ def _ranged_smem_bytes(spec, *, num_consumers, num_stages, resident_rows,
     extra += (num_consumers * resident_rows + num_stages * streamed_rows) * 4
   if spec.has_alibi:
     extra += num_consumers * slope_rows_bytes(num_heads)
+  if spec.has_bias:
+    extra += num_consumers * resident_rows * streamed_rows * itemsize
   if spec.has_dense_mask:
     extra += num_consumers * resident_rows * streamed_rows
   return extra

@@ -54,14 +54,15 @@ from pallas_kernels.mosaic.shared_rows import (
 
 
 def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
-                plan=None, segments=None, slopes=None, dense_mask=None):
+                plan=None, segments=None, slopes=None, bias=None,
+                dense_mask=None):
   """Launches the dK/dV kernel for `static.outputs`; returns them in order
   (fused dQ: the f32 [batch, q_len, num_heads, head_dim] sum of dS K, not
   yet scaled, first).
 
   Ranged: `plan` int32 [batch, num_kv_tiles, PLAN_WIDTH]; `segments`,
-  `slopes` and `dense_mask` (its transposed [.., kv_len, q_len] form) as
-  `gradients` takes them.
+  `slopes`, `bias` and `dense_mask` (their transposed [.., kv_len, q_len]
+  forms) as `gradients` takes them.
   """
   batch, kv_len, num_kv_heads, head_dim = key.shape
   consumers, stages = static.num_consumers, static.num_stages
@@ -93,7 +94,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
   if static.ranged:
     scratch += ranged_scratch(static, resident_rows=static.block_kv,
                               streamed_rows=static.block_q, slopes=slopes)
-    inputs += ranged_inputs(plan, segments, slopes, dense_mask)
+    inputs += ranged_inputs(plan, segments, slopes, bias, dense_mask)
   if static.shared_rows:
     scratch += exchange_scratch(static, static.block_kv,
                                 static.block_q // consumers, kinds=2)
@@ -147,7 +148,7 @@ def _dkdv_kernel(*refs, static: BackwardStatic):
   of streamed steps running on across tiles (see `produce`).
   """
   num_inputs = (5 + static.ranged + 2 * static.segmented + static.alibi
-                + static.dense)
+                + static.biased + static.dense)
   names = ("dq_sum",) * static.fused_dq + static.outputs
   inputs = refs[:num_inputs]
   out_refs = dict(zip(names, refs[num_inputs:num_inputs + len(names)]))
@@ -171,9 +172,9 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   (k_smem, v_smem, q_ring, do_ring, stats_ring, k_arrived, v_arrived,
    q_arrived, do_arrived, stats_arrived, consumed) = scratch[:11]
   tile_start = kv_tile * static.kv_rows_per_cta
-  plan, ids, slopes, dense = ranged_refs(static, inputs[5:], scratch[11:],
-                                         batch=batch, tile=kv_tile,
-                                         own_is_query=False)
+  plan, ids, slopes, bias, dense = ranged_refs(
+      static, inputs[5:], scratch[11:], batch=batch, tile=kv_tile,
+      own_is_query=False)
   num_steps = None
   if plan is None:
     # The union of the consumers' Q tiles, per query head of the group:
@@ -203,7 +204,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                               v_arrived.at[wg])
       plgpu.barrier_wait(v_arrived.at[wg])
     plgpu.barrier_wait(k_arrived.at[wg])
-    q_of = head_values = positions = kept_of = None
+    q_of = head_values = positions = kept_of = bias_of = None
     if plan is None:
       if fused is None:
         walk = Walk(first, per_head,
@@ -219,10 +220,14 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       walk = ranged_walk(plan, wg, dropout=static.dropout)
       own_ids = load_own_ids(ids, kv_rows, wg)
       shape = (static.block_kv, static.block_q)
+      tiles_t = functools.partial(_group_tiles_t, wg=wg, kv_rows=kv_rows,
+                                  kv_head=kv_head, static=static)
+      lo, _, _, hi = walk_range(walk)
+      if bias is not None:  # every step of each head's range, in order
+        bias_of = tiles_t(bias, (lo, lambda i: i + 1, hi))
       dense_tile = None
       if dense is not None:  # its tiles of the masked steps, in order
-        dense_tile = _dense_tiles_t(dense, walk, wg, kv_rows,
-                                    kv_head=kv_head, static=static)
+        dense_tile = tiles_t(dense, masked_steps(*walk_range(walk)))
 
       def tile_mask(i, slot, values, g):
         values = tile_values(values, own_ids, ids, slot, shape,
@@ -262,7 +267,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                             tile_mask=tile_mask, static=static, base=base,
                             fused=fused, wg=wg, q_of=q_of, resident=resident,
                             head_values=head_values, positions=positions,
-                            kept_of=kept_of)
+                            kept_of=kept_of, bias_of=bias_of)
     if fused is not None:
       # The other consumers' last dQ pieces read this one's K rows: every
       # consumer is past them before any overwrites its K with dK (a race
@@ -379,15 +384,15 @@ def _head_values(values, g, *, batch, kv_head, slope_of,
   return values
 
 
-def _dense_tiles_t(dense: ScoreTiles, walk: Walk, wg, kv_rows, *, kv_head,
+def _group_tiles_t(tiles: ScoreTiles, steps, *, wg, kv_rows, kv_head,
                    static: BackwardStatic):
-  """`read(i, g)`: the int8 [block_kv, block_q] tile of the transposed
+  """`read(i, g)`: the [block_kv, block_q] tile of a transposed bias or
   dense mask for consumer `wg`'s K/V rows, Q tile i and query head g of
-  the group, for the masked steps of the walk in its order (each head's
-  masked Q tiles, head after head; `common.chained_tiles` over positions
-  g * num_q_blocks + i)."""
+  the group, for the steps (first, next_of, end) of each head's walk, in
+  the walk's order (head after head; `common.chained_tiles` over
+  positions g * num_q_blocks + i)."""
   stride = static.num_q_blocks
-  first_i, next_i, hi = masked_steps(*walk_range(walk))
+  first_i, next_i, hi = steps
   end = static.group * stride
 
   def next_of(position):
@@ -398,10 +403,10 @@ def _dense_tiles_t(dense: ScoreTiles, walk: Walk, wg, kv_rows, *, kv_head,
 
   def source(position):
     g, i = lax.div(position, stride), lax.rem(position, stride)
-    return dense.source(kv_head * static.group + g, kv_rows,
+    return tiles.source(kv_head * static.group + g, kv_rows,
                         i * static.block_q, static.block_q)
 
-  read = chained_tiles(dense.smem.at[wg], dense.arrived.at[wg], source,
+  read = chained_tiles(tiles.smem.at[wg], tiles.arrived.at[wg], source,
                        first=jnp.where(first_i < hi, first_i, end),
                        next_of=next_of, end=end)
   return lambda i, g: read(g * stride + i)
@@ -450,7 +455,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
                   consumed, *, walk: Walk, tile_mask, static: BackwardStatic,
                   base=None, fused: FusedDq | None = None, wg=None,
                   q_of=None, resident=None, head_values=None,
-                  positions=None, kept_of=None):
+                  positions=None, kept_of=None, bias_of=None):
   """Consumer: dK, dV (f32, unscaled dK) of its `block_kv` K/V rows.
 
   Walks the producer's steps: for each query head of the group, Q tiles
@@ -466,7 +471,8 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
   `score_fn`) the `masking.MaskValues` of query head g of the group (else
   `walk.values`), `positions(q_block)` the Sᵀ tile's (q_idx, kv_idx),
   `kept_of(q_block, g)` dropout's kept weights of the Sᵀ tile of query
-  head g, or None.
+  head g, or None, `bias_of(q_block, g)` its bias tile (each computed
+  step's, in order), or None.
   """
   slot_of = ring_slot(static, base)
   zeros = plgpu.layout_cast(
@@ -496,6 +502,9 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       lse = column_stat(0) if lse_log2 is None else lse_log2
       values = (walk.values if head_values is None
                 else head_values(group_index))
+      if bias_of is not None:
+        values = values._replace(
+            bias=bias_of(q_block, group_index).astype(jnp.float32))
       p_t, slope = tile_probabilities(s_t, lse, per_column, values, static,
                                       positions=lambda: positions(q_block))
       if masked:

@@ -38,12 +38,17 @@ from pallas_kernels.mosaic.pipeline import (
 
 
 def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
-              plan=None, segments=None, slopes=None, dense_mask=None):
-  """Launches the dQ kernel; returns dq like query.
+              plan=None, segments=None, slopes=None, bias=None,
+              dense_mask=None):
+  """Launches the dQ kernel; returns dq like query, or in its dbias form
+  (`static.bias_grad`) dS, [batch, num_heads, num_q_blocks * block_q,
+  num_kv_blocks * block_kv] in `static.dbias_dtype`, written on the tiles
+  its rows visit (the others hold anything: `masked_backward` zeroes the
+  tiles the plan skips).
 
   Ranged: `plan` int32 [batch, num_q_tiles, PLAN_WIDTH]; `segments`,
-  `slopes` and `dense_mask` (its [.., q_len, kv_len] form) as `gradients`
-  takes them.
+  `slopes`, `bias` and `dense_mask` (their [.., q_len, kv_len] forms) as
+  `gradients` takes them.
   """
   batch, q_len, num_heads, head_dim = query.shape
   consumers, stages = static.num_consumers, static.num_stages
@@ -69,27 +74,35 @@ def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
   if static.ranged:
     scratch += ranged_scratch(static, resident_rows=static.block_q,
                               streamed_rows=static.block_kv, slopes=slopes)
-    inputs += ranged_inputs(plan, segments, slopes, dense_mask)
+    inputs += ranged_inputs(plan, segments, slopes, bias, dense_mask)
+  out_shape, out_dtype = query.shape, query.dtype
+  if static.bias_grad:  # each consumer's dS tile, on its way out
+    out_shape = (batch, num_heads, static.num_q_blocks * static.block_q,
+                 static.num_kv_blocks * static.block_kv)
+    out_dtype = static.dbias_dtype
+    scratch += (plgpu.SMEM((consumers, static.block_q, static.block_kv),
+                           out_dtype,
+                           transforms=swizzled(static.block_kv, out_dtype)),)
   return compat.vary_like(plgpu.kernel(
       functools.partial(_dq_kernel, static=static),
-      out_type=versions.output_struct(query.shape, query.dtype, *inputs),
+      out_type=versions.output_struct(out_shape, out_dtype, *inputs),
       scratch_types=scratch,
       **grid_args(static, (pl.cdiv(q_len, static.q_rows_per_cta),
                            num_heads, batch), ("q_tile", "head", "batch")),
       num_threads=consumers + 1,
       thread_name="wg",
-      kernel_name=kernel_name(static, "dq"),
+      kernel_name=kernel_name(static, "dbias" if static.bias_grad else "dq"),
       compiler_params=compat.compiler_params(approx_math=True),
   )(*inputs), *inputs)
 
 
 def _dq_kernel(*refs, static: BackwardStatic):
   """Kernel body; refs: `launch_dq`'s inputs (q, k, v, dO, stats, then the
-  ranged kernel's `ranged_inputs`), dq, its scratch list. Launch or
-  persistent grid as `_dkdv_kernel` (causal: query tile i reads i + 1 K/V
-  tiles, so persistent tiles go in pairs)."""
+  ranged kernel's `ranged_inputs`), dq (or dbias), its scratch list. Launch
+  or persistent grid as `_dkdv_kernel` (causal: query tile i reads i + 1
+  K/V tiles, so persistent tiles go in pairs)."""
   num_inputs = (5 + static.ranged + 2 * static.segmented + static.alibi
-                + static.dense)
+                + static.biased + static.dense)
   inputs, dq_ref, scratch = (refs[:num_inputs], refs[num_inputs],
                              refs[num_inputs + 1:])
   wg = lax.axis_index("wg")
@@ -117,9 +130,9 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
   (q_smem, do_smem, stats_smem, k_ring, v_ring, q_arrived, do_arrived,
    stats_arrived, k_arrived, v_arrived, consumed) = scratch[:11]
   tile_start = q_tile * static.q_rows_per_cta
-  plan, ids, slopes, dense = ranged_refs(static, inputs[5:], scratch[11:],
-                                         batch=batch, tile=q_tile,
-                                         own_is_query=True)
+  plan, ids, slopes, bias, dense = ranged_refs(
+      static, inputs[5:], scratch[11:], batch=batch, tile=q_tile,
+      own_is_query=True)
   num_steps = None
   if plan is None:
     # The last consumer's rows come last, so it sees the most K/V tiles.
@@ -142,7 +155,7 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     lse_log2 = plgpu.layout_cast(own_stats[0], row_layout)
     delta = plgpu.layout_cast(own_stats[1], row_layout)
-    kept_of = None
+    kept_of = bias_of = write_ds = None
     if plan is None:
       walk = Walk(0, num_steps, _dq_causal_runs(q_start, num_steps, static),
                   None)
@@ -168,14 +181,26 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
             (static.block_q, static.block_kv), static.spec.dropout_rate)
       own_ids = load_own_ids(ids, q_rows, wg)
       shape = (static.block_q, static.block_kv)
-      dense_tile = None
-      if dense is not None:  # its tiles of the masked steps, in order
-        first, next_of, end = masked_steps(*walk_range(walk))
-        dense_tile = chained_tiles(
-            dense.smem.at[wg], dense.arrived.at[wg],
-            lambda step: dense.source(head, q_rows, step * static.block_kv,
+
+      def reader(tiles, first, next_of, end):
+        """This consumer's tiles of `tiles`, K/V block `step` each."""
+        return chained_tiles(
+            tiles.smem.at[wg], tiles.arrived.at[wg],
+            lambda step: tiles.source(head, q_rows, step * static.block_kv,
                                       static.block_kv),
             first=first, next_of=next_of, end=end)
+      lo, _, _, hi = walk_range(walk)
+      if bias is not None:  # every step of the range, in order
+        bias_of = reader(bias, lo, lambda step: step + 1, hi)
+      dense_tile = None
+      if dense is not None:  # its tiles of the masked steps, in order
+        dense_tile = reader(dense, *masked_steps(*walk_range(walk)))
+      if static.bias_grad:
+        write_ds = functools.partial(
+            _write_ds, scratch[-1].at[wg],
+            lambda step: dq_ref.at[batch, head, q_rows,
+                                   pl.ds(step * static.block_kv,
+                                         static.block_kv)])
 
       def tile_mask(step, slot):
         values = tile_values(walk.values, own_ids, ids, slot, shape,
@@ -187,7 +212,10 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
                      consumed, walk=walk, tile_mask=tile_mask, static=static,
                      base=base, positions=functools.partial(
                          tile_indices, q_start, static=static),
-                     kept_of=kept_of)
+                     kept_of=kept_of, bias_of=bias_of, write_ds=write_ds)
+    if write_ds is not None:  # the dS tiles have gone out step by step
+      plgpu.wait_smem_to_gmem(0)
+      return
     own_q[...] = dq.astype(static.dtype)  # Q is dead: dQ goes out through it
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(own_q, dq_ref.at[batch, q_rows, head])
@@ -224,16 +252,20 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
 
 def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
                 consumed, *, walk: Walk, tile_mask, static: BackwardStatic,
-                base=None, positions=None, kept_of=None):
+                base=None, positions=None, kept_of=None, bias_of=None,
+                write_ds=None):
   """Consumer: dQ (f32, scaled) of its `block_q` rows.
 
   `lse_log2` and `delta` are the rows' statistics. Walks the producer's
   steps, K/V tiles [walk.first, walk.first + walk.num_blocks), treated as
   `walk.runs` say (skipped, masked by `tile_mask(kv_block, slot)`, or
   unmasked); `positions(kv_block)`: the S tile's (q_idx, kv_idx);
-  `kept_of(kv_block)`: dropout's kept weights of the S tile, or None.
+  `kept_of(kv_block)`: dropout's kept weights of the S tile, or None;
+  `bias_of(kv_block)`: the bias tile (each computed step's, in order), or
+  None. `write_ds(kv_block, ds)` (the dbias form): each computed step's dS
+  goes out through it instead of into dQ, and nothing is returned.
   """
-  dq = plgpu.layout_cast(
+  dq = None if write_ds is not None else plgpu.layout_cast(
       jnp.zeros((static.block_q, static.head_dim), jnp.float32),
       plgpu.Layout.WGMMA)
 
@@ -254,7 +286,10 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
 
     def probabilities(s):
       """(P, its slope, dropout's kept weights or None)."""
-      p, slope = tile_probabilities(s, lse_log2, per_row, walk.values, static,
+      values = walk.values
+      if bias_of is not None:
+        values = values._replace(bias=bias_of(step).astype(jnp.float32))
+      p, slope = tile_probabilities(s, lse_log2, per_row, values, static,
                                     positions=lambda: positions(step))
       if masked:
         p = jnp.where(tile_mask(step, slot), p, 0.0)
@@ -268,6 +303,10 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
       p, slope, kept = probabilities(s)
     ds = score_gradient(p, dp, per_row(delta, p.shape), slope, kept,
                         keep_scale(static))
+    if write_ds is not None:
+      plgpu.barrier_arrive(consumed.at[slot])  # K and V are not read again
+      write_ds(step, ds)
+      return dq
     (dq,) = wgmma_accumulate((dq,), [(ds.astype(static.dtype), k_tile)])
     plgpu.barrier_arrive(consumed.at[slot])
     return dq
@@ -279,7 +318,17 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
   dq = walk_runs(walk.runs, {
       SKIP: skip_body, UNMASKED: functools.partial(step_body, masked=False),
       MASKED: functools.partial(step_body, masked=True)}, dq)
-  return dq * static.scale
+  return None if dq is None else dq * static.scale
+
+
+def _write_ds(smem, destination, step, ds):
+  """The dbias form's step: dS (f32 [block_q, block_kv], dL/d(scale·q·k),
+  which is dL/dbias) into this consumer's buffer `smem` and out by TMA to
+  `destination(step)`, once the step before's copy has read the buffer."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  smem[...] = ds.astype(smem.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem, destination(step))
 
 
 def _dq_causal_runs(q_start, num_steps, static: BackwardStatic):

@@ -21,10 +21,7 @@ from pallas_kernels.mosaic.common import PLAN_WIDTH, slope_rows, swizzled
 _RANGED_FEATURES = ("is_causal", "window", "has_q_offset", "has_q_lengths",
                     "has_kv_lengths", "has_segments", "logits_soft_cap",
                     "has_alibi", "dropout_rate", "score_fn", "mask_fn",
-                    "has_dense_mask")
-# The forward also takes a bias (its gradient, dbias among them, comes
-# from the Triton backward).
-_FORWARD_FEATURES = _RANGED_FEATURES + ("has_bias",)
+                    "has_bias", "has_dense_mask")
 
 
 def mosaic_forward_masked(query, key, value, *, scale: float,
@@ -85,13 +82,12 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     [batch, num_heads, q_len]), as `forward.mosaic_forward`.
 
   Raises:
-    NotImplementedError: for features outside `_FORWARD_FEATURES`
+    NotImplementedError: for features outside `_RANGED_FEATURES`
       (sinks), a bias of another dtype than query's, a bias or dense mask
       broadcast along q_len or kv_len, a `block_mask` whose tile does not
       divide the kernel's, and what `forward.mosaic_forward` refuses.
   """
-  check_ranged_features(spec, "the masked Mosaic forward",
-                        _FORWARD_FEATURES)
+  check_ranged_features(spec, "the masked Mosaic forward")
   check_score_array("bias", spec.has_bias, bias, query, spec.kv_len,
                     dtype=query.dtype)
   check_score_array("dense_mask", spec.has_dense_mask, dense_mask, query,
@@ -180,11 +176,11 @@ def check_score_array(name: str, expected: bool, x, query, kv_len: int, *,
         f"query {query.shape}; got {None if x is None else x.shape}")
   if x.shape[2:] != (q_len, kv_len):
     raise NotImplementedError(
-        f"the masked Mosaic forward streams {name} tiles of [q_len, kv_len] "
+        f"the masked Mosaic kernels stream {name} tiles of [q_len, kv_len] "
         f"= ({q_len}, {kv_len}); got {x.shape}")
   if x.dtype != dtype:
     raise NotImplementedError(
-        f"the masked Mosaic forward takes {name} in {jnp.dtype(dtype).name}, "
+        f"the masked Mosaic kernels take {name} in {jnp.dtype(dtype).name}, "
         f"got {x.dtype}")
 
 
@@ -218,12 +214,11 @@ def pad_ids(ids, length: int):
   return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, length - ids.shape[1])))
 
 
-def check_ranged_features(spec: masking.MaskSpec, kernel: str,
-                          features=_RANGED_FEATURES):
+def check_ranged_features(spec: masking.MaskSpec, kernel: str):
   """Raises NotImplementedError naming the features of `spec` outside
-  `features` (the caller falls back to the Triton kernels)."""
+  `_RANGED_FEATURES` (the caller falls back to the Triton kernels)."""
   unsupported = [f.name for f in dataclasses.fields(spec)
-                 if f.name not in ("q_len", "kv_len", *features)
+                 if f.name not in ("q_len", "kv_len", *_RANGED_FEATURES)
                  and getattr(spec, f.name) != f.default]
   if unsupported:
     raise NotImplementedError(f"{kernel} does not support {unsupported}")

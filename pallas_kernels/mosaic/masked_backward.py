@@ -22,16 +22,23 @@ the end fill zeros and writes past the end are dropped; keys past kv_len are
 masked (`masking.keep`), and query rows past q_len get lse = +inf and
 delta = 0 (P = 0, as for a row that attends to nothing), so that padding
 contributes nothing to any gradient.
+
+A bias enters every step of both kernels (the dK/dV kernel's tiles from its
+transpose, a copy), and its gradient, dS itself, comes from a third launch:
+the dQ kernel in its dbias form, which writes each visited tile's dS
+instead of summing dS K. XLA drops that launch when nothing uses dbias.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic import backward, masked
 from pallas_kernels.mosaic.common import slope_rows
+from pallas_kernels.mosaic.dq import launch_dq
 from pallas_kernels.mosaic.plan import BackwardConfig, planned_kv_copies
 
 
@@ -40,7 +47,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                            q_offset=None, q_lengths=None, kv_lengths=None,
                            q_segments=None, kv_segments=None,
                            alibi_slopes=None, dropout_seed=None,
-                           block_mask=None, dense_mask=None,
+                           block_mask=None, bias=None, dense_mask=None,
                            block_q: int = 64,
                            block_kv: int = 64,
                            max_concurrent_steps: int = 2,
@@ -73,6 +80,10 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       them, dP is dropped as they were, both scaled by 1 / (1 - rate).
     block_mask: `masking.BlockMask` of `spec.mask_fn` (`masked.tile_states`),
       or None: built here where it needs one (`masked.block_mask_of`).
+    bias: [batch | 1, num_heads | 1, q_len, kv_len] in query's dtype
+      (`spec.has_bias`) or None: added to the recomputed logits of both
+      kernels (the dK/dV kernel's from its transpose, a copy); its
+      gradient is returned.
     dense_mask: bool [batch | 1, num_heads | 1, q_len, kv_len]
       (`spec.has_dense_mask`) or None: streamed as int8 tiles of the
       masked steps, the dK/dV kernel's from its transpose (a copy), and
@@ -83,16 +94,21 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       default: the ranged kernels have not been timed with it.
 
   Returns:
-    (dq, dk, dv), shaped and typed like (query, key, value).
+    (dq, dk, dv, dbias): dq, dk, dv shaped and typed like (query, key,
+    value); dbias like bias (summed over the axes it broadcasts), or None
+    without one.
 
   Raises:
     NotImplementedError: for features outside `masked._RANGED_FEATURES`
-      (bias, dense masks, sinks), a `block_mask` whose tile does not
+      (sinks), a bias or dense mask the kernels do not stream
+      (`masked.check_score_array`), a `block_mask` whose tile does not
       divide the kernels', and for what the kernels do not
       cover (dtype, head dim, tiles that do not fit), so that the caller
       falls back to the Triton backward.
   """
   masked.check_ranged_features(spec, "the masked Mosaic backward")
+  masked.check_score_array("bias", spec.has_bias, bias, query, spec.kv_len,
+                           dtype=query.dtype)
   masked.check_score_array("dense_mask", spec.has_dense_mask, dense_mask,
                            query, spec.kv_len, dtype=jnp.bool_)
   masked.check_slopes(spec, alibi_slopes, query.shape)
@@ -120,16 +136,24 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   dq_config, dkdv_configs = backward.statics(
       query, key, scale=scale, is_causal=spec.is_causal, config=config,
       spec=spec)
+  dbias_config = None
+  if spec.has_bias:
+    dbias_config = backward.dbias_static(
+        query, key, scale=scale, config=config, spec=spec,
+        dbias_dtype=_dbias_dtype(bias, batch=batch, num_heads=num_heads))
   block_mask = masked.block_mask_of(spec, block_mask, query.shape)
-  dq_plan, dkdv_plan = plan_rows(
-      spec, query.shape[0], block_q=block_q, block_kv=block_kv,
-      dq_consumers=dq_config.num_consumers,
-      dkdv_consumers=dkdv_configs[0].num_consumers, q_offset=q_offset,
-      q_lengths=q_lengths, kv_lengths=kv_lengths, q_segments=q_segments,
-      kv_segments=kv_segments, block_mask=block_mask, dense_mask=dense_mask,
-      dropout_seed=dropout_seed)
+  states = masked.tile_states(spec, block_q, block_kv, q_offset=q_offset,
+                              q_lengths=q_lengths, kv_lengths=kv_lengths,
+                              q_segments=q_segments, kv_segments=kv_segments,
+                              block_mask=block_mask, dense_mask=dense_mask)
+  plans = functools.partial(_plans, states, batch=batch, spec=spec,
+                            q_offset=q_offset, q_lengths=q_lengths,
+                            kv_lengths=kv_lengths, dropout_seed=dropout_seed)
+  dq_plan = plans(dq_config.num_consumers)
+  dkdv_plan = plans(dkdv_configs[0].num_consumers, transposed=True)
   # The dQ grid's last tile reaches furthest down the query rows.
-  rows_per_tile = dq_config.num_consumers * block_q
+  rows_per_tile = max(static.q_rows_per_cta
+                      for static in (dq_config, dbias_config) if static)
   stats = padded_statistics(out, lse, d_out, d_lse,
                             rows=-(-q_len // rows_per_tile) * rows_per_tile)
   query, key, value, d_out = (masked.pad_rows(x)
@@ -139,17 +163,69 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
     segments = (masked.pad_ids(q_segments, query.shape[1]),
                 masked.pad_ids(kv_segments, key.shape[1]))
   slopes = slope_rows(alibi_slopes) if spec.has_alibi else None
-  dense_masks = None
-  if spec.has_dense_mask:  # int8, [.., q, kv] for dQ, [.., kv, q] for dK/dV
-    mask = dense_mask.astype(jnp.int8)
-    dense_masks = (masked.pad_tiles(mask, dq_config.block_kv),
-                   masked.pad_tiles(jnp.swapaxes(mask, 2, 3),
-                                    dkdv_configs[0].block_q))
+  # The bias and the dense mask: [.., q, kv] for dQ, [.., kv, q] for dK/dV.
+  score_arrays = {}
+  for name, x in (("biases", bias), ("dense_masks", dense_mask)):
+    if x is not None:
+      if x.dtype == jnp.bool_:  # one byte an element, as TMA copies it
+        x = x.astype(jnp.int8)
+      score_arrays[name] = (masked.pad_tiles(x, block_kv),
+                            masked.pad_tiles(jnp.swapaxes(x, 2, 3), block_q))
+  ranged = dict(segments=segments, slopes=slopes)
   dq, dk, dv = backward.gradients(query, key, value, d_out, stats, dq_config,
                                   dkdv_configs, dq_plan=dq_plan,
-                                  dkdv_plan=dkdv_plan, segments=segments,
-                                  slopes=slopes, dense_masks=dense_masks)
-  return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
+                                  dkdv_plan=dkdv_plan, **ranged,
+                                  **score_arrays)
+  dbias = None
+  if spec.has_bias:
+    ds = launch_dq(
+        query, key, value, d_out, stats, dbias_config,
+        plan=(dq_plan if dbias_config.num_consumers == dq_config.num_consumers
+              else plans(dbias_config.num_consumers)),
+        bias=score_arrays["biases"][0],
+        dense_mask=score_arrays.get("dense_masks", (None,))[0], **ranged)
+    dbias = _reduced_dbias(ds, states, bias, block_q=block_q,
+                           block_kv=block_kv)
+  return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len], dbias
+
+
+def _dbias_dtype(bias, *, batch: int, num_heads: int):
+  """The dS tiles' dtype: the bias's where dbias is dS itself, float32
+  where a sum over broadcast batch or heads follows."""
+  if bias.shape[:2] == (batch, num_heads):
+    return bias.dtype
+  return jnp.float32
+
+
+def _reduced_dbias(ds, states, bias, *, block_q: int, block_kv: int):
+  """dbias like `bias` [B | 1, N | 1, q_len, kv_len] from the dbias
+  kernel's dS [B, N, num_q_blocks * block_q, num_kv_blocks * block_kv]:
+  zero on the tiles the plan skips (`states` EMPTY for every head, never
+  written), cut to the lengths, summed over the axes the bias broadcasts.
+  One pass, fused by XLA."""
+  batch, num_heads, rows, cols = ds.shape
+  num_q_blocks, num_kv_blocks = rows // block_q, cols // block_kv
+  tiles = ds.reshape(batch, num_heads, num_q_blocks, block_q, num_kv_blocks,
+                     block_kv)
+  visited = (states != masking.EMPTY)[:, None, :, None, :, None]
+  ds = jnp.where(visited, tiles, 0).reshape(ds.shape)
+  ds = ds[:, :, :bias.shape[2], :bias.shape[3]]
+  axes = tuple(i for i in (0, 1) if bias.shape[i] == 1 < ds.shape[i])
+  return ds.sum(axes, keepdims=True, dtype=jnp.float32).astype(bias.dtype)
+
+
+def _plans(states, consumers: int, *, batch: int, spec, q_offset, q_lengths,
+           kv_lengths, dropout_seed, transposed: bool = False):
+  """`masked.tile_plans` of tile `states` [B | 1, nq, nk] for a kernel of
+  `consumers` consumers: ranges over K/V blocks per Q tile (the dQ
+  kernel's), or `transposed` over Q blocks per K/V tile (dK/dV's)."""
+  if transposed:
+    states = jnp.swapaxes(states, -1, -2)
+  return masked.tile_plans(masking.block_ranges(states),
+                           num_consumers=consumers,
+                           num_cols=states.shape[-1], spec=spec, batch=batch,
+                           q_offset=q_offset, q_lengths=q_lengths,
+                           kv_lengths=kv_lengths, dropout_seed=dropout_seed)
 
 
 def plan_rows(spec: masking.MaskSpec, batch: int, *, block_q: int,
@@ -170,17 +246,10 @@ def plan_rows(spec: masking.MaskSpec, batch: int, *, block_q: int,
                               q_lengths=q_lengths, kv_lengths=kv_lengths,
                               q_segments=q_segments, kv_segments=kv_segments,
                               block_mask=block_mask, dense_mask=dense_mask)
-  num_q_blocks, num_kv_blocks = states.shape[-2:]      # [B|1, nq, nk]
-  scalars = dict(spec=spec, batch=batch, q_offset=q_offset,
-                 q_lengths=q_lengths, kv_lengths=kv_lengths,
-                 dropout_seed=dropout_seed)
-  dq_plan = masked.tile_plans(masking.block_ranges(states),
-                              num_consumers=dq_consumers,
-                              num_cols=num_kv_blocks, **scalars)
-  dkdv_plan = masked.tile_plans(
-      masking.block_ranges(jnp.swapaxes(states, -1, -2)),
-      num_consumers=dkdv_consumers, num_cols=num_q_blocks, **scalars)
-  return dq_plan, dkdv_plan
+  plans = functools.partial(_plans, states, batch=batch, spec=spec,
+                            q_offset=q_offset, q_lengths=q_lengths,
+                            kv_lengths=kv_lengths, dropout_seed=dropout_seed)
+  return plans(dq_consumers), plans(dkdv_consumers, transposed=True)
 
 
 def padded_statistics(out, lse, d_out, d_lse, *, rows: int):

@@ -128,6 +128,11 @@ class BackwardStatic:
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
   spec: Any = None
+  # The dQ kernel's dbias form (a bias in the spec): each step writes its
+  # dS tile, in this dtype, to a [batch, heads, q, kv] output instead of
+  # adding dS K to dQ (a launch of its own, which XLA drops when nothing
+  # uses the bias gradient). None: the dQ form.
+  dbias_dtype: Any = None
 
   @property
   def ranged(self) -> bool:
@@ -154,6 +159,17 @@ class BackwardStatic:
   @property
   def dropout(self) -> bool:
     return self.ranged and bool(self.spec.dropout_rate)
+
+  @property
+  def biased(self) -> bool:
+    """A bias, streamed as tiles of the kernel's own rows and its step's
+    streamed ones (`common.ScoreTiles`), on every step."""
+    return self.ranged and self.spec.has_bias
+
+  @property
+  def bias_grad(self) -> bool:
+    """The dQ kernel's dbias form (`dbias_dtype`)."""
+    return self.dbias_dtype is not None
 
   @property
   def dense(self) -> bool:
@@ -477,8 +493,9 @@ def ranged_scratch(static: BackwardStatic, *, resident_rows, streamed_rows,
                    slopes=None):
   """The ranged kernels' scratch after the common list: plan rows (one per
   warpgroup), with segment ids `SegmentIds`' shared memory, with ALiBi
-  each consumer's copy of `slopes` (`common.slope_rows`), with a dense
-  mask each consumer's int8 tile (`common.ScoreTiles`)."""
+  each consumer's copy of `slopes` (`common.slope_rows`), with a bias each
+  consumer's tile in its dtype (q's), with a dense mask each consumer's
+  int8 tile (`common.ScoreTiles`)."""
   consumers, stages = static.num_consumers, static.num_stages
   scratch = (plgpu.SMEM((consumers + 1, PLAN_WIDTH), jnp.int32),
              plgpu.Barrier(num_barriers=consumers + 1))   # plan_arrived
@@ -490,20 +507,22 @@ def ranged_scratch(static: BackwardStatic, *, resident_rows, streamed_rows,
   if static.alibi:
     scratch += (plgpu.SMEM((consumers, *slopes.shape[1:]), jnp.float32),
                 plgpu.Barrier(num_barriers=consumers))    # slopes_arrived
-  if static.dense:
-    scratch += (plgpu.SMEM((consumers, resident_rows, streamed_rows),
-                           jnp.int8,
-                           transforms=swizzled(streamed_rows, jnp.int8)),
-                plgpu.Barrier(num_barriers=consumers))    # mask_arrived
+  for present, dtype in ((static.biased, static.dtype),
+                         (static.dense, jnp.int8)):
+    if present:
+      scratch += (plgpu.SMEM((consumers, resident_rows, streamed_rows), dtype,
+                             transforms=swizzled(streamed_rows, dtype)),
+                  plgpu.Barrier(num_barriers=consumers))  # tile_arrived
   return scratch
 
 
-def ranged_inputs(plan, segments, slopes, dense_mask=None) -> tuple:
+def ranged_inputs(plan, segments, slopes, bias=None, dense_mask=None
+                  ) -> tuple:
   """The ranged kernels' inputs after the common five: plan rows, the
-  segment ids (q, kv), the slope rows, the int8 dense mask; those absent
-  left out."""
-  return (plan, *(segments or ()), *(() if slopes is None else (slopes,)),
-          *(() if dense_mask is None else (dense_mask,)))
+  segment ids (q, kv), the slope rows, the bias, the int8 dense mask;
+  those absent left out."""
+  return (plan, *(segments or ()),
+          *(x for x in (slopes, bias, dense_mask) if x is not None))
 
 
 class RangedRefs(NamedTuple):
@@ -511,7 +530,9 @@ class RangedRefs(NamedTuple):
   plan: PlanRow | None = None
   ids: SegmentIds | None = None
   slopes: SlopeRows | None = None
-  dense: ScoreTiles | None = None  # the dK/dV kernel's: the transpose
+  # The dK/dV kernel's: the transposes.
+  bias: ScoreTiles | None = None
+  dense: ScoreTiles | None = None
 
 
 def ranged_refs(static: BackwardStatic, inputs, scratch, *, batch, tile,
@@ -525,19 +546,21 @@ def ranged_refs(static: BackwardStatic, inputs, scratch, *, batch, tile,
   if not static.ranged:
     return RangedRefs()
   plan = PlanRow(inputs[0].at[batch, tile], *scratch[:2])
-  ids = slopes = dense = None
+  ids = slopes = None
   if static.segmented:
     q_ids, kv_ids = inputs[1].at[batch], inputs[2].at[batch]
     own, streamed = (q_ids, kv_ids) if own_is_query else (kv_ids, q_ids)
     ids = SegmentIds(own, streamed, *scratch[2:6])
-  first = 2 + 4 * static.segmented
+  index, first = 1 + 2 * static.segmented, 2 + 4 * static.segmented
   if static.alibi:
-    slopes = SlopeRows(inputs[1 + 2 * static.segmented].at[batch],
-                       *scratch[first:first + 2])
-  if static.dense:
-    first += 2 * static.alibi
-    dense = ScoreTiles.of(inputs[-1], scratch[first:], batch)
-  return RangedRefs(plan, ids, slopes, dense)
+    slopes = SlopeRows(inputs[index].at[batch], *scratch[first:first + 2])
+    index, first = index + 1, first + 2
+  tiles = {}
+  for name, present in (("bias", static.biased), ("dense", static.dense)):
+    if present:
+      tiles[name] = ScoreTiles.of(inputs[index], scratch[first:], batch)
+      index, first = index + 1, first + 2
+  return RangedRefs(plan, ids, slopes, **tiles)
 
 
 def ids_arrived(ids: SegmentIds | None):
