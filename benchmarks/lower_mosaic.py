@@ -218,8 +218,9 @@ def calls():
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
 
   def with_gradients(attend):
-    def fwd_bwd(q, k, v, d_out):
-      out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v)[0], q, k, v)
+    def fwd_bwd(*args):  # attend's inputs (q, k, v[, bias]), then d_out
+      *inputs, d_out = args
+      out, vjp = jax.vjp(lambda *x: attend(*x)[0], *inputs)
       return out, vjp(d_out)
     return fwd_bwd
 
@@ -245,16 +246,22 @@ def calls():
       yield f"masked {mask} d{d} fwd", attend, (q, kv, kv)
       yield f"masked {mask} d{d} fwdbwd", with_gradients(attend), (q, kv,
                                                                    kv, q)
-  # A bias per head on the masked forward (its tiles streamed beside the
-  # K/V ring; its gradients are the Triton backward's, which JAX 0.11.2
-  # lowers only beside a GPU).
+  # A bias on the masked kernels, its tiles streamed beside the K/V rings
+  # (dK/dV's from its transpose), dbias from the dbias kernel: per head,
+  # broadcast over the batch (dS in float32, then summed), and per batch
+  # and head (dS in bf16).
   for d in (64, 128, 256):
     spec = MaskSpec(q_len=200, kv_len=333, is_causal=True, has_bias=True)
-    q, kv, bias = bf16(2, 200, 4, d), bf16(2, 333, 2, d), bf16(1, 4, 200, 333)
+    q, kv = bf16(2, 200, 4, d), bf16(2, 333, 2, d)
     biased = lambda q, k, v, b, d=d, s=spec: mosaic_attention(
         q, k, v, scale=d**-0.5, is_causal=True, spec=s, bias=b,
         backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
-    yield f"masked bias d{d} fwd", biased, (q, kv, kv, bias)
+    for name, bias in (("bias", bf16(1, 4, 200, 333)),
+                       ("bias per batch", bf16(2, 4, 200, 333))):
+      if name == "bias":  # the forward is the same for both
+        yield f"masked {name} d{d} fwd", biased, (q, kv, kv, bias)
+      yield (f"masked {name} d{d} fwdbwd", with_gradients(biased),
+             (q, kv, kv, bias, q))
   for name, (batch, seq, heads, d) in OWN_WIDTH_CALLS.items():
     x = bf16(batch, seq, heads, d)
     attend = lambda q, k, v, d=d: mosaic_attention(

@@ -19,7 +19,8 @@ Each row is judged against a yardstick (`Variant.against`):
 - score changes (soft cap, ALiBi, dropout) by their cost over the plain
   causal call;
 - a dense bias against cuDNN's attention with the same bias (`jax.nn`,
-  where cuDNN runs).
+  where cuDNN runs), fwd+bwd with and without its gradient (dbias, an
+  O(N^2) output of its own).
 `x yardstick` is the yardstick's time over the row's (above 1: faster).
 TFLOP/s use the dense count 4·B·T²·N·D (x3.5 for fwd+bwd) for every row,
 so they compare time, not useful work.
@@ -42,6 +43,8 @@ class Variant(NamedTuple):
   kwargs: dict          # flash_attention's keyword arguments
   against: str | None   # the row it is judged against (None: itself)
   peer: str | None = None  # run by jax.nn with this implementation instead
+  # fwd+bwd also differentiates the bias (its forward is another row's).
+  bias_grad: bool = False
 
 
 def variants(seq: int, num_heads: int) -> dict[str, Variant]:
@@ -94,13 +97,19 @@ def variants(seq: int, num_heads: int) -> dict[str, Variant]:
           "causal"),
       "dense bias (cuDNN)": Variant(dict(bias=bias), None, peer="cudnn"),
       "dense bias": Variant(dict(bias=bias), "dense bias (cuDNN)"),
+      "dense bias + dbias (cuDNN)": Variant(dict(bias=bias), None,
+                                            peer="cudnn", bias_grad=True),
+      "dense bias + dbias": Variant(dict(bias=bias),
+                                    "dense bias + dbias (cuDNN)",
+                                    bias_grad=True),
   }
 
 
 def build(mode: str, shape, variant: Variant, interpret: bool,
           implementation: str | None = "triton"):
   """(jitted fn, inputs) of one row: the forward, or the gradients of
-  <out, d_out> with respect to q, k and v. The variant's arrays (bias,
+  <out, d_out> with respect to q, k and v (and the bias, with
+  `variant.bias_grad`). The variant's arrays (bias,
   segment ids, slopes, the dropout key) are arguments of the jitted
   function, not constants folded into its program (a [1, 16, 16k, 16k]
   bias is 8.6 GB)."""
@@ -120,9 +129,13 @@ def build(mode: str, shape, variant: Variant, interpret: bool,
 
   if mode == "fwd":
     return jax.jit(attention), (q, k, v, arrays)
-  loss = lambda q, k, v, d, arrays: jnp.sum(
-      attention(q, k, v, arrays).astype(jnp.float32) * d.astype(jnp.float32))
-  return jax.jit(jax.grad(loss, (0, 1, 2))), (q, k, v, d_out, arrays)
+  def loss(q, k, v, d, bias, others):
+    out = attention(q, k, v, dict(others, **bias))
+    return jnp.sum(out.astype(jnp.float32) * d.astype(jnp.float32))
+
+  bias = {n: arrays.pop(n) for n in ("bias",) if variant.bias_grad}
+  argnums = (0, 1, 2, 4) if variant.bias_grad else (0, 1, 2)
+  return jax.jit(jax.grad(loss, argnums)), (q, k, v, d_out, bias, arrays)
 
 
 def kernel_ran(fn, inputs) -> str:
@@ -166,14 +179,21 @@ def main(argv=None) -> int:
     for mode in ("fwd", "fwd_bwd"):
       times = {}
       for name, variant in table.items():
+        if mode == "fwd" and variant.bias_grad:  # another row's forward
+          bar.update()
+          continue
         fn, inputs = build(mode, shape, variant, interpret, implementation)
         try:
           # Interpreted kernels lower to plain XLA: name the request.
           ran = variant.peer or (args.implementation if interpret
                                  else kernel_ran(fn, inputs))
           ms = common.time_fn(fn, *inputs, warmup=2, reps=args.reps)
-        except (NotImplementedError, peers.Unavailable) as e:
-          # a variant this backend lacks, or a peer without a GPU
+        except Exception as e:  # pylint: disable=broad-except
+          # a variant this backend lacks, a peer without a GPU or one that
+          # refuses the call (cuDNN's dbias has conditions of its own)
+          if not (isinstance(e, (NotImplementedError, peers.Unavailable))
+                  or variant.peer is not None):
+            raise
           skipped.append(dict(variant=name, mode=mode,
                               reason=peers.skip_reason(e)))
           bar.update()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -152,9 +153,10 @@ def test_masked_forward_with_dense_mask_lowers_for_cuda(head_dim,
   assert "mosaic_flash_forward" in lowered.as_text()
 
 
-def test_bias_gradients_come_from_the_triton_backward(cuda_lowering):
-  """With a bias, the Mosaic forward and the Triton backward (which writes
-  dbias, summed over the broadcast batch axis)."""
+def test_bias_gradients_come_from_the_mosaic_backward(cuda_lowering):
+  """With a bias, the masked Mosaic forward and backward: dQ, dK/dV and
+  the dbias launch (dS in float32, summed over the broadcast batch axis),
+  no Triton kernel."""
   spec = masking.MaskSpec(q_len=256, kv_len=256, is_causal=True,
                           has_bias=True)
   q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
@@ -170,7 +172,10 @@ def test_bias_gradients_come_from_the_triton_backward(cuda_lowering):
       q, q, q, bias).lower(lowering_platforms=("cuda",))
   assert [g.shape for g in lowered.out_info] == [q.shape] * 3 + [bias.shape]
   text = lowered.as_text()
-  assert "mosaic_flash_forward" in text and "flash_backward" in text
+  kernels = set(re.findall(r"mosaic_flash_backward_masked_([a-z]+)", text))
+  assert "mosaic_flash_forward" in text and kernels == {"dq", "dkdv",
+                                                        "dbias"}
+  assert "triton" not in text
 
 
 @pytest.mark.parametrize("name, x, match", [
@@ -178,7 +183,7 @@ def test_bias_gradients_come_from_the_triton_backward(cuda_lowering):
     ("bias", jnp.zeros((2, 1, 128, 128), jnp.bfloat16), "bias must be"),
     ("bias", jnp.zeros((1, 2, 1, 128), jnp.bfloat16), "q_len, kv_len"),
     ("bias", jnp.zeros((1, 2, 128, 128), jnp.float32),
-     "takes bias in bfloat16"),
+     "take bias in bfloat16"),
     ("dense_mask", jnp.ones((1, 2, 128, 1), bool), "q_len, kv_len"),
     ("dense_mask", jnp.ones((1, 2, 128, 128), jnp.int8), "in bool"),
     ("dense_mask", jnp.ones((1, 3, 128, 128), bool), "dense_mask must be"),
@@ -275,7 +280,8 @@ def test_lazy_rescale_masked_forward_matches_reference_on_gpu(name,
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("name", list(_GPU_VARIANTS))
 def test_masked_kernel_matches_reference_on_gpu(name, dtype, monkeypatch):
-  """Forward by the masked Mosaic kernel, gradients by the Triton backward."""
+  """Forward by the masked Mosaic kernel, gradients by the masked Mosaic
+  backward (or the Triton one, for what it refuses)."""
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90")
   monkeypatch.setattr(mosaic_attention_module, "MASKED_KERNEL_ENABLED", True)
@@ -298,16 +304,18 @@ def test_masked_kernel_matches_reference_on_gpu(name, dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_bias_on_the_masked_forward_on_gpu(head_dim, dtype):
-  """A bias per head streamed by the masked Mosaic forward (ragged lengths,
-  bottom-right causal in one batch, GQA 4:1): out, lse, dq, dk, dv and
-  dbias (the Triton backward's, summed over the broadcast batch axis)
-  against the reference by DESIGN's rule."""
+@pytest.mark.parametrize("bias_batch", [1, 2])
+def test_bias_on_the_masked_kernels_on_gpu(bias_batch, head_dim, dtype):
+  """A bias per head streamed by the masked Mosaic forward and backward
+  (ragged lengths, bottom-right causal in one batch, GQA 4:1): out, lse,
+  dq, dk, dv and dbias against the reference by DESIGN's rule: a bias
+  per head broadcast over the batch (the dbias kernel's dS in float32,
+  summed) or per batch and head (its dS in the bias's dtype)."""
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90")
   case = Case(2, 1000, 1537, 8, 2, head_dim)
-  bias = (2.0 * jax.random.normal(jax.random.key(8), (1, 8, 1000, 1537))
-          ).astype(dtype)
+  bias = (2.0 * jax.random.normal(jax.random.key(8),
+                                  (bias_batch, 8, 1000, 1537))).astype(dtype)
   variants = dict(is_causal=True, q_offset=jnp.array([537, 0]))
 
   def attention(q, k, v, bias):
@@ -317,6 +325,10 @@ def test_bias_on_the_masked_forward_on_gpu(head_dim, dtype):
   q, k, v, d_out, _ = random_inputs(case, dtype, 3)
   assert "mosaic_flash_forward" in jax.jit(attention).lower(
       q, k, v, bias).as_text()
+  gradients = jax.jit(jax.grad(
+      lambda *args: attention(*args)[0].astype(jnp.float32).sum(),
+      argnums=(0, 1, 2, 3))).lower(q, k, v, bias).as_text()
+  assert "mosaic_flash_backward_masked_dbias" in gradients
   check_against_reference(functools.partial(attention, bias=bias), case,
                           dtype, seed=3, bias=bias, **variants)
 

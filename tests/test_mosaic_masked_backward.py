@@ -39,7 +39,7 @@ except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
 
 _KERNEL_NAME = re.compile(
-    r"mosaic_flash_backward_masked_(dkdv|dk|dv|dq)(?![a-z])")
+    r"mosaic_flash_backward_masked_(dkdv|dk|dv|dq|dbias)(?![a-z])")
 # The Triton backward's kernels (the fallback), not the Mosaic ones.
 _TRITON_BACKWARD = re.compile(r"(?<!mosaic_)flash_backward_(dkdv|dq)")
 
@@ -633,16 +633,21 @@ def _lower_masked_gradients():
 # Refusals: the caller falls back to the Triton backward.
 
 
-@pytest.mark.parametrize("fields, match", [
-    (dict(has_bias=True), "has_bias"),
+@pytest.mark.parametrize("bias, error, match", [
+    (jnp.zeros((1, 2, 128, 128), jnp.float32), NotImplementedError,
+     "take bias in bfloat16"),                    # the Triton backward's
+    (jnp.zeros((1, 2, 1, 128), jnp.bfloat16), NotImplementedError,
+     "q_len, kv_len"),                            # broadcast along q_len
+    (None, ValueError, "bias must be"),           # the spec has one
 ])
-def test_masked_backward_refuses_other_features(fields, match):
-  spec = masking.MaskSpec(q_len=128, kv_len=128, **fields)
+def test_masked_backward_refuses_a_bias_it_does_not_stream(bias, error,
+                                                          match):
+  spec = masking.MaskSpec(q_len=128, kv_len=128, has_bias=True)
   q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
   lse = jax.ShapeDtypeStruct((1, 2, 128), jnp.float32)
-  with pytest.raises(NotImplementedError, match=match):
+  with pytest.raises(error, match=match):
     jax.eval_shape(lambda q, lse: mosaic_backward_masked(
-        q, q, q, q, lse, q, scale=0.125, spec=spec), q, lse)
+        q, q, q, q, lse, q, scale=0.125, spec=spec, bias=bias), q, lse)
 
 
 @pytest.mark.parametrize("kwargs, match", [
