@@ -6,6 +6,8 @@ helper, plain jnp, is checked directly.
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ from jax_flash import attention_reference
 from pallas_kernels import compat as versions
 
 try:
+  from pallas_kernels.mosaic import plan
   from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
 except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
@@ -170,6 +173,71 @@ def test_fp8_lazy_rescale_lowers_and_changes_the_kernel(cuda_lowering):
     assert text() == text(lazy_rescale=head_dim == 256)
 
 
+def _element_coordinates(layout, shape) -> dict:
+  """{(warp, lane, register index, vector position): (row, col)} of a
+  Mosaic GPU `TiledLayout` over a [64·m, n] warpgroup array, from the
+  layout's own tiling, warp, lane and vector dims (not from our reading
+  of them): warp and lane numbers are split over their dims row-major, as
+  Mosaic GPU's `_delinearize_index` splits them."""
+  tiled = layout.tiling.tile_shape(shape)
+  rank = len(tiled)
+  dims = lambda ds: [d % rank for d in ds]
+  warp_dims, lane_dims = dims(layout.warp_dims), dims(layout.lane_dims)
+  vector_dim = layout.vector_dim % rank
+  coordinates = {}
+  for index in np.ndindex(*tiled):
+    warp = np.ravel_multi_index([index[d] for d in warp_dims],
+                                [tiled[d] for d in warp_dims])
+    lane = np.ravel_multi_index([index[d] for d in lane_dims],
+                                [tiled[d] for d in lane_dims])
+    register = tuple(0 if d in (*warp_dims, *lane_dims, vector_dim) else i
+                     for d, i in enumerate(index))
+    coordinates[warp, lane, register, index[vector_dim]] = (
+        layout.tiling.untile_indices(index))
+  return coordinates
+
+
+@pytest.mark.parametrize("block_kv", [64, 128])
+def test_fp8_operand_permutes_p_as_v_keys_are_permuted(block_kv):
+  """`common.fp8_operand` regroups each thread's registers of P (WGMMA:
+  two 2-vectors per 16 columns) into the 8-bit operand layout's 4-vectors;
+  by the layouts' own element maps, that is P with its columns permuted
+  exactly as `common.interleave_fp8_keys` permutes V's keys, so
+  P' V' = P V. Fails if either side's order changes."""
+  from jax.experimental.mosaic.gpu import fragmented_array as mgpu_arrays
+  from pallas_kernels.mosaic import common
+  shape = (64, block_kv)
+  acc = _element_coordinates(mgpu_arrays.WGMMA_LAYOUT, shape)
+  operand = _element_coordinates(mgpu_arrays.WGMMA_LAYOUT_8BIT, shape)
+  p = np.random.default_rng(0).standard_normal(shape)
+  regrouped = np.full(shape, np.nan)
+  sources = common.fp8_operand_sources(shape)  # what `fp8_operand` joins
+  for (warp, lane, register, position), (row, col) in operand.items():
+    source = sources[register][position // 2]
+    regrouped[row, col] = p[acc[warp, lane, source, position % 2]]
+  keys = np.asarray(common.interleave_fp8_keys(
+      jnp.arange(block_kv)[None, None, None]))[0, 0, 0]
+  np.testing.assert_array_equal(regrouped, p[:, keys])
+  v = np.random.default_rng(1).standard_normal((block_kv, 32))
+  np.testing.assert_allclose(regrouped @ v[keys], p @ v, atol=1e-12)
+
+
+def test_fp8_p_in_registers_lowers_to_a_register_operand(cuda_lowering):
+  """P V takes P from registers (wgmma's `{4 registers}` A operand) at
+  every head dim, causal or not, and from shared memory by default
+  (`plan.FP8_P_IN_REGISTERS_HEAD_DIMS`)."""
+  register_a = re.compile(r"e4m3\.e4m3 \{[^}]*\}, \{\$\d+,\$\d+,\$\d+,\$\d+\}")
+  for head_dim in (64, 128, 256):
+    q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
+    text = lambda **kw: jax.jit(lambda q, k, v: quantized_forward(
+        q, k, v, is_causal=head_dim == 128, per_block=True, **kw)).trace(
+            q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert register_a.search(text(p_in_registers=True)), head_dim
+    assert not register_a.search(text(p_in_registers=False)), head_dim
+    assert text() == text(p_in_registers=head_dim in
+                          plan.FP8_P_IN_REGISTERS_HEAD_DIMS)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(dtype=jnp.bfloat16), TypeError, "float8_e4m3fn"),
     (dict(out_dtype=jnp.float32), NotImplementedError, "out_dtype"),
@@ -215,6 +283,24 @@ def _assert_within_fp8_rule(e: dict) -> None:
   assert e["fp8_max"] <= 2 * e["naive_fp8_max"] + 1e-3, e
   assert e["fp8_mean"] <= 2 * e["naive_fp8_mean"], e
   assert e["fp8_lse_max"] <= 2 * e["naive_fp8_lse_max"] + 1e-3, e
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_p_in_registers_accuracy_on_gpu(head_dim, is_causal):
+  """P as wgmma's register operand (its columns and V's keys permuted
+  alike): within the FP8 rule, and the same output as P through shared
+  memory up to the order of P V's sum."""
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the FP8 forward needs sm90 (FP8 wgmma)")
+  q, k, v = random_qkv(1024, head_dim, seed=7)
+  _assert_within_fp8_rule(errors(q, k, v, is_causal=is_causal,
+                                 per_block=True, p_in_registers=True))
+  outputs = [quantized_forward(q, k, v, is_causal=is_causal, per_block=True,
+                               p_in_registers=flag)[0].astype(jnp.float32)
+             for flag in (False, True)]
+  np.testing.assert_allclose(*outputs, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -18,8 +18,11 @@ from typing import Any, NamedTuple
 
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_arrays
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import compat as versions
 from pallas_kernels import masking
@@ -405,3 +408,60 @@ def causal_mask(q_start, step, static):
   rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
   cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
   return rows + q_start >= cols + step * static.block_kv
+
+
+# FP8 P as wgmma's register operand (`forward_kernel.KernelStatic.
+# fp8_p_in_registers`). In the accumulator's layout (WGMMA) a thread holds,
+# of each 16 columns of its two rows, the pairs 2t, 2t + 1 and 8 + 2t,
+# 9 + 2t (t = lane % 4, two 8x8 core matrices); the 8-bit operand layout
+# (WGMMA_8BIT) gives it 4t .. 4t + 3 of one 8x16 core matrix, rows alike.
+# Regrouping the registers as they are (the two pairs, one vector of four)
+# is a fixed permutation of P's columns within each 16; V's keys arrive in
+# the same order, so that P V is unchanged: new key 4t + 2a + b of a
+# 16-key block is old key 8a + 2t + b.
+FP8_KEY_GROUP = 16
+
+
+def fp8_operand(p):
+  """P [rows, block_kv], float8_e4m3fn in the WGMMA layout, as the 8-bit
+  register operand of P V (WGMMA_8BIT), its columns permuted within each
+  16 as `interleave_fp8_keys` permutes V's keys. No data moves between
+  threads: each thread's two 2-element vectors of a 16-column block
+  become one of 4."""
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct(p.shape, p.dtype,
+                                         layout=plgpu.Layout.WGMMA_8BIT))
+  def regroup(_, p):
+    sources = fp8_operand_sources(p.shape)
+    grouped = np.empty(sources.shape, dtype=object)
+    for index, pair in np.ndenumerate(sources):
+      grouped[index] = mgpu_utils.vector_concat(
+          [p.registers[source] for source in pair])
+    return mgpu_arrays.FragmentedArray(
+        _registers=grouped, _layout=mgpu_arrays.WGMMA_LAYOUT_8BIT,
+        _is_signed=None)
+  return regroup(p)
+
+
+def fp8_operand_sources(shape) -> np.ndarray:
+  """For each register of a WGMMA_8BIT array of `shape`, the two
+  registers of the WGMMA array whose 2-vectors `fp8_operand` joins into
+  its 4-vector: those of its row half at column blocks 2j and 2j + 1
+  (index 1 counts 8-column blocks in WGMMA, 16-column ones in
+  WGMMA_8BIT)."""
+  registers = mgpu_arrays.WGMMA_LAYOUT_8BIT.registers_shape(shape)
+  sources = np.empty(registers, dtype=object)
+  for index in np.ndindex(registers):
+    sources[index] = tuple((index[0], 2 * index[1] + half, *index[2:])
+                           for half in (0, 1))
+  return sources
+
+
+def interleave_fp8_keys(value_t):
+  """V transposed, [batch, heads, head_dim, kv_len] (kv_len a multiple of
+  16), its keys reordered within each 16 as `fp8_operand` reorders P's
+  columns: new 4t + 2a + b is old 8a + 2t + b."""
+  *lead, kv_len = value_t.shape
+  groups = value_t.reshape(*lead, kv_len // FP8_KEY_GROUP, 2, 4, 2)
+  return jnp.swapaxes(groups, -3, -2).reshape(value_t.shape)

@@ -48,7 +48,7 @@ from pallas_kernels.mosaic.common import (
     LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_UNION, PlanRow, ScoreTiles,
     SlopeRows,
     causal_mask, chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
-    dropout_query_hashes, masked_steps, per_column, per_row,
+    dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
     persistent_schedule, read_plan, register_split, slope_reader, tile_index,
     tile_indices, variant_mask)
 from pallas_kernels.mosaic.softmax import add_unfused, exponentiate, rescale
@@ -82,6 +82,14 @@ class KernelStatic:
   fp8: bool = False
   out_dtype: jnp.dtype | None = None
   num_q_blocks: int = 0
+  # FP8: P goes to P V as wgmma's register operand (FlashAttention-3's
+  # way) instead of through shared memory. The accumulator's registers
+  # hold P's columns in another order than the 8-bit operand layout
+  # wants; they are regrouped as they are (`common.fp8_operand`), which
+  # permutes P's columns within each 16, and V's keys arrive permuted the
+  # same way (`common.interleave_fp8_keys`, in the XLA transpose V takes
+  # anyway), so P V is unchanged.
+  fp8_p_in_registers: bool = False
   # Masked ("ranged") kernel (`mosaic_forward_masked`): the static mask spec,
   # the softmax scale, and loop ranges read per tile from a plan row (see
   # `masked.plan_rows`) instead of computed from causal geometry.
@@ -657,9 +665,11 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                                            plgpu.Layout.WGMMA.reduce(0)),
           p.shape, static.spec.dropout_rate), p, 0.0)
     p = p.astype(static.dtype)
-    if fp8 is not None:
-      # An 8-bit wgmma LHS in registers needs a layout that this JAX cannot
-      # convert the accumulator's into, so P goes through shared memory.
+    if fp8 is not None and static.fp8_p_in_registers:
+      p = fp8_operand(p)
+    elif fp8 is not None:
+      # Mosaic GPU converts no layout of the accumulator's into the 8-bit
+      # wgmma operand layout: through shared memory.
       fp8.p_smem[...] = p
       plgpu.commit_smem()
       p = fp8.p_smem

@@ -389,3 +389,9 @@ MASKED_LAZY_RESCALE_HEAD_DIMS = (256,)
 # without a mask and +6.9% / +6.0% causal at 16k; d=128 -5.9% to -10.4%,
 # d=64 -8.2% to -14.6% (h200_mosaic_fp8_rescale*.md).
 FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
+# The FP8 forward's P as wgmma's register operand (`forward_kernel.
+# KernelStatic.fp8_p_in_registers`) instead of through shared memory:
+# FlashAttention-3 keeps P in registers and reports ~1.6x its 16-bit
+# forward, ours ~1.1-1.26x with P's round trip. Off until its A/B on the
+# H200 (`benchmarks.tune_mosaic fp8`, NOTES' FP8 section).
+FP8_P_IN_REGISTERS_HEAD_DIMS = ()
