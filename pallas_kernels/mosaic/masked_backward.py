@@ -142,13 +142,11 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
         query, key, scale=scale, config=config, spec=spec,
         dbias_dtype=_dbias_dtype(bias, batch=batch, num_heads=num_heads))
   block_mask = masked.block_mask_of(spec, block_mask, query.shape)
-  states = masked.tile_states(spec, block_q, block_kv, q_offset=q_offset,
-                              q_lengths=q_lengths, kv_lengths=kv_lengths,
-                              q_segments=q_segments, kv_segments=kv_segments,
-                              block_mask=block_mask, dense_mask=dense_mask)
-  plans = functools.partial(_plans, states, batch=batch, spec=spec,
-                            q_offset=q_offset, q_lengths=q_lengths,
-                            kv_lengths=kv_lengths, dropout_seed=dropout_seed)
+  states, plans = _classified(
+      spec, batch, block_q=block_q, block_kv=block_kv, q_offset=q_offset,
+      q_lengths=q_lengths, kv_lengths=kv_lengths, q_segments=q_segments,
+      kv_segments=kv_segments, block_mask=block_mask, dense_mask=dense_mask,
+      dropout_seed=dropout_seed)
   dq_plan = plans(dq_config.num_consumers)
   dkdv_plan = plans(dkdv_configs[0].num_consumers, transposed=True)
   # The dQ grid's last tile reaches furthest down the query rows.
@@ -214,6 +212,22 @@ def _reduced_dbias(ds, states, bias, *, block_q: int, block_kv: int):
   return ds.sum(axes, keepdims=True, dtype=jnp.float32).astype(bias.dtype)
 
 
+def _classified(spec: masking.MaskSpec, batch: int, *, block_q: int,
+                block_kv: int, q_offset, q_lengths, kv_lengths, q_segments,
+                kv_segments, block_mask, dense_mask, dropout_seed):
+  """(states, plans): the EMPTY / PARTIAL / FULL state of every
+  [block_q, block_kv] tile, int32 [B | 1, nq, nk] (`masked.tile_states`),
+  and `plans(consumers, transposed=False)`, the plan rows of a kernel of
+  that many consumers built from them (`_plans`)."""
+  states = masked.tile_states(spec, block_q, block_kv, q_offset=q_offset,
+                              q_lengths=q_lengths, kv_lengths=kv_lengths,
+                              q_segments=q_segments, kv_segments=kv_segments,
+                              block_mask=block_mask, dense_mask=dense_mask)
+  return states, functools.partial(
+      _plans, states, batch=batch, spec=spec, q_offset=q_offset,
+      q_lengths=q_lengths, kv_lengths=kv_lengths, dropout_seed=dropout_seed)
+
+
 def _plans(states, consumers: int, *, batch: int, spec, q_offset, q_lengths,
            kv_lengths, dropout_seed, transposed: bool = False):
   """`masked.tile_plans` of tile `states` [B | 1, nq, nk] for a kernel of
@@ -242,13 +256,11 @@ def plan_rows(spec: masking.MaskSpec, batch: int, *, block_q: int,
     blocks), in `masked.tile_plans`' layout; a tile is `dq_consumers` Q
     blocks or `dkdv_consumers` K/V blocks.
   """
-  states = masked.tile_states(spec, block_q, block_kv, q_offset=q_offset,
-                              q_lengths=q_lengths, kv_lengths=kv_lengths,
-                              q_segments=q_segments, kv_segments=kv_segments,
-                              block_mask=block_mask, dense_mask=dense_mask)
-  plans = functools.partial(_plans, states, batch=batch, spec=spec,
-                            q_offset=q_offset, q_lengths=q_lengths,
-                            kv_lengths=kv_lengths, dropout_seed=dropout_seed)
+  _, plans = _classified(
+      spec, batch, block_q=block_q, block_kv=block_kv, q_offset=q_offset,
+      q_lengths=q_lengths, kv_lengths=kv_lengths, q_segments=q_segments,
+      kv_segments=kv_segments, block_mask=block_mask, dense_mask=dense_mask,
+      dropout_seed=dropout_seed)
   return plans(dq_consumers), plans(dkdv_consumers, transposed=True)
 
 
