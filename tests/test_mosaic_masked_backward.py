@@ -575,6 +575,56 @@ def test_overlapped_masked_backward_lowers(name, head_dim,
   assert text != _lower(name, head_dim)
 
 
+# sm90's dynamic shared memory per block (227 KiB): a kernel that asks for
+# more fails to launch, where the kernels' own count (`check_shared_memory`)
+# should have sent the call to the Triton kernels instead.
+SM90_SHARED_MEMORY_BYTES = 227 * 1024
+
+
+@pytest.mark.parametrize("head_dim", [
+    pytest.param(d, marks=pytest.mark.slow) for d in (64, 96, 128, 160)]
+                         + [256])
+def test_every_streamed_operand_at_once_fits_shared_memory(head_dim,
+                                                           cuda_lowering):
+  """fwd+bwd with everything each masked kernel streams or copies beside
+  its rings at once (a bias per head, with dbias; a dense mask per batch
+  and head; segment ids; ALiBi slopes; dropout; lengths; ragged, causal)
+  stays on the Mosaic kernels, and every kernel's launch asks for at most
+  sm90's shared memory (read from the lowered kernels, Mosaic GPU's own
+  allocation with its alignment, not our count of it)."""
+  q_len, kv_len = 200, 333
+  spec = masking.MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=True,
+                          has_bias=True, has_dense_mask=True,
+                          has_segments=True, has_alibi=True,
+                          dropout_rate=0.1, has_kv_lengths=True)
+  operands = Operands(
+      q_segments=jnp.zeros((2, q_len), jnp.int32),
+      kv_segments=jnp.zeros((2, kv_len), jnp.int32),
+      alibi_slopes=jnp.ones((2, 4), jnp.float32),
+      dropout_seed=jnp.int32(3), kv_lengths=jnp.array([kv_len, 100]),
+      dense_mask=jnp.ones((2, 4, q_len, kv_len), bool))
+
+  def loss(q, k, v, bias):
+    out, _ = mosaic_attention_module.mosaic_attention(
+        q, k, v, scale=0.1, is_causal=True, spec=spec, operands=operands,
+        bias=bias, backward_blocks=BlockSizes.get_default(head_dim,
+                                                          "NVIDIA H200"))
+    return out.astype(jnp.float32).sum()
+
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  text = lower_mosaic.canonical(
+      jax.grad(loss, argnums=(0, 1, 2, 3)),
+      (shape(2, q_len, 4, head_dim), shape(2, kv_len, 2, head_dim),
+       shape(2, kv_len, 2, head_dim), shape(1, 4, q_len, kv_len)))
+  assert "triton" not in text
+  backward_kernels = _kernels(text)
+  assert backward_kernels >= {"dq", "dbias"}
+  requests = [int(n) for n in re.findall(
+      r"dynamic_shared_memory_size %c(\d+)_i32", text)]
+  assert len(requests) == 1 + len(backward_kernels)  # and the forward
+  assert max(requests) <= SM90_SHARED_MEMORY_BYTES, requests
+
+
 def test_masked_backward_lowers_for_length_one(cuda_lowering):
   spec = masking.MaskSpec(q_len=1, kv_len=7, is_causal=True,
                           has_q_offset=True)
