@@ -75,6 +75,9 @@ check the Mosaic forward's numerics in CI, without a GPU):
       `hw_turns`), recognised by its code object: a barrier of the CTA's
       host threads, 128 threads a warpgroup. Made a no-op, the fused dQ's
       dq goes wrong: the race it guards against happens here too.
+    - `common.fp8_operand` (FP8 P regrouped into wgmma's 8-bit register
+      operand): P with its columns permuted as V's keys are
+      (`_fp8_operand_value`);
     - `softmax.multiply_rows_in_threads` (the lazy rescale's branch in
       each thread, Mosaic GPU code): its product, `acc * alpha[:, None]`,
       which the branch equals since it skips only multiplies by exactly
@@ -166,11 +169,14 @@ else:
 
 
 if WHY_NOT is None:
+  from pallas_kernels.mosaic import common as mosaic_common
   from pallas_kernels.mosaic import compat as mosaic_compat
   from pallas_kernels.mosaic import softmax as mosaic_softmax
-  _NAMED_BARRIER_EMIT = next(
-      c for c in mosaic_compat.named_barrier.__code__.co_consts
-      if isinstance(c, types.CodeType) and c.co_name == "emit")
+  _inner_code = lambda fn, name: next(
+      c for c in fn.__code__.co_consts
+      if isinstance(c, types.CodeType) and c.co_name == name)
+  _NAMED_BARRIER_EMIT = _inner_code(mosaic_compat.named_barrier, "emit")
+  _FP8_REGROUP = _inner_code(mosaic_common.fp8_operand, "regroup")
   _SEMAPHORE_PRIMITIVES = (
       pallas_primitives.get_global_p, gpu_primitives.semaphore_signal_p,
       gpu_primitives.semaphore_wait_p, pallas_primitives.semaphore_signal_p,
@@ -273,7 +279,8 @@ def _patched_interpret(self, jaxpr, token, *args):
                           or (e.primitive is gpu_primitives.inline_mgpu_p
                               and (_named_barrier_of(e) is not None
                                    or _is_row_multiply(e)
-                                   or _is_rounded_add(e))))
+                                   or _is_rounded_add(e)
+                                   or _is_fp8_operand(e))))
   if not any(is_special(e) for e in jaxpr.eqns):
     return _STOCK_INTERPRET(self, jaxpr, token, *args)
   # Interpret the equations in runs: maximal runs of ordinary equations go
@@ -308,6 +315,8 @@ def _patched_interpret(self, jaxpr, token, *args):
           outs = [acc * alpha[:, None]]
         elif _is_rounded_add(eqn):
           outs = [invals[0] + invals[1]]
+        elif _is_fp8_operand(eqn):
+          outs = [_fp8_operand_value(invals[0])]
         elif eqn.primitive is gpu_primitives.inline_mgpu_p:
           token, outs = _interpret_named_barrier(self, eqn, token,
                                                  _named_barrier_of(eqn))
@@ -541,6 +550,26 @@ def _is_rounded_add(eqn) -> bool:
   return (eqn.primitive is gpu_primitives.inline_mgpu_p
           and eqn.params.get("mgpu_fn")
           is mosaic_softmax.add_rounded_in_threads)
+
+
+def _is_fp8_operand(eqn) -> bool:
+  """Whether `eqn` is `common.fp8_operand`'s register regrouping (its
+  `regroup`, by code object)."""
+  fn = eqn.params.get("mgpu_fn")
+  return (eqn.primitive is gpu_primitives.inline_mgpu_p
+          and getattr(fn, "__code__", None) is _FP8_REGROUP)
+
+
+def _fp8_operand_value(p):
+  """What `common.fp8_operand` hands wgmma, as a value: P with its columns
+  in the order of V's keys after `common.interleave_fp8_keys` (column c
+  of the result is P's column keys[c]). That the hardware regrouping is
+  this permutation is checked apart, from Mosaic GPU's layouts
+  (tests/test_mosaic_fp8.py); here it is what lets the kernel around it
+  run."""
+  keys = mosaic_common.interleave_fp8_keys(
+      jnp.arange(p.shape[-1])[None, None, None])[0, 0, 0]
+  return p[:, keys]
 
 
 class _NamedBarriers:

@@ -555,6 +555,40 @@ def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
     assert_within_rule(grad, ours, exact[grad], lowp[grad])
 
 
+@pytest.mark.parametrize("is_causal", [slow(False), True])
+def test_interpreted_fp8_forward_with_p_in_registers(is_causal):
+  """The FP8 forward with P as wgmma's register operand (V's keys
+  permuted in its transpose, `mosaic_interpret` giving `fp8_operand`'s
+  permutation of P) against the same kernel with P through shared memory,
+  and both against float32 attention within twice the emulated FP8
+  arithmetic's error (tests/test_mosaic_fp8.py's rule). GQA 2:1, d=64,
+  two 64-key tiles. Fails if V's keys are left in order (error 0.64
+  against 0.014)."""
+  from benchmarks.fp8_accuracy import emulated_fp8_attention
+  from jax_flash import fp8 as public_fp8
+  from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
+  keys = jax.random.split(jax.random.key(21), 3)
+  q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key, shape in
+             zip(keys, ((1, 128, 2, 64), (1, 128, 1, 64), (1, 128, 1, 64))))
+  q8, k8, v8 = (public_fp8.quantize_fp8(x) for x in (q, k, v))
+
+  def kernel(p_in_registers):
+    return mosaic_interpret.run(
+        mosaic_forward_fp8, q8.data, k8.data, v8.data, q_descale=q8.descale,
+        k_descale=k8.descale, v_descale=v8.descale, scale=0.125,
+        is_causal=is_causal, block_kv=64, p_in_registers=p_in_registers)
+
+  (in_registers, lse), (through_smem, smem_lse) = kernel(True), kernel(False)
+  np.testing.assert_allclose(in_registers, through_smem, atol=2e-2)
+  np.testing.assert_allclose(lse, smem_lse, rtol=1e-6)
+  exact = naive_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                          is_causal=is_causal, scale=0.125)[0]
+  emulated = emulated_fp8_attention(q8, k8, v8, is_causal=is_causal,
+                                    scale=0.125)[0]
+  yardstick = np.abs(np.asarray(emulated) - exact).max()
+  assert np.abs(in_registers - exact).max() <= 2 * yardstick + 1e-3
+
+
 def test_interpreted_dropout_drops_the_triton_kernels_bits(monkeypatch):
   """The masked Mosaic kernels drop exactly the weights the Triton kernels
   drop (and `masking.dropout_keep` says), recovered bit for bit from their
