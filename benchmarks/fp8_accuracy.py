@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common, render
-from jax_flash import flash_attention, masking
+from jax_flash import flash_attention, reference, validation
 from jax_flash.fp8 import (Fp8Tensor, flash_attention_fp8, quantize_qkv)
 from pallas_kernels import compat
 
@@ -92,36 +92,32 @@ def _attention_float64(query, key, value):
 
 
 def emulated_fp8_attention(query: Fp8Tensor, key: Fp8Tensor,
-                           value: Fp8Tensor, *, is_causal: bool = False,
-                           scale: float | None = None):
+                           value: Fp8Tensor, *, scale: float | None = None,
+                           **masks):
   """(out float32 [B, Tq, H, D], lse float32 [B, Tq, H]): attention on the
   dequantised FP8 inputs with P in e4m3, the FP8 kernel's arithmetic.
 
-  P = exp(s - rowmax) is rounded to e4m3 before P·V and the row sum taken
-  before rounding, as in the kernel (which uses the running max instead).
-  The LSE depends on the Q and K rounding only.
+  `masks`: `flash_attention`'s mask and score arguments (is_causal,
+  local_window_size, key_value_seq_lengths, ...), applied as the
+  reference applies them (`reference.masked_logits`). P = exp(s - rowmax)
+  is rounded to e4m3 before P·V and the row sum taken before rounding, as
+  in the kernel (which uses the running max instead). The LSE depends on
+  the Q and K rounding only. A row that sees no key gives 0 (lse -inf).
   """
   q, k, v = (x.dequantize() for x in (query, key, value))
-  group = q.shape[2] // k.shape[2]
-  k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
-  scale = q.shape[-1]**-0.5 if scale is None else scale
-  s = jnp.einsum("bqhd,bkhd->bhqk", q, k,
-                 precision=jax.lax.Precision.HIGHEST) * scale
-  if is_causal:  # the mask from its one definition
-    q_len, kv_len = s.shape[-2:]
-    keep = masking.keep(
-        masking.MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=True),
-        jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :],
-        masking.MaskValues())
-    s = jnp.where(keep, s, -jnp.inf)
+  call = validation.normalise_call(q, k, v, scale=scale, **masks)
+  s, _ = reference.masked_logits(call, q, k)                # [B, H, Tq, Tk]
+  v = jnp.repeat(v, q.shape[2] // k.shape[2], axis=2)
   row_max = s.max(axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   p = jnp.exp(s - row_max)
   p8 = p.astype(jnp.float8_e4m3fn).astype(jnp.float32)
   out = jnp.einsum("bhqk,bkhd->bqhd", p8, v,
                    precision=jax.lax.Precision.HIGHEST)
   row_sum = jnp.swapaxes(p.sum(axis=-1), 1, 2)                  # [B, T, H]
   lse = jnp.swapaxes(row_max[..., 0], 1, 2) + jnp.log(row_sum)
-  return out / row_sum[..., None], lse
+  safe = jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
+  return out / safe, lse
 
 
 def method_output(method: str, query, key, value, *, implementation: str,

@@ -589,6 +589,57 @@ def test_interpreted_fp8_forward_with_p_in_registers(is_causal):
   assert np.abs(in_registers - exact).max() <= 2 * yardstick + 1e-3
 
 
+# name: (flash_attention mask arguments, P in registers) of the FP8 kernel
+# with masks (the masked kernel's plan rows): [2, 100, 2, 64] queries on
+# [2, 200, 1, 64] keys (GQA 2:1, kv_len no multiple of the 64-key tiles).
+_FP8_MASKED_VARIANTS = {
+    # Bottom-right causal with a window, per batch; keys past a length.
+    "window lengths": (dict(is_causal=True, q_offset=jnp.array([100, 30]),
+                            local_window_size=(70, 0),
+                            key_value_seq_lengths=jnp.array([200, 90])),
+                       True),
+    # Score changes on the true (descaled) scores, segment ids.
+    "soft cap alibi segments": (dict(
+        logits_soft_cap=5.0, alibi_slopes=jnp.array([0.3, 0.05]),
+        segment_ids=(jnp.repeat(jnp.array([0, 1]), 50),
+                     jnp.repeat(jnp.array([0, 1]), 100))), False),
+}
+
+
+@pytest.mark.parametrize("name", [slow(n) if n != "window lengths" else n
+                                  for n in _FP8_MASKED_VARIANTS])
+def test_interpreted_fp8_forward_with_masks(name):
+  """The FP8 forward on the masked kernel's plan rows against float32
+  attention on the dequantised inputs with the same masks, within twice
+  the emulated FP8 arithmetic's error (`emulated_fp8_attention` with the
+  masks). The soft cap fails it when applied to S before the Q and K
+  factors (error 1.07 against 0.021)."""
+  from benchmarks.fp8_accuracy import emulated_fp8_attention
+  from jax_flash import fp8 as public_fp8
+  from pallas_kernels.mosaic.attention import masked_operand_kwargs
+  from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
+  variants, p_in_registers = _FP8_MASKED_VARIANTS[name]
+  variants = {n: jnp.broadcast_to(x, (2, *x.shape[1:]))
+              if n == "alibi_slopes" else x for n, x in variants.items()}
+  keys = jax.random.split(jax.random.key(5), 3)
+  q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key, shape in
+             zip(keys, ((2, 100, 2, 64), (2, 200, 1, 64), (2, 200, 1, 64))))
+  q8, k8, v8 = (public_fp8.quantize_fp8(x) for x in (q, k, v))
+  call = validation.normalise_call(q, k, v, scale=0.125, **variants)
+  operands = {n: x for n, x in masked_operand_kwargs(call.operands).items()
+              if x is not None}
+  out, _ = mosaic_interpret.run(
+      mosaic_forward_fp8, q8.data, k8.data, v8.data, q_descale=q8.descale,
+      k_descale=k8.descale, v_descale=v8.descale, scale=0.125,
+      is_causal=call.spec.is_causal, spec=call.spec, block_kv=64,
+      p_in_registers=p_in_registers, **operands)
+  dequantised = [x.dequantize() for x in (q8, k8, v8)]
+  exact = naive_attention(*dequantised, scale=0.125, **variants)[0]
+  emulated = emulated_fp8_attention(q8, k8, v8, scale=0.125, **variants)[0]
+  yardstick = np.abs(np.asarray(emulated) - exact).max()
+  assert np.abs(out - exact).max() <= 2 * yardstick + 1e-3
+
+
 def test_interpreted_dropout_drops_the_triton_kernels_bits(monkeypatch):
   """The masked Mosaic kernels drop exactly the weights the Triton kernels
   drop (and `masking.dropout_keep` says), recovered bit for bit from their

@@ -313,8 +313,10 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
         + ("" if fp8 else f" and the multiples of {HEAD_DIM_MULTIPLE} "
            "between") + f", got {head_dim}")
   check_tiles(block_q, block_kv, max_concurrent_steps)
-  if spec is not None and fp8_out_dtype is not None:
-    raise NotImplementedError("the FP8 kernel has no masks yet")
+  if spec is not None and fp8_out_dtype is not None and (
+      spec.has_bias or spec.dropout_rate):
+    raise NotImplementedError(
+        "the FP8 kernel takes masks and score changes, not a bias or dropout")
   # Two consumers take whole tiles; more may end a (batch, head) on a short
   # tile (see `consumer_rows`).
   q_multiple = block_q * (num_consumers if num_consumers == NUM_CONSUMERS

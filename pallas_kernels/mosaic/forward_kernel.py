@@ -289,18 +289,21 @@ def forward_kernel(*refs, static: KernelStatic):
       static.is_causal and not static.ranged))
   tile_start = q_tile * static.tile_rows
   plan = segment_refs = slopes = bias = dense_mask = None
+  # The ranged kernel's inputs and scratch follow the FP8 kernel's.
+  ranged_input, ranged_scratch = 3 + static.fp8, 10 + 4 * static.fp8
   if static.ranged:
-    plan = PlanRow(inputs[3].at[batch, q_tile],
-                   *scratch[10:12])
+    plan = PlanRow(inputs[ranged_input].at[batch, q_tile],
+                   *scratch[ranged_scratch:ranged_scratch + 2])
   if segmented:
-    segment_refs = _SegmentRefs(inputs[4].at[batch], inputs[5].at[batch],
-                                *scratch[12:16])
+    segment_refs = _SegmentRefs(
+        inputs[ranged_input + 1].at[batch], inputs[ranged_input + 2].at[batch],
+        *scratch[ranged_scratch + 2:ranged_scratch + 6])
   if alibi:
-    first_scratch = 12 + 4 * segmented
-    slopes = SlopeRows(inputs[4 + 2 * segmented].at[batch],
+    first_scratch = ranged_scratch + 2 + 4 * segmented
+    slopes = SlopeRows(inputs[ranged_input + 1 + 2 * segmented].at[batch],
                        *scratch[first_scratch:first_scratch + 2])
-  first_input = 4 + 2 * segmented + alibi
-  first_scratch = 12 + 4 * segmented + 2 * alibi
+  first_input = ranged_input + 1 + 2 * segmented + alibi
+  first_scratch = ranged_scratch + 2 + 4 * segmented + 2 * alibi
   if biased:
     bias = ScoreTiles.of(inputs[first_input], scratch[first_scratch:], batch)
   if dense:
@@ -633,13 +636,19 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       step_values = step_values._replace(dense_mask=mask_tile(step) != 0)
     plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
     scale_log2 = static.scale_log2
-    if plan is not None and static.spec.modifies_scores:
+    modified = plan is not None and static.spec.modifies_scores
+    if modified:
       # Scores change before the masks (DESIGN's order), on every visited
-      # tile: scale first, then exp2 takes the bare log2(e).
+      # tile: scale first (FP8: the true scores, times the Q and K
+      # factors), then exp2 takes the bare log2(e).
       positions = (tile_indices(q_start, step, static)
                    if static.spec.scores_read_positions else (None, None))
+      score_scale = static.scale
+      if fp8 is not None:
+        score_scale = score_scale * (
+            q_factor * _descale(fp8, static.num_q_blocks + step))
       s = masking.modify_scores(
-          static.spec, s * static.scale, *positions,
+          static.spec, s * score_scale, *positions,
           values if bias_tile is None else values._replace(
               bias=bias_tile(step).astype(jnp.float32)))
       scale_log2 = LOG2E
@@ -648,7 +657,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     elif masked:
       s = jnp.where(variant_mask(q_start, step, static, step_values), s,
                     -jnp.inf)
-    if fp8 is not None:  # the true scores: S times the Q and K factors
+    if fp8 is not None and not modified:  # the true scores: S times the Q
+      # and K factors, folded into exp2's scale
       k_factor = _descale(fp8, static.num_q_blocks + step)
       scale_log2 = scale_log2 * (q_factor * k_factor)
     m_new, alpha, p = exponentiate(s, m, scale_log2,

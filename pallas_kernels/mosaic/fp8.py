@@ -11,11 +11,16 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.mosaic import common, forward, forward_kernel, plan
+from pallas_kernels import masking
+from pallas_kernels.mosaic import common, forward, forward_kernel, masked, plan
 
 
 def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                        scale: float, is_causal: bool,
+                       spec: masking.MaskSpec | None = None, q_offset=None,
+                       q_lengths=None, kv_lengths=None, q_segments=None,
+                       kv_segments=None, alibi_slopes=None, block_mask=None,
+                       dense_mask=None,
                        out_dtype=jnp.bfloat16, block_q: int = 64,
                        block_kv: int | None = None,
                        q_descale_rows: int | None = None,
@@ -46,6 +51,12 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
     q_descale_rows, k_descale_rows: query / key rows per factor of a
       per-block descale, multiples of block_q / block_kv (factors repeat
       over the kernel's tiles); None: block_q / block_kv.
+    spec: masks and score changes, as `masked.mosaic_forward_masked` takes
+      them (is_causal must be the spec's), with their operands (q_offset,
+      q_lengths, kv_lengths, q_segments, kv_segments, alibi_slopes,
+      block_mask, dense_mask): the masked kernel's plan rows over the FP8
+      kernel, any kv_len. Not a bias or dropout (NotImplementedError).
+      None: causal or not only.
     out_dtype: dtype of the output (bfloat16 or float16).
     lazy_rescale: O rescaled only where a row's max moved by more than 8
       (log2 units, see `forward.KernelStatic`). P, rounded to e4m3 before
@@ -59,15 +70,27 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
 
   Any q_len: Q is padded with zero rows to the kernel's tile (block_q
   times the consumers) and their outputs dropped; causal masks are top-left
-  aligned, so the real rows see the same keys. kv_len must be a multiple
-  of block_kv (NotImplementedError): the FP8 kernel has no masks, and a
-  padded key would be attended to.
+  aligned, so the real rows see the same keys. Without a spec, kv_len must
+  be a multiple of block_kv (NotImplementedError: a padded key would be
+  attended to); with one, any kv_len (keys past it are masked).
 
   Returns:
     out [batch, q_len, num_heads, head_dim] in `out_dtype`, lse float32
     [batch, num_heads, q_len], as `forward.mosaic_forward`.
   """
   common.check_layout(query, key, value)
+  if spec is not None:
+    masked.check_ranged_features(spec, "the FP8 kernel")
+    if spec.is_causal != is_causal:
+      raise ValueError(f"is_causal {is_causal} is not the spec's "
+                       f"{spec.is_causal}")
+    if (spec.q_len, spec.kv_len) != (query.shape[1], key.shape[1]):
+      raise ValueError(f"spec is for q_len {spec.q_len}, kv_len "
+                       f"{spec.kv_len}; got query {query.shape}, key "
+                       f"{key.shape}")
+    masked.check_score_array("dense_mask", spec.has_dense_mask, dense_mask,
+                             query, spec.kv_len, dtype=jnp.bool_)
+    masked.check_slopes(spec, alibi_slopes, query.shape)
   q_len = query.shape[1]
   q_descale_rows = q_descale_rows or block_q
   if block_kv is None:
@@ -85,7 +108,7 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                                    is_causal=is_causal, block_q=block_q,
                                    block_kv=block_kv,
                                    max_concurrent_steps=max_concurrent_steps,
-                                   fp8_out_dtype=out_dtype)
+                                   fp8_out_dtype=out_dtype, spec=spec)
   if lazy_rescale is None:
     lazy_rescale = query.shape[-1] in plan.FP8_LAZY_RESCALE_HEAD_DIMS
   if p_in_registers is None:
@@ -102,10 +125,45 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
   # [batch, kv_heads, head_dim, kv_len]: an XLA transpose, one pass over V
   # in FP8 (FA3 transposes in the kernel instead).
   value_t = jnp.transpose(value, (0, 2, 3, 1))
+  ranged = {}
+  if spec is not None:  # keys past kv_len masked: whole swizzle tiles of V
+    value_t = masked.pad_tiles(value_t, static.block_kv)
+    ranged = _ranged_operands(static, query, key, q_offset=q_offset,
+                              q_lengths=q_lengths, kv_lengths=kv_lengths,
+                              q_segments=q_segments, kv_segments=kv_segments,
+                              alibi_slopes=alibi_slopes,
+                              block_mask=block_mask, dense_mask=dense_mask)
+    key = masked.pad_rows(key)
   if p_in_registers:  # in P's column order (fused with the transpose)
     value_t = common.interleave_fp8_keys(value_t)
-  out, lse = forward.launch(static, query, key, value_t, descale)
+  out, lse = forward.launch(static, query, key, value_t, descale, **ranged)
   return out[:, :q_len], lse[:, :, :q_len]
+
+
+def _ranged_operands(static: forward.KernelStatic, query, key, *, q_offset,
+                     q_lengths, kv_lengths, q_segments, kv_segments,
+                     alibi_slopes, block_mask, dense_mask) -> dict:
+  """`forward.launch`'s keyword operands of the masked kernel for the FP8
+  call `static` (its spec), on query padded to the kernel's tiles: the
+  plan rows (`masked.plan_rows`), the segment ids padded like the rows,
+  the ALiBi slope rows, the int8 dense mask."""
+  spec = static.spec
+  batch = query.shape[0]
+  block_mask = masked.block_mask_of(spec, block_mask, query.shape)
+  operands = dict(plan=masked.plan_rows(
+      static, batch, q_offset=q_offset, q_lengths=q_lengths,
+      kv_lengths=kv_lengths, q_segments=q_segments, kv_segments=kv_segments,
+      block_mask=block_mask, dense_mask=dense_mask))
+  if spec.has_segments:
+    operands["segments"] = (
+        masked.pad_ids(q_segments, query.shape[1]),
+        masked.pad_ids(kv_segments, masked.pad_rows(key).shape[1]))
+  if spec.has_alibi:
+    operands["slopes"] = common.slope_rows(alibi_slopes)
+  if spec.has_dense_mask:
+    operands["dense_mask"] = masked.pad_tiles(dense_mask.astype(jnp.int8),
+                                              static.block_kv)
+  return operands
 
 
 def per_tile(descale, rows: int, length: int, tile: int, num_tiles: int,
