@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from jax_flash import api
+from jax_flash import api, masking, reference, validation
 from jax_flash.reference import KeyValue, Lse, Out, Query
 from pallas_kernels import compat
 
@@ -219,6 +219,9 @@ def quantize_qkv(
 def flash_attention_fp8(
     query: Fp8Tensor, key: Fp8Tensor, value: Fp8Tensor, *,
     scale: float | None = None, is_causal: bool = False,
+    query_seq_lengths=None, key_value_seq_lengths=None,
+    local_window_size=None, segment_ids=None, q_offset=None,
+    logits_soft_cap: float | None = None, alibi_slopes=None,
     return_residual: bool = False, out_dtype=jnp.bfloat16,
     implementation: api.Implementation | None = None,
 ) -> Out | tuple[Out, Lse]:
@@ -239,6 +242,12 @@ def flash_attention_fp8(
                          q0   1  0  0  0
                          q1   1  1  0  0
 
+    query_seq_lengths, key_value_seq_lengths, local_window_size,
+      segment_ids, q_offset, logits_soft_cap, alibi_slopes: as
+      `flash_attention`'s (`jax_flash.masking`'s one definition), applied
+      to the true (descaled) logits; in the kernel through the masked
+      kernel's plan rows, with any kv_len.
+
     return_residual: also return the logsumexp of the logits, float32
       [batch, q_len, num_heads].
     out_dtype: the output's dtype: bfloat16 or float16 in the kernel; any
@@ -246,8 +255,8 @@ def flash_attention_fp8(
     implementation: None: the Mosaic FP8 kernel on an sm90 GPU where it takes
       the call, else "xla". "mosaic" forces the kernel (NotImplementedError
       off sm90, at head dims other than 64/128/256, kv_len not a multiple of
-      its K/V tile, or block rows not multiples of its tiles); any q_len is
-      padded to its tile inside. "xla": attention in float32 on the
+      its K/V tile without a mask beyond is_causal, or block rows not
+      multiples of its tiles); any q_len is padded to its tile inside. "xla": attention in float32 on the
       dequantised inputs (`Fp8Tensor.dequantize`), on any device; it holds
       the [batch, heads, q_len, kv_len] logits in memory.
 
@@ -259,16 +268,25 @@ def flash_attention_fp8(
   """
   for x, name in ((query, "query"), (key, "key"), (value, "value")):
     _check_fp8_tensor(x, name)
-  head_dim = _check_layout(query, key, value)
+  _check_layout(query, key, value)
   out_dtype = jnp.dtype(out_dtype)
   if not jnp.issubdtype(out_dtype, jnp.floating):
     raise TypeError(f"out_dtype must be a float dtype, got {out_dtype}")
-  call = _Fp8Call(scale=head_dim**-0.5 if scale is None else float(scale),
-                  is_causal=bool(is_causal), out_dtype=out_dtype,
-                  implementation=implementation,
+  # The masks, checked and normalised as flash_attention's, on stand-ins of
+  # the dequantised shapes.
+  masks = validation.normalise_call(
+      *(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+        for x in (query, key, value)),
+      scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, segment_ids=segment_ids,
+      q_offset=q_offset, logits_soft_cap=logits_soft_cap,
+      alibi_slopes=alibi_slopes)
+  call = _Fp8Call(scale=masks.scale, shape=masks.shape, spec=masks.spec,
+                  out_dtype=out_dtype, implementation=implementation,
                   q_block_rows=query.block_rows, k_block_rows=key.block_rows)
   out, lse = _forward(call, query.data, key.data, value.data, query.descale,
-                      key.descale, value.descale)
+                      key.descale, value.descale, masks.operands)
   return (out, lse) if return_residual else out
 
 
@@ -277,7 +295,8 @@ class _Fp8Call:
   """The static part of one `flash_attention_fp8` call."""
 
   scale: float
-  is_causal: bool
+  shape: validation.AttentionShape
+  spec: masking.MaskSpec       # the masks (is_causal among them)
   out_dtype: jnp.dtype
   implementation: str | None
   q_block_rows: int | None
@@ -285,10 +304,11 @@ class _Fp8Call:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _forward(call: _Fp8Call, q, k, v, q_descale, k_descale, v_descale):
+def _forward(call: _Fp8Call, q, k, v, q_descale, k_descale, v_descale,
+             masks: validation.Operands):
   operands = (q, k, v, q_descale, k_descale, v_descale)
   return api.dispatch(call.implementation, None, lambda name, interpret: (
-      _IMPLEMENTATIONS[name](call, *operands, interpret=interpret)))
+      _IMPLEMENTATIONS[name](call, *operands, masks, interpret=interpret)))
 
 
 def _forward_fwd(call, *operands):
@@ -304,8 +324,8 @@ def _forward_bwd(call, residuals, cotangents):
 _forward.defvjp(_forward_fwd, _forward_bwd)
 
 
-def _run_mosaic(call: _Fp8Call, q, k, v, q_descale, k_descale, v_descale, *,
-                interpret: bool):
+def _run_mosaic(call: _Fp8Call, q, k, v, q_descale, k_descale, v_descale,
+                masks: validation.Operands, *, interpret: bool):
   """The sm90 FP8 kernel; NotImplementedError where it cannot run."""
   cc = compat.gpu_compute_capability()
   if cc is None or cc[0] != 9:
@@ -314,14 +334,21 @@ def _run_mosaic(call: _Fp8Call, q, k, v, q_descale, k_descale, v_descale, *,
   if interpret:
     raise NotImplementedError("the Mosaic FP8 kernel has no interpret mode")
   try:  # Imported here: Mosaic GPU is absent from some jaxlib builds.
+    from pallas_kernels.mosaic.attention import masked_operand_kwargs
     from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
   except ImportError as e:
     raise NotImplementedError(f"Mosaic GPU is not importable: {e}") from e
+  spec = call.spec
+  plain = masking.MaskSpec(q_len=spec.q_len, kv_len=spec.kv_len,
+                           is_causal=spec.is_causal)
+  ranged = {} if spec == plain else dict(
+      spec=spec, **{name: x for name, x in masked_operand_kwargs(masks).items()
+                    if x is not None})
   out, lse = mosaic_forward_fp8(
       q, k, v, q_descale=q_descale, k_descale=k_descale,
       v_descale=v_descale, q_descale_rows=call.q_block_rows,
       k_descale_rows=call.k_block_rows, scale=call.scale,
-      is_causal=call.is_causal, out_dtype=call.out_dtype)
+      is_causal=spec.is_causal, out_dtype=call.out_dtype, **ranged)
   return out, jnp.swapaxes(lse, 1, 2)
 
 
@@ -329,17 +356,18 @@ def _run_triton(*_, **__):
   raise NotImplementedError("there is no FP8 Triton kernel")
 
 
-def _run_xla(call: _Fp8Call, q, k, v, q_descale, k_descale, v_descale, *,
-             interpret: bool):
-  """float32 attention on the dequantised inputs (any device)."""
+def _run_xla(call: _Fp8Call, q, k, v, q_descale, k_descale, v_descale,
+             masks: validation.Operands, *, interpret: bool):
+  """float32 attention on the dequantised inputs (any device), with the
+  masks as the reference applies them."""
   del interpret
   query, key, value = (
       Fp8Tensor(x, s, rows).dequantize() for x, s, rows in (
           (q, q_descale, call.q_block_rows), (k, k_descale, call.k_block_rows),
           (v, v_descale, None)))
-  out, lse = api.flash_attention(query, key, value, scale=call.scale,
-                                 is_causal=call.is_causal,
-                                 return_residual=True, implementation="xla")
+  out, lse = reference.reference_attention(
+      validation.AttentionCall(call.shape, call.scale, call.spec, masks),
+      query, key, value)
   return out.astype(call.out_dtype), lse
 
 

@@ -197,6 +197,59 @@ def test_portable_path_is_the_reference_on_dequantised_inputs(
   np.testing.assert_allclose(default.astype(jnp.float32), out, atol=2e-2)
 
 
+# flash_attention's mask arguments, on [2, 100, 4, 64] queries and
+# [2, 200, 2, 64] keys: what flash_attention_fp8 takes beyond is_causal.
+_FP8_MASKS = dict(is_causal=True, q_offset=jnp.array([100, 20]),
+                  local_window_size=(60, 0),
+                  key_value_seq_lengths=jnp.array([200, 70]),
+                  segment_ids=(jnp.repeat(jnp.arange(2), 50),
+                               jnp.repeat(jnp.arange(2), 100)),
+                  logits_soft_cap=8.0, alibi_slopes=jnp.array([0.5, 0.2,
+                                                               0.1, 0.05]))
+
+
+def test_portable_path_takes_the_masks_of_flash_attention():
+  """Lengths, a window, bottom-right causal, segment ids, the soft cap and
+  ALiBi on the dequantised inputs, as `attention_reference` applies them
+  (one definition), including rows that see nothing (0, lse -inf)."""
+  q = _normal(0, (2, 100, 4, 64))
+  k, v = (_normal(i, (2, 200, 2, 64)) for i in (1, 2))
+  fp8 = quantize_qkv(q, k, v, seed=3)
+  out, lse = flash_attention_fp8(*fp8, return_residual=True,
+                                 out_dtype=jnp.float32, **_FP8_MASKS)
+  want, want_lse = attention_reference(*(x.dequantize() for x in fp8),
+                                       return_residual=True, **_FP8_MASKS)
+  np.testing.assert_allclose(out, want, atol=1e-5)
+  np.testing.assert_allclose(lse, want_lse, atol=1e-5)
+  assert bool(jnp.isneginf(lse).any())  # batch 1's rows past its segment
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(key_value_seq_lengths=jnp.array([1, 2, 3])), ValueError,
+     "key_value_seq_lengths"),
+    (dict(local_window_size=(-1, 0)), ValueError, "local_window_size"),
+    (dict(alibi_slopes=jnp.ones(3)), ValueError, "alibi_slopes"),
+    (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
+])
+def test_fp8_masks_are_checked_as_flash_attentions(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    flash_attention_fp8(_fp8(_Q), _fp8(_KV), _fp8(_KV), **kwargs)
+
+
+def test_fp8_masks_lower_to_the_masked_fp8_kernel(cuda_lowering,
+                                                   monkeypatch):
+  """On sm90 (cross-lowered), a masked call runs the Mosaic FP8 kernel on
+  plan rows, kv_len 200 (no multiple of its tiles) included."""
+  monkeypatch.setattr(compat, "gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(compat, "has_gpu", lambda: True)
+  q8, k8, v8 = quantize_qkv(_normal(0, (2, 100, 4, 64)),
+                            *(_normal(i, (2, 200, 2, 64)) for i in (1, 2)))
+  text = jax.jit(lambda q8, k8, v8: flash_attention_fp8(
+      q8, k8, v8, implementation="mosaic", **_FP8_MASKS)).trace(
+          q8, k8, v8).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_flash_forward" in text
+
+
 def test_incoherent_processing_beats_per_tensor_on_outliers():
   """FA3's experiment, small: Hadamard-rotated Q and K against per-tensor
   scales on N(0, 1) + N(0, 100)-at-0.1% inputs. 1.4-1.6x lower RMSE at
@@ -376,3 +429,32 @@ def test_mosaic_kernel_matches_dequantised_reference_on_gpu(
   # within ~1e-3 relative (0.021 at most at d=128 on the H200). A wrong
   # descale factor would be off by orders of magnitude more.
   np.testing.assert_allclose(lse, exact_lse, atol=3e-2, rtol=3e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_mosaic_kernel_with_masks_on_gpu(head_dim):
+  """The FP8 kernel on plan rows (bottom-right causal window, lengths,
+  segment ids, soft cap, ALiBi; kv_len 1000, no multiple of its tiles)
+  within the FP8 rule: out within 2x the emulated arithmetic's error plus
+  2**-5 of the largest output, as above."""
+  if not ON_SM90:
+    pytest.skip("the FP8 kernel needs sm90 (FP8 wgmma)")
+  q = _normal(0, (2, 500, 8, head_dim))
+  k, v = (_normal(i, (2, 1000, 2, head_dim)) for i in (1, 2))
+  masks = dict(_FP8_MASKS, q_offset=jnp.array([500, 100]),
+               local_window_size=(300, 0),
+               key_value_seq_lengths=jnp.array([1000, 350]),
+               segment_ids=(jnp.repeat(jnp.arange(2), 250),
+                            jnp.repeat(jnp.arange(2), 500)),
+               alibi_slopes=2.0 ** -jnp.arange(1.0, 9.0))
+  fp8 = quantize_qkv(q, k, v)
+  out = flash_attention_fp8(*fp8, implementation="mosaic", **masks)
+  with jax.default_matmul_precision("highest"):
+    exact = flash_attention_fp8(*fp8, implementation="xla",
+                                out_dtype=jnp.float32, **masks)
+    naive, _ = emulated_fp8_attention(*fp8, **masks)
+  diff = lambda x: jnp.abs(x.astype(jnp.float32) - exact)
+  rounding = 2**-5 * float(jnp.abs(exact).max())
+  assert bool(jnp.isfinite(out.astype(jnp.float32)).all())
+  assert float(diff(out).max()) <= 2 * float(diff(naive).max()) + rounding
