@@ -35,6 +35,7 @@ import time
 from unittest import mock
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks import common, render
 from pallas_kernels import compat
@@ -176,6 +177,41 @@ def masked_backward_benchmark(cell: common.Cell, blocks: dict):
   return fn, (q, k, v, out, lse, d_out)
 
 
+def score_change_benchmark(cell: common.Cell, blocks: dict):
+  """The causal forward as `blocks["form"]` computes it: the plain kernel,
+  the masked kernel on the same causal mask (its plan rows, two
+  consumers, launch order), and the masked kernel with ALiBi, dropout 0.1
+  or a soft cap of 30 (`SCORE_CHANGE_SPACE`), so that a score change's
+  cost splits into the masked kernel's and the term's own."""
+  from jax_flash import masking
+  from pallas_kernels.mosaic.forward import mosaic_forward
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
+  scale, form = cell.head_dim**-0.5, blocks["form"]
+  if form == "plain":
+    return jax.jit(lambda q, k, v: mosaic_forward(
+        q, k, v, scale=scale, is_causal=True)), (q, k, v)
+  changes, operands = {
+      "masked": ({}, {}),
+      "alibi": (dict(has_alibi=True), dict(alibi_slopes=jnp.broadcast_to(
+          2.0 ** -jnp.arange(1.0, cell.num_heads + 1),
+          (cell.batch, cell.num_heads)))),
+      "dropout": (dict(dropout_rate=0.1), dict(dropout_seed=jnp.int32(7))),
+      "softcap": (dict(logits_soft_cap=30.0), {}),
+  }[form]
+  spec = masking.MaskSpec(q_len=cell.seq_len, kv_len=cell.seq_len,
+                          is_causal=True, **changes)
+  fn = jax.jit(lambda q, k, v, operands: mosaic_forward_masked(
+      q, k, v, scale=scale, spec=spec, **operands))
+  return fn, (q, k, v, operands)
+
+
+# The forms `score_change_benchmark` times: where issue 39's ALiBi (0.62x
+# plain causal's forward on the H100) and dropout (0.52x) lose their time.
+SCORE_CHANGE_SPACE = dict(form=("plain", "masked", "alibi", "dropout",
+                                "softcap"))
+
+
 @contextlib.contextmanager
 def turns_removed():
   """While a fused backward is traced: its writers' turn waits do nothing,
@@ -235,6 +271,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_fp8_p_registers": (fp8_forward_benchmark,
                                        FP8_P_REGISTERS_SPACE, 1.0,
                                        (False, True)),
+           "score_changes": (score_change_benchmark, SCORE_CHANGE_SPACE,
+                             1.0, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,
                                       MASKED_RESCALE_SPACE, 1.0, (True,)),
            "masked_backward_overlap": (masked_backward_benchmark,
