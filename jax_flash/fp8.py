@@ -217,11 +217,12 @@ def quantize_qkv(
 
 
 def flash_attention_fp8(
-    query: Fp8Tensor, key: Fp8Tensor, value: Fp8Tensor, *,
+    query: Fp8Tensor, key: Fp8Tensor, value: Fp8Tensor, mask=None, *,
     scale: float | None = None, is_causal: bool = False,
     query_seq_lengths=None, key_value_seq_lengths=None,
     local_window_size=None, segment_ids=None, q_offset=None,
-    logits_soft_cap: float | None = None, alibi_slopes=None,
+    logits_soft_cap: float | None = None, alibi_slopes=None, mask_fn=None,
+    score_fn=None,
     return_residual: bool = False, out_dtype=jnp.bfloat16,
     implementation: api.Implementation | None = None,
 ) -> Out | tuple[Out, Lse]:
@@ -242,11 +243,12 @@ def flash_attention_fp8(
                          q0   1  0  0  0
                          q1   1  1  0  0
 
-    query_seq_lengths, key_value_seq_lengths, local_window_size,
-      segment_ids, q_offset, logits_soft_cap, alibi_slopes: as
-      `flash_attention`'s (`jax_flash.masking`'s one definition), applied
-      to the true (descaled) logits; in the kernel through the masked
-      kernel's plan rows, with any kv_len.
+    mask, query_seq_lengths, key_value_seq_lengths, local_window_size,
+      segment_ids, q_offset, logits_soft_cap, alibi_slopes, mask_fn,
+      score_fn: as `flash_attention`'s (`jax_flash.masking`'s one
+      definition), applied to the true (descaled) logits; in the kernel
+      through the masked kernel's plan rows, with any kv_len. No bias
+      and no dropout (inference).
 
     return_residual: also return the logsumexp of the logits, float32
       [batch, q_len, num_heads].
@@ -281,7 +283,8 @@ def flash_attention_fp8(
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
       q_offset=q_offset, logits_soft_cap=logits_soft_cap,
-      alibi_slopes=alibi_slopes)
+      alibi_slopes=alibi_slopes, mask=mask, mask_fn=mask_fn,
+      score_fn=score_fn)
   call = _Fp8Call(scale=masks.scale, shape=masks.shape, spec=masks.spec,
                   out_dtype=out_dtype, implementation=implementation,
                   q_block_rows=query.block_rows, k_block_rows=key.block_rows)

@@ -224,9 +224,25 @@ def test_portable_path_takes_the_masks_of_flash_attention():
   assert bool(jnp.isneginf(lse).any())  # batch 1's rows past its segment
 
 
+def test_portable_path_takes_mask_functions_and_dense_masks():
+  """A dense mask, a `mask_fn` and a `score_fn` (each of the batch and head
+  it is called with) as `attention_reference` applies them."""
+  q = _normal(0, (2, 100, 4, 64))
+  k, v = (_normal(i, (2, 200, 2, 64)) for i in (1, 2))
+  fp8 = quantize_qkv(q, k, v, seed=3)
+  masks = dict(
+      mask=jax.random.bernoulli(jax.random.key(4), 0.7, (2, 1, 100, 200)),
+      mask_fn=lambda b, h, i, j: (i + j + b + h) % 5 != 0,
+      score_fn=lambda s, b, h, i, j: s - 0.01 * (h + 1) * jnp.abs(i - j))
+  out = flash_attention_fp8(*fp8, out_dtype=jnp.float32, **masks)
+  want = attention_reference(*(x.dequantize() for x in fp8), **masks)
+  np.testing.assert_allclose(out, want, atol=1e-5)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(key_value_seq_lengths=jnp.array([1, 2, 3])), ValueError,
      "key_value_seq_lengths"),
+    (dict(mask=jnp.ones((3, 1, 128, 128), bool)), ValueError, "mask"),
     (dict(local_window_size=(-1, 0)), ValueError, "local_window_size"),
     (dict(alibi_slopes=jnp.ones(3)), ValueError, "alibi_slopes"),
     (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),

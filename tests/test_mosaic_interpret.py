@@ -603,6 +603,10 @@ _FP8_MASKED_VARIANTS = {
         logits_soft_cap=5.0, alibi_slopes=jnp.array([0.3, 0.05]),
         segment_ids=(jnp.repeat(jnp.array([0, 1]), 50),
                      jnp.repeat(jnp.array([0, 1]), 100))), False),
+    # A dense mask per batch, a mask_fn and a score_fn of (b, h).
+    "dense mask_fn score_fn": (dict(
+        mask=jax.random.bernoulli(jax.random.key(9), 0.7, (2, 1, 100, 200)),
+        mask_fn=blocks_and_stripes, score_fn=position_score), True),
 }
 
 
