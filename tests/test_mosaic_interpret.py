@@ -644,6 +644,37 @@ def test_interpreted_fp8_forward_with_masks(name):
   assert np.abs(out - exact).max() <= 2 * yardstick + 1e-3
 
 
+@pytest.mark.parametrize("direction", ["forward", slow("backward")])
+def test_interpreted_alibi_float_positions_are_bitwise_the_int_ones(
+    direction, monkeypatch):
+  """ALiBi on float32 position vectors (`alibi_float_positions`, the
+  query offset folded into the queries' positions) gives bitwise the
+  results of the int index tiles: out and lse, and dq, dk, dv (dK/dV's
+  transposed tiles, each head's slope of a GQA group). Bottom-right
+  causal in one batch (offset 36): fails with the offset left out."""
+  from pallas_kernels.mosaic import backward
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
+  case, variants = MASKED_VARIANTS["alibi"]
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=11)
+  scale, spec, operands = _masked_call(q, k, v, variants)
+  if direction == "forward":
+    run = lambda flag: mosaic_interpret.run(
+        mosaic_forward_masked, q, k, v, scale=scale, spec=spec,
+        alibi_float_positions=flag, **operands)
+  else:
+    exact, _ = _references(q, k, v, d_out, d_lse, **variants)
+    args = (exact["out"].astype(q.dtype), jnp.swapaxes(exact["lse"], 1, 2),
+            d_out, jnp.swapaxes(d_lse, 1, 2))
+    stats = backward.row_statistics(*args)
+    monkeypatch.setattr(backward, "row_statistics", lambda *given: stats)
+    run = lambda flag: mosaic_interpret.run(
+        mosaic_backward_masked, q, k, v, *args, scale=scale, spec=spec,
+        kv_head_copies=1, alibi_float_positions=flag, **operands)[:3]
+  for ints, floats in zip(run(False), run(True), strict=True):
+    np.testing.assert_array_equal(ints, floats)
+
+
 def test_interpreted_dropout_drops_the_triton_kernels_bits(monkeypatch):
   """The masked Mosaic kernels drop exactly the weights the Triton kernels
   drop (and `masking.dropout_keep` says), recovered bit for bit from their

@@ -39,6 +39,7 @@ from pallas_kernels import masking
 from pallas_kernels.mosaic import backward, masked
 from pallas_kernels.mosaic.common import slope_rows
 from pallas_kernels.mosaic.dq import launch_dq
+from pallas_kernels.mosaic import plan as plan_module
 from pallas_kernels.mosaic.plan import BackwardConfig, planned_kv_copies
 
 
@@ -52,7 +53,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                            block_kv: int = 64,
                            max_concurrent_steps: int = 2,
                            overlap_softmax: bool = False,
-                           kv_head_copies: int | None = None):
+                           kv_head_copies: int | None = None,
+                           alibi_float_positions: bool | None = None):
   """Gradients of `masked.mosaic_forward_masked`'s output for q, k and v.
 
   Args:
@@ -92,6 +94,9 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       kv_head_copies: as `plan.BackwardConfig`'s (kv_head_copies None:
       `plan.planned_kv_copies`' choice). overlap_softmax is off by
       default: the ranged kernels have not been timed with it.
+    alibi_float_positions: ALiBi's positions as float32 vectors
+      (`pipeline.BackwardStatic.alibi_float_positions`; the same result).
+      None: `plan.ALIBI_FLOAT_POSITIONS`.
 
   Returns:
     (dq, dk, dv, dbias): dq, dk, dv shaped and typed like (query, key,
@@ -141,6 +146,13 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
     dbias_config = backward.dbias_static(
         query, key, scale=scale, config=config, spec=spec,
         dbias_dtype=_dbias_dtype(bias, batch=batch, num_heads=num_heads))
+  float_positions = plan_module.alibi_float_positions(spec,
+                                                      alibi_float_positions)
+  if float_positions:
+    dq_config, dbias_config, *dkdv_configs = (
+        None if static is None else dataclasses.replace(
+            static, alibi_float_positions=True)
+        for static in (dq_config, dbias_config, *dkdv_configs))
   block_mask = masked.block_mask_of(spec, block_mask, query.shape)
   states, plans = _classified(
       spec, batch, block_q=block_q, block_kv=block_kv, q_offset=q_offset,

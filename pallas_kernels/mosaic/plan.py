@@ -395,3 +395,18 @@ FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
 # forward, ours ~1.1-1.26x with P's round trip. Off until its A/B on the
 # H200 (`benchmarks.tune_mosaic fp8`, NOTES' FP8 section).
 FP8_P_IN_REGISTERS_HEAD_DIMS = ()
+# The masked kernels' ALiBi on float32 position vectors
+# (`KernelStatic.alibi_float_positions`, the backward's likewise) instead
+# of int index tiles converted per element: bitwise the same result. Off
+# until `tune_mosaic --kernels score_changes` times it (NOTES, masked
+# kernels: ALiBi costs 38% of the causal forward on the H100).
+ALIBI_FLOAT_POSITIONS = False
+
+
+def alibi_float_positions(spec, requested: bool | None) -> bool:
+  """Whether a masked kernel of `spec` takes ALiBi's positions as float32
+  vectors: `requested` (None: `ALIBI_FLOAT_POSITIONS`), where ALiBi is the
+  only reader of positions (a `score_fn` gets int indices)."""
+  if requested is None:
+    requested = ALIBI_FLOAT_POSITIONS
+  return bool(requested) and spec.has_alibi and spec.score_fn is None
