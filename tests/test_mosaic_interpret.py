@@ -514,6 +514,9 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
     # tile's group (no copies: with as many copies as the group, each copy
     # is one head).
     ("alibi", 1), slow("score_fn", 1), ("mask_fn", 1), ("dense mask", 1),
+    # mask_fn's tiles per head: with a K/V copy per query head the dK/dV
+    # plan rows are per K/V head too (`masked.head_plans`).
+    slow("mask_fn", 2),
     # Dropout's hash and ALiBi's slopes are per query head: on K/V copies
     # (`kv_head_copies`) each copy's heads must still be the call's.
     ("dropout", 2),

@@ -173,8 +173,8 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
    q_arrived, do_arrived, stats_arrived, consumed) = scratch[:11]
   tile_start = kv_tile * static.kv_rows_per_cta
   plan, ids, slopes, bias, dense = ranged_refs(
-      static, inputs[5:], scratch[11:], batch=batch, tile=kv_tile,
-      own_is_query=False)
+      static, inputs[5:], scratch[11:], batch=batch, head=kv_head,
+      tile=kv_tile, own_is_query=False)
   num_steps = None
   if plan is None:
     # The union of the consumers' Q tiles, per query head of the group:

@@ -132,7 +132,7 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
    stats_arrived, k_arrived, v_arrived, consumed) = scratch[:11]
   tile_start = q_tile * static.q_rows_per_cta
   plan, ids, slopes, bias, dense = ranged_refs(
-      static, inputs[5:], scratch[11:], batch=batch, tile=q_tile,
+      static, inputs[5:], scratch[11:], batch=batch, head=head, tile=q_tile,
       own_is_query=True)
   num_steps = None
   if plan is None:

@@ -101,6 +101,9 @@ class KernelStatic:
   # `masked.plan_rows`) instead of computed from causal geometry.
   spec: Any = None
   scale: float = 0.0
+  # Ranged: plan rows per batch (1) or per batch and query head (the head
+  # count), where a mask differs by head (`masked.head_plans`).
+  plan_heads: int = 1
   # The rendezvous of two consumers (`turns.Rendezvous`) split: a consumer
   # arrives at the hand-over barrier, then waits for V, then for the
   # other, instead of waiting for V after the whole rendezvous; 1.3%,
@@ -298,7 +301,9 @@ def forward_kernel(*refs, static: KernelStatic):
   # The ranged kernel's inputs and scratch follow the FP8 kernel's.
   ranged_input, ranged_scratch = 3 + static.fp8, 10 + 4 * static.fp8
   if static.ranged:
-    plan = PlanRow(inputs[ranged_input].at[batch, q_tile],
+    plan_row = batch if static.plan_heads == 1 else (
+        batch * static.plan_heads + head)
+    plan = PlanRow(inputs[ranged_input].at[plan_row, q_tile],
                    *scratch[ranged_scratch:ranged_scratch + 2])
   if segmented:
     segment_refs = _SegmentRefs(

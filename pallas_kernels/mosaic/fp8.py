@@ -128,11 +128,12 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
   ranged = {}
   if spec is not None:  # keys past kv_len masked: whole swizzle tiles of V
     value_t = masked.pad_tiles(value_t, static.block_kv)
-    ranged = _ranged_operands(static, query, key, q_offset=q_offset,
-                              q_lengths=q_lengths, kv_lengths=kv_lengths,
-                              q_segments=q_segments, kv_segments=kv_segments,
-                              alibi_slopes=alibi_slopes,
-                              block_mask=block_mask, dense_mask=dense_mask)
+    ranged, plan_heads = _ranged_operands(
+        static, query, key, q_offset=q_offset, q_lengths=q_lengths,
+        kv_lengths=kv_lengths, q_segments=q_segments,
+        kv_segments=kv_segments, alibi_slopes=alibi_slopes,
+        block_mask=block_mask, dense_mask=dense_mask)
+    static = dataclasses.replace(static, plan_heads=plan_heads)
     key = masked.pad_rows(key)
   if p_in_registers:  # in P's column order (fused with the transpose)
     value_t = common.interleave_fp8_keys(value_t)
@@ -142,18 +143,19 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
 
 def _ranged_operands(static: forward.KernelStatic, query, key, *, q_offset,
                      q_lengths, kv_lengths, q_segments, kv_segments,
-                     alibi_slopes, block_mask, dense_mask) -> dict:
-  """`forward.launch`'s keyword operands of the masked kernel for the FP8
-  call `static` (its spec), on query padded to the kernel's tiles: the
-  plan rows (`masked.plan_rows`), the segment ids padded like the rows,
-  the ALiBi slope rows, the int8 dense mask."""
+                     alibi_slopes, block_mask, dense_mask):
+  """(`forward.launch`'s keyword operands of the masked kernel, plan
+  heads) for the FP8 call `static` (its spec), on query padded to the
+  kernel's tiles: the plan rows (`masked.plan_rows`), the segment ids
+  padded like the rows, the ALiBi slope rows, the int8 dense mask."""
   spec = static.spec
   batch = query.shape[0]
   block_mask = masked.block_mask_of(spec, block_mask, query.shape)
-  operands = dict(plan=masked.plan_rows(
+  plans, plan_heads = masked.plan_rows(
       static, batch, q_offset=q_offset, q_lengths=q_lengths,
       kv_lengths=kv_lengths, q_segments=q_segments, kv_segments=kv_segments,
-      block_mask=block_mask, dense_mask=dense_mask))
+      block_mask=block_mask, dense_mask=dense_mask)
+  operands = dict(plan=plans)
   if spec.has_segments:
     operands["segments"] = (
         masked.pad_ids(q_segments, query.shape[1]),
@@ -163,7 +165,7 @@ def _ranged_operands(static: forward.KernelStatic, query, key, *, q_offset,
   if spec.has_dense_mask:
     operands["dense_mask"] = masked.pad_tiles(dense_mask.astype(jnp.int8),
                                               static.block_kv)
-  return operands
+  return operands, plan_heads
 
 
 def per_tile(descale, rows: int, length: int, tile: int, num_tiles: int,

@@ -115,11 +115,12 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
           spec, alibi_float_positions),
       **forward.rescale_fields(lazy_rescale))
   block_mask = block_mask_of(spec, block_mask, query.shape)
-  rows = plan_rows(static, query.shape[0], q_offset=q_offset,
-                   q_lengths=q_lengths, kv_lengths=kv_lengths,
-                   q_segments=q_segments, kv_segments=kv_segments,
-                   block_mask=block_mask, dense_mask=dense_mask,
-                   dropout_seed=dropout_seed)
+  rows, plan_heads = plan_rows(static, query.shape[0], q_offset=q_offset,
+                               q_lengths=q_lengths, kv_lengths=kv_lengths,
+                               q_segments=q_segments, kv_segments=kv_segments,
+                               block_mask=block_mask, dense_mask=dense_mask,
+                               dropout_seed=dropout_seed)
+  static = dataclasses.replace(static, plan_heads=plan_heads)
   q_len = query.shape[1]
   query, key, value = (pad_rows(x) for x in (query, key, value))
   segments = None
@@ -233,20 +234,63 @@ def check_ranged_features(spec: masking.MaskSpec, kernel: str):
 def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset,
               q_lengths, kv_lengths, q_segments, kv_segments,
               block_mask=None, dense_mask=None, dropout_seed=None):
-  """int32 [batch, num_q_tiles, PLAN_WIDTH]: each tile's loop ranges
-  over K/V blocks (`tile_plans`)."""
+  """(plans, plan_heads): each tile's loop ranges over K/V blocks, int32
+  [batch * plan_heads, num_q_tiles, PLAN_WIDTH] (`head_plans`): one row
+  per batch, or per batch and query head where the masks differ by head
+  (the kernel's `plan_heads`)."""
   spec = static.spec
   states = tile_states(spec, static.block_q, static.block_kv,
                        q_offset=q_offset, q_lengths=q_lengths,
                        kv_lengths=kv_lengths, q_segments=q_segments,
                        kv_segments=kv_segments, block_mask=block_mask,
                        dense_mask=dense_mask)
-  ranges = masking.block_ranges(states)                # [B|1, nq, 4]
-  return tile_plans(ranges, spec=spec, batch=batch,
+  return head_plans(states, spec=spec, batch=batch,
                     num_consumers=forward.NUM_CONSUMERS,
                     num_cols=static.num_kv_blocks, q_offset=q_offset,
                     q_lengths=q_lengths, kv_lengths=kv_lengths,
                     dropout_seed=dropout_seed)
+
+
+def head_plans(states, *, spec: masking.MaskSpec, batch: int,
+               num_consumers: int, num_cols: int, q_offset, q_lengths,
+               kv_lengths, dropout_seed=None):
+  """(plans, plan_heads) of tile `states` [B | 1, plan_heads, n_rows,
+  n_cols] (`tile_states`, or `unite_heads` of them): `tile_plans` of each
+  (batch, head)'s rows, int32 [batch * plan_heads, num_tiles, PLAN_WIDTH],
+  row b * plan_heads + h for batch b and head h (plan_heads 1: one row
+  per batch for all heads)."""
+  plan_heads = states.shape[1]
+  if plan_heads == 1:
+    ranges = masking.block_ranges(states[:, 0])          # [B|1, n_rows, 4]
+  else:
+    states = jnp.broadcast_to(states, (batch, *states.shape[1:]))
+    ranges = masking.block_ranges(
+        states.reshape(batch * plan_heads, *states.shape[2:]))
+
+  def per_row(x):  # a per-batch operand, once per (batch, head) row
+    if x is None or plan_heads == 1:
+      return x
+    return jnp.repeat(jnp.broadcast_to(x, (batch,)), plan_heads)
+
+  plans = tile_plans(ranges, spec=spec, batch=batch * plan_heads,
+                     num_consumers=num_consumers, num_cols=num_cols,
+                     q_offset=per_row(q_offset), q_lengths=per_row(q_lengths),
+                     kv_lengths=per_row(kv_lengths),
+                     dropout_seed=dropout_seed)
+  return plans, plan_heads
+
+
+def unite_heads(states, groups: int):
+  """Tile states [B | 1, P, nq, nk] united over each of `groups` runs of
+  P / groups consecutive heads (the dK/dV kernel's K/V heads): [B | 1,
+  groups, nq, nk], a tile empty or full for some heads of a run only
+  PARTIAL. P = 1 (no mask differs by head) stays as it is."""
+  if states.shape[1] == 1:
+    return states
+  b, heads, nq, nk = states.shape
+  grouped = states.reshape(b, groups, heads // groups, nq, nk)
+  least, most = grouped.min(2), grouped.max(2)
+  return jnp.where(least == most, least, masking.PARTIAL)
 
 
 def block_mask_of(spec: masking.MaskSpec, block_mask, q_shape):
@@ -264,11 +308,11 @@ def tile_states(spec: masking.MaskSpec, block_q: int, block_kv: int, *,
                 q_offset=None, q_lengths=None, kv_lengths=None,
                 q_segments=None, kv_segments=None, block_mask=None,
                 dense_mask=None):
-  """int32 [batch | 1, num_q_blocks, num_kv_blocks]: the EMPTY / PARTIAL /
-  FULL state of every [block_q, block_kv] tile (`masking.classify_blocks`),
-  one for all heads: the plan rows are per batch, so that a tile `mask_fn`
-  or a per-head dense mask empties (or fills) for some heads only is
-  PARTIAL, and the kernels' `masking.keep` masks it head by head.
+  """int32 [batch | 1, heads | 1, num_q_blocks, num_kv_blocks]: the EMPTY /
+  PARTIAL / FULL state of every [block_q, block_kv] tile
+  (`masking.classify_blocks`), per head where a mask differs by head
+  (`mask_fn`'s `BlockMask` or a dense mask with a head axis), so that the
+  plan rows skip and unmask each head's own tiles (`head_plans`).
 
   Raises:
     ValueError: `spec.mask_fn` without its `block_mask` (`block_mask_of`).
@@ -287,8 +331,7 @@ def tile_states(spec: masking.MaskSpec, block_q: int, block_kv: int, *,
       kv_lengths=kv_lengths, q_segments=q_segments, kv_segments=kv_segments,
       fine_map=block_mask if spec.mask_fn is not None else None,
       dense_mask=dense_mask)
-  least, most = states.min(1), states.max(1)
-  return jnp.where(least == most, least, masking.PARTIAL)
+  return states
 
 
 def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,

@@ -159,8 +159,18 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       q_lengths=q_lengths, kv_lengths=kv_lengths, q_segments=q_segments,
       kv_segments=kv_segments, block_mask=block_mask, dense_mask=dense_mask,
       dropout_seed=dropout_seed)
-  dq_plan = plans(dq_config.num_consumers)
-  dkdv_plan = plans(dkdv_configs[0].num_consumers, transposed=True)
+  # dQ's plan rows per query head where a mask differs by head, dK/dV's
+  # per K/V head (the union of its group's).
+  dq_plan, plan_heads = plans(dq_config.num_consumers)
+  dkdv_plan, kv_plan_heads = plans(
+      dkdv_configs[0].num_consumers,
+      kv_heads=num_heads // dkdv_configs[0].group)
+  dq_config, dbias_config = (
+      None if static is None else dataclasses.replace(
+          static, plan_heads=plan_heads) for static in (dq_config,
+                                                       dbias_config))
+  dkdv_configs = [dataclasses.replace(static, plan_heads=kv_plan_heads)
+                  for static in dkdv_configs]
   # The dQ grid's last tile reaches furthest down the query rows.
   rows_per_tile = max(static.q_rows_per_cta
                       for static in (dq_config, dbias_config) if static)
@@ -191,7 +201,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
     ds = launch_dq(
         query, key, value, d_out, stats, dbias_config,
         plan=(dq_plan if dbias_config.num_consumers == dq_config.num_consumers
-              else plans(dbias_config.num_consumers)),
+              else plans(dbias_config.num_consumers)[0]),
         bias=score_arrays["biases"][0],
         dense_mask=score_arrays.get("dense_masks", (None,))[0], **ranged)
     dbias = _reduced_dbias(ds, states, bias, block_q=block_q,
@@ -210,14 +220,14 @@ def _dbias_dtype(bias, *, batch: int, num_heads: int):
 def _reduced_dbias(ds, states, bias, *, block_q: int, block_kv: int):
   """dbias like `bias` [B | 1, N | 1, q_len, kv_len] from the dbias
   kernel's dS [B, N, num_q_blocks * block_q, num_kv_blocks * block_kv]:
-  zero on the tiles the plan skips (`states` EMPTY for every head, never
-  written), cut to the lengths, summed over the axes the bias broadcasts.
-  One pass, fused by XLA."""
+  zero on the tiles the plan skips (`states` [B | 1, N | 1, nq, nk]
+  EMPTY, never written), cut to the lengths, summed over the axes the
+  bias broadcasts. One pass, fused by XLA."""
   batch, num_heads, rows, cols = ds.shape
   num_q_blocks, num_kv_blocks = rows // block_q, cols // block_kv
   tiles = ds.reshape(batch, num_heads, num_q_blocks, block_q, num_kv_blocks,
                      block_kv)
-  visited = (states != masking.EMPTY)[:, None, :, None, :, None]
+  visited = (states != masking.EMPTY)[:, :, :, None, :, None]
   ds = jnp.where(visited, tiles, 0).reshape(ds.shape)
   ds = ds[:, :, :bias.shape[2], :bias.shape[3]]
   axes = tuple(i for i in (0, 1) if bias.shape[i] == 1 < ds.shape[i])
@@ -228,9 +238,9 @@ def _classified(spec: masking.MaskSpec, batch: int, *, block_q: int,
                 block_kv: int, q_offset, q_lengths, kv_lengths, q_segments,
                 kv_segments, block_mask, dense_mask, dropout_seed):
   """(states, plans): the EMPTY / PARTIAL / FULL state of every
-  [block_q, block_kv] tile, int32 [B | 1, nq, nk] (`masked.tile_states`),
-  and `plans(consumers, transposed=False)`, the plan rows of a kernel of
-  that many consumers built from them (`_plans`)."""
+  [block_q, block_kv] tile, int32 [B | 1, N | 1, nq, nk]
+  (`masked.tile_states`), and `plans(consumers, kv_heads=None)`, the plan
+  rows of a kernel of that many consumers built from them (`_plans`)."""
   states = masked.tile_states(spec, block_q, block_kv, q_offset=q_offset,
                               q_lengths=q_lengths, kv_lengths=kv_lengths,
                               q_segments=q_segments, kv_segments=kv_segments,
@@ -241,39 +251,44 @@ def _classified(spec: masking.MaskSpec, batch: int, *, block_q: int,
 
 
 def _plans(states, consumers: int, *, batch: int, spec, q_offset, q_lengths,
-           kv_lengths, dropout_seed, transposed: bool = False):
-  """`masked.tile_plans` of tile `states` [B | 1, nq, nk] for a kernel of
-  `consumers` consumers: ranges over K/V blocks per Q tile (the dQ
-  kernel's), or `transposed` over Q blocks per K/V tile (dK/dV's)."""
-  if transposed:
-    states = jnp.swapaxes(states, -1, -2)
-  return masked.tile_plans(masking.block_ranges(states),
+           kv_lengths, dropout_seed, kv_heads: int | None = None):
+  """(plans, plan_heads), `masked.head_plans` of tile `states` [B | 1,
+  N | 1, nq, nk] for a kernel of `consumers` consumers: ranges over K/V
+  blocks per Q tile (the dQ kernel's, per query head where the states
+  differ by head), or, given the dK/dV kernel's `kv_heads`, over Q blocks
+  per K/V tile (per K/V head, united over its group's query heads)."""
+  if kv_heads is not None:
+    states = jnp.swapaxes(masked.unite_heads(states, kv_heads), -1, -2)
+  return masked.head_plans(states, spec=spec, batch=batch,
                            num_consumers=consumers,
-                           num_cols=states.shape[-1], spec=spec, batch=batch,
-                           q_offset=q_offset, q_lengths=q_lengths,
-                           kv_lengths=kv_lengths, dropout_seed=dropout_seed)
+                           num_cols=states.shape[-1], q_offset=q_offset,
+                           q_lengths=q_lengths, kv_lengths=kv_lengths,
+                           dropout_seed=dropout_seed)
 
 
 def plan_rows(spec: masking.MaskSpec, batch: int, *, block_q: int,
               block_kv: int, dq_consumers: int, dkdv_consumers: int,
               q_offset=None, q_lengths=None, kv_lengths=None,
               q_segments=None, kv_segments=None, block_mask=None,
-              dense_mask=None, dropout_seed=None):
+              dense_mask=None, dropout_seed=None, kv_heads: int = 1):
   """The two kernels' plan rows, from one classification of the tiles
   (`masked.tile_states`).
 
   Returns:
-    (dq_plan int32 [batch, num_q_tiles, PLAN_WIDTH], ranges over K/V blocks;
-    dkdv_plan int32 [batch, num_kv_tiles, PLAN_WIDTH], ranges over Q
-    blocks), in `masked.tile_plans`' layout; a tile is `dq_consumers` Q
-    blocks or `dkdv_consumers` K/V blocks.
+    (dq_plan int32 [batch * P, num_q_tiles, PLAN_WIDTH], ranges over K/V
+    blocks; dkdv_plan int32 [batch * P', num_kv_tiles, PLAN_WIDTH], ranges
+    over Q blocks), in `masked.tile_plans`' layout; a tile is
+    `dq_consumers` Q blocks or `dkdv_consumers` K/V blocks. P and P' are 1
+    unless a mask differs by head: then P is the query heads and P' the
+    dK/dV kernel's `kv_heads` (`masked.head_plans`).
   """
   _, plans = _classified(
       spec, batch, block_q=block_q, block_kv=block_kv, q_offset=q_offset,
       q_lengths=q_lengths, kv_lengths=kv_lengths, q_segments=q_segments,
       kv_segments=kv_segments, block_mask=block_mask, dense_mask=dense_mask,
       dropout_seed=dropout_seed)
-  return plans(dq_consumers), plans(dkdv_consumers, transposed=True)
+  return (plans(dq_consumers)[0],
+          plans(dkdv_consumers, kv_heads=kv_heads)[0])
 
 
 def padded_statistics(out, lse, d_out, d_lse, *, rows: int):

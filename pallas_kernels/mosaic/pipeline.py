@@ -137,6 +137,10 @@ class BackwardStatic:
   # per-row and per-column vectors (`common.float_positions`, as
   # `forward_kernel.KernelStatic.alibi_float_positions`). Bitwise the same.
   alibi_float_positions: bool = False
+  # Ranged: plan rows per batch (1) or per batch and head (the dQ
+  # kernel's query heads, the dK/dV kernel's K/V heads), where a mask
+  # differs by head (`masked.head_plans`).
+  plan_heads: int = 1
 
   @property
   def ranged(self) -> bool:
@@ -541,17 +545,20 @@ class RangedRefs(NamedTuple):
   dense: ScoreTiles | None = None
 
 
-def ranged_refs(static: BackwardStatic, inputs, scratch, *, batch, tile,
-                own_is_query: bool) -> RangedRefs:
+def ranged_refs(static: BackwardStatic, inputs, scratch, *, batch, head,
+                tile, own_is_query: bool) -> RangedRefs:
   """`RangedRefs` of a ranged kernel (all None in a plain one).
 
   `inputs` are the kernel's inputs after the common five
   (`ranged_inputs`), `scratch` its scratch after the common list
-  (`ranged_scratch`).
+  (`ranged_scratch`); `head` the CTA's (query head in dQ, K/V head in
+  dK/dV), for plan rows per head.
   """
   if not static.ranged:
     return RangedRefs()
-  plan = PlanRow(inputs[0].at[batch, tile], *scratch[:2])
+  plan_row = batch if static.plan_heads == 1 else (
+      batch * static.plan_heads + head)
+  plan = PlanRow(inputs[0].at[plan_row, tile], *scratch[:2])
   ids = slopes = None
   if static.segmented:
     q_ids, kv_ids = inputs[1].at[batch], inputs[2].at[batch]
