@@ -7,8 +7,8 @@
 # With no STEP it only installs (the package, and the peers' wheels from
 # .whl/ into /tmp/site, benchmarks/README.md).
 # STEPs: tests tests_shards grid grid_halves masks memory decode models fp8
-#        fp8_registers score_changes sequence_parallel flax notebook
-#        example mosaic_lowering
+#        fp8_registers sequence_parallel flax notebook example
+#        mosaic_lowering
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (2-3x slow).
 # On a machine of several GPUs, one invocation per GPU (CUDA_VISIBLE_DEVICES,
@@ -142,13 +142,6 @@ for step in "$@"; do
         --kernels forward_fp8_p_registers --seq 16384 --rounds 2 --budget 240 \
         --out "$OUT/h200_mosaic_fp8_p_registers.json" > "$LOGS/fp8_registers.log" 2>&1
       tail -16 "$LOGS/fp8_registers.log" ;;
-    score_changes)  # the causal forward plain, masked, and with ALiBi (int
-                    # tiles or float positions), dropout, soft cap, at 16k:
-                    # `plan.ALIBI_FLOAT_POSITIONS` is set from it
-      timeout ${SCORE_AB_TIMEOUT:-300} python3 -m benchmarks.tune_mosaic \
-        --kernels score_changes --seq 16384 --head-dims 128 --rounds 2 --budget 240 \
-        --out "$OUT/h200_mosaic_score_changes.json" > "$LOGS/score_changes.log" 2>&1
-      tail -16 "$LOGS/score_changes.log" ;;
     sequence_parallel)  # on a machine of several GPUs
       NCCL_NVLS_ENABLE=0 XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
         timeout ${SP_TIMEOUT:-540} python3 -m benchmarks.sequence_parallel ${SP_ARGS:-} \

@@ -180,9 +180,8 @@ def masked_backward_benchmark(cell: common.Cell, blocks: dict):
 def score_change_benchmark(cell: common.Cell, blocks: dict):
   """The causal forward as `blocks["form"]` computes it: the plain kernel,
   the masked kernel on the same causal mask (its plan rows, two
-  consumers, launch order), and the masked kernel with ALiBi (on int
-  index tiles, or float position vectors), dropout 0.1 or a soft cap of
-  30 (`SCORE_CHANGE_SPACE`), so that a score change's
+  consumers, launch order), and the masked kernel with ALiBi, dropout 0.1
+  or a soft cap of 30 (`SCORE_CHANGE_SPACE`), so that a score change's
   cost splits into the masked kernel's and the term's own."""
   from jax_flash import masking
   from pallas_kernels.mosaic.forward import mosaic_forward
@@ -196,27 +195,21 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
       "masked": ({}, {}),
       "alibi": (dict(has_alibi=True), dict(alibi_slopes=jnp.broadcast_to(
           2.0 ** -jnp.arange(1.0, cell.num_heads + 1),
-          (cell.batch, cell.num_heads)), alibi_float_positions=False)),
-      "alibi_float": (dict(has_alibi=True), dict(
-          alibi_slopes=jnp.broadcast_to(
-              2.0 ** -jnp.arange(1.0, cell.num_heads + 1),
-              (cell.batch, cell.num_heads)), alibi_float_positions=True)),
+          (cell.batch, cell.num_heads)))),
       "dropout": (dict(dropout_rate=0.1), dict(dropout_seed=jnp.int32(7))),
       "softcap": (dict(logits_soft_cap=30.0), {}),
   }[form]
   spec = masking.MaskSpec(q_len=cell.seq_len, kv_len=cell.seq_len,
                           is_causal=True, **changes)
-  options = {n: operands.pop(n) for n in ("alibi_float_positions",)
-             if n in operands}
   fn = jax.jit(lambda q, k, v, operands: mosaic_forward_masked(
-      q, k, v, scale=scale, spec=spec, **operands, **options))
+      q, k, v, scale=scale, spec=spec, **operands))
   return fn, (q, k, v, operands)
 
 
 # The forms `score_change_benchmark` times: where issue 39's ALiBi (0.62x
 # plain causal's forward on the H100) and dropout (0.52x) lose their time.
-SCORE_CHANGE_SPACE = dict(form=("plain", "masked", "alibi", "alibi_float",
-                                "dropout", "softcap"))
+SCORE_CHANGE_SPACE = dict(form=("plain", "masked", "alibi", "dropout",
+                                "softcap"))
 
 
 @contextlib.contextmanager

@@ -115,9 +115,7 @@ class MaskValues(NamedTuple):
 
   In the reference they are [batch, 1, 1, 1]-shaped (segment ids
   [batch, 1, q_len, 1] / [batch, 1, 1, kv_len]); in a kernel, scalars and
-  [block_q, 1] / [1, block_k] tiles. Fields of absent features are None;
-  `q_offset` None (for `modify_scores` only) says the `q_idx` given are
-  positions on the key axis already: a kernel folded the offset in.
+  [block_q, 1] / [1, block_k] tiles. Fields of absent features are None.
   """
 
   batch: Any = None
@@ -189,7 +187,7 @@ def modify_scores(spec: MaskSpec, scores, q_idx, kv_idx, values: MaskValues):
   if spec.has_bias:
     scores = scores + values.bias
   if spec.has_alibi:
-    q_pos = q_idx if values.q_offset is None else q_idx + values.q_offset
+    q_pos = q_idx + values.q_offset
     scores = scores - values.alibi_slope * jnp.abs(q_pos - kv_idx).astype(
         jnp.float32)
   if spec.score_fn is not None:

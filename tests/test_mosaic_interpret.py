@@ -207,6 +207,12 @@ MASKED_VARIANTS = {
                   bias=2.0 * jax.random.normal(jax.random.key(4),
                                                (2, 2, 100, 150),
                                                jnp.bfloat16))),
+    # A bias per (batch, head) and no mask: every tile visited, dbias is
+    # the dbias kernel's dS as it is, cut to the lengths.
+    "bias, no mask": (Case(2, 100, 150, 2, 1, 64),
+                      dict(bias=jax.random.normal(jax.random.key(5),
+                                                  (2, 2, 100, 150),
+                                                  jnp.bfloat16))),
     # A dense mask per batch beside a bias per head, under a soft cap (the
     # mask after it): both streamed. Batch 0's keeps keys 128-255 and a
     # third of the rest: the first query tile's three K/V tiles masked,
@@ -253,7 +259,7 @@ def _masked_call(q, k, v, variants):
 # soft cap: "alibi soft cap"; the dense mask and the bias: "dense mask,
 # bias").
 _SLOW_MASKED = ("bottom-right causal", "causal window", "soft cap",
-                "dense mask", "bias")
+                "dense mask", "bias", "bias, no mask")
 
 
 @pytest.mark.parametrize("name", [slow(n) if n in _SLOW_MASKED else n
@@ -526,7 +532,9 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
     # written (the interpreter's outputs start as NaN) and must be zeroed.
     ("bias", 1),
     # A bias per head broadcast over the batch: dS in float32, summed.
-    slow("dense mask, bias", 1)])
+    slow("dense mask, bias", 1),
+    # No mask: no tile to zero, dS passed on as it is.
+    slow("bias, no mask", 1)])
 def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
                                                               monkeypatch):
   """`mosaic_backward_masked`'s dq, dk, dv and dbias (its plan rows,
@@ -645,37 +653,6 @@ def test_interpreted_fp8_forward_with_masks(name):
   emulated = emulated_fp8_attention(q8, k8, v8, scale=0.125, **variants)[0]
   yardstick = np.abs(np.asarray(emulated) - exact).max()
   assert np.abs(out - exact).max() <= 2 * yardstick + 1e-3
-
-
-@pytest.mark.parametrize("direction", ["forward", slow("backward")])
-def test_interpreted_alibi_float_positions_are_bitwise_the_int_ones(
-    direction, monkeypatch):
-  """ALiBi on float32 position vectors (`alibi_float_positions`, the
-  query offset folded into the queries' positions) gives bitwise the
-  results of the int index tiles: out and lse, and dq, dk, dv (dK/dV's
-  transposed tiles, each head's slope of a GQA group). Bottom-right
-  causal in one batch (offset 36): fails with the offset left out."""
-  from pallas_kernels.mosaic import backward
-  from pallas_kernels.mosaic.masked import mosaic_forward_masked
-  from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
-  case, variants = MASKED_VARIANTS["alibi"]
-  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=11)
-  scale, spec, operands = _masked_call(q, k, v, variants)
-  if direction == "forward":
-    run = lambda flag: mosaic_interpret.run(
-        mosaic_forward_masked, q, k, v, scale=scale, spec=spec,
-        alibi_float_positions=flag, **operands)
-  else:
-    exact, _ = _references(q, k, v, d_out, d_lse, **variants)
-    args = (exact["out"].astype(q.dtype), jnp.swapaxes(exact["lse"], 1, 2),
-            d_out, jnp.swapaxes(d_lse, 1, 2))
-    stats = backward.row_statistics(*args)
-    monkeypatch.setattr(backward, "row_statistics", lambda *given: stats)
-    run = lambda flag: mosaic_interpret.run(
-        mosaic_backward_masked, q, k, v, *args, scale=scale, spec=spec,
-        kv_head_copies=1, alibi_float_positions=flag, **operands)[:3]
-  for ints, floats in zip(run(False), run(True), strict=True):
-    np.testing.assert_array_equal(ints, floats)
 
 
 def test_interpreted_dropout_drops_the_triton_kernels_bits(monkeypatch):

@@ -575,16 +575,6 @@ def test_overlapped_masked_backward_lowers(name, head_dim,
   assert text != _lower(name, head_dim)
 
 
-@pytest.mark.parametrize("name, head_dim", [("alibi", 64),
-                                            ("alibi soft cap", 256)])
-def test_alibi_float_positions_lower(name, head_dim, cuda_lowering):
-  """ALiBi on float32 position vectors (`alibi_float_positions`) lowers in
-  every backward kernel, and is another kernel than the int tiles'."""
-  text = _lower(name, head_dim, alibi_float_positions=True)
-  assert _kernels(text) == _expected_kernels(head_dim)
-  assert text != _lower(name, head_dim, alibi_float_positions=False)
-
-
 # sm90's dynamic shared memory per block (227 KiB): a kernel that asks for
 # more fails to launch, where the kernels' own count (`check_shared_memory`)
 # should have sent the call to the Triton kernels instead.

@@ -272,30 +272,6 @@ def tile_indices(q_start, step, static):
   return rows + q_start, cols + step * static.block_kv
 
 
-def float_positions(row_start, rows: int, cols: int, *,
-                    transposed: bool = False):
-  """ALiBi's positions in float32 without a conversion per element:
-  `at(col_start)` gives (q_idx, kv_idx) float32 [rows, cols] tiles of
-  positions row_start + r down the rows (converted once, here) and
-  col_start + c across the columns (a [cols] vector converted per call),
-  broadcast from the vectors; queries down the rows, or `transposed`
-  keys (an Sᵀ tile). Exact below 2**24. A query offset is folded into
-  the queries' start, so `masking.modify_scores` takes them with
-  `q_offset` None (`alibi_float_positions` of the kernels' statics)."""
-  shape = (rows, cols)
-  row_vector = (plgpu.broadcasted_iota(
-      jnp.int32, (rows,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
-                + row_start).astype(jnp.float32)
-  col_iota = plgpu.broadcasted_iota(jnp.int32, (cols,), 0,
-                                    layout=plgpu.Layout.WGMMA.reduce(0))
-
-  def at(col_start):
-    down = per_row(row_vector, shape)
-    across = per_column((col_iota + col_start).astype(jnp.float32), shape)
-    return (across, down) if transposed else (down, across)
-  return at
-
-
 def variant_mask(q_start, step, static, values):
   """`masking.keep` on the [block_q, block_kv] tile of `tile_indices`."""
   return masking.keep(static.spec, *tile_indices(q_start, step, static),

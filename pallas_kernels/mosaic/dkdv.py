@@ -34,8 +34,8 @@ from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
     THREADS_PER_WARPGROUP, ScoreTiles, chained_tiles, copy_slopes,
     dropout_key_hashes,
-    dropout_kept, dropout_query_hashes, float_positions, masked_steps,
-    per_column, slope_reader, swizzled)
+    dropout_kept, dropout_query_hashes, masked_steps, per_column,
+    slope_reader, swizzled)
 from pallas_kernels.mosaic.fused_dq import (
     DQ_PIECE, PIECES_DONE_BARRIER, FusedDq, issue_dq_piece,
     num_dq_pieces, stage_dq_piece, stage_dq_pieces, write_dq)
@@ -236,11 +236,6 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
           values = values._replace(dense_mask=dense_tile(i, g) != 0)
         return variant_mask_t(kv_start, i, static, values)
       positions = functools.partial(tile_indices_t, kv_start, static=static)
-      if static.alibi_float_positions:  # the keys' positions, once
-        at = float_positions(kv_start, static.block_kv, static.block_q,
-                             transposed=True)
-        positions = lambda q_block: at(q_block * static.block_q
-                                       + walk.values.q_offset)
       if slopes is not None or static.spec.reads_batch_and_head:
         head_values = functools.partial(
             _head_values, walk.values, batch=batch, kv_head=kv_head,

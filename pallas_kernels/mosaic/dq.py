@@ -27,8 +27,7 @@ from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
     causal_mask, chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
-    dropout_query_hashes, float_positions, masked_steps, per_row,
-    slope_reader, swizzled,
+    dropout_query_hashes, masked_steps, per_row, slope_reader, swizzled,
     tile_index, tile_indices, variant_mask)
 from pallas_kernels.mosaic.pipeline import (
     MASKED, SKIP, UNMASKED, BackwardStatic, Walk, each_tile, grid_args,
@@ -209,14 +208,10 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
         if dense_tile is not None:
           values = values._replace(dense_mask=dense_tile(step) != 0)
         return variant_mask(q_start, step, static, values)
-    positions = functools.partial(tile_indices, q_start, static=static)
-    if static.alibi_float_positions:  # the queries' positions, once
-      at = float_positions(q_start + walk.values.q_offset, static.block_q,
-                           static.block_kv)
-      positions = lambda step: at(step * static.block_kv)
     dq = _dq_consume(own_q, own_do, lse_log2, delta, k_ring, v_ring, arrived,
                      consumed, walk=walk, tile_mask=tile_mask, static=static,
-                     base=base, positions=positions,
+                     base=base, positions=functools.partial(
+                         tile_indices, q_start, static=static),
                      kept_of=kept_of, bias_of=bias_of, write_ds=write_ds)
     if write_ds is not None:  # the dS tiles have gone out step by step
       plgpu.wait_smem_to_gmem(0)

@@ -48,8 +48,7 @@ from pallas_kernels.mosaic.common import (
     LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_UNION, PlanRow, ScoreTiles,
     SlopeRows,
     causal_mask, chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
-    dropout_query_hashes, float_positions, fp8_operand, masked_steps,
-    per_column, per_row,
+    dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
     persistent_schedule, read_plan, register_split, slope_reader, tile_index,
     tile_indices, variant_mask)
 from pallas_kernels.mosaic.softmax import add_unfused, exponentiate, rescale
@@ -91,11 +90,6 @@ class KernelStatic:
   # same way (`common.interleave_fp8_keys`, in the XLA transpose V takes
   # anyway), so P V is unchanged.
   fp8_p_in_registers: bool = False
-  # Masked kernel with ALiBi (no score_fn): the score change takes float32
-  # positions broadcast from per-row and per-column vectors
-  # (`common.float_positions`) instead of int index tiles converted per
-  # element (I2F, on the exponentials' narrow pipe). Bitwise the same.
-  alibi_float_positions: bool = False
   # Masked ("ranged") kernel (`mosaic_forward_masked`): the static mask spec,
   # the softmax scale, and loop ranges read per tile from a plan row (see
   # `masked.plan_rows`) instead of computed from causal geometry.
@@ -549,9 +543,6 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       query_hashes = dropout_query_hashes(
           read(PLAN_DROPOUT_SEED), batch, head, q_start, block_q,
           plgpu.Layout.WGMMA.reduce(1))
-    if static.alibi_float_positions:  # the queries' positions, once
-      alibi_positions = float_positions(q_start + values.q_offset, block_q,
-                                        block_kv)
     slot_of = lambda step: lax.rem(step - first, static.num_stages)
     if segments is not None:
       q_ids_smem = segments.q_smem.at[wg]
@@ -655,21 +646,15 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       # Scores change before the masks (DESIGN's order), on every visited
       # tile: scale first (FP8: the true scores, times the Q and K
       # factors), then exp2 takes the bare log2(e).
-      score_values = values
-      if static.alibi_float_positions:  # the offset is in the positions
-        positions = alibi_positions(step * block_kv)
-        score_values = values._replace(q_offset=None)
-      elif static.spec.scores_read_positions:
-        positions = tile_indices(q_start, step, static)
-      else:
-        positions = (None, None)
+      positions = (tile_indices(q_start, step, static)
+                   if static.spec.scores_read_positions else (None, None))
       score_scale = static.scale
       if fp8 is not None:
         score_scale = score_scale * (
             q_factor * _descale(fp8, static.num_q_blocks + step))
       s = masking.modify_scores(
           static.spec, s * score_scale, *positions,
-          score_values if bias_tile is None else score_values._replace(
+          values if bias_tile is None else values._replace(
               bias=bias_tile(step).astype(jnp.float32)))
       scale_log2 = LOG2E
     if masked and plan is None:

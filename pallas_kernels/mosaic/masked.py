@@ -32,8 +32,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                           dense_mask=None, block_q: int = 64,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2,
-                          lazy_rescale: bool | None = None,
-                          alibi_float_positions: bool | None = None):
+                          lazy_rescale: bool | None = None):
   """`forward.mosaic_forward` with masks, score changes, dropout and any
   lengths.
 
@@ -77,9 +76,6 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       (log2 units, see `forward.KernelStatic`); the results change by
       rounding only. None: at `plan.MASKED_LAZY_RESCALE_HEAD_DIMS` (by
       `plan.plan_head_dim`).
-    alibi_float_positions: ALiBi's positions as float32 vectors
-      (`forward_kernel.KernelStatic.alibi_float_positions`; the same
-      result). None: `plan.ALIBI_FLOAT_POSITIONS`.
 
   Returns:
     (out [batch, q_len, num_heads, head_dim], lse float32
@@ -110,10 +106,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   if lazy_rescale is None:
     lazy_rescale = (plan.plan_head_dim(query.shape[-1])
                     in plan.MASKED_LAZY_RESCALE_HEAD_DIMS)
-  static = dataclasses.replace(
-      static, alibi_float_positions=plan.alibi_float_positions(
-          spec, alibi_float_positions),
-      **forward.rescale_fields(lazy_rescale))
+  static = dataclasses.replace(static,
+                               **forward.rescale_fields(lazy_rescale))
   block_mask = block_mask_of(spec, block_mask, query.shape)
   rows, plan_heads = plan_rows(static, query.shape[0], q_offset=q_offset,
                                q_lengths=q_lengths, kv_lengths=kv_lengths,

@@ -39,7 +39,6 @@ from pallas_kernels import masking
 from pallas_kernels.mosaic import backward, masked
 from pallas_kernels.mosaic.common import slope_rows
 from pallas_kernels.mosaic.dq import launch_dq
-from pallas_kernels.mosaic import plan as plan_module
 from pallas_kernels.mosaic.plan import BackwardConfig, planned_kv_copies
 
 
@@ -53,8 +52,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                            block_kv: int = 64,
                            max_concurrent_steps: int = 2,
                            overlap_softmax: bool = False,
-                           kv_head_copies: int | None = None,
-                           alibi_float_positions: bool | None = None):
+                           kv_head_copies: int | None = None):
   """Gradients of `masked.mosaic_forward_masked`'s output for q, k and v.
 
   Args:
@@ -94,9 +92,6 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       kv_head_copies: as `plan.BackwardConfig`'s (kv_head_copies None:
       `plan.planned_kv_copies`' choice). overlap_softmax is off by
       default: the ranged kernels have not been timed with it.
-    alibi_float_positions: ALiBi's positions as float32 vectors
-      (`pipeline.BackwardStatic.alibi_float_positions`; the same result).
-      None: `plan.ALIBI_FLOAT_POSITIONS`.
 
   Returns:
     (dq, dk, dv, dbias): dq, dk, dv shaped and typed like (query, key,
@@ -146,13 +141,6 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
     dbias_config = backward.dbias_static(
         query, key, scale=scale, config=config, spec=spec,
         dbias_dtype=_dbias_dtype(bias, batch=batch, num_heads=num_heads))
-  float_positions = plan_module.alibi_float_positions(spec,
-                                                      alibi_float_positions)
-  if float_positions:
-    dq_config, dbias_config, *dkdv_configs = (
-        None if static is None else dataclasses.replace(
-            static, alibi_float_positions=True)
-        for static in (dq_config, dbias_config, *dkdv_configs))
   block_mask = masked.block_mask_of(spec, block_mask, query.shape)
   states, plans = _classified(
       spec, batch, block_q=block_q, block_kv=block_kv, q_offset=q_offset,
@@ -204,8 +192,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
               else plans(dbias_config.num_consumers)[0]),
         bias=score_arrays["biases"][0],
         dense_mask=score_arrays.get("dense_masks", (None,))[0], **ranged)
-    dbias = _reduced_dbias(ds, states, bias, block_q=block_q,
-                           block_kv=block_kv)
+    dbias = _reduced_dbias(ds, states if _masks_keys(spec) else None, bias,
+                           block_q=block_q, block_kv=block_kv)
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len], dbias
 
 
@@ -217,21 +205,36 @@ def _dbias_dtype(bias, *, batch: int, num_heads: int):
   return jnp.float32
 
 
+def _masks_keys(spec: masking.MaskSpec) -> bool:
+  """Whether a mask of `spec` can leave a tile with no key to attend (and
+  so unvisited by the plan): every mask but the keys past kv_len, which
+  leave the last tile partial."""
+  return (spec.is_causal or spec.window is not None or spec.has_q_lengths
+          or spec.has_kv_lengths or spec.has_segments
+          or spec.mask_fn is not None or spec.has_dense_mask)
+
+
 def _reduced_dbias(ds, states, bias, *, block_q: int, block_kv: int):
   """dbias like `bias` [B | 1, N | 1, q_len, kv_len] from the dbias
   kernel's dS [B, N, num_q_blocks * block_q, num_kv_blocks * block_kv]:
   zero on the tiles the plan skips (`states` [B | 1, N | 1, nq, nk]
-  EMPTY, never written), cut to the lengths, summed over the axes the
-  bias broadcasts. One pass, fused by XLA."""
+  EMPTY, never written; None where no mask empties a tile), cut to the
+  lengths, summed over the axes the bias broadcasts. One pass, fused by
+  XLA, and none for an unmasked bias of whole tiles that takes dS as it
+  is (the pass would read and write 2 bytes an element: 3.6 ms of the
+  16k benchmark's 8.6 GB)."""
   batch, num_heads, rows, cols = ds.shape
-  num_q_blocks, num_kv_blocks = rows // block_q, cols // block_kv
-  tiles = ds.reshape(batch, num_heads, num_q_blocks, block_q, num_kv_blocks,
-                     block_kv)
-  visited = (states != masking.EMPTY)[:, :, :, None, :, None]
-  ds = jnp.where(visited, tiles, 0).reshape(ds.shape)
+  if states is not None:
+    num_q_blocks, num_kv_blocks = rows // block_q, cols // block_kv
+    tiles = ds.reshape(batch, num_heads, num_q_blocks, block_q,
+                       num_kv_blocks, block_kv)
+    visited = (states != masking.EMPTY)[:, :, :, None, :, None]
+    ds = jnp.where(visited, tiles, 0).reshape(ds.shape)
   ds = ds[:, :, :bias.shape[2], :bias.shape[3]]
   axes = tuple(i for i in (0, 1) if bias.shape[i] == 1 < ds.shape[i])
-  return ds.sum(axes, keepdims=True, dtype=jnp.float32).astype(bias.dtype)
+  if axes:
+    ds = ds.sum(axes, keepdims=True, dtype=jnp.float32)
+  return ds.astype(bias.dtype)
 
 
 def _classified(spec: masking.MaskSpec, batch: int, *, block_q: int,

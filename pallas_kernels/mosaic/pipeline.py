@@ -133,10 +133,6 @@ class BackwardStatic:
   # adding dS K to dQ (a launch of its own, which XLA drops when nothing
   # uses the bias gradient). None: the dQ form.
   dbias_dtype: Any = None
-  # Ranged kernels with ALiBi (no score_fn): positions in float32 from
-  # per-row and per-column vectors (`common.float_positions`, as
-  # `forward_kernel.KernelStatic.alibi_float_positions`). Bitwise the same.
-  alibi_float_positions: bool = False
   # Ranged: plan rows per batch (1) or per batch and head (the dQ
   # kernel's query heads, the dK/dV kernel's K/V heads), where a mask
   # differs by head (`masked.head_plans`).
@@ -385,8 +381,6 @@ def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
     return jnp.exp2(s * static.scale_log2 - broadcast(lse_log2, s.shape)), None
   spec = static.spec
   q_idx, kv_idx = positions() if spec.scores_read_positions else (None, None)
-  if static.alibi_float_positions:  # the query offset is in the positions
-    values = values._replace(q_offset=None)
   modify = lambda x: masking.modify_scores(spec, x, q_idx, kv_idx, values)
   if spec.scores_shift_only:  # slope 1: dS as without them
     logits, slope = modify(s * static.scale), None

@@ -390,23 +390,9 @@ MASKED_LAZY_RESCALE_HEAD_DIMS = (256,)
 # d=64 -8.2% to -14.6% (h200_mosaic_fp8_rescale*.md).
 FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
 # The FP8 forward's P as wgmma's register operand (`forward_kernel.
-# KernelStatic.fp8_p_in_registers`) instead of through shared memory:
-# FlashAttention-3 keeps P in registers and reports ~1.6x its 16-bit
-# forward, ours ~1.1-1.26x with P's round trip. Off until its A/B on the
-# H200 (`benchmarks.tune_mosaic fp8`, NOTES' FP8 section).
-FP8_P_IN_REGISTERS_HEAD_DIMS = ()
-# The masked kernels' ALiBi on float32 position vectors
-# (`KernelStatic.alibi_float_positions`, the backward's likewise) instead
-# of int index tiles converted per element: bitwise the same result. Off
-# until `tune_mosaic --kernels score_changes` times it (NOTES, masked
-# kernels: ALiBi costs 38% of the causal forward on the H100).
-ALIBI_FLOAT_POSITIONS = False
-
-
-def alibi_float_positions(spec, requested: bool | None) -> bool:
-  """Whether a masked kernel of `spec` takes ALiBi's positions as float32
-  vectors: `requested` (None: `ALIBI_FLOAT_POSITIONS`), where ALiBi is the
-  only reader of positions (a `score_fn` gets int indices)."""
-  if requested is None:
-    requested = ALIBI_FLOAT_POSITIONS
-  return bool(requested) and spec.has_alibi and spec.score_fn is None
+# KernelStatic.fp8_p_in_registers`) instead of through shared memory, at
+# 16k on the H200 (`results/h200_mosaic_fp8_p_registers.md`, each best
+# with the lazy rescale as `FP8_LAZY_RESCALE_HEAD_DIMS` has it): d=64
+# 391 -> 489 TFLOP/s without a mask, 392 -> 399 causal; d=128 657 -> 776,
+# 666 -> 707; d=256 826 -> 947, 818 -> 903.
+FP8_P_IN_REGISTERS_HEAD_DIMS = (64, 128, 256)
