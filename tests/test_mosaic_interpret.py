@@ -566,7 +566,7 @@ def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
     assert_within_rule(grad, ours, exact[grad], lowp[grad])
 
 
-@pytest.mark.parametrize("is_causal", [slow(False), True])
+@pytest.mark.parametrize("is_causal", [slow(False), slow(True)])
 def test_interpreted_fp8_forward_with_p_in_registers(is_causal):
   """The FP8 forward with P as wgmma's register operand (V's keys
   permuted in its transpose, `mosaic_interpret` giving `fp8_operand`'s
