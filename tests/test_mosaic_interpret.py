@@ -530,7 +530,7 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
     # transposed tiles) and dbias, dS in bf16 from the dbias kernel;
     # bottom-right causal, so that the tiles the plan skips are never
     # written (the interpreter's outputs start as NaN) and must be zeroed.
-    ("bias", 1),
+    slow("bias", 1),
     # A bias per head broadcast over the batch: dS in float32, summed.
     slow("dense mask, bias", 1),
     # No mask: no tile to zero, dS passed on as it is.
@@ -621,8 +621,7 @@ _FP8_MASKED_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("name", [slow(n) if n != "window lengths" else n
-                                  for n in _FP8_MASKED_VARIANTS])
+@pytest.mark.parametrize("name", [slow(n) for n in _FP8_MASKED_VARIANTS])
 def test_interpreted_fp8_forward_with_masks(name):
   """The FP8 forward on the masked kernel's plan rows against float32
   attention on the dequantised inputs with the same masks, within twice

@@ -582,8 +582,7 @@ SM90_SHARED_MEMORY_BYTES = 227 * 1024
 
 
 @pytest.mark.parametrize("head_dim", [
-    pytest.param(d, marks=pytest.mark.slow) for d in (64, 96, 128, 160)]
-                         + [256])
+    pytest.param(d, marks=pytest.mark.slow) for d in (64, 96, 128, 160, 256)])
 def test_every_streamed_operand_at_once_fits_shared_memory(head_dim,
                                                            cuda_lowering):
   """fwd+bwd with everything each masked kernel streams or copies beside
