@@ -7,7 +7,7 @@
 # With no STEP it only installs (the package, and the peers' wheels from
 # .whl/ into /tmp/site, benchmarks/README.md).
 # STEPs: tests tests_shards grid grid_halves masks memory decode models fp8
-#        fp8_registers sequence_parallel flax notebook example
+#        sequence_parallel flax notebook example
 #        mosaic_lowering
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (2-3x slow).
@@ -135,13 +135,6 @@ for step in "$@"; do
         --impls jax_flash_mosaic_fp8 cudnn_fp8 jax_flash_mosaic cudnn --time-budget 110 \
         --out "$OUT/h200_fp8.json" > "$LOGS/fp8_speed.log" 2>&1
       tail -16 "$LOGS/fp8_speed.log" ;;
-    fp8_registers)  # the FP8 forward's P from registers against shared
-                    # memory, with the lazy rescale each way, at 16k
-                    # (`plan.FP8_P_IN_REGISTERS_HEAD_DIMS` is set from it)
-      timeout ${FP8_AB_TIMEOUT:-300} python3 -m benchmarks.tune_mosaic \
-        --kernels forward_fp8_p_registers --seq 16384 --rounds 2 --budget 240 \
-        --out "$OUT/h200_mosaic_fp8_p_registers.json" > "$LOGS/fp8_registers.log" 2>&1
-      tail -16 "$LOGS/fp8_registers.log" ;;
     sequence_parallel)  # on a machine of several GPUs
       NCCL_NVLS_ENABLE=0 XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
         timeout ${SP_TIMEOUT:-540} python3 -m benchmarks.sequence_parallel ${SP_ARGS:-} \

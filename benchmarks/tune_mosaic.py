@@ -133,11 +133,6 @@ def fp8_forward_benchmark(cell: common.Cell, blocks: dict):
 # The FP8 forward's lazy O rescale (`mosaic_forward_fp8(lazy_rescale=)`),
 # as the bf16 kernel's but with P rounded to e4m3 after it.
 FP8_RESCALE_SPACE = dict(lazy_rescale=(False, True))
-# P V's P from registers or through shared memory
-# (`mosaic_forward_fp8(p_in_registers=)`), with the lazy rescale each way:
-# the rescale lost at d=128 with P's round trip, which may be why.
-FP8_P_REGISTERS_SPACE = dict(p_in_registers=(False, True),
-                             lazy_rescale=(False, True))
 
 
 # The masked kernels on a causal sliding window of MASKED_WINDOW keys
@@ -268,9 +263,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                   TURN_COST_CANDIDATES, 2.5, (False, True)),
            "forward_fp8_rescale": (fp8_forward_benchmark,
                                    FP8_RESCALE_SPACE, 1.0, (False, True)),
-           "forward_fp8_p_registers": (fp8_forward_benchmark,
-                                       FP8_P_REGISTERS_SPACE, 1.0,
-                                       (False, True)),
            "score_changes": (score_change_benchmark, SCORE_CHANGE_SPACE,
                              1.0, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,

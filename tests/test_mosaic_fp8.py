@@ -17,7 +17,6 @@ from jax_flash import attention_reference
 from pallas_kernels import compat as versions
 
 try:
-  from pallas_kernels.mosaic import plan
   from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
 except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
@@ -222,20 +221,16 @@ def test_fp8_operand_permutes_p_as_v_keys_are_permuted(block_kv):
   np.testing.assert_allclose(regrouped @ v[keys], p @ v, atol=1e-12)
 
 
-def test_fp8_p_in_registers_lowers_to_a_register_operand(cuda_lowering):
+def test_fp8_forward_takes_p_as_a_register_operand(cuda_lowering):
   """P V takes P from registers (wgmma's `{4 registers}` A operand) at
-  every head dim, causal or not, and from shared memory by default
-  (`plan.FP8_P_IN_REGISTERS_HEAD_DIMS`)."""
+  every head dim, causal or not."""
   register_a = re.compile(r"e4m3\.e4m3 \{[^}]*\}, \{\$\d+,\$\d+,\$\d+,\$\d+\}")
   for head_dim in (64, 128, 256):
     q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
-    text = lambda **kw: jax.jit(lambda q, k, v: quantized_forward(
-        q, k, v, is_causal=head_dim == 128, per_block=True, **kw)).trace(
+    text = jax.jit(lambda q, k, v: quantized_forward(
+        q, k, v, is_causal=head_dim == 128, per_block=True)).trace(
             q, q, q).lower(lowering_platforms=("cuda",)).as_text()
-    assert register_a.search(text(p_in_registers=True)), head_dim
-    assert not register_a.search(text(p_in_registers=False)), head_dim
-    assert text() == text(p_in_registers=head_dim in
-                          plan.FP8_P_IN_REGISTERS_HEAD_DIMS)
+    assert register_a.search(text), head_dim
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -283,24 +278,6 @@ def _assert_within_fp8_rule(e: dict) -> None:
   assert e["fp8_max"] <= 2 * e["naive_fp8_max"] + 1e-3, e
   assert e["fp8_mean"] <= 2 * e["naive_fp8_mean"], e
   assert e["fp8_lse_max"] <= 2 * e["naive_fp8_lse_max"] + 1e-3, e
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fp8_p_in_registers_accuracy_on_gpu(head_dim, is_causal):
-  """P as wgmma's register operand (its columns and V's keys permuted
-  alike): within the FP8 rule, and the same output as P through shared
-  memory up to the order of P V's sum."""
-  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
-    pytest.skip("the FP8 forward needs sm90 (FP8 wgmma)")
-  q, k, v = random_qkv(1024, head_dim, seed=7)
-  _assert_within_fp8_rule(errors(q, k, v, is_causal=is_causal,
-                                 per_block=True, p_in_registers=True))
-  outputs = [quantized_forward(q, k, v, is_causal=is_causal, per_block=True,
-                               p_in_registers=flag)[0].astype(jnp.float32)
-             for flag in (False, True)]
-  np.testing.assert_allclose(*outputs, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -410,9 +410,8 @@ def causal_mask(q_start, step, static):
   return rows + q_start >= cols + step * static.block_kv
 
 
-# FP8 P as wgmma's register operand (`forward_kernel.KernelStatic.
-# fp8_p_in_registers`). In the accumulator's layout (WGMMA) a thread holds,
-# of each 16 columns of its two rows, the pairs 2t, 2t + 1 and 8 + 2t,
+# FP8 P as wgmma's register operand (the FP8 forward's P V). In the
+# accumulator's layout (WGMMA) a thread holds, of each 16 columns of its two rows, the pairs 2t, 2t + 1 and 8 + 2t,
 # 9 + 2t (t = lane % 4, two 8x8 core matrices); the 8-bit operand layout
 # (WGMMA_8BIT) gives it 4t .. 4t + 3 of one 8x16 core matrix, rows alike.
 # Regrouping the registers as they are (the two pairs, one vector of four)

@@ -221,8 +221,6 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
                    transforms=swizzled(head_dim, out_dtype)),
         plgpu.SMEM((consumers, *descale.shape[-2:]), jnp.float32),
         plgpu.Barrier(num_barriers=consumers),        # descale_arrived
-        plgpu.SMEM((consumers, block_q, block_kv), static.dtype,
-                   transforms=swizzled(block_kv, static.dtype)),  # P
     )
     inputs += (descale,)
   lse_len = q_len
@@ -345,7 +343,7 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
     smem_bytes += num_consumers * block_q * block_kv
   if fp8:  # the O buffer, and the descale rows
     smem_bytes += num_consumers * (
-        block_q * head_dim * fp8_out_dtype.itemsize + block_q * block_kv
+        block_q * head_dim * fp8_out_dtype.itemsize
         + 4 * (num_q_blocks + num_kv_blocks + 32))
   check_shared_memory(
       smem_bytes, _FORWARD_SMEM_LIMIT_BYTES,

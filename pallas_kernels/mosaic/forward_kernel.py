@@ -82,14 +82,6 @@ class KernelStatic:
   fp8: bool = False
   out_dtype: jnp.dtype | None = None
   num_q_blocks: int = 0
-  # FP8: P goes to P V as wgmma's register operand (FlashAttention-3's
-  # way) instead of through shared memory. The accumulator's registers
-  # hold P's columns in another order than the 8-bit operand layout
-  # wants; they are regrouped as they are (`common.fp8_operand`), which
-  # permutes P's columns within each 16, and V's keys arrive permuted the
-  # same way (`common.interleave_fp8_keys`, in the XLA transpose V takes
-  # anyway), so P V is unchanged.
-  fp8_p_in_registers: bool = False
   # Masked ("ranged") kernel (`mosaic_forward_masked`): the static mask spec,
   # the softmax scale, and loop ranges read per tile from a plan row (see
   # `masked.plan_rows`) instead of computed from causal geometry.
@@ -211,7 +203,6 @@ class _Fp8Refs(NamedTuple):
   descale_smem: Any    # float32 [n / 32, 32]
   descale_arrived: Any
   o_smem: Any          # [block_q, head_dim] in the output dtype
-  p_smem: Any          # [block_q, block_kv] FP8: P, the LHS of P V
 
 
 class _SegmentRefs(NamedTuple):
@@ -267,7 +258,7 @@ def forward_kernel(*refs, static: KernelStatic):
 
   q, k, v, [descale (FP8)], [plan (ranged)], [q ids, kv ids (segments)],
   [slopes (ALiBi)], [bias], [dense mask], out, lse, the 10 common scratch
-  refs, [FP8's 4], [ranged's 2], [segments' 4], [ALiBi's 2], [bias' 2],
+  refs, [FP8's 3], [ranged's 2], [segments' 4], [ALiBi's 2], [bias' 2],
   [dense mask's 2].
   """
   segmented = static.ranged and static.spec.has_segments
@@ -283,7 +274,7 @@ def forward_kernel(*refs, static: KernelStatic):
    k_consumed, v_consumed, pingpong) = scratch[:10]
   if static.fp8:
     descale_ref = inputs[3]
-    o_smem, descale_smem, descale_arrived, p_smem = scratch[10:14]
+    o_smem, descale_smem, descale_arrived = scratch[10:13]
   batch = lax.axis_index("batch")
   head = lax.axis_index("head")
   wg = lax.axis_index("wg")
@@ -293,7 +284,7 @@ def forward_kernel(*refs, static: KernelStatic):
   tile_start = q_tile * static.tile_rows
   plan = segment_refs = slopes = bias = dense_mask = None
   # The ranged kernel's inputs and scratch follow the FP8 kernel's.
-  ranged_input, ranged_scratch = 3 + static.fp8, 10 + 4 * static.fp8
+  ranged_input, ranged_scratch = 3 + static.fp8, 10 + 3 * static.fp8
   if static.ranged:
     plan_row = batch if static.plan_heads == 1 else (
         batch * static.plan_heads + head)
@@ -324,7 +315,7 @@ def forward_kernel(*refs, static: KernelStatic):
     turns.seed_turns(pingpong, wg, static)
     if static.fp8:
       fp8 = _Fp8Refs(descale_ref.at[batch, head], descale_smem.at[wg],
-                     descale_arrived.at[wg], o_smem.at[wg], p_smem.at[wg])
+                     descale_arrived.at[wg], o_smem.at[wg])
     else:
       fp8 = None
     _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
@@ -680,14 +671,10 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                                            plgpu.Layout.WGMMA.reduce(0)),
           p.shape, static.spec.dropout_rate), p, 0.0)
     p = p.astype(static.dtype)
-    if fp8 is not None and static.fp8_p_in_registers:
+    if fp8 is not None:
+      # P V's 8-bit operand in registers, its columns permuted within each
+      # 16 as V's keys are (`common.fp8_operand`, `interleave_fp8_keys`).
       p = fp8_operand(p)
-    elif fp8 is not None:
-      # Mosaic GPU converts no layout of the accumulator's into the 8-bit
-      # wgmma operand layout: through shared memory.
-      fp8.p_smem[...] = p
-      plgpu.commit_smem()
-      p = fp8.p_smem
     turn.before_values(step, functools.partial(plgpu.barrier_wait,
                                                v_arrived.at[slot]))
 

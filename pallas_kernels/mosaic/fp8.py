@@ -1,7 +1,7 @@
 """`mosaic_forward_fp8`: the Mosaic forward on float8_e4m3fn inputs.
 
 The kernel is the forward's with `static.fp8` set (FP8 wgmma, V transposed,
-P through shared memory or as wgmma's register operand, descale factors
+P as wgmma's register operand, descale factors
 read per block); this module lays out the inputs and descale rows.
 """
 from __future__ import annotations
@@ -26,8 +26,7 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                        q_descale_rows: int | None = None,
                        k_descale_rows: int | None = None,
                        max_concurrent_steps: int = 2,
-                       lazy_rescale: bool | None = None,
-                       p_in_registers: bool | None = None):
+                       lazy_rescale: bool | None = None):
   """FlashAttention-3 forward on float8_e4m3fn inputs (FA3 §3.3).
 
   Q·Kᵀ and P·V run as FP8 wgmma with float32 accumulation; P is rounded to
@@ -63,10 +62,6 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
       P V, then stays below 2**8 = 256, within e4m3's 448, and keeps
       e4m3's relative precision. None: at
       `plan.FP8_LAZY_RESCALE_HEAD_DIMS`.
-    p_in_registers: P V takes P from registers
-      (`forward_kernel.KernelStatic.fp8_p_in_registers`; V's keys are then
-      reordered within each 16 in its transpose), not from shared memory.
-      None: at `plan.FP8_P_IN_REGISTERS_HEAD_DIMS`.
 
   Any q_len: Q is padded with zero rows to the kernel's tile (block_q
   times the consumers) and their outputs dropped; causal masks are top-left
@@ -111,9 +106,7 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                                    fp8_out_dtype=out_dtype, spec=spec)
   if lazy_rescale is None:
     lazy_rescale = query.shape[-1] in plan.FP8_LAZY_RESCALE_HEAD_DIMS
-  if p_in_registers is None:
-    p_in_registers = query.shape[-1] in plan.FP8_P_IN_REGISTERS_HEAD_DIMS
-  static = dataclasses.replace(static, fp8_p_in_registers=p_in_registers,
+  static = dataclasses.replace(static,
                                **forward.rescale_fields(lazy_rescale))
   descale = descale_rows(
       query.shape, key.shape,
@@ -135,8 +128,9 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
         block_mask=block_mask, dense_mask=dense_mask)
     static = dataclasses.replace(static, plan_heads=plan_heads)
     key = masked.pad_rows(key)
-  if p_in_registers:  # in P's column order (fused with the transpose)
-    value_t = common.interleave_fp8_keys(value_t)
+  # In the order of P's columns as the kernel hands P V its register
+  # operand (`common.fp8_operand`), fused with the transpose.
+  value_t = common.interleave_fp8_keys(value_t)
   out, lse = forward.launch(static, query, key, value_t, descale, **ranged)
   return out[:, :q_len], lse[:, :, :q_len]
 

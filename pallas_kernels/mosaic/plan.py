@@ -389,10 +389,3 @@ MASKED_LAZY_RESCALE_HEAD_DIMS = (256,)
 # without a mask and +6.9% / +6.0% causal at 16k; d=128 -5.9% to -10.4%,
 # d=64 -8.2% to -14.6% (h200_mosaic_fp8_rescale*.md).
 FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
-# The FP8 forward's P as wgmma's register operand (`forward_kernel.
-# KernelStatic.fp8_p_in_registers`) instead of through shared memory, at
-# 16k on the H200 (`results/h200_mosaic_fp8_p_registers.md`, each best
-# with the lazy rescale as `FP8_LAZY_RESCALE_HEAD_DIMS` has it): d=64
-# 391 -> 489 TFLOP/s without a mask, 392 -> 399 causal; d=128 657 -> 776,
-# 666 -> 707; d=256 826 -> 947, 818 -> 903.
-FP8_P_IN_REGISTERS_HEAD_DIMS = (64, 128, 256)
