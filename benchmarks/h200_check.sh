@@ -7,8 +7,7 @@
 # With no STEP it only installs (the package, and the peers' wheels from
 # .whl/ into /tmp/site, benchmarks/README.md).
 # STEPs: tests tests_shards grid grid_halves masks memory decode models fp8
-#        sequence_parallel flax notebook example
-#        mosaic_lowering
+#        sequence_parallel flax notebook example mosaic_lowering
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (2-3x slow).
 # On a machine of several GPUs, one invocation per GPU (CUDA_VISIBLE_DEVICES,
