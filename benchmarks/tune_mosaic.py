@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import itertools
 import math
@@ -172,12 +173,56 @@ def masked_backward_benchmark(cell: common.Cell, blocks: dict):
   return fn, (q, k, v, out, lse, d_out)
 
 
+def masked_order_benchmark(cell: common.Cell, blocks: dict):
+  """The masked backward alone on a causal mask, its dQ grid's plan rows
+  heaviest first or in tile order (`blocks["form"]`, `masked_schedule`)."""
+  from jax_flash import masking
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
+  q, k, v, d_out = common.attention_inputs(cell.shape, cell.dtype)
+  scale = cell.head_dim**-0.5
+  spec = masking.MaskSpec(q_len=cell.seq_len, kv_len=cell.seq_len,
+                          is_causal=True)
+  out, lse = jax.jit(lambda q, k, v: mosaic_forward_masked(
+      q, k, v, scale=scale, spec=spec))(q, k, v)
+  fn = jax.jit(lambda *a: mosaic_backward_masked(*a, scale=scale, spec=spec))
+  args = (q, k, v, out, lse, d_out)
+  with masked_schedule(blocks["form"]):
+    return fn.lower(*args).compile(), args
+
+
+MASKED_ORDER_SPACE = dict(form=("masked", "masked_in_order"))
+
+
+@contextlib.contextmanager
+def masked_schedule(form: str):
+  """While a masked forward is traced: its schedule as `form` says.
+  "masked_in_order": plan rows in tile order, not heaviest first
+  (`masked.heaviest_first_order` the identity); "masked_split": the
+  plain form's split rendezvous (`KernelStatic.split_handover`)."""
+  from pallas_kernels.mosaic import forward, masked
+  if form == "masked_in_order":
+    in_order = lambda steps: jnp.broadcast_to(
+        jnp.arange(steps.shape[-1], dtype=jnp.int32), steps.shape)
+    with mock.patch.object(masked, "heaviest_first_order", in_order):
+      yield
+  elif form == "masked_split":
+    launch = forward.launch
+    split = lambda static, *args, **kwargs: launch(
+        dataclasses.replace(static, split_handover=True), *args, **kwargs)
+    with mock.patch.object(forward, "launch", split):
+      yield
+  else:
+    yield
+
+
 def score_change_benchmark(cell: common.Cell, blocks: dict):
   """The causal forward as `blocks["form"]` computes it: the plain kernel,
   the masked kernel on the same causal mask (its plan rows, two
-  consumers, launch order), and the masked kernel with ALiBi, dropout 0.1
-  or a soft cap of 30 (`SCORE_CHANGE_SPACE`), so that a score change's
-  cost splits into the masked kernel's and the term's own."""
+  consumers, tiles heaviest first; or in tile order, or with the split
+  rendezvous: `masked_schedule`), and the masked kernel with ALiBi,
+  dropout 0.1 or a soft cap of 30 (`SCORE_CHANGE_SPACE`), so that a score
+  change's cost splits into the masked kernel's and the term's own."""
   from jax_flash import masking
   from pallas_kernels.mosaic.forward import mosaic_forward
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
@@ -187,7 +232,8 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
     return jax.jit(lambda q, k, v: mosaic_forward(
         q, k, v, scale=scale, is_causal=True)), (q, k, v)
   changes, operands = {
-      "masked": ({}, {}),
+      "masked": ({}, {}), "masked_in_order": ({}, {}),
+      "masked_split": ({}, {}),
       "alibi": (dict(has_alibi=True), dict(alibi_slopes=jnp.broadcast_to(
           2.0 ** -jnp.arange(1.0, cell.num_heads + 1),
           (cell.batch, cell.num_heads)))),
@@ -198,12 +244,14 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
                           is_causal=True, **changes)
   fn = jax.jit(lambda q, k, v, operands: mosaic_forward_masked(
       q, k, v, scale=scale, spec=spec, **operands))
-  return fn, (q, k, v, operands)
+  with masked_schedule(form):
+    return fn.lower(q, k, v, operands).compile(), (q, k, v, operands)
 
 
 # The forms `score_change_benchmark` times: where issue 39's ALiBi (0.62x
 # plain causal's forward on the H100) and dropout (0.52x) lose their time.
-SCORE_CHANGE_SPACE = dict(form=("plain", "masked", "alibi", "dropout",
+SCORE_CHANGE_SPACE = dict(form=("plain", "masked", "masked_in_order",
+                                "masked_split", "alibi", "dropout",
                                 "softcap"))
 
 
@@ -267,6 +315,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                              1.0, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,
                                       MASKED_RESCALE_SPACE, 1.0, (True,)),
+           "masked_backward_order": (masked_order_benchmark,
+                                     MASKED_ORDER_SPACE, 2.5, (True,)),
            "masked_backward_overlap": (masked_backward_benchmark,
                                        MASKED_OVERLAP_SPACE, 2.5, (True,))}
 

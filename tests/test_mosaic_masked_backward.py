@@ -154,19 +154,32 @@ def _kept_tiles(spec, operands: Operands, batch, block_q, block_kv):
           tiles(kept & (q_idx < spec.q_len)).all((2, 4)))
 
 
-def _check_plan(plan, kept_any, kept_all, *, consumers, scalars, exact):
+def _check_plan(plan, kept_any, kept_all, *, consumers, scalars, exact,
+                heaviest_first):
   """What the kernels rely on, for every CTA row of `plan`.
 
   plan: int32 [batch, tiles, PLAN_WIDTH] over the blocks of the grid's axis
-  (the rows of kept_any / kept_all [batch, rows, cols]).
+  (the rows of kept_any / kept_all [batch, rows, cols]); each batch's rows
+  name every tile once (`PLAN_TILE`), by descending union where
+  `heaviest_first`, else in tile order.
   """
   plan = np.asarray(plan)
   batch, num_rows, num_cols = kept_any.shape
-  assert plan.shape == (batch, -(-num_rows // consumers), common.PLAN_WIDTH)
+  num_tiles = -(-num_rows // consumers)
+  assert plan.shape == (batch, num_tiles, common.PLAN_WIDTH)
   union = common.PLAN_UNION
   for b in range(batch):
-    for t in range(plan.shape[1]):
-      row = plan[b, t]
+    tiles = plan[b, :, common.PLAN_TILE]
+    steps = plan[b, :, union + 1] - plan[b, :, union]
+    if heaviest_first:
+      np.testing.assert_array_equal(np.sort(tiles), np.arange(num_tiles))
+      assert (np.diff(steps) <= 0).all(), steps
+      for i in range(num_tiles - 1):  # ties keep tile order
+        assert steps[i] > steps[i + 1] or tiles[i] < tiles[i + 1], plan[b]
+    else:
+      np.testing.assert_array_equal(tiles, np.arange(num_tiles))
+    for t in tiles:
+      row = plan[b][tiles == t][0]
       first, total = row[union], row[union + 1]
       assert 0 <= first <= total <= num_cols, row
       np.testing.assert_array_equal(row[common.PLAN_SCALARS:][:3],
@@ -249,10 +262,10 @@ def test_plans_cover_exactly_the_kept_tiles(name, consumers):
                       per_batch(operands.q_lengths, spec.q_len),
                       per_batch(operands.kv_lengths, spec.kv_len)], -1)
   _check_plan(dq_plan, kept_any, kept_all, consumers=dq_consumers,
-              scalars=scalars, exact=exact)
+              scalars=scalars, exact=exact, heaviest_first=True)
   _check_plan(dkdv_plan, kept_any.transpose(0, 2, 1),
               kept_all.transpose(0, 2, 1), consumers=dkdv_consumers,
-              scalars=scalars, exact=exact)
+              scalars=scalars, exact=exact, heaviest_first=False)
 
 
 def test_padded_statistics_make_padding_rows_empty():
@@ -290,7 +303,8 @@ def _computed_steps(plan, consumers: int):
   steps = []
   scalars = slice(common.PLAN_SCALARS, common.PLAN_SCALARS + 3)
   for b, rows in enumerate(np.asarray(plan)):
-    for t, row in enumerate(rows):
+    for row in rows:
+      t = row[common.PLAN_TILE]
       first, total = row[common.PLAN_UNION:common.PLAN_UNION + 2]
       for c in range(consumers):
         walked = 0

@@ -32,6 +32,8 @@ SHAPES = [(128, 128, 2, 2, 128), (256, 256, 2, 2, 128), (1024, 1024, 2, 2, 128),
           (4096, 4096, 2, 2, 128), (1024, 1024, 2, 2, 64),
           (1024, 1024, 2, 2, 256), (97, 97, 2, 2, 128), (512, 1024, 8, 2, 128)]
 DTYPES = ("float16", "bfloat16", "float32")
+# `--split`'s: issue 38's causal fwd+bwd at 4k, 16 heads.
+SPLIT_SHAPE = (4096, 4096, 16, 16, 128)
 
 
 def probe(shape, dtype: str, *, is_causal: bool, hang_after: float) -> dict:
@@ -69,6 +71,43 @@ def probe(shape, dtype: str, *, is_causal: bool, hang_after: float) -> dict:
   return result
 
 
+def split(shape, *, implementation: str | None) -> dict:
+  """Seconds of each stage of a causal bf16 fwd+VJP's first call at
+  [1, q_len, heads, head_dim] (`shape` as SHAPES'): tracing, lowering
+  (our Python and Mosaic GPU's MLIR passes), XLA's compile (which
+  compiles the Mosaic kernels to cubins, ptxas included) and the first
+  run; `implementation` "cudnn" times `jax.nn.dot_product_attention`'s
+  instead."""
+  q_len, kv_len, heads, kv_heads, head_dim = shape
+  keys = jax.random.split(jax.random.key(0), 4)
+  dtype = jnp.bfloat16
+  q = jax.random.normal(keys[0], (1, q_len, heads, head_dim), dtype)
+  k = jax.random.normal(keys[1], (1, kv_len, kv_heads, head_dim), dtype)
+  v = jax.random.normal(keys[2], (1, kv_len, kv_heads, head_dim), dtype)
+  d_out = jax.random.normal(keys[3], q.shape, dtype)
+  if implementation == "cudnn":
+    attention = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn")
+  else:
+    attention = lambda q, k, v: jax_flash.flash_attention(
+        q, k, v, is_causal=True, implementation=implementation)
+
+  def forward_and_vjp(q, k, v, d_out):
+    out, pullback = jax.vjp(attention, q, k, v)
+    return out, pullback(d_out)
+
+  times, start = {}, time.perf_counter()
+  traced = jax.jit(forward_and_vjp).trace(q, k, v, d_out)
+  times["trace"], start = time.perf_counter() - start, time.perf_counter()
+  lowered = traced.lower()
+  times["lower"], start = time.perf_counter() - start, time.perf_counter()
+  compiled = lowered.compile()
+  times["compile"], start = time.perf_counter() - start, time.perf_counter()
+  jax.block_until_ready(compiled(q, k, v, d_out))
+  times["first run"] = time.perf_counter() - start
+  return times
+
+
 def main(argv=None) -> int:
   compat.filter_known_warnings()
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -76,8 +115,19 @@ def main(argv=None) -> int:
   parser.add_argument("--dtypes", nargs="+", default=list(DTYPES))
   parser.add_argument("--shapes", type=int, default=len(SHAPES),
                       help="probe the first N shapes only")
+  parser.add_argument("--split", nargs="+", metavar="IMPL",
+                      help="instead: the stages of a causal fwd+VJP's first "
+                      "call (`split`) for these implementations in turn "
+                      "(mosaic, triton, cudnn), the first as a new process "
+                      "meets it, at SPLIT_SHAPE")
   args = parser.parse_args(argv)
   print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}", flush=True)
+  if args.split:
+    for impl in args.split:
+      times = split(SPLIT_SHAPE, implementation=impl)
+      print(f"{SPLIT_SHAPE} causal fwd+vjp {impl}: " + "  ".join(
+          f"{k} {v:.2f} s" for k, v in times.items()), flush=True)
+    return 0
   for shape in SHAPES[:args.shapes]:
     for dtype in args.dtypes:
       for is_causal in (False, True):

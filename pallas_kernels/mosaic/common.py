@@ -66,11 +66,13 @@ _LEAN_REGISTERS = (240, 24)
 # The masked kernels' int32 plan row per (batch, tile), built by
 # `masked.tile_plans`: [lo, unmasked_lo, unmasked_hi, hi] of consumer 0 and
 # of consumer 1, the union [first, total) the producer streams, then
-# q_offset, q_length, kv_length and, with dropout, its seed; padded to 32
-# (128 bytes, one copy).
+# q_offset, q_length, kv_length and, with dropout, its seed, then the tile
+# the row is for (the forward and dQ kernels' grid takes the heaviest
+# tiles first, `masked.tile_plans`); padded to 32 (128 bytes, one copy).
 PLAN_WIDTH = 32
 PLAN_UNION, PLAN_SCALARS = 8, 10
 PLAN_DROPOUT_SEED = PLAN_SCALARS + 3
+PLAN_TILE = PLAN_SCALARS + 4
 # ALiBi slopes travel as rows of 32 floats (`slope_rows`).
 SLOPE_ROW_WIDTH = 32
 

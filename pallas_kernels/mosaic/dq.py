@@ -129,10 +129,13 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
   q_ref, k_ref, v_ref, do_ref, stats_ref = inputs[:5]
   (q_smem, do_smem, stats_smem, k_ring, v_ring, q_arrived, do_arrived,
    stats_arrived, k_arrived, v_arrived, consumed) = scratch[:11]
-  tile_start = q_tile * static.q_rows_per_cta
   plan, ids, slopes, bias, dense = ranged_refs(
       static, inputs[5:], scratch[11:], batch=batch, head=head, tile=q_tile,
       own_is_query=True)
+  # Ranged: `q_tile` is the CTA's plan row, whose own tile a consumer reads
+  # (heaviest first, `masked.tile_plans`); the producer needs only its
+  # union.
+  tile_start = None if plan is not None else q_tile * static.q_rows_per_cta
   num_steps = None
   if plan is None:
     # The last consumer's rows come last, so it sees the most K/V tiles.
@@ -141,7 +144,14 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
   arrived = (k_arrived, v_arrived) + ids_arrived(ids)
 
   def _consumer():
-    q_start = tile_start + wg * static.block_q
+    walk = None
+    if plan is not None:
+      if slopes is not None:  # in flight while the plan row loads
+        copy_slopes(slopes, wg)
+      walk = ranged_walk(plan, wg, dropout=static.dropout)
+    start = (tile_start if walk is None
+             else walk.tile * static.q_rows_per_cta)
+    q_start = start + wg * static.block_q
     q_rows = pl.ds(q_start, static.block_q)
     own_q, own_do, own_stats = q_smem.at[wg], do_smem.at[wg], stats_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], own_q,
@@ -161,9 +171,6 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
                   None)
       tile_mask = lambda step, slot: causal_mask(q_start, step, static)
     else:
-      if slopes is not None:  # in flight while the plan row loads
-        copy_slopes(slopes, wg)
-      walk = ranged_walk(plan, wg, dropout=static.dropout)
       if static.spec.reads_batch_and_head:  # mask_fn's, score_fn's b and h
         walk = walk._replace(values=walk.values._replace(batch=batch,
                                                          head=head))

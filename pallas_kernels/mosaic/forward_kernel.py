@@ -45,9 +45,8 @@ import jax.numpy as jnp
 from pallas_kernels import masking
 from pallas_kernels.mosaic import turns
 from pallas_kernels.mosaic.common import (
-    LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_UNION, PlanRow, ScoreTiles,
-    SlopeRows,
-    causal_mask, chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
+    LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_TILE, PLAN_UNION, PlanRow,
+    ScoreTiles, SlopeRows, causal_mask, chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
     dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
     persistent_schedule, read_plan, register_split, slope_reader, tile_index,
     tile_indices, variant_mask)
@@ -279,9 +278,11 @@ def forward_kernel(*refs, static: KernelStatic):
   head = lax.axis_index("head")
   wg = lax.axis_index("wg")
   num_q_tiles = pl.cdiv(q_ref.shape[1], static.tile_rows)
+  # The ranged kernel's CTA reads its tile from its plan row (heaviest
+  # first, `masked.tile_plans`).
   q_tile = tile_index("q_tile", num_q_tiles, reverse=(
       static.is_causal and not static.ranged))
-  tile_start = q_tile * static.tile_rows
+  tile_start = None if static.ranged else q_tile * static.tile_rows
   plan = segment_refs = slopes = bias = dense_mask = None
   # The ranged kernel's inputs and scratch follow the FP8 kernel's.
   ranged_input, ranged_scratch = 3 + static.fp8, 10 + 3 * static.fp8
@@ -498,12 +499,17 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   kernel's prologue), ring slots count on from `tile.base`, and O's store
   is left in flight for the next tile to overlap.
 
-  Ranged kernel: both consumers walk every block of the plan's union (a
-  block outside its own range is a skip: its barriers, no math), so that
-  each barrier's phase advances alike in every thread, and take turns at
-  every step.
+  Ranged kernel: the tile is the plan row's (`tile_start` None), and both
+  consumers walk every block of the plan's union (a block outside its own
+  range is a skip: its barriers, no math), so that each barrier's phase
+  advances alike in every thread, and take turns at every step.
   """
   block_q, block_kv = static.block_q, static.block_kv
+  if plan is not None:
+    if slopes is not None:  # in flight while the plan row loads
+      copy_slopes(slopes, wg)
+    read = read_plan(plan, wg)
+    tile_start = read(PLAN_TILE) * static.tile_rows
   q_start = consumer_rows(tile_start, wg, static)
   q_rows = pl.ds(q_start, block_q)
   if plan is None:
@@ -518,9 +524,6 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     else:
       slot_of = lambda step: lax.rem(tile.base + step, static.num_stages)
   else:
-    if slopes is not None:  # in flight while the plan row loads
-      copy_slopes(slopes, wg)
-    read = read_plan(plan, wg)
     lo, unmasked_lo, unmasked_hi, hi = (read(wg * 4 + i) for i in range(4))
     first, num_steps = read(PLAN_UNION), read(PLAN_UNION + 1)
     values = masking.MaskValues(q_offset=read(PLAN_SCALARS),

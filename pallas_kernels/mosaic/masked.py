@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic import forward, plan
-from pallas_kernels.mosaic.common import PLAN_WIDTH, slope_rows, swizzled
+from pallas_kernels.mosaic.common import (PLAN_TILE, PLAN_WIDTH, slope_rows,
+                                         swizzled)
 
 
 # What the masked kernels cover; the rest stays with the Triton kernels.
@@ -247,12 +248,13 @@ def plan_rows(static: forward.KernelStatic, batch: int, *, q_offset,
 
 def head_plans(states, *, spec: masking.MaskSpec, batch: int,
                num_consumers: int, num_cols: int, q_offset, q_lengths,
-               kv_lengths, dropout_seed=None):
+               kv_lengths, dropout_seed=None, heaviest_first: bool = True):
   """(plans, plan_heads) of tile `states` [B | 1, plan_heads, n_rows,
   n_cols] (`tile_states`, or `unite_heads` of them): `tile_plans` of each
   (batch, head)'s rows, int32 [batch * plan_heads, num_tiles, PLAN_WIDTH],
   row b * plan_heads + h for batch b and head h (plan_heads 1: one row
-  per batch for all heads)."""
+  per batch for all heads), in the grid's order (`heaviest_first`, as
+  `tile_plans`)."""
   plan_heads = states.shape[1]
   if plan_heads == 1:
     ranges = masking.block_ranges(states[:, 0])          # [B|1, n_rows, 4]
@@ -270,7 +272,7 @@ def head_plans(states, *, spec: masking.MaskSpec, batch: int,
                      num_consumers=num_consumers, num_cols=num_cols,
                      q_offset=per_row(q_offset), q_lengths=per_row(q_lengths),
                      kv_lengths=per_row(kv_lengths),
-                     dropout_seed=dropout_seed)
+                     dropout_seed=dropout_seed, heaviest_first=heaviest_first)
   return plans, plan_heads
 
 
@@ -330,7 +332,7 @@ def tile_states(spec: masking.MaskSpec, block_q: int, block_kv: int, *,
 
 def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,
                num_consumers: int, num_cols: int, q_offset, q_lengths,
-               kv_lengths, dropout_seed=None):
+               kv_lengths, dropout_seed=None, heaviest_first: bool = True):
   """int32 [batch, num_tiles, PLAN_WIDTH]: the plan row of each CTA.
 
   A CTA tile is `num_consumers` (1 or 2) consecutive blocks of the grid's
@@ -338,7 +340,14 @@ def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,
   [lo, unmasked_lo, unmasked_hi, hi] of each consumer (zeros for a missing
   second one), the union [first, total) that the producer streams, then
   q_offset, q_length, kv_length and, with dropout, its seed
-  (`common.PLAN_DROPOUT_SEED`); zero-padded to PLAN_WIDTH.
+  (`common.PLAN_DROPOUT_SEED`), then the tile's index (`common.PLAN_TILE`);
+  zero-padded to PLAN_WIDTH.
+
+  The rows of each batch go in the grid's order: with `heaviest_first`
+  (the forward's and dQ's grids) the tiles by descending union
+  (`heaviest_first_order`), each kernel's CTA reading its tile from its
+  row; else in tile order (the dK/dV kernel's, whose K/V tiles under the
+  usual masks already grow lighter along the sequence).
 
   A consumer whose rows attend to nothing (or a block past the end) gets
   the empty range at the union's start, so that it walks the union's steps
@@ -382,5 +391,25 @@ def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,
       union_lo[..., None], union_hi[..., None],
       jnp.broadcast_to(scalars[:, None],
                        (batch, num_tiles, scalars.shape[-1]))], -1)
-  return jnp.pad(row.astype(jnp.int32),
-                 ((0, 0), (0, 0), (0, PLAN_WIDTH - row.shape[-1])))
+  row = jnp.pad(row.astype(jnp.int32),
+                ((0, 0), (0, 0), (0, PLAN_TILE - row.shape[-1])))
+  tiles = jnp.broadcast_to(jnp.arange(num_tiles, dtype=jnp.int32)[:, None],
+                           (batch, num_tiles, 1))
+  row = jnp.concatenate([row, tiles], -1)
+  if heaviest_first:
+    row = jnp.take_along_axis(
+        row, heaviest_first_order(union_hi - union_lo)[..., None], axis=1)
+  return jnp.pad(row, ((0, 0), (0, 0), (0, PLAN_WIDTH - row.shape[-1])))
+
+
+def heaviest_first_order(steps):
+  """int32 [batch, num_tiles]: the tiles by descending `steps` (each
+  tile's K/V or Q blocks, [batch, num_tiles]), ties in tile order.
+
+  Longest-processing-time-first: the kernels' grids launch the heaviest
+  tiles first, so that the GPU ends on a tail of light CTAs rather than of
+  heavy ones, whatever the mask (causal: the last query tiles; bottom-right
+  causal, prefix masks, documents: wherever the plan says); the plain
+  forward's reversed causal order gained 15-30% at 16k (`common.tile_index`).
+  """
+  return jnp.argsort(-steps, axis=-1, stable=True).astype(jnp.int32)

@@ -259,14 +259,17 @@ def _plans(states, consumers: int, *, batch: int, spec, q_offset, q_lengths,
   N | 1, nq, nk] for a kernel of `consumers` consumers: ranges over K/V
   blocks per Q tile (the dQ kernel's, per query head where the states
   differ by head), or, given the dK/dV kernel's `kv_heads`, over Q blocks
-  per K/V tile (per K/V head, united over its group's query heads)."""
+  per K/V tile (per K/V head, united over its group's query heads). The
+  dQ kernel's rows go heaviest first, the dK/dV kernel's in tile order
+  (`masked.tile_plans`)."""
   if kv_heads is not None:
     states = jnp.swapaxes(masked.unite_heads(states, kv_heads), -1, -2)
   return masked.head_plans(states, spec=spec, batch=batch,
                            num_consumers=consumers,
                            num_cols=states.shape[-1], q_offset=q_offset,
                            q_lengths=q_lengths, kv_lengths=kv_lengths,
-                           dropout_seed=dropout_seed)
+                           dropout_seed=dropout_seed,
+                           heaviest_first=kv_heads is None)
 
 
 def plan_rows(spec: masking.MaskSpec, batch: int, *, block_q: int,

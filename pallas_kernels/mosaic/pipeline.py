@@ -37,8 +37,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic.common import (
-    LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_UNION, PLAN_WIDTH, PlanRow,
-    ScoreTiles, SlopeRows, launch_grid, per_column, per_row,
+    LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_TILE, PLAN_UNION, PLAN_WIDTH,
+    PlanRow, ScoreTiles, SlopeRows, launch_grid, per_column, per_row,
     persistent_schedule, read_plan, register_split, swizzled)
 
 # The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
@@ -189,13 +189,15 @@ class Walk(NamedTuple):
   the group in the dK/dV kernel); `runs` are (start, stop, kind) block
   ranges that cover them in order, kind one of SKIP, MASKED, UNMASKED;
   `values` are the ranged kernels' `masking.MaskValues` (None in the plain
-  ones), `dropout_seed` theirs with dropout.
+  ones), `dropout_seed` theirs with dropout, `tile` a ranged consumer's
+  tile (its plan row's `PLAN_TILE`).
   """
   first: Any
   num_blocks: Any
   runs: tuple
   values: Any
   dropout_seed: Any = None
+  tile: Any = None
 
 
 def walk_runs(runs, bodies, carry):
@@ -257,7 +259,7 @@ def ranged_walk(plan: PlanRow, slot, *, consumer: bool = True,
                               q_lengths=read(PLAN_SCALARS + 1),
                               kv_lengths=read(PLAN_SCALARS + 2))
   seed = read(PLAN_DROPOUT_SEED) if dropout else None
-  return Walk(first, total - first, runs, values, seed)
+  return Walk(first, total - first, runs, values, seed, read(PLAN_TILE))
 
 
 def ring_slot(static: BackwardStatic, base=None):
