@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import pytest
@@ -420,6 +421,23 @@ def test_compile_probe_reports_both_steps(capsys):
   assert len(lines) == 3    # the device, then causal False and True
   for line in lines[1:]:
     assert "fwd compile s" in line and "fwd+vjp first run s" in line, line
+
+
+def test_compile_probe_splits_a_first_call(capsys):
+  from benchmarks.diagnostics import compile_probe
+  with mock.patch.object(compile_probe, "SPLIT_SHAPE", (64, 64, 2, 1, 64)):
+    assert compile_probe.main(["--split", "triton"]) == 0
+  line = capsys.readouterr().out.splitlines()[-1]
+  assert "triton:" in line and all(
+      f"{stage} " in line for stage in ("trace", "lower", "compile",
+                                        "first run")), line
+
+
+def test_block_mask_probe_times_each_mask(capsys):
+  from benchmarks.diagnostics import block_mask_probe
+  assert block_mask_probe.main(["--seqs", "256", "--tiles", "16"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 3 and all(" ms" in line for line in lines[1:]), lines
 
 
 def test_masks_benchmark_skips_what_a_backend_lacks(tmp_path):

@@ -4,6 +4,7 @@ Each is a module, run from the repository root as
 `python -m benchmarks.diagnostics.NAME` (its docstring has the arguments):
 
   backward_breakdown  one grid cell's fwd+bwd piece by piece, beside tokamax
+  block_mask_probe    what building a mask_fn's BlockMask costs each call
   compile_probe       compile, first-run and second-run time per shape
   float32_probe       float32 on the Triton path: tiles, dot precision, error
   kernel_profile      a program's GPU kernels by time (the generation loop)
