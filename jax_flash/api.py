@@ -75,9 +75,11 @@ def flash_attention(
     alibi_slopes: float32 [num_heads] or [batch, num_heads]; adds
       -slope * |q_pos - kv_idx| to the logits. Not differentiated.
     mask_fn: (b, h, q_idx, kv_idx) -> bool, jnp ops traced into the kernels.
-      Its block sparsity is computed once per call (for one batch or head
-      where mask_fn ignores `b` or `h`); pass a `BlockMask`
-      (`BlockMask.from_mask_fn`) instead to compute it once for many calls.
+      Its block sparsity is computed once, as the call is traced, and kept
+      in the compiled program (for one batch or head where mask_fn ignores
+      `b` or `h`; up to a 32k square; `BlockMask.for_call`), else on every
+      call; pass a `BlockMask` (`BlockMask.from_mask_fn`) to share one
+      between calls.
       Fully masked tiles are skipped (block-sparse attention).
     score_fn: (score, b, h, q_idx, kv_idx) -> score, elementwise in score,
       traced into the kernels (its derivative by jax.jvp in the backward).
@@ -183,11 +185,12 @@ def triton_setup(call: AttentionCall, dtype, block_sizes, interpret):
 def with_block_mask(call: AttentionCall):
   """`call.operands`, with `mask_fn`'s `masking.BlockMask` built where the
   caller passed the function alone (the kernels skip and unmask tiles by
-  it; forward and backward share it)."""
+  it; forward and backward share it), once as the call is traced where it
+  can be (`BlockMask.for_call`)."""
   operands = call.operands
   if call.spec.mask_fn is not None and operands.block_mask is None:
     shape = call.shape
-    operands = operands._replace(block_mask=masking.BlockMask.from_mask_fn(
+    operands = operands._replace(block_mask=masking.BlockMask.for_call(
         call.spec.mask_fn, batch=shape.batch, num_heads=shape.num_heads,
         q_len=shape.q_len, kv_len=shape.kv_len))
   return operands

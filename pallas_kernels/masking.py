@@ -34,6 +34,7 @@ the `(lo, unmasked_lo, unmasked_hi, hi)` bounds that the kernel loops use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -398,6 +399,9 @@ def block_ranges(states):
 
 # Mask evaluations per step of `BlockMask.from_mask_fn`'s loop.
 _STRIP_EVALUATIONS = 1 << 24
+# `BlockMask.for_call` keeps states up to this many (one byte each: a 32k
+# square at tile 16, for one batch and head) as a constant of the program.
+CONSTANT_BLOCK_MASK_STATES = 1 << 22
 
 
 def arguments_used(mask_fn) -> tuple[bool, bool]:
@@ -499,6 +503,38 @@ class BlockMask:
     states = jnp.moveaxis(states, 0, 2).reshape(nb, nh, strips * per_strip,
                                                 nk)
     return cls(states[:, :, :nq], tile, mask_fn, (q_len, kv_len))
+
+  @classmethod
+  def for_call(cls, mask_fn, *, batch: int, num_heads: int, q_len: int,
+               kv_len: int, tile: int = 16) -> "BlockMask":
+    """The BlockMask a call builds for its `mask_fn`: evaluated once, as
+    the call is traced, and kept as a constant of the program (int8
+    states) where `mask_fn` reads nothing but its arguments (as the
+    kernels need) and the states number at most
+    `CONSTANT_BLOCK_MASK_STATES`; else `from_mask_fn` inside the call,
+    which evaluates `mask_fn` on every (query, key) pair on every call.
+
+    The constant passes through `lax.optimization_barrier`, so that what
+    the kernels derive from it (their tiles' states, the plan rows, a few
+    hundred KiB) XLA computes at run time rather than folds while
+    compiling (seconds for a megabyte of states).
+    """
+    per_batch, per_head = arguments_used(mask_fn)
+    count = ((batch if per_batch else 1) * (num_heads if per_head else 1)
+             * -(-q_len // tile) * -(-kv_len // tile))
+    build = functools.partial(
+        cls.from_mask_fn, mask_fn, batch=batch, num_heads=num_heads,
+        q_len=q_len, kv_len=kv_len, tile=tile, per_batch=per_batch,
+        per_head=per_head)
+    if count > CONSTANT_BLOCK_MASK_STATES:
+      return build()
+    with jax.ensure_compile_time_eval():
+      built = build()
+      if isinstance(built.states, jax.core.Tracer):  # read a traced value
+        return built
+      states = built.states.astype(jnp.int8)
+    return cls(lax.optimization_barrier(states), tile, mask_fn,
+               built.lengths)
 
   def coarsen(self, block_q: int, block_k: int):
     """States for [block_q, block_k] tiles (multiples of `tile`)."""

@@ -181,6 +181,32 @@ def test_block_mask_evaluates_what_mask_fn_reads(mask_fn, used,
   np.testing.assert_array_equal(block_mask.states, want)
 
 
+def test_block_mask_for_a_call_is_built_once_when_traced(monkeypatch):
+  """`BlockMask.for_call` under jit: a mask_fn of its arguments alone is
+  evaluated while tracing, its states a constant (int8) of the program
+  (no loop over strips in it); one that reads a traced value, or states
+  above the cap, are built inside the call; every form's states equal
+  `from_mask_fn`'s."""
+  from pallas_kernels import masking as kernel_masking
+  shape = dict(batch=2, num_heads=3, q_len=100, kv_len=77)
+  want = BlockMask.from_mask_fn(lambda b, h, i, j: i >= j + h, **shape)
+
+  def states(offset):
+    return BlockMask.for_call(lambda b, h, i, j: i >= j + h + offset,
+                              **shape).states
+
+  constant = jax.jit(states, static_argnums=0)
+  program = constant.lower(0).as_text()
+  assert "while" not in program and "xi8>" in program
+  np.testing.assert_array_equal(constant(0), want.states)
+  # A traced offset: evaluated in the call.
+  assert "while" in jax.jit(states).lower(jnp.int32(0)).as_text()
+  np.testing.assert_array_equal(jax.jit(states)(jnp.int32(0)), want.states)
+  monkeypatch.setattr(kernel_masking, "CONSTANT_BLOCK_MASK_STATES", 104)
+  # 3 heads x 7 x 5 states: above the cap.
+  assert "while" in jax.jit(states, static_argnums=0).lower(1).as_text()
+
+
 def test_dense_mask_tiles_are_classified():
   """A dense mask's tiles: EMPTY exactly where it keeps nothing inside the
   sequences, FULL exactly where it keeps every pair of a whole tile, per

@@ -295,9 +295,9 @@ def block_mask_of(spec: masking.MaskSpec, block_mask, q_shape):
   if spec.mask_fn is None or block_mask is not None:
     return block_mask
   batch, _, num_heads, _ = q_shape
-  return masking.BlockMask.from_mask_fn(spec.mask_fn, batch=batch,
-                                        num_heads=num_heads, q_len=spec.q_len,
-                                        kv_len=spec.kv_len)
+  return masking.BlockMask.for_call(spec.mask_fn, batch=batch,
+                                    num_heads=num_heads, q_len=spec.q_len,
+                                    kv_len=spec.kv_len)
 
 
 def tile_states(spec: masking.MaskSpec, block_q: int, block_kv: int, *,
