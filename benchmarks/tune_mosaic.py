@@ -199,20 +199,27 @@ def masked_schedule(form: str):
   """While a masked forward is traced: its schedule as `form` says.
   "masked_in_order": plan rows in tile order, not heaviest first
   (`masked.heaviest_first_order` the identity); "masked_split": the
-  plain form's split rendezvous (`KernelStatic.split_handover`)."""
+  plain form's split rendezvous (`KernelStatic.split_handover`);
+  "masked_fastest": launched tile-fastest (`KernelStatic.tile_fastest`:
+  each head's tiles heaviest first, a head after another, as the plain
+  causal forward); "masked_split_fastest": both."""
   from pallas_kernels.mosaic import forward, masked
   if form == "masked_in_order":
     in_order = lambda steps: jnp.broadcast_to(
         jnp.arange(steps.shape[-1], dtype=jnp.int32), steps.shape)
     with mock.patch.object(masked, "heaviest_first_order", in_order):
       yield
-  elif form == "masked_split":
-    launch = forward.launch
-    split = lambda static, *args, **kwargs: launch(
-        dataclasses.replace(static, split_handover=True), *args, **kwargs)
-    with mock.patch.object(forward, "launch", split):
-      yield
-  else:
+    return
+  fields = {"masked_split": dict(split_handover=True),
+            "masked_fastest": dict(tile_fastest=True),
+            "masked_split_fastest": dict(split_handover=True,
+                                         tile_fastest=True)}.get(form)
+  if fields is None:
+    yield
+    return
+  launch = forward.launch
+  with mock.patch.object(forward, "launch", lambda static, *a, **k: launch(
+      dataclasses.replace(static, **fields), *a, **k)):
     yield
 
 
@@ -232,8 +239,7 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
     return jax.jit(lambda q, k, v: mosaic_forward(
         q, k, v, scale=scale, is_causal=True)), (q, k, v)
   changes, operands = {
-      "masked": ({}, {}), "masked_in_order": ({}, {}),
-      "masked_split": ({}, {}),
+      **{form: ({}, {}) for form in MASKED_FORMS},
       "alibi": (dict(has_alibi=True), dict(alibi_slopes=jnp.broadcast_to(
           2.0 ** -jnp.arange(1.0, cell.num_heads + 1),
           (cell.batch, cell.num_heads)))),
@@ -250,8 +256,9 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
 
 # The forms `score_change_benchmark` times: where issue 39's ALiBi (0.62x
 # plain causal's forward on the H100) and dropout (0.52x) lose their time.
-SCORE_CHANGE_SPACE = dict(form=("plain", "masked", "masked_in_order",
-                                "masked_split", "alibi", "dropout",
+MASKED_FORMS = ("masked", "masked_in_order", "masked_split",
+                "masked_fastest", "masked_split_fastest")
+SCORE_CHANGE_SPACE = dict(form=("plain", *MASKED_FORMS, "alibi", "dropout",
                                 "softcap"))
 
 
