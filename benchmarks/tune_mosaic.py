@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import itertools
 import math
@@ -196,38 +195,24 @@ MASKED_ORDER_SPACE = dict(form=("masked", "masked_in_order"))
 
 @contextlib.contextmanager
 def masked_schedule(form: str):
-  """While a masked forward is traced: its schedule as `form` says.
-  "masked_in_order": plan rows in tile order, not heaviest first
-  (`masked.heaviest_first_order` the identity); "masked_split": the
-  plain form's split rendezvous (`KernelStatic.split_handover`);
-  "masked_fastest": launched tile-fastest (`KernelStatic.tile_fastest`:
-  each head's tiles heaviest first, a head after another, as the plain
-  causal forward); "masked_split_fastest": both."""
-  from pallas_kernels.mosaic import forward, masked
-  if form == "masked_in_order":
-    in_order = lambda steps: jnp.broadcast_to(
-        jnp.arange(steps.shape[-1], dtype=jnp.int32), steps.shape)
-    with mock.patch.object(masked, "heaviest_first_order", in_order):
-      yield
-    return
-  fields = {"masked_split": dict(split_handover=True),
-            "masked_fastest": dict(tile_fastest=True),
-            "masked_split_fastest": dict(split_handover=True,
-                                         tile_fastest=True)}.get(form)
-  if fields is None:
+  """While a masked kernel is traced: its plan rows in tile order, not
+  heaviest first, for `form` "masked_in_order" (`masked.heaviest_first_order`
+  the identity); as planned for any other."""
+  from pallas_kernels.mosaic import masked
+  if form != "masked_in_order":
     yield
     return
-  launch = forward.launch
-  with mock.patch.object(forward, "launch", lambda static, *a, **k: launch(
-      dataclasses.replace(static, **fields), *a, **k)):
+  in_order = lambda steps: jnp.broadcast_to(
+      jnp.arange(steps.shape[-1], dtype=jnp.int32), steps.shape)
+  with mock.patch.object(masked, "heaviest_first_order", in_order):
     yield
 
 
 def score_change_benchmark(cell: common.Cell, blocks: dict):
   """The causal forward as `blocks["form"]` computes it: the plain kernel,
   the masked kernel on the same causal mask (its plan rows, two
-  consumers, tiles heaviest first; or in tile order, or with the split
-  rendezvous: `masked_schedule`), and the masked kernel with ALiBi,
+  consumers, tiles heaviest first; or in tile order: `masked_schedule`),
+  and the masked kernel with ALiBi,
   dropout 0.1 or a soft cap of 30 (`SCORE_CHANGE_SPACE`), so that a score
   change's cost splits into the masked kernel's and the term's own."""
   from jax_flash import masking
@@ -256,8 +241,7 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
 
 # The forms `score_change_benchmark` times: where issue 39's ALiBi (0.62x
 # plain causal's forward on the H100) and dropout (0.52x) lose their time.
-MASKED_FORMS = ("masked", "masked_in_order", "masked_split",
-                "masked_fastest", "masked_split_fastest")
+MASKED_FORMS = ("masked", "masked_in_order")
 SCORE_CHANGE_SPACE = dict(form=("plain", *MASKED_FORMS, "alibi", "dropout",
                                 "softcap"))
 
