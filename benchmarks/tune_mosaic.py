@@ -172,9 +172,12 @@ def masked_backward_benchmark(cell: common.Cell, blocks: dict):
   return fn, (q, k, v, out, lse, d_out)
 
 
-def masked_order_benchmark(cell: common.Cell, blocks: dict):
-  """The masked backward alone on a causal mask, its dQ grid's plan rows
-  heaviest first or in tile order (`blocks["form"]`, `masked_schedule`)."""
+def masked_causal_backward_benchmark(cell: common.Cell, blocks: dict):
+  """The masked backward alone on a causal mask: its dQ grid's plan rows
+  heaviest first or in tile order (`blocks["form"]`, `masked_schedule`),
+  the other entries its options."""
+  blocks = dict(blocks)
+  form = blocks.pop("form", "masked")
   from jax_flash import masking
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
@@ -184,13 +187,20 @@ def masked_order_benchmark(cell: common.Cell, blocks: dict):
                           is_causal=True)
   out, lse = jax.jit(lambda q, k, v: mosaic_forward_masked(
       q, k, v, scale=scale, spec=spec))(q, k, v)
-  fn = jax.jit(lambda *a: mosaic_backward_masked(*a, scale=scale, spec=spec))
+  fn = jax.jit(lambda *a: mosaic_backward_masked(*a, scale=scale, spec=spec,
+                                                **blocks))
   args = (q, k, v, out, lse, d_out)
-  with masked_schedule(blocks["form"]):
+  with masked_schedule(form):
     return fn.lower(*args).compile(), args
 
 
 MASKED_ORDER_SPACE = dict(form=("masked", "masked_in_order"))
+# The plain backward's choices in the masked kernels (causal, d=128 plans
+# all three; off in the masked backward until measured there).
+MASKED_BACKWARD_CANDIDATES = [
+    {}, dict(overlap_softmax=True),
+    dict(overlap_softmax=True, prefetch_lse=True),
+    dict(overlap_softmax=True, prefetch_lse=True, lean_producer=True)]
 
 
 @contextlib.contextmanager
@@ -306,8 +316,11 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                              1.0, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,
                                       MASKED_RESCALE_SPACE, 1.0, (True,)),
-           "masked_backward_order": (masked_order_benchmark,
+           "masked_backward_order": (masked_causal_backward_benchmark,
                                      MASKED_ORDER_SPACE, 2.5, (True,)),
+           "masked_backward_schedule": (masked_causal_backward_benchmark,
+                                        MASKED_BACKWARD_CANDIDATES, 2.5,
+                                        (True,)),
            "masked_backward_overlap": (masked_backward_benchmark,
                                        MASKED_OVERLAP_SPACE, 2.5, (True,))}
 

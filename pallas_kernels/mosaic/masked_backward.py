@@ -52,6 +52,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                            block_kv: int = 64,
                            max_concurrent_steps: int = 2,
                            overlap_softmax: bool = False,
+                           prefetch_lse: bool = False,
+                           lean_producer: bool = False,
                            kv_head_copies: int | None = None):
   """Gradients of `masked.mosaic_forward_masked`'s output for q, k and v.
 
@@ -127,7 +129,9 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   config = BackwardConfig(block_q=block_q, block_kv=block_kv,
                           max_concurrent_steps=max_concurrent_steps,
                           overlap_softmax=overlap_softmax,
-                          lean_producer=False, kv_head_copies=kv_head_copies)
+                          prefetch_lse=prefetch_lse,
+                          lean_producer=lean_producer,
+                          kv_head_copies=kv_head_copies)
   batch, _, num_heads, _ = query.shape
   config = dataclasses.replace(config, kv_head_copies=planned_kv_copies(
       config, batch=batch, num_kv_heads=key.shape[2],
