@@ -51,9 +51,9 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                            block_q: int = 64,
                            block_kv: int = 64,
                            max_concurrent_steps: int = 2,
-                           overlap_softmax: bool = False,
-                           prefetch_lse: bool = False,
-                           lean_producer: bool = False,
+                           overlap_softmax: bool = True,
+                           prefetch_lse: bool = True,
+                           lean_producer: bool = True,
                            kv_head_copies: int | None = None):
   """Gradients of `masked.mosaic_forward_masked`'s output for q, k and v.
 
