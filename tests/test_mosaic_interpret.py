@@ -258,10 +258,12 @@ def _masked_call(q, k, v, variants):
 
 # Masked forward variants whose masks a default one also takes (the
 # bottom-right offset: "alibi", "bias"; the window: lazy rescale's; the
-# soft cap: "alibi soft cap"; the dense mask and the bias: "dense mask,
-# bias").
+# soft cap: lazy rescale's and "dense mask, bias"'; ALiBi: "alibi"; the
+# dense mask and the bias: "dense mask, bias"; lengths: "ragged causal"'s
+# tails; the GPU tests take every variant).
 _SLOW_MASKED = ("bottom-right causal", "causal window", "soft cap",
-                "dense mask", "bias", "bias, no mask")
+                "dense mask", "bias", "bias, no mask", "alibi soft cap",
+                "lengths")
 
 
 @pytest.mark.parametrize("name", [slow(n) if n in _SLOW_MASKED else n
