@@ -91,9 +91,12 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       masked steps, the dK/dV kernel's from its transpose (a copy), and
       classified like the forward's (`masked.tile_states`).
     block_q, block_kv, max_concurrent_steps, overlap_softmax,
-      kv_head_copies: as `plan.BackwardConfig`'s (kv_head_copies None:
-      `plan.planned_kv_copies`' choice). overlap_softmax is off by
-      default: the ranged kernels have not been timed with it.
+      prefetch_lse, lean_producer, kv_head_copies: as
+      `plan.BackwardConfig`'s (kv_head_copies None:
+      `plan.planned_kv_copies`' choice). The defaults are the plain causal
+      backward's: on a causal mask at 16k the three together took the
+      backward from 441 to 469 TFLOP/s at d=128 and from 294 to 302 at
+      d=256 (h200_mosaic_masked_backward_schedule.md).
 
   Returns:
     (dq, dk, dv, dbias): dq, dk, dv shaped and typed like (query, key,
@@ -125,7 +128,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
                      f"got query {query.shape}, key {key.shape}")
   # Launched tile-fastest as the plain kernels: on a causal 1k window +1.5%
   # to +4.6% at seq 4k, less than 1% either way at 16k
-  # (h200_mosaic_masked_order.md). Not yet with lean producers.
+  # (h200_mosaic_masked_order.md); the dQ grid's tiles heaviest first
+  # (`masked.tile_plans`).
   config = BackwardConfig(block_q=block_q, block_kv=block_kv,
                           max_concurrent_steps=max_concurrent_steps,
                           overlap_softmax=overlap_softmax,
