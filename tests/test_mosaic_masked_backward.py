@@ -581,12 +581,12 @@ _SEMANTICS = ["Warpgroup", pytest.param("Lane", marks=pytest.mark.slow)]
                                             ("mask_fn", 64)])
 def test_overlapped_masked_backward_lowers(name, head_dim,
                                            lowering_semantics):
-  """`overlap_softmax` in the ranged kernels: the soft cap's slope, ALiBi,
-  dropout and the masks enter the overlapped step as they do the plain
-  one."""
-  text = _lower(name, head_dim, overlap_softmax=True)
+  """`overlap_softmax` in the ranged kernels (their default): the soft
+  cap's slope, ALiBi, dropout and the masks enter the overlapped step as
+  they do the plain one."""
+  text = _lower(name, head_dim)
   assert _kernels(text) == _expected_kernels(head_dim)
-  assert text != _lower(name, head_dim)
+  assert text != _lower(name, head_dim, overlap_softmax=False)
 
 
 # sm90's dynamic shared memory per block (227 KiB): a kernel that asks for
