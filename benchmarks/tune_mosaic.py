@@ -173,34 +173,52 @@ def masked_backward_benchmark(cell: common.Cell, blocks: dict):
 
 
 def masked_causal_backward_benchmark(cell: common.Cell, blocks: dict):
-  """The masked backward alone on a causal mask: its dQ grid's plan rows
-  heaviest first or in tile order (`blocks["form"]`, `masked_schedule`),
-  the other entries its options."""
+  """The masked backward alone on a causal mask with `blocks["term"]`
+  (`causal_spec`: none, ALiBi, dropout 0.1, a soft cap of 30): its dQ
+  grid's plan rows heaviest first or in tile order (`blocks["form"]`,
+  `masked_schedule`), the other entries its options."""
   blocks = dict(blocks)
   form = blocks.pop("form", "masked")
-  from jax_flash import masking
+  spec, operands = causal_spec(cell, blocks.pop("term", "none"))
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
   q, k, v, d_out = common.attention_inputs(cell.shape, cell.dtype)
   scale = cell.head_dim**-0.5
-  spec = masking.MaskSpec(q_len=cell.seq_len, kv_len=cell.seq_len,
-                          is_causal=True)
-  out, lse = jax.jit(lambda q, k, v: mosaic_forward_masked(
-      q, k, v, scale=scale, spec=spec))(q, k, v)
-  fn = jax.jit(lambda *a: mosaic_backward_masked(*a, scale=scale, spec=spec,
-                                                **blocks))
+  out, lse = jax.jit(lambda q, k, v, operands: mosaic_forward_masked(
+      q, k, v, scale=scale, spec=spec, **operands))(q, k, v, operands)
+  fn = jax.jit(lambda *a, operands: mosaic_backward_masked(
+      *a, scale=scale, spec=spec, **operands, **blocks))
   args = (q, k, v, out, lse, d_out)
   with masked_schedule(form):
-    return fn.lower(*args).compile(), args
+    return functools.partial(fn.lower(*args, operands=operands).compile(),
+                             operands=operands), args
 
 
 MASKED_ORDER_SPACE = dict(form=("masked", "masked_in_order"))
-# The plain backward's choices in the masked kernels (causal, d=128 plans
-# all three; off in the masked backward until measured there).
+# The plain causal backward's choices (the masked backward's defaults),
+# against the masked backward without them, with each score change.
 MASKED_BACKWARD_CANDIDATES = [
-    {}, dict(overlap_softmax=True),
-    dict(overlap_softmax=True, prefetch_lse=True),
-    dict(overlap_softmax=True, prefetch_lse=True, lean_producer=True)]
+    dict(term=term, **options)
+    for term in ("none", "alibi", "dropout", "softcap")
+    for options in ({}, dict(overlap_softmax=False, prefetch_lse=False,
+                             lean_producer=False))]
+
+
+def causal_spec(cell: common.Cell, term: str):
+  """(a causal `MaskSpec` with `term`, the masked kernels' operands of
+  it): "none", "alibi" (slopes 2^-1 .. 2^-heads), "dropout" (0.1), or
+  "softcap" (30)."""
+  from jax_flash import masking
+  changes, operands = {
+      "none": ({}, {}),
+      "alibi": (dict(has_alibi=True), dict(alibi_slopes=jnp.broadcast_to(
+          2.0 ** -jnp.arange(1.0, cell.num_heads + 1),
+          (cell.batch, cell.num_heads)))),
+      "dropout": (dict(dropout_rate=0.1), dict(dropout_seed=jnp.int32(7))),
+      "softcap": (dict(logits_soft_cap=30.0), {}),
+  }[term]
+  return masking.MaskSpec(q_len=cell.seq_len, kv_len=cell.seq_len,
+                          is_causal=True, **changes), operands
 
 
 @contextlib.contextmanager
@@ -225,7 +243,6 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
   and the masked kernel with ALiBi,
   dropout 0.1 or a soft cap of 30 (`SCORE_CHANGE_SPACE`), so that a score
   change's cost splits into the masked kernel's and the term's own."""
-  from jax_flash import masking
   from pallas_kernels.mosaic.forward import mosaic_forward
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
@@ -233,16 +250,8 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
   if form == "plain":
     return jax.jit(lambda q, k, v: mosaic_forward(
         q, k, v, scale=scale, is_causal=True)), (q, k, v)
-  changes, operands = {
-      **{form: ({}, {}) for form in MASKED_FORMS},
-      "alibi": (dict(has_alibi=True), dict(alibi_slopes=jnp.broadcast_to(
-          2.0 ** -jnp.arange(1.0, cell.num_heads + 1),
-          (cell.batch, cell.num_heads)))),
-      "dropout": (dict(dropout_rate=0.1), dict(dropout_seed=jnp.int32(7))),
-      "softcap": (dict(logits_soft_cap=30.0), {}),
-  }[form]
-  spec = masking.MaskSpec(q_len=cell.seq_len, kv_len=cell.seq_len,
-                          is_causal=True, **changes)
+  spec, operands = causal_spec(cell, "none" if form in MASKED_FORMS
+                               else form)
   fn = jax.jit(lambda q, k, v, operands: mosaic_forward_masked(
       q, k, v, scale=scale, spec=spec, **operands))
   with masked_schedule(form):
