@@ -225,8 +225,13 @@ def causal_spec(cell: common.Cell, term: str):
 def masked_schedule(form: str):
   """While a masked kernel is traced: its plan rows in tile order, not
   heaviest first, for `form` "masked_in_order" (`masked.heaviest_first_order`
-  the identity); as planned for any other."""
-  from pallas_kernels.mosaic import masked
+  the identity); causal ALiBi as a column term for "alibi_columns"
+  (`plan.MASKED_ALIBI_COLUMNS`); as planned for any other."""
+  from pallas_kernels.mosaic import masked, plan
+  if form == "alibi_columns":
+    with mock.patch.object(plan, "MASKED_ALIBI_COLUMNS", True):
+      yield
+    return
   if form != "masked_in_order":
     yield
     return
@@ -251,7 +256,7 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
     return jax.jit(lambda q, k, v: mosaic_forward(
         q, k, v, scale=scale, is_causal=True)), (q, k, v)
   spec, operands = causal_spec(cell, "none" if form in MASKED_FORMS
-                               else form)
+                               else form.removesuffix("_columns"))
   fn = jax.jit(lambda q, k, v, operands: mosaic_forward_masked(
       q, k, v, scale=scale, spec=spec, **operands))
   with masked_schedule(form):
@@ -261,8 +266,8 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
 # The forms `score_change_benchmark` times: where issue 39's ALiBi (0.62x
 # plain causal's forward on the H100) and dropout (0.52x) lose their time.
 MASKED_FORMS = ("masked", "masked_in_order")
-SCORE_CHANGE_SPACE = dict(form=("plain", *MASKED_FORMS, "alibi", "dropout",
-                                "softcap"))
+SCORE_CHANGE_SPACE = dict(form=("plain", *MASKED_FORMS, "alibi",
+                                "alibi_columns", "dropout", "softcap"))
 
 
 @contextlib.contextmanager

@@ -507,6 +507,23 @@ def test_interpreted_own_width_masked_forward_matches_reference(head_dim):
   assert_forward_within_rule(q, k, v, out, lse, **variants)
 
 
+def test_interpreted_alibi_columns_match_reference(monkeypatch):
+  """Causal ALiBi as a per-column term with the rows' left in the LSE
+  (`common.alibi_columns`): out and lse as the reference's, GQA 2:1,
+  bottom-right causal in one batch and top-left in the other."""
+  from pallas_kernels.mosaic import plan
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  monkeypatch.setattr(plan, "MASKED_ALIBI_COLUMNS", True)
+  case = Case(2, 200, 260, 2, 1, 64)   # two tiles: rows from 0 to 192
+  variants = dict(is_causal=True, q_offset=jnp.array([60, 0]),
+                  alibi_slopes=jnp.array([[0.5, 0.25], [0.125, 1.0]]))
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
+  scale, spec, operands = _masked_call(q, k, v, variants)
+  out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
+                                  scale=scale, spec=spec, **operands)
+  assert_forward_within_rule(q, k, v, out, lse, **variants)
+
+
 @pytest.mark.parametrize("head_dim, is_causal, options", [
     *(_own_width(d, c, dict(num_ctas=2)) for d, c in OWN_WIDTH_CASES[:3]),
     slow(160, False, dict(shared_rows=True, persistent=False)),

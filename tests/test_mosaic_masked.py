@@ -277,6 +277,25 @@ def test_lazy_rescale_masked_forward_matches_reference_on_gpu(name,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_alibi_columns_match_reference_on_gpu(head_dim, monkeypatch):
+  """Causal ALiBi as a per-column term (`plan.MASKED_ALIBI_COLUMNS`), GQA
+  4:1, bottom-right causal in one batch, ragged lengths."""
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic forward needs sm90")
+  from pallas_kernels.mosaic import plan
+  monkeypatch.setattr(plan, "MASKED_ALIBI_COLUMNS", True)
+  case, variants = _GPU_VARIANTS["alibi"]
+  case = dataclasses.replace(case, head_dim=head_dim)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, 43)
+  call = validation.normalise_call(q, k, v, **variants)
+  operands = masked_operand_kwargs(call.operands)
+  out, lse = jax.jit(lambda q, k, v: mosaic_forward_masked(
+      q, k, v, scale=call.scale, spec=call.spec, **operands))(q, k, v)
+  assert_forward_within_rule(q, k, v, out, lse, **variants)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("name", list(_GPU_VARIANTS))
 def test_masked_kernel_matches_reference_on_gpu(name, dtype, monkeypatch):

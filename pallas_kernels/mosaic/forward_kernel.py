@@ -46,7 +46,8 @@ from pallas_kernels import masking
 from pallas_kernels.mosaic import turns
 from pallas_kernels.mosaic.common import (
     LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_TILE, PLAN_UNION, PlanRow,
-    ScoreTiles, SlopeRows, causal_mask, chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
+    ScoreTiles, SlopeRows, alibi_column_terms, alibi_row_terms, causal_mask,
+    chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
     dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
     persistent_schedule, read_plan, register_split, slope_reader, tile_index,
     tile_indices, variant_mask)
@@ -143,6 +144,11 @@ class KernelStatic:
   # form without a causal mask (where three consumers run from q_len
   # 1024). What is stored is computed as without it: bitwise the same.
   skip_spare: bool = False
+  # Ranged, causal ALiBi without score_fn or soft cap: the term enters as
+  # a per-column vector and the LSE loses a per-row one (`common.
+  # alibi_columns`) instead of |q_pos - kv| per element from two index
+  # tiles. `plan.MASKED_ALIBI_COLUMNS`.
+  alibi_columns: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -640,16 +646,23 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       # Scores change before the masks (DESIGN's order), on every visited
       # tile: scale first (FP8: the true scores, times the Q and K
       # factors), then exp2 takes the bare log2(e).
-      positions = (tile_indices(q_start, step, static)
-                   if static.spec.scores_read_positions else (None, None))
       score_scale = static.scale
       if fp8 is not None:
         score_scale = score_scale * (
             q_factor * _descale(fp8, static.num_q_blocks + step))
-      s = masking.modify_scores(
-          static.spec, s * score_scale, *positions,
-          values if bias_tile is None else values._replace(
-              bias=bias_tile(step).astype(jnp.float32)))
+      if static.alibi_columns:  # `common.alibi_columns`
+        s = s * score_scale + per_column(alibi_column_terms(
+            values.alibi_slope, step * block_kv, q_start, values.q_offset,
+            block_kv), s.shape)
+        if bias_tile is not None:
+          s = s + bias_tile(step).astype(jnp.float32)
+      else:
+        positions = (tile_indices(q_start, step, static)
+                     if static.spec.scores_read_positions else (None, None))
+        s = masking.modify_scores(
+            static.spec, s * score_scale, *positions,
+            values if bias_tile is None else values._replace(
+                bias=bias_tile(step).astype(jnp.float32)))
       scale_log2 = LOG2E
     if masked and plan is None:
       s = jnp.where(causal_mask(q_start, step, static), s, -jnp.inf)
@@ -749,6 +762,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       o_smem, out_dtype = fp8.o_smem, static.out_dtype
     o_smem[...] = acc.astype(out_dtype)
     lse = add_unfused(m * _LN2, jnp.log(l_safe))
+    if static.alibi_columns:  # the rows' terms the columns' left in it
+      lse = lse - alibi_row_terms(values.alibi_slope, block_q)
     lse_smem[...] = jnp.where(empty, -jnp.inf, lse)
     plgpu.commit_smem()
 

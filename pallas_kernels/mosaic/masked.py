@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic import forward, plan
-from pallas_kernels.mosaic.common import (PLAN_TILE, PLAN_WIDTH, slope_rows,
-                                         swizzled)
+from pallas_kernels.mosaic.common import (PLAN_TILE, PLAN_WIDTH,
+                                         alibi_columns, slope_rows, swizzled)
 
 
 # What the masked kernels cover; the rest stays with the Triton kernels.
@@ -111,8 +111,10 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   # tile-fastest (each head's tiles heaviest first, `tile_plans`): on the
   # causal forward at 16k 531 -> 563 TFLOP/s at d=128 (the plain kernel
   # 593), 605 -> 621 at d=256 (638; h200_mosaic_masked_heaviest_first.md).
-  static = dataclasses.replace(static, split_handover=True, tile_fastest=True,
-                               **forward.rescale_fields(lazy_rescale))
+  static = dataclasses.replace(
+      static, split_handover=True, tile_fastest=True,
+      alibi_columns=plan.MASKED_ALIBI_COLUMNS and alibi_columns(spec),
+      **forward.rescale_fields(lazy_rescale))
   block_mask = block_mask_of(spec, block_mask, query.shape)
   rows, plan_heads = plan_rows(static, query.shape[0], q_offset=q_offset,
                                q_lengths=q_lengths, kv_lengths=kv_lengths,
