@@ -507,6 +507,7 @@ def test_interpreted_own_width_masked_forward_matches_reference(head_dim):
   assert_forward_within_rule(q, k, v, out, lse, **variants)
 
 
+@pytest.mark.slow  # the form is off by default (`plan.MASKED_ALIBI_COLUMNS`)
 def test_interpreted_alibi_columns_match_reference(monkeypatch):
   """Causal ALiBi as a per-column term with the rows' left in the LSE
   (`common.alibi_columns`): out and lse as the reference's, GQA 2:1,
