@@ -36,21 +36,30 @@ DTYPES = ("float16", "bfloat16", "float32")
 SPLIT_SHAPE = (4096, 4096, 16, 16, 128)
 
 
-def probe(shape, dtype: str, *, is_causal: bool, hang_after: float) -> dict:
-  """Seconds to compile and to run the forward and the forward+VJP."""
+def _inputs(shape, dtype):
+  """Random (q, k, v, d_out) of batch 1 for `shape` as SHAPES'."""
   q_len, kv_len, heads, kv_heads, head_dim = shape
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (1, q_len, heads, head_dim), dtype)
   k = jax.random.normal(keys[1], (1, kv_len, kv_heads, head_dim), dtype)
   v = jax.random.normal(keys[2], (1, kv_len, kv_heads, head_dim), dtype)
-  d_out = jax.random.normal(keys[3], q.shape, dtype)
-  attention = lambda q, k, v: jax_flash.flash_attention(
-      q, k, v, is_causal=is_causal)
+  return q, k, v, jax.random.normal(keys[3], q.shape, dtype)
 
+
+def _with_vjp(attention):
+  """(q, k, v, d_out) -> (out, (dq, dk, dv)) of `attention`."""
   def forward_and_vjp(q, k, v, d_out):
     out, pullback = jax.vjp(attention, q, k, v)
     return out, pullback(d_out)
+  return forward_and_vjp
 
+
+def probe(shape, dtype: str, *, is_causal: bool, hang_after: float) -> dict:
+  """Seconds to compile and to run the forward and the forward+VJP."""
+  q, k, v, d_out = _inputs(shape, dtype)
+  attention = lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=is_causal)
+  forward_and_vjp = _with_vjp(attention)
   result = {}
   for name, fn, args in (("fwd", attention, (q, k, v)),
                          ("fwd+vjp", forward_and_vjp, (q, k, v, d_out))):
@@ -78,13 +87,7 @@ def split(shape, *, implementation: str | None) -> dict:
   compiles the Mosaic kernels to cubins, ptxas included) and the first
   run; `implementation` "cudnn" times `jax.nn.dot_product_attention`'s
   instead."""
-  q_len, kv_len, heads, kv_heads, head_dim = shape
-  keys = jax.random.split(jax.random.key(0), 4)
-  dtype = jnp.bfloat16
-  q = jax.random.normal(keys[0], (1, q_len, heads, head_dim), dtype)
-  k = jax.random.normal(keys[1], (1, kv_len, kv_heads, head_dim), dtype)
-  v = jax.random.normal(keys[2], (1, kv_len, kv_heads, head_dim), dtype)
-  d_out = jax.random.normal(keys[3], q.shape, dtype)
+  q, k, v, d_out = _inputs(shape, jnp.bfloat16)
   if implementation == "cudnn":
     attention = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn")
@@ -92,12 +95,8 @@ def split(shape, *, implementation: str | None) -> dict:
     attention = lambda q, k, v: jax_flash.flash_attention(
         q, k, v, is_causal=True, implementation=implementation)
 
-  def forward_and_vjp(q, k, v, d_out):
-    out, pullback = jax.vjp(attention, q, k, v)
-    return out, pullback(d_out)
-
   times, start = {}, time.perf_counter()
-  traced = jax.jit(forward_and_vjp).trace(q, k, v, d_out)
+  traced = jax.jit(_with_vjp(attention)).trace(q, k, v, d_out)
   times["trace"], start = time.perf_counter() - start, time.perf_counter()
   lowered = traced.lower()
   times["lower"], start = time.perf_counter() - start, time.perf_counter()
