@@ -222,12 +222,49 @@ def causal_spec(cell: common.Cell, term: str):
 
 
 @contextlib.contextmanager
+def murmur_dropout():
+  """While traced: dropout's bits as they were drawn before the lean hash,
+  murmur3's whole finaliser per element on a mixed row hash (12 SASS
+  instructions an element against 7), for the A/B of the two. Other bits,
+  the same distribution."""
+  from pallas_kernels import masking
+  u32 = lambda x: jnp.asarray(x).astype(jnp.uint32)
+  mix = masking._mix32
+
+  def stream(seed, batch, head):
+    return mix(u32(seed) ^ mix(u32(batch) * jnp.uint32(0x9E3779B1)
+                               + u32(head)))
+
+  def query_hash(stream, q_idx, q_start=0):
+    return mix(u32(q_idx + q_start) * jnp.uint32(0x27D4EB2F) ^ stream)
+
+  def key_hash(kv_idx, kv_start=0):
+    return u32(kv_idx + kv_start) * jnp.uint32(0x165667B1)
+
+  def keep_hashed(query_hash, key_hash, rate):
+    x = mix(query_hash ^ key_hash)
+    return (jax.lax.shift_right_logical(x, jnp.uint32(8)).astype(jnp.int32)
+            >= int(round(rate * (1 << 24))))
+
+  with mock.patch.multiple(masking, dropout_stream=stream,
+                           dropout_query_hash=query_hash,
+                           dropout_key_hash=key_hash,
+                           dropout_keep_hashed=keep_hashed):
+    yield
+
+
+@contextlib.contextmanager
 def masked_schedule(form: str):
   """While a masked kernel is traced: its plan rows in tile order, not
   heaviest first, for `form` "masked_in_order" (`masked.heaviest_first_order`
   the identity); causal ALiBi as a column term for "alibi_columns"
-  (`plan.MASKED_ALIBI_COLUMNS`); as planned for any other."""
+  (`plan.MASKED_ALIBI_COLUMNS`); dropout's hash as it was for
+  "dropout_murmur" (`murmur_dropout`); as planned for any other."""
   from pallas_kernels.mosaic import masked, plan
+  if form == "dropout_murmur":
+    with murmur_dropout():
+      yield
+    return
   if form == "alibi_columns":
     with mock.patch.object(plan, "MASKED_ALIBI_COLUMNS", True):
       yield
@@ -256,7 +293,7 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
     return jax.jit(lambda q, k, v: mosaic_forward(
         q, k, v, scale=scale, is_causal=True)), (q, k, v)
   spec, operands = causal_spec(cell, "none" if form in MASKED_FORMS
-                               else form.removesuffix("_columns"))
+                               else form.split("_")[0])
   fn = jax.jit(lambda q, k, v, operands: mosaic_forward_masked(
       q, k, v, scale=scale, spec=spec, **operands))
   with masked_schedule(form):
@@ -331,6 +368,13 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "alibi_columns": (score_change_benchmark,
                              dict(form=("plain", "alibi", "alibi_columns")),
                              1.0, (True,)),
+           "dropout_hash": (score_change_benchmark,
+                            dict(form=("plain", "dropout", "dropout_murmur")),
+                            1.0, (True,)),
+           "dropout_hash_backward": (
+               masked_causal_backward_benchmark,
+               dict(term=("dropout",), form=("masked", "dropout_murmur")),
+               2.5, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,
                                       MASKED_RESCALE_SPACE, 1.0, (True,)),
            "masked_backward_order": (masked_causal_backward_benchmark,

@@ -232,8 +232,18 @@ def dropout_keep(seed, batch, head, q_idx, kv_idx, rate: float):
   no RNG state is carried. Keeps a weight with probability `1 - rate`.
 
   Composed of the pieces below, which a kernel may evaluate apart (the
-  query's hash once per row, the key's once per column) and combine on a
+  query's half once per row, the key's once per column) and combine on a
   tile: elementwise, so the bits are the same however they broadcast.
+
+  Each weight's bits are murmur3's finaliser of the xor of a query word
+  and a key word, both linear in the position, compared on their top bits.
+  The finaliser's first xor-shift is linear over xor, so it is taken in
+  each half (`_spread`), and its last one moves high bits into the low 16
+  only, which the compare hardly reads, so it is left out: per element an
+  xor, two multiplies around one xor-shift and an unsigned compare, 7 SASS
+  instructions with the select of the weight (the full finaliser per
+  element was 12). `tests/test_dropout_hash.py` checks the mixing's
+  avalanche and the mask's statistics.
   """
   return dropout_keep_hashed(
       dropout_query_hash(dropout_stream(seed, batch, head), q_idx),
@@ -244,28 +254,69 @@ def _u32(v):
   return jnp.asarray(v).astype(jnp.uint32)
 
 
+# Odd multipliers: the position steps of the two halves (xxHash's primes),
+# and murmur3's finaliser's two.
+_QUERY_STEP = 0x27D4EB2F
+_KEY_STEP = 0x165667B1
+_MIX_1 = 0x85EBCA6B
+_MIX_2 = 0xC2B2AE35
+
+
+def _spread(x):
+  """murmur3's first xor-shift, x ^ (x >> 16): linear over xor, so that
+  _spread(a) ^ _spread(b) = _spread(a ^ b) and each half takes its own."""
+  return x ^ lax.shift_right_logical(x, jnp.uint32(16))
+
+
 def dropout_stream(seed, batch, head):
-  """uint32 hash of (seed, batch, head): one stream per attention matrix."""
-  return _mix32(_u32(seed) ^ _mix32(_u32(batch) * jnp.uint32(0x9E3779B1)
-                                    + _u32(head)))
+  """Two uint32 words of (seed, batch, head), one stream per attention
+  matrix: the query word's offset and the word it is xored with.
+
+  Two words so that streams never repeat each other's bits: with the
+  offset alone, two streams whose offsets differ by a multiple of
+  `_QUERY_STEP` would give equal rows, shifted.
+  """
+  offset = _mix32(_u32(seed) ^ _mix32(_u32(batch) * jnp.uint32(0x9E3779B1)
+                                      + _u32(head)))
+  return offset, _mix32(offset ^ jnp.uint32(0x9E3779B9))
 
 
-def dropout_query_hash(stream, q_idx):
-  """uint32 hash of a query row in its stream."""
-  return _mix32(_u32(q_idx) * jnp.uint32(0x27D4EB2F) ^ stream)
+def dropout_query_hash(stream, q_idx, q_start=0):
+  """uint32 query half: `_spread` of ((q_start + q_idx) * step + offset)
+  ^ word. The product is written q_idx * step + (q_start * step + offset),
+  the same modulo 2^32, so that a kernel whose q_idx is an iota keeps
+  q_idx * step and adds one scalar per tile."""
+  offset, word = stream
+  base = _u32(q_start) * jnp.uint32(_QUERY_STEP) + offset
+  return _spread((_u32(q_idx) * jnp.uint32(_QUERY_STEP) + base) ^ word)
 
 
-def dropout_key_hash(kv_idx):
-  """uint32 hash of a key column (the same in every stream)."""
-  return _u32(kv_idx) * jnp.uint32(0x165667B1)
+def dropout_key_hash(kv_idx, kv_start=0):
+  """uint32 key half: `_spread` of (kv_start + kv_idx) * step, the same in
+  every stream (split as in `dropout_query_hash`)."""
+  return _spread(_u32(kv_idx) * jnp.uint32(_KEY_STEP)
+                 + _u32(kv_start) * jnp.uint32(_KEY_STEP))
+
+
+def dropout_threshold(rate: float) -> int:
+  """The uint32 below which a weight is dropped: P(x < t) = rate for x
+  uniform on [0, 2^32)."""
+  return min(int(round(rate * 2.0**32)), 2**32 - 1)
+
+
+def dropout_mix(x):
+  """murmur3's finaliser after its first xor-shift and without its last
+  (see `dropout_keep`): the top bits of the result depend on every bit of
+  x with probability about 1/2 each."""
+  x = x * jnp.uint32(_MIX_1)
+  x = x ^ lax.shift_right_logical(x, jnp.uint32(13))
+  return x * jnp.uint32(_MIX_2)
 
 
 def dropout_keep_hashed(query_hash, key_hash, rate: float):
-  """Whether the (query, key) weight is kept, from the two hashes."""
-  x = _mix32(query_hash ^ key_hash)
-  # Compare the top 24 bits as int32: exact, and no unsigned compare needed.
-  threshold = int(round(rate * (1 << 24)))
-  return lax.shift_right_logical(x, jnp.uint32(8)).astype(jnp.int32) >= threshold
+  """Whether the (query, key) weight is kept, from the two halves."""
+  return dropout_mix(query_hash ^ key_hash) >= jnp.uint32(
+      dropout_threshold(rate))
 
 
 # --- Block classification -----------------------------------------------------

@@ -285,14 +285,14 @@ def dropout_query_hashes(seed, batch, head, q_start, rows: int, layout):
   q_start + i in the stream of (seed, batch, head)."""
   q_idx = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=layout)
   return masking.dropout_query_hash(
-      masking.dropout_stream(seed, batch, head), q_idx + q_start)
+      masking.dropout_stream(seed, batch, head), q_idx, q_start)
 
 
 def dropout_key_hashes(kv_start, cols: int, layout):
   """uint32 [cols] in `layout`: `masking.dropout_key_hash` of keys
   kv_start + j."""
   kv_idx = plgpu.broadcasted_iota(jnp.int32, (cols,), 0, layout=layout)
-  return masking.dropout_key_hash(kv_idx + kv_start)
+  return masking.dropout_key_hash(kv_idx, kv_start)
 
 
 def alibi_columns(spec) -> bool:
