@@ -262,6 +262,31 @@ def calls():
         yield f"masked {name} d{d} fwd", biased, (q, kv, kv, bias)
       yield (f"masked {name} d{d} fwdbwd", with_gradients(biased),
              (q, kv, kv, bias, q))
+  # Sinks in the forward's epilogue (their gradient in XLA): the plain
+  # kernel on the plan's persistent grid (4k) and launch grid (16k, d=128
+  # causal), and the masked one with dropout.
+  for seq, d, causal in ((4096, 64, False), (4096, 128, True),
+                         (4096, 256, True), (16384, 128, True)):
+    x = bf16(16384 // seq, seq, 2048 // d, d)
+    sinks = jax.ShapeDtypeStruct((2048 // d,), jnp.float32)
+    sunk = lambda q, k, v, s, d=d, c=causal: mosaic_attention(
+        q, k, v, scale=d**-0.5, is_causal=c, sinks=s,
+        backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
+    name = f"sinks seq{seq} d{d} causal{int(causal)}"
+    yield f"{name} fwd", sunk, (x, x, x, sinks)
+    yield f"{name} fwdbwd", with_gradients(sunk), (x, x, x, sinks, x)
+  q_len, kv_len, fields, values = MASKED_CASES["dropout causal"]
+  for d in HEAD_DIMS:
+    spec = MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
+    q, kv = bf16(2, q_len, 4, d), bf16(2, kv_len, 2, d)
+    sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
+    sunk = lambda q, k, v, s, d=d, spec=spec: mosaic_attention(
+        q, k, v, scale=d**-0.5, is_causal=True, spec=spec, sinks=s,
+        operands=masked_operands(values),
+        backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
+    yield f"masked sinks dropout causal d{d} fwd", sunk, (q, kv, kv, sinks)
+    yield (f"masked sinks dropout causal d{d} fwdbwd", with_gradients(sunk),
+           (q, kv, kv, sinks, q))
   for name, (batch, seq, heads, d) in OWN_WIDTH_CALLS.items():
     x = bf16(batch, seq, heads, d)
     attend = lambda q, k, v, d=d: mosaic_attention(
@@ -307,6 +332,9 @@ def calls():
 # kernel itself printed apart.
 _BLOB = re.compile(
     r'(module|kernel_hash|ir|serialized_metadata) = "(?:[^"\\]|\\.)*"')
+# A kernel's dump name counts the kernels lowered before it in the process,
+# so it moves when forms are added ahead of it.
+_DUMP_NAME = re.compile(r'mosaic_gpu\.dump_basename = "[^"]*"')
 
 
 def canonical(fn, args) -> str:
@@ -326,7 +354,8 @@ def canonical(fn, args) -> str:
   finally:
     core._run_serde_pass = serialize
   return "\n".join([_BLOB.sub(r'\1 = "<blob>"', text)] + [
-      f"// ---- mosaic kernel {i}\n{kernel}"
+      f"// ---- mosaic kernel {i}\n"
+      + _DUMP_NAME.sub('mosaic_gpu.dump_basename = "<name>"', kernel)
       for i, kernel in enumerate(kernels_seen)])
 
 

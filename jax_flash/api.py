@@ -209,25 +209,27 @@ def check_triton_device(head_dim: int, interpret: bool):
           f"the Triton kernels need an sm80+ GPU or interpret=True (got {cc})")
 
 
-def _kernel_result(call: AttentionCall, out, lse):
+def _kernel_result(call: AttentionCall, out, lse, *,
+                   sinks_applied: bool = False):
   """A kernel's (out, lse [B, N, Tq]) as the API returns them: lse
-  [B, Tq, N], and the sinks (applied outside the kernels) folded in."""
+  [B, Tq, N], and the sinks folded in unless the kernel did."""
   lse = jnp.swapaxes(lse, 1, 2)
-  if call.sinks is not None:
+  if call.sinks is not None and not sinks_applied:
     out, lse = masking.apply_sinks(out, lse, call.sinks)
   return out, lse
 
 
 def _run_mosaic(call: AttentionCall, query, key, value, *, block_sizes,
                 interpret):
-  """The sm90 kernels (sinks applied outside); masks beyond `is_causal`
-  raise NotImplementedError unless the masked kernel is enabled."""
+  """The sm90 kernels (sinks in the forward's epilogue); masks beyond
+  `is_causal` raise NotImplementedError unless the masked kernel is
+  enabled."""
   block_sizes, mosaic, operands = mosaic_setup(call, block_sizes, interpret)
   out, lse = mosaic.mosaic_attention(
       query, key, value, scale=call.scale, is_causal=call.spec.is_causal,
       backward_blocks=block_sizes, spec=call.spec, operands=operands,
-      bias=call.bias)
-  return _kernel_result(call, out, lse)
+      bias=call.bias, sinks=call.sinks)
+  return _kernel_result(call, out, lse, sinks_applied=True)
 
 
 def mosaic_setup(call: AttentionCall, block_sizes, interpret):

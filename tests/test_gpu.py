@@ -1,15 +1,18 @@
 """The attention suites compiled on a GPU at realistic sizes (`pytest -m gpu`)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_flash
+from jax_flash.reference import naive_attention
 from tests.attention_checks import (DISPATCHED_TO_MOSAIC, DISPATCHED_TO_TRITON,
-                                    Case, check_against_reference,
-                                    random_inputs)
+                                    Case, assert_within_rule,
+                                    check_against_reference, random_inputs)
 
 pytestmark = pytest.mark.gpu
 
@@ -109,6 +112,53 @@ def test_variants_on_gpu(name):
                                      implementation="triton", **variants)
   check_against_reference(attention, Case(2, 2048, 2048, 8, 2, 128),
                           jnp.bfloat16, seed=2, **variants)
+
+
+MOSAIC_SINK_CASES = {
+    # The plan's persistent grid at 4k, its launch grid at 16k (d=128
+    # causal), and d=256 without a mask.
+    "persistent 4k": (Case(1, 4096, 4096, 8, 2, 128), dict(is_causal=True)),
+    "launch grid 16k": (Case(1, 16384, 16384, 2, 2, 128),
+                        dict(is_causal=True)),
+    "d256 full": (Case(2, 2048, 2048, 4, 4, 256), {}),
+    # The masked kernel: rows that see no key (a kv length of 0), dropout.
+    "masked": (Case(2, 1000, 1200, 4, 2, 64),
+               dict(is_causal=True, key_value_seq_lengths=jnp.array([0, 1100]),
+                    dropout_rate=0.1, dropout_rng=jax.random.key(5))),
+}
+
+
+@pytest.mark.parametrize("name", list(MOSAIC_SINK_CASES))
+def test_sinks_in_the_mosaic_epilogue_on_gpu(name):
+  """Sinks in the Mosaic forward's epilogue: out, lse, dq, dk, dv and
+  dsinks (`attention.sink_gradient`) against the reference."""
+  case, variants = MOSAIC_SINK_CASES[name]
+  variants = dict(variants, sinks=jnp.linspace(-2.0, 6.0, case.num_heads))
+
+  @jax.jit
+  def attention(q, k, v):
+    return jax_flash.flash_attention(q, k, v, return_residual=True,
+                                     implementation="mosaic", **variants)
+  check_against_reference(attention, case, jnp.bfloat16, seed=3, **variants)
+
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, 3)
+  others = {n: x for n, x in variants.items() if n != "sinks"}
+
+  def sink_gradient(attend, dtype):
+    def loss(sinks):
+      out, lse = attend(q.astype(dtype), k.astype(dtype), v.astype(dtype),
+                        sinks=sinks, **others)
+      return (jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+              + jnp.sum(lse * d_lse))
+    return jax.jit(jax.grad(loss))(variants["sinks"])
+
+  ours = sink_gradient(functools.partial(
+      jax_flash.flash_attention, return_residual=True,
+      implementation="mosaic"), jnp.bfloat16)
+  exact, naive = (sink_gradient(functools.partial(
+      naive_attention, compute_dtype=dtype), dtype)
+                  for dtype in (jnp.float32, jnp.bfloat16))
+  assert_within_rule("dsinks", ours, exact, naive)
 
 
 def test_bias_gradient_on_gpu():

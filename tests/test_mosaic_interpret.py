@@ -507,6 +507,67 @@ def test_interpreted_own_width_masked_forward_matches_reference(head_dim):
   assert_forward_within_rule(q, k, v, out, lse, **variants)
 
 
+# Sinks in the forward's epilogue: strong enough to take about half of a
+# row's weight (a row's LSE is near 5 here), a different one per head.
+_SINKS = jnp.array([5.0, -2.0])
+
+
+@pytest.mark.parametrize("case, options", [
+    # The launch grid, GQA 2:1 (each query head its own sink).
+    (Case(1, 128, 256, 2, 1, 64), dict(persistent=False)),
+    # The persistent grid: two CTAs walk tiles of both heads.
+    (Case(1, 256, 256, 2, 2, 64), dict(num_ctas=2)),
+], ids=str)
+def test_interpreted_forward_sinks(case, options):
+  """`mosaic_forward(sinks=...)`: out and lse as the reference's with the
+  sinks (`masking.apply_sinks`), causal."""
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=3)
+  out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
+                                  scale=case.head_dim**-0.5, is_causal=True,
+                                  sinks=_SINKS, **options)
+  assert_forward_within_rule(q, k, v, out, lse, is_causal=True, sinks=_SINKS)
+
+
+def test_interpreted_masked_forward_sinks():
+  """`mosaic_forward_masked(sinks=...)` with dropout, and rows that see no
+  key (a batch whose kv length is 0): those give out 0 and lse = the
+  sink."""
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  case = Case(2, 100, 150, 2, 1, 64)
+  variants = dict(is_causal=True, q_offset=jnp.array([50, 0]),
+                  key_value_seq_lengths=jnp.array([0, 150]),
+                  dropout_rate=0.2, dropout_rng=jax.random.key(1))
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=4)
+  scale, spec, operands = _masked_call(q, k, v, variants)
+  out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
+                                  scale=scale, spec=spec, sinks=_SINKS,
+                                  **operands)
+  assert not np.any(out[0])
+  np.testing.assert_array_equal(lse[0], np.broadcast_to(
+      np.asarray(_SINKS)[:, None], lse[0].shape))
+  assert_forward_within_rule(q, k, v, out, lse, sinks=_SINKS, **variants)
+
+
+def test_sink_gradient_is_the_references():
+  """`attention.sink_gradient` from the forward's out and lse (sinks in
+  them) and random cotangents of both, against autodiff of the reference,
+  with a row that sees no key."""
+  from pallas_kernels.mosaic.attention import sink_gradient
+  q, k, v, d_out, d_lse = random_inputs(Case(2, 40, 30, 2, 1, 16),
+                                        jnp.float32, seed=6)
+  variants = dict(is_causal=True, key_value_seq_lengths=jnp.array([0, 30]))
+
+  def attention(sinks):
+    return naive_attention(q, k, v, sinks=sinks, compute_dtype=jnp.float32,
+                           **variants)
+  (out, lse), vjp = jax.vjp(attention, _SINKS)
+  want, = vjp((d_out, d_lse))
+  got = sink_gradient(_SINKS, out, jnp.swapaxes(lse, 1, 2), d_out,
+                      jnp.swapaxes(d_lse, 1, 2))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert sink_gradient(None, out, lse, d_out, d_lse) is None
+
+
 @pytest.mark.slow  # the form is off by default (`plan.MASKED_ALIBI_COLUMNS`)
 def test_interpreted_alibi_columns_match_reference(monkeypatch):
   """Causal ALiBi as a per-column term with the rows' left in the LSE

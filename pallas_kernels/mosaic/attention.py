@@ -58,14 +58,17 @@ def backward_tiles(head_dim: int, q_len: int) -> dict:
 def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
                      backward_blocks: BlockSizes,
                      spec: MaskSpec | None = None,
-                     operands: Operands | None = None, bias=None):
+                     operands: Operands | None = None, bias=None,
+                     sinks=None):
   """`flash_attention_mosaic` (or, for masks, the masked kernel) for any
   head dim up to 256.
 
   `spec` and `operands` (`validation.Operands`) describe masks beyond
   `is_causal`, `bias` (None, or [B | 1, N | 1, Tq, Tk]) the spec's bias;
   without `MASKED_KERNEL_ENABLED` they raise NotImplementedError (the
-  caller falls back to the Triton kernels).
+  caller falls back to the Triton kernels). `sinks` (float32 [N] or None,
+  differentiable) join every row's softmax denominator in the forward's
+  epilogue (`masking.apply_sinks` after the fact, the same numbers).
 
   The kernels compute head dims that are multiples of 16 from 64 to 256
   at their own width; another is zero-padded to the next such (72 to 80,
@@ -80,10 +83,10 @@ def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
   if _masked(query, key, is_causal, spec):
     out, lse = flash_attention_mosaic_masked(query, key, value, bias,
                                              operands or Operands(), scale,
-                                             spec, backward_blocks)
+                                             spec, backward_blocks, sinks)
   else:
     out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
-                                      backward_blocks)
+                                      backward_blocks, sinks)
   return out[..., :head_dim], lse
 
 
@@ -107,12 +110,12 @@ def mosaic_attention_backward(query, key, value, out, lse, d_out, d_lse, *,
                                                 d_out)
   residuals, cotangents = (query, key, value, out, lse), (d_out, d_lse)
   if _masked(query, key, is_causal, spec):
-    dq, dk, dv, _, _ = _masked_bwd(scale, spec, backward_blocks,
-                                   (*residuals, None, operands or Operands()),
-                                   cotangents)
+    dq, dk, dv, _, _, _ = _masked_bwd(
+        scale, spec, backward_blocks,
+        (*residuals, None, operands or Operands(), None), cotangents)
   else:
-    dq, dk, dv = _bwd(scale, is_causal, backward_blocks, residuals,
-                      cotangents)
+    dq, dk, dv, _ = _bwd(scale, is_causal, backward_blocks,
+                         (*residuals, None), cotangents)
   return tuple(x[..., :head_dim] for x in (dq, dk, dv))
 
 
@@ -156,27 +159,30 @@ def _tile_aligned(query, key) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def flash_attention_mosaic(query, key, value, scale: float, is_causal: bool,
-                           backward_blocks: BlockSizes):
+                           backward_blocks: BlockSizes, sinks=None):
   """Exact attention on sm90; returns (out [B, Tq, N, D], lse f32 [B, N, Tq]).
 
   `backward_blocks` are the Triton backward's tiles, for the calls the
-  Mosaic backward does not cover.
+  Mosaic backward does not cover. `sinks`: float32 [N] or None, in the
+  forward's epilogue (`mosaic_forward`).
   """
-  return mosaic_forward(query, key, value, scale=scale, is_causal=is_causal)
+  return mosaic_forward(query, key, value, scale=scale, is_causal=is_causal,
+                        sinks=sinks)
 
 
-def _fwd(query, key, value, scale, is_causal, backward_blocks):
+def _fwd(query, key, value, scale, is_causal, backward_blocks, sinks):
   out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
-                                    backward_blocks)
-  return (out, lse), (query, key, value, out, lse)
+                                    backward_blocks, sinks)
+  return (out, lse), (query, key, value, out, lse, sinks)
 
 
 def _bwd(scale, is_causal, backward_blocks, residuals, cotangents):
-  query, key, value, out, lse = residuals
+  query, key, value, out, lse, sinks = residuals
   d_out, d_lse = cotangents
+  d_sinks = sink_gradient(sinks, out, lse, d_out, d_lse)
   try:
-    return mosaic_backward(query, key, value, out, lse, d_out, d_lse,
-                           scale=scale, is_causal=is_causal)
+    return (*mosaic_backward(query, key, value, out, lse, d_out, d_lse,
+                             scale=scale, is_causal=is_causal), d_sinks)
   except NotImplementedError:
     pass  # a call the Mosaic kernels do not cover: the Triton backward
   spec = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
@@ -185,7 +191,26 @@ def _bwd(scale, is_causal, backward_blocks, residuals, cotangents):
     dq, dk, dv, _ = flash_backward(
         query, key, value, out, lse, d_out, d_lse, Operands(), None,
         scale=scale, spec=spec, block_sizes=backward_blocks, interpret=False)
-  return dq, dk, dv
+  return dq, dk, dv, d_sinks
+
+
+def sink_gradient(sinks, out, lse, d_out, d_lse):
+  """d loss / d sinks [N] (None without sinks), from the forward's out
+  [B, Tq, N, D] and lse [B, N, Tq] with the sinks in them.
+
+  A sink is a logit in every row's denominator with nothing in the
+  numerator: its weight p = exp(sink - lse) scales O down (dO/dsink = -p O)
+  and raises the LSE (dlse/dsink = p), so dsink = sum over rows of
+  p (d_lse - rowsum(d_out * out)). The kernels' gradients of q, k and v
+  need nothing more: out and lse already hold the sinks (P = exp(s - lse)
+  is the sink-normalised weight, and rowsum(d_out * out) its delta).
+  """
+  if sinks is None:
+    return None
+  delta = jnp.einsum("bqnd,bqnd->bnq", d_out.astype(jnp.float32),
+                     out.astype(jnp.float32))
+  weight = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+  return jnp.sum(weight * (d_lse - delta), axis=(0, 2)).astype(sinks.dtype)
 
 
 flash_attention_mosaic.defvjp(_fwd, _bwd)
@@ -210,7 +235,7 @@ def masked_operand_kwargs(operands: Operands) -> dict:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def flash_attention_mosaic_masked(query, key, value, bias, operands: Operands,
                                   scale: float, spec: MaskSpec,
-                                  backward_blocks: BlockSizes):
+                                  backward_blocks: BlockSizes, sinks=None):
   """`mosaic_forward_masked`; gradients, dbias among them, by
   `mosaic_backward_masked` while `MASKED_BACKWARD_ENABLED`, else (or where
   it raises NotImplementedError) by the Triton backward for the same
@@ -220,35 +245,39 @@ def flash_attention_mosaic_masked(query, key, value, bias, operands: Operands,
   carries q_offset, q_lengths, kv_lengths (int32 [batch]), the segment
   ids, the ALiBi slopes (float32 [batch, num_heads]), the dropout seed
   (int32 []), mask_fn's BlockMask and the dense mask (the forward's);
-  returns (out [B, Tq, N, D], lse float32 [B, N, Tq]).
+  `sinks` as `flash_attention_mosaic`'s; returns (out [B, Tq, N, D], lse
+  float32 [B, N, Tq]).
   """
   return mosaic_forward_masked(query, key, value, scale=scale, spec=spec,
-                               bias=bias, **masked_operand_kwargs(operands))
+                               bias=bias, sinks=sinks,
+                               **masked_operand_kwargs(operands))
 
 
 def _masked_fwd(query, key, value, bias, operands, scale, spec,
-                backward_blocks):
+                backward_blocks, sinks):
   out, lse = flash_attention_mosaic_masked(query, key, value, bias, operands,
-                                           scale, spec, backward_blocks)
-  return (out, lse), (query, key, value, out, lse, bias, operands)
+                                           scale, spec, backward_blocks,
+                                           sinks)
+  return (out, lse), (query, key, value, out, lse, bias, operands, sinks)
 
 
 def _masked_bwd(scale, spec, backward_blocks, residuals, cotangents):
-  query, key, value, out, lse, bias, operands = residuals
+  query, key, value, out, lse, bias, operands, sinks = residuals
   d_out, d_lse = cotangents
+  d_sinks = sink_gradient(sinks, out, lse, d_out, d_lse)
   if MASKED_BACKWARD_ENABLED:
     try:
       dq, dk, dv, dbias = mosaic_backward_masked(
           query, key, value, out, lse, d_out, d_lse, scale=scale, spec=spec,
           bias=bias, **masked_operand_kwargs(operands))
-      return dq, dk, dv, dbias, None
+      return dq, dk, dv, dbias, None, d_sinks
     except NotImplementedError:
       pass  # a call the masked Mosaic backward does not cover: Triton's
   with compat.quiet_triton_deprecation():
     dq, dk, dv, dbias = flash_backward(
         query, key, value, out, lse, d_out, d_lse, operands, bias,
         scale=scale, spec=spec, block_sizes=backward_blocks, interpret=False)
-  return dq, dk, dv, dbias, None
+  return dq, dk, dv, dbias, None, d_sinks
 
 
 flash_attention_mosaic_masked.defvjp(_masked_fwd, _masked_bwd)

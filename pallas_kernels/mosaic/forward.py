@@ -60,8 +60,8 @@ from pallas_kernels.mosaic import compat, turns
 from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, check_layout, check_shared_memory, check_tiles,
-    launch_grid, own_width_head_dim, persistent_num_ctas, slope_rows_bytes,
-    swizzled)
+    launch_grid, own_width_head_dim, persistent_num_ctas, slope_rows,
+    slope_rows_bytes, swizzled)
 from pallas_kernels.mosaic.forward_kernel import (
     NUM_CONSUMERS, KernelStatic, forward_kernel, persistent_kernel)
 from pallas_kernels.mosaic.plan import ForwardConfig, forward_config
@@ -79,7 +79,7 @@ _MAX_RESCALE_THRESHOLD = 8.0
 
 
 def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
-                   **options):
+                   sinks=None, **options):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -100,6 +100,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                                  1 1 1 1
                                  1 1 1 1
 
+    sinks: float32 [num_heads] or None: a logit per head that joins every
+      row's softmax denominator (as `masking.apply_sinks`), in the kernel's
+      epilogue.
     **options: fields of `plan.ForwardConfig` replacing the plan's choice
       for this call (`plan.forward_config`): tiles, pipeline depth,
       consumers, grid, turns, the row sum's place, the lazy rescale. Every
@@ -109,7 +112,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   Returns:
     out: [batch, q_len, num_heads, head_dim], the dtype of query.
     lse: float32 [batch, num_heads, q_len], natural-log logsumexp of the
-      scaled scores; -inf (and out 0) for a row that attends to nothing.
+      scaled scores (and the sink); -inf (and out 0) for a row that attends
+      to nothing (with sinks: the sink, and out 0).
 
   Raises:
     NotImplementedError: for calls this kernel does not cover yet (dtype,
@@ -126,7 +130,8 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                            is_causal=is_causal, block_q=config.block_q,
                            block_kv=config.block_kv,
                            max_concurrent_steps=config.max_concurrent_steps,
-                           num_consumers=config.num_consumers)
+                           num_consumers=config.num_consumers,
+                           sinks=sinks is not None)
   static = dataclasses.replace(
       static, split_handover=True, tile_fastest=True,
       # Three consumers always take hardware turns (`turns.RingTurns`).
@@ -137,7 +142,15 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   static = dataclasses.replace(static, skip_spare=_skips_spare(static))
   if config.persistent:
     static = persistent_static(static, query.shape, config.num_ctas)
-  return launch(static, query, key, value)
+  return launch(static, query, key, value,
+                sinks=None if sinks is None else sink_rows(sinks))
+
+
+def sink_rows(sinks):
+  """float32 [ceil(heads / 32), 32] of sinks [heads] (`common.slope_rows`'
+  layout: one TMA copy of whole 128-byte rows, head h at [h // 32, h %
+  32])."""
+  return slope_rows(jnp.asarray(sinks, jnp.float32)[None])[0]
 
 
 def rescale_fields(lazy_rescale: bool, *,
@@ -171,12 +184,14 @@ def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
 
 
 def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
-           segments=None, slopes=None, bias=None, dense_mask=None):
+           segments=None, slopes=None, bias=None, dense_mask=None,
+           sinks=None):
   """Builds and calls the kernel; `value` is [B, Hkv, D, T] in FP8; the
   ranged kernel's `slopes` are `common.slope_rows` (`spec.has_alibi`), its
   `bias` [batch | 1, heads | 1, q_len, kv_len] in query's dtype
   (`spec.has_bias`) and `dense_mask` the same in int8, nonzero where a
-  query sees a key (`spec.has_dense_mask`).
+  query sees a key (`spec.has_dense_mask`); `sinks` are `sink_rows`
+  (`static.sinks`).
 
   In the ranged kernel the LSE is returned padded to whole tiles (its rows
   are TMA'd whole, and TMA needs 16-byte strides), for the caller to slice.
@@ -255,6 +270,10 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
                              transforms=swizzled(block_kv, tiles.dtype)),
                   plgpu.Barrier(num_barriers=consumers))
       inputs += (tiles,)
+  if static.sinks:  # last, for every form (the kernels count from the end)
+    scratch += (plgpu.SMEM((consumers, *sinks.shape), jnp.float32),
+                plgpu.Barrier(num_barriers=consumers))  # sinks_arrived
+    inputs += (sinks,)
   out_type = (
       versions.output_struct(query.shape, out_dtype, *inputs),
       # Sequence minor, so that each consumer stores its LSE rows with one
@@ -289,11 +308,13 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
 def check_supported(query, key, value, *, scale, is_causal, block_q,
                     block_kv, max_concurrent_steps,
                     fp8_out_dtype=None, spec=None,
-                    num_consumers: int = NUM_CONSUMERS) -> KernelStatic:
+                    num_consumers: int = NUM_CONSUMERS,
+                    sinks: bool = False) -> KernelStatic:
   """Validates the call; anything this kernel lacks is NotImplementedError.
 
   `fp8_out_dtype` is given for the FP8 kernel (inputs float8_e4m3fn), `spec`
-  for the ranged (masked) one, which takes any lengths.
+  for the ranged (masked) one, which takes any lengths; `sinks` where the
+  epilogue takes them (`KernelStatic.sinks`).
   """
   _, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = check_layout(query, key, value)
@@ -337,6 +358,10 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   num_q_blocks = q_len // block_q
   if spec is not None and spec.has_alibi:
     smem_bytes += num_consumers * slope_rows_bytes(num_heads)
+  if sinks:
+    if fp8:
+      raise NotImplementedError("the FP8 kernel takes no sinks")
+    smem_bytes += num_consumers * slope_rows_bytes(num_heads)
   if spec is not None and spec.has_bias:
     smem_bytes += num_consumers * block_q * block_kv * dtype.itemsize
   if spec is not None and spec.has_dense_mask:  # int8
@@ -356,7 +381,7 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
       is_causal=bool(is_causal), dtype=dtype, fp8=fp8,
       out_dtype=fp8_out_dtype, num_q_blocks=num_q_blocks if fp8 else 0,
       spec=spec, scale=float(scale), num_consumers=num_consumers,
-      q_len=q_len)
+      q_len=q_len, sinks=bool(sinks))
 
 
 def _smem_bytes(block_q, block_kv, num_stages, head_dim, itemsize,

@@ -149,6 +149,12 @@ class KernelStatic:
   # alibi_columns`) instead of |q_pos - kv| per element from two index
   # tiles. `plan.MASKED_ALIBI_COLUMNS`.
   alibi_columns: bool = False
+  # Attention sinks (GPT-OSS): a logit per head that joins every row's
+  # softmax denominator, in the epilogue (`_with_sink`), read from the
+  # kernel's last input (`common.slope_rows` of the sinks [heads]) instead
+  # of an XLA pass over O after the kernel. Not with `alibi_columns` (its
+  # rows' logits are shifted until the LSE) nor FP8.
+  sinks: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -262,17 +268,20 @@ def forward_kernel(*refs, static: KernelStatic):
   order:
 
   q, k, v, [descale (FP8)], [plan (ranged)], [q ids, kv ids (segments)],
-  [slopes (ALiBi)], [bias], [dense mask], out, lse, the 10 common scratch
-  refs, [FP8's 3], [ranged's 2], [segments' 4], [ALiBi's 2], [bias' 2],
-  [dense mask's 2].
+  [slopes (ALiBi)], [bias], [dense mask], [sinks], out, lse, the 10 common
+  scratch refs, [FP8's 3], [ranged's 2], [segments' 4], [ALiBi's 2], [bias'
+  2], [dense mask's 2], [sinks' 2].
   """
   segmented = static.ranged and static.spec.has_segments
   alibi = static.ranged and static.spec.has_alibi
   biased = static.ranged and static.spec.has_bias
   dense = static.ranged and static.spec.has_dense_mask
   num_inputs = (3 + static.fp8 + static.ranged + 2 * segmented + alibi
-                + biased + dense)
+                + biased + dense + static.sinks)
   inputs, scratch = refs[:num_inputs], refs[num_inputs + 2:]
+  sinks = None
+  if static.sinks:  # the last input and the last two scratch refs
+    sinks = SlopeRows(inputs[-1], *scratch[-2:])
   q_ref, k_ref, v_ref = inputs[:3]
   out_ref, lse_ref = refs[num_inputs:num_inputs + 2]
   (q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
@@ -325,12 +334,17 @@ def forward_kernel(*refs, static: KernelStatic):
                      descale_arrived.at[wg], o_smem.at[wg])
     else:
       fp8 = None
+    sink_of = None
+    if sinks is not None:  # in flight until the epilogue waits for it
+      copy_slopes(sinks, wg)
+      sink_of = lambda head: slope_reader(sinks, wg)(head)
     _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
              lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
              k_consumed, v_consumed, turns.turns_of(pingpong, static),
              batch=batch, head=head, wg=wg, tile_start=tile_start,
              static=static, fp8=fp8, plan=plan, segments=segment_refs,
-             slopes=slopes, bias=bias, dense_mask=dense_mask)
+             slopes=slopes, bias=bias, dense_mask=dense_mask,
+             sink_of=sink_of)
 
   @pl.when(wg == static.producer)
   def _producer():
@@ -341,8 +355,7 @@ def forward_kernel(*refs, static: KernelStatic):
              segments=segment_refs)
 
 
-def persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
-                      static: KernelStatic):
+def persistent_kernel(*refs, static: KernelStatic):
   """The plain kernel on a persistent grid of `num_ctas` CTAs.
 
   Each CTA computes its tiles (`persistent_tiles`) one after another. The
@@ -354,7 +367,14 @@ def persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
   so the producer always waits for both. A consumer issues the next tile's
   Q load as soon as its Q is dead, and leaves each O store in flight until
   its buffer is needed again.
+
+  refs: q, k, v, [sinks], out, lse, the 10 common scratch refs, [O and LSE
+  staged apart], [sinks' 2].
   """
+  num_inputs = 3 + static.sinks
+  q_ref, k_ref, v_ref = refs[:3]
+  out_ref, lse_ref = refs[num_inputs:num_inputs + 2]
+  scratch = refs[num_inputs + 2:]
   (q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
    k_consumed, v_consumed, pingpong) = scratch[:10]
   o_smem = q_smem
@@ -379,6 +399,11 @@ def persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
                               q_arrived.at[wg])
 
     load_q(0)
+    sink_of = None
+    if static.sinks:  # every head's, once: a tile reads its own
+      sinks = SlopeRows(refs[3], *scratch[-2:])
+      copy_slopes(sinks, wg)
+      sink_of = slope_reader(sinks, wg)
 
     def tile_body(n, base):
       batch, head, tile_start = tiles.tile_of(n)
@@ -391,7 +416,7 @@ def persistent_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch,
                k_consumed, v_consumed, turns.turns_of(pingpong, static),
                batch=batch,
                head=head, wg=wg, tile_start=tile_start, static=static,
-               fp8=None, plan=None, tile=tile)
+               fp8=None, plan=None, tile=tile, sink_of=sink_of)
       return base + tiles.blocks(tile_start)
 
     lax.fori_loop(0, tiles.count, tile_body, jnp.int32(0))
@@ -498,8 +523,10 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
              fp8: _Fp8Refs | None, plan: PlanRow | None,
              segments: _SegmentRefs | None = None, tile: _Tile | None = None,
              slopes: SlopeRows | None = None, bias: ScoreTiles | None = None,
-             dense_mask: ScoreTiles | None = None):
+             dense_mask: ScoreTiles | None = None, sink_of=None):
   """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile.
+
+  `sink_of` (`static.sinks`): head -> its sink logit, read in the epilogue.
 
   Persistent grid (`tile` given): Q was loaded by the previous tile (or the
   kernel's prologue), ring slots count on from `tile.base`, and O's store
@@ -752,19 +779,26 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
         # the LSE wait only for the previous tile's stores to leave them.
         tile.load_next_q()
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if fp8 is None and plan is not None and static.spec.dropout_rate:
-      acc = acc * per_row((1.0 / (1.0 - static.spec.dropout_rate)) / l_safe,
-                          acc.shape)
-    elif fp8 is None:
-      acc = acc * per_row(1.0 / l_safe, acc.shape)
+    if sink_of is not None:  # neither FP8 nor ALiBi's columns
+      row_scale, lse = _with_sink(m, l, sink_of(head))
+      if plan is not None and static.spec.dropout_rate:
+        row_scale = row_scale * (1.0 / (1.0 - static.spec.dropout_rate))
+      o_smem[...] = (acc * per_row(row_scale, acc.shape)).astype(out_dtype)
+      lse_smem[...] = lse
     else:
-      acc = acc * per_row(v_factor / l_safe, acc.shape)
-      o_smem, out_dtype = fp8.o_smem, static.out_dtype
-    o_smem[...] = acc.astype(out_dtype)
-    lse = add_unfused(m * _LN2, jnp.log(l_safe))
-    if static.alibi_columns:  # the rows' terms the columns' left in it
-      lse = lse - alibi_row_terms(values.alibi_slope, block_q)
-    lse_smem[...] = jnp.where(empty, -jnp.inf, lse)
+      if fp8 is None and plan is not None and static.spec.dropout_rate:
+        acc = acc * per_row(
+            (1.0 / (1.0 - static.spec.dropout_rate)) / l_safe, acc.shape)
+      elif fp8 is None:
+        acc = acc * per_row(1.0 / l_safe, acc.shape)
+      else:
+        acc = acc * per_row(v_factor / l_safe, acc.shape)
+        o_smem, out_dtype = fp8.o_smem, static.out_dtype
+      o_smem[...] = acc.astype(out_dtype)
+      lse = add_unfused(m * _LN2, jnp.log(l_safe))
+      if static.alibi_columns:  # the rows' terms the columns' left in it
+        lse = lse - alibi_row_terms(values.alibi_slope, block_q)
+      lse_smem[...] = jnp.where(empty, -jnp.inf, lse)
     plgpu.commit_smem()
 
     def store():
@@ -818,6 +852,20 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
       plgpu.barrier_wait(v_arrived.at[slot])
       plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
+
+
+def _with_sink(m, l, sink):
+  """(O's row factor, the LSE) of rows whose running max (exp2's units) and
+  sum are m and l [block_q], with `sink` (natural-log units) in each row's
+  denominator, as `masking.apply_sinks` computes after the fact:
+  m' = max(m, sink), l' = l 2^(m - m') + 2^(sink - m'), O scaled by
+  2^(m - m') / l'. A row that saw no key (m = -inf, l = 0) gets O = 0 and
+  the LSE `sink`, with no case of its own."""
+  sink = sink * LOG2E
+  m_total = jnp.maximum(m, sink)
+  alpha = jnp.exp2(m - m_total)
+  l_total = l * alpha + jnp.exp2(sink - m_total)
+  return alpha / l_total, add_unfused(m_total * _LN2, jnp.log(l_total))
 
 
 def _descale(fp8: _Fp8Refs, i):

@@ -30,7 +30,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                           q_lengths=None, kv_lengths=None, q_segments=None,
                           kv_segments=None, alibi_slopes=None,
                           dropout_seed=None, block_mask=None, bias=None,
-                          dense_mask=None, block_q: int = 64,
+                          dense_mask=None, sinks=None, block_q: int = 64,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2,
                           lazy_rescale: bool | None = None):
@@ -73,6 +73,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       are dropped by `masking.dropout_keep` (the Triton kernels' and the
       reference's bits) after the row sum, so that the LSE is dropout's
       (every weight counts in it), and O is scaled by 1 / (1 - rate).
+    sinks: float32 [num_heads] or None: as `forward.mosaic_forward`'s.
     lazy_rescale: O rescaled only where a row's max moved by more than 8
       (log2 units, see `forward.KernelStatic`); the results change by
       rounding only. None: at `plan.MASKED_LAZY_RESCALE_HEAD_DIMS` (by
@@ -83,8 +84,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     [batch, num_heads, q_len]), as `forward.mosaic_forward`.
 
   Raises:
-    NotImplementedError: for features outside `_RANGED_FEATURES`
-      (sinks), a bias of another dtype than query's, a bias or dense mask
+    NotImplementedError: for features outside `_RANGED_FEATURES`,
+      a bias of another dtype than query's, a bias or dense mask
       broadcast along q_len or kv_len, a `block_mask` whose tile does not
       divide the kernel's, and what `forward.mosaic_forward` refuses.
   """
@@ -103,7 +104,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                                    is_causal=spec.is_causal, block_q=block_q,
                                    block_kv=block_kv,
                                    max_concurrent_steps=max_concurrent_steps,
-                                   spec=spec)
+                                   spec=spec, sinks=sinks is not None)
   if lazy_rescale is None:
     lazy_rescale = (plan.plan_head_dim(query.shape[-1])
                     in plan.MASKED_LAZY_RESCALE_HEAD_DIMS)
@@ -113,7 +114,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   # 593), 605 -> 621 at d=256 (638; h200_mosaic_masked_heaviest_first.md).
   static = dataclasses.replace(
       static, split_handover=True, tile_fastest=True,
-      alibi_columns=plan.MASKED_ALIBI_COLUMNS and alibi_columns(spec),
+      alibi_columns=(plan.MASKED_ALIBI_COLUMNS and alibi_columns(spec)
+                     and sinks is None),
       **forward.rescale_fields(lazy_rescale))
   block_mask = block_mask_of(spec, block_mask, query.shape)
   rows, plan_heads = plan_rows(static, query.shape[0], q_offset=q_offset,
@@ -135,7 +137,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     dense_mask = pad_tiles(dense_mask.astype(jnp.int8), static.block_kv)
   out, lse = forward.launch(static, query, key, value, plan=rows,
                             segments=segments, slopes=slopes, bias=bias,
-                            dense_mask=dense_mask)
+                            dense_mask=dense_mask,
+                            sinks=None if sinks is None
+                            else forward.sink_rows(sinks))
   return out[:, :q_len], lse[..., :q_len]
 
 
