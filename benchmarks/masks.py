@@ -95,6 +95,8 @@ def variants(seq: int, num_heads: int) -> dict[str, Variant]:
       "causal + dropout 0.1": Variant(
           dict(causal, dropout_rate=0.1, dropout_rng=jax.random.key(0)),
           "causal"),
+      "causal + sinks": Variant(
+          dict(causal, sinks=jnp.linspace(-1.0, 1.0, num_heads)), "causal"),
       "dense bias (cuDNN)": Variant(dict(bias=bias), None, peer="cudnn"),
       "dense bias": Variant(dict(bias=bias), "dense bias (cuDNN)"),
       "dense bias + dbias (cuDNN)": Variant(dict(bias=bias), None,
