@@ -33,7 +33,7 @@ from pallas_kernels.masking import MaskSpec
 from pallas_kernels.masking import Operands
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
-from pallas_kernels.mosaic.backward import mosaic_backward
+from pallas_kernels.mosaic.backward import mosaic_backward, row_statistics
 from pallas_kernels.mosaic.common import HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS
 from pallas_kernels.mosaic.forward import mosaic_forward
 from pallas_kernels.mosaic.plan import backward_config, default_block_kv
@@ -204,13 +204,15 @@ def sink_gradient(sinks, out, lse, d_out, d_lse):
   p (d_lse - rowsum(d_out * out)). The kernels' gradients of q, k and v
   need nothing more: out and lse already hold the sinks (P = exp(s - lse)
   is the sink-normalised weight, and rowsum(d_out * out) its delta).
+  rowsum(d_out * out) - d_lse is the backward's own row statistic
+  (`backward.row_statistics`, the same call on the same operands as the
+  backward kernels').
   """
   if sinks is None:
     return None
-  delta = jnp.einsum("bqnd,bqnd->bnq", d_out.astype(jnp.float32),
-                     out.astype(jnp.float32))
+  delta = row_statistics(out, lse, d_out, d_lse)[:, :, 1]  # minus d_lse
   weight = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
-  return jnp.sum(weight * (d_lse - delta), axis=(0, 2)).astype(sinks.dtype)
+  return -jnp.sum(weight * delta, axis=(0, 2)).astype(sinks.dtype)
 
 
 flash_attention_mosaic.defvjp(_fwd, _bwd)
