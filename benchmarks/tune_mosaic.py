@@ -258,15 +258,18 @@ def masked_schedule(form: str):
   """While a masked kernel is traced: its plan rows in tile order, not
   heaviest first, for `form` "masked_in_order" (`masked.heaviest_first_order`
   the identity); causal ALiBi as a column term for "alibi_columns"
-  (`plan.MASKED_ALIBI_COLUMNS`); dropout's hash as it was for
+  (`plan.MASKED_ALIBI_COLUMNS`); the soft cap without a running max for
+  "softcap_max_free" (`plan.MASKED_MAX_FREE`); dropout's hash as it was for
   "dropout_murmur" (`murmur_dropout`); as planned for any other."""
   from pallas_kernels.mosaic import masked, plan
   if form == "dropout_murmur":
     with murmur_dropout():
       yield
     return
-  if form == "alibi_columns":
-    with mock.patch.object(plan, "MASKED_ALIBI_COLUMNS", True):
+  if form in ("alibi_columns", "softcap_max_free"):
+    choice = ("MASKED_ALIBI_COLUMNS" if form == "alibi_columns"
+              else "MASKED_MAX_FREE")
+    with mock.patch.object(plan, choice, True):
       yield
     return
   if form != "masked_in_order":
@@ -368,6 +371,9 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "alibi_columns": (score_change_benchmark,
                              dict(form=("plain", "alibi", "alibi_columns")),
                              1.0, (True,)),
+           "max_free": (score_change_benchmark,
+                        dict(form=("plain", "softcap", "softcap_max_free")),
+                        1.0, (True,)),
            "dropout_hash": (score_change_benchmark,
                             dict(form=("plain", "dropout", "dropout_murmur")),
                             1.0, (True,)),

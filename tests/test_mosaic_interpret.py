@@ -507,6 +507,40 @@ def test_interpreted_own_width_masked_forward_matches_reference(head_dim):
   assert_forward_within_rule(q, k, v, out, lse, **variants)
 
 
+@pytest.mark.parametrize("name, variants", [
+    # Not causal, a ragged K/V tail; Q times 8 so that logits reach the cap.
+    ("cap 20", dict(logits_soft_cap=20.0)),
+    # Bottom-right causal with the largest cap it takes, ALiBi before the
+    # cap, sinks, and rows that see no key (kv length 0).
+    ("cap 60 alibi sinks", dict(
+        is_causal=True, q_offset=jnp.array([70, 0]), logits_soft_cap=60.0,
+        alibi_slopes=jnp.array([0.5, 0.25]),
+        key_value_seq_lengths=jnp.array([170, 0]),
+        sinks=jnp.array([3.0, -1.0]))),
+])
+def test_interpreted_max_free_forward(monkeypatch, name, variants):
+  """The masked forward without a running max under a soft cap
+  (`KernelStatic.max_free`): out and lse as the reference's; the online
+  softmax's `exponentiate` is never called."""
+  from pallas_kernels.mosaic import forward_kernel, plan
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+
+  def no_running_max(*args, **kwargs):
+    raise AssertionError("the max-free forward took a running max")
+  monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
+  monkeypatch.setattr(forward_kernel, "exponentiate", no_running_max)
+  case = Case(2, 97, 170, 2, 1, 64)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=8)
+  q = q * 8
+  variants = dict(variants)
+  sinks = variants.pop("sinks", None)
+  scale, spec, operands = _masked_call(q, k, v, variants)
+  out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
+                                  scale=scale, spec=spec, sinks=sinks,
+                                  **operands)
+  assert_forward_within_rule(q, k, v, out, lse, sinks=sinks, **variants)
+
+
 # Sinks in the forward's epilogue: strong enough to take about half of a
 # row's weight (a row's LSE is near 5 here), a different one per head.
 _SINKS = jnp.array([5.0, -2.0])

@@ -296,6 +296,33 @@ def test_alibi_columns_match_reference_on_gpu(head_dim, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype, cap", [(jnp.bfloat16, 50.0),
+                                        (jnp.float16, 10.0)])
+def test_max_free_forward_matches_reference_on_gpu(head_dim, dtype, cap,
+                                                   monkeypatch):
+  """The masked forward without a running max (`plan.MASKED_MAX_FREE`)
+  under Gemma's soft cap (bfloat16) and float16's largest it takes, a
+  causal window over ragged lengths, Q times 4 so that logits reach the
+  cap."""
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic forward needs sm90")
+  from pallas_kernels.mosaic import plan
+  monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
+  case = Case(2, 1500, 1500, 8, 4, head_dim)
+  variants = dict(is_causal=True, local_window_size=(700, 0),
+                  logits_soft_cap=cap,
+                  key_value_seq_lengths=jnp.array([1500, 900]))
+  q, k, v, _, _ = random_inputs(case, dtype, 44)
+  q = q * 4
+  call = validation.normalise_call(q, k, v, **variants)
+  operands = masked_operand_kwargs(call.operands)
+  out, lse = jax.jit(lambda q, k, v: mosaic_forward_masked(
+      q, k, v, scale=call.scale, spec=call.spec, **operands))(q, k, v)
+  assert_forward_within_rule(q, k, v, out, lse, **variants)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("name", list(_GPU_VARIANTS))
 def test_masked_kernel_matches_reference_on_gpu(name, dtype, monkeypatch):

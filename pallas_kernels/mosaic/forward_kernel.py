@@ -155,6 +155,11 @@ class KernelStatic:
   # of an XLA pass over O after the kernel. Not with `alibi_columns` (its
   # rows' logits are shifted until the LSE) nor FP8.
   sinks: bool = False
+  # Ranged, a soft cap that bounds every logit (`masked.max_free`): P =
+  # 2^(s log2 e) cannot overflow, so there is no running max (m stays 0)
+  # and nothing to rescale: no row max per step, no alpha, O and l only
+  # accumulate. `plan.MASKED_MAX_FREE`.
+  max_free: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -625,8 +630,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       ranged=plan is not None)
 
   row_layout = plgpu.Layout.WGMMA.reduce(1)
-  m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
-                        row_layout)
+  m = plgpu.layout_cast(jnp.full((block_q,), 0.0 if static.max_free
+                                 else -jnp.inf, jnp.float32), row_layout)
   l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
   acc = plgpu.layout_cast(jnp.zeros((block_q, static.head_dim), jnp.float32),
                           plgpu.Layout.WGMMA)
@@ -700,12 +705,16 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       # and K factors, folded into exp2's scale
       k_factor = _descale(fp8, static.num_q_blocks + step)
       scale_log2 = scale_log2 * (q_factor * k_factor)
-    m_new, alpha, p = exponentiate(s, m, scale_log2,
-                                   threshold=static.rescale_threshold)
-    acc = rescale(acc, alpha, skip_ones=static.rescale_threshold is not None)
+    if static.max_free:  # |s| <= the cap: no max to subtract
+      m_new, alpha, p = m, None, jnp.exp2(s * scale_log2)
+    else:
+      m_new, alpha, p = exponentiate(s, m, scale_log2,
+                                     threshold=static.rescale_threshold)
+      acc = rescale(acc, alpha,
+                    skip_ones=static.rescale_threshold is not None)
     p_f32 = p
     if not static.sum_after_pv:
-      l = l * alpha + p.sum(axis=1)
+      l = _row_sum(l, alpha, p)
     if plan is not None and static.spec.dropout_rate:
       # The row sum (so the LSE) takes every weight; only P V sees dropout,
       # its 1 / (1 - rate) applied to O at the end.
@@ -727,7 +736,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
         v_tile = v_tile.transpose((1, 0))
       plgpu.wgmma(o_ref, p, v_tile)
       if l_ref is not None:  # `sum_after_pv`: while P V_j runs
-        l_ref[...] = l_ref[...] * alpha + p_f32.sum(axis=1)
+        l_ref[...] = _row_sum(l_ref[...], alpha, p_f32)
       # Wait for K_{j+1} while P V_j runs on the tensor cores.
       wait_next_k(step)
 
@@ -852,6 +861,12 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
       plgpu.barrier_wait(v_arrived.at[slot])
       plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
+
+
+def _row_sum(l, alpha, p):
+  """The running row sum l [block_q] after tile p: rescaled by alpha, or
+  without a running max (alpha None) only added to."""
+  return (l if alpha is None else l * alpha) + p.sum(axis=1)
 
 
 def _with_sink(m, l, sink):

@@ -116,6 +116,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       static, split_handover=True, tile_fastest=True,
       alibi_columns=(plan.MASKED_ALIBI_COLUMNS and alibi_columns(spec)
                      and sinks is None),
+      max_free=plan.MASKED_MAX_FREE and max_free(spec, query.dtype),
       **forward.rescale_fields(lazy_rescale))
   block_mask = block_mask_of(spec, block_mask, query.shape)
   rows, plan_heads = plan_rows(static, query.shape[0], q_offset=q_offset,
@@ -141,6 +142,17 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                             sinks=None if sinks is None
                             else forward.sink_rows(sinks))
   return out[:, :q_len], lse[..., :q_len]
+
+
+def max_free(spec: masking.MaskSpec, dtype) -> bool:
+  """Whether every logit is bounded tightly enough for the forward to skip
+  its running max (`KernelStatic.max_free`): the soft cap is the last
+  change to the scores (`masking.modify_scores`), so |s| <= cap wherever a
+  key is kept, and P = e^s stays in range for caps up to
+  `plan.MAX_FREE_SOFT_CAPS` of P's dtype."""
+  cap = spec.logits_soft_cap
+  return cap is not None and cap <= plan.MAX_FREE_SOFT_CAPS.get(
+      jnp.dtype(dtype).name, 0.0)
 
 
 def check_slopes(spec: masking.MaskSpec, alibi_slopes, q_shape):

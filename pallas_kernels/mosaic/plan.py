@@ -392,5 +392,14 @@ FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
 # The masked forward adds causal ALiBi as a per-column term (`common.
 # alibi_columns`, `KernelStatic.alibi_columns`): checked in the interpreter
 # and lowered under both JAX versions, not yet timed on the H200 (`tune_mosaic
-# --kernels score_changes`: "alibi" against "alibi_tiles"); off until then.
+# --kernels alibi_columns`: "alibi_columns" against "alibi"); off until then.
 MASKED_ALIBI_COLUMNS = False
+# The masked forward without a running max where a soft cap bounds every
+# logit (`KernelStatic.max_free`; tokamax's sm90 forward does the same):
+# checked in the interpreter and lowered under both JAX versions, not yet
+# timed on the H200 (`tune_mosaic --kernels max_free`); off until then.
+MASKED_MAX_FREE = False
+# The largest soft cap it takes, by P's dtype: e^cap below float16's
+# largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
+# float32's (3.4e38 = e^88.7).
+MAX_FREE_SOFT_CAPS = {"bfloat16": 60.0, "float16": 10.0}
