@@ -683,6 +683,42 @@ def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
     assert_within_rule(grad, ours, exact[grad], lowp[grad])
 
 
+@pytest.mark.slow  # the form is off by default (`plan.MASKED_ALIBI_COLUMNS`)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_interpreted_alibi_columns_backward(monkeypatch, with_bias):
+  """The masked backward with causal ALiBi as a term per key and one per
+  query (`BackwardStatic.alibi_columns`): dq, dk, dv (and dbias) as the
+  reference's, GQA 2:1, bottom-right causal in one batch, two 128-row
+  tiles; `masking.modify_scores` patched to fail inside the kernels, so
+  no index tile is taken."""
+  from pallas_kernels import masking as kernel_masking
+  from pallas_kernels.mosaic import backward, plan
+  from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
+  case = Case(2, 200, 260, 2, 1, 64)
+  variants = dict(is_causal=True, q_offset=jnp.array([60, 0]),
+                  alibi_slopes=jnp.array([[0.5, 0.25], [0.125, 1.0]]))
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=12)
+  if with_bias:
+    variants["bias"] = jax.random.normal(jax.random.key(2),
+                                         (2, 2, 200, 260), jnp.bfloat16)
+  exact, lowp = _references(q, k, v, d_out, d_lse, **variants)
+  args = (exact["out"].astype(q.dtype), jnp.swapaxes(exact["lse"], 1, 2),
+          d_out, jnp.swapaxes(d_lse, 1, 2))
+  scale, spec, operands = _masked_call(q, k, v, variants)
+
+  def no_index_tiles(*args, **kwargs):
+    raise AssertionError("the column form took ALiBi per score")
+  monkeypatch.setattr(plan, "MASKED_ALIBI_COLUMNS", True)
+  monkeypatch.setattr(kernel_masking, "modify_scores", no_index_tiles)
+  stats = backward.row_statistics(*args)
+  monkeypatch.setattr(backward, "row_statistics", lambda *given: stats)
+  grads = mosaic_interpret.run(mosaic_backward_masked, q, k, v, *args,
+                               scale=scale, spec=spec, **operands)
+  names = ("dq", "dk", "dv") + (("dbias",) if with_bias else ())
+  for grad, ours in zip(names, grads):
+    assert_within_rule(grad, ours, exact[grad], lowp[grad])
+
+
 @pytest.mark.parametrize("is_causal", [slow(False), slow(True)])
 def test_interpreted_fp8_forward_matches_reference(is_causal):
   """The FP8 forward (P as wgmma's register operand, V's keys permuted in

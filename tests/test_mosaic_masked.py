@@ -98,6 +98,23 @@ def test_lazy_rescale_masked_forward_lowers(head_dim, cuda_lowering):
   assert text() == (lazy if head_dim == 256 else plain)
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_max_free_forward_lowers(head_dim, cuda_lowering, monkeypatch):
+  """The soft cap without a running max (`plan.MASKED_MAX_FREE`, off by
+  default): it lowers, and the flag reaches the kernel."""
+  from pallas_kernels.mosaic import plan
+
+  def text():
+    forward, case = _masked_forward("soft cap", head_dim)
+    q = jax.ShapeDtypeStruct((2, case.q_len, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, case.kv_len, 2, head_dim), jnp.bfloat16)
+    return jax.jit(forward).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+  stable = text()
+  monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
+  assert text() != stable
+
+
 def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,
                                                      monkeypatch):
   """Head dim 96 (at its own width), ragged lengths, window and lengths,

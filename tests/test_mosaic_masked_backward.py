@@ -589,6 +589,19 @@ def test_overlapped_masked_backward_lowers(name, head_dim,
   assert text != _lower(name, head_dim, overlap_softmax=False)
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_alibi_columns_backward_lowers(head_dim, cuda_lowering, monkeypatch):
+  """Causal ALiBi as a term per key and one per query
+  (`plan.MASKED_ALIBI_COLUMNS`, off by default) in both backward kernels:
+  they lower, and the flag reaches them."""
+  from pallas_kernels.mosaic import plan
+  tiles = _lower("alibi", head_dim)
+  monkeypatch.setattr(plan, "MASKED_ALIBI_COLUMNS", True)
+  columns = _lower("alibi", head_dim)
+  assert _kernels(columns) == _expected_kernels(head_dim)
+  assert columns != tiles
+
+
 # sm90's dynamic shared memory per block (227 KiB): a kernel that asks for
 # more fails to launch, where the kernels' own count (`check_shared_memory`)
 # should have sent the call to the Triton kernels instead.
@@ -850,6 +863,23 @@ def test_masked_backward_matches_reference_on_gpu(name, dtype, monkeypatch):
   attention = _masked_attention(**variants)
   _assert_uses_masked_backward(attention, case, dtype)
   check_against_reference(attention, case, dtype, seed=7, **variants)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_alibi_columns_fwd_bwd_match_reference_on_gpu(head_dim, monkeypatch):
+  """Causal ALiBi as a term per key and one per query in the masked
+  forward and both backward kernels (`plan.MASKED_ALIBI_COLUMNS`): out,
+  lse, dq, dk, dv, GQA 4:1, bottom-right causal."""
+  _require_sm90()
+  from pallas_kernels.mosaic import plan
+  monkeypatch.setattr(plan, "MASKED_ALIBI_COLUMNS", True)
+  case, variants = _GPU_VARIANTS["alibi"]
+  case = Case(case.batch, case.q_len, case.kv_len, case.num_heads,
+              case.num_kv_heads, head_dim)
+  attention = _masked_attention(**variants)
+  _assert_uses_masked_backward(attention, case, jnp.bfloat16)
+  check_against_reference(attention, case, jnp.bfloat16, seed=9, **variants)
 
 
 @pytest.mark.gpu

@@ -296,31 +296,33 @@ def dropout_key_hashes(kv_start, cols: int, layout):
 
 
 def alibi_columns(spec) -> bool:
-  """Whether ALiBi may enter a forward tile as a per-column term: under
-  causal masking every kept key sits at or before its query's position,
-  so -slope * |q_pos - kv| = slope * (kv - q0 - q_offset) - slope * (q_idx
-  - q0) for any row q0: a term per key plus one per row, which shifts the
-  row's softmax by a constant (P unchanged) and its LSE by that constant
-  (`alibi_column_terms`, `alibi_row_terms`). Only where nothing after it
-  bends the logits (no score_fn, no soft cap)."""
+  """Whether ALiBi may enter a tile as a term per key and one per query:
+  under causal masking every kept key sits at or before its query's
+  position, so -slope * |q_pos - kv| = slope * (kv - q0 - q_offset) -
+  slope * (q_idx - q0) for any row q0 (`alibi_column_terms`,
+  `alibi_row_terms`). The query's term shifts its row's softmax by a
+  constant: the forward leaves it out of P and takes it off the LSE at
+  the end, the backward adds it to the row's LSE once. Only where nothing
+  after it bends the logits (no score_fn, no soft cap)."""
   return (spec is not None and spec.has_alibi and spec.is_causal
           and spec.scores_shift_only)
 
 
-def alibi_column_terms(slope, kv_start, q_start, q_offset, cols: int):
-  """float32 [cols] in the layout of a tile's columns: slope * (kv - q_start
-  - q_offset) of keys kv_start + j, for the rows from q_start."""
-  kv_idx = plgpu.broadcasted_iota(jnp.int32, (cols,), 0,
-                                  layout=plgpu.Layout.WGMMA.reduce(0))
+def alibi_column_terms(slope, kv_start, q_start, q_offset, cols: int,
+                       layout=plgpu.Layout.WGMMA.reduce(0)):
+  """float32 [cols] in `layout` (an S tile's columns; an Sᵀ tile's rows
+  take `Layout.WGMMA.reduce(1)`): slope * (kv - q_start - q_offset) of
+  keys kv_start + j, for the queries from q_start."""
+  kv_idx = plgpu.broadcasted_iota(jnp.int32, (cols,), 0, layout=layout)
   return slope * (kv_idx + (kv_start - q_start - q_offset)).astype(
       jnp.float32)
 
 
-def alibi_row_terms(slope, rows: int):
-  """float32 [rows] in the layout of a tile's rows: slope * (q_idx -
-  q_start), what `alibi_column_terms` leave in each row's LSE."""
-  q_idx = plgpu.broadcasted_iota(jnp.int32, (rows,), 0,
-                                 layout=plgpu.Layout.WGMMA.reduce(1))
+def alibi_row_terms(slope, rows: int, layout=plgpu.Layout.WGMMA.reduce(1)):
+  """float32 [rows] in `layout` (an S tile's rows; an Sᵀ tile's columns
+  take `Layout.WGMMA.reduce(0)`): slope * (q_idx - q_start) of queries
+  q_start + i, what `alibi_column_terms` leave in each query's LSE."""
+  q_idx = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=layout)
   return slope * q_idx.astype(jnp.float32)
 
 

@@ -32,8 +32,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    THREADS_PER_WARPGROUP, ScoreTiles, chained_tiles, copy_slopes,
-    dropout_key_hashes,
+    THREADS_PER_WARPGROUP, ScoreTiles, alibi_column_terms, alibi_row_terms,
+    chained_tiles, copy_slopes, dropout_key_hashes,
     dropout_kept, dropout_query_hashes, masked_steps, per_column,
     slope_reader, swizzled)
 from pallas_kernels.mosaic.fused_dq import (
@@ -204,7 +204,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                               v_arrived.at[wg])
       plgpu.barrier_wait(v_arrived.at[wg])
     plgpu.barrier_wait(k_arrived.at[wg])
-    q_of = head_values = positions = kept_of = bias_of = None
+    q_of = head_values = positions = alibi_terms = kept_of = bias_of = None
     if plan is None:
       if fused is None:
         walk = Walk(first, per_head,
@@ -236,6 +236,13 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
           values = values._replace(dense_mask=dense_tile(i, g) != 0)
         return variant_mask_t(kv_start, i, static, values)
       positions = functools.partial(tile_indices_t, kv_start, static=static)
+      if static.alibi_columns:  # Sᵀ: queries across, keys down
+        alibi_terms = lambda q_block: lambda slope: (
+            alibi_row_terms(slope, static.block_q,
+                            layout=plgpu.Layout.WGMMA.reduce(0)),
+            alibi_column_terms(slope, kv_start, q_block * static.block_q,
+                               walk.values.q_offset, static.block_kv,
+                               layout=plgpu.Layout.WGMMA.reduce(1)))
       if slopes is not None or static.spec.reads_batch_and_head:
         head_values = functools.partial(
             _head_values, walk.values, batch=batch, kv_head=kv_head,
@@ -267,7 +274,8 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                             tile_mask=tile_mask, static=static, base=base,
                             fused=fused, wg=wg, q_of=q_of, resident=resident,
                             head_values=head_values, positions=positions,
-                            kept_of=kept_of, bias_of=bias_of)
+                            alibi_terms=alibi_terms, kept_of=kept_of,
+                            bias_of=bias_of)
     if fused is not None:
       # The other consumers' last dQ pieces read this one's K rows: every
       # consumer is past them before any overwrites its K with dK (a race
@@ -455,7 +463,8 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
                   consumed, *, walk: Walk, tile_mask, static: BackwardStatic,
                   base=None, fused: FusedDq | None = None, wg=None,
                   q_of=None, resident=None, head_values=None,
-                  positions=None, kept_of=None, bias_of=None):
+                  positions=None, alibi_terms=None, kept_of=None,
+                  bias_of=None):
   """Consumer: dK, dV (f32, unscaled dK) of its `block_kv` K/V rows.
 
   Walks the producer's steps: for each query head of the group, Q tiles
@@ -470,6 +479,8 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
   that offsets them. Ranged: `head_values(g)` (ALiBi, `mask_fn`,
   `score_fn`) the `masking.MaskValues` of query head g of the group (else
   `walk.values`), `positions(q_block)` the Sᵀ tile's (q_idx, kv_idx),
+  `alibi_terms(q_block)` (`static.alibi_columns`) its ALiBi terms'
+  function (`pipeline.tile_probabilities`),
   `kept_of(q_block, g)` dropout's kept weights of the Sᵀ tile of query
   head g, or None, `bias_of(q_block, g)` its bias tile (each computed
   step's, in order), or None.
@@ -505,8 +516,10 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       if bias_of is not None:
         values = values._replace(
             bias=bias_of(q_block, group_index).astype(jnp.float32))
-      p_t, slope = tile_probabilities(s_t, lse, per_column, values, static,
-                                      positions=lambda: positions(q_block))
+      p_t, slope = tile_probabilities(
+          s_t, lse, per_column, values, static,
+          positions=lambda: positions(q_block),
+          alibi_terms=None if alibi_terms is None else alibi_terms(q_block))
       if masked:
         p_t = jnp.where(tile_mask(q_block, slot, values, group_index), p_t,
                         0.0)

@@ -26,7 +26,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    causal_mask, chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
+    alibi_column_terms, alibi_row_terms, causal_mask, chained_tiles,
+    copy_slopes, dropout_key_hashes, dropout_kept,
     dropout_query_hashes, masked_steps, per_row, slope_reader, swizzled,
     tile_index, tile_indices, variant_mask)
 from pallas_kernels.mosaic.pipeline import (
@@ -165,7 +166,7 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     lse_log2 = plgpu.layout_cast(own_stats[0], row_layout)
     delta = plgpu.layout_cast(own_stats[1], row_layout)
-    kept_of = bias_of = write_ds = None
+    kept_of = bias_of = write_ds = alibi_terms = None
     if plan is None:
       walk = Walk(0, num_steps, _dq_causal_runs(q_start, num_steps, static),
                   None)
@@ -177,6 +178,11 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
       if slopes is not None:  # this head's, for every tile it visits
         walk = walk._replace(values=walk.values._replace(
             alibi_slope=slope_reader(slopes, wg)(head)))
+      if static.alibi_columns:  # this tile's queries and step's keys
+        alibi_terms = lambda step: lambda slope: (
+            alibi_row_terms(slope, static.block_q),
+            alibi_column_terms(slope, step * static.block_kv, q_start,
+                               walk.values.q_offset, static.block_kv))
       if static.dropout:  # the rows' half of the hash, once
         query_hashes = dropout_query_hashes(
             walk.dropout_seed, batch, head, q_start, static.block_q,
@@ -219,7 +225,8 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
                      consumed, walk=walk, tile_mask=tile_mask, static=static,
                      base=base, positions=functools.partial(
                          tile_indices, q_start, static=static),
-                     kept_of=kept_of, bias_of=bias_of, write_ds=write_ds)
+                     alibi_terms=alibi_terms, kept_of=kept_of,
+                     bias_of=bias_of, write_ds=write_ds)
     if write_ds is not None:  # the dS tiles have gone out step by step
       plgpu.wait_smem_to_gmem(0)
       return
@@ -259,14 +266,16 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
 
 def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
                 consumed, *, walk: Walk, tile_mask, static: BackwardStatic,
-                base=None, positions=None, kept_of=None, bias_of=None,
-                write_ds=None):
+                base=None, positions=None, alibi_terms=None, kept_of=None,
+                bias_of=None, write_ds=None):
   """Consumer: dQ (f32, scaled) of its `block_q` rows.
 
   `lse_log2` and `delta` are the rows' statistics. Walks the producer's
   steps, K/V tiles [walk.first, walk.first + walk.num_blocks), treated as
   `walk.runs` say (skipped, masked by `tile_mask(kv_block, slot)`, or
   unmasked); `positions(kv_block)`: the S tile's (q_idx, kv_idx);
+  `alibi_terms(kv_block)` (`static.alibi_columns`): its ALiBi terms'
+  function (`pipeline.tile_probabilities`);
   `kept_of(kv_block)`: dropout's kept weights of the S tile, or None;
   `bias_of(kv_block)`: the bias tile (each computed step's, in order), or
   None. `write_ds(kv_block, ds)` (the dbias form): each computed step's dS
@@ -296,8 +305,10 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
       values = walk.values
       if bias_of is not None:
         values = values._replace(bias=bias_of(step).astype(jnp.float32))
-      p, slope = tile_probabilities(s, lse_log2, per_row, values, static,
-                                    positions=lambda: positions(step))
+      p, slope = tile_probabilities(
+          s, lse_log2, per_row, values, static,
+          positions=lambda: positions(step),
+          alibi_terms=None if alibi_terms is None else alibi_terms(step))
       if masked:
         p = jnp.where(tile_mask(step, slot), p, 0.0)
       return p, slope, None if kept_of is None else kept_of(step)

@@ -36,8 +36,8 @@ import functools
 import jax.numpy as jnp
 
 from pallas_kernels import masking
-from pallas_kernels.mosaic import backward, masked
-from pallas_kernels.mosaic.common import slope_rows
+from pallas_kernels.mosaic import backward, masked, plan
+from pallas_kernels.mosaic.common import alibi_columns, slope_rows
 from pallas_kernels.mosaic.dq import launch_dq
 from pallas_kernels.mosaic.plan import BackwardConfig, planned_kv_copies
 
@@ -161,11 +161,15 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   dkdv_plan, kv_plan_heads = plans(
       dkdv_configs[0].num_consumers,
       kv_heads=num_heads // dkdv_configs[0].group)
+  # Causal ALiBi as a term per key and one per query (`plan.
+  # MASKED_ALIBI_COLUMNS`, as the masked forward).
+  columns = plan.MASKED_ALIBI_COLUMNS and alibi_columns(spec)
   dq_config, dbias_config = (
       None if static is None else dataclasses.replace(
-          static, plan_heads=plan_heads) for static in (dq_config,
-                                                       dbias_config))
-  dkdv_configs = [dataclasses.replace(static, plan_heads=kv_plan_heads)
+          static, plan_heads=plan_heads, alibi_columns=columns)
+      for static in (dq_config, dbias_config))
+  dkdv_configs = [dataclasses.replace(static, plan_heads=kv_plan_heads,
+                                      alibi_columns=columns)
                   for static in dkdv_configs]
   # The dQ grid's last tile reaches furthest down the query rows.
   rows_per_tile = max(static.q_rows_per_cta

@@ -137,6 +137,11 @@ class BackwardStatic:
   # kernel's query heads, the dK/dV kernel's K/V heads), where a mask
   # differs by head (`masked.head_plans`).
   plan_heads: int = 1
+  # Ranged, causal ALiBi without score_fn or soft cap (`common.
+  # alibi_columns`): P from a term per key and one per query added to the
+  # scores and the LSE (`tile_probabilities`' `alibi_terms`) instead of
+  # |q_pos - kv| per score from two index tiles. `plan.MASKED_ALIBI_COLUMNS`.
+  alibi_columns: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -368,7 +373,7 @@ def kernel_name(static: BackwardStatic, outputs: str) -> str:
 
 
 def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
-                       positions=None):
+                       positions=None, alibi_terms=None):
   """P = exp(final logit - lse) of a tile of raw q·k, and the slope of the
   final logit in scale·q·k (None without score changes, or where they only
   add a term: ALiBi).
@@ -377,11 +382,22 @@ def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
   tiles, `per_column` for Sᵀ. Score changes (the soft cap, ALiBi) follow
   `modify_scores`, the one definition, and its derivative is that
   function's `jax.jvp`; `positions()` gives the tile's (q_idx, kv_idx)
-  where they read them (`spec.scores_read_positions`).
+  where they read them (`spec.scores_read_positions`). With
+  `static.alibi_columns`, `alibi_terms(slope)` gives the tile's (query
+  terms along `broadcast`'s axis, key terms along the other) of
+  `common.alibi_columns`: a vector each, no index tiles.
   """
   if not (static.ranged and static.spec.modifies_scores):
     return jnp.exp2(s * static.scale_log2 - broadcast(lse_log2, s.shape)), None
   spec = static.spec
+  if static.alibi_columns:
+    queries, keys = alibi_terms(values.alibi_slope)
+    across = per_column if broadcast is per_row else per_row
+    logits_log2 = s * static.scale_log2 + across(keys * LOG2E, s.shape)
+    if spec.has_bias:
+      logits_log2 = logits_log2 + values.bias * LOG2E
+    return jnp.exp2(logits_log2 - broadcast(lse_log2 + queries * LOG2E,
+                                            s.shape)), None
   q_idx, kv_idx = positions() if spec.scores_read_positions else (None, None)
   modify = lambda x: masking.modify_scores(spec, x, q_idx, kv_idx, values)
   if spec.scores_shift_only:  # slope 1: dS as without them

@@ -389,10 +389,12 @@ MASKED_LAZY_RESCALE_HEAD_DIMS = (256,)
 # without a mask and +6.9% / +6.0% causal at 16k; d=128 -5.9% to -10.4%,
 # d=64 -8.2% to -14.6% (h200_mosaic_fp8_rescale*.md).
 FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
-# The masked forward adds causal ALiBi as a per-column term (`common.
-# alibi_columns`, `KernelStatic.alibi_columns`): checked in the interpreter
-# and lowered under both JAX versions, not yet timed on the H200 (`tune_mosaic
-# --kernels alibi_columns`: "alibi_columns" against "alibi"); off until then.
+# The masked kernels add causal ALiBi as a term per key and one per query
+# (`common.alibi_columns`; `KernelStatic.alibi_columns` in the forward,
+# `BackwardStatic.alibi_columns` in dQ and dK/dV): checked in the
+# interpreter and lowered under both JAX versions, not yet timed on the
+# H200 (`tune_mosaic --kernels alibi_columns alibi_columns_backward`); off
+# until then.
 MASKED_ALIBI_COLUMNS = False
 # The masked forward without a running max where a soft cap bounds every
 # logit (`KernelStatic.max_free`; tokamax's sm90 forward does the same):
