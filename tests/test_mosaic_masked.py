@@ -98,6 +98,32 @@ def test_lazy_rescale_masked_forward_lowers(head_dim, cuda_lowering):
   assert text() == (lazy if head_dim == 256 else plain)
 
 
+def test_score_changes_add_no_division(cuda_lowering):
+  """A division in a kernel is IEEE div.rn.f32, ~15 SASS instructions a
+  score: the built-in soft cap and a score_fn that divides by a constant
+  (`masked.kernel_spec`) lower, forward and backward, with no more
+  divisions than the plain causal mask's (the forward's rows' 1 / l)."""
+  from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
+  x = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
+
+  def divisions(backward=False, **fields):
+    spec = masking.MaskSpec(q_len=256, kv_len=256, is_causal=True, **fields)
+    if backward:
+      fn, args = (lambda q, k, v, out, lse, d_out: mosaic_backward_masked(
+          q, k, v, out, lse, d_out, scale=0.125, spec=spec)), (
+              x, x, x, x, lse, x)
+    else:
+      fn, args = (lambda q, k, v: mosaic_forward_masked(
+          q, k, v, scale=0.125, spec=spec)), (x, x, x)
+    return lower_mosaic.canonical(fn, args).count("arith.divf")
+  softcap_score = lambda s, *_: 30.0 * jnp.tanh(s / 30.0)
+  for backward in (False, True):
+    plain = divisions(backward)
+    assert divisions(backward, logits_soft_cap=30.0) == plain
+    assert divisions(backward, score_fn=softcap_score) == plain
+
+
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_max_free_forward_lowers(head_dim, cuda_lowering, monkeypatch):
   """The soft cap without a running max (`plan.MASKED_MAX_FREE`, off by

@@ -76,6 +76,7 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
   common.check_layout(query, key, value)
   if spec is not None:
     masked.check_ranged_features(spec, "the FP8 kernel")
+    spec = masked.kernel_spec(spec)
     if spec.is_causal != is_causal:
       raise ValueError(f"is_causal {is_causal} is not the spec's "
                        f"{spec.is_causal}")

@@ -13,6 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_kernels import masking
+from pallas_kernels.reciprocals import scalar_divisions_as_products
 from pallas_kernels.mosaic import forward, plan
 from pallas_kernels.mosaic.common import (PLAN_TILE, PLAN_WIDTH,
                                          alibi_columns, slope_rows, swizzled)
@@ -90,6 +91,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       divide the kernel's, and what `forward.mosaic_forward` refuses.
   """
   check_ranged_features(spec, "the masked Mosaic forward")
+  spec = kernel_spec(spec)
   check_score_array("bias", spec.has_bias, bias, query, spec.kv_len,
                     dtype=query.dtype)
   check_score_array("dense_mask", spec.has_dense_mask, dense_mask, query,
@@ -236,6 +238,16 @@ def pad_rows(x, multiple: int = TMA_ROW_TILE):
 def pad_ids(ids, length: int):
   """int32 segment ids [batch, n] zero-padded to [batch, length]."""
   return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, length - ids.shape[1])))
+
+
+def kernel_spec(spec: masking.MaskSpec) -> masking.MaskSpec:
+  """`spec` as the masked kernels evaluate it: `score_fn`'s divisions by a
+  scalar done as products (`reciprocals.scalar_divisions_as_products`;
+  a division is ~15 SASS instructions a score, a product one)."""
+  if spec.score_fn is None:
+    return spec
+  return dataclasses.replace(
+      spec, score_fn=scalar_divisions_as_products(spec.score_fn))
 
 
 def check_ranged_features(spec: masking.MaskSpec, kernel: str):

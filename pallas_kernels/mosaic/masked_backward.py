@@ -112,6 +112,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       falls back to the Triton backward.
   """
   masked.check_ranged_features(spec, "the masked Mosaic backward")
+  spec = masked.kernel_spec(spec)
   masked.check_score_array("bias", spec.has_bias, bias, query, spec.kv_len,
                            dtype=query.dtype)
   masked.check_score_array("dense_mask", spec.has_dense_mask, dense_mask,
