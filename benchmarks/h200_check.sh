@@ -7,7 +7,7 @@
 # With no STEP it only installs (the package, and the peers' wheels from
 # .whl/ into /tmp/site, benchmarks/README.md).
 # STEPs: tests tests_shards grid grid_halves masks memory decode models fp8
-#        sequence_parallel flax notebook example mosaic_lowering
+#        sequence_parallel flax notebook example mosaic_lowering prepared
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (2-3x slow).
 # On a machine of several GPUs, one invocation per GPU (CUDA_VISIBLE_DEVICES,
@@ -155,6 +155,15 @@ for step in "$@"; do
                       # CUDA under this machine's JAX
       timeout 300 python3 -m benchmarks.lower_mosaic > "$LOGS/lower_mosaic.log" 2>&1
       tail -20 "$LOGS/lower_mosaic.log" ;;
+    prepared)  # the A/Bs of the kernel options prepared but not yet timed
+               # (benchmarks/NOTES.md, Open): each against the default,
+               # two rounds in turn, at 16k; PREPARED_KERNELS another list
+      timeout ${PREPARED_TIMEOUT:-500} python3 -m benchmarks.tune_mosaic \
+        --kernels ${PREPARED_KERNELS:-dropout_hash dropout_hash_backward max_free \
+        alibi_columns alibi_columns_backward} --seq 16384 --head-dims 128 256 \
+        --rounds 2 --budget ${PREPARED_BUDGET:-420} \
+        --out "$OUT/h200_mosaic_prepared.json" > "$LOGS/prepared.log" 2>&1
+      tail -40 "$LOGS/prepared.log" ;;
     *) echo "unknown step: $step (see the STEPs at the top)" ;;
   esac
 done
