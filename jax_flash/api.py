@@ -82,7 +82,10 @@ def flash_attention(
       between calls.
       Fully masked tiles are skipped (block-sparse attention).
     score_fn: (score, b, h, q_idx, kv_idx) -> score, elementwise in score,
-      traced into the kernels (its derivative by jax.jvp in the backward).
+      traced into the kernels (its derivative by jax.jvp in the backward;
+      in the Mosaic kernels its divisions by a scalar run as products by
+      the reciprocal, within an ulp: a division costs ~15 instructions a
+      score there).
     dropout_rate, dropout_rng: dropout of the attention weights, from a
       counter-based hash of (seed, b, h, q_idx, kv_idx) in the kernels.
     sinks: float32 [num_heads]: a learnable logit per head that joins every
