@@ -326,6 +326,18 @@ def alibi_row_terms(slope, rows: int, layout=plgpu.Layout.WGMMA.reduce(1)):
   return slope * q_idx.astype(jnp.float32)
 
 
+def alibi_terms(slope, *, q_start, kv_start, q_offset, block_q: int,
+                block_kv: int, transposed: bool = False):
+  """(query terms [block_q], key terms [block_kv]) of `alibi_columns` for
+  the tile of queries from q_start and keys from kv_start, along an S
+  tile's rows and columns (`transposed`: an Sᵀ tile's columns and rows)."""
+  rows, columns = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0))
+  q_layout, kv_layout = (columns, rows) if transposed else (rows, columns)
+  return (alibi_row_terms(slope, block_q, layout=q_layout),
+          alibi_column_terms(slope, kv_start, q_start, q_offset, block_kv,
+                             layout=kv_layout))
+
+
 def dropout_kept(query_hashes, key_hashes, shape, rate: float, *,
                  transposed: bool = False):
   """bool `shape`: `masking.dropout_keep_hashed` of every pair, queries

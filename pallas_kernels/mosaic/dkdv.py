@@ -32,8 +32,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    THREADS_PER_WARPGROUP, ScoreTiles, alibi_column_terms, alibi_row_terms,
-    chained_tiles, copy_slopes, dropout_key_hashes,
+    THREADS_PER_WARPGROUP, ScoreTiles, alibi_terms, chained_tiles,
+    copy_slopes, dropout_key_hashes,
     dropout_kept, dropout_query_hashes, masked_steps, per_column,
     slope_reader, swizzled)
 from pallas_kernels.mosaic.fused_dq import (
@@ -204,7 +204,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                               v_arrived.at[wg])
       plgpu.barrier_wait(v_arrived.at[wg])
     plgpu.barrier_wait(k_arrived.at[wg])
-    q_of = head_values = positions = alibi_terms = kept_of = bias_of = None
+    q_of = head_values = positions = terms_of = kept_of = bias_of = None
     if plan is None:
       if fused is None:
         walk = Walk(first, per_head,
@@ -236,13 +236,11 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
           values = values._replace(dense_mask=dense_tile(i, g) != 0)
         return variant_mask_t(kv_start, i, static, values)
       positions = functools.partial(tile_indices_t, kv_start, static=static)
-      if static.alibi_columns:  # Sᵀ: queries across, keys down
-        alibi_terms = lambda q_block: lambda slope: (
-            alibi_row_terms(slope, static.block_q,
-                            layout=plgpu.Layout.WGMMA.reduce(0)),
-            alibi_column_terms(slope, kv_start, q_block * static.block_q,
-                               walk.values.q_offset, static.block_kv,
-                               layout=plgpu.Layout.WGMMA.reduce(1)))
+      if static.alibi_columns:  # the step's queries, this tile's keys
+        terms_of = lambda q_block: functools.partial(
+            alibi_terms, q_start=q_block * static.block_q, kv_start=kv_start,
+            q_offset=walk.values.q_offset, block_q=static.block_q,
+            block_kv=static.block_kv, transposed=True)
       if slopes is not None or static.spec.reads_batch_and_head:
         head_values = functools.partial(
             _head_values, walk.values, batch=batch, kv_head=kv_head,
@@ -274,7 +272,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
                             tile_mask=tile_mask, static=static, base=base,
                             fused=fused, wg=wg, q_of=q_of, resident=resident,
                             head_values=head_values, positions=positions,
-                            alibi_terms=alibi_terms, kept_of=kept_of,
+                            alibi_terms=terms_of, kept_of=kept_of,
                             bias_of=bias_of)
     if fused is not None:
       # The other consumers' last dQ pieces read this one's K rows: every

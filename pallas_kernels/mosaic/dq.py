@@ -26,8 +26,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    alibi_column_terms, alibi_row_terms, causal_mask, chained_tiles,
-    copy_slopes, dropout_key_hashes, dropout_kept,
+    alibi_terms, causal_mask, chained_tiles, copy_slopes, dropout_key_hashes,
+    dropout_kept,
     dropout_query_hashes, masked_steps, per_row, slope_reader, swizzled,
     tile_index, tile_indices, variant_mask)
 from pallas_kernels.mosaic.pipeline import (
@@ -166,7 +166,7 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     lse_log2 = plgpu.layout_cast(own_stats[0], row_layout)
     delta = plgpu.layout_cast(own_stats[1], row_layout)
-    kept_of = bias_of = write_ds = alibi_terms = None
+    kept_of = bias_of = write_ds = terms_of = None
     if plan is None:
       walk = Walk(0, num_steps, _dq_causal_runs(q_start, num_steps, static),
                   None)
@@ -178,11 +178,11 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
       if slopes is not None:  # this head's, for every tile it visits
         walk = walk._replace(values=walk.values._replace(
             alibi_slope=slope_reader(slopes, wg)(head)))
-      if static.alibi_columns:  # this tile's queries and step's keys
-        alibi_terms = lambda step: lambda slope: (
-            alibi_row_terms(slope, static.block_q),
-            alibi_column_terms(slope, step * static.block_kv, q_start,
-                               walk.values.q_offset, static.block_kv))
+      if static.alibi_columns:  # this tile's queries, the step's keys
+        terms_of = lambda step: functools.partial(
+            alibi_terms, q_start=q_start, kv_start=step * static.block_kv,
+            q_offset=walk.values.q_offset, block_q=static.block_q,
+            block_kv=static.block_kv)
       if static.dropout:  # the rows' half of the hash, once
         query_hashes = dropout_query_hashes(
             walk.dropout_seed, batch, head, q_start, static.block_q,
@@ -225,7 +225,7 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
                      consumed, walk=walk, tile_mask=tile_mask, static=static,
                      base=base, positions=functools.partial(
                          tile_indices, q_start, static=static),
-                     alibi_terms=alibi_terms, kept_of=kept_of,
+                     alibi_terms=terms_of, kept_of=kept_of,
                      bias_of=bias_of, write_ds=write_ds)
     if write_ds is not None:  # the dS tiles have gone out step by step
       plgpu.wait_smem_to_gmem(0)
