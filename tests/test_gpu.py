@@ -121,6 +121,11 @@ MOSAIC_SINK_CASES = {
     "launch grid 16k": (Case(1, 16384, 16384, 2, 2, 128),
                         dict(is_causal=True)),
     "d256 full": (Case(2, 2048, 2048, 4, 4, 256), {}),
+    # d=128 without a mask: the row sum after P V, O rescaled lazily (a
+    # running max that lags the true one); d=64 at 4k: three consumers on
+    # hardware turns.
+    "d128 full": (Case(1, 2048, 2048, 8, 2, 128), {}),
+    "d64 full, three consumers": (Case(1, 4096, 4096, 8, 2, 64), {}),
     # The masked kernel: rows that see no key (a kv length of 0), dropout.
     "masked": (Case(2, 1000, 1200, 4, 2, 64),
                dict(is_causal=True, key_value_seq_lengths=jnp.array([0, 1100]),
