@@ -551,6 +551,9 @@ _SINKS = jnp.array([5.0, -2.0])
     (Case(1, 128, 256, 2, 1, 64), dict(persistent=False)),
     # The persistent grid: two CTAs walk tiles of both heads.
     (Case(1, 256, 256, 2, 2, 64), dict(num_ctas=2)),
+    # The row sum after P V, and a running max that lags (lazy rescale).
+    slow(Case(1, 128, 256, 2, 1, 64), dict(
+        persistent=False, sum_after_pv=True, lazy_rescale=True)),
 ], ids=str)
 def test_interpreted_forward_sinks(case, options):
   """`mosaic_forward(sinks=...)`: out and lse as the reference's with the
