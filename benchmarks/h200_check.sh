@@ -8,6 +8,7 @@
 # .whl/ into /tmp/site, benchmarks/README.md).
 # STEPs: tests tests_shards grid grid_halves masks memory decode models fp8
 #        sequence_parallel flax notebook example mosaic_lowering prepared
+#        first_call
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (2-3x slow).
 # On a machine of several GPUs, one invocation per GPU (CUDA_VISIBLE_DEVICES,
@@ -164,6 +165,16 @@ for step in "$@"; do
         --rounds 2 --budget ${PREPARED_BUDGET:-420} \
         --out "$OUT/h200_mosaic_prepared.json" > "$LOGS/prepared.log" 2>&1
       tail -40 "$LOGS/prepared.log" ;;
+    first_call)  # issue 38's first call (causal fwd+VJP at 4k, 16 heads)
+                 # by stage, in a process with an empty persistent
+                 # compilation cache and then in one that finds it filled
+      cache=$(mktemp -d)
+      for run in cold warm; do
+        JAX_COMPILATION_CACHE_DIR=$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+          timeout 300 python3 -m benchmarks.diagnostics.compile_probe \
+          --split mosaic cudnn > "$LOGS/first_call_$run.log" 2>&1
+        echo "-- $run cache"; grep -E "trace .* lower" "$LOGS/first_call_$run.log"
+      done | tee "$OUT/h200_first_call_cache.txt" ;;
     *) echo "unknown step: $step (see the STEPs at the top)" ;;
   esac
 done
