@@ -9,9 +9,8 @@ tanh and the exponential together. `scalar_divisions_as_products(fn)`
 evaluates fn's jaxpr with each `x / y` whose divisor is a scalar (a
 constant, or a value such as one computed from the batch or head index)
 done as `x * (1 / y)`: the reciprocal once, a multiply per element; within
-an ulp of the division (Triton's own `/` is the approximate `div.full.f32`,
-within two). Divisions inside nested jaxprs (`jax.jit`, `custom_jvp`) are
-left as written.
+an ulp of the division. Divisions inside nested jaxprs (`jax.jit`,
+`custom_jvp`) are left as written.
 
 The kernels call `score_fn` through this; the reference calls it as it is.
 """
