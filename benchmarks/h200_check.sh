@@ -8,7 +8,7 @@
 # .whl/ into /tmp/site, benchmarks/README.md).
 # STEPs: tests tests_shards grid grid_halves masks memory decode models fp8
 #        sequence_parallel flax notebook example mosaic_lowering prepared
-#        first_call
+#        first_call fp8_tiles
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (2-3x slow).
 # On a machine of several GPUs, one invocation per GPU (CUDA_VISIBLE_DEVICES,
@@ -165,6 +165,14 @@ for step in "$@"; do
         --rounds 2 --budget ${PREPARED_BUDGET:-420} \
         --out "$OUT/h200_mosaic_prepared.json" > "$LOGS/prepared.log" 2>&1
       tail -40 "$LOGS/prepared.log" ;;
+    fp8_tiles)  # the FP8 forward's K/V tile and ring depth (issue 40's
+                # speed; `tune_mosaic`'s FP8_TILES_SPACE), at 16k, two
+                # rounds; then `fp8` with the tile chosen
+      timeout ${FP8_TILES_TIMEOUT:-560} python3 -m benchmarks.tune_mosaic \
+        --kernels forward_fp8_tiles --seq 16384 --head-dims 64 128 256 \
+        --rounds 2 --budget ${FP8_TILES_BUDGET:-500} \
+        --out "$OUT/h200_mosaic_fp8_tiles.json" > "$LOGS/fp8_tiles.log" 2>&1
+      tail -12 "$LOGS/fp8_tiles.log" ;;
     first_call)  # issue 38's first call (causal fwd+VJP at 4k, 16 heads)
                  # by stage, in a process with an empty persistent
                  # compilation cache and then in one that finds it filled

@@ -71,6 +71,11 @@ BACKWARD_OPTIONS = ({}, dict(overlap_softmax=False),
 # swizzles.
 HEAD_DIMS = (64, 128, 256)
 OWN_WIDTH_HEAD_DIMS = (80, 96, 160, 192)
+# (head_dim, block_kv): the FP8 forward's K/V tiles above the default
+# (`plan.default_block_kv`) that fit its shared memory, which the FP8 tile
+# sweep times (FlashAttention-3's FP8 tiles: 160, 224 and 128 keys at
+# d=64, 128, 256).
+FP8_LARGE_TILES = ((64, 256), (128, 256), (256, 128))
 # benchmarks.models' cells at those dims (name: batch, seq, heads, head
 # dim), causal, through `mosaic_attention`.
 OWN_WIDTH_CALLS = {"dim96_causal_2k": (8, 2048, 32, 96),
@@ -323,6 +328,19 @@ def calls():
           yield (f"fp8 seq{seq} d{d} causal{int(causal)} "
                  f"block{int(per_block)}", forward,
                  (x, x, x, q_descale, k_descale, f32(batch, heads)))
+  # The FP8 forward on the larger K/V tiles its sweep tries
+  # (`tune_mosaic --kernels forward_fp8_tiles`).
+  for d, block_kv in FP8_LARGE_TILES:
+    batch, heads = 4, 2048 // d
+    x = fp8(batch, 4096, heads, d)
+    for causal in (False, True):
+      forward = lambda q, k, v, a, b, c, d=d, causal=causal, n=block_kv: (
+          mosaic_forward_fp8(q, k, v, q_descale=a, k_descale=b, v_descale=c,
+                             scale=d**-0.5, is_causal=causal, block_kv=n))
+      yield (f"fp8 tiles seq4096 d{d} block_kv{block_kv} "
+             f"causal{int(causal)}", forward,
+             (x, x, x, f32(batch, heads), f32(batch, heads),
+              f32(batch, heads)))
   for d in HEAD_DIMS + OWN_WIDTH_HEAD_DIMS:
     for name, fn, shapes in kernels(d):
       yield f"option {name}", fn, [bf16(*shape) for shape in shapes]

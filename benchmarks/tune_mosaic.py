@@ -133,6 +133,13 @@ def fp8_forward_benchmark(cell: common.Cell, blocks: dict):
 # The FP8 forward's lazy O rescale (`mosaic_forward_fp8(lazy_rescale=)`),
 # as the bf16 kernel's but with P rounded to e4m3 after it.
 FP8_RESCALE_SPACE = dict(lazy_rescale=(False, True))
+# The FP8 forward's K/V tile and ring depth. It took the 16-bit kernel's
+# tiles (128 keys, 64 at d=256); at FP8's double matmul rate a step's fixed
+# work (the row max's shuffles, O's rescale, the barriers) weighs twice
+# as much against its matmuls, and FlashAttention-3 takes longer steps in
+# FP8 (kBlockN 160, 224, 128 at d=64, 128, 256; 128, 128, 80 in 16 bits).
+# A candidate that does not fit shared memory is recorded as refused.
+FP8_TILES_SPACE = dict(block_kv=(64, 128, 256), max_concurrent_steps=(2, 3))
 
 
 # The masked kernels on a causal sliding window of MASKED_WINDOW keys
@@ -366,6 +373,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                   TURN_COST_CANDIDATES, 2.5, (False, True)),
            "forward_fp8_rescale": (fp8_forward_benchmark,
                                    FP8_RESCALE_SPACE, 1.0, (False, True)),
+           "forward_fp8_tiles": (fp8_forward_benchmark, FP8_TILES_SPACE, 1.0,
+                                 (False, True)),
            "score_changes": (score_change_benchmark, SCORE_CHANGE_SPACE,
                              1.0, (True,)),
            "alibi_columns": (score_change_benchmark,

@@ -14,6 +14,7 @@ import pytest
 from benchmarks import fp8_accuracy
 from benchmarks.fp8_accuracy import (emulated_fp8_attention, outlier_qkv,
                                      reference_float64, rmse)
+from benchmarks.lower_mosaic import FP8_LARGE_TILES
 from jax_flash import (Fp8Tensor, attention_reference, flash_attention_fp8,
                        hadamard_rotation, numerics, quantize_fp8,
                        quantize_qkv)
@@ -412,15 +413,40 @@ def test_mosaic_kernel_matches_dequantised_reference_on_gpu(
   bf16 output's rounding; the worst element within 2x the emulation's
   worst plus 2**-5 of the largest output. GQA 8:2, outlier inputs, q_len 1000 (padded to
   the kernel's tile) against kv_len seq."""
+  _check_kernel_on_gpu(head_dim, seq, is_causal, incoherent)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim, block_kv", FP8_LARGE_TILES)
+def test_mosaic_kernel_on_large_tiles_on_gpu(head_dim, block_kv, is_causal):
+  """As above on the larger K/V tiles the FP8 tile sweep times (at d=256
+  O then leaves in two column pieces): kv_len 2048."""
+  _check_kernel_on_gpu(head_dim, 2048, is_causal, False, block_kv=block_kv)
+
+
+def _check_kernel_on_gpu(head_dim, seq, is_causal, incoherent, **options):
+  """The rule of `test_mosaic_kernel_matches_dequantised_reference_on_gpu`
+  for the Mosaic kernel with `options` (`mosaic_forward_fp8`'s)."""
   if not ON_SM90:
     pytest.skip("the FP8 kernel needs sm90 (FP8 wgmma)")
   q, _, _ = outlier_qkv(seq, batch=2, seq=1000, heads=8, head_dim=head_dim)
   _, k, v = outlier_qkv(seq + 1, batch=2, seq=seq, heads=8,
                         head_dim=head_dim, kv_heads=2)
   fp8 = quantize_qkv(q, k, v, incoherent=incoherent, seed=seq)
-  out, lse = flash_attention_fp8(*fp8, is_causal=is_causal,
-                                 return_residual=True,
-                                 implementation="mosaic")
+  if options:
+    from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
+    q8, k8, v8 = fp8
+    out, lse = mosaic_forward_fp8(
+        q8.data, k8.data, v8.data, q_descale=q8.descale,
+        k_descale=k8.descale, v_descale=v8.descale,
+        q_descale_rows=q8.block_rows, k_descale_rows=k8.block_rows,
+        scale=head_dim**-0.5, is_causal=is_causal, **options)
+    lse = jnp.swapaxes(lse, 1, 2)  # as flash_attention_fp8 returns it
+  else:
+    out, lse = flash_attention_fp8(*fp8, is_causal=is_causal,
+                                   return_residual=True,
+                                   implementation="mosaic")
   # The yardsticks in float32 proper: at the GPU's default precision
   # (TF32) logits near 30 would be off by 6e-3.
   with jax.default_matmul_precision("highest"):

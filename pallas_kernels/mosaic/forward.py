@@ -63,7 +63,8 @@ from pallas_kernels.mosaic.common import (
     launch_grid, own_width_head_dim, persistent_num_ctas, slope_rows,
     slope_rows_bytes, swizzled)
 from pallas_kernels.mosaic.forward_kernel import (
-    NUM_CONSUMERS, KernelStatic, forward_kernel, persistent_kernel)
+    NUM_CONSUMERS, KernelStatic, forward_kernel, fp8_o_columns,
+    persistent_kernel)
 from pallas_kernels.mosaic.plan import ForwardConfig, forward_config
 
 # The forward's shared memory also leaves the 2 KiB that Mosaic GPU reserves
@@ -231,9 +232,9 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
   if static.fp8:
     out_dtype = static.out_dtype
     scratch += (
-        # O: an FP8 Q buffer is too small for it.
-        plgpu.SMEM((consumers, block_q, head_dim), out_dtype,
-                   transforms=swizzled(head_dim, out_dtype)),
+        # O: an FP8 Q buffer is too small for it (`fp8_o_columns`).
+        plgpu.SMEM((consumers, block_q, fp8_o_columns(head_dim)), out_dtype,
+                   transforms=swizzled(fp8_o_columns(head_dim), out_dtype)),
         plgpu.SMEM((consumers, *descale.shape[-2:]), jnp.float32),
         plgpu.Barrier(num_barriers=consumers),        # descale_arrived
     )
@@ -368,7 +369,7 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
     smem_bytes += num_consumers * block_q * block_kv
   if fp8:  # the O buffer, and the descale rows
     smem_bytes += num_consumers * (
-        block_q * head_dim * fp8_out_dtype.itemsize
+        block_q * fp8_o_columns(head_dim) * fp8_out_dtype.itemsize
         + 4 * (num_q_blocks + num_kv_blocks + 32))
   check_shared_memory(
       smem_bytes, _FORWARD_SMEM_LIMIT_BYTES,

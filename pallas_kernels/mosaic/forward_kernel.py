@@ -62,6 +62,19 @@ _LN2 = math.log(2.0)
 # row of 32 floats is 128 bytes, a whole number of the warpgroup's copies.
 DESCALE_WIDTH = 32
 
+# The FP8 kernel stages O in its output dtype through a buffer of its own
+# (an FP8 Q buffer is half O's size), at most this many columns wide: a
+# wider O leaves in column pieces, one after another through the buffer.
+# At head_dim 256 that halves the buffer (64 KiB -> 32 KiB for two
+# consumers), which 128-row K/V tiles need (FlashAttention-3's FP8 tile
+# there); the wait for each piece's store to leave it costs once per tile.
+FP8_O_COLUMNS = 128
+
+
+def fp8_o_columns(head_dim: int) -> int:
+  """Columns of the FP8 kernel's O buffer (`FP8_O_COLUMNS`)."""
+  return min(head_dim, FP8_O_COLUMNS)
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelStatic:
@@ -218,7 +231,8 @@ class _Fp8Refs(NamedTuple):
   descale_gmem: Any    # float32 [n / 32, 32]: this (batch, head)'s factors
   descale_smem: Any    # float32 [n / 32, 32]
   descale_arrived: Any
-  o_smem: Any          # [block_q, head_dim] in the output dtype
+  o_smem: Any          # [block_q, fp8_o_columns(head_dim)] in the output
+                       # dtype
 
 
 class _SegmentRefs(NamedTuple):
@@ -780,6 +794,19 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     # in FP8 through a buffer of its own, in the output dtype).
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
+    # O's columns per store: all of them, but for FP8 (`FP8_O_COLUMNS`).
+    head_dim = static.head_dim
+    columns = fp8_o_columns(head_dim) if fp8 is not None else head_dim
+    num_pieces = head_dim // columns
+
+    def o_piece(acc, piece):
+      return acc if num_pieces == 1 else acc[:, piece * columns:
+                                              (piece + 1) * columns]
+
+    def out_rows(piece):
+      rows = out_ref.at[batch, q_rows, head]
+      return rows if num_pieces == 1 else rows.at[:, pl.ds(piece * columns,
+                                                            columns)]
     o_smem, out_dtype = q_smem, static.dtype
     if tile is not None:
       o_smem = tile.o_smem
@@ -803,7 +830,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       else:
         acc = acc * per_row(v_factor / l_safe, acc.shape)
         o_smem, out_dtype = fp8.o_smem, static.out_dtype
-      o_smem[...] = acc.astype(out_dtype)
+      o_smem[...] = o_piece(acc, 0).astype(out_dtype)
       lse = add_unfused(m * _LN2, jnp.log(l_safe))
       if static.alibi_columns:  # the rows' terms the columns' left in it
         lse = lse - alibi_row_terms(values.alibi_slope, block_q)
@@ -811,8 +838,13 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.commit_smem()
 
     def store():
-      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, q_rows, head])
+      plgpu.copy_smem_to_gmem(o_smem, out_rows(0))
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, q_rows])
+      for piece in range(1, num_pieces):  # FP8 at head_dim 256
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_smem[...] = o_piece(acc, piece).astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_rows(piece))
 
     if static.num_consumers == NUM_CONSUMERS:
       store()
