@@ -164,7 +164,12 @@ for step in "$@"; do
         alibi_columns alibi_columns_backward} --seq 16384 --head-dims 128 256 \
         --rounds 2 --budget ${PREPARED_BUDGET:-420} \
         --out "$OUT/h200_mosaic_prepared.json" > "$LOGS/prepared.log" 2>&1
-      tail -40 "$LOGS/prepared.log" ;;
+      tail -40 "$LOGS/prepared.log"
+      # The K/V tile between d=128 and 256, at the model suite's 4k
+      timeout 200 python3 -m benchmarks.tune_mosaic --kernels forward_between_tiles \
+        --seq 4096 --head-dims 144 160 176 --rounds 2 --budget 150 \
+        --out "$OUT/h200_mosaic_between_tiles.json" > "$LOGS/between.log" 2>&1
+      tail -6 "$LOGS/between.log" ;;
     fp8_tiles)  # the FP8 forward's K/V tile and ring depth (issue 40's
                 # speed; `tune_mosaic`'s FP8_TILES_SPACE), at 16k, two
                 # rounds; then `fp8` with the tile chosen

@@ -133,6 +133,11 @@ def fp8_forward_benchmark(cell: common.Cell, blocks: dict):
 # The FP8 forward's lazy O rescale (`mosaic_forward_fp8(lazy_rescale=)`),
 # as the bf16 kernel's but with P rounded to e4m3 after it.
 FP8_RESCALE_SPACE = dict(lazy_rescale=(False, True))
+# The K/V tile at head dims between 128 and 256 (`plan.default_block_kv`
+# gives them d=256's 64 keys; at 144-176 Q and two stages of 128-key K/V
+# tiles fit shared memory): d=160's forward was 0.93x tokamax's
+# (h200_models.md). `--head-dims 144 160 176 --seq 4096`.
+BETWEEN_TILES_SPACE = dict(block_kv=(64, 128))
 # The FP8 forward's K/V tile and ring depth. It took the 16-bit kernel's
 # tiles (128 keys, 64 at d=256); at FP8's double matmul rate a step's fixed
 # work (the row max's shuffles, O's rescale, the barriers) weighs twice
@@ -371,6 +376,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                   KV_COPIES_SPACE, 2.5, (False, True)),
            "backward_turn_cost": (turn_cost_benchmark,
                                   TURN_COST_CANDIDATES, 2.5, (False, True)),
+           "forward_between_tiles": _forward(BETWEEN_TILES_SPACE),
            "forward_fp8_rescale": (fp8_forward_benchmark,
                                    FP8_RESCALE_SPACE, 1.0, (False, True)),
            "forward_fp8_tiles": (fp8_forward_benchmark, FP8_TILES_SPACE, 1.0,
@@ -459,7 +465,10 @@ def sweep_cell(kernel: str, seq: int, head_dim: int, causal: bool, *,
   refusal or failure recorded as its "error"), then all timed `rounds`
   times in turn, each trial keeping the median of its rounds."""
   build, space, flops_factor, _ = KERNELS[kernel]
-  cell = common.Cell.standard("fwd", seq, head_dim, causal)
+  # A head dim that does not divide the grid's hidden 2048 (160, 176, ...)
+  # takes the most whole heads below it.
+  cell = common.Cell.standard("fwd", seq, head_dim, causal,
+                              hidden=head_dim * (2048 // head_dim))
   runs = []
   for blocks in candidates(space):
     trial = {"kernel": kernel, "head_dim": head_dim, "causal": causal,
