@@ -299,6 +299,15 @@ def calls():
         backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
     yield f"{name} fwd", attend, (x, x, x)
     yield f"{name} fwdbwd", with_gradients(attend), (x, x, x, x)
+  # Ragged causal lengths on the plain kernels (`common.ragged_causal`).
+  for d in HEAD_DIMS:
+    q, kv = bf16(2, 1000, 4, d), bf16(2, 1000, 2, d)
+    attend = lambda q, k, v, d=d: mosaic_attention(
+        q, k, v, scale=d**-0.5, is_causal=True,
+        backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
+    yield f"plain ragged causal d{d} fwd", attend, (q, kv, kv)
+    yield f"plain ragged causal d{d} fwdbwd", with_gradients(attend), (
+        q, kv, kv, q)
   for d in OWN_WIDTH_HEAD_DIMS:
     q_len, kv_len, fields, _ = MASKED_CASES["ragged causal"]
     spec = MaskSpec(q_len=q_len, kv_len=kv_len, **fields)

@@ -103,7 +103,13 @@ def test_backward_plan_follows_its_rows():
   assert not config(64, False, 1024).scores_ahead            # persistent
   assert not config(64, False, 4096, max_concurrent_steps=1).scores_ahead
   assert config(64, True, 16384).dq_tiles == (64, 128)
-  assert config(64, True, 16384 + 64).dq_tiles is None       # 128 ∤ kv_len
+  assert config(64, True, 16384 + 64,
+                q_len=16384 + 128).dq_tiles is None  # 128 ∤ kv_len
+  # Ragged causal lengths (`common.ragged_causal`) take any tiles: the
+  # plan's stay.
+  assert config(64, True, 16384 + 64).dq_tiles == (64, 128)
+  assert config(64, True, 1000).block_q == 128
+  assert config(64, True, 1000 + 4).block_q == 64          # off 8-row TMA
   assert config(64, True, 16384, persistent=True).dq_tiles is None
   assert config(128, False, 16384).fused_dq
   assert not config(128, False, 16384 + 64).fused_dq         # one consumer
@@ -599,8 +605,9 @@ def test_dq_tiles_lower_and_change_the_dq_kernel_only(is_causal,
   text = lambda **kw: _lower(64, is_causal, q_len=512, kv_len=512,
                              persistent=False, **kw)
   assert text(dq_tiles=(64, 128)) != text(dq_tiles=(128, 64))
+  # (q_len > kv_len: not ragged causal, which takes any tiles.)
   with pytest.raises(NotImplementedError, match="multiple of block_kv 256"):
-    _lower(64, is_causal, kv_len=384, dq_tiles=(64, 256))
+    _lower(64, is_causal, q_len=512, kv_len=384, dq_tiles=(64, 256))
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

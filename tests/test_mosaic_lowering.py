@@ -200,6 +200,29 @@ def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
   _check_mosaic_against_reference(case, dtype, is_causal)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    Case(2, 1000, 1000, 8, 2, 64),    # d=64's 128-row Q tiles
+    Case(1, 5000, 5000, 8, 2, 128),   # the model suite's ragged cell
+    Case(2, 136, 264, 4, 4, 128),     # a consumer wholly past q_len
+    Case(1, 1000, 1000, 4, 2, 256),   # shared K/V rows in dK/dV
+    Case(1, 1000, 1000, 4, 2, 160),   # at its own width
+], ids=str)
+def test_ragged_causal_on_the_plain_kernels_on_gpu(case, monkeypatch):
+  """Causal lengths that no tile divides (`common.ragged_causal`): forward
+  and gradients by the plain kernels, the masked ones patched to fail,
+  against the reference; TMA's zero fill and clipped stores are their only
+  tail handling."""
+  from pallas_kernels.mosaic import attention
+
+  def refuse(*_, **__):
+    raise AssertionError("a ragged causal call reached the masked kernels")
+  for name in ("mosaic_forward_masked", "mosaic_backward_masked",
+               "flash_backward"):
+    monkeypatch.setattr(attention, name, refuse)
+  _check_mosaic_against_reference(case, jnp.bfloat16, True)
+
+
 def _require_sm90():
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90 (wgmma, TMA, setmaxnreg)")
@@ -513,3 +536,57 @@ def test_three_consumers_match_reference_on_gpu(case, dtype, is_causal,
                                                monkeypatch):
   _replan(monkeypatch, num_consumers=3, hw_turns=True)
   _check_mosaic_against_reference(case, dtype, is_causal)
+
+
+@pytest.mark.parametrize("head_dim, q_len, kv_len", [
+    (64, 1000, 1000),     # d=64's plan: 128-row Q tiles, persistent
+    (128, 5000, 5000),    # d=128's: the launch grid, lse read early
+    (128, 136, 264),      # q_len < kv_len, a tile wholly past q_len
+    (256, 1000, 1000),    # d=256's: dK and dV on shared K/V rows
+    (160, 1000, 1000),    # at its own width, on d=256's rows
+    (176, 1000, 1000),    # without shared rows (176 / 2 is no swizzle)
+])
+def test_ragged_causal_lowers_on_the_plain_kernels(head_dim, q_len, kv_len,
+                                                   cuda_lowering,
+                                                   monkeypatch):
+  """Causal lengths that no tile divides, whole 8-row TMA tiles, q_len <=
+  kv_len (`common.ragged_causal`): `mosaic_attention`'s forward and
+  backward lower on the plain kernels, with the masked ones patched to
+  fail."""
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import attention
+
+  def refuse(*_, **__):
+    raise AssertionError("a ragged causal call reached the masked kernels")
+  monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
+  monkeypatch.setattr(attention, "mosaic_backward_masked", refuse)
+  monkeypatch.setattr(attention, "flash_backward", refuse)
+  q = jax.ShapeDtypeStruct((1, q_len, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, kv_len, 2, head_dim), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out, lse = attention.mosaic_attention(
+        q, k, v, scale=head_dim**-0.5, is_causal=True,
+        backward_blocks=BlockSizes.get_default(head_dim, "NVIDIA H200"))
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+      q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert _KERNEL_NAME in text
+
+
+@pytest.mark.parametrize("q_len, kv_len, is_causal, masked", [
+    (1000, 1000, True, False),
+    (136, 264, True, False),
+    (1024, 1024, False, False),   # tiles divide: the plain kernels anyway
+    (264, 136, True, True),       # a real query would see a padded key
+    (1000, 1000, False, True),    # keys past kv_len need a mask
+    (1001, 1001, True, True),     # off the 8-row TMA tiling: padded
+])
+def test_ragged_lengths_route(q_len, kv_len, is_causal, masked):
+  """Which lengths the plain kernels take (`common.ragged_causal`) and
+  which go to the masked ones, which mask a tail."""
+  from pallas_kernels.mosaic import attention
+  q = jax.ShapeDtypeStruct((1, q_len, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, kv_len, 4, 128), jnp.bfloat16)
+  assert attention._masked(q, kv, is_causal, None) == masked

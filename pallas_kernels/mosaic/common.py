@@ -119,6 +119,24 @@ def own_width_head_dim(head_dim: int, dtype) -> bool:
           and head_dim % HEAD_DIM_MULTIPLE == 0)
 
 
+# TMA reads a [rows, head_dim] tile through 8-row tiling, which this JAX
+# applies to the whole sequence axis: the kernels take lengths that are
+# multiples of it (the masked ones pad others, `masked.pad_rows`).
+TMA_ROW_TILE = 8
+
+
+def ragged_causal(q_len: int, kv_len: int, is_causal: bool) -> bool:
+  """Whether the plain (unmasked) kernels take lengths their tiles do not
+  divide: top-left causal with q_len <= kv_len, both whole TMA row tiles.
+  Then no real query sees a key past kv_len (query i sees keys up to i <
+  q_len), so TMA's zero fill of a tile's rows past either end and its
+  clipped stores are all a ragged tail needs: a padded query row's keys
+  and outputs are dropped, and in the backward its zero dO and delta give
+  it zero weight in dK and dV."""
+  return (is_causal and q_len <= kv_len and q_len % TMA_ROW_TILE == 0
+          and kv_len % TMA_ROW_TILE == 0)
+
+
 def check_layout(query, key, value) -> tuple[int, int]:
   """(kv_len, num_kv_heads) of [batch, len, heads, dim] q, k, v that share
   batch, head dim and dtype, with heads a multiple of K/V heads; else a

@@ -60,8 +60,8 @@ from pallas_kernels.mosaic import compat, turns
 from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, check_layout, check_shared_memory, check_tiles,
-    launch_grid, own_width_head_dim, persistent_num_ctas, slope_rows,
-    slope_rows_bytes, swizzled)
+    launch_grid, own_width_head_dim, persistent_num_ctas, ragged_causal,
+    slope_rows, slope_rows_bytes, swizzled)
 from pallas_kernels.mosaic.forward_kernel import (
     NUM_CONSUMERS, KernelStatic, forward_kernel, fp8_o_columns,
     persistent_kernel)
@@ -118,8 +118,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
 
   Raises:
     NotImplementedError: for calls this kernel does not cover yet (dtype,
-      head dim, lengths not multiples of the tiles, non-positive scale, tiles
-      that do not fit in shared memory), so that a dispatcher falls back.
+      head dim, lengths not multiples of the tiles unless ragged causal
+      ones, `common.ragged_causal`; non-positive scale, tiles that do not
+      fit in shared memory), so that a dispatcher falls back.
   """
   config = forward_config(head_dim=query.shape[-1], is_causal=is_causal,
                           q_len=query.shape[1], kv_len=key.shape[1],
@@ -341,14 +342,19 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   # tile (see `consumer_rows`).
   q_multiple = block_q * (num_consumers if num_consumers == NUM_CONSUMERS
                           else 1)
-  if spec is None and q_len % q_multiple:
+  # Ragged causal lengths need no masking of their own (`ragged_causal`);
+  # FP8's transposed V would need its key axis padded (as with a spec).
+  ragged = spec is None and not fp8 and ragged_causal(q_len, kv_len,
+                                                       is_causal)
+  if spec is None and q_len % q_multiple and not ragged:
     raise NotImplementedError(
         f"q_len {q_len} must be a multiple of {q_multiple} "
-        f"({num_consumers} consumers x block_q {block_q}; tails are not "
-        "masked yet)")
-  if spec is None and kv_len % block_kv:
+        f"({num_consumers} consumers x block_q {block_q}; the masked "
+        "kernel takes other lengths)")
+  if spec is None and kv_len % block_kv and not ragged:
     raise NotImplementedError(f"kv_len {kv_len} must be a multiple of "
-                              f"block_kv {block_kv} (tails are not masked yet)")
+                              f"block_kv {block_kv} (the masked kernel takes "
+                              "other lengths)")
   if not scale > 0:
     raise NotImplementedError(
         f"scale must be positive (it is folded into exp2), got {scale}")
@@ -382,7 +388,8 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
       is_causal=bool(is_causal), dtype=dtype, fp8=fp8,
       out_dtype=fp8_out_dtype, num_q_blocks=num_q_blocks if fp8 else 0,
       spec=spec, scale=float(scale), num_consumers=num_consumers,
-      q_len=q_len, sinks=bool(sinks))
+      q_len=q_len, sinks=bool(sinks),
+      ragged_tail=ragged and bool(q_len % q_multiple or kv_len % block_kv))
 
 
 def _smem_bytes(block_q, block_kv, num_stages, head_dim, itemsize,

@@ -173,6 +173,10 @@ class KernelStatic:
   # and nothing to rescale: no row max per step, no alpha, O and l only
   # accumulate. `plan.MASKED_MAX_FREE`.
   max_free: bool = False
+  # Plain form, lengths its tiles do not divide (`common.ragged_causal`):
+  # the last tiles reach past q_len and kv_len, where TMA reads zeros and
+  # drops stores. Only the ring's static block starts change (`_kv_rows`).
+  ragged_tail: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -494,7 +498,7 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
     first, total = read(PLAN_UNION), read(PLAN_UNION + 1)
 
   def load(step, slot, ref, smem, arrived):
-    rows = pl.ds(step * static.block_kv, static.block_kv)
+    rows = _kv_rows(step, static)
     if static.fp8 and ref is v_ref:  # V transposed: [B, Hkv, D, T]
       block = ref.at[batch, kv_head, :, rows]
     else:
@@ -534,6 +538,17 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
     load(step, slot, k_ref, k_smem, k_arrived)
     wait_consumed(v_consumed, step, slot)
     load(step, slot, v_ref, v_smem, v_arrived)
+
+
+def _kv_rows(step, static: KernelStatic):
+  """K/V rows of block `step`. With a ragged tail (`static.ragged_tail`) a
+  static start goes through `pl.multiple_of`, which leaves it a traced
+  value: Pallas refuses a static slice that reaches past the array's end,
+  where TMA reads zeros."""
+  start = step * static.block_kv
+  if static.ragged_tail and isinstance(start, int):
+    start = pl.multiple_of(start, static.block_kv)
+  return pl.ds(start, static.block_kv)
 
 
 def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,

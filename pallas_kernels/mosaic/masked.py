@@ -16,7 +16,8 @@ from pallas_kernels import masking
 from pallas_kernels.reciprocals import scalar_divisions_as_products
 from pallas_kernels.mosaic import forward, plan
 from pallas_kernels.mosaic.common import (PLAN_TILE, PLAN_WIDTH,
-                                         alibi_columns, slope_rows, swizzled)
+                                         TMA_ROW_TILE, alibi_columns,
+                                         slope_rows, swizzled)
 
 
 # What the masked kernels cover; the rest stays with the Triton kernels.
@@ -220,11 +221,6 @@ def check_dropout_seed(spec: masking.MaskSpec, dropout_seed):
   if dropout_seed is None or jnp.shape(dropout_seed) != ():
     raise ValueError(f"dropout_rate {spec.dropout_rate} needs an int32 [] "
                      f"dropout_seed; got {dropout_seed!r}")
-
-
-# TMA reads a [rows, head_dim] tile through 8-row tiling, which this JAX
-# applies to the whole sequence axis.
-TMA_ROW_TILE = 8
 
 
 def pad_rows(x, multiple: int = TMA_ROW_TILE):
