@@ -299,15 +299,17 @@ def calls():
         backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
     yield f"{name} fwd", attend, (x, x, x)
     yield f"{name} fwdbwd", with_gradients(attend), (x, x, x, x)
-  # Ragged causal lengths on the plain kernels (`common.ragged_causal`).
+  # Ragged lengths on the plain kernels (`common.ragged_lengths`): causal
+  # needs no mask, without it the last K/V block is a masked step.
   for d in HEAD_DIMS:
-    q, kv = bf16(2, 1000, 4, d), bf16(2, 1000, 2, d)
-    attend = lambda q, k, v, d=d: mosaic_attention(
-        q, k, v, scale=d**-0.5, is_causal=True,
-        backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
-    yield f"plain ragged causal d{d} fwd", attend, (q, kv, kv)
-    yield f"plain ragged causal d{d} fwdbwd", with_gradients(attend), (
-        q, kv, kv, q)
+    for causal, name in ((True, "causal"), (False, "full")):
+      q, kv = bf16(2, 1000, 4, d), bf16(2, 1000, 2, d)
+      attend = lambda q, k, v, d=d, c=causal: mosaic_attention(
+          q, k, v, scale=d**-0.5, is_causal=c,
+          backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
+      yield f"plain ragged {name} d{d} fwd", attend, (q, kv, kv)
+      yield f"plain ragged {name} d{d} fwdbwd", with_gradients(attend), (
+          q, kv, kv, q)
   for d in OWN_WIDTH_HEAD_DIMS:
     q_len, kv_len, fields, _ = MASKED_CASES["ragged causal"]
     spec = MaskSpec(q_len=q_len, kv_len=kv_len, **fields)

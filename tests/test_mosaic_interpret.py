@@ -94,13 +94,21 @@ CASES = [
     # row sum after P V and rescales O lazily.
     slow(Case(1, 128, 256, 1, 1, 128), True, dict(persistent=False)),
     (Case(1, 128, 256, 1, 1, 128), False, dict(num_ctas=2)),
-    # Ragged causal lengths on the plain kernel (`common.ragged_causal`):
-    # TMA zero-fills the tiles' rows past q_len and kv_len and drops the
+    # Ragged lengths on the plain kernel (`common.ragged_lengths`): TMA
+    # zero-fills the tiles' rows past q_len and kv_len and drops the
     # stores past q_len: the last tile's second consumer has 8 real rows
     # of its 64 at q_len 200 and none at 136 (its first has 8); the last
-    # K/V block 72 and 8 real rows; kv_len > q_len in the second.
+    # K/V block 72 and 8 real rows. Causal with q_len <= kv_len needs no
+    # mask; without causal masking, or with q_len > kv_len, the last K/V
+    # block is a masked step (`masks_key_tail`).
     (Case(1, 200, 200, 2, 1, 64), True, dict(persistent=False)),
     (Case(1, 136, 264, 1, 1, 128), True, dict(num_ctas=2)),
+    (Case(1, 200, 200, 2, 1, 64), False, dict(persistent=False)),
+    (Case(1, 264, 136, 1, 1, 128), True, dict(num_ctas=2)),
+    # Three consumers on a short tile (256 = 192 + 64 rows) with the key
+    # tail: the spares compute their rows again (no `skip_spare`).
+    (Case(1, 256, 200, 1, 1, 64), False, dict(persistent=False,
+                                              num_consumers=3)),
 ]
 
 
@@ -324,12 +332,15 @@ BACKWARD_CASES = [
     # another order would pair query heads with the wrong K/V head).
     slow(Case(1, 128, 256, 4, 2, 64), True,
          dict(persistent=False, kv_head_copies=2)),
-    # Ragged causal lengths on the plain kernels (`common.ragged_causal`),
-    # as the forward's cases: d=64's plan (128-row Q tiles, persistent),
-    # GQA 2:1; d=128's launch grid with kv_len > q_len.
+    # Ragged lengths on the plain kernels (`common.ragged_lengths`: no
+    # mask), as the forward's cases: d=64's plan (128-row Q tiles,
+    # persistent), GQA 2:1; d=128's launch grid with kv_len > q_len and
+    # < q_len; without causal masking; d=256's plan above 1k, dK/dV with
+    # shared K/V rows.
     (Case(1, 200, 200, 2, 1, 64), True, dict(block_q=128, num_ctas=2)),
     (Case(1, 136, 264, 1, 1, 128), True, dict(persistent=False)),
-    # d=256's plan above 1k: dK/dV with shared K/V rows.
+    (Case(1, 264, 136, 1, 1, 128), True, dict(persistent=False)),
+    (Case(1, 200, 136, 2, 1, 64), False, dict(persistent=False)),
     (Case(1, 136, 264, 1, 1, 256), True, dict(shared_rows=True)),
 ]
 

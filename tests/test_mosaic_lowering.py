@@ -165,8 +165,8 @@ def test_padded_head_dim_lowers_with_gradients(cuda_lowering):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(q_len=200), "q_len 200"),
-    (dict(kv_len=200), "kv_len 200"),
+    (dict(q_len=204), "q_len 204"),      # off the 8-row TMA tiling
+    (dict(kv_len=204), "kv_len 204"),
     (dict(head_dim=72), "head_dim"),    # not a multiple of 16
     (dict(head_dim=48), "head_dim"),    # below 64: padded by the caller
     (dict(dtype=jnp.float32), "bfloat16 and float16"),
@@ -201,26 +201,30 @@ def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [
-    Case(2, 1000, 1000, 8, 2, 64),    # d=64's 128-row Q tiles
-    Case(1, 5000, 5000, 8, 2, 128),   # the model suite's ragged cell
-    Case(2, 136, 264, 4, 4, 128),     # a consumer wholly past q_len
-    Case(1, 1000, 1000, 4, 2, 256),   # shared K/V rows in dK/dV
-    Case(1, 1000, 1000, 4, 2, 160),   # at its own width
+@pytest.mark.parametrize("case, is_causal", [
+    (Case(2, 1000, 1000, 8, 2, 64), True),    # d=64's 128-row Q tiles
+    (Case(1, 5000, 5000, 8, 2, 128), True),   # the model suite's cell
+    (Case(2, 136, 264, 4, 4, 128), True),     # a consumer past q_len
+    (Case(2, 264, 136, 4, 4, 128), True),     # the key tail masked
+    (Case(2, 1000, 1000, 8, 2, 64), False),   # three consumers, key tail
+    (Case(1, 1000, 1000, 8, 2, 128), False),
+    (Case(1, 1000, 1000, 4, 2, 256), True),   # shared K/V rows in dK/dV
+    (Case(1, 1000, 1000, 4, 2, 160), True),   # at its own width
 ], ids=str)
-def test_ragged_causal_on_the_plain_kernels_on_gpu(case, monkeypatch):
-  """Causal lengths that no tile divides (`common.ragged_causal`): forward
-  and gradients by the plain kernels, the masked ones patched to fail,
-  against the reference; TMA's zero fill and clipped stores are their only
-  tail handling."""
+def test_ragged_lengths_on_the_plain_kernels_on_gpu(case, is_causal,
+                                                    monkeypatch):
+  """Lengths that no tile divides (`common.ragged_lengths`): forward and
+  gradients by the plain kernels, the masked ones patched to fail,
+  against the reference; TMA's zero fill and clipped stores are their
+  tail handling, but for the forward's mask of the keys past kv_len."""
   from pallas_kernels.mosaic import attention
 
   def refuse(*_, **__):
-    raise AssertionError("a ragged causal call reached the masked kernels")
+    raise AssertionError("a ragged call reached the masked kernels")
   for name in ("mosaic_forward_masked", "mosaic_backward_masked",
                "flash_backward"):
     monkeypatch.setattr(attention, name, refuse)
-  _check_mosaic_against_reference(case, jnp.bfloat16, True)
+  _check_mosaic_against_reference(case, jnp.bfloat16, is_causal)
 
 
 def _require_sm90():
@@ -441,13 +445,11 @@ def test_three_consumers_refuse_what_they_lack():
                                              is_causal=False, **kwargs)
   with pytest.raises(ValueError, match="num_consumers"):
     run(num_consumers=4)
-  # Whole 64-row blocks only; the two-consumer kernel wants 128-row tiles.
-  ragged = jax.ShapeDtypeStruct((1, 200, 2, 64), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="q_len 200"):
-    run(ragged, num_consumers=3)
-  short = jax.ShapeDtypeStruct((1, 320, 2, 64), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="q_len 320"):
-    run(short, num_consumers=2)
+  # Lengths of whole 8-row TMA tiles (`common.ragged_lengths`) only.
+  ragged = jax.ShapeDtypeStruct((1, 204, 2, 64), jnp.bfloat16)
+  for consumers in (2, 3):
+    with pytest.raises(NotImplementedError, match="q_len 204"):
+      run(ragged, num_consumers=consumers)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -538,26 +540,28 @@ def test_three_consumers_match_reference_on_gpu(case, dtype, is_causal,
   _check_mosaic_against_reference(case, dtype, is_causal)
 
 
-@pytest.mark.parametrize("head_dim, q_len, kv_len", [
-    (64, 1000, 1000),     # d=64's plan: 128-row Q tiles, persistent
-    (128, 5000, 5000),    # d=128's: the launch grid, lse read early
-    (128, 136, 264),      # q_len < kv_len, a tile wholly past q_len
-    (256, 1000, 1000),    # d=256's: dK and dV on shared K/V rows
-    (160, 1000, 1000),    # at its own width, on d=256's rows
-    (176, 1000, 1000),    # without shared rows (176 / 2 is no swizzle)
+@pytest.mark.parametrize("head_dim, q_len, kv_len, is_causal", [
+    (64, 1000, 1000, True),     # d=64's plan: 128-row Q tiles, persistent
+    (128, 5000, 5000, True),    # d=128's: the launch grid, lse read early
+    (128, 136, 264, True),      # q_len < kv_len, a tile wholly past q_len
+    (128, 264, 136, True),      # q_len > kv_len: the key tail masked
+    (128, 1000, 1000, False),   # the key tail masked
+    (64, 1000, 1000, False),    # d=64's plan: three consumers
+    (256, 1000, 1000, True),    # d=256's: dK and dV on shared K/V rows
+    (160, 1000, 1000, True),    # at its own width, on d=256's rows
+    (176, 1000, 1000, True),    # without shared rows (176 / 2 is no swizzle)
 ])
-def test_ragged_causal_lowers_on_the_plain_kernels(head_dim, q_len, kv_len,
-                                                   cuda_lowering,
+def test_ragged_lengths_lower_on_the_plain_kernels(head_dim, q_len, kv_len,
+                                                   is_causal, cuda_lowering,
                                                    monkeypatch):
-  """Causal lengths that no tile divides, whole 8-row TMA tiles, q_len <=
-  kv_len (`common.ragged_causal`): `mosaic_attention`'s forward and
-  backward lower on the plain kernels, with the masked ones patched to
-  fail."""
+  """Lengths that no tile divides, whole 8-row TMA tiles
+  (`common.ragged_lengths`): `mosaic_attention`'s forward and backward
+  lower on the plain kernels, with the masked ones patched to fail."""
   from pallas_kernels.config import BlockSizes
   from pallas_kernels.mosaic import attention
 
   def refuse(*_, **__):
-    raise AssertionError("a ragged causal call reached the masked kernels")
+    raise AssertionError("a ragged call reached the masked kernels")
   monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
   monkeypatch.setattr(attention, "mosaic_backward_masked", refuse)
   monkeypatch.setattr(attention, "flash_backward", refuse)
@@ -566,7 +570,7 @@ def test_ragged_causal_lowers_on_the_plain_kernels(head_dim, q_len, kv_len,
 
   def loss(q, k, v):
     out, lse = attention.mosaic_attention(
-        q, k, v, scale=head_dim**-0.5, is_causal=True,
+        q, k, v, scale=head_dim**-0.5, is_causal=is_causal,
         backward_blocks=BlockSizes.get_default(head_dim, "NVIDIA H200"))
     return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
 
@@ -578,14 +582,15 @@ def test_ragged_causal_lowers_on_the_plain_kernels(head_dim, q_len, kv_len,
 @pytest.mark.parametrize("q_len, kv_len, is_causal, masked", [
     (1000, 1000, True, False),
     (136, 264, True, False),
-    (1024, 1024, False, False),   # tiles divide: the plain kernels anyway
-    (264, 136, True, True),       # a real query would see a padded key
-    (1000, 1000, False, True),    # keys past kv_len need a mask
+    (1024, 1024, False, False),   # tiles divide
+    (264, 136, True, False),      # the plain forward masks the key tail
+    (1000, 1000, False, False),
     (1001, 1001, True, True),     # off the 8-row TMA tiling: padded
+    (1000, 1004, False, True),
 ])
 def test_ragged_lengths_route(q_len, kv_len, is_causal, masked):
-  """Which lengths the plain kernels take (`common.ragged_causal`) and
-  which go to the masked ones, which mask a tail."""
+  """Which lengths the plain kernels take (`common.ragged_lengths`) and
+  which go to the masked ones, which pad them to whole 8-row tiles."""
   from pallas_kernels.mosaic import attention
   q = jax.ShapeDtypeStruct((1, q_len, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, kv_len, 4, 128), jnp.bfloat16)

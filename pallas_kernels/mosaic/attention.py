@@ -35,7 +35,7 @@ from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.mosaic.backward import mosaic_backward, row_statistics
 from pallas_kernels.mosaic.common import (HEAD_DIM_MULTIPLE,
-                                         SUPPORTED_HEAD_DIMS, ragged_causal)
+                                         SUPPORTED_HEAD_DIMS, ragged_lengths)
 from pallas_kernels.mosaic.forward import mosaic_forward
 from pallas_kernels.mosaic.plan import backward_config, default_block_kv
 from pallas_kernels.mosaic.masked import mosaic_forward_masked
@@ -143,7 +143,7 @@ def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
   plain = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
                    is_causal=is_causal)
   if (spec is None or spec == plain) and (
-      _tile_aligned(query, key, is_causal) or not MASKED_KERNEL_ENABLED):
+      _tile_aligned(query, key) or not MASKED_KERNEL_ENABLED):
     return False
   if not MASKED_KERNEL_ENABLED:
     raise NotImplementedError(
@@ -152,12 +152,11 @@ def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
   return True
 
 
-def _tile_aligned(query, key, is_causal: bool) -> bool:
+def _tile_aligned(query, key) -> bool:
   """Whether the plain kernels take the lengths (else: masked): their
-  tiles divide them, or they need no mask under ragged causal masking
-  (`common.ragged_causal`)."""
-  return _divides(query, key) or ragged_causal(query.shape[1], key.shape[1],
-                                               is_causal)
+  tiles divide them, or they are whole 8-row TMA tiles
+  (`common.ragged_lengths`)."""
+  return _divides(query, key) or ragged_lengths(query.shape[1], key.shape[1])
 
 
 def _divides(query, key) -> bool:
@@ -197,7 +196,7 @@ def _bwd(scale, is_causal, backward_blocks, residuals, cotangents):
   spec = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
                   is_causal=is_causal)
   if MASKED_BACKWARD_ENABLED and not _divides(query, key):
-    try:  # ragged lengths (`common.ragged_causal`)
+    try:  # ragged lengths (`common.ragged_lengths`)
       return (*mosaic_backward_masked(query, key, value, out, lse, d_out,
                                       d_lse, scale=scale, spec=spec)[:3],
               d_sinks)

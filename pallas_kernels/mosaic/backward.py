@@ -61,7 +61,7 @@ from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, SWIZZLES, THREADS_PER_WARPGROUP, check_layout,
     check_shared_memory, check_tiles, own_width_head_dim,
-    persistent_num_ctas, ragged_causal, slope_rows_bytes)
+    persistent_num_ctas, ragged_lengths, slope_rows_bytes)
 from pallas_kernels.mosaic.dkdv import launch_dkdv
 from pallas_kernels.mosaic.dq import launch_dq
 from pallas_kernels.mosaic.fused_dq import (DQ_PIECE, ZERO_CELL_BYTES,
@@ -110,12 +110,12 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
 
   Raises:
     NotImplementedError: for calls these kernels do not cover (dtype, head
-      dim, lengths not multiples of the tiles unless ragged causal ones,
-      `common.ragged_causal`; tiles that do not fit in shared memory or
-      registers), so that a dispatcher falls back.
+      dim, lengths not multiples of 8, `common.ragged_lengths`; tiles that
+      do not fit in shared memory or registers), so that a dispatcher falls
+      back.
   """
   config = _config(query, key, is_causal, options)
-  any_lengths = _any_lengths(query, key, is_causal, None)
+  any_lengths = ragged_lengths(query.shape[1], key.shape[1])
   check_supported(query, key, value, out, lse, d_out, d_lse,
                   block_q=config.block_q, block_kv=config.block_kv,
                   max_concurrent_steps=config.max_concurrent_steps,
@@ -232,7 +232,8 @@ def check_supported(query, key, value, out, lse, d_out, d_lse, *, block_q,
   """Validates shapes (ValueError/TypeError) and coverage (NotImplemented).
 
   `any_lengths`: the kernels take lengths their tiles do not divide (the
-  ranged kernels mask the tails; `common.ragged_causal`'s need none).
+  ranged kernels mask the tails; the plain ones need no mask there,
+  `common.ragged_lengths`).
   """
   batch, q_len, num_heads, head_dim = query.shape
   kv_len, _ = check_layout(query, key, value)
@@ -400,10 +401,8 @@ def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
               consumers * block_q * block_kv * jnp.dtype(dbias_dtype).itemsize)
   return BackwardStatic(
       block_q=block_q, block_kv=block_kv,
-      num_consumers=_num_consumers(
-          _tiled_length(q_len, block_q, _any_lengths(query, key, is_causal,
-                                                     spec)),
-          block_q, smem_of),
+      num_consumers=_num_consumers(_tiled_length(q_len, block_q, spec),
+                                   block_q, smem_of),
       num_stages=stages, num_q_blocks=pl.cdiv(q_len, block_q),
       num_kv_blocks=num_kv_blocks, head_dim=head_dim,
       group=num_heads // num_kv_heads, scale=float(scale),
@@ -471,10 +470,8 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
                   block_kv=block_kv, head_dim=head_dim,
                   itemsize=jnp.dtype(query.dtype).itemsize)
               if fused_dq else 0)
-  consumers = _num_consumers(
-      _tiled_length(kv_len, block_kv,
-                    _any_lengths(query, key, is_causal, spec)),
-      block_kv, smem_of)
+  consumers = _num_consumers(_tiled_length(kv_len, block_kv, spec), block_kv,
+                             smem_of)
   if fused_dq and (num_dq_pieces(block_q, head_dim) != consumers
                    or block_kv % DQ_PIECE or head_dim % DQ_PIECE):
     raise NotImplementedError(
@@ -515,7 +512,7 @@ def _shared_rows_static(query, key, *, scale, is_causal, block_q, block_kv,
         f"{head_dim} between {consumers} consumers: both parts must be "
         f"whole tiles of one swizzle (`shared_rows.shared_transforms`), "
         f"at least {SWIZZLES[-1]} bytes wide")
-  if kv_len % block_kv and not ragged_causal(q_len, kv_len, is_causal):
+  if kv_len % block_kv and not ragged_lengths(q_len, kv_len):
     raise NotImplementedError(
         f"kv_len {kv_len} must be a multiple of block_kv {block_kv} "
         f"(shared K/V rows)")
@@ -606,19 +603,12 @@ def _ranged_smem_bytes(spec, *, num_consumers, num_stages, resident_rows,
   return extra
 
 
-def _any_lengths(query, key, is_causal: bool, spec) -> bool:
-  """Whether the kernels take the call's lengths whatever their tiles: the
-  ranged kernels mask a tail, and the plain ones need none under ragged
-  causal masking (`common.ragged_causal`)."""
-  return spec is not None or ragged_causal(query.shape[1], key.shape[1],
-                                           is_causal)
-
-
-def _tiled_length(length: int, block: int, any_lengths: bool) -> int:
-  """The length the grid's CTA tiles must divide: whole tiles, unless the
-  kernels take any lengths (`_any_lengths`): then it counts as padded to
+def _tiled_length(length: int, block: int, spec) -> int:
+  """The length the grid's CTA tiles must divide: a length of whole tiles
+  in the plain kernels; else (the ranged kernels mask a tail, the plain
+  ones need no mask there, `common.ragged_lengths`) the length padded to
   whole tiles of `_MAX_CONSUMERS` consumers."""
-  if not any_lengths:
+  if spec is None and length % block == 0:
     return length
   return pl.cdiv(length, _MAX_CONSUMERS * block) * _MAX_CONSUMERS * block
 

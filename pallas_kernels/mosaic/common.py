@@ -125,16 +125,26 @@ def own_width_head_dim(head_dim: int, dtype) -> bool:
 TMA_ROW_TILE = 8
 
 
-def ragged_causal(q_len: int, kv_len: int, is_causal: bool) -> bool:
-  """Whether the plain (unmasked) kernels take lengths their tiles do not
-  divide: top-left causal with q_len <= kv_len, both whole TMA row tiles.
-  Then no real query sees a key past kv_len (query i sees keys up to i <
-  q_len), so TMA's zero fill of a tile's rows past either end and its
-  clipped stores are all a ragged tail needs: a padded query row's keys
-  and outputs are dropped, and in the backward its zero dO and delta give
-  it zero weight in dK and dV."""
-  return (is_causal and q_len <= kv_len and q_len % TMA_ROW_TILE == 0
-          and kv_len % TMA_ROW_TILE == 0)
+def ragged_lengths(q_len: int, kv_len: int) -> bool:
+  """Whether the plain (unmasked) kernels take lengths their tiles need not
+  divide: whole TMA row tiles. Rows of a tile past either end load as
+  zeros and stores past q_len are dropped, which is nearly all a ragged
+  tail needs: a padded query row computes on zeros and is never written,
+  and in the backward its zero dO and delta (its statistics load as
+  zeros) give it zero dS and P dO, so nothing in dK and dV; a padded key
+  has zero K and V, so it adds nothing to dQ or to a real row's dP, and its
+  own dK and dV rows are dropped. Only the forward's softmax would count a
+  padded key: `masks_key_tail`."""
+  return q_len % TMA_ROW_TILE == 0 and kv_len % TMA_ROW_TILE == 0
+
+
+def masks_key_tail(q_len: int, kv_len: int, block_kv: int,
+                   is_causal: bool) -> bool:
+  """Whether the plain forward masks the keys past kv_len in its last K/V
+  block (`ragged_lengths`): where that block is partial and a real query
+  may see past kv_len. Not under top-left causal masking with q_len <=
+  kv_len: query i sees keys up to i < q_len."""
+  return bool(kv_len % block_kv) and not (is_causal and q_len <= kv_len)
 
 
 def check_layout(query, key, value) -> tuple[int, int]:

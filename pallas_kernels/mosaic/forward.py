@@ -60,8 +60,8 @@ from pallas_kernels.mosaic import compat, turns
 from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, check_layout, check_shared_memory, check_tiles,
-    launch_grid, own_width_head_dim, persistent_num_ctas, ragged_causal,
-    slope_rows, slope_rows_bytes, swizzled)
+    launch_grid, masks_key_tail, own_width_head_dim, persistent_num_ctas,
+    ragged_lengths, slope_rows, slope_rows_bytes, swizzled)
 from pallas_kernels.mosaic.forward_kernel import (
     NUM_CONSUMERS, KernelStatic, forward_kernel, fp8_o_columns,
     persistent_kernel)
@@ -118,9 +118,9 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
 
   Raises:
     NotImplementedError: for calls this kernel does not cover yet (dtype,
-      head dim, lengths not multiples of the tiles unless ragged causal
-      ones, `common.ragged_causal`; non-positive scale, tiles that do not
-      fit in shared memory), so that a dispatcher falls back.
+      head dim, lengths not multiples of 8, `common.ragged_lengths`;
+      non-positive scale, tiles that do not fit in shared memory), so that
+      a dispatcher falls back.
   """
   config = forward_config(head_dim=query.shape[-1], is_causal=is_causal,
                           q_len=query.shape[1], kv_len=key.shape[1],
@@ -342,10 +342,9 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   # tile (see `consumer_rows`).
   q_multiple = block_q * (num_consumers if num_consumers == NUM_CONSUMERS
                           else 1)
-  # Ragged causal lengths need no masking of their own (`ragged_causal`);
-  # FP8's transposed V would need its key axis padded (as with a spec).
-  ragged = spec is None and not fp8 and ragged_causal(q_len, kv_len,
-                                                       is_causal)
+  # Lengths the tiles do not divide (`ragged_lengths`); FP8's transposed V
+  # would need its key axis padded (as with a spec).
+  ragged = spec is None and not fp8 and ragged_lengths(q_len, kv_len)
   if spec is None and q_len % q_multiple and not ragged:
     raise NotImplementedError(
         f"q_len {q_len} must be a multiple of {q_multiple} "
@@ -389,7 +388,9 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
       out_dtype=fp8_out_dtype, num_q_blocks=num_q_blocks if fp8 else 0,
       spec=spec, scale=float(scale), num_consumers=num_consumers,
       q_len=q_len, sinks=bool(sinks),
-      ragged_tail=ragged and bool(q_len % q_multiple or kv_len % block_kv))
+      ragged_tail=ragged and bool(q_len % q_multiple or kv_len % block_kv),
+      kv_len=kv_len,
+      key_tail=ragged and masks_key_tail(q_len, kv_len, block_kv, is_causal))
 
 
 def _smem_bytes(block_q, block_kv, num_stages, head_dim, itemsize,
@@ -404,4 +405,4 @@ def _skips_spare(static: KernelStatic) -> bool:
   (`KernelStatic.skip_spare`, given the shape)."""
   return (static.num_consumers != NUM_CONSUMERS
           and not static.is_causal and not static.ranged and not static.fp8
-          and static.q_len % static.tile_rows != 0)
+          and not static.key_tail and static.q_len % static.tile_rows != 0)

@@ -173,10 +173,14 @@ class KernelStatic:
   # and nothing to rescale: no row max per step, no alpha, O and l only
   # accumulate. `plan.MASKED_MAX_FREE`.
   max_free: bool = False
-  # Plain form, lengths its tiles do not divide (`common.ragged_causal`):
+  # Plain form, lengths its tiles do not divide (`common.ragged_lengths`):
   # the last tiles reach past q_len and kv_len, where TMA reads zeros and
-  # drops stores. Only the ring's static block starts change (`_kv_rows`).
+  # drops stores; the ring's static block starts change (`_kv_rows`), and
+  # where a real query may see past kv_len (`key_tail`,
+  # `common.masks_key_tail`) the last K/V block is a masked step.
   ragged_tail: bool = False
+  kv_len: int = 0
+  key_tail: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -220,14 +224,33 @@ def _num_kv_steps(q_start, static: KernelStatic):
 
 
 def _num_unmasked_steps(q_start, num_steps, static: KernelStatic):
-  """Leading K/V blocks that lie wholly at or below the diagonal.
+  """Leading K/V blocks that need no mask: that lie wholly at or below the
+  diagonal, and are not the partial last block of a key tail
+  (`static.key_tail`).
 
-  Block j needs no mask when its last key, (j + 1) * block_kv - 1, is at most
-  the first query row, q_start.
+  Block j needs no causal mask when its last key, (j + 1) * block_kv - 1, is
+  at most the first query row, q_start.
   """
-  if not static.is_causal:
-    return num_steps
-  return jnp.minimum((q_start + 1) // static.block_kv, num_steps)
+  unmasked = num_steps
+  if static.is_causal:
+    unmasked = jnp.minimum((q_start + 1) // static.block_kv, num_steps)
+  if static.key_tail:
+    unmasked = jnp.minimum(unmasked, static.num_kv_blocks - 1)
+  return unmasked
+
+
+def _plain_mask(q_start, step, static: KernelStatic):
+  """[block_q, block_kv] of a masked step of the plain form: True where
+  query q_start + r may attend key step * block_kv + c (causal masking, and
+  keys before kv_len where `static.key_tail`)."""
+  mask = causal_mask(q_start, step, static) if static.is_causal else None
+  if static.key_tail:
+    cols = plgpu.broadcasted_iota(jnp.int32, (static.block_q,
+                                              static.block_kv), 1,
+                                  layout=plgpu.Layout.WGMMA)
+    kept = cols < static.kv_len - step * static.block_kv
+    mask = kept if mask is None else mask & kept
+  return mask
 
 
 class _Fp8Refs(NamedTuple):
@@ -726,7 +749,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                 bias=bias_tile(step).astype(jnp.float32)))
       scale_log2 = LOG2E
     if masked and plan is None:
-      s = jnp.where(causal_mask(q_start, step, static), s, -jnp.inf)
+      s = jnp.where(_plain_mask(q_start, step, static), s, -jnp.inf)
     elif masked:
       s = jnp.where(variant_mask(q_start, step, static, step_values), s,
                     -jnp.inf)
@@ -884,7 +907,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   elif plan is None:
     carry = lax.fori_loop(0, num_unmasked,
                           functools.partial(step_body, masked=False), carry)
-    if static.is_causal:
+    if static.is_causal or static.key_tail:
       carry = lax.fori_loop(num_unmasked, num_steps, masked_body, carry)
   else:
     for start, stop, body in (
