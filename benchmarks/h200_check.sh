@@ -8,7 +8,7 @@
 # .whl/ into /tmp/site, benchmarks/README.md).
 # STEPs: tests tests_shards grid grid_halves masks memory decode models fp8
 #        sequence_parallel flax notebook example mosaic_lowering prepared
-#        first_call fp8_tiles
+#        first_call fp8_tiles new_tests
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (2-3x slow).
 # On a machine of several GPUs, one invocation per GPU (CUDA_VISIBLE_DEVICES,
@@ -59,6 +59,15 @@ for step in "$@"; do
         --durations=15 --compile-times 30 -p no:benchmark ${TEST_SHARD:+--shard $TEST_SHARD} -v \
         ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;
+    new_tests)  # the GPU tests of what was written since the last GPU
+                # round (benchmarks/NOTES.md, Open), before the whole suite
+      env $TEST_CACHE python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} --dist load -rfE --tb=short \
+        --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider -p no:benchmark -v \
+        tests/test_mosaic_lowering.py tests/test_fp8.py tests/test_gpu.py \
+        tests/test_mosaic_masked.py tests/test_mosaic_masked_backward.py \
+        -k "ragged or large_tiles or sinks or alibi_columns or max_free or dropout" \
+        > "$OUT/pytest_gpu_new.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu_new.log" | tail -30 ;;
     tests_shards)  # `tests` on a two-GPU host, a part of the suite on each
                    # GPU (`pytest --shard I/N`, tests/conftest.py):
                    # TEST_SHARDS="0/2 1/2" (the default) runs it all; logs

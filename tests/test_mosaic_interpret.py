@@ -101,8 +101,8 @@ CASES = [
     # K/V block 72 and 8 real rows. Causal with q_len <= kv_len needs no
     # mask; without causal masking, or with q_len > kv_len, the last K/V
     # block is a masked step (`masks_key_tail`).
-    (Case(1, 200, 200, 2, 1, 64), True, dict(persistent=False)),
-    (Case(1, 136, 264, 1, 1, 128), True, dict(num_ctas=2)),
+    slow(Case(1, 200, 200, 2, 1, 64), True, dict(persistent=False)),
+    slow(Case(1, 136, 264, 1, 1, 128), True, dict(num_ctas=2)),
     (Case(1, 200, 200, 2, 1, 64), False, dict(persistent=False)),
     (Case(1, 264, 136, 1, 1, 128), True, dict(num_ctas=2)),
     # Three consumers on a short tile (256 = 192 + 64 rows) with the key
@@ -338,10 +338,10 @@ BACKWARD_CASES = [
     # < q_len; without causal masking; d=256's plan above 1k, dK/dV with
     # shared K/V rows.
     (Case(1, 200, 200, 2, 1, 64), True, dict(block_q=128, num_ctas=2)),
-    (Case(1, 136, 264, 1, 1, 128), True, dict(persistent=False)),
-    (Case(1, 264, 136, 1, 1, 128), True, dict(persistent=False)),
+    slow(Case(1, 136, 264, 1, 1, 128), True, dict(persistent=False)),
+    slow(Case(1, 264, 136, 1, 1, 128), True, dict(persistent=False)),
     (Case(1, 200, 136, 2, 1, 64), False, dict(persistent=False)),
-    (Case(1, 136, 264, 1, 1, 256), True, dict(shared_rows=True)),
+    slow(Case(1, 136, 264, 1, 1, 256), True, dict(shared_rows=True)),
 ]
 
 

@@ -26,6 +26,8 @@ try:
 except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
 
+# Cases whose kernel forms a default case already takes (`pytest -m slow`).
+_slow = lambda *values: pytest.param(*values, marks=pytest.mark.slow)
 _CUSTOM_CALL = "mosaic_gpu_v2"
 _KERNEL_NAME = "mosaic_flash_forward"
 
@@ -542,14 +544,14 @@ def test_three_consumers_match_reference_on_gpu(case, dtype, is_causal,
 
 @pytest.mark.parametrize("head_dim, q_len, kv_len, is_causal", [
     (64, 1000, 1000, True),     # d=64's plan: 128-row Q tiles, persistent
-    (128, 5000, 5000, True),    # d=128's: the launch grid, lse read early
-    (128, 136, 264, True),      # q_len < kv_len, a tile wholly past q_len
+    _slow(128, 5000, 5000, True),   # d=128's: the launch grid, lse early
+    _slow(128, 136, 264, True),     # q_len < kv_len, a tile past q_len
     (128, 264, 136, True),      # q_len > kv_len: the key tail masked
-    (128, 1000, 1000, False),   # the key tail masked
-    (64, 1000, 1000, False),    # d=64's plan: three consumers
+    _slow(128, 1000, 1000, False),  # the key tail masked
+    (64, 1000, 1000, False),    # d=64's plan, the key tail masked
     (256, 1000, 1000, True),    # d=256's: dK and dV on shared K/V rows
-    (160, 1000, 1000, True),    # at its own width, on d=256's rows
-    (176, 1000, 1000, True),    # without shared rows (176 / 2 is no swizzle)
+    _slow(160, 1000, 1000, True),   # at its own width, on d=256's rows
+    _slow(176, 1000, 1000, True),   # no shared rows (176 / 2: no swizzle)
 ])
 def test_ragged_lengths_lower_on_the_plain_kernels(head_dim, q_len, kv_len,
                                                    is_causal, cuda_lowering,
