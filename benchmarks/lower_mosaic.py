@@ -248,8 +248,12 @@ def calls():
           q, k, v, scale=d**-0.5, is_causal=s.is_causal,
           backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"), spec=s,
           operands=masked_operands(values))
-      yield f"masked {mask} d{d} fwd", attend, (q, kv, kv)
-      yield f"masked {mask} d{d} fwdbwd", with_gradients(attend), (q, kv,
+      # A plain spec on lengths off the 8-row tiling runs on the plain
+      # kernels, its rows padded (`attention._plain_attention`).
+      kind = "plain padded" if spec == MaskSpec(
+          q_len=q_len, kv_len=kv_len, is_causal=spec.is_causal) else "masked"
+      yield f"{kind} {mask} d{d} fwd", attend, (q, kv, kv)
+      yield f"{kind} {mask} d{d} fwdbwd", with_gradients(attend), (q, kv,
                                                                    kv, q)
   # A bias on the masked kernels, its tiles streamed beside the K/V rings
   # (dK/dV's from its transpose), dbias from the dbias kernel: per head,
@@ -317,9 +321,9 @@ def calls():
     attend = lambda q, k, v, d=d, s=spec: mosaic_attention(
         q, k, v, scale=d**-0.5, is_causal=True,
         backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"), spec=s)
-    yield f"masked ragged causal d{d} fwd", attend, (q, kv, kv)
-    yield f"masked ragged causal d{d} fwdbwd", with_gradients(attend), (
-        q, kv, kv, q)
+    yield f"plain padded ragged causal d{d} fwd", attend, (q, kv, kv)
+    yield f"plain padded ragged causal d{d} fwdbwd", with_gradients(
+        attend), (q, kv, kv, q)
   fp8 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   for seq in (1024, 4096):

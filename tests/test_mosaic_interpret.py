@@ -112,6 +112,25 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("q_len, kv_len, is_causal", [
+    (197, 197, False),        # ViT-B/16's tokens
+    slow(261, 133, True),     # causal, q_len > kv_len
+])
+def test_interpreted_forward_on_padded_rows(q_len, kv_len, is_causal):
+  """`mosaic_forward(kv_len=)` on rows zero-padded to whole 8-row TMA tiles
+  (`attention._plain_attention`'s call): the padded keys masked, out and
+  lse of the real rows as the reference's on the unpadded inputs. Fails
+  without `kv_len` (the padded keys' zero scores counted)."""
+  from pallas_kernels.mosaic.masked import pad_rows
+  case = Case(1, q_len, kv_len, 2, 1, 64)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
+  out, lse = mosaic_interpret.run(
+      mosaic_forward, *(pad_rows(x) for x in (q, k, v)), scale=0.125,
+      is_causal=is_causal, kv_len=kv_len, persistent=False)
+  assert_forward_within_rule(q, k, v, out[:, :q_len], lse[:, :, :q_len],
+                             is_causal=is_causal)
+
+
 def _skip_if_too_wide(warpgroups: int) -> None:
   """Skips a kernel of `warpgroups` warpgroups that could deadlock this
   process's interpreter (`test_interpreted_wide_forms_in_a_larger_pool`

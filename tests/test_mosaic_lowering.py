@@ -16,6 +16,7 @@ import pytest
 
 import jax_flash
 from pallas_kernels import compat as versions
+from pallas_kernels.masking import MaskSpec
 from tests.attention_checks import (DISPATCHED_TO_MOSAIC, DISPATCHED_TO_TRITON,
                                     Case, assert_forward_within_rule,
                                     check_against_reference, random_inputs)
@@ -212,13 +213,17 @@ def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
     (Case(1, 1000, 1000, 8, 2, 128), False),
     (Case(1, 1000, 1000, 4, 2, 256), True),   # shared K/V rows in dK/dV
     (Case(1, 1000, 1000, 4, 2, 160), True),   # at its own width
+    # Off the 8-row TMA tiling: rows padded (`attention._plain_attention`).
+    (Case(8, 197, 197, 12, 12, 64), False),   # ViT-B/16's tokens
+    (Case(1, 1001, 1001, 8, 2, 128), True),
 ], ids=str)
 def test_ragged_lengths_on_the_plain_kernels_on_gpu(case, is_causal,
                                                     monkeypatch):
   """Lengths that no tile divides (`common.ragged_lengths`): forward and
   gradients by the plain kernels, the masked ones patched to fail,
   against the reference; TMA's zero fill and clipped stores are their
-  tail handling, but for the forward's mask of the keys past kv_len."""
+  tail handling, but for the forward's mask of the keys past kv_len (and
+  a padded copy where the lengths are not whole 8-row tiles)."""
   from pallas_kernels.mosaic import attention
 
   def refuse(*_, **__):
@@ -552,6 +557,8 @@ def test_three_consumers_match_reference_on_gpu(case, dtype, is_causal,
     (256, 1000, 1000, True),    # d=256's: dK and dV on shared K/V rows
     _slow(160, 1000, 1000, True),   # at its own width, on d=256's rows
     _slow(176, 1000, 1000, True),   # no shared rows (176 / 2: no swizzle)
+    (64, 197, 197, False),      # ViT-B/16's tokens: rows padded to 200
+    _slow(128, 1001, 1001, True),   # padded to 1008
 ])
 def test_ragged_lengths_lower_on_the_plain_kernels(head_dim, q_len, kv_len,
                                                    is_causal, cuda_lowering,
@@ -587,13 +594,17 @@ def test_ragged_lengths_lower_on_the_plain_kernels(head_dim, q_len, kv_len,
     (1024, 1024, False, False),   # tiles divide
     (264, 136, True, False),      # the plain forward masks the key tail
     (1000, 1000, False, False),
-    (1001, 1001, True, True),     # off the 8-row TMA tiling: padded
-    (1000, 1004, False, True),
+    (1001, 1001, True, False),    # padded to 1008 rows, the key tail masked
+    (197, 197, False, False),
 ])
 def test_ragged_lengths_route(q_len, kv_len, is_causal, masked):
-  """Which lengths the plain kernels take (`common.ragged_lengths`) and
-  which go to the masked ones, which pad them to whole 8-row tiles."""
+  """The plain kernels take any lengths (`common.ragged_lengths`, padded
+  to whole 8-row tiles by `_plain_attention` where they are not); only
+  masks go to the masked kernels."""
   from pallas_kernels.mosaic import attention
   q = jax.ShapeDtypeStruct((1, q_len, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, kv_len, 4, 128), jnp.bfloat16)
   assert attention._masked(q, kv, is_causal, None) == masked
+  window = MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=True,
+                    window=(64, 0))
+  assert attention._masked(q, kv, True, window)

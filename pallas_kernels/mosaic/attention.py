@@ -19,8 +19,9 @@ soft cap 19.6 ms against 28.8 ms (`benchmarks/results/h200_masks_mosaic.md`).
 the Triton kernels if either ever regresses.
 
 `mosaic_attention` pads head dims the kernels do not take to the next they
-do and picks the plain or masked pair; `mosaic_attention_backward` gives
-its gradients from given residuals.
+do and picks the plain pair (any lengths, `_plain_attention`) or, for
+masks, the masked one; `mosaic_attention_backward` gives its gradients
+from given residuals.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from pallas_kernels.mosaic.common import (HEAD_DIM_MULTIPLE,
                                          SUPPORTED_HEAD_DIMS, ragged_lengths)
 from pallas_kernels.mosaic.forward import mosaic_forward
 from pallas_kernels.mosaic.plan import backward_config, default_block_kv
-from pallas_kernels.mosaic.masked import mosaic_forward_masked
+from pallas_kernels.mosaic.masked import mosaic_forward_masked, pad_rows
 from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
 from pallas_kernels.triton.backward import flash_backward
 
@@ -62,7 +63,7 @@ def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
                      operands: Operands | None = None, bias=None,
                      sinks=None):
   """`flash_attention_mosaic` (or, for masks, the masked kernel) for any
-  head dim up to 256.
+  head dim up to 256 and any lengths (`_plain_attention`).
 
   `spec` and `operands` (`validation.Operands`) describe masks beyond
   `is_causal`, `bias` (None, or [B | 1, N | 1, Tq, Tk]) the spec's bias;
@@ -86,9 +87,27 @@ def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
                                              operands or Operands(), scale,
                                              spec, backward_blocks, sinks)
   else:
-    out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
-                                      backward_blocks, sinks)
+    out, lse = _plain_attention(query, key, value, scale, is_causal,
+                                backward_blocks, sinks)
   return out[..., :head_dim], lse
+
+
+def _plain_attention(query, key, value, scale, is_causal, backward_blocks,
+                     sinks):
+  """`flash_attention_mosaic`, on rows zero-padded to whole 8-row TMA tiles
+  where the lengths are not (`common.ragged_lengths`; a copy, as the
+  masked kernels make): the forward masks the padded keys wherever a query
+  may see them (`mosaic_forward(kv_len=)`), the backward needs no mask
+  (zero K and V add nothing to dQ; the padded rows' gradients and outputs
+  are sliced off, the padding's gradient by autodiff)."""
+  q_len, kv_len = query.shape[1], key.shape[1]
+  if ragged_lengths(q_len, kv_len):
+    return flash_attention_mosaic(query, key, value, scale, is_causal,
+                                  backward_blocks, sinks)
+  query, key, value = (pad_rows(x) for x in (query, key, value))
+  out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
+                                    backward_blocks, sinks, kv_len)
+  return out[:, :q_len], lse[:, :, :q_len]
 
 
 def mosaic_attention_backward(query, key, value, out, lse, d_out, d_lse, *,
@@ -115,7 +134,7 @@ def mosaic_attention_backward(query, key, value, out, lse, d_out, d_lse, *,
         scale, spec, backward_blocks,
         (*residuals, None, operands or Operands(), None), cotangents)
   else:
-    dq, dk, dv, _ = _bwd(scale, is_causal, backward_blocks,
+    dq, dk, dv, _ = _bwd(scale, is_causal, backward_blocks, None,
                          (*residuals, None), cotangents)
   return tuple(x[..., :head_dim] for x in (dq, dk, dv))
 
@@ -138,12 +157,11 @@ def _pad_head_dim(*arrays):
 
 
 def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
-  """Whether a call goes to the masked kernels (masks beyond `is_causal`,
-  or lengths the plain kernel's tiles do not divide)."""
+  """Whether a call goes to the masked kernels: masks beyond `is_causal`.
+  The plain kernels take any lengths (`_plain_attention`)."""
   plain = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
                    is_causal=is_causal)
-  if (spec is None or spec == plain) and (
-      _tile_aligned(query, key) or not MASKED_KERNEL_ENABLED):
+  if spec is None or spec == plain:
     return False
   if not MASKED_KERNEL_ENABLED:
     raise NotImplementedError(
@@ -152,39 +170,38 @@ def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
   return True
 
 
-def _tile_aligned(query, key) -> bool:
-  """Whether the plain kernels take the lengths (else: masked): their
-  tiles divide them, or they are whole 8-row TMA tiles
-  (`common.ragged_lengths`)."""
-  return _divides(query, key) or ragged_lengths(query.shape[1], key.shape[1])
-
-
 def _divides(query, key) -> bool:
   """Whether the plain kernels' tiles divide the lengths."""
   return (query.shape[1] % (2 * 64) == 0
           and key.shape[1] % default_block_kv(query.shape[-1]) == 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 7))
 def flash_attention_mosaic(query, key, value, scale: float, is_causal: bool,
-                           backward_blocks: BlockSizes, sinks=None):
+                           backward_blocks: BlockSizes, sinks=None,
+                           kv_len: int | None = None):
   """Exact attention on sm90; returns (out [B, Tq, N, D], lse f32 [B, N, Tq]).
 
   `backward_blocks` are the Triton backward's tiles, for the calls the
   Mosaic backward does not cover. `sinks`: float32 [N] or None, in the
-  forward's epilogue (`mosaic_forward`).
+  forward's epilogue; `kv_len`: key's rows past it are zero padding
+  (`mosaic_forward`'s).
   """
   return mosaic_forward(query, key, value, scale=scale, is_causal=is_causal,
-                        sinks=sinks)
+                        sinks=sinks, kv_len=kv_len)
 
 
-def _fwd(query, key, value, scale, is_causal, backward_blocks, sinks):
+def _fwd(query, key, value, scale, is_causal, backward_blocks, sinks, kv_len):
   out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
-                                    backward_blocks, sinks)
+                                    backward_blocks, sinks, kv_len)
   return (out, lse), (query, key, value, out, lse, sinks)
 
 
-def _bwd(scale, is_causal, backward_blocks, residuals, cotangents):
+def _bwd(scale, is_causal, backward_blocks, kv_len, residuals, cotangents):
+  """The plain backward kernels; they need no mask for zero-padded keys
+  (`kv_len`: zero K and V add nothing to dQ, and their own dK and dV are
+  the padding's), so it goes unused here."""
+  del kv_len
   query, key, value, out, lse, sinks = residuals
   d_out, d_lse = cotangents
   d_sinks = sink_gradient(sinks, out, lse, d_out, d_lse)

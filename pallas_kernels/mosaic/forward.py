@@ -80,7 +80,7 @@ _MAX_RESCALE_THRESHOLD = 8.0
 
 
 def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
-                   sinks=None, **options):
+                   sinks=None, kv_len: int | None = None, **options):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -104,6 +104,10 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     sinks: float32 [num_heads] or None: a logit per head that joins every
       row's softmax denominator (as `masking.apply_sinks`), in the kernel's
       epilogue.
+    kv_len: the keys, of key's rows (None: all); the rows past it are
+      padding (a caller's copy to whole 8-row TMA tiles), masked wherever
+      a query may see them (`common.masks_key_tail`) and never loaded past
+      the K/V block that holds key kv_len - 1.
     **options: fields of `plan.ForwardConfig` replacing the plan's choice
       for this call (`plan.forward_config`): tiles, pipeline depth,
       consumers, grid, turns, the row sum's place, the lazy rescale. Every
@@ -123,7 +127,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       a dispatcher falls back.
   """
   config = forward_config(head_dim=query.shape[-1], is_causal=is_causal,
-                          q_len=query.shape[1], kv_len=key.shape[1],
+                          q_len=query.shape[1], kv_len=kv_len or key.shape[1],
                           **options)
   if config.num_consumers not in (2, 3):
     raise ValueError(f"num_consumers must be 2 or 3, got "
@@ -133,7 +137,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                            block_kv=config.block_kv,
                            max_concurrent_steps=config.max_concurrent_steps,
                            num_consumers=config.num_consumers,
-                           sinks=sinks is not None)
+                           sinks=sinks is not None, kv_len=kv_len)
   static = dataclasses.replace(
       static, split_handover=True, tile_fastest=True,
       # Three consumers always take hardware turns (`turns.RingTurns`).
@@ -311,15 +315,23 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
                     block_kv, max_concurrent_steps,
                     fp8_out_dtype=None, spec=None,
                     num_consumers: int = NUM_CONSUMERS,
-                    sinks: bool = False) -> KernelStatic:
+                    sinks: bool = False,
+                    kv_len: int | None = None) -> KernelStatic:
   """Validates the call; anything this kernel lacks is NotImplementedError.
 
   `fp8_out_dtype` is given for the FP8 kernel (inputs float8_e4m3fn), `spec`
   for the ranged (masked) one, which takes any lengths; `sinks` where the
-  epilogue takes them (`KernelStatic.sinks`).
+  epilogue takes them (`KernelStatic.sinks`); `kv_len` where key's rows
+  past it are padding (`mosaic_forward`'s).
   """
   _, q_len, num_heads, head_dim = query.shape
-  kv_len, num_kv_heads = check_layout(query, key, value)
+  rows, num_kv_heads = check_layout(query, key, value)
+  if kv_len is None:
+    kv_len = rows
+  elif spec is not None or fp8_out_dtype is not None or not (
+      0 < kv_len <= rows):
+    raise ValueError(f"kv_len {kv_len} must be from 1 to key's {rows} rows, "
+                     "and only in the plain 16-bit kernel")
   dtype = jnp.dtype(query.dtype)
   fp8 = fp8_out_dtype is not None
   if fp8 and dtype != FP8:
@@ -342,9 +354,10 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   # tile (see `consumer_rows`).
   q_multiple = block_q * (num_consumers if num_consumers == NUM_CONSUMERS
                           else 1)
-  # Lengths the tiles do not divide (`ragged_lengths`); FP8's transposed V
-  # would need its key axis padded (as with a spec).
-  ragged = spec is None and not fp8 and ragged_lengths(q_len, kv_len)
+  # Lengths the tiles do not divide (`ragged_lengths`, of the arrays' rows:
+  # TMA's 8-row tiling); FP8's transposed V would need its key axis padded
+  # (as with a spec).
+  ragged = spec is None and not fp8 and ragged_lengths(q_len, rows)
   if spec is None and q_len % q_multiple and not ragged:
     raise NotImplementedError(
         f"q_len {q_len} must be a multiple of {q_multiple} "
