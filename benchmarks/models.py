@@ -121,6 +121,10 @@ CELLS = (
     C("ragged_causal_12000", "Llama 3 8B", 2, 12000, 32, 8, 128),
     C("padded_lengths_causal_2k", "Llama 3 8B", 16, 2048, 32, 8, 128,
       padded=True),
+    # An encoder's tokens off the 8-row tiling (196 patches and a class
+    # token): the plain kernels on rows padded to 200, the keys past 197
+    # masked.
+    C("ragged_vit_197", "ViT-B/16", 128, 197, 12, 12, 64, causal=False),
 )
 CELLS_BY_NAME = {cell.name: cell for cell in CELLS}
 # One cell of each kind, shrunk by `smoke_cell`: the CPU test's run.
