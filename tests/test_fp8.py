@@ -421,11 +421,14 @@ def test_mosaic_kernel_matches_dequantised_reference_on_gpu(
 @pytest.mark.parametrize("head_dim, block_kv", FP8_LARGE_TILES)
 def test_mosaic_kernel_on_large_tiles_on_gpu(head_dim, block_kv, is_causal):
   """As above on the larger K/V tiles the FP8 tile sweep times (at d=256
-  O then leaves in two column pieces): kv_len 2048."""
-  _check_kernel_on_gpu(head_dim, 2048, is_causal, False, block_kv=block_kv)
+  O then leaves in two column pieces), per-tensor scales as the sweep's
+  (a block of K rows per factor must hold whole tiles): kv_len 2048."""
+  _check_kernel_on_gpu(head_dim, 2048, is_causal, False, block_kv=block_kv,
+                       granularity="tensor")
 
 
-def _check_kernel_on_gpu(head_dim, seq, is_causal, incoherent, **options):
+def _check_kernel_on_gpu(head_dim, seq, is_causal, incoherent, *,
+                         granularity="block", **options):
   """The rule of `test_mosaic_kernel_matches_dequantised_reference_on_gpu`
   for the Mosaic kernel with `options` (`mosaic_forward_fp8`'s)."""
   if not ON_SM90:
@@ -433,7 +436,8 @@ def _check_kernel_on_gpu(head_dim, seq, is_causal, incoherent, **options):
   q, _, _ = outlier_qkv(seq, batch=2, seq=1000, heads=8, head_dim=head_dim)
   _, k, v = outlier_qkv(seq + 1, batch=2, seq=seq, heads=8,
                         head_dim=head_dim, kv_heads=2)
-  fp8 = quantize_qkv(q, k, v, incoherent=incoherent, seed=seq)
+  fp8 = quantize_qkv(q, k, v, incoherent=incoherent, seed=seq,
+                     granularity=granularity)
   if options:
     from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
     q8, k8, v8 = fp8

@@ -397,9 +397,6 @@ FUSED_BACKWARD_CASES = [
     (Case(1, 256, 256, 2, 1, 64), True, dict(persistent=False)),
     # d=128's 64-row Q tiles, with the opaque resident rows.
     (Case(1, 128, 256, 1, 1, 128), False, dict()),
-    # A ragged q_len (`common.ragged_lengths`): the last Q tile's dQ
-    # pieces reduce-added partly past q_len.
-    (Case(1, 200, 256, 1, 1, 128), False, dict()),
 ]
 
 

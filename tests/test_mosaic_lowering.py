@@ -208,22 +208,18 @@ def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
     (Case(2, 1000, 1000, 8, 2, 64), True),    # d=64's 128-row Q tiles
     (Case(1, 5000, 5000, 8, 2, 128), True),   # the model suite's cell
     (Case(2, 136, 264, 4, 4, 128), True),     # a consumer past q_len
-    (Case(2, 264, 136, 4, 4, 128), True),     # the key tail masked
-    (Case(2, 1000, 1000, 8, 2, 64), False),   # three consumers, key tail
-    (Case(1, 1000, 1000, 8, 2, 128), False),
     (Case(1, 1000, 1000, 4, 2, 256), True),   # shared K/V rows in dK/dV
     (Case(1, 1000, 1000, 4, 2, 160), True),   # at its own width
     # Off the 8-row TMA tiling: rows padded (`attention._plain_attention`).
-    (Case(8, 197, 197, 12, 12, 64), False),   # ViT-B/16's tokens
     (Case(1, 1001, 1001, 8, 2, 128), True),
 ], ids=str)
 def test_ragged_lengths_on_the_plain_kernels_on_gpu(case, is_causal,
                                                     monkeypatch):
-  """Lengths that no tile divides (`common.ragged_lengths`): forward and
-  gradients by the plain kernels, the masked ones patched to fail,
-  against the reference; TMA's zero fill and clipped stores are their
-  tail handling, but for the forward's mask of the keys past kv_len (and
-  a padded copy where the lengths are not whole 8-row tiles)."""
+  """Causal lengths that no tile divides, q_len <= kv_len
+  (`attention._plain_lengths`): forward and gradients by the plain
+  kernels, the masked ones patched to fail, against the reference; TMA's
+  zero fill and clipped stores are their tail handling (and a padded copy
+  where the lengths are not whole 8-row tiles)."""
   from pallas_kernels.mosaic import attention
 
   def refuse(*_, **__):
@@ -550,15 +546,11 @@ def test_three_consumers_match_reference_on_gpu(case, dtype, is_causal,
 @pytest.mark.parametrize("head_dim, q_len, kv_len, is_causal", [
     (64, 1000, 1000, True),     # d=64's plan: 128-row Q tiles, persistent
     _slow(128, 5000, 5000, True),   # d=128's: the launch grid, lse early
-    _slow(128, 136, 264, True),     # q_len < kv_len, a tile past q_len
-    (128, 264, 136, True),      # q_len > kv_len: the key tail masked
-    _slow(128, 1000, 1000, False),  # the key tail masked
-    (64, 1000, 1000, False),    # d=64's plan, the key tail masked
+    (128, 136, 264, True),      # q_len < kv_len, a tile past q_len
     (256, 1000, 1000, True),    # d=256's: dK and dV on shared K/V rows
     _slow(160, 1000, 1000, True),   # at its own width, on d=256's rows
     _slow(176, 1000, 1000, True),   # no shared rows (176 / 2: no swizzle)
-    (64, 197, 197, False),      # ViT-B/16's tokens: rows padded to 200
-    _slow(128, 1001, 1001, True),   # padded to 1008
+    (128, 1001, 1001, True),    # padded to 1008, the forward's key tail
 ])
 def test_ragged_lengths_lower_on_the_plain_kernels(head_dim, q_len, kv_len,
                                                    is_causal, cuda_lowering,
@@ -592,15 +584,15 @@ def test_ragged_lengths_lower_on_the_plain_kernels(head_dim, q_len, kv_len,
     (1000, 1000, True, False),
     (136, 264, True, False),
     (1024, 1024, False, False),   # tiles divide
-    (264, 136, True, False),      # the plain forward masks the key tail
-    (1000, 1000, False, False),
-    (1001, 1001, True, False),    # padded to 1008 rows, the key tail masked
-    (197, 197, False, False),
+    (1001, 1001, True, False),    # padded to 1008
+    (264, 136, True, True),       # a real query would see a padded key
+    (1000, 1000, False, True),
+    (197, 197, False, True),
 ])
 def test_ragged_lengths_route(q_len, kv_len, is_causal, masked):
-  """The plain kernels take any lengths (`common.ragged_lengths`, padded
-  to whole 8-row tiles by `_plain_attention` where they are not); only
-  masks go to the masked kernels."""
+  """Which lengths the plain kernels take (`attention._plain_lengths`:
+  padded to whole 8-row tiles by `_plain_attention` where they are not)
+  and which go to the masked ones with the masks."""
   from pallas_kernels.mosaic import attention
   q = jax.ShapeDtypeStruct((1, q_len, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, kv_len, 4, 128), jnp.bfloat16)

@@ -157,17 +157,30 @@ def _pad_head_dim(*arrays):
 
 
 def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
-  """Whether a call goes to the masked kernels: masks beyond `is_causal`.
-  The plain kernels take any lengths (`_plain_attention`)."""
+  """Whether a call goes to the masked kernels: masks beyond `is_causal`,
+  or lengths the plain kernels do not take (`_plain_lengths`)."""
   plain = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
                    is_causal=is_causal)
   if spec is None or spec == plain:
-    return False
+    return MASKED_KERNEL_ENABLED and not _plain_lengths(query, key,
+                                                        is_causal)
   if not MASKED_KERNEL_ENABLED:
     raise NotImplementedError(
         "the masked Mosaic kernel is not enabled (MASKED_KERNEL_ENABLED); "
         f"masks run on the Triton kernels (got {spec})")
   return True
+
+
+def _plain_lengths(query, key, is_causal: bool) -> bool:
+  """Whether the plain kernels take the lengths: their tiles divide them,
+  or under top-left causal masking with q_len <= kv_len no real query sees
+  a key past kv_len (rows padded to whole 8-row tiles where needed,
+  `_plain_attention`). Where a real query would see one (without causal
+  masking, or q_len > kv_len), the plain backward's dK came out wrong on
+  the H100 (benchmarks/NOTES.md, "Ragged lengths on the plain kernels"):
+  the masked kernels take those."""
+  return _divides(query, key) or (is_causal and
+                                  query.shape[1] <= key.shape[1])
 
 
 def _divides(query, key) -> bool:

@@ -115,7 +115,12 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       back.
   """
   config = _config(query, key, is_causal, options)
-  any_lengths = ragged_lengths(query.shape[1], key.shape[1])
+  # Ragged lengths only where no real query sees a padded key: on the
+  # H100 the key tail's other cases gave wrong dK (benchmarks/NOTES.md,
+  # "Ragged lengths on the plain kernels").
+  q_len, kv_len = query.shape[1], key.shape[1]
+  any_lengths = ragged_lengths(q_len, kv_len) and is_causal and (
+      q_len <= kv_len)
   check_supported(query, key, value, out, lse, d_out, d_lse,
                   block_q=config.block_q, block_kv=config.block_kv,
                   max_concurrent_steps=config.max_concurrent_steps,
