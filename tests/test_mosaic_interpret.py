@@ -351,16 +351,6 @@ BACKWARD_CASES = [
     # another order would pair query heads with the wrong K/V head).
     slow(Case(1, 128, 256, 4, 2, 64), True,
          dict(persistent=False, kv_head_copies=2)),
-    # Ragged lengths on the plain kernels (`common.ragged_lengths`: no
-    # mask), as the forward's cases: d=64's plan (128-row Q tiles,
-    # persistent), GQA 2:1; d=128's launch grid with kv_len > q_len and
-    # < q_len; without causal masking; d=256's plan above 1k, dK/dV with
-    # shared K/V rows.
-    (Case(1, 200, 200, 2, 1, 64), True, dict(block_q=128, num_ctas=2)),
-    slow(Case(1, 136, 264, 1, 1, 128), True, dict(persistent=False)),
-    slow(Case(1, 264, 136, 1, 1, 128), True, dict(persistent=False)),
-    (Case(1, 200, 136, 2, 1, 64), False, dict(persistent=False)),
-    slow(Case(1, 136, 264, 1, 1, 256), True, dict(shared_rows=True)),
 ]
 
 

@@ -224,8 +224,7 @@ def test_ragged_lengths_on_the_plain_kernels_on_gpu(case, is_causal,
 
   def refuse(*_, **__):
     raise AssertionError("a ragged call reached the masked kernels")
-  for name in ("mosaic_forward_masked", "mosaic_backward_masked",
-               "flash_backward"):
+  for name in ("mosaic_forward_masked", "flash_backward"):
     monkeypatch.setattr(attention, name, refuse)
   _check_mosaic_against_reference(case, jnp.bfloat16, is_causal)
 
@@ -564,7 +563,6 @@ def test_ragged_lengths_lower_on_the_plain_kernels(head_dim, q_len, kv_len,
   def refuse(*_, **__):
     raise AssertionError("a ragged call reached the masked kernels")
   monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
-  monkeypatch.setattr(attention, "mosaic_backward_masked", refuse)
   monkeypatch.setattr(attention, "flash_backward", refuse)
   q = jax.ShapeDtypeStruct((1, q_len, 4, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, kv_len, 2, head_dim), jnp.bfloat16)

@@ -175,12 +175,13 @@ def _plain_lengths(query, key, is_causal: bool) -> bool:
   """Whether the plain kernels take the lengths: their tiles divide them,
   or under top-left causal masking with q_len <= kv_len no real query sees
   a key past kv_len (rows padded to whole 8-row tiles where needed,
-  `_plain_attention`). Where a real query would see one (without causal
-  masking, or q_len > kv_len), the plain backward's dK came out wrong on
-  the H100 (benchmarks/NOTES.md, "Ragged lengths on the plain kernels"):
-  the masked kernels take those."""
+  `_plain_attention`), for the forward; their backward is the masked
+  kernels' (the plain one gave wrong dK on them on the H100,
+  benchmarks/NOTES.md, "Ragged lengths on the plain kernels")."""
   return _divides(query, key) or (is_causal and
                                   query.shape[1] <= key.shape[1])
+  # (The backward of such lengths is the masked kernels', `_bwd`: the
+  # plain one refuses them.)
 
 
 def _divides(query, key) -> bool:

@@ -115,12 +115,11 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       back.
   """
   config = _config(query, key, is_causal, options)
-  # Ragged lengths only where no real query sees a padded key: on the
-  # H100 the key tail's other cases gave wrong dK (benchmarks/NOTES.md,
-  # "Ragged lengths on the plain kernels").
-  q_len, kv_len = query.shape[1], key.shape[1]
-  any_lengths = ragged_lengths(q_len, kv_len) and is_causal and (
-      q_len <= kv_len)
+  # No ragged lengths: on the H100 this backward's dK came out wrong on
+  # them where the dK/dV kernel walks several query heads of a K/V head
+  # (benchmarks/NOTES.md, "Ragged lengths on the plain kernels"); the
+  # caller falls back to the masked backward.
+  any_lengths = False
   check_supported(query, key, value, out, lse, d_out, d_lse,
                   block_q=config.block_q, block_kv=config.block_kv,
                   max_concurrent_steps=config.max_concurrent_steps,
