@@ -126,15 +126,13 @@ TMA_ROW_TILE = 8
 
 
 def ragged_lengths(q_len: int, kv_len: int) -> bool:
-  """Whether the plain (unmasked) kernels take lengths their tiles need not
-  divide: whole TMA row tiles. Rows of a tile past either end load as
-  zeros and stores past q_len are dropped, which is nearly all a ragged
-  tail needs: a padded query row computes on zeros and is never written,
-  and in the backward its zero dO and delta (its statistics load as
-  zeros) give it zero dS and P dO, so nothing in dK and dV; a padded key
-  has zero K and V, so it adds nothing to dQ or to a real row's dP, and its
-  own dK and dV rows are dropped. Only the forward's softmax would count a
-  padded key: `masks_key_tail`."""
+  """Whether the plain forward takes lengths its tiles need not divide:
+  whole TMA row tiles. Rows of a tile past either end load as zeros and
+  stores past q_len are dropped, so a padded query row computes on zeros
+  and is never written; only the softmax would count a padded key
+  (`masks_key_tail`). The plain backward takes whole tiles only: on
+  ragged lengths its dK came out wrong on the H100 (benchmarks/NOTES.md,
+  "Ragged lengths on the plain kernels"), and the masked one runs them."""
   return q_len % TMA_ROW_TILE == 0 and kv_len % TMA_ROW_TILE == 0
 
 

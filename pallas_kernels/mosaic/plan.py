@@ -30,8 +30,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from pallas_kernels.mosaic.common import ragged_lengths
-
 # Lengths from lo to hi, both included; hi None: unbounded.
 Range = tuple[int, int | None]
 ANY: Range = (0, None)
@@ -287,15 +285,13 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
   `options` (`BackwardConfig`'s fields) replacing the row's.
 
   What the row plans but the kernels cannot take for this call falls back,
-  unless named in `options`: Q tiles that do not divide q_len to 64 rows
-  (but where no 64-row tile divides the lengths, `common.ragged_lengths`:
-  then any tiles);
+  unless named in `options`: Q tiles that do not divide q_len to 64 rows;
   the fused dQ where kv_len is not two consumers' K/V tiles or the dQ tile
   not one [64, 64] piece a consumer (head_dim 96's tile is not whole
   pieces) to the two kernels; shared rows where the halves of head_dim and
   block_q share no swizzle tile (at block_q 64: a head_dim not a multiple
   of 32, such as 176) to dK and dV apart; dQ tiles that do
-  not divide the lengths (but ragged ones) to the dK/dV kernel's; Sᵀ ahead without a ring of
+  not divide the lengths to the dK/dV kernel's; Sᵀ ahead without a ring of
   two stages or `overlap_softmax` to off. A persistent grid or dQ tiles
   named in `options` ask for the two kernels, and the fused dQ for the
   launch grid; a persistent grid drops the plan's Sᵀ ahead and dQ
@@ -304,11 +300,7 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
   config = dataclasses.replace(
       _row(BACKWARD_PLAN, head_dim, is_causal, q_len, kv_len), **options)
   planned = lambda name: name not in options
-  # Lengths that no 64-row tile divides take any tiles, partial at the
-  # end (`common.ragged_lengths`); others keep whole tiles.
-  ragged = ragged_lengths(q_len, kv_len) and bool(
-      q_len % _MIN_TILE or kv_len % _MIN_TILE)
-  if planned("block_q") and q_len % config.block_q and not ragged:
+  if planned("block_q") and q_len % config.block_q:
     config = dataclasses.replace(config, block_q=_MIN_TILE)
   if config.dq_tiles is not None and tuple(config.dq_tiles) == (
       config.block_q, config.block_kv):
@@ -328,8 +320,8 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
   if planned("persistent") and options.get("fused_dq"):
     config = dataclasses.replace(config, persistent=False)
   if planned("dq_tiles") and config.dq_tiles and (
-      config.persistent or (not ragged and (q_len % config.dq_tiles[0]
-                                            or kv_len % config.dq_tiles[1]))):
+      config.persistent or q_len % config.dq_tiles[0]
+      or kv_len % config.dq_tiles[1]):
     config = dataclasses.replace(config, dq_tiles=None)
   if planned("scores_ahead") and config.scores_ahead and (
       config.persistent or config.max_concurrent_steps < 2
