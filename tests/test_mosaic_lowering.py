@@ -216,16 +216,16 @@ def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
 def test_ragged_lengths_on_the_plain_kernels_on_gpu(case, is_causal,
                                                     monkeypatch):
   """Causal lengths that no tile divides, q_len <= kv_len
-  (`attention._plain_lengths`): forward and gradients by the plain
-  kernels, the masked ones patched to fail, against the reference; TMA's
-  zero fill and clipped stores are their tail handling (and a padded copy
-  where the lengths are not whole 8-row tiles)."""
+  (`attention._plain_lengths`): the forward by the plain kernel, the
+  masked forward patched to fail, and the gradients by the masked backward
+  (the plain backward refuses ragged lengths), against the reference;
+  TMA's zero fill and clipped stores are the forward's tail handling (and
+  a padded copy where the lengths are not whole 8-row tiles)."""
   from pallas_kernels.mosaic import attention
 
   def refuse(*_, **__):
-    raise AssertionError("a ragged call reached the masked kernels")
-  for name in ("mosaic_forward_masked", "flash_backward"):
-    monkeypatch.setattr(attention, name, refuse)
+    raise AssertionError("a ragged call reached the masked forward")
+  monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
   _check_mosaic_against_reference(case, jnp.bfloat16, is_causal)
 
 
