@@ -75,7 +75,15 @@ OWN_WIDTH_HEAD_DIMS = (80, 96, 160, 192)
 # (`plan.default_block_kv`) that fit its shared memory, which the FP8 tile
 # sweep times (FlashAttention-3's FP8 tiles: 160, 224 and 128 keys at
 # d=64, 128, 256).
-FP8_LARGE_TILES = ((64, 256), (128, 256), (256, 128))
+FP8_LARGE_TILES = ((64, 192), (64, 256), (128, 192), (128, 256), (256, 128))
+
+
+def fp8_tile_seq(seq: int, block_kv: int) -> int:
+  """`seq`, or where `block_kv` keys do not divide it (192) the next
+  length below that they do: the plain FP8 kernel's tiles divide kv_len."""
+  return seq - seq % block_kv
+
+
 # benchmarks.models' cells at those dims (name: batch, seq, heads, head
 # dim), causal, through `mosaic_attention`.
 OWN_WIDTH_CALLS = {"dim96_causal_2k": (8, 2048, 32, 96),
@@ -347,12 +355,13 @@ def calls():
   # (`tune_mosaic --kernels forward_fp8_tiles`).
   for d, block_kv in FP8_LARGE_TILES:
     batch, heads = 4, 2048 // d
-    x = fp8(batch, 4096, heads, d)
+    seq = fp8_tile_seq(4096, block_kv)
+    x = fp8(batch, seq, heads, d)
     for causal in (False, True):
       forward = lambda q, k, v, a, b, c, d=d, causal=causal, n=block_kv: (
           mosaic_forward_fp8(q, k, v, q_descale=a, k_descale=b, v_descale=c,
                              scale=d**-0.5, is_causal=causal, block_kv=n))
-      yield (f"fp8 tiles seq4096 d{d} block_kv{block_kv} "
+      yield (f"fp8 tiles seq{seq} d{d} block_kv{block_kv} "
              f"causal{int(causal)}", forward,
              (x, x, x, f32(batch, heads), f32(batch, heads),
               f32(batch, heads)))

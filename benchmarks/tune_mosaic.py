@@ -143,8 +143,13 @@ BETWEEN_TILES_SPACE = dict(block_kv=(64, 128))
 # work (the row max's shuffles, O's rescale, the barriers) weighs twice
 # as much against its matmuls, and FlashAttention-3 takes longer steps in
 # FP8 (kBlockN 160, 224, 128 at d=64, 128, 256; 128, 128, 80 in 16 bits).
-# A candidate that does not fit shared memory is recorded as refused.
-FP8_TILES_SPACE = dict(block_kv=(64, 128, 256), max_concurrent_steps=(2, 3))
+# 192 keys (V's transposed tile in 64-byte swizzle tiles, 192 bytes a row)
+# sits between 128 and the 256 whose S takes 128 registers a thread at
+# d=128; the plain FP8 kernel needs tiles that divide kv_len, so the sweep
+# runs at seq 12288, which all four divide. A candidate that does not fit
+# shared memory is recorded as refused.
+FP8_TILES_SPACE = dict(block_kv=(64, 128, 192, 256),
+                       max_concurrent_steps=(2, 3))
 
 
 # The masked kernels on a causal sliding window of MASKED_WINDOW keys
@@ -466,8 +471,11 @@ def sweep_cell(kernel: str, seq: int, head_dim: int, causal: bool, *,
   times in turn, each trial keeping the median of its rounds."""
   build, space, flops_factor, _ = KERNELS[kernel]
   # A head dim that does not divide the grid's hidden 2048 (160, 176, ...)
-  # takes the most whole heads below it.
+  # takes the most whole heads below it; a seq that does not divide the
+  # grid's 16k tokens (12288, which 192-key tiles divide) the most whole
+  # sequences (at least one).
   cell = common.Cell.standard("fwd", seq, head_dim, causal,
+                              tokens=seq * max(1, 16384 // seq),
                               hidden=head_dim * (2048 // head_dim))
   runs = []
   for blocks in candidates(space):

@@ -14,7 +14,7 @@ import pytest
 from benchmarks import fp8_accuracy
 from benchmarks.fp8_accuracy import (emulated_fp8_attention, outlier_qkv,
                                      reference_float64, rmse)
-from benchmarks.lower_mosaic import FP8_LARGE_TILES
+from benchmarks.lower_mosaic import FP8_LARGE_TILES, fp8_tile_seq
 from jax_flash import (Fp8Tensor, attention_reference, flash_attention_fp8,
                        hadamard_rotation, numerics, quantize_fp8,
                        quantize_qkv)
@@ -421,10 +421,11 @@ def test_mosaic_kernel_matches_dequantised_reference_on_gpu(
 @pytest.mark.parametrize("head_dim, block_kv", FP8_LARGE_TILES)
 def test_mosaic_kernel_on_large_tiles_on_gpu(head_dim, block_kv, is_causal):
   """As above on the larger K/V tiles the FP8 tile sweep times (at d=256
-  O then leaves in two column pieces), per-tensor scales as the sweep's
-  (a block of K rows per factor must hold whole tiles): kv_len 2048."""
-  _check_kernel_on_gpu(head_dim, 2048, is_causal, False, block_kv=block_kv,
-                       granularity="tensor")
+  O then leaves in two column pieces; 192 keys in 64-byte swizzle tiles of
+  V's transpose), per-tensor scales as the sweep's (a block of K rows per
+  factor must hold whole tiles): kv_len 2048, or 1920 for 192-key tiles."""
+  _check_kernel_on_gpu(head_dim, fp8_tile_seq(2048, block_kv), is_causal,
+                       False, block_kv=block_kv, granularity="tensor")
 
 
 def _check_kernel_on_gpu(head_dim, seq, is_causal, incoherent, *,

@@ -756,16 +756,19 @@ def test_interpreted_alibi_columns_backward(monkeypatch, with_bias):
     assert_within_rule(grad, ours, exact[grad], lowp[grad])
 
 
-@pytest.mark.parametrize("head_dim, block_kv", [(64, 64), (256, 128)])
+@pytest.mark.parametrize("head_dim, block_kv, kv_len", [
+    (64, 64, 128), (256, 128, 128), (128, 192, 384)])
 @pytest.mark.parametrize("is_causal", [slow(False), slow(True)])
 def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
-                                                   block_kv):
+                                                   block_kv, kv_len):
   """The FP8 forward (P as wgmma's register operand, V's keys permuted in
   its transpose, `mosaic_interpret` giving `fp8_operand`'s permutation of
   P) against float32 attention within twice the emulated FP8
   arithmetic's error (tests/test_mosaic_fp8.py's rule). GQA 2:1, 128
   keys: two 64-key tiles at d=64; one 128-key tile at d=256, whose O
-  leaves in two column pieces (`forward_kernel.FP8_O_COLUMNS`). Fails if
+  leaves in two column pieces (`forward_kernel.FP8_O_COLUMNS`); at d=128
+  two 192-key tiles of 384 keys (V's transposed tile in 64-byte swizzle
+  tiles: 192 bytes a row). Fails if
   V's keys are left in order (error 0.64 against 0.014), if the second
   piece holds the first's columns (3.4-4.7 against 0.2), or if it is
   stored over the first (NaN: the columns never written)."""
@@ -774,8 +777,8 @@ def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
   from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
   keys = jax.random.split(jax.random.key(21), 3)
   q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key, shape in
-             zip(keys, ((1, 128, 2, head_dim), (1, 128, 1, head_dim),
-                        (1, 128, 1, head_dim))))
+             zip(keys, ((1, 128, 2, head_dim), (1, kv_len, 1, head_dim),
+                        (1, kv_len, 1, head_dim))))
   q8, k8, v8 = (public_fp8.quantize_fp8(x) for x in (q, k, v))
   out, _ = mosaic_interpret.run(
       mosaic_forward_fp8, q8.data, k8.data, v8.data, q_descale=q8.descale,
