@@ -65,7 +65,7 @@ for step in "$@"; do
         --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider -p no:benchmark -v \
         tests/test_mosaic_lowering.py tests/test_fp8.py tests/test_gpu.py \
         tests/test_mosaic_masked.py tests/test_mosaic_masked_backward.py \
-        -k "ragged or large_tiles or sinks or alibi_columns or max_free or dropout" \
+        -k "ragged or large_tiles or key_tail or sinks or alibi_columns or max_free or dropout" \
         > "$OUT/pytest_gpu_new.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu_new.log" | tail -30 ;;
     tests_shards)  # `tests` on a two-GPU host, a part of the suite on each

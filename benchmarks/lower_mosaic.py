@@ -365,6 +365,18 @@ def calls():
              f"causal{int(causal)}", forward,
              (x, x, x, f32(batch, heads), f32(batch, heads),
               f32(batch, heads)))
+  # The plain FP8 forward on a key tail: kv_len 1001 (K/V padded to whole
+  # blocks, the last one masked past kv_len without a causal mask).
+  for d in (64, 128, 256):
+    batch, heads = 2, 2048 // d
+    q, kv = fp8(batch, 1000, heads, d), fp8(batch, 1001, heads, d)
+    for causal in (False, True):
+      forward = lambda q, k, v, a, b, c, d=d, causal=causal: (
+          mosaic_forward_fp8(q, k, v, q_descale=a, k_descale=b, v_descale=c,
+                             scale=d**-0.5, is_causal=causal))
+      yield (f"fp8 key tail kv1001 d{d} causal{int(causal)}", forward,
+             (q, kv, kv, f32(batch, heads), f32(batch, heads),
+              f32(batch, heads)))
   for d in HEAD_DIMS + OWN_WIDTH_HEAD_DIMS:
     for name, fn, shapes in kernels(d):
       yield f"option {name}", fn, [bf16(*shape) for shape in shapes]

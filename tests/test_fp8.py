@@ -418,6 +418,16 @@ def test_mosaic_kernel_matches_dequantised_reference_on_gpu(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_mosaic_kernel_on_a_key_tail_on_gpu(head_dim, is_causal):
+  """As above at kv_len 1001, which no K/V tile divides, on the plain
+  kernel (no spec): K/V rows padded to 1008, TMA's zero fill past them,
+  the last block masked past kv_len without a causal mask."""
+  _check_kernel_on_gpu(head_dim, 1001, is_causal, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim, block_kv", FP8_LARGE_TILES)
 def test_mosaic_kernel_on_large_tiles_on_gpu(head_dim, block_kv, is_causal):
   """As above on the larger K/V tiles the FP8 tile sweep times (at d=256

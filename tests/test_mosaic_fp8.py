@@ -135,11 +135,15 @@ def test_fp8_forward_rejects_descale_blocks_across_tiles():
         is_causal=False), q)
 
 
+# kv_len 1001: no K/V tile divides it, rows padded to 1008, the last block
+# masked past kv_len (non-causal) on the plain kernel.
+@pytest.mark.parametrize("kv_len", [384, 1001])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fp8_forward_lowers_for_cuda(head_dim, is_causal, lowering_semantics):
+def test_fp8_forward_lowers_for_cuda(head_dim, is_causal, kv_len,
+                                     lowering_semantics):
   q = jax.ShapeDtypeStruct((2, 256, 4, head_dim), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, 384, 2, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, kv_len, 2, head_dim), jnp.bfloat16)
   call = lambda q, k, v: quantized_forward(q, k, v, is_causal=is_causal,
                                            per_block=head_dim == 128)
   lowered = jax.jit(call).trace(q, kv, kv).lower(lowering_platforms=("cuda",))

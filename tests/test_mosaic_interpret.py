@@ -757,7 +757,8 @@ def test_interpreted_alibi_columns_backward(monkeypatch, with_bias):
 
 
 @pytest.mark.parametrize("head_dim, block_kv, kv_len", [
-    (64, 64, 128), (256, 128, 128), (128, 192, 384)])
+    (64, 64, 128), (256, 128, 128), (128, 192, 384), (64, 64, 197),
+    (128, 192, 200)])
 @pytest.mark.parametrize("is_causal", [slow(False), slow(True)])
 def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
                                                    block_kv, kv_len):
@@ -768,7 +769,9 @@ def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
   keys: two 64-key tiles at d=64; one 128-key tile at d=256, whose O
   leaves in two column pieces (`forward_kernel.FP8_O_COLUMNS`); at d=128
   two 192-key tiles of 384 keys (V's transposed tile in 64-byte swizzle
-  tiles: 192 bytes a row). Fails if
+  tiles: 192 bytes a row); key tails, the last block masked past kv_len
+  without a causal mask (kv_len 197: K/V rows padded to 200; 200 on
+  192-key tiles). Fails if
   V's keys are left in order (error 0.64 against 0.014), if the second
   piece holds the first's columns (3.4-4.7 against 0.2), or if it is
   stored over the first (NaN: the columns never written)."""

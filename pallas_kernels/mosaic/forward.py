@@ -328,10 +328,9 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   rows, num_kv_heads = check_layout(query, key, value)
   if kv_len is None:
     kv_len = rows
-  elif spec is not None or fp8_out_dtype is not None or not (
-      0 < kv_len <= rows):
+  elif spec is not None or not 0 < kv_len <= rows:
     raise ValueError(f"kv_len {kv_len} must be from 1 to key's {rows} rows, "
-                     "and only in the plain 16-bit kernel")
+                     "and only in the plain kernels")
   dtype = jnp.dtype(query.dtype)
   fp8 = fp8_out_dtype is not None
   if fp8 and dtype != FP8:
@@ -355,9 +354,9 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   q_multiple = block_q * (num_consumers if num_consumers == NUM_CONSUMERS
                           else 1)
   # Lengths the tiles do not divide (`ragged_lengths`, of the arrays' rows:
-  # TMA's 8-row tiling); FP8's transposed V would need its key axis padded
-  # (as with a spec).
-  ragged = spec is None and not fp8 and ragged_lengths(q_len, rows)
+  # TMA's 8-row tiling; FP8's transposed V has its key axis padded,
+  # `fp8.mosaic_forward_fp8`).
+  ragged = spec is None and ragged_lengths(q_len, rows)
   if spec is None and q_len % q_multiple and not ragged:
     raise NotImplementedError(
         f"q_len {q_len} must be a multiple of {q_multiple} "
@@ -402,7 +401,7 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
       spec=spec, scale=float(scale), num_consumers=num_consumers,
       q_len=q_len, sinks=bool(sinks),
       ragged_tail=ragged and bool(q_len % q_multiple or kv_len % block_kv),
-      kv_len=kv_len,
+      kv_len=kv_len, key_rows=rows,
       key_tail=ragged and masks_key_tail(q_len, kv_len, block_kv, is_causal))
 
 

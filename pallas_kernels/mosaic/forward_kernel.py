@@ -181,6 +181,7 @@ class KernelStatic:
   ragged_tail: bool = False
   kv_len: int = 0
   key_tail: bool = False
+  key_rows: int = 0  # K's rows: kv_len, or more where padded
 
   @property
   def ranged(self) -> bool:
@@ -565,11 +566,14 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
 
 def _kv_rows(step, static: KernelStatic):
   """K/V rows of block `step`. With a ragged tail (`static.ragged_tail`) a
-  static start goes through `pl.multiple_of`, which leaves it a traced
-  value: Pallas refuses a static slice that reaches past the array's end,
-  where TMA reads zeros."""
+  static start whose block reaches past K's rows goes through
+  `pl.multiple_of`, which leaves it a traced value: Pallas refuses a
+  static slice past the array's end, where TMA reads zeros. (The FP8
+  kernel's K and V come in whole blocks: under warpgroup lowering Mosaic
+  GPU's FP8 copies do not take such a start.)"""
   start = step * static.block_kv
-  if static.ragged_tail and isinstance(start, int):
+  if (static.ragged_tail and isinstance(start, int)
+      and start + static.block_kv > static.key_rows):
     start = pl.multiple_of(start, static.block_kv)
   return pl.ds(start, static.block_kv)
 

@@ -65,9 +65,10 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
 
   Any q_len: Q is padded with zero rows to the kernel's tile (block_q
   times the consumers) and their outputs dropped; causal masks are top-left
-  aligned, so the real rows see the same keys. Without a spec, kv_len must
-  be a multiple of block_kv (NotImplementedError: a padded key would be
-  attended to); with one, any kv_len (keys past it are masked).
+  aligned, so the real rows see the same keys. Any kv_len: without a spec
+  the last K/V block is masked past kv_len where a query may see there
+  (`common.masks_key_tail`), as in the 16-bit plain kernel; with one the
+  plan rows mask it.
 
   Returns:
     out [batch, q_len, num_heads, head_dim] in `out_dtype`, lse float32
@@ -96,6 +97,12 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
   k_descale_rows = k_descale_rows or block_kv
   tile_rows = block_q * forward_kernel.NUM_CONSUMERS
   query = jnp.pad(query, ((0, 0), (0, -q_len % tile_rows), (0, 0), (0, 0)))
+  # Any kv_len: K and V zero-padded to whole K/V blocks (a copy, only for
+  # such lengths; V's transpose copies it anyway), keys past kv_len masked
+  # (without a spec where a query may see there, `forward.check_supported`'s
+  # kv_len; with one by the plan rows).
+  kv_len = key.shape[1]
+  key, value = (masked.pad_rows(x, block_kv) for x in (key, value))
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype not in common.SUPPORTED_DTYPES:
     raise NotImplementedError(
@@ -104,7 +111,8 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                                    is_causal=is_causal, block_q=block_q,
                                    block_kv=block_kv,
                                    max_concurrent_steps=max_concurrent_steps,
-                                   fp8_out_dtype=out_dtype, spec=spec)
+                                   fp8_out_dtype=out_dtype, spec=spec,
+                                   kv_len=None if spec else kv_len)
   if lazy_rescale is None:
     lazy_rescale = query.shape[-1] in plan.FP8_LAZY_RESCALE_HEAD_DIMS
   static = dataclasses.replace(static,
@@ -113,22 +121,20 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
       query.shape, key.shape,
       per_tile(q_descale, q_descale_rows, q_len, block_q,
                static.num_q_blocks, "q_descale"),
-      per_tile(k_descale, k_descale_rows, key.shape[1], block_kv,
+      per_tile(k_descale, k_descale_rows, kv_len, block_kv,
                static.num_kv_blocks, "k_descale"),
       v_descale, static)
   # [batch, kv_heads, head_dim, kv_len]: an XLA transpose, one pass over V
   # in FP8 (FA3 transposes in the kernel instead).
   value_t = jnp.transpose(value, (0, 2, 3, 1))
   ranged = {}
-  if spec is not None:  # keys past kv_len masked: whole swizzle tiles of V
-    value_t = masked.pad_tiles(value_t, static.block_kv)
+  if spec is not None:
     ranged, plan_heads = _ranged_operands(
         static, query, key, q_offset=q_offset, q_lengths=q_lengths,
         kv_lengths=kv_lengths, q_segments=q_segments,
         kv_segments=kv_segments, alibi_slopes=alibi_slopes,
         block_mask=block_mask, dense_mask=dense_mask)
     static = dataclasses.replace(static, plan_heads=plan_heads)
-    key = masked.pad_rows(key)
   # In the order of P's columns as the kernel hands P V its register
   # operand (`common.fp8_operand`), fused with the transpose.
   value_t = common.interleave_fp8_keys(value_t)
@@ -140,8 +146,8 @@ def _ranged_operands(static: forward.KernelStatic, query, key, *, q_offset,
                      q_lengths, kv_lengths, q_segments, kv_segments,
                      alibi_slopes, block_mask, dense_mask):
   """(`forward.launch`'s keyword operands of the masked kernel, plan
-  heads) for the FP8 call `static` (its spec), on query padded to the
-  kernel's tiles: the plan rows (`masked.plan_rows`), the segment ids
+  heads) for the FP8 call `static` (its spec), on query and key padded to
+  the kernel's tiles: the plan rows (`masked.plan_rows`), the segment ids
   padded like the rows, the ALiBi slope rows, the int8 dense mask."""
   spec = static.spec
   batch = query.shape[0]
@@ -154,7 +160,7 @@ def _ranged_operands(static: forward.KernelStatic, query, key, *, q_offset,
   if spec.has_segments:
     operands["segments"] = (
         masked.pad_ids(q_segments, query.shape[1]),
-        masked.pad_ids(kv_segments, masked.pad_rows(key).shape[1]))
+        masked.pad_ids(kv_segments, key.shape[1]))
   if spec.has_alibi:
     operands["slopes"] = common.slope_rows(alibi_slopes)
   if spec.has_dense_mask:
