@@ -354,8 +354,8 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   q_multiple = block_q * (num_consumers if num_consumers == NUM_CONSUMERS
                           else 1)
   # Lengths the tiles do not divide (`ragged_lengths`, of the arrays' rows:
-  # TMA's 8-row tiling; FP8's transposed V has its key axis padded,
-  # `fp8.mosaic_forward_fp8`).
+  # TMA's 8-row tiling; the FP8 kernel's K and V come padded to whole
+  # blocks, `fp8.mosaic_forward_fp8`).
   ragged = spec is None and ragged_lengths(q_len, rows)
   if spec is None and q_len % q_multiple and not ragged:
     raise NotImplementedError(
