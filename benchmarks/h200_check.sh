@@ -180,11 +180,11 @@ for step in "$@"; do
         --out "$OUT/h200_mosaic_between_tiles.json" > "$LOGS/between.log" 2>&1
       tail -6 "$LOGS/between.log" ;;
     fp8_tiles)  # the FP8 forward's K/V tile and ring depth (issue 40's
-                # speed; `tune_mosaic`'s FP8_TILES_SPACE), at 12k (which
-                # 64-, 128-, 192- and 256-key tiles divide), two rounds;
+                # speed; `tune_mosaic`'s FP8_TILES_SPACE), at 16k (192-key
+                # tiles with a masked partial last block), two rounds;
                 # then `fp8` with the tile chosen
       timeout ${FP8_TILES_TIMEOUT:-560} python3 -m benchmarks.tune_mosaic \
-        --kernels forward_fp8_tiles --seq 12288 --head-dims 64 128 256 \
+        --kernels forward_fp8_tiles --seq ${FP8_TILES_SEQ:-16384} --head-dims 64 128 256 \
         --rounds 2 --budget ${FP8_TILES_BUDGET:-500} \
         --out "$OUT/h200_mosaic_fp8_tiles.json" > "$LOGS/fp8_tiles.log" 2>&1
       tail -12 "$LOGS/fp8_tiles.log" ;;

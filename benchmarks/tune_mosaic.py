@@ -145,9 +145,9 @@ BETWEEN_TILES_SPACE = dict(block_kv=(64, 128))
 # FP8 (kBlockN 160, 224, 128 at d=64, 128, 256; 128, 128, 80 in 16 bits).
 # 192 keys (V's transposed tile in 64-byte swizzle tiles, 192 bytes a row)
 # sits between 128 and the 256 whose S takes 128 registers a thread at
-# d=128; the plain FP8 kernel needs tiles that divide kv_len, so the sweep
-# runs at seq 12288, which all four divide. A candidate that does not fit
-# shared memory is recorded as refused.
+# d=128; at 16k its last block is partial, masked past kv_len as any key
+# tail (`--seq 12288`, which all four divide, compares the tiles alone).
+# A candidate that does not fit shared memory is recorded as refused.
 FP8_TILES_SPACE = dict(block_kv=(64, 128, 192, 256),
                        max_concurrent_steps=(2, 3))
 
