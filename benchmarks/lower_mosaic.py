@@ -72,7 +72,7 @@ BACKWARD_OPTIONS = ({}, dict(overlap_softmax=False),
 HEAD_DIMS = (64, 128, 256)
 OWN_WIDTH_HEAD_DIMS = (80, 96, 160, 192)
 # (head_dim, block_kv): the FP8 forward's K/V tiles above the default
-# (`plan.default_block_kv`) that fit its shared memory, which the FP8 tile
+# (`plan.FP8_BLOCK_KV`) that fit its shared memory, which the FP8 tile
 # sweep times (FlashAttention-3's FP8 tiles: 160, 224 and 128 keys at
 # d=64, 128, 256).
 FP8_LARGE_TILES = ((64, 192), (64, 256), (128, 192), (128, 256), (256, 128))

@@ -45,7 +45,7 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
       per-block V factor would rescale the accumulator at every step.
     scale, is_causal, block_q, block_kv, max_concurrent_steps: as
       `forward.mosaic_forward` (block_kv: None picks
-      `plan.default_block_kv`, or 64 where that does not divide
+      `plan.FP8_BLOCK_KV`'s, or 64 where that does not divide
       `k_descale_rows`).
     q_descale_rows, k_descale_rows: query / key rows per factor of a
       per-block descale, multiples of block_q / block_kv (factors repeat
@@ -91,7 +91,7 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
   q_len = query.shape[1]
   q_descale_rows = q_descale_rows or block_q
   if block_kv is None:
-    block_kv = plan.default_block_kv(query.shape[-1])
+    block_kv = plan.FP8_BLOCK_KV.get(query.shape[-1], 64)
     if k_descale_rows and k_descale_rows % block_kv:
       block_kv = 64
   k_descale_rows = k_descale_rows or block_kv

@@ -141,13 +141,13 @@ def forward_config(*, head_dim: int, is_causal: bool, q_len: int, kv_len: int,
 
 
 def default_block_kv(head_dim: int) -> int:
-  """K/V rows per stage of the forwards (plain, masked, FP8): 128, the
-  sweep's best at d=128 (64 x 128 in two stages: 495 / 469 TFLOP/s full /
-  causal at 4k, h200_mosaic_sweep.md) and within 1% of it at d=64; 64 at
-  head_dim 256, where Q (2 x 64 rows) and two stages of 128-row K and V
-  tiles would need 320 KiB of shared memory (64-row ones: 192). A head dim
-  between takes its `plan_head_dim`'s (at 192, 128-row tiles would need
-  240 KiB)."""
+  """K/V rows per stage of the 16-bit forwards (plain, masked; FP8's are
+  `FP8_BLOCK_KV`): 128, the sweep's best at d=128 (64 x 128 in two
+  stages: 495 / 469 TFLOP/s full / causal at 4k, h200_mosaic_sweep.md)
+  and within 1% of it at d=64; 64 at head_dim 256, where Q (2 x 64 rows)
+  and two stages of 128-row K and V tiles would need 320 KiB of shared
+  memory (64-row ones: 192). A head dim between takes its
+  `plan_head_dim`'s (at 192, 128-row tiles would need 240 KiB)."""
   return 64 if plan_head_dim(head_dim) > 128 else 128
 
 
@@ -389,6 +389,12 @@ MASKED_LAZY_RESCALE_HEAD_DIMS = (256,)
 # without a mask and +6.9% / +6.0% causal at 16k; d=128 -5.9% to -10.4%,
 # d=64 -8.2% to -14.6% (h200_mosaic_fp8_rescale*.md).
 FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
+# The FP8 forward's K/V tile by head dim: the 16-bit kernel's
+# (`default_block_kv`), not yet timed in FP8; `h200_check.sh fp8_tiles`
+# sweeps 64, 128, 192 and 256 keys (FlashAttention-3's FP8 tiles: 160, 224
+# and 128 keys at d=64, 128, 256). A K factor of "block" scales
+# (`jax_flash.fp8.K_BLOCK_ROWS` rows) must cover whole tiles.
+FP8_BLOCK_KV = {64: 128, 128: 128, 256: 64}
 # The masked kernels add causal ALiBi as a term per key and one per query
 # (`common.alibi_columns`; `KernelStatic.alibi_columns` in the forward,
 # `BackwardStatic.alibi_columns` in dQ and dK/dV): checked in the
