@@ -130,9 +130,17 @@ for step in "$@"; do
         --out "$OUT/h200_decode" > "$LOGS/decode.log" 2>&1
       tail -40 "$LOGS/decode.log" ;;
     models)  # the shapes real models train with (GQA, windows, soft cap,
-             # ...); --resume keeps the committed cells and times the rest
+             # ...); --resume keeps the committed cells and times the rest,
+             # and those named in MODELS_REMEASURE again
       has_module models || continue
       cp benchmarks/results/h200_models.json "$OUT/h200_models.json"
+      [ -z "${MODELS_REMEASURE:-}" ] || python3 - "$OUT/h200_models.json" $MODELS_REMEASURE <<'PY'
+import json, sys
+path, cells = sys.argv[1], set(sys.argv[2:])
+result = json.load(open(path))
+result["records"] = [r for r in result["records"] if r["name"] not in cells]
+json.dump(result, open(path, "w"), indent=1)
+PY
       timeout ${MODELS_TIMEOUT:-400} python3 -m benchmarks.models \
         ${MODELS_ARGS:---resume --time-budget 330} \
         --out "$OUT/h200_models.json" > "$LOGS/models.log" 2>&1
