@@ -8,7 +8,7 @@
 # .whl/ into /tmp/site, benchmarks/README.md).
 # STEPs: tests tests_shards grid grid_halves masks memory decode models fp8
 #        sequence_parallel flax notebook example mosaic_lowering prepared
-#        first_call fp8_tiles new_tests
+#        first_call fp8_tiles new_tests ragged_route
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (2-3x slow).
 # On a machine of several GPUs, one invocation per GPU (CUDA_VISIBLE_DEVICES,
@@ -187,6 +187,17 @@ PY
         --seq 4096 --head-dims 144 160 176 --rounds 2 --budget 150 \
         --out "$OUT/h200_mosaic_between_tiles.json" > "$LOGS/between.log" 2>&1
       tail -6 "$LOGS/between.log" ;;
+    ragged_route)  # the forward at lengths no tile divides, plain kernel
+                   # (key tail) against masked, causal and not: decides
+                   # `attention._plain_lengths` for non-causal ragged calls
+                   # (ViT's 197 tokens at d=64; 1000 at d=64/128/256)
+      for seq in 197 1000; do
+        dims="64"; [ $seq = 1000 ] && dims="64 128 256"
+        timeout 200 python3 -m benchmarks.tune_mosaic --kernels ragged_forward \
+          --seq $seq --head-dims $dims --rounds 2 --budget 150 \
+          --out "$OUT/h200_mosaic_ragged_forward_$seq.json" > "$LOGS/ragged_$seq.log" 2>&1
+        tail -6 "$LOGS/ragged_$seq.log"
+      done ;;
     fp8_tiles)  # the FP8 forward's K/V tile and ring depth (issue 40's
                 # speed; `tune_mosaic`'s FP8_TILES_SPACE), at 16k (192-key
                 # tiles with a masked partial last block), two rounds;

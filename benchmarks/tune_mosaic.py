@@ -177,6 +177,27 @@ def masked_forward_benchmark(cell: common.Cell, blocks: dict):
   return fn, (q, k, v)
 
 
+def ragged_forward_benchmark(cell: common.Cell, blocks: dict):
+  """The forward at a length its tiles do not divide (`--seq 1000`, 197,
+  ...) as `blocks["form"]` computes it: the plain kernel on rows padded to
+  whole 8-row tiles with the key tail masked (what
+  `attention._plain_attention` runs; without a causal mask such lengths
+  go to the masked kernel today, `attention._plain_lengths`), or the
+  masked kernel on the plain mask. Its A/B decides that routing."""
+  from jax_flash import masking
+  from pallas_kernels.mosaic.forward import mosaic_forward
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked, pad_rows
+  q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
+  scale, length = cell.head_dim**-0.5, cell.seq_len
+  if blocks["form"] == "plain":
+    return jax.jit(lambda q, k, v: mosaic_forward(
+        pad_rows(q), pad_rows(k), pad_rows(v), scale=scale,
+        is_causal=cell.causal, kv_len=length)[0][:, :length]), (q, k, v)
+  spec = masking.MaskSpec(q_len=length, kv_len=length, is_causal=cell.causal)
+  return jax.jit(lambda q, k, v: mosaic_forward_masked(
+      q, k, v, scale=scale, spec=spec)[0]), (q, k, v)
+
+
 def masked_backward_benchmark(cell: common.Cell, blocks: dict):
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
@@ -382,6 +403,9 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "backward_turn_cost": (turn_cost_benchmark,
                                   TURN_COST_CANDIDATES, 2.5, (False, True)),
            "forward_between_tiles": _forward(BETWEEN_TILES_SPACE),
+           "ragged_forward": (ragged_forward_benchmark,
+                              dict(form=("plain", "masked")), 1.0,
+                              (False, True)),
            "forward_fp8_rescale": (fp8_forward_benchmark,
                                    FP8_RESCALE_SPACE, 1.0, (False, True)),
            "forward_fp8_tiles": (fp8_forward_benchmark, FP8_TILES_SPACE, 1.0,
