@@ -256,8 +256,9 @@ def calls():
           q, k, v, scale=d**-0.5, is_causal=s.is_causal,
           backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"), spec=s,
           operands=masked_operands(values))
-      # A plain spec on lengths off the 8-row tiling runs on the plain
-      # kernels, its rows padded (`attention._plain_attention`).
+      # A plain causal spec (q_len <= kv_len) on lengths off the 8-row
+      # tiling runs the plain forward, its rows padded
+      # (`attention._plain_attention`).
       kind = "plain padded" if spec == MaskSpec(
           q_len=q_len, kv_len=kv_len, is_causal=spec.is_causal) else "masked"
       yield f"{kind} {mask} d{d} fwd", attend, (q, kv, kv)
@@ -311,16 +312,17 @@ def calls():
         backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
     yield f"{name} fwd", attend, (x, x, x)
     yield f"{name} fwdbwd", with_gradients(attend), (x, x, x, x)
-  # Ragged lengths on the plain kernels (`common.ragged_lengths`): causal
-  # needs no mask, without it the last K/V block is a masked step.
+  # Ragged lengths (`attention._plain_lengths`): causal ones on the plain
+  # forward (no mask) and the masked backward, others on the masked
+  # kernels.
   for d in HEAD_DIMS:
     for causal, name in ((True, "causal"), (False, "full")):
       q, kv = bf16(2, 1000, 4, d), bf16(2, 1000, 2, d)
       attend = lambda q, k, v, d=d, c=causal: mosaic_attention(
           q, k, v, scale=d**-0.5, is_causal=c,
           backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
-      yield f"plain ragged {name} d{d} fwd", attend, (q, kv, kv)
-      yield f"plain ragged {name} d{d} fwdbwd", with_gradients(attend), (
+      yield f"ragged {name} d{d} fwd", attend, (q, kv, kv)
+      yield f"ragged {name} d{d} fwdbwd", with_gradients(attend), (
           q, kv, kv, q)
   for d in OWN_WIDTH_HEAD_DIMS:
     q_len, kv_len, fields, _ = MASKED_CASES["ragged causal"]

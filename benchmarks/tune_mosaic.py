@@ -185,14 +185,15 @@ def ragged_forward_benchmark(cell: common.Cell, blocks: dict):
   go to the masked kernel today, `attention._plain_lengths`), or the
   masked kernel on the plain mask. Its A/B decides that routing."""
   from jax_flash import masking
-  from pallas_kernels.mosaic.forward import mosaic_forward
-  from pallas_kernels.mosaic.masked import mosaic_forward_masked, pad_rows
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import attention
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
   q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
   scale, length = cell.head_dim**-0.5, cell.seq_len
   if blocks["form"] == "plain":
-    return jax.jit(lambda q, k, v: mosaic_forward(
-        pad_rows(q), pad_rows(k), pad_rows(v), scale=scale,
-        is_causal=cell.causal, kv_len=length)[0][:, :length]), (q, k, v)
+    unused = BlockSizes.get_default(cell.head_dim, "NVIDIA H200")  # bwd's
+    return jax.jit(lambda q, k, v: attention._plain_attention(
+        q, k, v, scale, cell.causal, unused, None)[0]), (q, k, v)
   spec = masking.MaskSpec(q_len=length, kv_len=length, is_causal=cell.causal)
   return jax.jit(lambda q, k, v: mosaic_forward_masked(
       q, k, v, scale=scale, spec=spec)[0]), (q, k, v)

@@ -180,8 +180,6 @@ def _plain_lengths(query, key, is_causal: bool) -> bool:
   benchmarks/NOTES.md, "Ragged lengths on the plain kernels")."""
   return _divides(query, key) or (is_causal and
                                   query.shape[1] <= key.shape[1])
-  # (The backward of such lengths is the masked kernels', `_bwd`: the
-  # plain one refuses them.)
 
 
 def _divides(query, key) -> bool:
@@ -212,9 +210,12 @@ def _fwd(query, key, value, scale, is_causal, backward_blocks, sinks, kv_len):
 
 
 def _bwd(scale, is_causal, backward_blocks, kv_len, residuals, cotangents):
-  """The plain backward kernels; they need no mask for zero-padded keys
-  (`kv_len`: zero K and V add nothing to dQ, and their own dK and dV are
-  the padding's), so it goes unused here."""
+  """The plain backward kernels; on lengths they refuse (ragged ones,
+  `common.ragged_lengths`) the masked ones, else Triton's. `kv_len` goes
+  unused: the only padded calls here are causal with q_len <= kv_len
+  (`_plain_lengths`), where no real query sees a padded key and the padded
+  query rows carry zero dO, so the padding adds nothing to the real rows'
+  gradients."""
   del kv_len
   query, key, value, out, lse, sinks = residuals
   d_out, d_lse = cotangents
