@@ -65,7 +65,8 @@ for step in "$@"; do
         --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider -p no:benchmark -v \
         tests/test_mosaic_lowering.py tests/test_fp8.py tests/test_gpu.py \
         tests/test_mosaic_masked.py tests/test_mosaic_masked_backward.py \
-        -k "ragged or large_tiles or key_tail or sinks or alibi_columns or max_free or dropout" \
+        tests/test_mosaic_head_dims.py \
+        -k "ragged or each_tile or key_tail or alibi_columns or max_free or own_width" \
         > "$OUT/pytest_gpu_new.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu_new.log" | tail -30 ;;
     tests_shards)  # `tests` on a two-GPU host, a part of the suite on each
@@ -173,12 +174,13 @@ PY
                       # CUDA under this machine's JAX
       timeout 300 python3 -m benchmarks.lower_mosaic > "$LOGS/lower_mosaic.log" 2>&1
       tail -20 "$LOGS/lower_mosaic.log" ;;
-    prepared)  # the A/Bs of the kernel options prepared but not yet timed
-               # (benchmarks/NOTES.md, Open): each against the default,
-               # two rounds in turn, at 16k; PREPARED_KERNELS another list
+    prepared)  # the kernel options' A/Bs (benchmarks/NOTES.md, Open):
+               # each against the default, two rounds in turn, at 16k
+               # (those decided on an H100, again on the H200);
+               # PREPARED_KERNELS another list
       timeout ${PREPARED_TIMEOUT:-500} python3 -m benchmarks.tune_mosaic \
-        --kernels ${PREPARED_KERNELS:-dropout_hash dropout_hash_backward max_free \
-        alibi_columns alibi_columns_backward} --seq 16384 --head-dims 128 256 \
+        --kernels ${PREPARED_KERNELS:-max_free alibi_columns alibi_columns_backward} \
+        --seq 16384 --head-dims 128 256 \
         --rounds 2 --budget ${PREPARED_BUDGET:-420} \
         --out "$OUT/h200_mosaic_prepared.json" > "$LOGS/prepared.log" 2>&1
       tail -40 "$LOGS/prepared.log"
@@ -188,8 +190,8 @@ PY
         --out "$OUT/h200_mosaic_between_tiles.json" > "$LOGS/between.log" 2>&1
       tail -6 "$LOGS/between.log" ;;
     ragged_route)  # the forward at lengths no tile divides, plain kernel
-                   # (key tail) against masked, causal and not: decides
-                   # `attention._plain_lengths` for non-causal ragged calls
+                   # (key tail) against masked, causal and not: the A/B
+                   # behind `attention._masked`'s route for plain calls
                    # (ViT's 197 tokens at d=64; 1000 at d=64/128/256)
       for seq in 197 1000; do
         dims="64"; [ $seq = 1000 ] && dims="64 128 256"

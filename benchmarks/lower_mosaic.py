@@ -71,17 +71,12 @@ BACKWARD_OPTIONS = ({}, dict(overlap_softmax=False),
 # swizzles.
 HEAD_DIMS = (64, 128, 256)
 OWN_WIDTH_HEAD_DIMS = (80, 96, 160, 192)
-# (head_dim, block_kv): the FP8 forward's K/V tiles above the default
-# (`plan.FP8_BLOCK_KV`) that fit its shared memory, which the FP8 tile
-# sweep times (FlashAttention-3's FP8 tiles: 160, 224 and 128 keys at
-# d=64, 128, 256).
-FP8_LARGE_TILES = ((64, 192), (64, 256), (128, 192), (128, 256), (256, 128))
-
-
-def fp8_tile_seq(seq: int, block_kv: int) -> int:
-  """`seq`, or where `block_kv` keys do not divide it (192) the next
-  length below that they do: the plain FP8 kernel's tiles divide kv_len."""
-  return seq - seq % block_kv
+# (head_dim, block_kv): every K/V tile the FP8 forward may run, the
+# planned one (`plan.FP8_BLOCK_KV`: 256 keys at d=64 and 128, 128 at 256)
+# and those it halves to where a block factor or a mask's buffers leave it
+# no room (`forward.fitting_block_kv`).
+FP8_TILES = ((64, 256), (64, 128), (64, 64), (128, 256), (128, 128),
+             (128, 64), (256, 128), (256, 64))
 
 
 # benchmarks.models' cells at those dims (name: batch, seq, heads, head
@@ -312,9 +307,8 @@ def calls():
         backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"))
     yield f"{name} fwd", attend, (x, x, x)
     yield f"{name} fwdbwd", with_gradients(attend), (x, x, x, x)
-  # Ragged lengths (`attention._plain_lengths`): causal ones on the plain
-  # forward (no mask) and the masked backward, others on the masked
-  # kernels.
+  # Ragged lengths (`attention._masked`): the plain forward (the key tail
+  # masked without a causal mask) and the masked backward.
   for d in HEAD_DIMS:
     for causal, name in ((True, "causal"), (False, "full")):
       q, kv = bf16(2, 1000, 4, d), bf16(2, 1000, 2, d)
@@ -353,11 +347,9 @@ def calls():
           yield (f"fp8 seq{seq} d{d} causal{int(causal)} "
                  f"block{int(per_block)}", forward,
                  (x, x, x, q_descale, k_descale, f32(batch, heads)))
-  # The FP8 forward on the larger K/V tiles its sweep tries
-  # (`tune_mosaic --kernels forward_fp8_tiles`).
-  for d, block_kv in FP8_LARGE_TILES:
-    batch, heads = 4, 2048 // d
-    seq = fp8_tile_seq(4096, block_kv)
+  # The FP8 forward on each K/V tile it may run.
+  for d, block_kv in FP8_TILES:
+    batch, heads, seq = 4, 2048 // d, 4096
     x = fp8(batch, seq, heads, d)
     for causal in (False, True):
       forward = lambda q, k, v, a, b, c, d=d, causal=causal, n=block_kv: (

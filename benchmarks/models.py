@@ -122,9 +122,8 @@ CELLS = (
     C("padded_lengths_causal_2k", "Llama 3 8B", 16, 2048, 32, 8, 128,
       padded=True),
     # An encoder's tokens off the 8-row tiling (196 patches and a class
-    # token), without a causal mask: the masked kernels
-    # (`attention._plain_lengths`; `tune_mosaic --kernels ragged_forward`
-    # times the plain forward there).
+    # token), without a causal mask: the plain forward with its key tail
+    # masked, the masked backward (`attention._masked`).
     C("ragged_vit_197", "ViT-B/16", 128, 197, 12, 12, 64, causal=False),
 )
 CELLS_BY_NAME = {cell.name: cell for cell in CELLS}

@@ -138,17 +138,14 @@ FP8_RESCALE_SPACE = dict(lazy_rescale=(False, True))
 # tiles fit shared memory): d=160's forward was 0.93x tokamax's
 # (h200_models.md). `--head-dims 144 160 176 --seq 4096`.
 BETWEEN_TILES_SPACE = dict(block_kv=(64, 128))
-# The FP8 forward's K/V tile and ring depth. It took the 16-bit kernel's
-# tiles (128 keys, 64 at d=256); at FP8's double matmul rate a step's fixed
-# work (the row max's shuffles, O's rescale, the barriers) weighs twice
-# as much against its matmuls, and FlashAttention-3 takes longer steps in
-# FP8 (kBlockN 160, 224, 128 at d=64, 128, 256; 128, 128, 80 in 16 bits).
-# 192 keys (V's transposed tile in 64-byte swizzle tiles, 192 bytes a row)
-# sits between 128 and the 256 whose S takes 128 registers a thread at
-# d=128; at 16k its last block is partial, masked past kv_len as any key
-# tail (`--seq 12288`, which all four divide, compares the tiles alone).
-# A candidate that does not fit shared memory is recorded as refused.
-FP8_TILES_SPACE = dict(block_kv=(64, 128, 192, 256),
+# The FP8 forward's K/V tile and ring depth (`plan.FP8_BLOCK_KV`): at
+# FP8's double matmul rate a step's fixed work (the row max's shuffles,
+# O's rescale, the barriers) weighs twice as much against its matmuls, and
+# FlashAttention-3 takes longer steps in FP8 (kBlockN 160, 224, 128 at
+# d=64, 128, 256; 128, 128, 80 in 16 bits). 192 keys lost to 128 and 256
+# at d=64 and 128 (benchmarks/NOTES.md, FP8 forward) and left the space. A
+# candidate that does not fit shared memory is recorded as refused.
+FP8_TILES_SPACE = dict(block_kv=(64, 128, 256),
                        max_concurrent_steps=(2, 3))
 
 
@@ -181,9 +178,9 @@ def ragged_forward_benchmark(cell: common.Cell, blocks: dict):
   """The forward at a length its tiles do not divide (`--seq 1000`, 197,
   ...) as `blocks["form"]` computes it: the plain kernel on rows padded to
   whole 8-row tiles with the key tail masked (what
-  `attention._plain_attention` runs; without a causal mask such lengths
-  go to the masked kernel today, `attention._plain_lengths`), or the
-  masked kernel on the plain mask. Its A/B decides that routing."""
+  `attention._plain_attention` runs), or the masked kernel on the plain
+  mask. Its A/B chose the plain kernel for every plain call
+  (`attention._masked`)."""
   from jax_flash import masking
   from pallas_kernels.config import BlockSizes
   from pallas_kernels.mosaic import attention
@@ -261,54 +258,18 @@ def causal_spec(cell: common.Cell, term: str):
 
 
 @contextlib.contextmanager
-def murmur_dropout():
-  """While traced: dropout's bits as they were drawn before the lean hash,
-  murmur3's whole finaliser per element on a mixed row hash (12 SASS
-  instructions an element against 7), for the A/B of the two. Other bits,
-  the same distribution."""
-  from pallas_kernels import masking
-  u32 = lambda x: jnp.asarray(x).astype(jnp.uint32)
-  mix = masking._mix32
-
-  def stream(seed, batch, head):
-    return mix(u32(seed) ^ mix(u32(batch) * jnp.uint32(0x9E3779B1)
-                               + u32(head)))
-
-  def query_hash(stream, q_idx, q_start=0):
-    return mix(u32(q_idx + q_start) * jnp.uint32(0x27D4EB2F) ^ stream)
-
-  def key_hash(kv_idx, kv_start=0):
-    return u32(kv_idx + kv_start) * jnp.uint32(0x165667B1)
-
-  def keep_hashed(query_hash, key_hash, rate):
-    x = mix(query_hash ^ key_hash)
-    return (jax.lax.shift_right_logical(x, jnp.uint32(8)).astype(jnp.int32)
-            >= int(round(rate * (1 << 24))))
-
-  with mock.patch.multiple(masking, dropout_stream=stream,
-                           dropout_query_hash=query_hash,
-                           dropout_key_hash=key_hash,
-                           dropout_keep_hashed=keep_hashed):
-    yield
-
-
-@contextlib.contextmanager
 def masked_schedule(form: str):
   """While a masked kernel is traced: its plan rows in tile order, not
   heaviest first, for `form` "masked_in_order" (`masked.heaviest_first_order`
-  the identity); causal ALiBi as a column term for "alibi_columns"
-  (`plan.MASKED_ALIBI_COLUMNS`); the soft cap without a running max for
-  "softcap_max_free" (`plan.MASKED_MAX_FREE`); dropout's hash as it was for
-  "dropout_murmur" (`murmur_dropout`); as planned for any other."""
+  the identity); causal ALiBi by index tiles, not as column terms, for
+  "alibi_tiles" (`plan.MASKED_ALIBI_COLUMNS` off); the soft cap with a
+  running max for "softcap_with_max" (`plan.MASKED_MAX_FREE` off); as
+  planned for any other."""
   from pallas_kernels.mosaic import masked, plan
-  if form == "dropout_murmur":
-    with murmur_dropout():
-      yield
-    return
-  if form in ("alibi_columns", "softcap_max_free"):
-    choice = ("MASKED_ALIBI_COLUMNS" if form == "alibi_columns"
+  if form in ("alibi_tiles", "softcap_with_max"):
+    choice = ("MASKED_ALIBI_COLUMNS" if form == "alibi_tiles"
               else "MASKED_MAX_FREE")
-    with mock.patch.object(plan, choice, True):
+    with mock.patch.object(plan, choice, False):
       yield
     return
   if form != "masked_in_order":
@@ -346,7 +307,7 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
 # plain causal's forward on the H100) and dropout (0.52x) lose their time.
 MASKED_FORMS = ("masked", "masked_in_order")
 SCORE_CHANGE_SPACE = dict(form=("plain", *MASKED_FORMS, "alibi",
-                                "alibi_columns", "dropout", "softcap"))
+                                "alibi_tiles", "dropout", "softcap"))
 
 
 @contextlib.contextmanager
@@ -414,22 +375,15 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "score_changes": (score_change_benchmark, SCORE_CHANGE_SPACE,
                              1.0, (True,)),
            "alibi_columns": (score_change_benchmark,
-                             dict(form=("plain", "alibi", "alibi_columns")),
+                             dict(form=("plain", "alibi_tiles", "alibi")),
                              1.0, (True,)),
            "alibi_columns_backward": (
                masked_causal_backward_benchmark,
-               dict(term=("alibi",), form=("masked", "alibi_columns")),
+               dict(term=("alibi",), form=("alibi_tiles", "masked")),
                2.5, (True,)),
            "max_free": (score_change_benchmark,
-                        dict(form=("plain", "softcap", "softcap_max_free")),
+                        dict(form=("plain", "softcap_with_max", "softcap")),
                         1.0, (True,)),
-           "dropout_hash": (score_change_benchmark,
-                            dict(form=("plain", "dropout", "dropout_murmur")),
-                            1.0, (True,)),
-           "dropout_hash_backward": (
-               masked_causal_backward_benchmark,
-               dict(term=("dropout",), form=("masked", "dropout_murmur")),
-               2.5, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,
                                       MASKED_RESCALE_SPACE, 1.0, (True,)),
            "masked_backward_order": (masked_causal_backward_benchmark,
@@ -497,8 +451,8 @@ def sweep_cell(kernel: str, seq: int, head_dim: int, causal: bool, *,
   build, space, flops_factor, _ = KERNELS[kernel]
   # A head dim that does not divide the grid's hidden 2048 (160, 176, ...)
   # takes the most whole heads below it; a seq that does not divide the
-  # grid's 16k tokens (12288, which 192-key tiles divide) the most whole
-  # sequences (at least one).
+  # grid's 16k tokens (1000, ViT's 197) the most whole sequences (at least
+  # one).
   cell = common.Cell.standard("fwd", seq, head_dim, causal,
                               tokens=seq * max(1, 16384 // seq),
                               hidden=head_dim * (2048 // head_dim))

@@ -47,10 +47,11 @@ FP8_MAX = 448.0
 Granularity = Literal["tensor", "block"]
 GRANULARITIES = ("tensor", "block")
 # Rows per Q and K scale in `quantize_qkv`'s block quantisation: the FP8
-# kernel's Q tile (block_q 64), and a multiple of its K/V tile (128 rows at
-# head_dim <= 128, 64 at 256), so that no factor spans two tiles.
+# kernel's Q tile (block_q 64), and a multiple of its K/V tile at every
+# head dim (`pallas_kernels.mosaic.plan.FP8_BLOCK_KV`: 256 keys at head_dim
+# <= 128, 128 at 256), so that no factor spans two tiles.
 Q_BLOCK_ROWS = 64
-K_BLOCK_ROWS = 128
+K_BLOCK_ROWS = 256
 
 # Shapes (jaxtyping; documentation only, as in `jax_flash.reference`).
 Tokens = Float[Array, "batch seq heads dim"]

@@ -3,6 +3,7 @@ quantisation, `flash_attention_fp8` on its portable path (CPU), and the
 Mosaic kernel against it on a Hopper GPU."""
 from __future__ import annotations
 
+import inspect
 import json
 import math
 
@@ -14,11 +15,11 @@ import pytest
 from benchmarks import fp8_accuracy
 from benchmarks.fp8_accuracy import (emulated_fp8_attention, outlier_qkv,
                                      reference_float64, rmse)
-from benchmarks.lower_mosaic import FP8_LARGE_TILES, fp8_tile_seq
+from benchmarks.lower_mosaic import FP8_TILES
 from jax_flash import (Fp8Tensor, attention_reference, flash_attention_fp8,
                        hadamard_rotation, numerics, quantize_fp8,
                        quantize_qkv)
-from jax_flash.fp8 import FP8_MAX
+from jax_flash.fp8 import FP8_MAX, K_BLOCK_ROWS, Q_BLOCK_ROWS
 from pallas_kernels import compat
 
 FP8 = jnp.float8_e4m3fn
@@ -125,8 +126,8 @@ def test_quantize_qkv_layouts():
       [(2, 100, 8, 64), (2, 300, 2, 64), (2, 300, 2, 64)]))
   q8, k8, v8 = quantize_qkv(q, k, v)
   assert (q8.descale.shape, k8.descale.shape, v8.descale.shape) == (
-      (2, 8, 2), (2, 2, 3), (2, 2))
-  assert (q8.block_rows, k8.block_rows, v8.block_rows) == (64, 128, None)
+      (2, 8, 2), (2, 2, 2), (2, 2))
+  assert (q8.block_rows, k8.block_rows, v8.block_rows) == (64, 256, None)
   q8, k8, v8 = quantize_qkv(q, k, v, granularity="tensor", incoherent=True)
   assert (q8.descale.shape, k8.descale.shape) == ((2, 8), (2, 2))
   assert q8.rotated and k8.rotated and not v8.rotated
@@ -140,6 +141,17 @@ def test_quantize_qkv_layouts():
   assert len(jax.tree.leaves(q8)) == 2
   rebuilt = jax.tree.map(lambda x: x, q8)
   assert (rebuilt.block_rows, rebuilt.rotated) == (None, True)
+
+
+def test_block_scales_cover_whole_kernel_tiles():
+  """A K factor of the default block scales spans whole K/V tiles of the
+  FP8 kernel at every head dim (else the kernel falls back to shorter
+  tiles), and a Q factor whole Q tiles."""
+  from pallas_kernels.mosaic import plan
+  from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
+  assert all(K_BLOCK_ROWS % tile == 0 for tile in plan.FP8_BLOCK_KV.values())
+  assert Q_BLOCK_ROWS % inspect.signature(
+      mosaic_forward_fp8).parameters["block_q"].default == 0
 
 
 @pytest.mark.parametrize("call, error, match", [
@@ -428,14 +440,14 @@ def test_mosaic_kernel_on_a_key_tail_on_gpu(head_dim, is_causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, block_kv", FP8_LARGE_TILES)
-def test_mosaic_kernel_on_large_tiles_on_gpu(head_dim, block_kv, is_causal):
-  """As above on the larger K/V tiles the FP8 tile sweep times (at d=256
-  O then leaves in two column pieces; 192 keys in 64-byte swizzle tiles of
-  V's transpose), per-tensor scales as the sweep's (a block of K rows per
-  factor must hold whole tiles): kv_len 2048, or 1920 for 192-key tiles."""
-  _check_kernel_on_gpu(head_dim, fp8_tile_seq(2048, block_kv), is_causal,
-                       False, block_kv=block_kv, granularity="tensor")
+@pytest.mark.parametrize("head_dim, block_kv", FP8_TILES)
+def test_mosaic_kernel_on_each_tile_on_gpu(head_dim, block_kv, is_causal):
+  """As above on every K/V tile the FP8 forward may run (the planned one
+  and those it halves to, `forward.fitting_block_kv`; at d=256 on 128-key
+  tiles O leaves in two column pieces), per-tensor scales (a block of K
+  rows per factor must hold whole tiles): kv_len 2048."""
+  _check_kernel_on_gpu(head_dim, 2048, is_causal, False, block_kv=block_kv,
+                       granularity="tensor")
 
 
 def _check_kernel_on_gpu(head_dim, seq, is_causal, incoherent, *,

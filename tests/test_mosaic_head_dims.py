@@ -12,6 +12,8 @@ them against the reference on an H200.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import re
 
@@ -98,15 +100,19 @@ def test_head_dims_above_256_are_refused():
 
 def test_own_width_dims_run_on_the_next_plan_dims_rows():
   """The forward's and backward's plans of the next of 64, 128, 256; the
-  forwards' K/V tiles likewise (128 rows up to 128, 64 above)."""
-  for head_dim, planned in ((80, 128), (96, 128), (160, 256), (192, 256)):
+  forwards' K/V tiles their own (128 rows up to 176, 64 above)."""
+  for head_dim, planned, block_kv in ((80, 128, 128), (96, 128, 128),
+                                      (160, 256, 128), (176, 256, 128),
+                                      (192, 256, 64)):
     assert plan.plan_head_dim(head_dim) == planned
-    assert plan.default_block_kv(head_dim) == plan.default_block_kv(planned)
+    assert plan.default_block_kv(head_dim) == block_kv
     for causal in (False, True):
       for seq in (1024, 4096):
         shape = dict(is_causal=causal, q_len=seq, kv_len=seq)
         assert plan.forward_config(head_dim=head_dim, **shape) == (
-            plan.forward_config(head_dim=planned, **shape))
+            dataclasses.replace(plan.forward_config(head_dim=planned,
+                                                    **shape),
+                                block_kv=block_kv))
 
 
 @pytest.mark.parametrize("head_dim", list(SWIZZLE_OF))
@@ -211,7 +217,7 @@ def _public_attention(is_causal):
     Case(1, 1024, 1536, 8, 2, 160),   # shared rows in 32-byte tiles
     Case(1, 2048, 2048, 4, 4, 192),   # shared rows in 64-byte tiles
     Case(1, 1024, 512, 4, 2, 224),    # q_len > kv_len, two dK/dV passes
-    Case(1, 1000, 1537, 8, 2, 96),    # ragged: the masked kernels
+    Case(1, 1000, 1537, 8, 2, 96),    # ragged: the masked backward
     Case(1, 777, 300, 4, 4, 176),     # ragged, 176 (no shared rows)
 ], ids=str)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -639,7 +639,7 @@ def test_sink_gradient_is_the_references():
   assert sink_gradient(None, out, lse, d_out, d_lse) is None
 
 
-@pytest.mark.slow  # the form is off by default (`plan.MASKED_ALIBI_COLUMNS`)
+@pytest.mark.slow  # the default masked cases with causal ALiBi take the form too
 def test_interpreted_alibi_columns_match_reference(monkeypatch):
   """Causal ALiBi as a per-column term with the rows' left in the LSE
   (`common.alibi_columns`): out and lse as the reference's, GQA 2:1,
@@ -720,7 +720,7 @@ def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
     assert_within_rule(grad, ours, exact[grad], lowp[grad])
 
 
-@pytest.mark.slow  # the form is off by default (`plan.MASKED_ALIBI_COLUMNS`)
+@pytest.mark.slow  # the default masked cases with causal ALiBi take the form too
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_interpreted_alibi_columns_backward(monkeypatch, with_bias):
   """The masked backward with causal ALiBi as a term per key and one per
@@ -756,9 +756,48 @@ def test_interpreted_alibi_columns_backward(monkeypatch, with_bias):
     assert_within_rule(grad, ours, exact[grad], lowp[grad])
 
 
+@pytest.mark.parametrize("q_len, kv_len, is_causal", [
+    (197, 197, False),        # ViT's tokens: rows padded to 200
+    slow(136, 100, True),     # causal, q_len > kv_len: whole 8-row tiles
+])
+def test_interpreted_ragged_route(monkeypatch, q_len, kv_len, is_causal):
+  """`mosaic_attention` at lengths no tile divides where real queries see
+  past kv_len (`attention._masked`: the plain forward with its key tail
+  masked, the masked forward patched to fail; the masked backward on the
+  padded rows, whose zero keys add nothing): out, lse and the gradients
+  under random cotangents against the reference. delta's Triton kernel
+  (`backward.row_delta`), which the Mosaic interpreter cannot take, is
+  computed by XLA."""
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import attention, backward
+
+  def refuse(*_, **__):
+    raise AssertionError("a plain call reached the masked forward")
+  monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
+  monkeypatch.setattr(backward, "row_delta", lambda out, d_out, **_: (
+      jnp.swapaxes(jnp.sum(out.astype(jnp.float32)
+                           * d_out.astype(jnp.float32), -1), 1, 2)))
+  case = Case(1, q_len, kv_len, 2, 1, 64)
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=13)
+
+  def attend(q, k, v):
+    out, lse = attention.mosaic_attention(
+        q, k, v, scale=0.125, is_causal=is_causal,
+        backward_blocks=BlockSizes.get_default(64, "NVIDIA H200"))
+    return out, jnp.swapaxes(lse, 1, 2)
+  names = ("out", "lse", "dq", "dk", "dv")
+  ours = mosaic_interpret.run(
+      lambda: [forward_and_grads(attend, q, k, v, d_out, d_lse)[n]
+               for n in names])
+  exact, lowp = _references(q, k, v, d_out, d_lse, is_causal=is_causal,
+                            scale=0.125)
+  for name, got in zip(names, ours):
+    assert_within_rule(name, got, exact[name], lowp[name])
+
+
 @pytest.mark.parametrize("head_dim, block_kv, kv_len", [
-    (64, 64, 128), (256, 128, 128), (128, 192, 384), (64, 64, 197),
-    (128, 192, 200)])
+    (64, 64, 128), (256, 128, 128), (128, 256, 512), (64, 64, 197),
+    (128, 256, 200)])
 @pytest.mark.parametrize("is_causal", [slow(False), slow(True)])
 def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
                                                    block_kv, kv_len):
@@ -768,10 +807,9 @@ def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
   arithmetic's error (tests/test_mosaic_fp8.py's rule). GQA 2:1, 128
   keys: two 64-key tiles at d=64; one 128-key tile at d=256, whose O
   leaves in two column pieces (`forward_kernel.FP8_O_COLUMNS`); at d=128
-  two 192-key tiles of 384 keys (V's transposed tile in 64-byte swizzle
-  tiles: 192 bytes a row); key tails, the last block masked past kv_len
-  without a causal mask (kv_len 197: K/V rows padded to 200; 200 on
-  192-key tiles). Fails if
+  two of its planned 256-key tiles; key tails, the last block masked past
+  kv_len without a causal mask (kv_len 197: K/V rows padded to 200; 200
+  on a 256-key tile). Fails if
   V's keys are left in order (error 0.64 against 0.014), if the second
   piece holds the first's columns (3.4-4.7 against 0.2), or if it is
   stored over the first (NaN: the columns never written)."""

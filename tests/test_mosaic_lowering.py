@@ -212,15 +212,21 @@ def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
     (Case(1, 1000, 1000, 4, 2, 160), True),   # at its own width
     # Off the 8-row TMA tiling: rows padded (`attention._plain_attention`).
     (Case(1, 1001, 1001, 8, 2, 128), True),
+    # Real queries past kv_len: the last K/V block masked past it.
+    (Case(8, 197, 197, 12, 12, 64), False),   # ViT-B/16, rows padded
+    (Case(1, 1000, 1000, 4, 2, 128), False),
+    (Case(1, 1000, 1000, 4, 2, 256), False),
+    (Case(2, 264, 136, 4, 2, 128), True),     # q_len > kv_len
 ], ids=str)
 def test_ragged_lengths_on_the_plain_kernels_on_gpu(case, is_causal,
                                                     monkeypatch):
-  """Causal lengths that no tile divides, q_len <= kv_len
-  (`attention._plain_lengths`): the forward by the plain kernel, the
-  masked forward patched to fail, and the gradients by the masked backward
-  (the plain backward refuses ragged lengths), against the reference;
-  TMA's zero fill and clipped stores are the forward's tail handling (and
-  a padded copy where the lengths are not whole 8-row tiles)."""
+  """Lengths that no tile divides (`attention._masked`): the forward by
+  the plain kernel, the masked forward patched to fail, and the gradients
+  by the masked backward (the plain backward refuses ragged lengths),
+  against the reference; TMA's zero fill and clipped stores are the
+  forward's tail handling (and a padded copy where the lengths are not
+  whole 8-row tiles), with the last K/V block masked past kv_len where a
+  real query sees there."""
   from pallas_kernels.mosaic import attention
 
   def refuse(*_, **__):
@@ -549,7 +555,9 @@ def test_three_consumers_match_reference_on_gpu(case, dtype, is_causal,
     (256, 1000, 1000, True),    # d=256's: dK and dV on shared K/V rows
     _slow(160, 1000, 1000, True),   # at its own width, on d=256's rows
     _slow(176, 1000, 1000, True),   # no shared rows (176 / 2: no swizzle)
-    (128, 1001, 1001, True),    # padded to 1008, the forward's key tail
+    (128, 1001, 1001, True),    # padded to 1008
+    (64, 197, 197, False),      # padded to 200, the forward's key tail
+    _slow(128, 264, 136, True),     # q_len > kv_len: the key tail
 ])
 def test_ragged_lengths_lower_on_the_plain_kernels(head_dim, q_len, kv_len,
                                                    is_causal, cuda_lowering,
@@ -578,23 +586,19 @@ def test_ragged_lengths_lower_on_the_plain_kernels(head_dim, q_len, kv_len,
   assert _KERNEL_NAME in text
 
 
-@pytest.mark.parametrize("q_len, kv_len, is_causal, masked", [
-    (1000, 1000, True, False),
-    (136, 264, True, False),
-    (1024, 1024, False, False),   # tiles divide
-    (1001, 1001, True, False),    # padded to 1008
-    (264, 136, True, True),       # a real query would see a padded key
-    (1000, 1000, False, True),
-    (197, 197, False, True),
-])
-def test_ragged_lengths_route(q_len, kv_len, is_causal, masked):
-  """Which lengths the plain kernels take (`attention._plain_lengths`:
-  padded to whole 8-row tiles by `_plain_attention` where they are not)
-  and which go to the masked ones with the masks."""
+@pytest.mark.parametrize("q_len, kv_len, is_causal", [
+    (1000, 1000, True), (136, 264, True), (1024, 1024, False),
+    (1001, 1001, True), (264, 136, True), (1000, 1000, False),
+    (197, 197, False)])
+def test_ragged_lengths_route(q_len, kv_len, is_causal):
+  """Plain calls of any lengths take the plain forward
+  (`attention._masked`: padded to whole 8-row tiles by `_plain_attention`
+  where they are not, the key tail masked where a query sees it); a
+  window takes the masked one."""
   from pallas_kernels.mosaic import attention
   q = jax.ShapeDtypeStruct((1, q_len, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, kv_len, 4, 128), jnp.bfloat16)
-  assert attention._masked(q, kv, is_causal, None) == masked
+  assert not attention._masked(q, kv, is_causal, None)
   window = MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=True,
                     window=(64, 0))
   assert attention._masked(q, kv, True, window)

@@ -126,8 +126,8 @@ def test_score_changes_add_no_division(cuda_lowering):
 
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_max_free_forward_lowers(head_dim, cuda_lowering, monkeypatch):
-  """The soft cap without a running max (`plan.MASKED_MAX_FREE`, off by
-  default): it lowers, and the flag reaches the kernel."""
+  """The soft cap without a running max (`plan.MASKED_MAX_FREE`): it
+  lowers, and the flag reaches the kernel."""
   from pallas_kernels.mosaic import plan
 
   def text():
@@ -136,9 +136,10 @@ def test_max_free_forward_lowers(head_dim, cuda_lowering, monkeypatch):
     kv = jax.ShapeDtypeStruct((2, case.kv_len, 2, head_dim), jnp.bfloat16)
     return jax.jit(forward).trace(q, kv, kv).lower(
         lowering_platforms=("cuda",)).as_text()
-  stable = text()
+  monkeypatch.setattr(plan, "MASKED_MAX_FREE", False)
+  with_max = text()
   monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
-  assert text() != stable
+  assert text() != with_max
 
 
 def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,

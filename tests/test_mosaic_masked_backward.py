@@ -592,9 +592,10 @@ def test_overlapped_masked_backward_lowers(name, head_dim,
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_alibi_columns_backward_lowers(head_dim, cuda_lowering, monkeypatch):
   """Causal ALiBi as a term per key and one per query
-  (`plan.MASKED_ALIBI_COLUMNS`, off by default) in both backward kernels:
+  (`plan.MASKED_ALIBI_COLUMNS`) in both backward kernels:
   they lower, and the flag reaches them."""
   from pallas_kernels.mosaic import plan
+  monkeypatch.setattr(plan, "MASKED_ALIBI_COLUMNS", False)
   tiles = _lower("alibi", head_dim)
   monkeypatch.setattr(plan, "MASKED_ALIBI_COLUMNS", True)
   columns = _lower("alibi", head_dim)

@@ -157,29 +157,24 @@ def _pad_head_dim(*arrays):
 
 
 def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
-  """Whether a call goes to the masked kernels: masks beyond `is_causal`,
-  or lengths the plain kernels do not take (`_plain_lengths`)."""
+  """Whether a call goes to the masked kernels: masks beyond `is_causal`.
+  Plain calls of any lengths take the plain forward (the last K/V block
+  masked past kv_len where a query may see there, `_plain_attention`):
+  at ViT's 197 tokens, d=64, 55 TFLOP/s against the masked kernel's 43;
+  at 1000, d=64/128/256, 327 / 436 / 439 against 253 / 360 / 408 (an
+  H100, geomean of causal and not, h100_mosaic_ragged_forward_*.md).
+  Their backward is the masked kernels' where the tiles do not divide the
+  lengths (`_bwd`: the plain one gave wrong dK there on the H100,
+  benchmarks/NOTES.md, "Ragged lengths on the plain kernels")."""
   plain = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
                    is_causal=is_causal)
   if spec is None or spec == plain:
-    return MASKED_KERNEL_ENABLED and not _plain_lengths(query, key,
-                                                        is_causal)
+    return False
   if not MASKED_KERNEL_ENABLED:
     raise NotImplementedError(
         "the masked Mosaic kernel is not enabled (MASKED_KERNEL_ENABLED); "
         f"masks run on the Triton kernels (got {spec})")
   return True
-
-
-def _plain_lengths(query, key, is_causal: bool) -> bool:
-  """Whether the plain kernels take the lengths: their tiles divide them,
-  or under top-left causal masking with q_len <= kv_len no real query sees
-  a key past kv_len (rows padded to whole 8-row tiles where needed,
-  `_plain_attention`), for the forward; their backward is the masked
-  kernels' (the plain one gave wrong dK on them on the H100,
-  benchmarks/NOTES.md, "Ragged lengths on the plain kernels")."""
-  return _divides(query, key) or (is_causal and
-                                  query.shape[1] <= key.shape[1])
 
 
 def _divides(query, key) -> bool:
@@ -212,10 +207,11 @@ def _fwd(query, key, value, scale, is_causal, backward_blocks, sinks, kv_len):
 def _bwd(scale, is_causal, backward_blocks, kv_len, residuals, cotangents):
   """The plain backward kernels; on lengths they refuse (ragged ones,
   `common.ragged_lengths`) the masked ones, else Triton's. `kv_len` goes
-  unused: the only padded calls here are causal with q_len <= kv_len
-  (`_plain_lengths`), where no real query sees a padded key and the padded
-  query rows carry zero dO, so the padding adds nothing to the real rows'
-  gradients."""
+  unused: padded keys are zero, so where a real query sees one (not
+  causal, or q_len > kv_len) its dS times K adds nothing to dQ, and dV and
+  dK of those rows are sliced off; padded query rows carry zero dO and
+  d_lse, so their dS is zero. The real rows' gradients are those of the
+  unpadded call, given the forward's lse (which masked the padding)."""
   del kv_len
   query, key, value, out, lse, sinks = residuals
   d_out, d_lse = cotangents

@@ -405,6 +405,21 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
       key_tail=ragged and masks_key_tail(q_len, kv_len, block_kv, is_causal))
 
 
+def fitting_block_kv(block_kv: int, check) -> int:
+  """`block_kv`, halved down to 64 keys while `check(block_kv)`
+  (`check_supported` of the call on that tile) refuses it: a planned long
+  tile gives way where a mask's buffers (a bias or dense mask tile per
+  consumer) or a factor's rows leave it no room. 64 itself is not
+  checked here: the call's own check then says why it cannot run."""
+  while block_kv > 64:
+    try:
+      check(block_kv)
+      return block_kv
+    except NotImplementedError:
+      block_kv //= 2
+  return 64
+
+
 def _smem_bytes(block_q, block_kv, num_stages, head_dim, itemsize,
                 num_consumers=NUM_CONSUMERS) -> int:
   """Shared memory of the common buffers: Q, the K/V ring, the LSE rows."""

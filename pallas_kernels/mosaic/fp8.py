@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -45,8 +46,8 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
       per-block V factor would rescale the accumulator at every step.
     scale, is_causal, block_q, block_kv, max_concurrent_steps: as
       `forward.mosaic_forward` (block_kv: None picks
-      `plan.FP8_BLOCK_KV`'s, or 64 where that does not divide
-      `k_descale_rows`).
+      `plan.FP8_BLOCK_KV`'s, halved where it does not divide
+      `k_descale_rows` or fit beside a mask's buffers).
     q_descale_rows, k_descale_rows: query / key rows per factor of a
       per-block descale, multiples of block_q / block_kv (factors repeat
       over the kernel's tiles); None: block_q / block_kv.
@@ -90,29 +91,36 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
     masked.check_slopes(spec, alibi_slopes, query.shape)
   q_len = query.shape[1]
   q_descale_rows = q_descale_rows or block_q
-  if block_kv is None:
-    block_kv = plan.FP8_BLOCK_KV.get(query.shape[-1], 64)
-    if k_descale_rows and k_descale_rows % block_kv:
-      block_kv = 64
-  k_descale_rows = k_descale_rows or block_kv
   tile_rows = block_q * forward_kernel.NUM_CONSUMERS
   query = jnp.pad(query, ((0, 0), (0, -q_len % tile_rows), (0, 0), (0, 0)))
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype not in common.SUPPORTED_DTYPES:
+    raise NotImplementedError(
+        f"out_dtype must be bfloat16 or float16, got {out_dtype}")
   # Any kv_len: K and V zero-padded to whole K/V blocks (a copy, only for
   # such lengths; V's transpose copies it anyway), keys past kv_len masked
   # (without a spec where a query may see there, `forward.check_supported`'s
   # kv_len; with one by the plan rows).
   kv_len = key.shape[1]
+
+  def check(block_kv):
+    if k_descale_rows and k_descale_rows % block_kv:
+      raise NotImplementedError(f"k_descale_rows {k_descale_rows} is not "
+                                f"whole tiles of {block_kv} keys")
+    padded = jax.ShapeDtypeStruct(
+        (key.shape[0], -(-kv_len // block_kv) * block_kv, *key.shape[2:]),
+        key.dtype)
+    return forward.check_supported(
+        query, padded, padded, scale=scale, is_causal=is_causal,
+        block_q=block_q, block_kv=block_kv,
+        max_concurrent_steps=max_concurrent_steps, fp8_out_dtype=out_dtype,
+        spec=spec, kv_len=None if spec else kv_len)
+  if block_kv is None:
+    block_kv = forward.fitting_block_kv(
+        plan.FP8_BLOCK_KV.get(query.shape[-1], 64), check)
+  static = check(block_kv)
+  k_descale_rows = k_descale_rows or block_kv
   key, value = (masked.pad_rows(x, block_kv) for x in (key, value))
-  out_dtype = jnp.dtype(out_dtype)
-  if out_dtype not in common.SUPPORTED_DTYPES:
-    raise NotImplementedError(
-        f"out_dtype must be bfloat16 or float16, got {out_dtype}")
-  static = forward.check_supported(query, key, value, scale=scale,
-                                   is_causal=is_causal, block_q=block_q,
-                                   block_kv=block_kv,
-                                   max_concurrent_steps=max_concurrent_steps,
-                                   fp8_out_dtype=out_dtype, spec=spec,
-                                   kv_len=None if spec else kv_len)
   if lazy_rescale is None:
     lazy_rescale = query.shape[-1] in plan.FP8_LAZY_RESCALE_HEAD_DIMS
   static = dataclasses.replace(static,

@@ -9,6 +9,7 @@ reads its K/V loop ranges from a plan row built here, in XLA, by
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
@@ -101,13 +102,16 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     raise NotImplementedError("scale must be positive")
   check_slopes(spec, alibi_slopes, query.shape)
   check_dropout_seed(spec, dropout_seed)
-  if block_kv is None:
-    block_kv = plan.default_block_kv(query.shape[-1])
-  static = forward.check_supported(query, key, value, scale=scale,
-                                   is_causal=spec.is_causal, block_q=block_q,
-                                   block_kv=block_kv,
-                                   max_concurrent_steps=max_concurrent_steps,
-                                   spec=spec, sinks=sinks is not None)
+  check = functools.partial(
+      forward.check_supported, query, key, value, scale=scale,
+      is_causal=spec.is_causal, block_q=block_q,
+      max_concurrent_steps=max_concurrent_steps, spec=spec,
+      sinks=sinks is not None)
+  if block_kv is None:  # between d=128 and 256, a bias may not fit 128 keys
+    block_kv = forward.fitting_block_kv(
+        plan.default_block_kv(query.shape[-1]),
+        lambda block_kv: check(block_kv=block_kv))
+  static = check(block_kv=block_kv)
   if lazy_rescale is None:
     lazy_rescale = (plan.plan_head_dim(query.shape[-1])
                     in plan.MASKED_LAZY_RESCALE_HEAD_DIMS)

@@ -146,9 +146,13 @@ def default_block_kv(head_dim: int) -> int:
   stages: 495 / 469 TFLOP/s full / causal at 4k, h200_mosaic_sweep.md)
   and within 1% of it at d=64; 64 at head_dim 256, where Q (2 x 64 rows)
   and two stages of 128-row K and V tiles would need 320 KiB of shared
-  memory (64-row ones: 192). A head dim between takes its
-  `plan_head_dim`'s (at 192, 128-row tiles would need 240 KiB)."""
-  return 64 if plan_head_dim(head_dim) > 128 else 128
+  memory (64-row ones: 192). Between 128 and 256, 128 up to 176, whose
+  two stages still fit (220 KiB; on an H100 at 4k, geomean of causal and
+  not, 437 -> 452, 529 -> 591, 435 -> 441 TFLOP/s at d=144, 160, 176,
+  h100_mosaic_between_tiles.md); 64 from 192 (240 KiB). The masked forward
+  halves it where a bias or dense mask tile leaves too little room
+  (`forward.fitting_block_kv`)."""
+  return 128 if head_dim <= 176 else 64
 
 
 def plan_head_dim(head_dim: int) -> int:
@@ -389,24 +393,26 @@ MASKED_LAZY_RESCALE_HEAD_DIMS = (256,)
 # without a mask and +6.9% / +6.0% causal at 16k; d=128 -5.9% to -10.4%,
 # d=64 -8.2% to -14.6% (h200_mosaic_fp8_rescale*.md).
 FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
-# The FP8 forward's K/V tile by head dim: the 16-bit kernel's
-# (`default_block_kv`), not yet timed in FP8; `h200_check.sh fp8_tiles`
-# sweeps 64, 128, 192 and 256 keys (FlashAttention-3's FP8 tiles: 160, 224
-# and 128 keys at d=64, 128, 256). A K factor of "block" scales
-# (`jax_flash.fp8.K_BLOCK_ROWS` rows) must cover whole tiles.
-FP8_BLOCK_KV = {64: 128, 128: 128, 256: 64}
+# The FP8 forward's K/V tile by head dim, longer than the 16-bit kernel's
+# (FP8's matmuls run at twice the rate, a step's other work does not): on
+# an H100 at 16k, geomean of causal and not, two stages (three tie or do
+# not fit), d=64 256 keys 504 TFLOP/s (128: 450), d=128 256 keys 780 (128:
+# 752, 192: 673), d=256 128 keys 1,050 (64: 935)
+# (h100_mosaic_fp8_tiles.md). A K factor of "block" scales
+# (`jax_flash.fp8.K_BLOCK_ROWS` rows) covers whole tiles of every head dim.
+FP8_BLOCK_KV = {64: 256, 128: 256, 256: 128}
 # The masked kernels add causal ALiBi as a term per key and one per query
 # (`common.alibi_columns`; `KernelStatic.alibi_columns` in the forward,
-# `BackwardStatic.alibi_columns` in dQ and dK/dV): checked in the
-# interpreter and lowered under both JAX versions, not yet timed on the
-# H200 (`tune_mosaic --kernels alibi_columns alibi_columns_backward`); off
-# until then.
-MASKED_ALIBI_COLUMNS = False
+# `BackwardStatic.alibi_columns` in dQ and dK/dV) instead of a slope times
+# an index tile: on an H100 at 16k, causal, the forward 467 -> 534 TFLOP/s
+# at d=128 and 551 -> 585 at d=256, the backward 394 -> 429 and 172 -> 231
+# (h100_mosaic_prepared.md).
+MASKED_ALIBI_COLUMNS = True
 # The masked forward without a running max where a soft cap bounds every
-# logit (`KernelStatic.max_free`; tokamax's sm90 forward does the same):
-# checked in the interpreter and lowered under both JAX versions, not yet
-# timed on the H200 (`tune_mosaic --kernels max_free`); off until then.
-MASKED_MAX_FREE = False
+# logit (`KernelStatic.max_free`; tokamax's sm90 forward does the same): on
+# an H100 at 16k, causal, cap 30: 459 -> 482 TFLOP/s at d=128, 558 -> 619
+# at d=256 (h100_mosaic_prepared.md).
+MASKED_MAX_FREE = True
 # The largest soft cap it takes, by P's dtype: e^cap below float16's
 # largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
 # float32's (3.4e38 = e^88.7).
