@@ -141,6 +141,30 @@ def test_masked_forward_lowers_at_its_own_width(head_dim, cuda_lowering):
   assert _lowered(forward, q, kv, kv)[1] == {SWIZZLE_OF[head_dim]}
 
 
+@pytest.mark.parametrize("head_dim, block_kv", [(144, 128), (160, 64)])
+def test_masked_forward_halves_its_tile_beside_a_bias(head_dim, block_kv,
+                                                      cuda_lowering,
+                                                      monkeypatch):
+  """128-key tiles up to d=176 (`plan.default_block_kv`); beside a bias's
+  tile per consumer they fit at 144 and not from 160, where the masked
+  forward halves them (`forward.fitting_block_kv`) rather than refusing."""
+  from pallas_kernels.masking import MaskSpec
+  from pallas_kernels.mosaic import forward
+  tiles = []
+  check = forward.check_supported
+  monkeypatch.setattr(forward, "check_supported", lambda *a, **kw: (
+      tiles.append(kw["block_kv"]), check(*a, **kw))[1])
+  spec = MaskSpec(q_len=256, kv_len=384, is_causal=True, has_bias=True)
+  q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 384, 2, head_dim), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((1, 2, 256, 384), jnp.bfloat16)
+  forward_fn = lambda q, k, v, bias: mosaic_forward_masked(
+      q, k, v, bias=bias, scale=0.1, spec=spec)
+  jax.jit(forward_fn).trace(q, kv, kv, bias).lower(
+      lowering_platforms=("cuda",))
+  assert tiles[0] == 128 and tiles[-1] == block_kv
+
+
 @pytest.mark.parametrize("head_dim, kv_len, kernels, swizzles", [
     # Up to 128: the dQ and one dK/dV kernel (persistent at 1k, the launch
     # grid above).

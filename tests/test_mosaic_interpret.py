@@ -541,37 +541,52 @@ def test_interpreted_own_width_masked_forward_matches_reference(head_dim):
   assert_forward_within_rule(q, k, v, out, lse, **variants)
 
 
-@pytest.mark.parametrize("name, variants", [
+_MAX_FREE_CASES = {
     # Not causal, a ragged K/V tail; Q times 8 so that logits reach the cap.
-    ("cap 20", dict(logits_soft_cap=20.0)),
+    "cap 20": dict(logits_soft_cap=20.0),
     # Bottom-right causal with the largest cap it takes, ALiBi before the
     # cap, sinks, and rows that see no key (kv length 0).
-    ("cap 60 alibi sinks", dict(
+    "cap 60 alibi sinks": dict(
         is_causal=True, q_offset=jnp.array([70, 0]), logits_soft_cap=60.0,
         alibi_slopes=jnp.array([0.5, 0.25]),
         key_value_seq_lengths=jnp.array([170, 0]),
-        sinks=jnp.array([3.0, -1.0]))),
-])
-def test_interpreted_max_free_forward(monkeypatch, name, variants):
+        sinks=jnp.array([3.0, -1.0])),
+}
+
+
+@pytest.mark.parametrize("name, exp2_on_fma", [
+    ("cap 20", False), ("cap 60 alibi sinks", False),
+    slow("cap 20", True), ("cap 60 alibi sinks", True)])
+def test_interpreted_max_free_forward(monkeypatch, name, exp2_on_fma):
   """The masked forward without a running max under a soft cap
   (`KernelStatic.max_free`): out and lse as the reference's; the online
-  softmax's `exponentiate` is never called."""
-  from pallas_kernels.mosaic import forward_kernel, plan
+  softmax's `exponentiate` is never called. With `exp2_on_fma`, P by
+  `softmax.exp2_on_fma` (counted), masked scores (-inf) to 0 and rows that
+  see no key to zeros."""
+  from pallas_kernels.mosaic import forward_kernel, plan, softmax
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
 
   def no_running_max(*args, **kwargs):
     raise AssertionError("the max-free forward took a running max")
+  calls = []
+
+  def counted(x):
+    calls.append(x.shape)
+    return softmax.exp2_on_fma(x)
   monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
+  monkeypatch.setattr(plan, "MASKED_SOFTCAP_EXP2_ON_FMA", exp2_on_fma)
   monkeypatch.setattr(forward_kernel, "exponentiate", no_running_max)
+  monkeypatch.setattr(forward_kernel, "exp2_on_fma", counted)
   case = Case(2, 97, 170, 2, 1, 64)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=8)
   q = q * 8
-  variants = dict(variants)
+  variants = dict(_MAX_FREE_CASES[name])
   sinks = variants.pop("sinks", None)
   scale, spec, operands = _masked_call(q, k, v, variants)
   out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
                                   scale=scale, spec=spec, sinks=sinks,
                                   **operands)
+  assert bool(calls) == exp2_on_fma
   assert_forward_within_rule(q, k, v, out, lse, sinks=sinks, **variants)
 
 

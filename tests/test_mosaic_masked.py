@@ -181,6 +181,24 @@ def test_max_free_forward_lowers(head_dim, cuda_lowering, monkeypatch):
   assert text() != with_max
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_softcap_exp2_on_fma_lowers(head_dim, cuda_lowering, monkeypatch):
+  """The capped forward's exponentials on the FMA pipe
+  (`plan.MASKED_SOFTCAP_EXP2_ON_FMA`): it lowers with no MUFU ex2 left,
+  the cap's tanh kept; without the flag every tile has its ex2."""
+  from pallas_kernels.mosaic import plan
+
+  def count(op):
+    forward, case = _masked_forward("soft cap", head_dim)
+    q = jax.ShapeDtypeStruct((2, case.q_len, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, case.kv_len, 2, head_dim), jnp.bfloat16)
+    return lower_mosaic.canonical(forward, (q, kv, kv)).count(op)
+  monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
+  assert count("ex2.approx") > 0
+  monkeypatch.setattr(plan, "MASKED_SOFTCAP_EXP2_ON_FMA", True)
+  assert count("ex2.approx") == 0 and count("tanh.approx") > 0
+
+
 def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,
                                                      monkeypatch):
   """Head dim 96 (at its own width), ragged lengths, window and lengths,
