@@ -83,7 +83,9 @@ check the Mosaic forward's numerics in CI, without a GPU):
       which the branch equals since it skips only multiplies by exactly
       1; whether it skips the right threads shows only on a GPU.
     - `softmax.add_rounded_in_threads` (the LSE's add, unfused by PTX's
-      `add.rn`): `a + b`.
+      `add.rn`, and `exp2_on_fma`'s rounding add): `a + b` behind an
+      optimization barrier, so that XLA's algebraic simplifier does not
+      fold (x + c) - c to x, as no compiler may fold PTX.
 
 Each simulated warpgroup is a host thread whose kernel blocks inside XLA
 callbacks (barrier waits), and XLA's CPU client runs about one more of
@@ -313,8 +315,8 @@ def _patched_interpret(self, jaxpr, token, *args):
         elif _is_row_multiply(eqn):
           acc, alpha = invals
           outs = [acc * alpha[:, None]]
-        elif _is_rounded_add(eqn):
-          outs = [invals[0] + invals[1]]
+        elif _is_rounded_add(eqn):  # opaque to XLA's simplifier, as PTX
+          outs = [jax.lax.optimization_barrier(invals[0] + invals[1])]
         elif _is_fp8_operand(eqn):
           outs = [_fp8_operand_value(invals[0])]
         elif eqn.primitive is gpu_primitives.inline_mgpu_p:

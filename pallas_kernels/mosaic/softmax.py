@@ -53,15 +53,21 @@ _ROUNDING = 12582912.0
 
 
 def exp2_on_fma(x):
-  """2^x of a float32 tile, x in [-125, 127] or -inf (0 there), without
-  MUFU ex2: x = n + f with n = round(x) (by adding 1.5 * 2^23), 2^f by
-  `_EXP2_CUBIC` (three FMAs), n added to its exponent field. Ten
-  instructions on the FMA and integer pipes (3 adds, 3 FMAs, a shift, an
-  integer add, a compare and a select) for one on the MUFU pipe: for tiles
-  whose score change already puts a MUFU op on every score (the soft cap's
-  tanh), which leaves ex2's pipe the bound (FlashAttention-4 emulates part
-  of its exponentials for the same reason)."""
-  rounded = x + _ROUNDING
+  """2^x of a float32 [block_q, block_kv] tile (WGMMA layout), x in
+  [-125, 127] or -inf (0 there), without MUFU ex2: x = n + f with n =
+  round(x) (by adding 1.5 * 2^23), 2^f by `_EXP2_CUBIC` (three FMAs), n
+  added to its exponent field. Ten instructions on the FMA and integer
+  pipes (3 adds, 3 FMAs, a shift, an integer add, a compare and a select)
+  for one on the MUFU pipe: for tiles whose score change already puts a
+  MUFU op on every score (the soft cap's tanh), which leaves ex2's pipe
+  the bound (FlashAttention-4 emulates part of its exponentials for the
+  same reason). The rounding add is PTX `add.rn` (`add_rounded`): as a
+  plain add, (x + c) - c is x to a compiler that reassociates (XLA's
+  algebraic simplifier does, so the CPU interpreter would)."""
+  layout = plgpu.Layout.WGMMA
+  rounding = plgpu.layout_cast(jnp.full(x.shape, _ROUNDING, jnp.float32),
+                               layout)
+  rounded = add_rounded(x, rounding, layout)
   f = x - (rounded - _ROUNDING)
   a, b, c, d = _EXP2_CUBIC
   p = ((a * f + b) * f + c) * f + d
@@ -71,6 +77,14 @@ def exp2_on_fma(x):
                    lax.bitcast_convert_type(bits, jnp.float32))
 
 
+def add_rounded(a, b, layout):
+  """a + b of two arrays in `layout` by `add_rounded_in_threads`."""
+  return plgpu.inline_mgpu(
+      arg_types=(layout, layout),
+      return_type=plgpu.ShapeDtypeStruct(a.shape, a.dtype, layout),
+  )(add_rounded_in_threads)(a, b)
+
+
 def add_unfused(a, b):
   """a + b of two [block_q] row vectors (WGMMA row layout), by
   `add_rounded_in_threads`: an add that ptxas never fuses with the
@@ -78,17 +92,14 @@ def add_unfused(a, b):
   is log2 times ln2), and which of them ptxas contracted into an FMA
   depended on the code around it: two schedules of one computation gave
   lse 1 ulp apart in a quarter of the rows (H200)."""
-  row = plgpu.Layout.WGMMA.reduce(1)
-  return plgpu.inline_mgpu(
-      arg_types=(row, row),
-      return_type=plgpu.ShapeDtypeStruct(a.shape, a.dtype, row),
-  )(add_rounded_in_threads)(a, b)
+  return add_rounded(a, b, plgpu.Layout.WGMMA.reduce(1))
 
 
 def add_rounded_in_threads(_, a, b):
   """`a + b` on Mosaic GPU fragments of one layout, each element by PTX
   `add.rn.f32`: an add with an explicit rounding mode is never contracted
-  into an FMA (PTX ISA, `add`). Interpreted on a CPU as `a + b`
+  into an FMA (PTX ISA, `add`), nor folded with what follows. Interpreted
+  on a CPU as `a + b` behind an optimization barrier
   (tests/mosaic_interpret.py knows this function)."""
   f32 = ir.F32Type.get()
 
