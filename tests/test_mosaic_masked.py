@@ -181,7 +181,8 @@ def test_max_free_forward_lowers(head_dim, cuda_lowering, monkeypatch):
   assert text() != with_max
 
 
-@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("head_dim", [
+    64, pytest.param(256, marks=pytest.mark.slow)])
 def test_softcap_exp2_on_fma_lowers(head_dim, cuda_lowering, monkeypatch):
   """The capped forward's exponentials on the FMA pipe
   (`plan.MASKED_SOFTCAP_EXP2_ON_FMA`): it lowers with no MUFU ex2 left,
