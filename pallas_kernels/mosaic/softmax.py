@@ -10,10 +10,10 @@ LSE's add is rounded as written, never fused (`add_unfused`).
 """
 from __future__ import annotations
 
+from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, nvvm, scf, vector
 from jax.experimental.mosaic import gpu as mgpu
-from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
