@@ -773,7 +773,9 @@ def test_interpreted_alibi_columns_backward(monkeypatch, with_bias):
 
 
 @pytest.mark.parametrize("q_len, kv_len, is_causal", [
-    (99, 99, False),          # rows padded to 104, not causal
+    # The whole route (forward, backward and their padding) of parts the
+    # default suite checks apart: `-m slow` (CI's ten minutes).
+    slow(99, 99, False),      # rows padded to 104, not causal
     slow(197, 197, False),    # ViT's tokens: rows padded to 200
     slow(136, 100, True),     # causal, q_len > kv_len: whole 8-row tiles
 ])
