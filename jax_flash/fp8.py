@@ -180,9 +180,10 @@ def quantize_qkv(
     granularity: of Q's and K's scales (see `quantize_fp8`): "block" (FA3's
       block quantisation) or "tensor".
     q_block_rows, k_block_rows: rows per Q / K scale with "block"
-      (default 64 and 128). The kernel takes multiples of its tiles: of 64
-      for Q, of 128 for K at head_dim <= 128 (of 64 at 256, or with a
-      64-row K tile, slower).
+      (default 64 and 256). The kernel takes multiples of its tiles: of 64
+      for Q; for K its 256-key tile at head_dim <= 128 and 128-key tile at
+      256 run where the factor's rows are whole tiles, and a shorter tile
+      (down to 64 keys, slower) where they are not.
     incoherent: rotate Q and K by `hadamard_rotation(head_dim, seed)` before
       quantising (exact: the logits do not change). head_dim must then be a
       power of two.
