@@ -398,19 +398,22 @@ def test_alibi_columns_match_reference_on_gpu(head_dim, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("exp2_on_fma", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype, cap", [(jnp.bfloat16, 50.0),
                                         (jnp.float16, 10.0)])
 def test_max_free_forward_matches_reference_on_gpu(head_dim, dtype, cap,
-                                                   monkeypatch):
+                                                   exp2_on_fma, monkeypatch):
   """The masked forward without a running max (`plan.MASKED_MAX_FREE`)
   under Gemma's soft cap (bfloat16) and float16's largest it takes, a
   causal window over ragged lengths, Q times 4 so that logits reach the
-  cap."""
+  cap; and its exponentials on the FMA pipe
+  (`plan.MASKED_SOFTCAP_EXP2_ON_FMA`)."""
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90")
   from pallas_kernels.mosaic import plan
   monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
+  monkeypatch.setattr(plan, "MASKED_SOFTCAP_EXP2_ON_FMA", exp2_on_fma)
   case = Case(2, 1500, 1500, 8, 4, head_dim)
   variants = dict(is_causal=True, local_window_size=(700, 0),
                   logits_soft_cap=cap,
