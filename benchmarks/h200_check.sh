@@ -202,9 +202,8 @@ PY
         tail -6 "$LOGS/ragged_$seq.log"
       done ;;
     fp8_tiles)  # the FP8 forward's K/V tile and ring depth (issue 40's
-                # speed; `tune_mosaic`'s FP8_TILES_SPACE), at 16k (192-key
-                # tiles with a masked partial last block), two rounds;
-                # then `fp8` with the tile chosen
+                # speed; `tune_mosaic`'s FP8_TILES_SPACE), at 16k, two
+                # rounds; then `fp8` with the tile chosen
       timeout ${FP8_TILES_TIMEOUT:-560} python3 -m benchmarks.tune_mosaic \
         --kernels forward_fp8_tiles --seq ${FP8_TILES_SEQ:-16384} --head-dims 64 128 256 \
         --rounds 2 --budget ${FP8_TILES_BUDGET:-500} \

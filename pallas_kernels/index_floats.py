@@ -35,6 +35,9 @@ import numpy as np
 
 # |x| below this converts exactly through the float mantissa.
 EXACT_BOUND = 2**22
+# How far the kernels' index tiles reach past q_len and kv_len (padding to
+# whole tiles: less than a tile), allowed for in the bounds.
+POSITION_SLACK = 512
 _MAGIC_BITS = 0x4B400000       # float32 1.5 * 2^23
 _MAGIC = 12582912.0            # 1.5 * 2^23
 _INT32 = (-(2**31), 2**31 - 1)
@@ -58,10 +61,10 @@ def _by_mantissa(x):
 def fast_index_floats(fn, q_len: int, kv_len: int):
   """`fn(score, batch, head, q_idx, kv_idx)` (a `score_fn`), its
   conversions to float32 of position tiles with |x| < 2^22 provable done
-  by `exact_float`'s mantissa form (see the module). The kernels' index
-  tiles reach past the lengths by less than a tile: the bounds allow 512
-  rows of padding."""
-  bounds = (None, None, None, (0, q_len + 512), (0, kv_len + 512))
+  by `exact_float`'s mantissa form (see the module), q_idx and kv_idx
+  bounded by the lengths plus `POSITION_SLACK`."""
+  bounds = (None, None, None, (0, q_len + POSITION_SLACK),
+            (0, kv_len + POSITION_SLACK))
 
   @functools.wraps(fn)
   def wrapped(*args):

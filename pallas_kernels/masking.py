@@ -195,7 +195,8 @@ def modify_scores(spec: MaskSpec, scores, q_idx, kv_idx, values: MaskValues):
           jnp.float32)
     else:  # bounded: converted without the exponential's pipe
       distance = index_floats.exact_float(
-          jnp.abs(q_idx - kv_idx), max(spec.q_len, spec.kv_len) + 512)
+          jnp.abs(q_idx - kv_idx),
+          max(spec.q_len, spec.kv_len) + index_floats.POSITION_SLACK)
     scores = scores - values.alibi_slope * distance
   if spec.score_fn is not None:
     scores = spec.score_fn(scores, values.batch, values.head, q_idx, kv_idx)

@@ -116,6 +116,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   if lazy_rescale is None:
     lazy_rescale = (plan.plan_head_dim(query.shape[-1])
                     in plan.MASKED_LAZY_RESCALE_HEAD_DIMS)
+  no_running_max = plan.MASKED_MAX_FREE and max_free(spec, query.dtype)
   # The plain causal forward's schedule: the split rendezvous, launched
   # tile-fastest (each head's tiles heaviest first, `tile_plans`): on the
   # causal forward at 16k 531 -> 563 TFLOP/s at d=128 (the plain kernel
@@ -124,9 +125,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       static, split_handover=True, tile_fastest=True,
       alibi_columns=(plan.MASKED_ALIBI_COLUMNS and alibi_columns(spec)
                      and sinks is None),
-      max_free=plan.MASKED_MAX_FREE and max_free(spec, query.dtype),
-      exp2_on_fma=(plan.MASKED_SOFTCAP_EXP2_ON_FMA and plan.MASKED_MAX_FREE
-                   and max_free(spec, query.dtype)),
+      max_free=no_running_max,
+      exp2_on_fma=plan.MASKED_SOFTCAP_EXP2_ON_FMA and no_running_max,
       **forward.rescale_fields(lazy_rescale))
   block_mask = block_mask_of(spec, block_mask, query.shape)
   rows, plan_heads = plan_rows(static, query.shape[0], q_offset=q_offset,
