@@ -125,6 +125,11 @@ CELLS = (
     # token), without a causal mask: the plain forward with its key tail
     # masked, the masked backward (`attention._masked`).
     C("ragged_vit_197", "ViT-B/16", 128, 197, 12, 12, 64, causal=False),
+    # The same family further up (where routing them elsewhere stops
+    # paying, benchmarks/NOTES.md, "Ragged lengths on the plain kernels").
+    C("ragged_vit_257", "ViT-L/14", 64, 257, 16, 16, 64, causal=False),
+    C("ragged_vit_577", "ViT-L/14, 336 px", 32, 577, 16, 16, 64,
+      causal=False),
 )
 CELLS_BY_NAME = {cell.name: cell for cell in CELLS}
 # One cell of each kind, shrunk by `smoke_cell`: the CPU test's run.

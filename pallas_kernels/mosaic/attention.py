@@ -164,8 +164,8 @@ def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
   at 1000, d=64/128/256, 327 / 436 / 439 against 253 / 360 / 408 (an
   H100, geomean of causal and not, h100_mosaic_ragged_forward_*.md).
   Their backward is the masked kernels' where the tiles do not divide the
-  lengths (`_bwd`: the plain one gave wrong dK there on the H100,
-  benchmarks/NOTES.md, "Ragged lengths on the plain kernels")."""
+  lengths (`_bwd`; the plain one takes whole tiles only, benchmarks/
+  NOTES.md, "Ragged lengths on the plain kernels")."""
   plain = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
                    is_causal=is_causal)
   if spec is None or spec == plain:

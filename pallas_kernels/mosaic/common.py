@@ -130,9 +130,10 @@ def ragged_lengths(q_len: int, kv_len: int) -> bool:
   whole TMA row tiles. Rows of a tile past either end load as zeros and
   stores past q_len are dropped, so a padded query row computes on zeros
   and is never written; only the softmax would count a padded key
-  (`masks_key_tail`). The plain backward takes whole tiles only: on
-  ragged lengths its dK came out wrong on the H100 (benchmarks/NOTES.md,
-  "Ragged lengths on the plain kernels"), and the masked one runs them."""
+  (`masks_key_tail`). The plain backward takes whole tiles only (the
+  masked one runs ragged lengths): its dK on them was refused after wrong
+  results on the H100 whose cause turned out to be the forward's LSE
+  (benchmarks/NOTES.md, "Ragged lengths on the plain kernels")."""
   return q_len % TMA_ROW_TILE == 0 and kv_len % TMA_ROW_TILE == 0
 
 

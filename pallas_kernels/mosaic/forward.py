@@ -199,8 +199,9 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
   query sees a key (`spec.has_dense_mask`); `sinks` are `sink_rows`
   (`static.sinks`).
 
-  In the ranged kernel the LSE is returned padded to whole tiles (its rows
-  are TMA'd whole, and TMA needs 16-byte strides), for the caller to slice.
+  The LSE is written padded to whole tiles (its rows are TMA'd whole, and
+  TMA needs 16-byte strides): the ranged kernel returns it so, for the
+  caller to slice, the plain one cut to q_len.
   """
   batch, q_len, num_heads, head_dim = query.shape
   block_q, block_kv = static.block_q, static.block_kv
@@ -244,7 +245,11 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
         plgpu.Barrier(num_barriers=consumers),        # descale_arrived
     )
     inputs += (descale,)
-  lse_len = q_len
+  # Padded to whole tiles: into an LSE of exactly q_len rows, the 1-D TMA
+  # store of a partial tile's rows past q_len landed on the next head's
+  # first rows on the GPU (benchmarks/NOTES.md, "Ragged lengths on the
+  # plain kernels").
+  lse_len = num_q_tiles * static.tile_rows
   if static.ranged:
     scratch += (
         # One plan row per consumer and one for the producer.
@@ -252,7 +257,6 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
         plgpu.Barrier(num_barriers=consumers + 1),    # plan_arrived
     )
     inputs += (plan,)
-    lse_len = num_q_tiles * static.tile_rows
   if static.stage_o_apart:
     scratch += (plgpu.SMEM((consumers, block_q, head_dim), static.dtype,
                            transforms=transforms),         # O
@@ -298,7 +302,7 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
     grid, grid_names = launch_grid((num_q_tiles, num_heads, batch),
                                    ("q_tile", "head", "batch"),
                                    tile_fastest=static.tile_fastest)
-  return compat.vary_like(plgpu.kernel(
+  out, lse = compat.vary_like(plgpu.kernel(
       functools.partial(body, static=static),
       out_type=out_type,
       scratch_types=scratch,
@@ -309,6 +313,7 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
       kernel_name="mosaic_flash_forward",
       compiler_params=compat.compiler_params(approx_math=True),
   )(*inputs), *inputs)
+  return out, (lse if static.ranged else lse[:, :, :q_len])
 
 
 def check_supported(query, key, value, *, scale, is_causal, block_q,
