@@ -176,11 +176,10 @@ PY
       tail -20 "$LOGS/lower_mosaic.log" ;;
     prepared)  # the kernel options' A/Bs (benchmarks/NOTES.md, Open):
                # each against the default, two rounds in turn, at 16k
-               # (softcap_exp2 untimed; the others decided on an H100,
-               # again on the H200);
+               # (decided on an H100, again on the H200);
                # PREPARED_KERNELS another list
       timeout ${PREPARED_TIMEOUT:-500} python3 -m benchmarks.tune_mosaic \
-        --kernels ${PREPARED_KERNELS:-softcap_exp2 max_free alibi_columns alibi_columns_backward} \
+        --kernels ${PREPARED_KERNELS:-max_free alibi_columns alibi_columns_backward} \
         --seq 16384 --head-dims 128 256 \
         --rounds 2 --budget ${PREPARED_BUDGET:-420} \
         --out "$OUT/h200_mosaic_prepared.json" > "$LOGS/prepared.log" 2>&1

@@ -83,9 +83,9 @@ check the Mosaic forward's numerics in CI, without a GPU):
       which the branch equals since it skips only multiplies by exactly
       1; whether it skips the right threads shows only on a GPU.
     - `softmax.add_rounded_in_threads` (the LSE's add, unfused by PTX's
-      `add.rn`, and `exp2_on_fma`'s rounding add): `a + b` behind an
-      optimization barrier, so that XLA's algebraic simplifier does not
-      fold (x + c) - c to x, as no compiler may fold PTX.
+      `add.rn`): `a + b` behind an optimization barrier, so that XLA's
+      algebraic simplifier folds it with nothing, as no compiler may fold
+      PTX's.
 
 Each simulated warpgroup is a host thread whose kernel blocks inside XLA
 callbacks (barrier waits), and XLA's CPU client runs about one more of

@@ -183,25 +183,6 @@ def test_max_free_forward_lowers(head_dim, cuda_lowering, monkeypatch):
   assert text() != with_max
 
 
-@pytest.mark.parametrize("head_dim", [
-    64, pytest.param(256, marks=pytest.mark.slow)])
-def test_softcap_exp2_on_fma_lowers(head_dim, cuda_lowering, monkeypatch):
-  """The capped forward's exponentials on the FMA pipe
-  (`plan.MASKED_SOFTCAP_EXP2_ON_FMA`): it lowers with no MUFU ex2 left,
-  the cap's tanh kept; without the flag every tile has its ex2."""
-  from pallas_kernels.mosaic import plan
-
-  def count(op):
-    forward, case = _masked_forward("soft cap", head_dim)
-    q = jax.ShapeDtypeStruct((2, case.q_len, 4, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, case.kv_len, 2, head_dim), jnp.bfloat16)
-    return lower_mosaic.canonical(forward, (q, kv, kv)).count(op)
-  monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
-  assert count("ex2.approx") > 0
-  monkeypatch.setattr(plan, "MASKED_SOFTCAP_EXP2_ON_FMA", True)
-  assert count("ex2.approx") == 0 and count("tanh.approx") > 0
-
-
 def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,
                                                      monkeypatch):
   """Head dim 96 (at its own width), ragged lengths, window and lengths,
@@ -400,22 +381,19 @@ def test_alibi_columns_match_reference_on_gpu(head_dim, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("exp2_on_fma", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype, cap", [(jnp.bfloat16, 50.0),
                                         (jnp.float16, 10.0)])
 def test_max_free_forward_matches_reference_on_gpu(head_dim, dtype, cap,
-                                                   exp2_on_fma, monkeypatch):
+                                                   monkeypatch):
   """The masked forward without a running max (`plan.MASKED_MAX_FREE`)
   under Gemma's soft cap (bfloat16) and float16's largest it takes, a
   causal window over ragged lengths, Q times 4 so that logits reach the
-  cap; and its exponentials on the FMA pipe
-  (`plan.MASKED_SOFTCAP_EXP2_ON_FMA`)."""
+  cap."""
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90")
   from pallas_kernels.mosaic import plan
   monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
-  monkeypatch.setattr(plan, "MASKED_SOFTCAP_EXP2_ON_FMA", exp2_on_fma)
   case = Case(2, 1500, 1500, 8, 4, head_dim)
   variants = dict(is_causal=True, local_window_size=(700, 0),
                   logits_soft_cap=cap,

@@ -51,8 +51,7 @@ from pallas_kernels.mosaic.common import (
     dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
     persistent_schedule, read_plan, register_split, slope_reader, tile_index,
     tile_indices, variant_mask)
-from pallas_kernels.mosaic.softmax import (add_unfused, exp2_on_fma,
-                                           exponentiate, rescale)
+from pallas_kernels.mosaic.softmax import add_unfused, exponentiate, rescale
 
 # Consumer warpgroups of the masked and FP8 forms, and of the plain one but
 # where its plan takes three.
@@ -174,10 +173,6 @@ class KernelStatic:
   # and nothing to rescale: no row max per step, no alpha, O and l only
   # accumulate. `plan.MASKED_MAX_FREE`.
   max_free: bool = False
-  # With max_free, P by `softmax.exp2_on_fma` (a cubic on the FMA and
-  # integer pipes) instead of MUFU ex2, whose pipe the cap's tanh shares.
-  # `plan.MASKED_SOFTCAP_EXP2_ON_FMA`.
-  exp2_on_fma: bool = False
   # Plain form, lengths its tiles do not divide (`common.ragged_lengths`):
   # the last tiles reach past q_len and kv_len, where TMA reads zeros and
   # drops stores; the ring's static block starts change (`_kv_rows`), and
@@ -767,8 +762,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       k_factor = _descale(fp8, static.num_q_blocks + step)
       scale_log2 = scale_log2 * (q_factor * k_factor)
     if static.max_free:  # |s| <= the cap: no max to subtract
-      exp2 = exp2_on_fma if static.exp2_on_fma else jnp.exp2
-      m_new, alpha, p = m, None, exp2(s * scale_log2)
+      m_new, alpha, p = m, None, jnp.exp2(s * scale_log2)
     else:
       m_new, alpha, p = exponentiate(s, m, scale_log2,
                                      threshold=static.rescale_threshold)

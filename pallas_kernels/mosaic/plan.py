@@ -413,14 +413,6 @@ MASKED_ALIBI_COLUMNS = True
 # an H100 at 16k, causal, cap 30: 459 -> 482 TFLOP/s at d=128, 558 -> 619
 # at d=256 (h100_mosaic_prepared.md).
 MASKED_MAX_FREE = True
-# With it, P by a cubic on the FMA and integer pipes instead of MUFU ex2
-# (`softmax.exp2_on_fma`, as FlashAttention-4 emulates part of its
-# exponentials): sm90 issues MUFU ops at 16 a clock per SM, and the cap's
-# tanh is a second one per score, which makes that pipe the bound (the
-# capped causal forward ran 0.79x of plain causal at d=128 on an H100).
-# Checked in the interpreter and lowered under both JAX versions, not yet
-# timed (`tune_mosaic --kernels softcap_exp2`); off until then.
-MASKED_SOFTCAP_EXP2_ON_FMA = False
 # The largest soft cap it takes, by P's dtype: e^cap below float16's
 # largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
 # float32's (3.4e38 = e^88.7).

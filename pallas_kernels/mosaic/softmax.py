@@ -10,7 +10,6 @@ LSE's add is rounded as written, never fused (`add_unfused`).
 """
 from __future__ import annotations
 
-from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, nvvm, scf, vector
 from jax.experimental.mosaic import gpu as mgpu
@@ -40,41 +39,6 @@ def exponentiate(s, m, scale_log2, *, threshold: float | None = None):
   # One FMA per score: s * (scale log2 e) - m (§3.1, exp2 on the MUFU).
   p = jnp.exp2(s * scale_log2 - per_row(m_ref, s.shape))
   return m_new, alpha, p
-
-
-# 2^f on [-1/2, 1/2] as a cubic in f (coefficients highest first, fitted
-# to the relative error by Lawson's iteration): 7.5e-5 at most in float32,
-# far below P's rounding to 16 bits (2^-9 in bfloat16).
-_EXP2_CUBIC = (0.05517166853, 0.24261114001, 0.69326096773, 0.99992805719)
-# x + 1.5 * 2^23 rounds x to an integer, which then sits in the sum's
-# mantissa (its low 9 bits in the bits that a shift by 23 moves into the
-# exponent).
-_ROUNDING = 12582912.0
-
-
-def exp2_on_fma(x):
-  """2^x of a float32 [block_q, block_kv] tile (WGMMA layout), x in
-  [-125, 127] or -inf (0 there), without MUFU ex2: x = n + f with n =
-  round(x) (by adding 1.5 * 2^23), 2^f by `_EXP2_CUBIC` (three FMAs), n
-  added to its exponent field. Ten instructions on the FMA and integer
-  pipes (3 adds, 3 FMAs, a shift, an integer add, a compare and a select)
-  for one on the MUFU pipe: for tiles whose score change already puts a
-  MUFU op on every score (the soft cap's tanh), which leaves ex2's pipe
-  the bound (FlashAttention-4 emulates part of its exponentials for the
-  same reason). The rounding add is PTX `add.rn` (`add_rounded`): as a
-  plain add, (x + c) - c is x to a compiler that reassociates (XLA's
-  algebraic simplifier does, so the CPU interpreter would)."""
-  layout = plgpu.Layout.WGMMA
-  rounding = plgpu.layout_cast(jnp.full(x.shape, _ROUNDING, jnp.float32),
-                               layout)
-  rounded = add_rounded(x, rounding, layout)
-  f = x - (rounded - _ROUNDING)
-  a, b, c, d = _EXP2_CUBIC
-  p = ((a * f + b) * f + c) * f + d
-  bits = lax.bitcast_convert_type(p, jnp.int32) + lax.shift_left(
-      lax.bitcast_convert_type(rounded, jnp.int32), jnp.int32(23))
-  return jnp.where(x == -jnp.inf, 0.0,
-                   lax.bitcast_convert_type(bits, jnp.float32))
 
 
 def add_rounded(a, b, layout):
