@@ -41,8 +41,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import index_floats
-
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
@@ -190,14 +188,9 @@ def modify_scores(spec: MaskSpec, scores, q_idx, kv_idx, values: MaskValues):
   if spec.has_bias:
     scores = scores + values.bias
   if spec.has_alibi:
-    if spec.has_q_offset:
-      distance = jnp.abs(q_idx + values.q_offset - kv_idx).astype(
-          jnp.float32)
-    else:  # bounded: converted without the exponential's pipe
-      distance = index_floats.exact_float(
-          jnp.abs(q_idx - kv_idx),
-          max(spec.q_len, spec.kv_len) + index_floats.POSITION_SLACK)
-    scores = scores - values.alibi_slope * distance
+    q_pos = q_idx + values.q_offset
+    scores = scores - values.alibi_slope * jnp.abs(q_pos - kv_idx).astype(
+        jnp.float32)
   if spec.score_fn is not None:
     scores = spec.score_fn(scores, values.batch, values.head, q_idx, kv_idx)
   if spec.logits_soft_cap is not None:

@@ -124,47 +124,6 @@ def test_score_changes_add_no_division(cuda_lowering):
     assert divisions(backward, score_fn=softcap_score) == plain
 
 
-@pytest.mark.parametrize("backward", [
-    False, pytest.param(True, marks=pytest.mark.slow)])
-def test_position_changes_convert_no_tile(backward, cuda_lowering,
-                                          monkeypatch):
-  """An int -> float conversion takes the exponential's pipe: ALiBi as a
-  `score_fn` and built in without a causal mask lower, forward and
-  backward, with no more conversions (`arith.sitofp`) than without the
-  positions (`index_floats`: by the mantissa); with the rewrite undone
-  the ALiBi score_fn has more."""
-  from pallas_kernels.mosaic import masked
-  from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
-  x = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
-  lse = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
-  slopes = jax.ShapeDtypeStruct((1, 2), jnp.float32)
-
-  def conversions(backward=False, **fields):
-    spec = masking.MaskSpec(q_len=256, kv_len=256, **fields)
-    if backward:
-      fn = lambda q, k, v, out, lse, d_out, s: mosaic_backward_masked(
-          q, k, v, out, lse, d_out, scale=0.125, spec=spec,
-          alibi_slopes=s if spec.has_alibi else None)
-      args = (x, x, x, x, lse, x, slopes)
-    else:
-      fn = lambda q, k, v, s: mosaic_forward_masked(
-          q, k, v, scale=0.125, spec=spec,
-          alibi_slopes=s if spec.has_alibi else None)
-      args = (x, x, x, slopes)
-    return lower_mosaic.canonical(fn, args).count("arith.sitofp")
-
-  slope = lambda h: jnp.exp2(-(h + 1).astype(jnp.float32))  # a scalar's
-  slope_only = lambda score, b, h, q_idx, kv_idx: score - slope(h)
-
-  def alibi_score(score, b, h, q_idx, kv_idx):
-    return score - slope(h) * jnp.abs(q_idx - kv_idx).astype(jnp.float32)
-  plain = conversions(backward, score_fn=slope_only)
-  assert conversions(backward, score_fn=alibi_score) == plain
-  assert conversions(backward, has_alibi=True) == conversions(backward)
-  monkeypatch.setattr(masked, "fast_index_floats", lambda fn, *_: fn)
-  assert conversions(backward, score_fn=alibi_score) > plain
-
-
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_max_free_forward_lowers(head_dim, cuda_lowering, monkeypatch):
   """The soft cap without a running max (`plan.MASKED_MAX_FREE`): it

@@ -14,7 +14,6 @@ import functools
 import jax.numpy as jnp
 
 from pallas_kernels import masking
-from pallas_kernels.index_floats import fast_index_floats
 from pallas_kernels.reciprocals import scalar_divisions_as_products
 from pallas_kernels.mosaic import forward, plan
 from pallas_kernels.mosaic.common import (PLAN_TILE, PLAN_WIDTH,
@@ -245,14 +244,11 @@ def pad_ids(ids, length: int):
 def kernel_spec(spec: masking.MaskSpec) -> masking.MaskSpec:
   """`spec` as the masked kernels evaluate it: `score_fn`'s divisions by a
   scalar done as products (`reciprocals.scalar_divisions_as_products`;
-  a division is ~15 SASS instructions a score, a product one), and its
-  conversions of bounded position tiles to float32 by the mantissa
-  (`index_floats.fast_index_floats`; a conversion takes the exponential's
-  pipe)."""
+  a division is ~15 SASS instructions a score, a product one)."""
   if spec.score_fn is None:
     return spec
-  return dataclasses.replace(spec, score_fn=scalar_divisions_as_products(
-      fast_index_floats(spec.score_fn, spec.q_len, spec.kv_len)))
+  return dataclasses.replace(
+      spec, score_fn=scalar_divisions_as_products(spec.score_fn))
 
 
 def check_ranged_features(spec: masking.MaskSpec, kernel: str):
