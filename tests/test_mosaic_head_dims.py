@@ -254,6 +254,32 @@ def test_own_width_matches_reference_on_gpu(case, is_causal, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, variants", [
+    # 128-key tiles with a score change (window, soft cap).
+    (144, dict(is_causal=True, local_window_size=(300, 0),
+               logits_soft_cap=30.0)),
+    (176, dict(is_causal=True, local_window_size=(300, 0),
+               logits_soft_cap=30.0)),
+    # A bias beside them does not fit from 160: the tiles halve.
+    (160, dict(is_causal=True, bias=True)),
+])
+def test_masked_between_dims_match_reference_on_gpu(head_dim, variants):
+  """The masked kernels at head dims between 128 and 256 on 128-key tiles
+  (`plan.default_block_kv`; halved beside a bias, `forward.
+  fitting_block_kv`), through `flash_attention`, ragged lengths."""
+  import jax_flash
+  _require_sm90()
+  case = Case(1, 1000, 1100, 4, 2, head_dim)
+  variants = dict(variants)
+  if variants.pop("bias", False):
+    variants["bias"] = jax.random.normal(
+        jax.random.key(3), (1, 4, case.q_len, case.kv_len), jnp.bfloat16)
+  attention = jax.jit(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, return_residual=True, implementation="mosaic", **variants))
+  check_against_reference(attention, case, jnp.bfloat16, **variants)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim, options", [
     (96, dict(persistent=True)),
