@@ -263,11 +263,13 @@ def masked_schedule(form: str):
   heaviest first, for `form` "masked_in_order" (`masked.heaviest_first_order`
   the identity); causal ALiBi by index tiles, not as column terms, for
   "alibi_tiles" (`plan.MASKED_ALIBI_COLUMNS` off); the soft cap with a
-  running max for "softcap_with_max" (`plan.MASKED_MAX_FREE` off); as
-  planned for any other."""
+  running max for "softcap_with_max" (`plan.MASKED_MAX_FREE` off), its
+  multiplies folded into the scales for "softcap_folded"
+  (`plan.MASKED_SOFTCAP_FOLDED` on); as planned for any other."""
   from pallas_kernels.mosaic import masked, plan
   choices = {"alibi_tiles": ("MASKED_ALIBI_COLUMNS", False),
-             "softcap_with_max": ("MASKED_MAX_FREE", False)}
+             "softcap_with_max": ("MASKED_MAX_FREE", False),
+             "softcap_folded": ("MASKED_SOFTCAP_FOLDED", True)}
   if form in choices:
     with mock.patch.object(plan, *choices[form]):
       yield
@@ -384,6 +386,10 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "max_free": (score_change_benchmark,
                         dict(form=("plain", "softcap_with_max", "softcap")),
                         1.0, (True,)),
+           "softcap_folded": (score_change_benchmark,
+                              dict(form=("plain", "softcap",
+                                         "softcap_folded")),
+                              1.0, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,
                                       MASKED_RESCALE_SPACE, 1.0, (True,)),
            "masked_backward_order": (masked_causal_backward_benchmark,

@@ -202,6 +202,24 @@ def modify_scores(spec: MaskSpec, scores, q_idx, kv_idx, values: MaskValues):
   return scores
 
 
+def modify_scores_folded(spec: MaskSpec, qk, scale, q_idx, kv_idx,
+                         values: MaskValues):
+  """(t, factor) with factor * t = `modify_scores(spec, scale * qk, ...)`
+  up to rounding: the soft cap's two multiplies, by 1 / cap before the tanh
+  and by cap after it, folded into the score's `scale` (where nothing
+  changes the scores before the cap) and into the returned factor, which a
+  kernel folds into its exponential's scale. `scale` may be traced (FP8's
+  factors). Without a cap: (`modify_scores`, 1.0)."""
+  cap = spec.logits_soft_cap
+  if cap is None:
+    return modify_scores(spec, qk * scale, q_idx, kv_idx, values), 1.0
+  uncapped = dataclasses.replace(spec, logits_soft_cap=None)
+  if uncapped.modifies_scores:
+    scores = modify_scores(uncapped, qk * scale, q_idx, kv_idx, values)
+    return jnp.tanh(scores * (1.0 / cap)), cap
+  return jnp.tanh(qk * (scale * (1.0 / cap))), cap
+
+
 def apply_sinks(out, lse, sinks):
   """Adds per-head sink logits to the softmax denominator (GPT-OSS).
 

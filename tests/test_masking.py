@@ -244,3 +244,29 @@ def test_a_causal_dense_mask_skips_the_tiles_is_causal_skips():
   built_in = masking.classify_blocks(
       masking.MaskSpec(q_len=256, kv_len=256, is_causal=True), 64, 64)
   np.testing.assert_array_equal(dense, built_in)
+
+
+@pytest.mark.parametrize("fields, scale_traced", [
+    (dict(logits_soft_cap=20.0), False),     # both multiplies folded
+    (dict(logits_soft_cap=20.0), True),      # FP8's traced scale
+    (dict(logits_soft_cap=50.0, has_alibi=True, has_bias=True), False),
+    (dict(has_alibi=True), False),           # no cap: factor 1
+])
+def test_folded_scores_are_the_scores(fields, scale_traced):
+  """`modify_scores_folded`'s factor * t is `modify_scores` of the scaled
+  scores to a few float32 ulps (the folds change rounding only), on
+  scores that reach far past the cap."""
+  from pallas_kernels.masking import modify_scores_folded
+  spec = MaskSpec(q_len=64, kv_len=96, **fields)
+  keys = jax.random.split(jax.random.key(0), 2)
+  qk = 40.0 * jax.random.normal(keys[0], (64, 96), jnp.float32)
+  values = MaskValues(q_offset=jnp.int32(3), alibi_slope=jnp.float32(0.25),
+                      bias=jax.random.normal(keys[1], (64, 96)))
+  q_idx, kv_idx = np.arange(64)[:, None], np.arange(96)[None, :]
+  scale = jnp.float32(0.125) if scale_traced else 0.125
+  want = masking.modify_scores(spec, qk * scale, q_idx, kv_idx, values)
+  t, factor = modify_scores_folded(spec, qk, scale, q_idx, kv_idx, values)
+  np.testing.assert_allclose(factor * t, want, rtol=1e-6, atol=1e-5)
+  if "logits_soft_cap" in fields:
+    assert factor == fields["logits_soft_cap"]
+    assert float(jnp.max(jnp.abs(t))) <= 1.0

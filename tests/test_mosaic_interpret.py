@@ -554,20 +554,32 @@ _MAX_FREE_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", [
-    # The default masked cases with a cap take the max-free form too.
-    slow("cap 20"), "cap 60 alibi sinks"])
-def test_interpreted_max_free_forward(monkeypatch, name):
+@pytest.mark.parametrize("name, fold_cap", [
+    # The default masked cases with a cap take the max-free form too; the
+    # cap alone folds both its multiplies, beside ALiBi only the one after.
+    slow("cap 20", False), ("cap 60 alibi sinks", False),
+    ("cap 20", True), slow("cap 60 alibi sinks", True)])
+def test_interpreted_max_free_forward(monkeypatch, name, fold_cap):
   """The masked forward without a running max under a soft cap
   (`KernelStatic.max_free`): out and lse as the reference's; the online
-  softmax's `exponentiate` is never called."""
+  softmax's `exponentiate` is never called. With `fold_cap`
+  (`plan.MASKED_SOFTCAP_FOLDED`) the cap's multiplies are folded into the
+  scales (`masking.modify_scores_folded`, counted)."""
+  from pallas_kernels import masking
   from pallas_kernels.mosaic import forward_kernel, plan
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
 
   def no_running_max(*args, **kwargs):
     raise AssertionError("the max-free forward took a running max")
+  folds, folded = [], masking.modify_scores_folded
+
+  def counted(*args, **kwargs):
+    folds.append(1)
+    return folded(*args, **kwargs)
   monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
+  monkeypatch.setattr(plan, "MASKED_SOFTCAP_FOLDED", fold_cap)
   monkeypatch.setattr(forward_kernel, "exponentiate", no_running_max)
+  monkeypatch.setattr(masking, "modify_scores_folded", counted)
   case = Case(2, 97, 170, 2, 1, 64)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=8)
   q = q * 8
@@ -577,6 +589,7 @@ def test_interpreted_max_free_forward(monkeypatch, name):
   out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
                                   scale=scale, spec=spec, sinks=sinks,
                                   **operands)
+  assert bool(folds) == fold_cap
   assert_forward_within_rule(q, k, v, out, lse, sinks=sinks, **variants)
 
 

@@ -142,6 +142,24 @@ def test_max_free_forward_lowers(head_dim, cuda_lowering, monkeypatch):
   assert text() != with_max
 
 
+def test_folded_cap_lowers_with_fewer_multiplies(cuda_lowering,
+                                                  monkeypatch):
+  """The cap's multiplies folded into the scales (`plan.
+  MASKED_SOFTCAP_FOLDED`): the lowered capped forward multiplies fewer
+  times per score tile, and keeps its tanh."""
+  from pallas_kernels.mosaic import plan
+
+  def count(op):
+    forward, case = _masked_forward("soft cap", 64)
+    q = jax.ShapeDtypeStruct((2, case.q_len, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, case.kv_len, 2, 64), jnp.bfloat16)
+    return lower_mosaic.canonical(forward, (q, kv, kv)).count(op)
+  monkeypatch.setattr(plan, "MASKED_SOFTCAP_FOLDED", False)
+  unfolded = count("arith.mulf")
+  monkeypatch.setattr(plan, "MASKED_SOFTCAP_FOLDED", True)
+  assert count("arith.mulf") < unfolded and count("tanh.approx") > 0
+
+
 def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,
                                                      monkeypatch):
   """Head dim 96 (at its own width), ragged lengths, window and lengths,
@@ -340,19 +358,21 @@ def test_alibi_columns_match_reference_on_gpu(head_dim, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fold_cap", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype, cap", [(jnp.bfloat16, 50.0),
                                         (jnp.float16, 10.0)])
 def test_max_free_forward_matches_reference_on_gpu(head_dim, dtype, cap,
-                                                   monkeypatch):
+                                                   fold_cap, monkeypatch):
   """The masked forward without a running max (`plan.MASKED_MAX_FREE`)
   under Gemma's soft cap (bfloat16) and float16's largest it takes, a
   causal window over ragged lengths, Q times 4 so that logits reach the
-  cap."""
+  cap; with the cap's multiplies folded (`plan.MASKED_SOFTCAP_FOLDED`)."""
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90")
   from pallas_kernels.mosaic import plan
   monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
+  monkeypatch.setattr(plan, "MASKED_SOFTCAP_FOLDED", fold_cap)
   case = Case(2, 1500, 1500, 8, 4, head_dim)
   variants = dict(is_causal=True, local_window_size=(700, 0),
                   logits_soft_cap=cap,

@@ -173,6 +173,11 @@ class KernelStatic:
   # and nothing to rescale: no row max per step, no alpha, O and l only
   # accumulate. `plan.MASKED_MAX_FREE`.
   max_free: bool = False
+  # Ranged, a soft cap: its multiplies by 1 / cap and by cap folded into
+  # the score's scale and exp2's (`masking.modify_scores_folded`), two
+  # fewer a score where the cap is the only change. `plan.
+  # MASKED_SOFTCAP_FOLDED`.
+  fold_cap: bool = False
   # Plain form, lengths its tiles do not divide (`common.ragged_lengths`):
   # the last tiles reach past q_len and kv_len, where TMA reads zeros and
   # drops stores; the ring's static block starts change (`_kv_rows`), and
@@ -733,7 +738,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     if modified:
       # Scores change before the masks (DESIGN's order), on every visited
       # tile: scale first (FP8: the true scores, times the Q and K
-      # factors), then exp2 takes the bare log2(e).
+      # factors), then exp2 takes log2(e) (times the cap, folded).
       score_scale = static.scale
       if fp8 is not None:
         score_scale = score_scale * (
@@ -744,14 +749,20 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
             block_kv), s.shape)
         if bias_tile is not None:
           s = s + bias_tile(step).astype(jnp.float32)
+        scale_log2 = LOG2E
       else:
         positions = (tile_indices(q_start, step, static)
                      if static.spec.scores_read_positions else (None, None))
-        s = masking.modify_scores(
-            static.spec, s * score_scale, *positions,
-            values if bias_tile is None else values._replace(
-                bias=bias_tile(step).astype(jnp.float32)))
-      scale_log2 = LOG2E
+        tile_values = values if bias_tile is None else values._replace(
+            bias=bias_tile(step).astype(jnp.float32))
+        if static.fold_cap:
+          s, factor = masking.modify_scores_folded(
+              static.spec, s, score_scale, *positions, tile_values)
+          scale_log2 = factor * LOG2E
+        else:
+          s = masking.modify_scores(static.spec, s * score_scale,
+                                    *positions, tile_values)
+          scale_log2 = LOG2E
     if masked and plan is None:
       s = jnp.where(_plain_mask(q_start, step, static), s, -jnp.inf)
     elif masked:

@@ -125,6 +125,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       alibi_columns=(plan.MASKED_ALIBI_COLUMNS and alibi_columns(spec)
                      and sinks is None),
       max_free=no_running_max,
+      fold_cap=(plan.MASKED_SOFTCAP_FOLDED
+                and spec.logits_soft_cap is not None),
       **forward.rescale_fields(lazy_rescale))
   block_mask = block_mask_of(spec, block_mask, query.shape)
   rows, plan_heads = plan_rows(static, query.shape[0], q_offset=q_offset,

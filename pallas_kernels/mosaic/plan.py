@@ -413,6 +413,13 @@ MASKED_ALIBI_COLUMNS = True
 # an H100 at 16k, causal, cap 30: 459 -> 482 TFLOP/s at d=128, 558 -> 619
 # at d=256 (h100_mosaic_prepared.md).
 MASKED_MAX_FREE = True
+# The cap's multiplies by 1 / cap (before the tanh) and by cap (after it)
+# folded into the score's scale and exp2's (`KernelStatic.fold_cap`,
+# `masking.modify_scores_folded`): two FMULs fewer a score for a cap
+# alone, as tokamax's sm90 forward computes it (whose Gemma-cell forward
+# ran 1.09x ours on an H100, h100_models_after_fix.md). Prepared, not yet
+# timed (`tune_mosaic --kernels softcap_folded`).
+MASKED_SOFTCAP_FOLDED = False
 # The largest soft cap it takes, by P's dtype: e^cap below float16's
 # largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
 # float32's (3.4e38 = e^88.7).
