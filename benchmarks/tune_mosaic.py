@@ -289,14 +289,17 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
   consumers, tiles heaviest first; or in tile order: `masked_schedule`),
   and the masked kernel with ALiBi,
   dropout 0.1 or a soft cap of 30 (`SCORE_CHANGE_SPACE`), so that a score
-  change's cost splits into the masked kernel's and the term's own."""
+  change's cost splits into the masked kernel's and the term's own;
+  "softcap_plain": the plain kernel with that cap (`plan.PLAIN_SOFTCAP`)."""
   from pallas_kernels.mosaic.forward import mosaic_forward
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
   scale, form = cell.head_dim**-0.5, blocks["form"]
-  if form == "plain":
+  if form in ("plain", "softcap_plain"):
+    cap = causal_spec(cell, "softcap")[0].logits_soft_cap
     return jax.jit(lambda q, k, v: mosaic_forward(
-        q, k, v, scale=scale, is_causal=True)), (q, k, v)
+        q, k, v, scale=scale, is_causal=True,
+        soft_cap=cap if form == "softcap_plain" else None)), (q, k, v)
   spec, operands = causal_spec(cell, "none" if form in MASKED_FORMS
                                else form.split("_")[0])
   fn = jax.jit(lambda q, k, v, operands: mosaic_forward_masked(
@@ -388,7 +391,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                         1.0, (True,)),
            "softcap_folded": (score_change_benchmark,
                               dict(form=("plain", "softcap",
-                                         "softcap_folded")),
+                                         "softcap_folded", "softcap_plain")),
                               1.0, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,
                                       MASKED_RESCALE_SPACE, 1.0, (True,)),

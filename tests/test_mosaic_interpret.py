@@ -617,6 +617,27 @@ def test_interpreted_forward_sinks(case, options):
   assert_forward_within_rule(q, k, v, out, lse, is_causal=True, sinks=_SINKS)
 
 
+@pytest.mark.parametrize("case, is_causal, cap, sinks", [
+    # Max-free (the cap bounds P), causal, GQA 2:1, the persistent grid.
+    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None),
+    # Above the max-free bound: the running max at exp2's scale cap
+    # log2(e); not causal, a ragged key tail, sinks.
+    slow(Case(1, 128, 200, 2, 2, 64), False, 100.0, _SINKS),
+], ids=str)
+def test_interpreted_plain_forward_soft_cap(case, is_causal, cap, sinks):
+  """`mosaic_forward(soft_cap=...)` (`plan.PLAIN_SOFTCAP`'s forward): out
+  and lse as the reference's with `logits_soft_cap`, Q times 8 so that
+  logits reach the cap."""
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
+  q = q * 8
+  out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
+                                  scale=case.head_dim**-0.5,
+                                  is_causal=is_causal, soft_cap=cap,
+                                  sinks=sinks)
+  assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal,
+                             logits_soft_cap=cap, sinks=sinks)
+
+
 def test_interpreted_masked_forward_sinks():
   """`mosaic_forward_masked(sinks=...)` with dropout, and rows that see no
   key (a batch whose kv length is 0): those give out 0 and lse = the
@@ -812,6 +833,43 @@ def test_interpreted_ragged_route(monkeypatch, q_len, kv_len, is_causal):
                for n in names])
   exact, lowp = _references(q, k, v, d_out, d_lse, is_causal=is_causal,
                             scale=0.125)
+  for name, got in zip(names, ours):
+    assert_within_rule(name, got, exact[name], lowp[name])
+
+
+@pytest.mark.slow  # the whole route, of parts the default suite checks apart
+def test_interpreted_soft_cap_route(monkeypatch):
+  """`mosaic_attention` of a causal call whose only change is a soft cap,
+  with `plan.PLAIN_SOFTCAP`: the plain forward (the masked one patched to
+  fail), the masked backward on its residuals; out, lse and gradients
+  under random cotangents against the reference."""
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import attention, backward, plan
+
+  def refuse(*_, **__):
+    raise AssertionError("a capped plain call reached the masked forward")
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP", True)
+  monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
+  monkeypatch.setattr(backward, "row_delta", lambda out, d_out, **_: (
+      jnp.swapaxes(jnp.sum(out.astype(jnp.float32)
+                           * d_out.astype(jnp.float32), -1), 1, 2)))
+  case, cap = Case(1, 200, 200, 2, 1, 64), 10.0
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=14)
+  q = q * 4
+  spec = masking.MaskSpec(q_len=200, kv_len=200, is_causal=True,
+                          logits_soft_cap=cap)
+
+  def attend(q, k, v):
+    out, lse = attention.mosaic_attention(
+        q, k, v, scale=0.125, is_causal=True, spec=spec,
+        backward_blocks=BlockSizes.get_default(64, "NVIDIA H200"))
+    return out, jnp.swapaxes(lse, 1, 2)
+  names = ("out", "lse", "dq", "dk", "dv")
+  ours = mosaic_interpret.run(
+      lambda: [forward_and_grads(attend, q, k, v, d_out, d_lse)[n]
+               for n in names])
+  exact, lowp = _references(q, k, v, d_out, d_lse, is_causal=True,
+                            scale=0.125, logits_soft_cap=cap)
   for name, got in zip(names, ours):
     assert_within_rule(name, got, exact[name], lowp[name])
 

@@ -602,3 +602,70 @@ def test_ragged_lengths_route(q_len, kv_len, is_causal):
   window = MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=True,
                     window=(64, 0))
   assert attention._masked(q, kv, True, window)
+
+
+@pytest.mark.parametrize("q_len, is_causal", [(256, True),
+                                              _slow(197, False)])
+def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
+                                       monkeypatch):
+  """`plan.PLAIN_SOFTCAP`: a call whose only change is a soft cap takes
+  the plain forward (the masked one patched to fail) and the masked
+  backward, and lowers; beside another change, or with the flag off, the
+  masked kernels take it."""
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import attention, plan
+
+  def refuse(*_, **__):
+    raise AssertionError("a capped plain call reached the masked forward")
+  q = jax.ShapeDtypeStruct((1, q_len, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, q_len, 2, 128), jnp.bfloat16)
+  capped = MaskSpec(q_len=q_len, kv_len=q_len, is_causal=is_causal,
+                    logits_soft_cap=30.0)
+  assert attention._masked(q, kv, is_causal, capped)
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP", True)
+  assert not attention._masked(q, kv, is_causal, capped)
+  windowed = MaskSpec(q_len=q_len, kv_len=q_len, is_causal=True,
+                      window=(64, 0), logits_soft_cap=30.0)
+  assert attention._masked(q, kv, True, windowed)
+  monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
+  monkeypatch.setattr(attention, "flash_backward", refuse)
+
+  def loss(q, k, v):
+    out, lse = attention.mosaic_attention(
+        q, k, v, scale=128**-0.5, is_causal=is_causal, spec=capped,
+        backward_blocks=BlockSizes.get_default(128, "NVIDIA H200"))
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+      q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert _KERNEL_NAME in text and "backward_masked" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, is_causal, cap", [
+    (Case(2, 1024, 1024, 8, 4, 128), True, 30.0),
+    (Case(1, 2048, 2048, 8, 4, 256), True, 50.0),   # Gemma's cap, d=256
+    (Case(1, 1000, 1000, 4, 2, 64), False, 20.0),   # a key tail
+    (Case(1, 1024, 1024, 4, 4, 128), True, 100.0),  # not max-free
+], ids=str)
+def test_soft_cap_on_the_plain_forward_on_gpu(case, is_causal, cap,
+                                              monkeypatch):
+  """`plan.PLAIN_SOFTCAP`: the capped call's forward by the plain kernel
+  (the masked one patched to fail), its gradients by the masked backward,
+  against the reference; the scale 4 / sqrt(d) so that logits reach the
+  cap."""
+  from pallas_kernels.mosaic import attention, plan
+  _require_sm90()
+
+  def refuse(*_, **__):
+    raise AssertionError("a capped plain call reached the masked forward")
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP", True)
+  monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
+  variants = dict(is_causal=is_causal, logits_soft_cap=cap,
+                  scale=4 * case.head_dim**-0.5)
+
+  @jax.jit
+  def capped(q, k, v):
+    return jax_flash.flash_attention(q, k, v, return_residual=True,
+                                     implementation="mosaic", **variants)
+  check_against_reference(capped, case, jnp.bfloat16, **variants)

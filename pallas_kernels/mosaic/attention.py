@@ -25,6 +25,7 @@ from given residuals.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -38,6 +39,7 @@ from pallas_kernels.mosaic.backward import mosaic_backward, row_statistics
 from pallas_kernels.mosaic.common import (HEAD_DIM_MULTIPLE,
                                          SUPPORTED_HEAD_DIMS, ragged_lengths)
 from pallas_kernels.mosaic.forward import mosaic_forward
+from pallas_kernels.mosaic import plan
 from pallas_kernels.mosaic.plan import backward_config, default_block_kv
 from pallas_kernels.mosaic.masked import mosaic_forward_masked, pad_rows
 from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
@@ -88,12 +90,13 @@ def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
                                              spec, backward_blocks, sinks)
   else:
     out, lse = _plain_attention(query, key, value, scale, is_causal,
-                                backward_blocks, sinks)
+                                backward_blocks, sinks,
+                                _plain_soft_cap(spec))
   return out[..., :head_dim], lse
 
 
 def _plain_attention(query, key, value, scale, is_causal, backward_blocks,
-                     sinks):
+                     sinks, soft_cap=None):
   """`flash_attention_mosaic`, on rows zero-padded to whole 8-row TMA tiles
   where the lengths are not (`common.ragged_lengths`; a copy, as the
   masked kernels make): the forward masks the padded keys wherever a query
@@ -103,10 +106,10 @@ def _plain_attention(query, key, value, scale, is_causal, backward_blocks,
   q_len, kv_len = query.shape[1], key.shape[1]
   if ragged_lengths(q_len, kv_len):
     return flash_attention_mosaic(query, key, value, scale, is_causal,
-                                  backward_blocks, sinks)
+                                  backward_blocks, sinks, None, soft_cap)
   query, key, value = (pad_rows(x) for x in (query, key, value))
   out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
-                                    backward_blocks, sinks, kv_len)
+                                    backward_blocks, sinks, kv_len, soft_cap)
   return out[:, :q_len], lse[:, :, :q_len]
 
 
@@ -135,7 +138,8 @@ def mosaic_attention_backward(query, key, value, out, lse, d_out, d_lse, *,
         (*residuals, None, operands or Operands(), None), cotangents)
   else:
     dq, dk, dv, _ = _bwd(scale, is_causal, backward_blocks, None,
-                         (*residuals, None), cotangents)
+                         _plain_soft_cap(spec), (*residuals, None),
+                         cotangents)
   return tuple(x[..., :head_dim] for x in (dq, dk, dv))
 
 
@@ -168,7 +172,7 @@ def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
   NOTES.md, "Ragged lengths on the plain kernels")."""
   plain = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
                    is_causal=is_causal)
-  if spec is None or spec == plain:
+  if spec is None or spec == plain or _plain_soft_cap(spec) is not None:
     return False
   if not MASKED_KERNEL_ENABLED:
     raise NotImplementedError(
@@ -177,36 +181,53 @@ def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
   return True
 
 
+def _plain_soft_cap(spec: MaskSpec | None) -> float | None:
+  """The soft cap of a call the plain forward takes with it
+  (`plan.PLAIN_SOFTCAP`): one whose only change beyond `is_causal` and its
+  lengths is the cap; else None."""
+  if not plan.PLAIN_SOFTCAP or spec is None or spec.logits_soft_cap is None:
+    return None
+  uncapped = dataclasses.replace(spec, logits_soft_cap=None)
+  plain = MaskSpec(q_len=spec.q_len, kv_len=spec.kv_len,
+                   is_causal=spec.is_causal)
+  return spec.logits_soft_cap if uncapped == plain else None
+
+
 def _divides(query, key) -> bool:
   """Whether the plain kernels' tiles divide the lengths."""
   return (query.shape[1] % (2 * 64) == 0
           and key.shape[1] % default_block_kv(query.shape[-1]) == 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 7, 8))
 def flash_attention_mosaic(query, key, value, scale: float, is_causal: bool,
                            backward_blocks: BlockSizes, sinks=None,
-                           kv_len: int | None = None):
+                           kv_len: int | None = None,
+                           soft_cap: float | None = None):
   """Exact attention on sm90; returns (out [B, Tq, N, D], lse f32 [B, N, Tq]).
 
   `backward_blocks` are the Triton backward's tiles, for the calls the
   Mosaic backward does not cover. `sinks`: float32 [N] or None, in the
   forward's epilogue; `kv_len`: key's rows past it are zero padding
-  (`mosaic_forward`'s).
+  (`mosaic_forward`'s); `soft_cap`: None or the logits' cap
+  (`plan.PLAIN_SOFTCAP`), whose gradients the masked backward gives.
   """
   return mosaic_forward(query, key, value, scale=scale, is_causal=is_causal,
-                        sinks=sinks, kv_len=kv_len)
+                        sinks=sinks, kv_len=kv_len, soft_cap=soft_cap)
 
 
-def _fwd(query, key, value, scale, is_causal, backward_blocks, sinks, kv_len):
+def _fwd(query, key, value, scale, is_causal, backward_blocks, sinks, kv_len,
+         soft_cap):
   out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
-                                    backward_blocks, sinks, kv_len)
+                                    backward_blocks, sinks, kv_len, soft_cap)
   return (out, lse), (query, key, value, out, lse, sinks)
 
 
-def _bwd(scale, is_causal, backward_blocks, kv_len, residuals, cotangents):
+def _bwd(scale, is_causal, backward_blocks, kv_len, soft_cap, residuals,
+         cotangents):
   """The plain backward kernels; on lengths they refuse (ragged ones,
-  `common.ragged_lengths`) the masked ones, else Triton's. `kv_len` goes
+  `common.ragged_lengths`) or under a soft cap the masked ones, else
+  Triton's. `kv_len` goes
   unused: padded keys are zero, so where a real query sees one (not
   causal, or q_len > kv_len) its dS times K adds nothing to dQ, and dV and
   dK of those rows are sliced off; padded query rows carry zero dO and
@@ -216,14 +237,16 @@ def _bwd(scale, is_causal, backward_blocks, kv_len, residuals, cotangents):
   query, key, value, out, lse, sinks = residuals
   d_out, d_lse = cotangents
   d_sinks = sink_gradient(sinks, out, lse, d_out, d_lse)
-  try:
-    return (*mosaic_backward(query, key, value, out, lse, d_out, d_lse,
-                             scale=scale, is_causal=is_causal), d_sinks)
-  except NotImplementedError:
-    pass  # a call the plain kernels do not cover: the masked ones', Triton's
+  if soft_cap is None:
+    try:
+      return (*mosaic_backward(query, key, value, out, lse, d_out, d_lse,
+                               scale=scale, is_causal=is_causal), d_sinks)
+    except NotImplementedError:
+      pass  # a call the plain kernels do not cover: the masked ones'
   spec = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
-                  is_causal=is_causal)
-  if MASKED_BACKWARD_ENABLED and not _divides(query, key):
+                  is_causal=is_causal, logits_soft_cap=soft_cap)
+  if MASKED_BACKWARD_ENABLED and (soft_cap is not None
+                                  or not _divides(query, key)):
     try:  # ragged lengths (`common.ragged_lengths`)
       return (*mosaic_backward_masked(query, key, value, out, lse, d_out,
                                       d_lse, scale=scale, spec=spec)[:3],

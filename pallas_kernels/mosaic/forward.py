@@ -65,7 +65,8 @@ from pallas_kernels.mosaic.common import (
 from pallas_kernels.mosaic.forward_kernel import (
     NUM_CONSUMERS, KernelStatic, forward_kernel, fp8_o_columns,
     persistent_kernel)
-from pallas_kernels.mosaic.plan import ForwardConfig, forward_config
+from pallas_kernels.mosaic.plan import (ForwardConfig, forward_config,
+                                        max_free_cap)
 
 # The forward's shared memory also leaves the 2 KiB that Mosaic GPU reserves
 # for cross-warp reductions (`CompilerParams.reduction_scratch_bytes`'
@@ -80,7 +81,8 @@ _MAX_RESCALE_THRESHOLD = 8.0
 
 
 def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
-                   sinks=None, kv_len: int | None = None, **options):
+                   sinks=None, kv_len: int | None = None,
+                   soft_cap: float | None = None, **options):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -108,6 +110,10 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       padding (a caller's copy to whole 8-row TMA tiles), masked wherever
       a query may see them (`common.masks_key_tail`) and never loaded past
       the K/V block that holds key kv_len - 1.
+    soft_cap: None, or a positive cap: logits become cap * tanh(logit /
+      cap) (`masking.modify_scores`), computed as tanh(scale q·k / cap)
+      into exp2 at cap log2(e), without a running max where the cap
+      bounds P (`plan.max_free_cap`).
     **options: fields of `plan.ForwardConfig` replacing the plan's choice
       for this call (`plan.forward_config`): tiles, pipeline depth,
       consumers, grid, turns, the row sum's place, the lazy rescale. Every
@@ -146,6 +152,12 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       **rescale_fields(config.lazy_rescale,
                        threshold=config.rescale_threshold))
   static = dataclasses.replace(static, skip_spare=_skips_spare(static))
+  if soft_cap is not None:
+    if not soft_cap > 0:
+      raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+    static = dataclasses.replace(
+        static, soft_cap=float(soft_cap),
+        max_free=max_free_cap(soft_cap, query.dtype))
   if config.persistent:
     static = persistent_static(static, query.shape, config.num_ctas)
   return launch(static, query, key, value,

@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 # Lengths from lo to hi, both included; hi None: unbounded.
 Range = tuple[int, int | None]
 ANY: Range = (0, None)
@@ -420,7 +422,24 @@ MASKED_MAX_FREE = True
 # ran 1.09x ours on an H100, h100_models_after_fix.md). Prepared, not yet
 # timed (`tune_mosaic --kernels softcap_folded`).
 MASKED_SOFTCAP_FOLDED = False
+# A call whose only change beyond `is_causal` is a soft cap on the plain
+# forward (`KernelStatic.soft_cap`, the cap folded as above) instead of the
+# masked one, whose plan rows cost it 3-5% on a causal mask (the masked
+# causal forward 563 against the plain 593 at d=128 on the H200, 621
+# against 638 at d=256); the backward stays masked
+# (`attention.flash_attention_mosaic`). Prepared, not yet timed
+# (`tune_mosaic --kernels softcap_plain`).
+PLAIN_SOFTCAP = False
 # The largest soft cap it takes, by P's dtype: e^cap below float16's
 # largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
 # float32's (3.4e38 = e^88.7).
 MAX_FREE_SOFT_CAPS = {"bfloat16": 60.0, "float16": 10.0}
+
+
+def max_free_cap(cap: float | None, dtype) -> bool:
+  """Whether a soft cap bounds every logit tightly enough for a forward to
+  skip its running max (`KernelStatic.max_free`, on while
+  `MASKED_MAX_FREE`): P = e^s, |s| <= cap, stays in range for caps up to
+  `MAX_FREE_SOFT_CAPS` of P's dtype."""
+  return (MASKED_MAX_FREE and cap is not None
+          and cap <= MAX_FREE_SOFT_CAPS.get(np.dtype(dtype).name, 0.0))
