@@ -9,6 +9,10 @@
 # STEPs: tests tests_shards grid grid_halves masks memory decode models fp8
 #        sequence_parallel flax notebook example mosaic_lowering prepared
 #        first_call fp8_tiles new_tests ragged_route
+# Seen on an H100 (seconds, one call each): new_tests ~140 with 14
+# workers, prepared's softcap A/B ~60 a kernel, masks (Mosaic) ~300, fp8
+# ~180, models of 4 cells ~120, first_call ~15; a machine's start takes
+# 2-7 minutes of the 30 a session has.
 # Never time while tests run: an outer `timeout` on pytest-xdist orphans its
 # workers, which then share the GPU with the benchmarks (2-3x slow).
 # On a machine of several GPUs, one invocation per GPU (CUDA_VISIBLE_DEVICES,
@@ -113,9 +117,12 @@ for step in "$@"; do
         --time-budget 0 --no-render --out "$OUT/h200.json" 2>&1 | tail -n 45 ;;
     masks)  # what masks save and score changes cost at 16k, on the
             # Triton path, the Mosaic one and what implementation=None runs
+            # (Mosaic's 40 rows took over 220 s on an H100: 360 s each;
+            # `benchmarks.masks --variants` times a few rows and their
+            # yardsticks)
       for impl in ${MASKS_IMPLS:-triton mosaic auto}; do
         suffix=; [ $impl = triton ] || suffix=_$impl
-        timeout ${MASKS_TIMEOUT:-200} python3 -m benchmarks.masks --implementation $impl \
+        timeout ${MASKS_TIMEOUT:-360} python3 -m benchmarks.masks --implementation $impl \
           --out "$OUT/h200_masks$suffix.json" > "$LOGS/masks_$impl.log" 2>&1
         tail -18 "$LOGS/masks_$impl.log"
       done ;;
