@@ -247,7 +247,7 @@ def _bwd(scale, is_causal, backward_blocks, kv_len, soft_cap, residuals,
                   is_causal=is_causal, logits_soft_cap=soft_cap)
   if MASKED_BACKWARD_ENABLED and (soft_cap is not None
                                   or not _divides(query, key)):
-    try:  # ragged lengths (`common.ragged_lengths`)
+    try:  # ragged lengths (`common.ragged_lengths`), a soft cap
       return (*mosaic_backward_masked(query, key, value, out, lse, d_out,
                                       d_lse, scale=scale, spec=spec)[:3],
               d_sinks)

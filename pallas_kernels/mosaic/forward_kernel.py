@@ -179,9 +179,9 @@ class KernelStatic:
   # MASKED_SOFTCAP_FOLDED`.
   fold_cap: bool = False
   # Plain form, a soft cap (`plan.PLAIN_SOFTCAP`): each score enters exp2
-  # as tanh(s * scale / cap) at cap log2(e) (`modify_scores_folded`'s
-  # form of `masking.modify_scores`), without the ranged kernel's plan
-  # rows; with `max_free` where the cap bounds P.
+  # as tanh(s * scale / cap) at cap log2(e) (`masking.
+  # modify_scores_folded`), without the ranged kernel's plan rows; with
+  # `max_free` where the cap bounds P.
   soft_cap: float | None = None
   # Plain form, lengths its tiles do not divide (`common.ragged_lengths`):
   # the last tiles reach past q_len and kv_len, where TMA reads zeros and
@@ -740,8 +740,11 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
     scale_log2 = static.scale_log2
     if plan is None and static.soft_cap is not None:
-      s = jnp.tanh(s * (static.scale / static.soft_cap))
-      scale_log2 = static.soft_cap * LOG2E
+      cap_only = masking.MaskSpec(q_len=static.q_len, kv_len=static.kv_len,
+                                  logits_soft_cap=static.soft_cap)
+      s, factor = masking.modify_scores_folded(cap_only, s, static.scale,
+                                               None, None, None)
+      scale_log2 = factor * LOG2E
     modified = plan is not None and static.spec.modifies_scores
     if modified:
       # Scores change before the masks (DESIGN's order), on every visited
