@@ -174,6 +174,19 @@ def main(argv=None) -> int:
   run = jax.jit(method_output, static_argnums=0,
                 static_argnames="implementation")
   records = []
+  fp8_path = ("Mosaic FP8 kernel" if implementation == "mosaic" else
+              "XLA emulation (dequantised, P in e4m3)")
+
+  def save() -> str:
+    """The JSON and table of the records so far: after every cell, so
+    that a run cut short by a time limit keeps what it measured."""
+    result = {**common.run_header("benchmarks.fp8_accuracy", argv),
+              "fp8_path": fp8_path, "reference": "float64",
+              "inputs": f"N(0,1) + N(0,{OUTLIER_STD**2:g}) at "
+                        f"{OUTLIER_FRACTION:g} of entries",
+              "records": records}
+    return render.write_results(args.out, result, *table(records))
+
   for seq, head_dim in itertools.product(args.seq, args.head_dims):
     q, k, v = outlier_qkv(args.seed, batch=args.batch, seq=seq,
                           heads=args.heads, head_dim=head_dim)
@@ -185,14 +198,8 @@ def main(argv=None) -> int:
                       "batch": args.batch, "heads": args.heads,
                       "rmse": rmse(out, want)})
       print(records[-1], flush=True)
-  fp8_path = ("Mosaic FP8 kernel" if implementation == "mosaic" else
-              "XLA emulation (dequantised, P in e4m3)")
-  result = {**common.run_header("benchmarks.fp8_accuracy", argv),
-            "fp8_path": fp8_path, "reference": "float64",
-            "inputs": f"N(0,1) + N(0,{OUTLIER_STD**2:g}) at "
-                      f"{OUTLIER_FRACTION:g} of entries",
-            "records": records}
-  print(render.write_results(args.out, result, *table(records)))
+    save()
+  print(save())
   print(f"FP8 rows: {fp8_path}")
   return 0
 

@@ -177,6 +177,22 @@ def main(argv=None) -> int:
     wanted |= {table[name].against for name in args.variants} - {None}
     table = {name: v for name, v in table.items() if name in wanted}
   rows, skipped = [], []
+
+  def save() -> str:
+    """The JSON and table of the rows so far: after every row, so that a
+    run cut short by a time limit keeps what it measured."""
+    result = {**common.run_header("benchmarks.masks", argv),
+              "implementation": args.implementation,
+              "records": rows, "skipped": skipped}
+    return render.write_results(
+        out_path, result,
+        ["variant", "mode", "ran", "ms", "dense TFLOP/s", "yardstick",
+         "x yardstick"],
+        [[r["variant"], r["mode"], r["implementation"], f"{r['ms']:.3f}",
+          f"{r['tflops_dense']:.0f}", r["against"] or "",
+          "" if r["vs_against"] is None else f"{r['vs_against']:.2f}"]
+         for r in rows])
+
   with common.progress(total=2 * len(table), desc="masks") as bar:
     for mode in ("fwd", "fwd_bwd"):
       times = {}
@@ -210,19 +226,9 @@ def main(argv=None) -> int:
                          tflops_dense=flops / ms / 1e9,
                          against=variant.against,
                          vs_against=yardstick / ms if yardstick else None))
+        save()
         bar.update()
-  result = {**common.run_header("benchmarks.masks", argv),
-            "implementation": args.implementation,
-            "records": rows, "skipped": skipped}
-  text = render.write_results(
-      out_path, result,
-      ["variant", "mode", "ran", "ms", "dense TFLOP/s", "yardstick",
-       "x yardstick"],
-      [[r["variant"], r["mode"], r["implementation"], f"{r['ms']:.3f}",
-        f"{r['tflops_dense']:.0f}", r["against"] or "",
-        "" if r["vs_against"] is None else f"{r['vs_against']:.2f}"]
-       for r in rows])
-  print(text)
+  print(save())
   for entry in skipped:
     print(f"skipped {entry['variant']} {entry['mode']}: {entry['reason']}")
   return 0

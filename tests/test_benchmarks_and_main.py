@@ -474,6 +474,25 @@ def test_masks_benchmark_judges_each_row_by_its_yardstick(tmp_path):
         records["16 documents (segment ids)", mode]["ms"] / row["ms"])
 
 
+def test_masks_benchmark_keeps_rows_when_cut_short(tmp_path, monkeypatch):
+  """Every row is written as it is measured: a run killed by its time
+  limit (here: the third timing raises) leaves the rows before it."""
+  from benchmarks import common, masks
+  out, timed = tmp_path / "masks.json", []
+
+  def time_fn(*_, **__):
+    timed.append(1)
+    if len(timed) == 3:
+      raise KeyboardInterrupt  # what a timeout's signal leaves behind
+    return 1.0
+  monkeypatch.setattr(common, "time_fn", time_fn)
+  with pytest.raises(KeyboardInterrupt):
+    masks.main(["--seq", "32", "--heads", "2", "--head-dim", "32",
+                "--reps", "1", "--out", str(out)])
+  assert len(json.loads(out.read_text())["records"]) == 2
+  assert (tmp_path / "masks.md").read_text().count("| fwd |") == 2
+
+
 def test_masks_benchmark_passes_arrays_as_arguments():
   """A row's arrays (the dense bias and mask, segment ids, slopes) are
   arguments of its jitted program, not constants in it: at 16k x 16 heads
