@@ -807,24 +807,33 @@ def test_interpreted_ragged_route(monkeypatch, q_len, kv_len, is_causal):
   past kv_len (`attention._masked`: the plain forward with its key tail
   masked, the masked forward patched to fail; the masked backward on the
   padded rows, whose zero keys add nothing): out, lse and the gradients
-  under random cotangents against the reference. delta's Triton kernel
-  (`backward.row_delta`), which the Mosaic interpreter cannot take, is
-  computed by XLA."""
-  from pallas_kernels.config import BlockSizes
-  from pallas_kernels.mosaic import attention, backward
+  under random cotangents against the reference (`_check_plain_route`)."""
+  from pallas_kernels.mosaic import attention
 
   def refuse(*_, **__):
     raise AssertionError("a plain call reached the masked forward")
   monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
+  case = Case(1, q_len, kv_len, 2, 1, 64)
+  _check_plain_route(monkeypatch, *random_inputs(case, jnp.bfloat16,
+                                                 seed=13),
+                     is_causal=is_causal)
+
+
+def _check_plain_route(monkeypatch, q, k, v, d_out, d_lse, *, is_causal,
+                       spec=None, **variants):
+  """`mosaic_attention`'s out, lse and gradients (scale 0.125) under the
+  cotangents d_out and d_lse against the reference with `variants`.
+  delta's Triton kernel (`backward.row_delta`), which the Mosaic
+  interpreter cannot take, is computed by XLA."""
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import attention, backward
   monkeypatch.setattr(backward, "row_delta", lambda out, d_out, **_: (
       jnp.swapaxes(jnp.sum(out.astype(jnp.float32)
                            * d_out.astype(jnp.float32), -1), 1, 2)))
-  case = Case(1, q_len, kv_len, 2, 1, 64)
-  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=13)
 
   def attend(q, k, v):
     out, lse = attention.mosaic_attention(
-        q, k, v, scale=0.125, is_causal=is_causal,
+        q, k, v, scale=0.125, is_causal=is_causal, spec=spec,
         backward_blocks=BlockSizes.get_default(64, "NVIDIA H200"))
     return out, jnp.swapaxes(lse, 1, 2)
   names = ("out", "lse", "dq", "dk", "dv")
@@ -832,7 +841,7 @@ def test_interpreted_ragged_route(monkeypatch, q_len, kv_len, is_causal):
       lambda: [forward_and_grads(attend, q, k, v, d_out, d_lse)[n]
                for n in names])
   exact, lowp = _references(q, k, v, d_out, d_lse, is_causal=is_causal,
-                            scale=0.125)
+                            scale=0.125, **variants)
   for name, got in zip(names, ours):
     assert_within_rule(name, got, exact[name], lowp[name])
 
@@ -843,35 +852,18 @@ def test_interpreted_soft_cap_route(monkeypatch):
   with `plan.PLAIN_SOFTCAP`: the plain forward (the masked one patched to
   fail), the masked backward on its residuals; out, lse and gradients
   under random cotangents against the reference."""
-  from pallas_kernels.config import BlockSizes
-  from pallas_kernels.mosaic import attention, backward, plan
+  from pallas_kernels.mosaic import attention, plan
 
   def refuse(*_, **__):
     raise AssertionError("a capped plain call reached the masked forward")
   monkeypatch.setattr(plan, "PLAIN_SOFTCAP", True)
   monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
-  monkeypatch.setattr(backward, "row_delta", lambda out, d_out, **_: (
-      jnp.swapaxes(jnp.sum(out.astype(jnp.float32)
-                           * d_out.astype(jnp.float32), -1), 1, 2)))
   case, cap = Case(1, 200, 200, 2, 1, 64), 10.0
   q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=14)
-  q = q * 4
   spec = masking.MaskSpec(q_len=200, kv_len=200, is_causal=True,
                           logits_soft_cap=cap)
-
-  def attend(q, k, v):
-    out, lse = attention.mosaic_attention(
-        q, k, v, scale=0.125, is_causal=True, spec=spec,
-        backward_blocks=BlockSizes.get_default(64, "NVIDIA H200"))
-    return out, jnp.swapaxes(lse, 1, 2)
-  names = ("out", "lse", "dq", "dk", "dv")
-  ours = mosaic_interpret.run(
-      lambda: [forward_and_grads(attend, q, k, v, d_out, d_lse)[n]
-               for n in names])
-  exact, lowp = _references(q, k, v, d_out, d_lse, is_causal=True,
-                            scale=0.125, logits_soft_cap=cap)
-  for name, got in zip(names, ours):
-    assert_within_rule(name, got, exact[name], lowp[name])
+  _check_plain_route(monkeypatch, q * 4, k, v, d_out, d_lse, is_causal=True,
+                     spec=spec, logits_soft_cap=cap)
 
 
 @pytest.mark.parametrize("head_dim, block_kv, kv_len", [
