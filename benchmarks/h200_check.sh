@@ -8,7 +8,7 @@
 # .whl/ into /tmp/site, benchmarks/README.md).
 # STEPs: tests tests_shards grid grid_halves masks memory decode models fp8
 #        sequence_parallel flax notebook example mosaic_lowering prepared
-#        first_call fp8_tiles new_tests ragged_route
+#        first_call fp8_tiles new_tests ragged_route ncu
 # Seen on an H100 (seconds, one call each): new_tests ~140 with 14
 # workers, prepared's softcap A/B ~60 a kernel, masks (Mosaic) ~300, fp8
 # ~180, models of 4 cells ~120, first_call ~15; a machine's start takes
@@ -225,6 +225,29 @@ PY
           --split mosaic cudnn > "$LOGS/first_call_$run.log" 2>&1
         echo "-- $run cache"; grep -E "trace .* lower" "$LOGS/first_call_$run.log"
       done | tee "$OUT/h200_first_call_cache.txt" ;;
+    ncu)  # Nsight Compute on one cell's kernels (NCU_CELL mode:seq:d[:causal],
+          # default the causal fwd+bwd at 16k, d=128): the plain Mosaic
+          # kernels (NCU_IMPLS) beside the masked ones on the same mask
+          # (NCU_MASKS, one row of benchmarks.masks), for issue 39's masked
+          # kernel cost; NCU_KERNELS a regex of kernel names. Details,
+          # raw metrics and per-SASS samples come back, and their
+          # summaries (`benchmarks.diagnostics.ncu_summary`) print.
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+      [ -n "$ncu_bin" ] || { echo "no ncu on this machine"; continue; }
+      IFS=: read -r mode seq d causal <<< "${NCU_CELL:-fwd_bwd:16384:128:causal}"
+      name=ncu_${mode}_${seq}_${d}${causal:+_causal}
+      timeout ${NCU_TIMEOUT:-400} "$ncu_bin" --profile-from-start off --clock-control none \
+        ${NCU_KERNELS:+--kernel-name "regex:$NCU_KERNELS"} --set full --import-source yes \
+        -f -o "/tmp/$name" python3 -m benchmarks.diagnostics.ncu_kernels --mode "$mode" \
+        --seq "$seq" --head-dim "$d" ${causal:+--causal} --impls ${NCU_IMPLS:-jax_flash_mosaic} \
+        --masks "${NCU_MASKS:-causal as mask_fn}" > "$LOGS/$name.log" 2>&1
+      tail -5 "$LOGS/$name.log"
+      "$ncu_bin" --import "/tmp/$name.ncu-rep" --page details > "$OUT/$name.txt" 2>&1
+      "$ncu_bin" --import "/tmp/$name.ncu-rep" --page raw --csv > "$OUT/${name}_raw.csv" 2>&1
+      "$ncu_bin" --import "/tmp/$name.ncu-rep" --page source --csv --print-source sass \
+        > "$OUT/${name}_sass.csv" 2>&1
+      python3 -m benchmarks.diagnostics.ncu_summary metrics "$OUT/${name}_raw.csv" | head -30
+      python3 -m benchmarks.diagnostics.ncu_summary phases "$OUT/${name}_sass.csv" | head -60 ;;
     *) echo "unknown step: $step (see the STEPs at the top)" ;;
   esac
 done

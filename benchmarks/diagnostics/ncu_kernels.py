@@ -11,6 +11,11 @@ ncu profiles only the kernels of those runs, not compilation, autotuning
 or input generation. Without ncu the profiler calls do nothing, so the
 script also runs alone (a dry run of the builds).
 
+`--masks NAME...` adds rows of `benchmarks.masks` (its variants at the
+cell's length, 16 heads, on the Mosaic kernels): "causal as mask_fn"
+profiles the masked kernels on the very mask the plain ones take with
+`is_causal`, so that the two sets of kernels can be read side by side.
+
 `h200_check.sh ncu` runs it under ncu and prints each kernel's headline
 numbers (`benchmarks.diagnostics.ncu_summary`).
 """
@@ -51,6 +56,9 @@ def main(argv=None) -> int:
   parser.add_argument("--fused-dq", action="store_true",
                       help="our Mosaic backward fuses dQ into the dK/dV "
                       "kernel at this head dim (mosaic_backward(fused_dq))")
+  parser.add_argument("--masks", nargs="+", default=[], metavar="NAME",
+                      help="rows of benchmarks.masks to profile too, on the "
+                      "Mosaic kernels (e.g. 'causal as mask_fn')")
   parser.add_argument("--two-consumers", action="store_true",
                       help="our Mosaic forward with two consumer "
                       "warpgroups at every head dim (not three at d=64)")
@@ -61,16 +69,31 @@ def main(argv=None) -> int:
   cell = common.Cell.standard(args.mode, args.seq, args.head_dim,
                               args.causal, tokens=args.tokens)
   start, stop = _profiler()
+  runs = []
   for name in args.impls:
     try:
       bench = getattr(peers, name)(cell)
-      for _ in range(3):  # compile, autotune, warm
-        jax.block_until_ready(bench.fn(*bench.args))
     except peers.Unavailable as e:
       print(f"{name}: {e}", file=sys.stderr)
       continue
+    runs.append((name, bench.fn, bench.args))
+  if args.masks:
+    from benchmarks import masks  # noqa: PLC0415
+    table = masks.variants(args.seq, 16)
+    for name in args.masks:
+      fn, inputs = masks.build(args.mode, (1, args.seq, 16, args.head_dim),
+                               table[name], interpret=False,
+                               implementation="mosaic")
+      runs.append((name, fn, inputs))
+  for name, fn, inputs in runs:
+    try:
+      for _ in range(3):  # compile, autotune, warm
+        jax.block_until_ready(fn(*inputs))
+    except (peers.Unavailable, NotImplementedError) as e:  # no sm90 here
+      print(f"{name}: {e}", file=sys.stderr)
+      continue
     start()
-    jax.block_until_ready(bench.fn(*bench.args))
+    jax.block_until_ready(fn(*inputs))
     stop()
     print(f"{name} {cell.label()}: profiled", flush=True)
   return 0
