@@ -122,8 +122,10 @@ CELLS = (
     C("padded_lengths_causal_2k", "Llama 3 8B", 16, 2048, 32, 8, 128,
       padded=True),
     # An encoder's tokens off the 8-row tiling (196 patches and a class
-    # token), without a causal mask: the plain forward with its key tail
-    # masked, the masked backward (`attention._masked`).
+    # token), without a causal mask: `implementation=None` takes the
+    # Triton kernels first here (`api.TRITON_FIRST_UP_TO`); on Mosaic
+    # (`jax_flash_mosaic`) the plain forward with its key tail masked and
+    # the masked backward (`attention._masked`).
     C("ragged_vit_197", "ViT-B/16", 128, 197, 12, 12, 64, causal=False),
     # The same family further up (where routing them elsewhere stops
     # paying, benchmarks/NOTES.md, "Ragged lengths on the plain kernels").

@@ -93,8 +93,9 @@ def flash_attention(
     return_residual: also return the logsumexp of the logits, float32
       [batch, q_len, num_heads], natural log (-inf for empty rows).
     implementation: None picks the best available (mosaic -> triton -> xla on
-      a GPU; xla on a CPU unless `interpret=True`); "triton" and "xla" force
-      one (on a CPU "triton" runs in Pallas interpret mode). A backend that
+      a GPU, triton first for short lengths off Mosaic's 8-row tiling,
+      `TRITON_FIRST_UP_TO`; xla on a CPU unless `interpret=True`); "triton"
+      and "xla" force one (on a CPU "triton" runs in Pallas interpret mode). A backend that
       cannot do a call raises NotImplementedError, and None then tries the
       next one.
     block_sizes: kernel tiles (`pallas_kernels.config.BlockSizes`); default
@@ -119,22 +120,44 @@ def flash_attention(
     raise TypeError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
   out, lse = dispatch(implementation, interpret, lambda name, interpret_: (
       _IMPLEMENTATIONS[name](call, query, key, value, block_sizes=block_sizes,
-                             interpret=interpret_)))
+                             interpret=interpret_)),
+      triton_first=triton_first(call.shape.q_len, call.shape.kv_len))
   out, lse = restore(out, lse)
   return (out, lse) if return_residual else out
 
 
-def dispatch(implementation, interpret, run):
+# Short sequences off Mosaic GPU's 8-row TMA tiling (`pallas_kernels.mosaic.
+# common.TMA_ROW_TILE`, not importable without Mosaic GPU) go to the Triton
+# kernels first: the Mosaic path pads Q, K and V to whole 8-row tiles and
+# cuts O back (four copies), half its time at ViT-B/16's 197 tokens, where
+# the Triton kernels ran 121 TFLOP/s forward against Mosaic's 74 and 98
+# fwd+bwd against 76 (an H100, benchmarks/results/h100_models_after_fix.md).
+# Up to 256 tokens: the crossover is unmeasured (the model suite's ViT cells
+# at 257 and 577 tokens time both).
+TRITON_FIRST_UP_TO = 256
+_MOSAIC_ROW_TILE = 8
+
+
+def triton_first(q_len: int, kv_len: int) -> bool:
+  """Whether `implementation=None` tries the Triton kernels before the
+  Mosaic ones for these lengths (`TRITON_FIRST_UP_TO`)."""
+  return (max(q_len, kv_len) <= TRITON_FIRST_UP_TO
+          and bool(q_len % _MOSAIC_ROW_TILE or kv_len % _MOSAIC_ROW_TILE))
+
+
+def dispatch(implementation, interpret, run, *, triton_first: bool = False):
   """`run(name, interpret)` for the first implementation that takes the call.
 
   Without a GPU the kernels can only be interpreted (slow): None picks them
   only when interpret=True was asked for; otherwise XLA. A forced
   implementation's NotImplementedError propagates; with None the next one is
-  tried, and if none takes the call the error lists why.
+  tried, and if none takes the call the error lists why. `triton_first`:
+  None tries the Triton kernels before the Mosaic ones.
   """
   on_gpu = compat.has_gpu()
   candidates = _candidates(implementation, on_gpu=on_gpu,
-                           interpret=interpret is True)
+                           interpret=interpret is True,
+                           triton_first=triton_first)
   if interpret is None:
     interpret = not on_gpu
   errors = []
@@ -149,14 +172,15 @@ def dispatch(implementation, interpret, run):
                             + "; ".join(errors))
 
 
-def _candidates(implementation, *, on_gpu: bool, interpret: bool):
+def _candidates(implementation, *, on_gpu: bool, interpret: bool,
+                triton_first: bool = False):
   if implementation is not None:
     if implementation not in IMPLEMENTATIONS:
       raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or "
                        f"None, got {implementation!r}")
     return (implementation,)
   if on_gpu or interpret:
-    return IMPLEMENTATIONS
+    return ("triton", "mosaic", "xla") if triton_first else IMPLEMENTATIONS
   return ("xla",)
 
 

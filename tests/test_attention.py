@@ -246,3 +246,45 @@ def test_no_nan_for_extreme_logits():
   assert bool(jnp.all(jnp.isfinite(out)))
   ref = jax_flash.attention_reference(q * 300.0, k * 300.0, v, is_causal=True)
   np.testing.assert_allclose(out, ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("q_len, kv_len, first", [
+    (197, 197, "triton"),    # ViT-B/16: off the 8-row tiling, short
+    (50, 257, "mosaic"),     # longer than TRITON_FIRST_UP_TO
+    (200, 200, "mosaic"),    # whole 8-row tiles: no copies
+    (1001, 1001, "mosaic"),
+])
+def test_implementation_none_tries_triton_first_for_short_ragged_lengths(
+    q_len, kv_len, first, monkeypatch):
+  """`implementation=None` on a GPU: the Mosaic kernels first, but the
+  Triton ones for short lengths off Mosaic's 8-row TMA tiling
+  (`api.TRITON_FIRST_UP_TO`), which the Mosaic path pads by copies; a
+  forced implementation is the only one tried."""
+  from jax_flash import api
+  from pallas_kernels import compat
+  monkeypatch.setattr(compat, "has_gpu", lambda: True)
+  tried = []
+
+  def run(name, _):
+    tried.append(name)
+    raise NotImplementedError(name)
+  q = jnp.zeros((1, q_len, 2, 64), jnp.bfloat16)
+  kv = jnp.zeros((1, kv_len, 2, 64), jnp.bfloat16)
+  monkeypatch.setattr(api, "_IMPLEMENTATIONS", {
+      name: lambda *_, name=name, **__: run(name, None)
+      for name in api.IMPLEMENTATIONS})
+  with pytest.raises(NotImplementedError, match="no implementation"):
+    jax_flash.flash_attention(q, kv, kv)
+  assert tried[0] == first and sorted(tried) == sorted(api.IMPLEMENTATIONS)
+  tried.clear()
+  with pytest.raises(NotImplementedError):
+    jax_flash.flash_attention(q, kv, kv, implementation="mosaic")
+  assert tried == ["mosaic"]
+
+
+def test_mosaic_row_tile_is_the_kernels():
+  """`api`'s copy of the Mosaic kernels' TMA row tiling, kept apart since
+  Mosaic GPU is not importable everywhere."""
+  from jax_flash import api
+  common = pytest.importorskip("pallas_kernels.mosaic.common")
+  assert api._MOSAIC_ROW_TILE == common.TMA_ROW_TILE
