@@ -168,7 +168,7 @@ class KernelStatic:
   # of an XLA pass over O after the kernel. Not with `alibi_columns` (its
   # rows' logits are shifted until the LSE) nor FP8.
   sinks: bool = False
-  # Ranged, a soft cap that bounds every logit (`masked.max_free`): P =
+  # A soft cap that bounds every logit (`plan.max_free_cap`): P =
   # 2^(s log2 e) cannot overflow, so there is no running max (m stays 0)
   # and nothing to rescale: no row max per step, no alpha, O and l only
   # accumulate. `plan.MASKED_MAX_FREE`.

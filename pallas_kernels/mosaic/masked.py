@@ -115,7 +115,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   if lazy_rescale is None:
     lazy_rescale = (plan.plan_head_dim(query.shape[-1])
                     in plan.MASKED_LAZY_RESCALE_HEAD_DIMS)
-  no_running_max = max_free(spec, query.dtype)
+  # The soft cap is the last change to the scores (`masking.modify_scores`),
+  # so |s| <= cap wherever a key is kept.
+  no_running_max = plan.max_free_cap(spec.logits_soft_cap, query.dtype)
   # The plain causal forward's schedule: the split rendezvous, launched
   # tile-fastest (each head's tiles heaviest first, `tile_plans`): on the
   # causal forward at 16k 531 -> 563 TFLOP/s at d=128 (the plain kernel
@@ -152,14 +154,6 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                             sinks=None if sinks is None
                             else forward.sink_rows(sinks))
   return out[:, :q_len], lse[..., :q_len]
-
-
-def max_free(spec: masking.MaskSpec, dtype) -> bool:
-  """Whether every logit is bounded tightly enough for the forward to skip
-  its running max (`KernelStatic.max_free`): the soft cap is the last
-  change to the scores (`masking.modify_scores`), so |s| <= cap wherever a
-  key is kept, and P = e^s stays in range (`plan.max_free_cap`)."""
-  return plan.max_free_cap(spec.logits_soft_cap, dtype)
 
 
 def check_slopes(spec: masking.MaskSpec, alibi_slopes, q_shape):

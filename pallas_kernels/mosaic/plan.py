@@ -428,7 +428,7 @@ MASKED_SOFTCAP_FOLDED = False
 # causal forward 563 against the plain 593 at d=128 on the H200, 621
 # against 638 at d=256); the backward stays masked
 # (`attention.flash_attention_mosaic`). Prepared, not yet timed
-# (`tune_mosaic --kernels softcap_plain`).
+# (`tune_mosaic --kernels softcap_folded`, its form "softcap_plain").
 PLAIN_SOFTCAP = False
 # The largest soft cap it takes, by P's dtype: e^cap below float16's
 # largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
