@@ -264,12 +264,12 @@ def masked_schedule(form: str):
   the identity); causal ALiBi by index tiles, not as column terms, for
   "alibi_tiles" (`plan.MASKED_ALIBI_COLUMNS` off); the soft cap with a
   running max for "softcap_with_max" (`plan.MASKED_MAX_FREE` off), its
-  multiplies folded into the scales for "softcap_folded"
-  (`plan.MASKED_SOFTCAP_FOLDED` on); as planned for any other."""
+  multiplies not folded into the scales for "softcap_unfolded"
+  (`plan.MASKED_SOFTCAP_FOLDED` off); as planned for any other."""
   from pallas_kernels.mosaic import masked, plan
   choices = {"alibi_tiles": ("MASKED_ALIBI_COLUMNS", False),
              "softcap_with_max": ("MASKED_MAX_FREE", False),
-             "softcap_folded": ("MASKED_SOFTCAP_FOLDED", True)}
+             "softcap_unfolded": ("MASKED_SOFTCAP_FOLDED", False)}
   if form in choices:
     with mock.patch.object(plan, *choices[form]):
       yield
@@ -290,7 +290,7 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
   and the masked kernel with ALiBi,
   dropout 0.1 or a soft cap of 30 (`SCORE_CHANGE_SPACE`), so that a score
   change's cost splits into the masked kernel's and the term's own;
-  "softcap_plain": the plain kernel with that cap (`plan.PLAIN_SOFTCAP`)."""
+  "softcap_plain": the plain kernel with that cap (`plan.PLAIN_SOFTCAP_HEAD_DIMS`)."""
   from pallas_kernels.mosaic.forward import mosaic_forward
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
@@ -390,8 +390,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                         dict(form=("plain", "softcap_with_max", "softcap")),
                         1.0, (True,)),
            "softcap_folded": (score_change_benchmark,
-                              dict(form=("plain", "softcap",
-                                         "softcap_folded", "softcap_plain")),
+                              dict(form=("plain", "softcap_unfolded",
+                                         "softcap", "softcap_plain")),
                               1.0, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,
                                       MASKED_RESCALE_SPACE, 1.0, (True,)),

@@ -129,12 +129,13 @@ def flash_attention(
 # Short sequences off Mosaic GPU's 8-row TMA tiling (`pallas_kernels.mosaic.
 # common.TMA_ROW_TILE`, not importable without Mosaic GPU) go to the Triton
 # kernels first: the Mosaic path pads Q, K and V to whole 8-row tiles and
-# cuts O back (four copies), half its time at ViT-B/16's 197 tokens, where
-# the Triton kernels ran 121 TFLOP/s forward against Mosaic's 74 and 98
-# fwd+bwd against 76 (an H100, benchmarks/results/h100_models_after_fix.md).
-# Up to 256 tokens: the crossover is unmeasured (the model suite's ViT cells
-# at 257 and 577 tokens time both).
-TRITON_FIRST_UP_TO = 256
+# cuts O back (four copies). Triton against Mosaic on an H100, d=64 without
+# a mask, forward / fwd+bwd TFLOP/s: ViT-B/16's 197 tokens 121 / 94 against
+# 74 / 76, ViT-L/14's 257 142 / 99 against 81 / 89, and its 577 182 / 177
+# against 171 / 172 (benchmarks/results/h100_models_softcap_vit.md): the
+# lead shrinks with length; above 577 unmeasured, so the bound stops short
+# of the next power of two.
+TRITON_FIRST_UP_TO = 640
 _MOSAIC_ROW_TILE = 8
 
 

@@ -250,7 +250,8 @@ def test_no_nan_for_extreme_logits():
 
 @pytest.mark.parametrize("q_len, kv_len, first", [
     (197, 197, "triton"),    # ViT-B/16: off the 8-row tiling, short
-    (50, 257, "mosaic"),     # longer than TRITON_FIRST_UP_TO
+    (577, 577, "triton"),    # ViT-L/14 at 336 px
+    (50, 641, "mosaic"),     # longer than TRITON_FIRST_UP_TO
     (200, 200, "mosaic"),    # whole 8-row tiles: no copies
     (1001, 1001, "mosaic"),
 ])

@@ -625,7 +625,7 @@ def test_interpreted_forward_sinks(case, options):
     slow(Case(1, 128, 200, 2, 2, 64), False, 100.0, _SINKS),
 ], ids=str)
 def test_interpreted_plain_forward_soft_cap(case, is_causal, cap, sinks):
-  """`mosaic_forward(soft_cap=...)` (`plan.PLAIN_SOFTCAP`'s forward): out
+  """`mosaic_forward(soft_cap=...)` (`plan.PLAIN_SOFTCAP_HEAD_DIMS`'s forward): out
   and lse as the reference's with `logits_soft_cap`, Q times 8 so that
   logits reach the cap."""
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
@@ -849,14 +849,14 @@ def _check_plain_route(monkeypatch, q, k, v, d_out, d_lse, *, is_causal,
 @pytest.mark.slow  # the whole route, of parts the default suite checks apart
 def test_interpreted_soft_cap_route(monkeypatch):
   """`mosaic_attention` of a causal call whose only change is a soft cap,
-  with `plan.PLAIN_SOFTCAP`: the plain forward (the masked one patched to
+  with `plan.PLAIN_SOFTCAP_HEAD_DIMS`: the plain forward (the masked one patched to
   fail), the masked backward on its residuals; out, lse and gradients
   under random cotangents against the reference."""
   from pallas_kernels.mosaic import attention, plan
 
   def refuse(*_, **__):
     raise AssertionError("a capped plain call reached the masked forward")
-  monkeypatch.setattr(plan, "PLAIN_SOFTCAP", True)
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_HEAD_DIMS", (64, 128, 256))
   monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
   case, cap = Case(1, 200, 200, 2, 1, 64), 10.0
   q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=14)

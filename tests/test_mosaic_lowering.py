@@ -608,9 +608,9 @@ def test_ragged_lengths_route(q_len, kv_len, is_causal):
                                               _slow(197, False)])
 def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
                                        monkeypatch):
-  """`plan.PLAIN_SOFTCAP`: a call whose only change is a soft cap takes
+  """`plan.PLAIN_SOFTCAP_HEAD_DIMS`: a call whose only change is a soft cap takes
   the plain forward (the masked one patched to fail) and the masked
-  backward, and lowers; beside another change, or with the flag off, the
+  backward, and lowers; beside another change, or at a head dim off the list, the
   masked kernels take it."""
   from pallas_kernels.config import BlockSizes
   from pallas_kernels.mosaic import attention, plan
@@ -622,7 +622,7 @@ def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
   capped = MaskSpec(q_len=q_len, kv_len=q_len, is_causal=is_causal,
                     logits_soft_cap=30.0)
   assert attention._masked(q, kv, is_causal, capped)
-  monkeypatch.setattr(plan, "PLAIN_SOFTCAP", True)
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_HEAD_DIMS", (64, 128, 256))
   assert not attention._masked(q, kv, is_causal, capped)
   windowed = MaskSpec(q_len=q_len, kv_len=q_len, is_causal=True,
                       window=(64, 0), logits_soft_cap=30.0)
@@ -650,7 +650,7 @@ def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
 ], ids=str)
 def test_soft_cap_on_the_plain_forward_on_gpu(case, is_causal, cap,
                                               monkeypatch):
-  """`plan.PLAIN_SOFTCAP`: the capped call's forward by the plain kernel
+  """`plan.PLAIN_SOFTCAP_HEAD_DIMS`: the capped call's forward by the plain kernel
   (the masked one patched to fail), its gradients by the masked backward,
   against the reference; the scale 4 / sqrt(d) so that logits reach the
   cap."""
@@ -659,7 +659,7 @@ def test_soft_cap_on_the_plain_forward_on_gpu(case, is_causal, cap,
 
   def refuse(*_, **__):
     raise AssertionError("a capped plain call reached the masked forward")
-  monkeypatch.setattr(plan, "PLAIN_SOFTCAP", True)
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_HEAD_DIMS", (64, 128, 256))
   monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
   variants = dict(is_causal=is_causal, logits_soft_cap=cap,
                   scale=4 * case.head_dim**-0.5)

@@ -91,7 +91,7 @@ def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
   else:
     out, lse = _plain_attention(query, key, value, scale, is_causal,
                                 backward_blocks, sinks,
-                                _plain_soft_cap(spec))
+                                _plain_soft_cap(spec, query.shape[-1]))
   return out[..., :head_dim], lse
 
 
@@ -137,9 +137,9 @@ def mosaic_attention_backward(query, key, value, out, lse, d_out, d_lse, *,
         scale, spec, backward_blocks,
         (*residuals, None, operands or Operands(), None), cotangents)
   else:
-    dq, dk, dv, _ = _bwd(scale, is_causal, backward_blocks, None,
-                         _plain_soft_cap(spec), (*residuals, None),
-                         cotangents)
+    soft_cap = _plain_soft_cap(spec, query.shape[-1])
+    dq, dk, dv, _ = _bwd(scale, is_causal, backward_blocks, None, soft_cap,
+                         (*residuals, None), cotangents)
   return tuple(x[..., :head_dim] for x in (dq, dk, dv))
 
 
@@ -172,7 +172,8 @@ def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
   NOTES.md, "Ragged lengths on the plain kernels")."""
   plain = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
                    is_causal=is_causal)
-  if spec is None or spec == plain or _plain_soft_cap(spec) is not None:
+  if (spec is None or spec == plain
+      or _plain_soft_cap(spec, query.shape[-1]) is not None):
     return False
   if not MASKED_KERNEL_ENABLED:
     raise NotImplementedError(
@@ -181,11 +182,13 @@ def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
   return True
 
 
-def _plain_soft_cap(spec: MaskSpec | None) -> float | None:
+def _plain_soft_cap(spec: MaskSpec | None, head_dim: int) -> float | None:
   """The soft cap of a call the plain forward takes with it
-  (`plan.PLAIN_SOFTCAP`): one whose only change beyond `is_causal` and its
-  lengths is the cap; else None."""
-  if not plan.PLAIN_SOFTCAP or spec is None or spec.logits_soft_cap is None:
+  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`): one whose only change beyond
+  `is_causal` and its lengths is the cap, at those (padded) head dims;
+  else None."""
+  if (spec is None or spec.logits_soft_cap is None
+      or head_dim not in plan.PLAIN_SOFTCAP_HEAD_DIMS):
     return None
   uncapped = dataclasses.replace(spec, logits_soft_cap=None)
   plain = MaskSpec(q_len=spec.q_len, kv_len=spec.kv_len,
@@ -210,7 +213,7 @@ def flash_attention_mosaic(query, key, value, scale: float, is_causal: bool,
   Mosaic backward does not cover. `sinks`: float32 [N] or None, in the
   forward's epilogue; `kv_len`: key's rows past it are zero padding
   (`mosaic_forward`'s); `soft_cap`: None or the logits' cap
-  (`plan.PLAIN_SOFTCAP`), whose gradients the masked backward gives.
+  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`), whose gradients the masked backward gives.
   """
   return mosaic_forward(query, key, value, scale=scale, is_causal=is_causal,
                         sinks=sinks, kv_len=kv_len, soft_cap=soft_cap)

@@ -178,8 +178,8 @@ class KernelStatic:
   # fewer a score where the cap is the only change. `plan.
   # MASKED_SOFTCAP_FOLDED`.
   fold_cap: bool = False
-  # Plain form, a soft cap (`plan.PLAIN_SOFTCAP`): each score enters exp2
-  # as tanh(s * scale / cap) at cap log2(e) (`masking.
+  # Plain form, a soft cap (`plan.PLAIN_SOFTCAP_HEAD_DIMS`): each score
+  # enters exp2 as tanh(s * scale / cap) at cap log2(e) (`masking.
   # modify_scores_folded`), without the ranged kernel's plan rows; with
   # `max_free` where the cap bounds P.
   soft_cap: float | None = None

@@ -418,18 +418,18 @@ MASKED_MAX_FREE = True
 # The cap's multiplies by 1 / cap (before the tanh) and by cap (after it)
 # folded into the score's scale and exp2's (`KernelStatic.fold_cap`,
 # `masking.modify_scores_folded`): two FMULs fewer a score for a cap
-# alone, as tokamax's sm90 forward computes it (whose Gemma-cell forward
-# ran 1.09x ours on an H100, h100_models_after_fix.md). Prepared, not yet
-# timed (`tune_mosaic --kernels softcap_folded`).
-MASKED_SOFTCAP_FOLDED = False
-# A call whose only change beyond `is_causal` is a soft cap on the plain
-# forward (`KernelStatic.soft_cap`, the cap folded as above) instead of the
-# masked one, whose plan rows cost it 3-5% on a causal mask (the masked
-# causal forward 563 against the plain 593 at d=128 on the H200, 621
-# against 638 at d=256); the backward stays masked
-# (`attention.flash_attention_mosaic`). Prepared, not yet timed
-# (`tune_mosaic --kernels softcap_folded`, its form "softcap_plain").
-PLAIN_SOFTCAP = False
+# alone, as tokamax's sm90 forward computes it. On an H100 at 16k, causal,
+# cap 30: 487 -> 515 TFLOP/s at d=128, 568 -> 614 at d=256
+# (h100_mosaic_softcap_folded.md).
+MASKED_SOFTCAP_FOLDED = True
+# The head dims at which a call whose only change beyond `is_causal` is a
+# soft cap takes the plain forward (`KernelStatic.soft_cap`, the cap folded
+# as above) instead of the masked one; the backward stays masked
+# (`attention.flash_attention_mosaic`). On an H100 at 16k, causal, cap 30,
+# against the masked forward folded: d=256 640 against 614 TFLOP/s (the
+# plain causal forward without a cap: 632), d=128 499 against 515
+# (h100_mosaic_softcap_folded.md); between them unmeasured.
+PLAIN_SOFTCAP_HEAD_DIMS = (256,)
 # The largest soft cap it takes, by P's dtype: e^cap below float16's
 # largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
 # float32's (3.4e38 = e^88.7).
