@@ -265,11 +265,15 @@ def masked_schedule(form: str):
   "alibi_tiles" (`plan.MASKED_ALIBI_COLUMNS` off); the soft cap with a
   running max for "softcap_with_max" (`plan.MASKED_MAX_FREE` off), its
   multiplies not folded into the scales for "softcap_unfolded"
-  (`plan.MASKED_SOFTCAP_FOLDED` off); as planned for any other."""
+  (`plan.MASKED_SOFTCAP_FOLDED` off), and in the backward for
+  "softcap_backward_folded" (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED` on);
+  as planned for any other."""
   from pallas_kernels.mosaic import masked, plan
   choices = {"alibi_tiles": ("MASKED_ALIBI_COLUMNS", False),
              "softcap_with_max": ("MASKED_MAX_FREE", False),
-             "softcap_unfolded": ("MASKED_SOFTCAP_FOLDED", False)}
+             "softcap_unfolded": ("MASKED_SOFTCAP_FOLDED", False),
+             "softcap_backward_folded": ("MASKED_BACKWARD_SOFTCAP_FOLDED",
+                                         True)}
   if form in choices:
     with mock.patch.object(plan, *choices[form]):
       yield
@@ -393,6 +397,11 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                               dict(form=("plain", "softcap_unfolded",
                                          "softcap", "softcap_plain")),
                               1.0, (True,)),
+           "softcap_backward_folded": (
+               masked_causal_backward_benchmark,
+               [dict(term="none"), dict(term="softcap"),
+                dict(term="softcap", form="softcap_backward_folded")],
+               2.5, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,
                                       MASKED_RESCALE_SPACE, 1.0, (True,)),
            "masked_backward_order": (masked_causal_backward_benchmark,

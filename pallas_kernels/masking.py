@@ -202,6 +202,13 @@ def modify_scores(spec: MaskSpec, scores, q_idx, kv_idx, values: MaskValues):
   return scores
 
 
+def cap_only(spec: MaskSpec) -> bool:
+  """Whether a soft cap is the only change to the scores (Gemma's), so
+  that its slope in `scale * q·k` is 1 - tanh(scale * q·k / cap)²."""
+  return (spec.logits_soft_cap is not None and not dataclasses.replace(
+      spec, logits_soft_cap=None).modifies_scores)
+
+
 def modify_scores_folded(spec: MaskSpec, qk, scale, q_idx, kv_idx,
                          values: MaskValues):
   """(t, factor) with factor * t = `modify_scores(spec, scale * qk, ...)`

@@ -172,7 +172,7 @@ def position_score(s, b, h, q_idx, kv_idx):
 # float32 bias beside bfloat16 q, a mask broadcast along the queries).
 # `test_gpu` checks them on a GPU, `test_mosaic_lowering` cross-lowered.
 DISPATCHED_TO_MOSAIC = [
-    (jnp.bfloat16, 512, {}), (jnp.bfloat16, 500, {}),
+    (jnp.bfloat16, 512, {}), (jnp.bfloat16, 1001, {}),
     (jnp.bfloat16, 512, dict(alibi_slopes=jnp.ones(4))),
     (jnp.bfloat16, 512, dict(dropout_rate=0.1,
                              dropout_rng=jax.random.key(0))),

@@ -103,7 +103,13 @@ def test_backward_plan_follows_its_rows():
   assert not config(64, False, 1024).scores_ahead            # persistent
   assert not config(64, False, 4096, max_concurrent_steps=1).scores_ahead
   assert config(64, True, 16384).dq_tiles == (64, 128)
-  assert config(64, True, 16384 + 64).dq_tiles is None       # 128 ∤ kv_len
+  assert config(64, True, 16384 + 64,
+                q_len=16384 + 128).dq_tiles is None  # 128 ∤ kv_len
+  # Lengths that no 64-row tile divides (`common.ragged_lengths`) take any
+  # tiles: the plan's stay.
+  assert config(64, True, 16384 + 8).dq_tiles == (64, 128)
+  assert config(64, True, 1000).block_q == 128
+  assert config(64, True, 1000 + 4).block_q == 64          # off 8-row TMA
   assert config(64, True, 16384, persistent=True).dq_tiles is None
   assert config(128, False, 16384).fused_dq
   assert not config(128, False, 16384 + 64).fused_dq         # one consumer
@@ -226,8 +232,8 @@ def test_d_lse_lowers(cuda_lowering):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(q_len=200), "q_len 200"),
-    (dict(kv_len=200), "kv_len 200"),
+    (dict(q_len=204), "q_len 204"),      # off the 8-row TMA tiling
+    (dict(kv_len=204), "kv_len 204"),
     (dict(head_dim=72), "head_dim"),    # not a multiple of 16
     (dict(dtype=jnp.float32), "bfloat16 and float16"),
     (dict(block_q=96), "multiples of 64"),
@@ -582,7 +588,7 @@ def test_dq_tiles_lower_and_change_the_dq_kernel_only(is_causal,
   """`dq_tiles` gives the dQ kernel tiles of its own: its lowered kernel
   changes, the dK/dV kernel's does not; tiles equal to the dK/dV kernel's
   are its; the ranged kernels and a malformed pair are refused, and so are
-  tiles the lengths do not divide."""
+  lengths off the 8-row TMA tiling."""
   configs = lambda **kw: _configs(64, is_causal, q_len=512, kv_len=512,
                                   persistent=False, **kw)
   (dq, [dkdv]), (own_dq, [own_dkdv]) = (configs(dq_tiles=(128, 64)),
@@ -599,8 +605,9 @@ def test_dq_tiles_lower_and_change_the_dq_kernel_only(is_causal,
   text = lambda **kw: _lower(64, is_causal, q_len=512, kv_len=512,
                              persistent=False, **kw)
   assert text(dq_tiles=(64, 128)) != text(dq_tiles=(128, 64))
-  with pytest.raises(NotImplementedError, match="multiple of block_kv 256"):
-    _lower(64, is_causal, kv_len=384, dq_tiles=(64, 256))
+  # Lengths of whole 8-row TMA tiles take any tiles; others are refused.
+  with pytest.raises(NotImplementedError, match="multiple of block_kv"):
+    _lower(64, is_causal, q_len=512, kv_len=388, dq_tiles=(64, 128))
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

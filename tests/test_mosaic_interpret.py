@@ -351,6 +351,16 @@ BACKWARD_CASES = [
     # another order would pair query heads with the wrong K/V head).
     slow(Case(1, 128, 256, 4, 2, 64), True,
          dict(persistent=False, kv_head_copies=2)),
+    # Ragged lengths on the plain kernels (`common.ragged_lengths`: no
+    # mask), as the forward's cases: d=64's plan (128-row Q tiles,
+    # persistent), GQA 2:1; d=128's launch grid with kv_len > q_len and
+    # < q_len; without causal masking; d=256's plan above 1k, dK/dV with
+    # shared K/V rows.
+    (Case(1, 200, 200, 2, 1, 64), True, dict(block_q=128, num_ctas=2)),
+    slow(Case(1, 136, 264, 1, 1, 128), True, dict(persistent=False)),
+    slow(Case(1, 264, 136, 1, 1, 128), True, dict(persistent=False)),
+    (Case(1, 200, 136, 2, 1, 64), False, dict(persistent=False)),
+    slow(Case(1, 136, 264, 1, 1, 256), True, dict(shared_rows=True)),
 ]
 
 
@@ -792,6 +802,36 @@ def test_interpreted_alibi_columns_backward(monkeypatch, with_bias):
                                scale=scale, spec=spec, **operands)
   names = ("dq", "dk", "dv") + (("dbias",) if with_bias else ())
   for grad, ours in zip(names, grads):
+    assert_within_rule(grad, ours, exact[grad], lowp[grad])
+
+
+def test_interpreted_folded_cap_backward(monkeypatch):
+  """The masked backward with the cap's multiplies folded into the scales
+  (`BackwardStatic.fold_cap`): dq, dk, dv as the reference's, GQA 2:1,
+  causal with a key tail, logits well past the cap;
+  `masking.modify_scores` patched to fail inside the kernels, so the
+  unfolded form is not taken."""
+  from pallas_kernels import masking as kernel_masking
+  from pallas_kernels.mosaic import backward, plan
+  from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
+  case = Case(1, 136, 200, 2, 1, 64)
+  variants = dict(is_causal=True, logits_soft_cap=5.0)
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=15)
+  q = q * 4
+  exact, lowp = _references(q, k, v, d_out, d_lse, **variants)
+  args = (exact["out"].astype(q.dtype), jnp.swapaxes(exact["lse"], 1, 2),
+          d_out, jnp.swapaxes(d_lse, 1, 2))
+  scale, spec, operands = _masked_call(q, k, v, variants)
+
+  def unfolded(*args, **kwargs):
+    raise AssertionError("the backward took the unfolded cap")
+  monkeypatch.setattr(plan, "MASKED_BACKWARD_SOFTCAP_FOLDED", True)
+  monkeypatch.setattr(kernel_masking, "modify_scores", unfolded)
+  stats = backward.row_statistics(*args)
+  monkeypatch.setattr(backward, "row_statistics", lambda *given: stats)
+  grads = mosaic_interpret.run(mosaic_backward_masked, q, k, v, *args,
+                               scale=scale, spec=spec, **operands)
+  for grad, ours in zip(("dq", "dk", "dv"), grads):
     assert_within_rule(grad, ours, exact[grad], lowp[grad])
 
 

@@ -220,18 +220,19 @@ def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
 ], ids=str)
 def test_ragged_lengths_on_the_plain_kernels_on_gpu(case, is_causal,
                                                     monkeypatch):
-  """Lengths that no tile divides (`attention._masked`): the forward by
-  the plain kernel, the masked forward patched to fail, and the gradients
-  by the masked backward (the plain backward refuses ragged lengths),
-  against the reference; TMA's zero fill and clipped stores are the
-  forward's tail handling (and a padded copy where the lengths are not
-  whole 8-row tiles), with the last K/V block masked past kv_len where a
-  real query sees there."""
+  """Lengths that no tile divides (`attention._masked`): forward and
+  gradients by the plain kernels (the masked ones and Triton's backward
+  patched to fail) against the reference; TMA's zero fill and clipped
+  stores are the tail handling (and a padded copy where the lengths are
+  not whole 8-row tiles), with the forward's last K/V block masked past
+  kv_len where a real query sees there."""
   from pallas_kernels.mosaic import attention
 
   def refuse(*_, **__):
-    raise AssertionError("a ragged call reached the masked forward")
-  monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
+    raise AssertionError("a ragged call reached the masked kernels")
+  for name in ("mosaic_forward_masked", "mosaic_backward_masked",
+               "flash_backward"):
+    monkeypatch.setattr(attention, name, refuse)
   _check_mosaic_against_reference(case, jnp.bfloat16, is_causal)
 
 
@@ -571,6 +572,7 @@ def test_ragged_lengths_lower_on_the_plain_kernels(head_dim, q_len, kv_len,
   def refuse(*_, **__):
     raise AssertionError("a ragged call reached the masked kernels")
   monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
+  monkeypatch.setattr(attention, "mosaic_backward_masked", refuse)
   monkeypatch.setattr(attention, "flash_backward", refuse)
   q = jax.ShapeDtypeStruct((1, q_len, 4, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, kv_len, 2, head_dim), jnp.bfloat16)

@@ -603,6 +603,33 @@ def test_alibi_columns_backward_lowers(head_dim, cuda_lowering, monkeypatch):
   assert columns != tiles
 
 
+def test_folded_cap_backward_lowers_with_fewer_multiplies(cuda_lowering,
+                                                           monkeypatch):
+  """The cap's multiplies folded into the scales in the backward
+  (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED`): both kernels lower, with fewer
+  multiplies and their tanh; beside ALiBi the flag changes nothing (the
+  cap is not the only score change)."""
+  from pallas_kernels.mosaic import plan
+
+  def text(name):
+    spec, operands = _spec_and_operands(name)
+    q = jax.ShapeDtypeStruct((2, spec.q_len, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, spec.kv_len, 2, 64), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((2, 4, spec.q_len), jnp.float32)
+    return lower_mosaic.canonical(
+        lambda *a: mosaic_backward_masked(
+            *a, scale=0.125, spec=spec, **_operand_kwargs(operands),
+            alibi_slopes=operands.alibi_slopes), (q, kv, kv, q, lse, q))
+  monkeypatch.setattr(plan, "MASKED_BACKWARD_SOFTCAP_FOLDED", False)
+  unfolded, alibi = text("soft cap"), text("alibi soft cap")
+  monkeypatch.setattr(plan, "MASKED_BACKWARD_SOFTCAP_FOLDED", True)
+  folded = text("soft cap")
+  assert _kernels(folded) == _expected_kernels(64)
+  assert folded.count("arith.mulf") < unfolded.count("arith.mulf")
+  assert folded.count("tanh.approx") > 0
+  assert text("alibi soft cap") == alibi
+
+
 # sm90's dynamic shared memory per block (227 KiB): a kernel that asks for
 # more fails to launch, where the kernels' own count (`check_shared_memory`)
 # should have sent the call to the Triton kernels instead.
@@ -881,6 +908,24 @@ def test_alibi_columns_fwd_bwd_match_reference_on_gpu(head_dim, monkeypatch):
   attention = _masked_attention(**variants)
   _assert_uses_masked_backward(attention, case, jnp.bfloat16)
   check_against_reference(attention, case, jnp.bfloat16, seed=9, **variants)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [Case(1, 777, 1100, 8, 2, 96),
+                                  Case(2, 1024, 1024, 8, 4, 128),
+                                  Case(1, 1000, 1000, 4, 2, 256)], ids=str)
+def test_folded_cap_backward_matches_reference_on_gpu(case, monkeypatch):
+  """The cap's multiplies folded into the scales in both backward kernels
+  (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED`): out, lse, dq, dk, dv, causal,
+  GQA, logits past the cap (the scale 4 / sqrt(d))."""
+  _require_sm90()
+  from pallas_kernels.mosaic import plan
+  monkeypatch.setattr(plan, "MASKED_BACKWARD_SOFTCAP_FOLDED", True)
+  variants = dict(is_causal=True, logits_soft_cap=20.0,
+                  scale=4 * case.head_dim**-0.5)
+  attention = _masked_attention(**variants)
+  _assert_uses_masked_backward(attention, case, jnp.bfloat16)
+  check_against_reference(attention, case, jnp.bfloat16, seed=10, **variants)
 
 
 @pytest.mark.gpu

@@ -167,9 +167,8 @@ def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
   at ViT's 197 tokens, d=64, 55 TFLOP/s against the masked kernel's 43;
   at 1000, d=64/128/256, 327 / 436 / 439 against 253 / 360 / 408 (an
   H100, geomean of causal and not, h100_mosaic_ragged_forward_*.md).
-  Their backward is the masked kernels' where the tiles do not divide the
-  lengths (`_bwd`; the plain one takes whole tiles only, benchmarks/
-  NOTES.md, "Ragged lengths on the plain kernels")."""
+  Their backward is the plain kernels' too (`_bwd`, benchmarks/NOTES.md,
+  "Ragged lengths on the plain kernels")."""
   plain = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
                    is_causal=is_causal)
   if (spec is None or spec == plain
@@ -228,9 +227,8 @@ def _fwd(query, key, value, scale, is_causal, backward_blocks, sinks, kv_len,
 
 def _bwd(scale, is_causal, backward_blocks, kv_len, soft_cap, residuals,
          cotangents):
-  """The plain backward kernels; on lengths they refuse (ragged ones,
-  `common.ragged_lengths`) or under a soft cap the masked ones, else
-  Triton's. `kv_len` goes
+  """The plain backward kernels; under a soft cap, or on a call they do
+  not cover, the masked ones, else Triton's. `kv_len` goes
   unused: padded keys are zero, so where a real query sees one (not
   causal, or q_len > kv_len) its dS times K adds nothing to dQ, and dV and
   dK of those rows are sliced off; padded query rows carry zero dO and
@@ -250,7 +248,7 @@ def _bwd(scale, is_causal, backward_blocks, kv_len, soft_cap, residuals,
                   is_causal=is_causal, logits_soft_cap=soft_cap)
   if MASKED_BACKWARD_ENABLED and (soft_cap is not None
                                   or not _divides(query, key)):
-    try:  # ragged lengths (`common.ragged_lengths`), a soft cap
+    try:  # a soft cap, or tiles the plain kernels do not cover
       return (*mosaic_backward_masked(query, key, value, out, lse, d_out,
                                       d_lse, scale=scale, spec=spec)[:3],
               d_sinks)

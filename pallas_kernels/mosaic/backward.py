@@ -61,7 +61,7 @@ from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, SWIZZLES, THREADS_PER_WARPGROUP, check_layout,
     check_shared_memory, check_tiles, own_width_head_dim,
-    persistent_num_ctas, slope_rows_bytes)
+    persistent_num_ctas, ragged_lengths, slope_rows_bytes)
 from pallas_kernels.mosaic.dkdv import launch_dkdv
 from pallas_kernels.mosaic.dq import launch_dq
 from pallas_kernels.mosaic.fused_dq import (DQ_PIECE, ZERO_CELL_BYTES,
@@ -110,18 +110,24 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
 
   Raises:
     NotImplementedError: for calls these kernels do not cover (dtype, head
-      dim, lengths not multiples of the tiles, tiles that do not fit in
-      shared memory or registers), so that a dispatcher falls back.
+      dim, lengths not multiples of 8, `common.ragged_lengths`; tiles that
+      do not fit in shared memory or registers), so that a dispatcher falls
+      back.
   """
   config = _config(query, key, is_causal, options)
+  # Lengths the tiles do not divide, in whole TMA row tiles: rows past
+  # either end load as zeros and add nothing (`common.ragged_lengths`).
+  any_lengths = ragged_lengths(query.shape[1], key.shape[1])
   check_supported(query, key, value, out, lse, d_out, d_lse,
                   block_q=config.block_q, block_kv=config.block_kv,
-                  max_concurrent_steps=config.max_concurrent_steps)
+                  max_concurrent_steps=config.max_concurrent_steps,
+                  any_lengths=any_lengths)
   if config.dq_tiles is not None:
     check_tiles_divide(query.shape[1], key.shape[1],
                        block_q=config.dq_tiles[0],
                        block_kv=config.dq_tiles[1],
-                       max_concurrent_steps=config.max_concurrent_steps)
+                       max_concurrent_steps=config.max_concurrent_steps,
+                       any_lengths=any_lengths)
   # Configuring raises for tiles that do not fit, before any work is traced.
   dq_config, dkdv_configs = statics(query, key, scale=scale,
                                     is_causal=is_causal, config=config)
@@ -227,7 +233,9 @@ def check_supported(query, key, value, out, lse, d_out, d_lse, *, block_q,
                     any_lengths: bool = False):
   """Validates shapes (ValueError/TypeError) and coverage (NotImplemented).
 
-  `any_lengths`: the ranged kernels mask the tails of both sequences.
+  `any_lengths`: the kernels take lengths their tiles do not divide (the
+  ranged kernels mask the tails; the plain ones need no mask there,
+  `common.ragged_lengths`).
   """
   batch, q_len, num_heads, head_dim = query.shape
   kv_len, _ = check_layout(query, key, value)
@@ -506,7 +514,7 @@ def _shared_rows_static(query, key, *, scale, is_causal, block_q, block_kv,
         f"{head_dim} between {consumers} consumers: both parts must be "
         f"whole tiles of one swizzle (`shared_rows.shared_transforms`), "
         f"at least {SWIZZLES[-1]} bytes wide")
-  if kv_len % block_kv:
+  if kv_len % block_kv and not ragged_lengths(q_len, kv_len):
     raise NotImplementedError(
         f"kv_len {kv_len} must be a multiple of block_kv {block_kv} "
         f"(shared K/V rows)")
@@ -598,10 +606,11 @@ def _ranged_smem_bytes(spec, *, num_consumers, num_stages, resident_rows,
 
 
 def _tiled_length(length: int, block: int, spec) -> int:
-  """The length the grid's CTA tiles must divide: the plain kernels need
-  whole tiles; the ranged ones mask a tail, so any length counts as padded
-  to whole tiles of `_MAX_CONSUMERS` consumers."""
-  if spec is None:
+  """The length the grid's CTA tiles must divide: a length of whole tiles
+  in the plain kernels; else (the ranged kernels mask a tail, the plain
+  ones need no mask there, `common.ragged_lengths`) the length padded to
+  whole tiles of `_MAX_CONSUMERS` consumers."""
+  if spec is None and length % block == 0:
     return length
   return pl.cdiv(length, _MAX_CONSUMERS * block) * _MAX_CONSUMERS * block
 

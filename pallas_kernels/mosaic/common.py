@@ -126,14 +126,17 @@ TMA_ROW_TILE = 8
 
 
 def ragged_lengths(q_len: int, kv_len: int) -> bool:
-  """Whether the plain forward takes lengths its tiles need not divide:
+  """Whether the plain kernels take lengths their tiles need not divide:
   whole TMA row tiles. Rows of a tile past either end load as zeros and
-  stores past q_len are dropped, so a padded query row computes on zeros
-  and is never written; only the softmax would count a padded key
-  (`masks_key_tail`). The plain backward takes whole tiles only (the
-  masked one runs ragged lengths): its dK on them was refused after wrong
-  results on the H100 whose cause turned out to be the forward's LSE
-  (benchmarks/NOTES.md, "Ragged lengths on the plain kernels")."""
+  stores past q_len are dropped, which is nearly all a ragged tail needs:
+  a padded query row computes on zeros and is never written, and in the
+  backward its zero dO and delta (its statistics load as zeros) give it
+  zero dS and P dO, so nothing in dK and dV; a padded key has zero K and
+  V, so it adds nothing to dQ or to a real row's dP, and its own dK and dV
+  rows are dropped. Only the forward's softmax would count a padded key:
+  `masks_key_tail`. (The plain backward was refused these lengths for a
+  while after wrong dK on the H100 whose cause was the forward's LSE,
+  benchmarks/NOTES.md, "Ragged lengths on the plain kernels".)"""
   return q_len % TMA_ROW_TILE == 0 and kv_len % TMA_ROW_TILE == 0
 
 

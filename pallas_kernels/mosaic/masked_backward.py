@@ -165,12 +165,15 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   # Causal ALiBi as a term per key and one per query (`plan.
   # MASKED_ALIBI_COLUMNS`, as the masked forward).
   columns = plan.MASKED_ALIBI_COLUMNS and alibi_columns(spec)
+  fold_cap = plan.MASKED_BACKWARD_SOFTCAP_FOLDED and masking.cap_only(spec)
   dq_config, dbias_config = (
       None if static is None else dataclasses.replace(
-          static, plan_heads=plan_heads, alibi_columns=columns)
+          static, plan_heads=plan_heads, alibi_columns=columns,
+          fold_cap=fold_cap)
       for static in (dq_config, dbias_config))
   dkdv_configs = [dataclasses.replace(static, plan_heads=kv_plan_heads,
-                                      alibi_columns=columns)
+                                      alibi_columns=columns,
+                                      fold_cap=fold_cap)
                   for static in dkdv_configs]
   # The dQ grid's last tile reaches furthest down the query rows.
   rows_per_tile = max(static.q_rows_per_cta

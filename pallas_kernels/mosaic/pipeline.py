@@ -142,6 +142,12 @@ class BackwardStatic:
   # scores and the LSE (`tile_probabilities`' `alibi_terms`) instead of
   # |q_pos - kv| per score from two index tiles. `plan.MASKED_ALIBI_COLUMNS`.
   alibi_columns: bool = False
+  # Ranged, a soft cap the only score change (`masking.cap_only`): P and
+  # the cap's slope from t = tanh(q·k * scale / cap), P = exp2(t * cap
+  # log2(e) - lse) and slope 1 - t², the cap's multiplies folded into the
+  # scales as in the forward (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED`)
+  # instead of `modify_scores` and its `jax.jvp`.
+  fold_cap: bool = False
 
   @property
   def ranged(self) -> bool:
@@ -390,6 +396,11 @@ def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
   if not (static.ranged and static.spec.modifies_scores):
     return jnp.exp2(s * static.scale_log2 - broadcast(lse_log2, s.shape)), None
   spec = static.spec
+  if static.fold_cap:  # d(cap tanh(x / cap)) / dx = 1 - tanh(x / cap)²
+    t, factor = masking.modify_scores_folded(spec, s, static.scale, None,
+                                             None, values)
+    p = jnp.exp2(t * (factor * LOG2E) - broadcast(lse_log2, s.shape))
+    return p, 1.0 - t * t
   if static.alibi_columns:
     queries, keys = alibi_terms(values.alibi_slope)
     across = per_column if broadcast is per_row else per_row

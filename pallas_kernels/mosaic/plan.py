@@ -32,6 +32,8 @@ import math
 
 import numpy as np
 
+from pallas_kernels.mosaic.common import ragged_lengths
+
 # Lengths from lo to hi, both included; hi None: unbounded.
 Range = tuple[int, int | None]
 ANY: Range = (0, None)
@@ -291,13 +293,15 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
   `options` (`BackwardConfig`'s fields) replacing the row's.
 
   What the row plans but the kernels cannot take for this call falls back,
-  unless named in `options`: Q tiles that do not divide q_len to 64 rows;
+  unless named in `options`: Q tiles that do not divide q_len to 64 rows
+  (but where no 64-row tile divides the lengths, `common.ragged_lengths`:
+  then any tiles);
   the fused dQ where kv_len is not two consumers' K/V tiles or the dQ tile
   not one [64, 64] piece a consumer (head_dim 96's tile is not whole
   pieces) to the two kernels; shared rows where the halves of head_dim and
   block_q share no swizzle tile (at block_q 64: a head_dim not a multiple
   of 32, such as 176) to dK and dV apart; dQ tiles that do
-  not divide the lengths to the dK/dV kernel's; Sᵀ ahead without a ring of
+  not divide the lengths (but ragged ones) to the dK/dV kernel's; Sᵀ ahead without a ring of
   two stages or `overlap_softmax` to off. A persistent grid or dQ tiles
   named in `options` ask for the two kernels, and the fused dQ for the
   launch grid; a persistent grid drops the plan's Sᵀ ahead and dQ
@@ -306,7 +310,11 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
   config = dataclasses.replace(
       _row(BACKWARD_PLAN, head_dim, is_causal, q_len, kv_len), **options)
   planned = lambda name: name not in options
-  if planned("block_q") and q_len % config.block_q:
+  # Lengths that no 64-row tile divides take any tiles, partial at the
+  # end (`common.ragged_lengths`); others keep whole tiles.
+  ragged = ragged_lengths(q_len, kv_len) and bool(
+      q_len % _MIN_TILE or kv_len % _MIN_TILE)
+  if planned("block_q") and q_len % config.block_q and not ragged:
     config = dataclasses.replace(config, block_q=_MIN_TILE)
   if config.dq_tiles is not None and tuple(config.dq_tiles) == (
       config.block_q, config.block_kv):
@@ -326,8 +334,8 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
   if planned("persistent") and options.get("fused_dq"):
     config = dataclasses.replace(config, persistent=False)
   if planned("dq_tiles") and config.dq_tiles and (
-      config.persistent or q_len % config.dq_tiles[0]
-      or kv_len % config.dq_tiles[1]):
+      config.persistent or (not ragged and (q_len % config.dq_tiles[0]
+                                            or kv_len % config.dq_tiles[1]))):
     config = dataclasses.replace(config, dq_tiles=None)
   if planned("scores_ahead") and config.scores_ahead and (
       config.persistent or config.max_concurrent_steps < 2
@@ -422,6 +430,13 @@ MASKED_MAX_FREE = True
 # cap 30: 487 -> 515 TFLOP/s at d=128, 568 -> 614 at d=256
 # (h100_mosaic_softcap_folded.md).
 MASKED_SOFTCAP_FOLDED = True
+# The masked backward's dQ and dK/dV kernels the same way where the cap is
+# the only score change (`BackwardStatic.fold_cap`): P from t = tanh(q·k *
+# scale / cap) as exp2(t * cap log2(e) - lse), and the cap's slope as
+# 1 - t² (one FMA) instead of `modify_scores`' multiplies and its
+# `jax.jvp`. Prepared, not yet timed (`tune_mosaic --kernels
+# softcap_backward_folded`).
+MASKED_BACKWARD_SOFTCAP_FOLDED = False
 # The head dims at which a call whose only change beyond `is_causal` is a
 # soft cap takes the plain forward (`KernelStatic.soft_cap`, the cap folded
 # as above) instead of the masked one; the backward stays masked
