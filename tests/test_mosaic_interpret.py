@@ -359,7 +359,7 @@ BACKWARD_CASES = [
     (Case(1, 200, 200, 2, 1, 64), True, dict(block_q=128, num_ctas=2)),
     slow(Case(1, 136, 264, 1, 1, 128), True, dict(persistent=False)),
     slow(Case(1, 264, 136, 1, 1, 128), True, dict(persistent=False)),
-    (Case(1, 200, 136, 2, 1, 64), False, dict(persistent=False)),
+    slow(Case(1, 200, 136, 2, 1, 64), False, dict(persistent=False)),
     slow(Case(1, 136, 264, 1, 1, 256), True, dict(shared_rows=True)),
 ]
 
