@@ -294,7 +294,8 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
   and the masked kernel with ALiBi,
   dropout 0.1 or a soft cap of 30 (`SCORE_CHANGE_SPACE`), so that a score
   change's cost splits into the masked kernel's and the term's own;
-  "softcap_plain": the plain kernel with that cap (`plan.PLAIN_SOFTCAP_HEAD_DIMS`)."""
+  "softcap_plain": the plain kernel with that cap
+  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`)."""
   from pallas_kernels.mosaic.forward import mosaic_forward
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)

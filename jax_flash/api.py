@@ -133,8 +133,8 @@ def flash_attention(
 # a mask, forward / fwd+bwd TFLOP/s: ViT-B/16's 197 tokens 121 / 94 against
 # 74 / 76, ViT-L/14's 257 142 / 99 against 81 / 89, and its 577 182 / 177
 # against 171 / 172 (benchmarks/results/h100_models_softcap_vit.md): the
-# lead shrinks with length; above 577 unmeasured, so the bound stops short
-# of the next power of two.
+# lead shrinks with length; above 577 unmeasured, so the bound is 640, not
+# the next power of two.
 TRITON_FIRST_UP_TO = 640
 _MOSAIC_ROW_TILE = 8
 

@@ -212,7 +212,8 @@ def flash_attention_mosaic(query, key, value, scale: float, is_causal: bool,
   Mosaic backward does not cover. `sinks`: float32 [N] or None, in the
   forward's epilogue; `kv_len`: key's rows past it are zero padding
   (`mosaic_forward`'s); `soft_cap`: None or the logits' cap
-  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`), whose gradients the masked backward gives.
+  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`), whose gradients the masked backward
+  gives.
   """
   return mosaic_forward(query, key, value, scale=scale, is_causal=is_causal,
                         sinks=sinks, kv_len=kv_len, soft_cap=soft_cap)

@@ -300,9 +300,9 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
   not one [64, 64] piece a consumer (head_dim 96's tile is not whole
   pieces) to the two kernels; shared rows where the halves of head_dim and
   block_q share no swizzle tile (at block_q 64: a head_dim not a multiple
-  of 32, such as 176) to dK and dV apart; dQ tiles that do
-  not divide the lengths (but ragged ones) to the dK/dV kernel's; Sᵀ ahead without a ring of
-  two stages or `overlap_softmax` to off. A persistent grid or dQ tiles
+  of 32, such as 176) to dK and dV apart; dQ tiles that do not divide
+  the lengths (but ragged ones) to the dK/dV kernel's; Sᵀ ahead without a
+  ring of two stages or `overlap_softmax` to off. A persistent grid or dQ tiles
   named in `options` ask for the two kernels, and the fused dQ for the
   launch grid; a persistent grid drops the plan's Sᵀ ahead and dQ
   tiles.
