@@ -688,6 +688,87 @@ def test_sink_gradient_is_the_references():
   assert sink_gradient(None, out, lse, d_out, d_lse) is None
 
 
+@pytest.mark.slow  # the default masked cases with causal ALiBi take the form too
+def test_interpreted_alibi_columns_match_reference(monkeypatch):
+  """Causal ALiBi as a per-column term with the rows' left in the LSE
+  (`common.alibi_columns`): out and lse as the reference's, GQA 2:1,
+  bottom-right causal in one batch and top-left in the other."""
+  from pallas_kernels.mosaic import plan
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  monkeypatch.setattr(plan, "MASKED_ALIBI_COLUMNS", True)
+  case = Case(2, 200, 260, 2, 1, 64)   # two tiles: rows from 0 to 192
+  variants = dict(is_causal=True, q_offset=jnp.array([60, 0]),
+                  alibi_slopes=jnp.array([[0.5, 0.25], [0.125, 1.0]]))
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
+  scale, spec, operands = _masked_call(q, k, v, variants)
+  out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
+                                  scale=scale, spec=spec, **operands)
+  assert_forward_within_rule(q, k, v, out, lse, **variants)
+
+
+@pytest.mark.parametrize("head_dim, is_causal, options", [
+    *(_own_width(d, c, dict(num_ctas=2)) for d, c in OWN_WIDTH_CASES[:3]),
+    slow(160, False, dict(shared_rows=True, persistent=False)),
+    slow(192, True, dict(shared_rows=True, persistent=False)),
+], ids=str)
+def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
+                                                          options):
+  """dq, dk, dv (`_backward_test`), GQA 2:1."""
+  _backward_test(Case(1, 128, 128, 2, 1, head_dim), is_causal, options)
+
+
+@pytest.mark.parametrize("name, copies", [
+    ("ragged causal", None), slow("lengths", None),
+    # ALiBi's slopes, mask_fn's and score_fn's h per query head of a K/V
+    # tile's group (no copies: with as many copies as the group, each copy
+    # is one head).
+    ("alibi", 1), slow("score_fn", 1), ("mask_fn", 1), ("dense mask", 1),
+    # mask_fn's tiles per head: with a K/V copy per query head the dK/dV
+    # plan rows are per K/V head too (`masked.head_plans`).
+    slow("mask_fn", 2),
+    # Dropout's hash and ALiBi's slopes are per query head: on K/V copies
+    # (`kv_head_copies`) each copy's heads must still be the call's.
+    ("dropout", 2),
+    # A bias per (batch, head) in both kernels (dK/dV: each head's
+    # transposed tiles) and dbias, dS in bf16 from the dbias kernel;
+    # bottom-right causal, so that the tiles the plan skips are never
+    # written (the interpreter's outputs start as NaN) and must be zeroed.
+    slow("bias", 1),
+    # A bias per head broadcast over the batch: dS in float32, summed.
+    slow("dense mask, bias", 1),
+    # No mask: no tile to zero, dS passed on as it is.
+    slow("bias, no mask", 1)])
+def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
+                                                              monkeypatch):
+  """`mosaic_backward_masked`'s dq, dk, dv and dbias (its plan rows,
+  padded statistics and ranged kernels) under a random cotangent of out
+  and of lse, against the float32 reference's, within twice the plain
+  bf16 computation's error. As above, `row_statistics` runs outside the
+  interpreter, on the arguments that the masked backward passes it."""
+  from pallas_kernels.mosaic import backward
+  from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
+  case, variants = MASKED_VARIANTS[name]
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=11)
+  exact, lowp = _references(q, k, v, d_out, d_lse, **variants)
+  # The kernels' layouts: out like q, lse and d_lse [batch, heads, q_len].
+  args = (exact["out"].astype(q.dtype), jnp.swapaxes(exact["lse"], 1, 2),
+          d_out, jnp.swapaxes(d_lse, 1, 2))
+  stats = backward.row_statistics(*args)
+
+  def precomputed_statistics(*given):
+    assert all(a is b for a, b in zip(given, args, strict=True))
+    return stats
+
+  monkeypatch.setattr(backward, "row_statistics", precomputed_statistics)
+  scale, spec, operands = _masked_call(q, k, v, variants)
+  grads = mosaic_interpret.run(mosaic_backward_masked, q, k, v, *args,
+                               scale=scale, spec=spec, kv_head_copies=copies,
+                               **operands)
+  names = ("dq", "dk", "dv") + (("dbias",) if spec.has_bias else ())
+  for grad, ours in zip(names, grads):
+    assert_within_rule(grad, ours, exact[grad], lowp[grad])
+
+
 def _check_masked_backward_without_scores(monkeypatch, case, variants, *,
                                           seed, flag, why, q_factor=1.0):
   """`mosaic_backward_masked` under `variants` with `plan.<flag>` on and
