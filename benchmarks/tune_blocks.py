@@ -150,7 +150,8 @@ def tune(sweep: Sweep, head_dim: int, phase: str, base: BlockSizes,
   """The best BlockSizes for one phase and head dim, starting from `base`."""
   args = sweep.args
   run = functools.partial(sweep.run, phase, head_dim, False,
-                          deadline=deadline, reserve=args.finalists)
+                          deadline=deadline,
+                          reserve=0 if args.full_only else args.finalists)
   if phase == "fwd":
     scores = run(fwd_candidates(base, args.fwd_space))
   else:
@@ -167,6 +168,8 @@ def tune(sweep: Sweep, head_dim: int, phase: str, base: BlockSizes,
   if not scores:
     return base
   finalists = sorted(scores, key=scores.get, reverse=True)[:args.finalists]
+  if args.full_only:
+    return finalists[0]
   causal = sweep.run(phase, head_dim, True, finalists, deadline)
   if not causal:
     return finalists[0]
@@ -193,6 +196,19 @@ def parse_args(argv=None) -> argparse.Namespace:
       description=__doc__.splitlines()[0],
       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
   parser.add_argument("--head-dims", nargs="+", type=int)
+  parser.add_argument("--seq", type=int,
+                      help="sequence length (default 4096; a model's, e.g. "
+                      "ViT's 577, for a sweep at its shape)")
+  parser.add_argument("--tokens", type=int,
+                      help="batch * seq (default 16384)")
+  parser.add_argument("--hidden", type=int,
+                      help="heads * head_dim (default 2048)")
+  parser.add_argument("--phases", nargs="+", choices=PHASES,
+                      help="the kernels to tune (default all three, in "
+                      "order); the others keep their defaults")
+  parser.add_argument("--full-only", action="store_true",
+                      help="no causal finalists: for shapes trained without "
+                      "a causal mask (ViT)")
   parser.add_argument("--out",
                       default="benchmarks/results/h200_block_sweep.json")
   parser.add_argument("--budget", type=float, default=420.0,
@@ -204,6 +220,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--smoke", action="store_true",
                       help="tiny sizes and spaces (interpret mode on a CPU)")
   args = parser.parse_args(argv)
+  args.phases = args.phases or list(PHASES)
   for name, value in (SMOKE if args.smoke else STANDARD).items():
     if getattr(args, name, None) is None:
       setattr(args, name, value)
@@ -226,8 +243,9 @@ def main(argv=None) -> int:
       concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
     sweep = Sweep(args, bar, pool)
     phase_end = start
-    for phase in PHASES:
-      phase_end += BUDGET_SHARE[phase] * args.budget
+    shares = sum(BUDGET_SHARE[p] for p in args.phases)
+    for phase in args.phases:
+      phase_end += BUDGET_SHARE[phase] / shares * args.budget
       for i, head_dim in enumerate(args.head_dims):
         # Equal shares of what is left: a head dim that finishes early
         # gives its spare time to the next.
