@@ -8,7 +8,7 @@
 # .whl/ into /tmp/site, benchmarks/README.md).
 # STEPs: tests tests_shards grid grid_halves masks memory decode models fp8
 #        sequence_parallel flax notebook example mosaic_lowering prepared
-#        first_call fp8_tiles new_tests ragged_route ncu
+#        first_call fp8_tiles new_tests ragged_route vit_tiles ncu
 # Seen on an H100 (seconds, one call each): new_tests ~140 with 14
 # workers, prepared's softcap A/B ~60 a kernel, masks (Mosaic) ~300, fp8
 # ~180, models of 4 cells ~120, first_call ~15; a machine's start takes
@@ -214,6 +214,17 @@ PY
         --rounds 2 --budget ${FP8_TILES_BUDGET:-500} \
         --out "$OUT/h200_mosaic_fp8_tiles.json" > "$LOGS/fp8_tiles.log" 2>&1
       tail -12 "$LOGS/fp8_tiles.log" ;;
+    vit_tiles)  # the Triton forward's tiles at ViT's lengths (197, 257,
+                # 577 tokens, d=64, no mask: the shapes `api.TRITON_FIRST_UP_TO`
+                # sends to Triton; its defaults were swept at 4096), each
+                # at its model's batch and heads (benchmarks/models.py)
+      for shape in 197:25216:768 257:16448:1024 577:18464:1024; do
+        IFS=: read -r seq tokens hidden <<< "$shape"
+        timeout 170 python3 -m benchmarks.tune_blocks --phases fwd --full-only \
+          --head-dims 64 --seq $seq --tokens $tokens --hidden $hidden --budget 140 \
+          --out "$OUT/h200_block_sweep_vit_$seq.json" > "$LOGS/vit_$seq.log" 2>&1
+        grep -E "^d64|trials" "$LOGS/vit_$seq.log"
+      done ;;
     first_call)  # issue 38's first call (causal fwd+VJP at 4k, 16 heads)
                  # by stage, in a process with an empty persistent
                  # compilation cache and then in one that finds it filled

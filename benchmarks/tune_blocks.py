@@ -258,14 +258,19 @@ def main(argv=None) -> int:
             "hidden": args.hidden, "trials": sweep.trials,
             "best": {d: dataclasses.asdict(b) for d, b in best.items()}}
   common.write_json(args.out, result)
+  def measured(phase, head_dim, blocks):
+    return ", ".join(
+        f"{'causal' if t['causal'] else 'full'} {t['tflops']:.4g}"
+        for t in sweep.trials
+        if t["phase"] == phase and t["head_dim"] == head_dim
+        and t["block_sizes"] == dataclasses.asdict(blocks) and "tflops" in t)
+
   for (phase, head_dim), blocks in chosen.items():
-    measured = [f"{'causal' if t['causal'] else 'full'} {t['tflops']:.4g}"
-                for t in sweep.trials
-                if t["phase"] == phase and t["head_dim"] == head_dim
-                and t["block_sizes"] == dataclasses.asdict(blocks)
-                and "tflops" in t]
+    # The default is each phase's first candidate, timed beside the others.
+    default = measured(phase, head_dim, BlockSizes.get_default(head_dim))
     print(f"d{head_dim} {phase}: TFLOP/s "
-          f"{', '.join(measured) or 'not measured (default kept)'}")
+          f"{measured(phase, head_dim, blocks) or 'not measured (default kept)'}"
+          f" (the default: {default or 'not measured'})")
   failed = sum("error" in t for t in sweep.trials)
   print(f"{len(sweep.trials)} trials ({failed} failed) in "
         f"{time.monotonic() - start:.0f} s; wrote {args.out}\n")

@@ -131,6 +131,16 @@ def test_memory_and_tune_blocks_smoke(tmp_path):
   assert {t["phase"] for t in sweep["trials"]} == {"fwd", "dkdv", "dq"}
   assert all("tflops" in t for t in sweep["trials"])
 
+  # At a model's shape: the forward alone, without causal finalists.
+  assert tune_blocks.main(["--smoke", "--phases", "fwd", "--full-only",
+                           "--seq", "96", "--tokens", "192",
+                           "--out", sweep_out]) == 0
+  with open(sweep_out) as f:
+    sweep = json.load(f)
+  assert sweep["seq_len"] == 96
+  assert {(t["phase"], t["causal"]) for t in sweep["trials"]} == {
+      ("fwd", False)}
+
 
 def test_python_m_jax_flash_passes_from_another_directory(tmp_path):
   """The main job as an installed package runs it: from another directory,
