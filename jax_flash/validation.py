@@ -109,7 +109,7 @@ def check_scale(scale, head_dim: int) -> float:
     return float(head_dim) ** -0.5
   try:
     scale = float(scale)
-  except TypeError as e:
+  except (TypeError, ValueError) as e:  # not a number, or a string of none
     raise TypeError(f"scale must be a Python number, got {scale!r}") from e
   if not math.isfinite(scale):
     raise ValueError(f"scale must be finite, got {scale}")

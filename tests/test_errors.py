@@ -62,6 +62,9 @@ def test_bad_implementation_and_arguments():
     jax_flash.flash_attention(q, k, v, is_causal="yes")
   with pytest.raises(ValueError, match=r"scale must be finite"):
     jax_flash.flash_attention(q, k, v, scale=float("inf"))
+  for bad in ("half", [0.5]):  # float() raises ValueError / TypeError
+    with pytest.raises(TypeError, match=r"scale must be a Python number"):
+      jax_flash.flash_attention(q, k, v, scale=bad)
 
 
 def test_dropout_arguments():
