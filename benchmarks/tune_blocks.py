@@ -2,8 +2,9 @@
 
     python -m benchmarks.tune_blocks   # -> results/h200_block_sweep.json
 
-At seq 4096, batch·seq = 16384, hidden 2048, bf16, for head_dim 64, 128, 256,
-one kernel at a time (the three kernels are separate launches, so their times
+At seq 4096, batch·seq = 16384, hidden 2048, bf16 (`--seq`, `--tokens`,
+`--hidden`: a model's shape, e.g. ViT-L/14's 32 x 577 tokens of 16 heads),
+for head_dim 64, 128, 256, one kernel at a time (`--phases`: some of them) (the three kernels are separate launches, so their times
 add up and each can be tuned with the others fixed):
 
 1. "fwd": every (block_q, block_k, num_warps, num_stages) of `FWD_SPACE`,
@@ -14,7 +15,8 @@ add up and each can be tuned with the others fixed):
    `BWD_STAGES`.
 
 Each phase ranks candidates without a mask, re-times the best `--finalists`
-with the causal mask and keeps the best geometric mean of the two TFLOP/s.
+with the causal mask and keeps the best geometric mean of the two TFLOP/s
+(`--full-only`: the best without a mask, for shapes trained without one).
 Candidates compile concurrently (`--compile-workers`) and are timed one at a
 time. Those that fail (too much shared memory, say) are recorded with their
 error. When its share of `--budget` runs out a phase keeps the best found so
@@ -258,6 +260,7 @@ def main(argv=None) -> int:
             "hidden": args.hidden, "trials": sweep.trials,
             "best": {d: dataclasses.asdict(b) for d, b in best.items()}}
   common.write_json(args.out, result)
+
   def measured(phase, head_dim, blocks):
     return ", ".join(
         f"{'causal' if t['causal'] else 'full'} {t['tflops']:.4g}"
