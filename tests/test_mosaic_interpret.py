@@ -938,6 +938,38 @@ def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
   assert np.abs(out - exact).max() <= 2 * yardstick + 1e-3
 
 
+@pytest.mark.parametrize("is_causal", [False, slow(True)])
+def test_interpreted_fp8_software_exp2(is_causal):
+  """The FP8 forward with a quarter of each unmasked step's exponentials
+  on the FMA pipe (`software_exp2=4`: `mosaic_interpret` runs
+  `softmax.soft_exp2` on those columns) against float32 attention by the
+  FP8 rule, and not bitwise the default (the split ran). d=128 on 256-key
+  tiles: one without a mask; causal, two for 512 queries, so that the
+  second tile's rows have an unmasked step (the diagonal's masked ones
+  keep the MUFU)."""
+  from benchmarks.fp8_accuracy import emulated_fp8_attention
+  from jax_flash import fp8 as public_fp8
+  from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
+  keys = jax.random.split(jax.random.key(23), 3)
+  q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key, shape in
+             zip(keys, ((1, 512 if is_causal else 128, 2, 128),
+                        (1, 512 if is_causal else 256, 1, 128),
+                        (1, 512 if is_causal else 256, 1, 128))))
+  q8, k8, v8 = (public_fp8.quantize_fp8(x) for x in (q, k, v))
+  run = lambda every: mosaic_interpret.run(
+      mosaic_forward_fp8, q8.data, k8.data, v8.data, q_descale=q8.descale,
+      k_descale=k8.descale, v_descale=v8.descale, scale=0.125,
+      is_causal=is_causal, block_kv=256, software_exp2=every)[0]
+  out = run(4)
+  exact = naive_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                          is_causal=is_causal, scale=0.125)[0]
+  emulated = emulated_fp8_attention(q8, k8, v8, is_causal=is_causal,
+                                    scale=0.125)[0]
+  yardstick = np.abs(np.asarray(emulated) - exact).max()
+  assert np.abs(out - exact).max() <= 2 * yardstick + 1e-3
+  assert not np.array_equal(out, run(0))
+
+
 # name: flash_attention mask arguments of the FP8 kernel
 # with masks (the masked kernel's plan rows): [2, 100, 2, 64] queries on
 # [2, 200, 1, 64] keys (GQA 2:1, kv_len no multiple of the 64-key tiles).
