@@ -51,7 +51,8 @@ from pallas_kernels.mosaic.common import (
     dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
     persistent_schedule, read_plan, register_split, slope_reader, tile_index,
     tile_indices, variant_mask)
-from pallas_kernels.mosaic.softmax import add_unfused, exponentiate, rescale
+from pallas_kernels.mosaic.softmax import (add_unfused, exp2_split,
+                                          exponentiate, rescale)
 
 # Consumer warpgroups of the masked and FP8 forms, and of the plain one but
 # where its plan takes three.
@@ -789,14 +790,17 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       # and K factors, folded into exp2's scale
       k_factor = _descale(fp8, static.num_q_blocks + step)
       scale_log2 = scale_log2 * (q_factor * k_factor)
+    # Exponentials on the FMA pipe too, but not where a score may be -inf
+    # (`softmax.soft_exp2` has no zero).
+    software_every = static.software_exp2 if not masked and plan is None else 0
     if static.max_free:  # |s| <= the cap: no max to subtract
-      m_new, alpha, p = m, None, jnp.exp2(s * scale_log2)
+      x = s * scale_log2
+      m_new, alpha = m, None
+      p = exp2_split(x, software_every) if software_every else jnp.exp2(x)
     else:
       m_new, alpha, p = exponentiate(
           s, m, scale_log2, threshold=static.rescale_threshold,
-          # Not where a score may be -inf (soft_exp2 has no zero).
-          software_every=(static.software_exp2
-                          if not masked and plan is None else 0))
+          software_every=software_every)
       acc = rescale(acc, alpha,
                     skip_ones=static.rescale_threshold is not None)
     p_f32 = p

@@ -131,13 +131,12 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
   if software_exp2 is None:
     software_exp2 = (0 if spec is not None else
                      plan.FP8_SOFTWARE_EXP2_EVERY.get(query.shape[-1], 0))
-  if software_exp2 and (spec is not None or software_exp2 < 1):
+  if software_exp2 and spec is not None:
     raise NotImplementedError(
-        f"software_exp2 {software_exp2}: a positive group stride, on the "
-        "kernel without a spec")
-  static = dataclasses.replace(static,
-                               **forward.rescale_fields(lazy_rescale),
-                               software_exp2=software_exp2)
+        f"software_exp2 {software_exp2}: on the kernel without a spec only")
+  static = dataclasses.replace(
+      static, **forward.rescale_fields(lazy_rescale),
+      software_exp2=forward.software_exp2_every(software_exp2))
   descale = descale_rows(
       query.shape, key.shape,
       per_tile(q_descale, q_descale_rows, q_len, block_q,
