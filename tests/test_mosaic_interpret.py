@@ -294,10 +294,11 @@ def _masked_call(q, k, v, variants):
 # bottom-right offset: "alibi", "bias"; the window: lazy rescale's; the
 # soft cap: lazy rescale's and "dense mask, bias"'; ALiBi: "alibi"; the
 # dense mask and the bias: "dense mask, bias"; lengths: "ragged causal"'s
-# tails; the GPU tests take every variant).
+# tails; dropout: its bits test's forward and the backward's "dropout";
+# the GPU tests take every variant).
 _SLOW_MASKED = ("bottom-right causal", "causal window", "soft cap",
                 "dense mask", "bias", "bias, no mask", "alibi soft cap",
-                "lengths")
+                "lengths", "dropout")
 
 
 @pytest.mark.parametrize("name", [slow(n) if n in _SLOW_MASKED else n
@@ -567,7 +568,8 @@ _MAX_FREE_CASES = {
 @pytest.mark.parametrize("name, fold_cap", [
     # The default masked cases with a cap take the max-free form too; the
     # cap alone folds both its multiplies, beside ALiBi only the one after.
-    slow("cap 20", False), ("cap 60 alibi sinks", False),
+    # (CI's ten minutes: one default case.)
+    slow("cap 20", False), slow("cap 60 alibi sinks", False),
     ("cap 20", True), slow("cap 60 alibi sinks", True)])
 def test_interpreted_max_free_forward(monkeypatch, name, fold_cap):
   """The masked forward without a running max under a soft cap
@@ -745,7 +747,9 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
     # ALiBi's slopes, mask_fn's and score_fn's h per query head of a K/V
     # tile's group (no copies: with as many copies as the group, each copy
     # is one head).
-    ("alibi", 1), slow("score_fn", 1), ("mask_fn", 1), ("dense mask", 1),
+    # (The dense mask's forward tiles: the forward's default "dense mask,
+    # bias"; its transposed per-head tiles here under -m slow.)
+    ("alibi", 1), slow("score_fn", 1), ("mask_fn", 1), slow("dense mask", 1),
     # mask_fn's tiles per head: with a K/V copy per query head the dK/dV
     # plan rows are per K/V head too (`masked.head_plans`).
     slow("mask_fn", 2),
@@ -961,7 +965,8 @@ def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
   assert np.abs(out - exact).max() <= 2 * yardstick + 1e-3
 
 
-@pytest.mark.parametrize("is_causal", [False, slow(True)])
+@pytest.mark.slow  # the split's interpretation: the 16-bit forward's test
+@pytest.mark.parametrize("is_causal", [False, True])
 def test_interpreted_fp8_software_exp2(is_causal):
   """The FP8 forward with a quarter of each unmasked step's exponentials
   on the FMA pipe (`software_exp2=4`: `mosaic_interpret` runs
