@@ -293,12 +293,13 @@ def _masked_call(q, k, v, variants):
 # Masked forward variants whose masks a default one also takes (the
 # bottom-right offset: "alibi", "bias"; the window: lazy rescale's; the
 # soft cap: lazy rescale's and "dense mask, bias"'; ALiBi: "alibi"; the
-# dense mask and the bias: "dense mask, bias"; lengths: "ragged causal"'s
-# tails; dropout: its bits test's forward and the backward's "dropout";
-# the GPU tests take every variant).
+# dense mask and the bias: "dense mask, bias"; "ragged causal": the
+# own-width masked forward's case at d=96; lengths: that case's tails and
+# the sinks test's kv lengths; dropout: its bits test's forward and the
+# backward's "dropout"; the GPU tests take every variant).
 _SLOW_MASKED = ("bottom-right causal", "causal window", "soft cap",
                 "dense mask", "bias", "bias, no mask", "alibi soft cap",
-                "lengths", "dropout")
+                "lengths", "dropout", "ragged causal")
 
 
 @pytest.mark.parametrize("name", [slow(n) if n in _SLOW_MASKED else n
@@ -336,8 +337,8 @@ def test_interpreted_lazy_rescale_masked_forward(name):
 # dK/dV); the fused kernel's are FUSED_BACKWARD_CASES.
 BACKWARD_CASES = [
     # d=64's 128-row Q tiles on the persistent grid (its default up to
-    # kv_len 1024), GQA 2:1.
-    (Case(1, 256, 256, 2, 1, 64), True, dict(block_q=128, num_ctas=2)),
+    # kv_len 1024), GQA 2:1 (by default on ragged lengths, below).
+    slow(Case(1, 256, 256, 2, 1, 64), True, dict(block_q=128, num_ctas=2)),
     slow(Case(1, 128, 128, 1, 1, 64), False, dict(persistent=False)),
     # d=128 on the launch grid, lse read early (its default without a mask)
     # and lean producers (bitwise scheduling, here the same numbers).
@@ -748,8 +749,10 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
     # tile's group (no copies: with as many copies as the group, each copy
     # is one head).
     # (The dense mask's forward tiles: the forward's default "dense mask,
-    # bias"; its transposed per-head tiles here under -m slow.)
-    ("alibi", 1), slow("score_fn", 1), ("mask_fn", 1), slow("dense mask", 1),
+    # bias"; its transposed per-head tiles, and mask_fn's per-head plan
+    # rows, here under -m slow; mask_fn's forward by default.)
+    ("alibi", 1), slow("score_fn", 1), slow("mask_fn", 1),
+    slow("dense mask", 1),
     # mask_fn's tiles per head: with a K/V copy per query head the dK/dV
     # plan rows are per K/V head too (`masked.head_plans`).
     slow("mask_fn", 2),
