@@ -948,24 +948,37 @@ def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
   V's keys are left in order (error 0.64 against 0.014), if the second
   piece holds the first's columns (3.4-4.7 against 0.2), or if it is
   stored over the first (NaN: the columns never written)."""
+  _interpreted_fp8_forward((1, 128, 2, head_dim), (1, kv_len, 1, head_dim),
+                           is_causal=is_causal, seed=21, block_kv=block_kv)
+
+
+def _interpreted_fp8_forward(q_shape, kv_shape, *, is_causal, seed,
+                             **options):
+  """The interpreted FP8 forward's out on random q [q_shape] and k, v
+  [kv_shape], quantised per tensor, checked against float32 attention
+  within twice the emulated FP8 arithmetic's error (`options`: more of
+  `mosaic_forward_fp8`'s); a function of them, for a second run."""
   from benchmarks.fp8_accuracy import emulated_fp8_attention
   from jax_flash import fp8 as public_fp8
   from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
-  keys = jax.random.split(jax.random.key(21), 3)
+  keys = jax.random.split(jax.random.key(seed), 3)
   q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key, shape in
-             zip(keys, ((1, 128, 2, head_dim), (1, kv_len, 1, head_dim),
-                        (1, kv_len, 1, head_dim))))
+             zip(keys, (q_shape, kv_shape, kv_shape)))
   q8, k8, v8 = (public_fp8.quantize_fp8(x) for x in (q, k, v))
-  out, _ = mosaic_interpret.run(
-      mosaic_forward_fp8, q8.data, k8.data, v8.data, q_descale=q8.descale,
-      k_descale=k8.descale, v_descale=v8.descale, scale=0.125,
-      is_causal=is_causal, block_kv=block_kv)
+
+  def run(**more):
+    return mosaic_interpret.run(
+        mosaic_forward_fp8, q8.data, k8.data, v8.data, q_descale=q8.descale,
+        k_descale=k8.descale, v_descale=v8.descale, scale=0.125,
+        is_causal=is_causal, **{**options, **more})[0]
+  out = run()
   exact = naive_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
                           is_causal=is_causal, scale=0.125)[0]
   emulated = emulated_fp8_attention(q8, k8, v8, is_causal=is_causal,
                                     scale=0.125)[0]
   yardstick = np.abs(np.asarray(emulated) - exact).max()
   assert np.abs(out - exact).max() <= 2 * yardstick + 1e-3
+  return out, run
 
 
 @pytest.mark.slow  # the split's interpretation: the 16-bit forward's test
@@ -978,27 +991,11 @@ def test_interpreted_fp8_software_exp2(is_causal):
   tiles: one without a mask; causal, two for 512 queries, so that the
   second tile's rows have an unmasked step (the diagonal's masked ones
   keep the MUFU)."""
-  from benchmarks.fp8_accuracy import emulated_fp8_attention
-  from jax_flash import fp8 as public_fp8
-  from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
-  keys = jax.random.split(jax.random.key(23), 3)
-  q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key, shape in
-             zip(keys, ((1, 512 if is_causal else 128, 2, 128),
-                        (1, 512 if is_causal else 256, 1, 128),
-                        (1, 512 if is_causal else 256, 1, 128))))
-  q8, k8, v8 = (public_fp8.quantize_fp8(x) for x in (q, k, v))
-  run = lambda every: mosaic_interpret.run(
-      mosaic_forward_fp8, q8.data, k8.data, v8.data, q_descale=q8.descale,
-      k_descale=k8.descale, v_descale=v8.descale, scale=0.125,
-      is_causal=is_causal, block_kv=256, software_exp2=every)[0]
-  out = run(4)
-  exact = naive_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
-                          is_causal=is_causal, scale=0.125)[0]
-  emulated = emulated_fp8_attention(q8, k8, v8, is_causal=is_causal,
-                                    scale=0.125)[0]
-  yardstick = np.abs(np.asarray(emulated) - exact).max()
-  assert np.abs(out - exact).max() <= 2 * yardstick + 1e-3
-  assert not np.array_equal(out, run(0))
+  q_len, kv_len = (512, 512) if is_causal else (128, 256)
+  out, run = _interpreted_fp8_forward(
+      (1, q_len, 2, 128), (1, kv_len, 1, 128), is_causal=is_causal, seed=23,
+      block_kv=256, software_exp2=4)
+  assert not np.array_equal(out, run(software_exp2=0))
 
 
 # name: flash_attention mask arguments of the FP8 kernel
