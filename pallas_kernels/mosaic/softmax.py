@@ -136,22 +136,12 @@ def exp2_split_in_threads(_, x, *, every: int):
                           arith.constant(i32, 23))
     return arith.bitcast(f32, arith.addi(arith.bitcast(i32, poly), exponent))
 
-  def per_element(register, fn):
-    result = llvm.mlir_undef(register.type)
-    for i in range(ir.VectorType(register.type).shape[0]):
-      position = ir.DenseI64ArrayAttr.get([i])
-      element = fn(vector.extract(register, dynamic_position=[],
-                                  static_position=position))
-      result = vector.insert(element, result, dynamic_position=[],
-                             static_position=position)
-    return result
-
   # A WGMMA register index's second entry is the 8-column group.
   registers = np.empty(x.registers.shape, dtype=object)
   for index in np.ndindex(x.registers.shape):
     soft = index[1] % every == every - 1
-    registers[index] = per_element(x.registers[index],
-                                   software if soft else hardware)
+    registers[index] = _per_element(software if soft else hardware,
+                                    x.registers[index])
   return mgpu.FragmentedArray(_registers=registers, _layout=x.layout,
                               _is_signed=None)
 
@@ -185,24 +175,28 @@ def add_rounded_in_threads(_, a, b):
   def add(x, y):
     return llvm.inline_asm(f32, [x, y], "add.rn.f32 $0, $1, $2;", "=f,f,f")
 
-  def add_register(x, y):
-    if not isinstance(x.type, ir.VectorType):
-      return add(x, y)
-    result = llvm.mlir_undef(x.type)
-    for i in range(ir.VectorType(x.type).shape[0]):
-      position = ir.DenseI64ArrayAttr.get([i])
-      element = add(
-          vector.extract(x, dynamic_position=[], static_position=position),
-          vector.extract(y, dynamic_position=[], static_position=position))
-      result = vector.insert(element, result, dynamic_position=[],
-                             static_position=position)
-    return result
-
   registers = np.empty(a.registers.shape, dtype=object)
   for index in np.ndindex(a.registers.shape):
-    registers[index] = add_register(a.registers[index], b.registers[index])
+    registers[index] = _per_element(add, a.registers[index],
+                                    b.registers[index])
   return mgpu.FragmentedArray(_registers=registers, _layout=a.layout,
                               _is_signed=None)
+
+
+def _per_element(fn, *registers):
+  """`fn` of scalar MLIR values, applied to registers of one type (a
+  scalar or a vector of them) element by element."""
+  if not isinstance(registers[0].type, ir.VectorType):
+    return fn(*registers)
+  result = llvm.mlir_undef(registers[0].type)
+  for i in range(ir.VectorType(registers[0].type).shape[0]):
+    position = ir.DenseI64ArrayAttr.get([i])
+    element = fn(*(vector.extract(r, dynamic_position=[],
+                                  static_position=position)
+                   for r in registers))
+    result = vector.insert(element, result, dynamic_position=[],
+                           static_position=position)
+  return result
 
 
 def rescale(acc, alpha, *, skip_ones: bool):
