@@ -151,8 +151,6 @@ FP8_TILES_SPACE = dict(block_kv=(64, 128, 256),
 # pipe (`mosaic_forward_fp8(software_exp2=)`, `softmax.soft_exp2`): none,
 # an eighth, a quarter. `plan.FP8_SOFTWARE_EXP2_EVERY` takes the winner.
 FP8_SOFTWARE_EXP2_SPACE = dict(software_exp2=(0, 8, 4))
-# The same split in the 16-bit plain forward (`ForwardConfig.software_exp2`).
-SOFTWARE_EXP2_SPACE = FP8_SOFTWARE_EXP2_SPACE
 
 
 # The masked kernels on a causal sliding window of MASKED_WINDOW keys
@@ -388,7 +386,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                    FP8_RESCALE_SPACE, 1.0, (False, True)),
            "forward_fp8_tiles": (fp8_forward_benchmark, FP8_TILES_SPACE, 1.0,
                                  (False, True)),
-           "forward_software_exp2": _forward(SOFTWARE_EXP2_SPACE),
            "forward_fp8_software_exp2": (fp8_forward_benchmark,
                                          FP8_SOFTWARE_EXP2_SPACE, 1.0,
                                          (False, True)),

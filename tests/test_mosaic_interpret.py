@@ -651,29 +651,6 @@ def test_interpreted_plain_forward_soft_cap(case, is_causal, cap, sinks):
                              logits_soft_cap=cap, sinks=sinks)
 
 
-@pytest.mark.parametrize("case, is_causal, cap", [
-    # Max-free (the cap bounds P): no running max, every step's P split.
-    (Case(1, 128, 256, 2, 2, 64), False, 20.0),
-    # Causal: the second tile's rows have an unmasked step (split) before
-    # the diagonal's masked one (the MUFU's alone).
-    slow(Case(1, 256, 256, 2, 1, 64), True, None),
-], ids=str)
-def test_interpreted_forward_software_exp2(case, is_causal, cap):
-  """The 16-bit plain forward with a quarter of each unmasked step's
-  exponentials on the FMA pipe (`ForwardConfig.software_exp2`,
-  `softmax.soft_exp2` on those columns here): out and lse within the rule,
-  and not bitwise the default (the split ran)."""
-  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=17)
-  run = lambda every: mosaic_interpret.run(
-      mosaic_forward, q, k, v, scale=case.head_dim**-0.5,
-      is_causal=is_causal, soft_cap=cap, software_exp2=every,
-      persistent=False)
-  out, lse = run(4)
-  assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal,
-                             logits_soft_cap=cap)
-  assert not np.array_equal(out, run(0)[0])
-
-
 def test_interpreted_masked_forward_sinks():
   """`mosaic_forward_masked(sinks=...)` with dropout, and rows that see no
   key (a batch whose kv length is 0): those give out 0 and lse = the

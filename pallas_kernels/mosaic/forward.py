@@ -149,7 +149,6 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       # Three consumers always take hardware turns (`turns.RingTurns`).
       hw_turns=config.hw_turns or config.num_consumers != NUM_CONSUMERS,
       sum_after_pv=config.sum_after_pv,
-      software_exp2=software_exp2_every(config.software_exp2),
       **rescale_fields(config.lazy_rescale,
                        threshold=config.rescale_threshold))
   static = dataclasses.replace(static, skip_spare=_skips_spare(static))
@@ -163,14 +162,6 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     static = persistent_static(static, query.shape, config.num_ctas)
   return launch(static, query, key, value,
                 sinks=None if sinks is None else sink_rows(sinks))
-
-
-def software_exp2_every(every: int) -> int:
-  """`KernelStatic.software_exp2` of an option: a group stride >= 1, or 0."""
-  if every < 0 or int(every) != every:
-    raise ValueError(f"software_exp2 must be 0 (none) or a group stride "
-                     f">= 1, got {every}")
-  return int(every)
 
 
 def sink_rows(sinks):

@@ -51,8 +51,7 @@ from pallas_kernels.mosaic.common import (
     dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
     persistent_schedule, read_plan, register_split, slope_reader, tile_index,
     tile_indices, variant_mask)
-from pallas_kernels.mosaic.softmax import (add_unfused, exp2_split,
-                                          exponentiate, rescale)
+from pallas_kernels.mosaic.softmax import add_unfused, exponentiate, rescale
 
 # Consumer warpgroups of the masked and FP8 forms, and of the plain one but
 # where its plan takes three.
@@ -177,8 +176,7 @@ class KernelStatic:
   # Every k-th 8-column group of an unmasked step's P by `softmax.
   # soft_exp2` on the FMA pipe instead of ex2 on the MUFU (0: none), where
   # the MUFU's 16 exponentials a clock per SM are as long as the step's
-  # matmuls (FP8 at head_dim 128, 16-bit at 64). `plan.
-  # FP8_SOFTWARE_EXP2_EVERY`.
+  # matmuls (the FP8 forms). `plan.FP8_SOFTWARE_EXP2_EVERY`.
   software_exp2: int = 0
   # Ranged, a soft cap: its multiplies by 1 / cap and by cap folded into
   # the score's scale and exp2's (`masking.modify_scores_folded`), two
@@ -796,7 +794,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     if static.max_free:  # |s| <= the cap: no max to subtract
       x = s * scale_log2
       m_new, alpha = m, None
-      p = exp2_split(x, software_every) if software_every else jnp.exp2(x)
+      p = jnp.exp2(x)
     else:
       m_new, alpha, p = exponentiate(
           s, m, scale_log2, threshold=static.rescale_threshold,

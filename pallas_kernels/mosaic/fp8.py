@@ -131,12 +131,15 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
   if software_exp2 is None:
     software_exp2 = (0 if spec is not None else
                      plan.FP8_SOFTWARE_EXP2_EVERY.get(query.shape[-1], 0))
+  if software_exp2 < 0 or int(software_exp2) != software_exp2:
+    raise ValueError(f"software_exp2 must be 0 (none) or a group stride "
+                     f">= 1, got {software_exp2}")
   if software_exp2 and spec is not None:
     raise NotImplementedError(
         f"software_exp2 {software_exp2}: on the kernel without a spec only")
   static = dataclasses.replace(
       static, **forward.rescale_fields(lazy_rescale),
-      software_exp2=forward.software_exp2_every(software_exp2))
+      software_exp2=int(software_exp2))
   descale = descale_rows(
       query.shape, key.shape,
       per_tile(q_descale, q_descale_rows, q_len, block_q,

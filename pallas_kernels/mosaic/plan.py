@@ -77,10 +77,6 @@ class ForwardConfig:
   lazy_rescale: O rescaled only where a row's running max grew by more
     than `rescale_threshold` (log2 units, 0 to 8; at 0 bitwise the eager
     rescale).
-  software_exp2: every k-th 8-column group of an unmasked step's
-    exponentials on the FMA pipe (`softmax.soft_exp2`), 0 none; where the
-    MUFU is as long as the matmuls (d=64 with two consumers, a soft cap's
-    tanh beside exp2 at d=128). Prepared: no plan row sets it.
   """
   block_q: int = 64
   block_kv: int | None = None
@@ -92,7 +88,6 @@ class ForwardConfig:
   sum_after_pv: bool = False
   lazy_rescale: bool = False
   rescale_threshold: float = 8.0
-  software_exp2: int = 0
 
 
 # (head_dim, causal, q_len range, kv_len range, plan), one row per call.
