@@ -206,7 +206,8 @@ def triton_setup(call: AttentionCall, dtype, block_sizes, interpret):
   head_dim = call.shape.head_dim
   check_triton_device(head_dim, interpret)
   if block_sizes is None:
-    block_sizes = BlockSizes.get_default(head_dim, dtype=dtype)
+    block_sizes = BlockSizes.get_default(head_dim, dtype=dtype,
+                                         kv_len=call.shape.kv_len)
   return block_sizes, with_block_mask(call)
 
 

@@ -67,8 +67,9 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls, head_dim: int, device_kind: str | None = None,
-                  dtype=None) -> "BlockSizes":
-    """Measured defaults for `head_dim` on `device_kind` (default: device 0).
+                  dtype=None, kv_len: int | None = None) -> "BlockSizes":
+    """Measured defaults for `head_dim` on `device_kind` (default: device 0)
+    and, where given, the keys' length `kv_len` (`_GPU_SHORT_FORWARD`).
 
     GPU values were chosen by the block sweep on an H200
     (`benchmarks/results/h200_block_sweep.json`) for 16-bit inputs. float32
@@ -85,7 +86,11 @@ class BlockSizes:
                  block_q_dq=64, block_kv_dq=64)
     if dtype is not None and jnp.dtype(dtype).itemsize > 2:
       return _GPU_FLOAT32_DEFAULTS[256 if head_dim > 128 else 128]
-    return _GPU_DEFAULTS[_head_dim_class(head_dim)]
+    blocks = _GPU_DEFAULTS[_head_dim_class(head_dim)]
+    short = _GPU_SHORT_FORWARD.get(_head_dim_class(head_dim))
+    if short is not None and kv_len is not None and kv_len <= short[0]:
+      blocks = dataclasses.replace(blocks, **short[1])
+    return blocks
 
 
 def _head_dim_class(head_dim: int) -> int:
@@ -110,6 +115,17 @@ _GPU_DEFAULTS = {
                     block_q_dkv=64, block_kv_dkv=64, num_warps_dkdv=8,
                     num_stages_dkdv=2, block_q_dq=128, block_kv_dq=32,
                     num_warps_dq=8, num_stages_dq=2),
+}
+
+# The forward's tiles for short keys, by padded head dim: (longest kv_len,
+# forward fields). Measured on an H100 at ViT's lengths, d=64, no mask,
+# each at its model's batch and heads (`h200_check.sh vit_tiles`,
+# results/h100_block_sweep_vit_*.json): 32-key tiles leave the last, partial
+# tile less padding (197 keys: 27 padded of 224 against 59 of 256), and
+# the forward ran 131 against 123 TFLOP/s at 197 keys, 149 against 144 at
+# 257; at 577 keys the default is within 2.5% of the best.
+_GPU_SHORT_FORWARD = {
+    64: (320, dict(block_q=64, block_k=32, num_warps=4, num_stages=3)),
 }
 
 # float32 on a GPU (`benchmarks/diagnostics/float32_probe.py`, H200):

@@ -4,6 +4,7 @@ jit, grad, vmap, checkpoint, scan, shard_map and pmap of every
 implementation: tests/test_transformations.py."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import chex
@@ -14,6 +15,7 @@ import pytest
 
 import jax_flash
 from jax_flash import BlockSizes
+from pallas_kernels import config
 from tests.attention_checks import Case, check_against_reference, random_inputs
 
 # Small tiles in interpret mode so that every shape spans several blocks and
@@ -62,6 +64,24 @@ def test_default_block_sizes_match_reference():
   case = Case(1, 150, 150, 2, 1, 64)
   check_against_reference(_triton(None, True), case, jnp.float32,
                           is_causal=True, seed=3)
+
+
+def test_short_keys_take_their_own_forward_tiles():
+  """At most `_GPU_SHORT_FORWARD`'s length, d=64 (ViT's 197 and 257
+  tokens), the forward's tiles change and the backward's do not; longer
+  keys, other head dims and the CPU keep the defaults."""
+  gpu = functools.partial(BlockSizes.get_default, device_kind="NVIDIA H200")
+  longest = config._GPU_SHORT_FORWARD[64][0]
+  default, short = gpu(64), gpu(64, kv_len=197)
+  assert gpu(64, kv_len=longest) == short != default
+  assert (short.block_q, short.block_k) == (64, 32)
+  forward = ("block_q", "block_k", "num_warps", "num_stages")
+  assert dataclasses.replace(
+      short, **{f: getattr(default, f) for f in forward}) == default
+  assert gpu(64, kv_len=longest + 1) == gpu(64, kv_len=None) == default
+  assert gpu(128, kv_len=197) == gpu(128)
+  assert (BlockSizes.get_default(64, "cpu", kv_len=197)
+          == BlockSizes.get_default(64, "cpu"))
 
 
 class JitAndEagerTest(chex.TestCase):

@@ -46,7 +46,7 @@ def _lower_grad(q_len, kv_len, head_dim, verified, bias_shape=None,
   bias = None if bias_shape is None else jax.ShapeDtypeStruct(bias_shape,
                                                                jnp.float32)
   blocks = BlockSizes.get_default(head_dim, device_kind="NVIDIA H200",
-                                  dtype=dtype)
+                                  dtype=dtype, kv_len=kv_len)
 
   def loss(q, k, v, bias):
     call = validation.normalise_call(q, k, v, bias=bias, **variants)
