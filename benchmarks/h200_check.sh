@@ -68,8 +68,8 @@ for step in "$@"; do
       env $TEST_CACHE python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} --dist load -rfE --tb=short \
         --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider -p no:benchmark -v \
         tests/test_mosaic_lowering.py tests/test_mosaic_masked_backward.py \
-        tests/test_gpu.py tests/test_mosaic_fp8.py \
-        -k "ragged_lengths or folded_cap or uses_kernels or software_exp2" \
+        tests/test_gpu.py tests/test_mosaic_backward.py tests/test_mosaic_shared_rows.py \
+        -k "ragged_lengths or folded_cap or uses_kernels or schedule_choices or fused_dq_is_deterministic or deterministic_and_the_grid" \
         > "$OUT/pytest_gpu_new.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu_new.log" | tail -30 ;;
     tests_shards)  # `tests` on a two-GPU host, a part of the suite on each
@@ -182,11 +182,10 @@ PY
       tail -20 "$LOGS/lower_mosaic.log" ;;
     prepared)  # the kernel options' A/Bs (benchmarks/NOTES.md, Open):
                # each against the default, two rounds in turn, at 16k
-               # (forward_fp8_software_exp2 untimed; the others decided on
-               # an H100, again on the H200);
+               # (decided on an H100, again on the H200);
                # PREPARED_KERNELS another list
       timeout ${PREPARED_TIMEOUT:-500} python3 -m benchmarks.tune_mosaic \
-        --kernels ${PREPARED_KERNELS:-forward_fp8_software_exp2 softcap_backward_folded max_free alibi_columns alibi_columns_backward} \
+        --kernels ${PREPARED_KERNELS:-softcap_backward_folded max_free alibi_columns alibi_columns_backward} \
         --seq 16384 --head-dims 128 256 \
         --rounds 2 --budget ${PREPARED_BUDGET:-420} \
         --out "$OUT/h200_mosaic_prepared.json" > "$LOGS/prepared.log" 2>&1

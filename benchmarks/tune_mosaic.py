@@ -147,10 +147,6 @@ BETWEEN_TILES_SPACE = dict(block_kv=(64, 128))
 # candidate that does not fit shared memory is recorded as refused.
 FP8_TILES_SPACE = dict(block_kv=(64, 128, 256),
                        max_concurrent_steps=(2, 3))
-# The FP8 forward's exponentials of every k-th 8-column group on the FMA
-# pipe (`mosaic_forward_fp8(software_exp2=)`, `softmax.soft_exp2`): none,
-# an eighth, a quarter. `plan.FP8_SOFTWARE_EXP2_EVERY` takes the winner.
-FP8_SOFTWARE_EXP2_SPACE = dict(software_exp2=(0, 8, 4))
 
 
 # The masked kernels on a causal sliding window of MASKED_WINDOW keys
@@ -386,9 +382,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                    FP8_RESCALE_SPACE, 1.0, (False, True)),
            "forward_fp8_tiles": (fp8_forward_benchmark, FP8_TILES_SPACE, 1.0,
                                  (False, True)),
-           "forward_fp8_software_exp2": (fp8_forward_benchmark,
-                                         FP8_SOFTWARE_EXP2_SPACE, 1.0,
-                                         (False, True)),
            "score_changes": (score_change_benchmark, SCORE_CHANGE_SPACE,
                              1.0, (True,)),
            "alibi_columns": (score_change_benchmark,

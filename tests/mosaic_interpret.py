@@ -86,10 +86,6 @@ check the Mosaic forward's numerics in CI, without a GPU):
       `add.rn`): `a + b` behind an optimization barrier, so that XLA's
       algebraic simplifier folds it with nothing, as no compiler may fold
       PTX's.
-    - `softmax.exp2_split_in_threads` (exponentials split between the
-      MUFU and the FMA pipe, Mosaic GPU code): `softmax.soft_exp2` on the
-      columns of `softmax.software_columns`, exp2 on the rest; that the
-      PTX form computes `soft_exp2` shows only on a GPU.
 
 Each simulated warpgroup is a host thread whose kernel blocks inside XLA
 callbacks (barrier waits), and XLA's CPU client runs about one more of
@@ -286,7 +282,6 @@ def _patched_interpret(self, jaxpr, token, *args):
                               and (_named_barrier_of(e) is not None
                                    or _is_row_multiply(e)
                                    or _is_rounded_add(e)
-                                   or _is_exp2_split(e)
                                    or _is_fp8_operand(e))))
   if not any(is_special(e) for e in jaxpr.eqns):
     return _STOCK_INTERPRET(self, jaxpr, token, *args)
@@ -322,8 +317,6 @@ def _patched_interpret(self, jaxpr, token, *args):
           outs = [acc * alpha[:, None]]
         elif _is_rounded_add(eqn):  # opaque to XLA's simplifier, as PTX
           outs = [jax.lax.optimization_barrier(invals[0] + invals[1])]
-        elif _is_exp2_split(eqn):
-          outs = [_exp2_split_value(invals[0], eqn)]
         elif _is_fp8_operand(eqn):
           outs = [_fp8_operand_value(invals[0])]
         elif eqn.primitive is gpu_primitives.inline_mgpu_p:
@@ -559,21 +552,6 @@ def _is_rounded_add(eqn) -> bool:
   return (eqn.primitive is gpu_primitives.inline_mgpu_p
           and eqn.params.get("mgpu_fn")
           is mosaic_softmax.add_rounded_in_threads)
-
-
-def _is_exp2_split(eqn) -> bool:
-  """Whether `eqn` is the forward's `exp2_split_in_threads`."""
-  fn = eqn.params.get("mgpu_fn")
-  return (eqn.primitive is gpu_primitives.inline_mgpu_p
-          and getattr(fn, "func", None) is mosaic_softmax.exp2_split_in_threads)
-
-
-def _exp2_split_value(x, eqn):
-  """What `exp2_split_in_threads` computes: `soft_exp2` on its software
-  columns, exp2 on the rest."""
-  every = eqn.params["mgpu_fn"].keywords["every"]
-  soft = jnp.asarray(mosaic_softmax.software_columns(x.shape[-1], every))
-  return jnp.where(soft, mosaic_softmax.soft_exp2(x), jnp.exp2(x))
 
 
 def _is_fp8_operand(eqn) -> bool:

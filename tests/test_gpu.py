@@ -27,6 +27,10 @@ GPU_CASES = [
     # float32 tiles at their largest head dim (32x32, one stage; TF32x3).
     (Case(1, 1000, 1000, 4, 2, 256), jnp.float32),
     (Case(1, 2048, 2048, 4, 4, 256), jnp.float16),
+    # Keys short enough for the short-key forward tiles
+    # (`config._GPU_SHORT_FORWARD`): ViT-B's 197 tokens; GQA on 257 keys.
+    (Case(4, 197, 197, 12, 12, 64), jnp.bfloat16),
+    (Case(2, 300, 257, 4, 2, 64), jnp.float16),
 ]
 
 

@@ -178,54 +178,6 @@ def test_fp8_lazy_rescale_lowers_and_changes_the_kernel(cuda_lowering):
     assert text() == text(lazy_rescale=head_dim == 256)
 
 
-def test_soft_exp2_is_exp2_to_its_bound():
-  """The FMA pipe's exponential (`softmax.soft_exp2`) within 7.5e-5 of
-  exp2 relative, from far below the row max to the lazy rescale's 2^8; at
-  and below its floor a positive number under 2^-125 (never the wrapped
-  exponent field, which would be huge or negative)."""
-  from pallas_kernels.mosaic import softmax
-  x = np.concatenate([np.linspace(-125, 8, 100_003),
-                      [0.0, -0.5, 0.5, -1.5, 8.0]]).astype(np.float32)
-  got = np.asarray(softmax.soft_exp2(jnp.asarray(x)), np.float64)
-  assert np.abs(got / np.exp2(x.astype(np.float64)) - 1).max() < 7.5e-5
-  tiny = np.asarray(softmax.soft_exp2(jnp.asarray(
-      [-125.5, -126.0, -300.0, -1e30], jnp.float32)))
-  assert ((tiny > 0) & (tiny < 2.0**-125)).all(), tiny
-
-
-def test_soft_exp2_check_can_fail(monkeypatch):
-  """The bound above catches a cubic 1% off in one coefficient."""
-  from pallas_kernels.mosaic import softmax
-  c0, c1, c2, c3 = softmax.SOFT_EXP2_COEFFS
-  monkeypatch.setattr(softmax, "SOFT_EXP2_COEFFS", (c0, c1, c2 * 1.01, c3))
-  x = np.linspace(-10, 0, 1001).astype(np.float32)
-  got = np.asarray(softmax.soft_exp2(jnp.asarray(x)), np.float64)
-  assert np.abs(got / np.exp2(x.astype(np.float64)) - 1).max() > 7.5e-5
-
-
-def test_fp8_software_exp2_lowers_with_fewer_mufu_exponentials(
-    cuda_lowering):
-  """`software_exp2` (every k-th 8-column group's exponentials on the FMA
-  pipe) lowers at every head dim, with fewer `ex2.approx` and the cubic's
-  FMAs; off by default (`plan.FP8_SOFTWARE_EXP2_EVERY`); refused with a
-  spec."""
-  from pallas_kernels import masking
-  for head_dim in (64, 128, 256):
-    q = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
-    text = lambda **kw: lower_mosaic.canonical(
-        lambda q, k, v: quantized_forward(q, k, v, is_causal=True,
-                                          per_block=False, **kw), (q, q, q))
-    split, default = text(software_exp2=4), text()
-    assert default == text(software_exp2=0)
-    assert split.count("ex2.approx") < default.count("ex2.approx")
-    assert split.count("math.fma") > default.count("math.fma")
-  spec = masking.MaskSpec(q_len=512, kv_len=512, is_causal=True)
-  with pytest.raises(NotImplementedError, match="software_exp2"):
-    jax.jit(lambda q, k, v: quantized_forward(
-        q, k, v, is_causal=True, per_block=False, spec=spec,
-        software_exp2=4)).trace(q, q, q)
-
-
 def _element_coordinates(layout, shape) -> dict:
   """{(warp, lane, register index, vector position): (row, col)} of a
   Mosaic GPU `TiledLayout` over a [64·m, n] warpgroup array, from the
@@ -347,26 +299,6 @@ def test_fp8_lazy_rescale_accuracy_on_gpu(head_dim, is_causal):
   q, k, v = random_qkv(1024, head_dim, seed=5)
   _assert_within_fp8_rule(errors(q, k, v, is_causal=is_causal,
                                  per_block=True, lazy_rescale=True))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("every", [4, 8])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fp8_software_exp2_accuracy_on_gpu(head_dim, is_causal, every):
-  """Exponentials split between the MUFU and the FMA pipe (`software_exp2`,
-  the PTX form of `softmax.soft_exp2`) within the default kernel's bound,
-  2x the naive FP8 error, and not bitwise the default kernel's output (the
-  split ran)."""
-  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
-    pytest.skip("the FP8 forward needs sm90 (FP8 wgmma)")
-  q, k, v = random_qkv(1024, head_dim, seed=6)
-  _assert_within_fp8_rule(errors(q, k, v, is_causal=is_causal,
-                                 per_block=True, software_exp2=every))
-  split, default = (quantized_forward(q, k, v, is_causal=is_causal,
-                                      per_block=True, software_exp2=e)[0]
-                    for e in (every, 0))
-  assert not np.array_equal(np.asarray(split), np.asarray(default))
 
 
 def test_naive_fp8_yardstick():

@@ -173,11 +173,6 @@ class KernelStatic:
   # and nothing to rescale: no row max per step, no alpha, O and l only
   # accumulate. `plan.MASKED_MAX_FREE`.
   max_free: bool = False
-  # Every k-th 8-column group of an unmasked step's P by `softmax.
-  # soft_exp2` on the FMA pipe instead of ex2 on the MUFU (0: none), where
-  # the MUFU's 16 exponentials a clock per SM are as long as the step's
-  # matmuls (the FP8 forms). `plan.FP8_SOFTWARE_EXP2_EVERY`.
-  software_exp2: int = 0
   # Ranged, a soft cap: its multiplies by 1 / cap and by cap folded into
   # the score's scale and exp2's (`masking.modify_scores_folded`), two
   # fewer a score where the cap is the only change. `plan.
@@ -788,17 +783,11 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       # and K factors, folded into exp2's scale
       k_factor = _descale(fp8, static.num_q_blocks + step)
       scale_log2 = scale_log2 * (q_factor * k_factor)
-    # Exponentials on the FMA pipe too, but not where a score may be -inf
-    # (`softmax.soft_exp2` has no zero).
-    software_every = static.software_exp2 if not masked and plan is None else 0
     if static.max_free:  # |s| <= the cap: no max to subtract
-      x = s * scale_log2
-      m_new, alpha = m, None
-      p = jnp.exp2(x)
+      m_new, alpha, p = m, None, jnp.exp2(s * scale_log2)
     else:
-      m_new, alpha, p = exponentiate(
-          s, m, scale_log2, threshold=static.rescale_threshold,
-          software_every=software_every)
+      m_new, alpha, p = exponentiate(s, m, scale_log2,
+                                     threshold=static.rescale_threshold)
       acc = rescale(acc, alpha,
                     skip_ones=static.rescale_threshold is not None)
     p_f32 = p

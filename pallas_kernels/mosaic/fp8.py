@@ -27,8 +27,7 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                        q_descale_rows: int | None = None,
                        k_descale_rows: int | None = None,
                        max_concurrent_steps: int = 2,
-                       lazy_rescale: bool | None = None,
-                       software_exp2: int | None = None):
+                       lazy_rescale: bool | None = None):
   """FlashAttention-3 forward on float8_e4m3fn inputs (FA3 §3.3).
 
   Q·Kᵀ and P·V run as FP8 wgmma with float32 accumulation; P is rounded to
@@ -64,10 +63,6 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
       P V, then stays below 2**8 = 256, within e4m3's 448, and keeps
       e4m3's relative precision. None: at
       `plan.FP8_LAZY_RESCALE_HEAD_DIMS`.
-    software_exp2: k > 0 takes every k-th 8-column group of an unmasked
-      step's exponentials to the FMA pipe (`softmax.soft_exp2`), 0 none;
-      None: `plan.FP8_SOFTWARE_EXP2_EVERY`. Not with a spec (its steps'
-      scores may be -inf).
 
   Any q_len: Q is padded with zero rows to the kernel's tile (block_q
   times the consumers) and their outputs dropped; causal masks are top-left
@@ -128,18 +123,8 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
   key, value = (masked.pad_rows(x, block_kv) for x in (key, value))
   if lazy_rescale is None:
     lazy_rescale = query.shape[-1] in plan.FP8_LAZY_RESCALE_HEAD_DIMS
-  if software_exp2 is None:
-    software_exp2 = (0 if spec is not None else
-                     plan.FP8_SOFTWARE_EXP2_EVERY.get(query.shape[-1], 0))
-  if software_exp2 < 0 or int(software_exp2) != software_exp2:
-    raise ValueError(f"software_exp2 must be 0 (none) or a group stride "
-                     f">= 1, got {software_exp2}")
-  if software_exp2 and spec is not None:
-    raise NotImplementedError(
-        f"software_exp2 {software_exp2}: on the kernel without a spec only")
-  static = dataclasses.replace(
-      static, **forward.rescale_fields(lazy_rescale),
-      software_exp2=int(software_exp2))
+  static = dataclasses.replace(static,
+                               **forward.rescale_fields(lazy_rescale))
   descale = descale_rows(
       query.shape, key.shape,
       per_tile(q_descale, q_descale_rows, q_len, block_q,

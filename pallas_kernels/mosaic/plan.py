@@ -411,16 +411,6 @@ FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
 # (h100_mosaic_fp8_tiles.md). A K factor of "block" scales
 # (`jax_flash.fp8.K_BLOCK_ROWS` rows) covers whole tiles of every head dim.
 FP8_BLOCK_KV = {64: 256, 128: 256, 256: 128}
-# The FP8 forward's exponentials on the FMA pipe for every k-th 8-column
-# group of an unmasked step (`KernelStatic.software_exp2`), by head dim.
-# At d=128 a 64 x 256 tile's exponentials take the MUFU (16 a clock per
-# SM) as long as its two FP8 matmuls take the tensor cores (512 flops a
-# score at ~8,192 a clock: 1/16 clock either way), so the consumers'
-# softmax and matmuls cannot both hide under each other; a quarter of them
-# by a cubic on the FMA pipe (~9 instructions, FlashAttention-4's
-# exponential) takes the MUFU's share to 3/4. Prepared, untimed: empty
-# until `tune_mosaic --kernels forward_fp8_software_exp2` decides.
-FP8_SOFTWARE_EXP2_EVERY: dict[int, int] = {}
 # The masked kernels add causal ALiBi as a term per key and one per query
 # (`common.alibi_columns`; `KernelStatic.alibi_columns` in the forward,
 # `BackwardStatic.alibi_columns` in dQ and dK/dV) instead of a slope times
