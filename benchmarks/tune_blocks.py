@@ -4,8 +4,10 @@
 
 At seq 4096, batch·seq = 16384, hidden 2048, bf16 (`--seq`, `--tokens`,
 `--hidden`: a model's shape, e.g. ViT-L/14's 32 x 577 tokens of 16 heads),
-for head_dim 64, 128, 256, one kernel at a time (`--phases`: some of them) (the three kernels are separate launches, so their times
-add up and each can be tuned with the others fixed):
+for head_dim 64, 128, 256, one kernel at a time (`--phases`: some of them;
+the three kernels are separate launches, so their times add up and each
+can be tuned with the others fixed), starting from the defaults a call of
+that length gets (`BlockSizes.get_default`):
 
 1. "fwd": every (block_q, block_k, num_warps, num_stages) of `FWD_SPACE`,
    timing the forward.
@@ -238,7 +240,8 @@ def main(argv=None) -> int:
   per_head_dim = math.prod(map(len, args.fwd_space.values())) + sum(
       len(tiles) * len(args.bwd_warps) + len(args.bwd_stages) - 1
       for tiles in (args.dkdv_tiles, args.dq_tiles)) + 3 * args.finalists
-  best = {d: BlockSizes.get_default(d) for d in args.head_dims}
+  default = lambda d: BlockSizes.get_default(d, kv_len=args.seq)
+  best = {d: default(d) for d in args.head_dims}
   chosen = {}  # (phase, head_dim) -> BlockSizes
   with common.progress(total=len(args.head_dims) * per_head_dim,
                        desc="sweep", unit="trial") as bar, \
@@ -270,10 +273,10 @@ def main(argv=None) -> int:
 
   for (phase, head_dim), blocks in chosen.items():
     # The default is each phase's first candidate, timed beside the others.
-    default = measured(phase, head_dim, BlockSizes.get_default(head_dim))
     print(f"d{head_dim} {phase}: TFLOP/s "
           f"{measured(phase, head_dim, blocks) or 'not measured (default kept)'}"
-          f" (the default: {default or 'not measured'})")
+          f" (the default: "
+          f"{measured(phase, head_dim, default(head_dim)) or 'not measured'})")
   failed = sum("error" in t for t in sweep.trials)
   print(f"{len(sweep.trials)} trials ({failed} failed) in "
         f"{time.monotonic() - start:.0f} s; wrote {args.out}\n")

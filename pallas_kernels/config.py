@@ -86,11 +86,11 @@ class BlockSizes:
                  block_q_dq=64, block_kv_dq=64)
     if dtype is not None and jnp.dtype(dtype).itemsize > 2:
       return _GPU_FLOAT32_DEFAULTS[256 if head_dim > 128 else 128]
-    blocks = _GPU_DEFAULTS[_head_dim_class(head_dim)]
-    short = _GPU_SHORT_FORWARD.get(_head_dim_class(head_dim))
-    if short is not None and kv_len is not None and kv_len <= short[0]:
-      blocks = dataclasses.replace(blocks, **short[1])
-    return blocks
+    dim_class = _head_dim_class(head_dim)
+    longest, forward = _GPU_SHORT_FORWARD.get(dim_class, (0, {}))
+    if kv_len is not None and kv_len <= longest:
+      return dataclasses.replace(_GPU_DEFAULTS[dim_class], **forward)
+    return _GPU_DEFAULTS[dim_class]
 
 
 def _head_dim_class(head_dim: int) -> int:

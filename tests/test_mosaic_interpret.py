@@ -925,28 +925,18 @@ def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
   V's keys are left in order (error 0.64 against 0.014), if the second
   piece holds the first's columns (3.4-4.7 against 0.2), or if it is
   stored over the first (NaN: the columns never written)."""
-  _interpreted_fp8_forward((1, 128, 2, head_dim), (1, kv_len, 1, head_dim),
-                           is_causal=is_causal, seed=21, block_kv=block_kv)
-
-
-def _interpreted_fp8_forward(q_shape, kv_shape, *, is_causal, seed,
-                             **options):
-  """The interpreted FP8 forward on random q [q_shape] and k, v [kv_shape],
-  quantised per tensor, checked against float32 attention within twice
-  the emulated FP8 arithmetic's error (`options`: more of
-  `mosaic_forward_fp8`'s)."""
   from benchmarks.fp8_accuracy import emulated_fp8_attention
   from jax_flash import fp8 as public_fp8
   from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
-  keys = jax.random.split(jax.random.key(seed), 3)
+  keys = jax.random.split(jax.random.key(21), 3)
   q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key, shape in
-             zip(keys, (q_shape, kv_shape, kv_shape)))
+             zip(keys, ((1, 128, 2, head_dim), (1, kv_len, 1, head_dim),
+                        (1, kv_len, 1, head_dim))))
   q8, k8, v8 = (public_fp8.quantize_fp8(x) for x in (q, k, v))
-
-  out = mosaic_interpret.run(
+  out, _ = mosaic_interpret.run(
       mosaic_forward_fp8, q8.data, k8.data, v8.data, q_descale=q8.descale,
       k_descale=k8.descale, v_descale=v8.descale, scale=0.125,
-      is_causal=is_causal, **options)[0]
+      is_causal=is_causal, block_kv=block_kv)
   exact = naive_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
                           is_causal=is_causal, scale=0.125)[0]
   emulated = emulated_fp8_attention(q8, k8, v8, is_causal=is_causal,
