@@ -588,6 +588,20 @@ def test_ragged_lengths_lower_on_the_plain_kernels(head_dim, q_len, kv_len,
   assert _KERNEL_NAME in text
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_short_ragged_tail_lowers_on_the_launch_grid(is_causal,
+                                                     cuda_lowering):
+  """200 keys in two 128-key blocks on the launch grid: the producer's
+  ring fill reaches the last block with a static start past K's rows
+  (`forward_kernel._kv_rows` makes it traced; `pl.multiple_of` on a
+  constant failed to lower under warpgroup semantics)."""
+  x = jax.ShapeDtypeStruct((2, 200, 4, 64), jnp.bfloat16)
+  text = jax.jit(lambda q, k, v: mosaic_forward(
+      q, k, v, scale=0.125, is_causal=is_causal, persistent=False)
+                 ).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+  assert _KERNEL_NAME in text
+
+
 @pytest.mark.parametrize("q_len, kv_len, is_causal", [
     (1000, 1000, True), (136, 264, True), (1024, 1024, False),
     (1001, 1001, True), (264, 136, True), (1000, 1000, False),

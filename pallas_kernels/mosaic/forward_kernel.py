@@ -576,15 +576,17 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
 
 def _kv_rows(step, static: KernelStatic):
   """K/V rows of block `step`. With a ragged tail (`static.ragged_tail`) a
-  static start whose block reaches past K's rows goes through
-  `pl.multiple_of`, which leaves it a traced value: Pallas refuses a
-  static slice past the array's end, where TMA reads zeros. (The FP8
-  kernel's K and V come in whole blocks: under warpgroup lowering Mosaic
-  GPU's FP8 copies do not take such a start.)"""
+  static start whose block reaches past K's rows is made a traced value
+  (plus a traced zero): Pallas refuses a static slice past the array's
+  end, where TMA reads zeros, and `pl.multiple_of` alone does not make one
+  (under warpgroup lowering it fails on a constant). (The FP8 kernel's K
+  and V come in whole blocks: under warpgroup lowering Mosaic GPU's FP8
+  copies do not take such a start.)"""
   start = step * static.block_kv
   if (static.ragged_tail and isinstance(start, int)
       and start + static.block_kv > static.key_rows):
-    start = pl.multiple_of(start, static.block_kv)
+    start = pl.multiple_of(lax.axis_index("wg") * 0 + start,
+                           static.block_kv)
   return pl.ds(start, static.block_kv)
 
 
