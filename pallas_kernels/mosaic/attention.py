@@ -248,7 +248,8 @@ def _bwd(scale, is_causal, backward_blocks, kv_len, soft_cap, residuals,
     # backward's kernels take them padded to whole 8-row tiles. Padded
     # rows carry zero dO and d_lse, so nothing of theirs reaches a real
     # row's gradient (above), and their LSE of 0 keeps P finite.
-    pad_lse = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -q_len % TMA_ROW_TILE)))
+    pad_lse = lambda x: jnp.pad(x, ((0, 0), (0, 0),
+                                    (0, -q_len % TMA_ROW_TILE)))
     dq, dk, dv, d_sinks = _bwd(
         scale, is_causal, backward_blocks, None, soft_cap,
         (*map(pad_rows, (query, key, value, out)), pad_lse(lse), sinks),

@@ -119,7 +119,7 @@ class RowViews(NamedTuple):
   @classmethod
   def of(cls, scratch, in_place: bool) -> RowViews:
     """The views of a `row_buffer(in_place=)` as the kernel receives it: a
-    ref, or a `plgpu.RefUnion` of the (untiled, tiled) pair."""
+    ref, or a `plgpu.RefUnion` of the (row-tiled, tiled) pair."""
     return cls(*scratch) if in_place else cls(scratch, scratch)
 
   @property
@@ -140,11 +140,13 @@ def rows_in_place(q_len: int, kv_len: int, head_dim: int, dtype) -> bool:
   without a padded copy: where a row is one 128-byte swizzle tile (d=64 in
   16 bits). Mosaic GPU tiles a TMA's global array like its shared buffer
   (the row axis as [rows / 8, 8], `TileTransform.transform_gmem_shape`),
-  so a tiled buffer cannot take such rows; an untiled buffer with the same
-  swizzle can, and where a row is one swizzle tile the two lay out the
-  same bytes alike, so wgmma reads the tiled view of what TMA wrote
-  through the untiled one (`row_buffer`). Wider rows interleave their
-  swizzle tiles by 8-row group when tiled: those calls are padded."""
+  so a buffer tiled (8, 64) for wgmma cannot take such rows; one tiled
+  (1, 64) with the same swizzle can, and where a row is one swizzle tile
+  the two tilings lay out the same bytes, so wgmma reads the (8, 64) view
+  of what TMA wrote through the (1, 64) one (`row_buffer`). (A swizzle
+  without a tiling is refused by Mosaic GPU's layout inference.) Wider
+  rows interleave their swizzle tiles by 8-row group when tiled (8, 64):
+  those calls are padded."""
   return (not ragged_lengths(q_len, kv_len)
           and head_dim * jnp.dtype(dtype).itemsize == SWIZZLES[0])
 
@@ -152,9 +154,10 @@ def rows_in_place(q_len: int, kv_len: int, head_dim: int, dtype) -> bool:
 def row_buffer(shape, dtype, *, in_place: bool):
   """SMEM of `shape` ([..., rows, columns]) for Q, K, V or O rows, tiled
   and swizzled (`swizzled`); with `in_place` (`rows_in_place`) a
-  `plgpu.RefUnion` of an untiled view with the same swizzle (for TMA) and
-  the tiled one (for wgmma): two views of the same bytes, both at the
-  union's start. The kernel takes it apart with `RowViews.of`."""
+  `plgpu.RefUnion` of a view tiled one row at a time with the same swizzle
+  (for TMA) and the tiled one (for wgmma): two views of the same bytes,
+  both at the union's start. The kernel takes it apart with
+  `RowViews.of`."""
   tiled = plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-1], dtype))
   if not in_place:
     return tiled
