@@ -759,16 +759,20 @@ def _rows_in_one_buffer():
   there dropped, the kernels' masks and the backward's padding) are what
   a test sees; that the two views lay out the same bytes is the GPU's to
   check. Only while interpreting: lowering keeps the union."""
-  from pallas_kernels.mosaic import common, forward
-  stock_buffer, stock_of = forward.row_buffer, vars(common.RowViews)["of"]
-  forward.row_buffer = lambda shape, dtype, in_place: stock_buffer(
-      shape, dtype, in_place=False)
+  from pallas_kernels.mosaic import common, dkdv, dq, forward
+  users = (forward, dq, dkdv)  # of `row_buffer`, imported by name
+  stock_of = vars(common.RowViews)["of"]
+  for module in users:
+    module.row_buffer = lambda shape, dtype, in_place: common.row_buffer(
+        shape, dtype, in_place=False)
   common.RowViews.of = classmethod(lambda cls, scratch, in_place: cls(
       scratch, scratch))
   try:
     yield
   finally:
-    forward.row_buffer, common.RowViews.of = stock_buffer, stock_of
+    for module in users:
+      module.row_buffer = common.row_buffer
+    common.RowViews.of = stock_of
 
 
 def reset() -> None:

@@ -635,45 +635,48 @@ def test_rows_off_the_tiling_lower_in_place_at_d64(head_dim, dtype, in_place,
 
 @pytest.mark.parametrize("q_len, kv_len, is_causal", [(197, 197, False),
                                                       (261, 133, True)])
-def test_rows_in_place_backward_pads_them(q_len, kv_len, is_causal,
-                                          monkeypatch):
-  """The forward reads rows off the 8-row tiling in place at d=64, and
-  `attention._bwd` pads them (q, k, v, out, dO by rows; lse and d_lse with
-  zeros, so that P stays finite) for the backward's kernels and slices
-  the gradients: with both kernels replaced by the reference's formulas
-  (the backward from the residuals it is given, `reference_backward`),
-  out, lse and the gradients under random cotangents match the
-  reference's. Fails if the backward sees unpadded rows."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rows_off_the_tiling_reach_the_kernels(q_len, kv_len, is_causal,
+                                               head_dim, monkeypatch):
+  """Rows off the 8-row tiling: at d=64 both directions' kernels take them
+  unpadded (`common.rows_in_place`); wider rows reach both padded to whole
+  8-row tiles (`attention._plain_attention`, the forward's padded keys
+  masked by its kv_len). With the kernels replaced by the reference's
+  formulas (the backward from the residuals it is given,
+  `reference_backward`), out, lse and the gradients under random
+  cotangents match the reference's. Fails if a kernel gets other rows."""
   from jax_flash import reference, validation
   from pallas_kernels.config import BlockSizes
   from pallas_kernels.mosaic import attention
+  rows = lambda n: n if head_dim == 64 else -(-n // 8) * 8
+  kernel_rows = (rows(q_len), rows(kv_len))
 
-  def forward(q, k, v, *, scale, is_causal, **_):
-    assert q.shape[1] == q_len and k.shape[1] == kv_len, "padded forward"
+  def forward(q, k, v, *, scale, is_causal, kv_len=None, **_):
+    assert (q.shape[1], k.shape[1]) == kernel_rows
+    k, v = k[:, :kv_len], v[:, :kv_len]  # the real keys
     call = validation.normalise_call(q, k, v, scale=scale,
                                      is_causal=is_causal)
     out, lse = reference.reference_attention(call, q, k, v)
     return out.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
 
   def backward(q, k, v, out, lse, d_out, d_lse, *, scale, is_causal, **_):
-    assert q.shape[1] % 8 == 0 and k.shape[1] % 8 == 0, "unpadded backward"
+    assert (q.shape[1], k.shape[1]) == kernel_rows
     call = validation.normalise_call(q, k, v, scale=scale,
                                      is_causal=is_causal)
-    # Keys past kv_len are padding: the forward masked them, and their
-    # zero K and V add nothing to dq (their rows are sliced off).
+    # Padded keys: zero K and V add nothing to dq; their rows are sliced.
     return reference.reference_backward(
         call, q, k, v, out, jnp.swapaxes(lse, 1, 2), d_out,
         jnp.swapaxes(d_lse, 1, 2))
 
   monkeypatch.setattr(attention, "mosaic_forward", forward)
   monkeypatch.setattr(attention, "mosaic_backward", backward)
-  case = Case(1, q_len, kv_len, 4, 2, 64)
+  case = Case(1, q_len, kv_len, 4, 2, head_dim)
   q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=3)
 
   def ours(q, k, v):
     out, lse = attention.mosaic_attention(
         q, k, v, scale=0.125, is_causal=is_causal,
-        backward_blocks=BlockSizes.get_default(64, "NVIDIA H200"))
+        backward_blocks=BlockSizes.get_default(head_dim, "NVIDIA H200"))
     return out, jnp.swapaxes(lse, 1, 2)
 
   def theirs(q, k, v):

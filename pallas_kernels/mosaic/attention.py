@@ -243,11 +243,13 @@ def _bwd(scale, is_causal, backward_blocks, kv_len, soft_cap, residuals,
   query, key, value, out, lse, sinks = residuals
   d_out, d_lse = cotangents
   q_len, kv_rows = query.shape[1], key.shape[1]
-  if not ragged_lengths(q_len, kv_rows):
-    # The forward read these rows in place (`common.rows_in_place`); the
-    # backward's kernels take them padded to whole 8-row tiles. Padded
-    # rows carry zero dO and d_lse, so nothing of theirs reaches a real
-    # row's gradient (above), and their LSE of 0 keeps P finite.
+  if not (ragged_lengths(q_len, kv_rows) or rows_in_place(
+      q_len, kv_rows, query.shape[-1], query.dtype)):
+    # Lengths off the 8-row TMA tiling whose rows the kernels cannot read
+    # in place: none reach here from `_plain_attention` (it pads them),
+    # but `mosaic_attention_backward`'s residuals may. Padded rows carry
+    # zero dO and d_lse, so nothing of theirs reaches a real row's
+    # gradient (above), and their LSE of 0 keeps P finite.
     pad_lse = lambda x: jnp.pad(x, ((0, 0), (0, 0),
                                     (0, -q_len % TMA_ROW_TILE)))
     dq, dk, dv, d_sinks = _bwd(
