@@ -602,7 +602,7 @@ def test_short_ragged_tail_lowers_on_the_launch_grid(is_causal,
   """200 keys in two 128-key blocks on the launch grid: the producer's
   ring fill reaches the last block with a static start past K's rows
   (`forward_kernel._kv_rows` makes it traced; `pl.multiple_of` on a
-  constant failed to lower under warpgroup semantics)."""
+  constant does not lower under warpgroup semantics)."""
   x = jax.ShapeDtypeStruct((2, 200, 4, 64), jnp.bfloat16)
   text = jax.jit(lambda q, k, v: mosaic_forward(
       q, k, v, scale=0.125, is_causal=is_causal, persistent=False)
