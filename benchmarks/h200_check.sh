@@ -9,7 +9,6 @@
 # STEPs: tests tests_shards grid grid_halves masks memory decode models fp8
 #        sequence_parallel flax notebook example mosaic_lowering prepared
 #        first_call fp8_tiles new_tests ragged_route vit_tiles ncu
-#        rows_in_place
 # Seen on an H100 (seconds, one call each): new_tests ~140 with 14
 # workers, prepared's softcap A/B ~60 a kernel, masks (Mosaic) ~300, fp8
 # ~180, models of 4 cells ~120, first_call ~15; a machine's start takes
@@ -196,17 +195,6 @@ PY
         --seq 4096 --head-dims 144 160 176 --rounds 2 --budget 150 \
         --out "$OUT/h200_mosaic_between_tiles.json" > "$LOGS/between.log" 2>&1
       tail -6 "$LOGS/between.log" ;;
-    rows_in_place)  # d=64 rows off the 8-row tiling read in place by the
-                    # forward (`common.rows_in_place`): its GPU tests, then
-                    # the ViT cells beside Triton and cuDNN
-      python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} -p no:cacheprovider -p no:benchmark -q \
-        --timeout 200 tests/test_mosaic_lowering.py -k ragged_lengths_on_the_plain \
-        > "$OUT/pytest_rows_in_place.log" 2>&1
-      tail -4 "$OUT/pytest_rows_in_place.log"
-      timeout 300 python3 -m benchmarks.models --cells ragged_vit_577 ragged_vit_197 \
-        ragged_vit_257 --impls jax_flash_mosaic jax_flash_triton cudnn tokamax_triton \
-        --time-budget 240 --out "$OUT/h200_models_vit_in_place.json" > "$LOGS/vit_in_place.log" 2>&1
-      tail -14 "$LOGS/vit_in_place.log" ;;
     ragged_route)  # the forward at lengths no tile divides, plain kernel
                    # (key tail) against masked, causal and not: the A/B
                    # behind `attention._masked`'s route for plain calls
