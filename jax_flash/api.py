@@ -121,29 +121,42 @@ def flash_attention(
   out, lse = dispatch(implementation, interpret, lambda name, interpret_: (
       _IMPLEMENTATIONS[name](call, query, key, value, block_sizes=block_sizes,
                              interpret=interpret_)),
-      triton_first=triton_first(call.shape.q_len, call.shape.kv_len))
+      triton_first=triton_first(call, query.dtype))
   out, lse = restore(out, lse)
   return (out, lse) if return_residual else out
 
 
 # Short sequences off Mosaic GPU's 8-row TMA tiling (`pallas_kernels.mosaic.
 # common.TMA_ROW_TILE`, not importable without Mosaic GPU) go to the Triton
-# kernels first: the Mosaic path pads Q, K and V to whole 8-row tiles and
-# cuts O back (four copies). Triton against Mosaic on an H100, d=64 without
-# a mask, forward / fwd+bwd TFLOP/s: ViT-B/16's 197 tokens 121 / 94 against
-# 74 / 76, ViT-L/14's 257 142 / 99 against 81 / 89, and its 577 182 / 177
-# against 171 / 172 (benchmarks/results/h100_models_softcap_vit.md): the
-# lead shrinks with length; above 577 unmeasured, so the bound is 640, not
-# the next power of two.
+# kernels first where the Mosaic path pads Q, K and V to whole 8-row tiles
+# and cuts O back (four copies): wider rows than 128 bytes, and masked
+# calls. Triton against padded Mosaic on an H100, d=64, forward / fwd+bwd
+# TFLOP/s: ViT-B/16's 197 tokens 121 / 94 against 74 / 76, ViT-L/14's 577
+# 182 / 177 against 171 / 172 (benchmarks/results/h100_models_softcap_vit.md);
+# above 577 unmeasured, so the bound is 640, not the next power of two.
+# Plain calls of 128-byte rows (d=64 in 16 bits) Mosaic reads in place
+# (`common.rows_in_place`), no copies, and they stay with Mosaic: 163 / 131
+# against Triton's 131 / 96 at 197 tokens, 303 / 242 against 221 / 175 at
+# 577 (h100_models_vit_in_place.md).
 TRITON_FIRST_UP_TO = 640
 _MOSAIC_ROW_TILE = 8
+_SWIZZLE_BYTES = 128
 
 
-def triton_first(q_len: int, kv_len: int) -> bool:
+def triton_first(call: AttentionCall, dtype) -> bool:
   """Whether `implementation=None` tries the Triton kernels before the
-  Mosaic ones for these lengths (`TRITON_FIRST_UP_TO`)."""
-  return (max(q_len, kv_len) <= TRITON_FIRST_UP_TO
-          and bool(q_len % _MOSAIC_ROW_TILE or kv_len % _MOSAIC_ROW_TILE))
+  Mosaic ones for this call of inputs of `dtype` (`TRITON_FIRST_UP_TO`)."""
+  shape = call.shape
+  if (max(shape.q_len, shape.kv_len) > TRITON_FIRST_UP_TO
+      or not (shape.q_len % _MOSAIC_ROW_TILE
+              or shape.kv_len % _MOSAIC_ROW_TILE)):
+    return False
+  plain = masking.MaskSpec(q_len=shape.q_len, kv_len=shape.kv_len,
+                           is_causal=call.spec.is_causal)
+  in_place = (shape.head_dim * jnp.dtype(dtype).itemsize == _SWIZZLE_BYTES
+              and jnp.dtype(dtype).itemsize == 2 and call.spec == plain
+              and call.bias is None and call.sinks is None)
+  return not in_place
 
 
 def dispatch(implementation, interpret, run, *, triton_first: bool = False):

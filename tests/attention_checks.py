@@ -166,13 +166,15 @@ def position_score(s, b, h, q_idx, kv_idx):
 
 # `implementation=None` on an sm90 GPU, as (dtype, q_len, flash_attention
 # keyword arguments) of a [1, q_len, 4, 64] self-attention call: the calls
-# that run on Mosaic (tile-aligned, a ragged length, ALiBi, dropout, a
+# that run on Mosaic (tile-aligned, ragged lengths, ALiBi, dropout, a
 # score_fn, a mask_fn, a bias in q's dtype and a dense mask, the last six
 # through the masked forward), and those that stay on Triton (float32, a
-# float32 bias beside bfloat16 q, a mask broadcast along the queries).
+# short masked call off the 8-row tiling, a float32 bias beside bfloat16
+# q, a mask broadcast along the queries).
 # `test_gpu` checks them on a GPU, `test_mosaic_lowering` cross-lowered.
 DISPATCHED_TO_MOSAIC = [
     (jnp.bfloat16, 512, {}), (jnp.bfloat16, 1001, {}),
+    (jnp.bfloat16, 197, {}),   # off the 8-row tiling, rows read in place
     (jnp.bfloat16, 512, dict(alibi_slopes=jnp.ones(4))),
     (jnp.bfloat16, 512, dict(dropout_rate=0.1,
                              dropout_rng=jax.random.key(0))),
@@ -183,7 +185,8 @@ DISPATCHED_TO_MOSAIC = [
 ]
 DISPATCHED_TO_TRITON = [
     (jnp.float32, 512, {}),
-    (jnp.bfloat16, 197, {}),   # short, off Mosaic's 8-row tiling
+    # short, off Mosaic's 8-row tiling and masked: padded on Mosaic
+    (jnp.bfloat16, 197, dict(local_window_size=16)),
     (jnp.bfloat16, 512, dict(bias=jnp.zeros((512, 512)))),
     (jnp.bfloat16, 512, dict(mask=jnp.ones((1, 512), bool))),
 ]

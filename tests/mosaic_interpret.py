@@ -112,6 +112,7 @@ is unavailable elsewhere, and the tests skip with it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -741,10 +742,37 @@ def install() -> None:
   gc._clean_up_shared_memory = _patched_clean_up_shared_memory
 
 
+@contextlib.contextmanager
 def interpreted():
   """A context in which Mosaic GPU kernels run under the interpreter."""
   install()
-  return force_gpu_interpret_mode(InterpretGPUParams())
+  with force_gpu_interpret_mode(InterpretGPUParams()), _rows_in_one_buffer():
+    yield
+
+
+@contextlib.contextmanager
+def _rows_in_one_buffer():
+  """Rows read in place (`common.rows_in_place`) through one tiled buffer
+  instead of `common.row_buffer`'s `plgpu.RefUnion`: the interpreter has
+  no aliased views (`ExtractAliasedRef`), and tiling is a no-op to it, so
+  the in-place rows' semantics (TMA reads past the ends as zeros, stores
+  there dropped, the kernels' masks and the backward's padding) are what
+  a test sees; that the two views lay out the same bytes is the GPU's to
+  check. Only while interpreting: lowering keeps the union."""
+  from pallas_kernels.mosaic import common, dkdv, dq, forward
+  users = (forward, dq, dkdv)  # of `row_buffer`, imported by name
+  stock_of = vars(common.RowViews)["of"]
+  for module in users:
+    module.row_buffer = lambda shape, dtype, in_place: common.row_buffer(
+        shape, dtype, in_place=False)
+  common.RowViews.of = classmethod(lambda cls, scratch, in_place: cls(
+      scratch, scratch))
+  try:
+    yield
+  finally:
+    for module in users:
+      module.row_buffer = common.row_buffer
+    common.RowViews.of = stock_of
 
 
 def reset() -> None:

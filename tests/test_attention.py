@@ -268,19 +268,24 @@ def test_no_nan_for_extreme_logits():
   np.testing.assert_allclose(out, ref, atol=1e-4)
 
 
-@pytest.mark.parametrize("q_len, kv_len, first", [
-    (197, 197, "triton"),    # ViT-B/16: off the 8-row tiling, short
-    (577, 577, "triton"),    # ViT-L/14 at 336 px
-    (50, 641, "mosaic"),     # longer than TRITON_FIRST_UP_TO
-    (200, 200, "mosaic"),    # whole 8-row tiles: no copies
-    (1001, 1001, "mosaic"),
+@pytest.mark.parametrize("q_len, kv_len, head_dim, extra, first", [
+    (197, 197, 128, {}, "triton"),   # ViT-B/16 lengths: off the 8-row tiling
+    (577, 577, 128, {}, "triton"),   # ViT-L/14 at 336 px
+    (197, 197, 64, {}, "mosaic"),    # 128-byte rows: read in place
+    (577, 577, 64, {"is_causal": True}, "mosaic"),
+    (197, 197, 64, {"local_window_size": 16}, "triton"),  # masked: padded
+    (197, 197, 64, {"bias": True}, "triton"),
+    (50, 641, 128, {}, "mosaic"),    # longer than TRITON_FIRST_UP_TO
+    (200, 200, 128, {}, "mosaic"),   # whole 8-row tiles: no copies
+    (1001, 1001, 128, {}, "mosaic"),
 ])
 def test_implementation_none_tries_triton_first_for_short_ragged_lengths(
-    q_len, kv_len, first, monkeypatch):
+    q_len, kv_len, head_dim, extra, first, monkeypatch):
   """`implementation=None` on a GPU: the Mosaic kernels first, but the
   Triton ones for short lengths off Mosaic's 8-row TMA tiling
-  (`api.TRITON_FIRST_UP_TO`), which the Mosaic path pads by copies; a
-  forced implementation is the only one tried."""
+  (`api.TRITON_FIRST_UP_TO`) where the Mosaic path pads by copies (rows
+  wider than 128 bytes, masked calls); a forced implementation is the only
+  one tried."""
   from jax_flash import api
   from pallas_kernels import compat
   monkeypatch.setattr(compat, "has_gpu", lambda: True)
@@ -289,23 +294,26 @@ def test_implementation_none_tries_triton_first_for_short_ragged_lengths(
   def run(name, _):
     tried.append(name)
     raise NotImplementedError(name)
-  q = jnp.zeros((1, q_len, 2, 64), jnp.bfloat16)
-  kv = jnp.zeros((1, kv_len, 2, 64), jnp.bfloat16)
+  q = jnp.zeros((1, q_len, 2, head_dim), jnp.bfloat16)
+  kv = jnp.zeros((1, kv_len, 2, head_dim), jnp.bfloat16)
+  if extra.get("bias"):
+    extra = {"bias": jnp.zeros((1, 2, q_len, kv_len), jnp.float32)}
   monkeypatch.setattr(api, "_IMPLEMENTATIONS", {
       name: lambda *_, name=name, **__: run(name, None)
       for name in api.IMPLEMENTATIONS})
   with pytest.raises(NotImplementedError, match="no implementation"):
-    jax_flash.flash_attention(q, kv, kv)
+    jax_flash.flash_attention(q, kv, kv, **extra)
   assert tried[0] == first and sorted(tried) == sorted(api.IMPLEMENTATIONS)
   tried.clear()
   with pytest.raises(NotImplementedError):
-    jax_flash.flash_attention(q, kv, kv, implementation="mosaic")
+    jax_flash.flash_attention(q, kv, kv, implementation="mosaic", **extra)
   assert tried == ["mosaic"]
 
 
 def test_mosaic_row_tile_is_the_kernels():
-  """`api`'s copy of the Mosaic kernels' TMA row tiling, kept apart since
-  Mosaic GPU is not importable everywhere."""
+  """`api`'s copies of the Mosaic kernels' TMA row tiling and swizzle
+  width, kept apart since Mosaic GPU is not importable everywhere."""
   from jax_flash import api
   common = pytest.importorskip("pallas_kernels.mosaic.common")
   assert api._MOSAIC_ROW_TILE == common.TMA_ROW_TILE
+  assert api._SWIZZLE_BYTES == common.SWIZZLES[0]

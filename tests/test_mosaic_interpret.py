@@ -112,20 +112,40 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("q_len, kv_len, is_causal, options", [
+    (197, 197, False, dict(persistent=False)),   # ViT-B/16's tokens
+    slow(261, 133, True, dict(num_ctas=2)),      # causal, q_len > kv_len
+])
+def test_interpreted_forward_reads_rows_in_place(q_len, kv_len, is_causal,
+                                                 options):
+  """d=64 at lengths off the 8-row TMA tiling (`common.rows_in_place`):
+  `mosaic_forward` on the unpadded rows, TMA's zero fill past the ends
+  and clipped stores the tail handling, the last K/V block masked past
+  kv_len; out and lse as the reference's. (The interpreter sees one
+  buffer where the GPU has two views: `mosaic_interpret`.)"""
+  case = Case(1, q_len, kv_len, 2, 1, 64)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
+  out, lse = mosaic_interpret.run(mosaic_forward, q, k, v, scale=0.125,
+                                  is_causal=is_causal, **options)
+  assert out.shape == q.shape
+  assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal)
+
+
 @pytest.mark.parametrize("q_len, kv_len, is_causal", [
-    (197, 197, False),        # ViT-B/16's tokens
+    slow(197, 197, False),    # ViT-B/16's tokens
     slow(261, 133, True),     # causal, q_len > kv_len
 ])
 def test_interpreted_forward_on_padded_rows(q_len, kv_len, is_causal):
   """`mosaic_forward(kv_len=)` on rows zero-padded to whole 8-row TMA tiles
-  (`attention._plain_attention`'s call): the padded keys masked, out and
-  lse of the real rows as the reference's on the unpadded inputs. Fails
-  without `kv_len` (the padded keys' zero scores counted)."""
+  (`attention._plain_attention`'s call where rows are wider than a
+  swizzle tile, d=128 here): the padded keys masked, out and lse of the
+  real rows as the reference's on the unpadded inputs. Fails without
+  `kv_len` (the padded keys' zero scores counted)."""
   from pallas_kernels.mosaic.masked import pad_rows
-  case = Case(1, q_len, kv_len, 2, 1, 64)
+  case = Case(1, q_len, kv_len, 2, 1, 128)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
   out, lse = mosaic_interpret.run(
-      mosaic_forward, *(pad_rows(x) for x in (q, k, v)), scale=0.125,
+      mosaic_forward, *(pad_rows(x) for x in (q, k, v)), scale=128**-0.5,
       is_causal=is_causal, kv_len=kv_len, persistent=False)
   assert_forward_within_rule(q, k, v, out[:, :q_len], lse[:, :, :q_len],
                              is_causal=is_causal)

@@ -168,8 +168,10 @@ def test_padded_head_dim_lowers_with_gradients(cuda_lowering):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(q_len=204), "q_len 204"),      # off the 8-row TMA tiling
-    (dict(kv_len=204), "kv_len 204"),
+    # Off the 8-row TMA tiling, rows wider than a swizzle tile (at d=64
+    # such rows are read in place: `common.rows_in_place`).
+    (dict(q_len=204, head_dim=128), "q_len 204"),
+    (dict(kv_len=204, head_dim=128), "kv_len 204"),
     (dict(head_dim=72), "head_dim"),    # not a multiple of 16
     (dict(head_dim=48), "head_dim"),    # below 64: padded by the caller
     (dict(dtype=jnp.float32), "bfloat16 and float16"),
@@ -213,7 +215,11 @@ def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
     # Off the 8-row TMA tiling: rows padded (`attention._plain_attention`).
     (Case(1, 1001, 1001, 8, 2, 128), True),
     # Real queries past kv_len: the last K/V block masked past it.
-    (Case(8, 197, 197, 12, 12, 64), False),   # ViT-B/16, rows padded
+    # d=64 off the 8-row tiling: rows read in place by the forward
+    # (`common.rows_in_place`), padded for the backward.
+    (Case(8, 197, 197, 12, 12, 64), False),   # ViT-B/16
+    (Case(2, 577, 577, 16, 4, 64), True),     # ViT-L/14 at 336 px, GQA
+    (Case(2, 261, 133, 4, 2, 64), True),      # q_len > kv_len
     (Case(1, 1000, 1000, 4, 2, 128), False),
     (Case(1, 1000, 1000, 4, 2, 256), False),
     (Case(2, 264, 136, 4, 2, 128), True),     # q_len > kv_len
@@ -223,8 +229,9 @@ def test_ragged_lengths_on_the_plain_kernels_on_gpu(case, is_causal,
   """Lengths that no tile divides (`attention._masked`): forward and
   gradients by the plain kernels (the masked ones and Triton's backward
   patched to fail) against the reference; TMA's zero fill and clipped
-  stores are the tail handling (and a padded copy where the lengths are
-  not whole 8-row tiles), with the forward's last K/V block masked past
+  stores are the tail handling (and where the lengths are not whole 8-row
+  tiles, a padded copy, or at d=64 the forward's rows in place and the
+  backward's padded), with the forward's last K/V block masked past
   kv_len where a real query sees there."""
   from pallas_kernels.mosaic import attention
 
@@ -454,8 +461,9 @@ def test_three_consumers_refuse_what_they_lack():
                                              is_causal=False, **kwargs)
   with pytest.raises(ValueError, match="num_consumers"):
     run(num_consumers=4)
-  # Lengths of whole 8-row TMA tiles (`common.ragged_lengths`) only.
-  ragged = jax.ShapeDtypeStruct((1, 204, 2, 64), jnp.bfloat16)
+  # Lengths of whole 8-row TMA tiles (`common.ragged_lengths`) only, where
+  # a row is wider than a swizzle tile (`common.rows_in_place`).
+  ragged = jax.ShapeDtypeStruct((1, 204, 2, 128), jnp.bfloat16)
   for consumers in (2, 3):
     with pytest.raises(NotImplementedError, match="q_len 204"):
       run(ragged, num_consumers=consumers)
@@ -557,7 +565,7 @@ def test_three_consumers_match_reference_on_gpu(case, dtype, is_causal,
     _slow(160, 1000, 1000, True),   # at its own width, on d=256's rows
     _slow(176, 1000, 1000, True),   # no shared rows (176 / 2: no swizzle)
     (128, 1001, 1001, True),    # padded to 1008
-    (64, 197, 197, False),      # padded to 200, the forward's key tail
+    (64, 197, 197, False),      # in place; the backward's rows padded
     _slow(128, 264, 136, True),     # q_len > kv_len: the key tail
 ])
 def test_ragged_lengths_lower_on_the_plain_kernels(head_dim, q_len, kv_len,
@@ -600,6 +608,92 @@ def test_short_ragged_tail_lowers_on_the_launch_grid(is_causal,
       q, k, v, scale=0.125, is_causal=is_causal, persistent=False)
                  ).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
   assert _KERNEL_NAME in text
+
+
+@pytest.mark.parametrize("head_dim, dtype, in_place", [
+    (64, jnp.bfloat16, True), (64, jnp.float16, True),
+    (128, jnp.bfloat16, False), (80, jnp.bfloat16, False)])
+def test_rows_off_the_tiling_lower_in_place_at_d64(head_dim, dtype, in_place,
+                                                  cuda_lowering):
+  """`common.rows_in_place`: ViT-L/14's 577 tokens at d=64 in 16 bits reach
+  the forward kernel unpadded (its Q, K, V and O through untiled views of
+  their buffers, no pad in the lowered program); at wider rows the call
+  pads to 584 (the kernel's operands [.., 584, ..])."""
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import attention, common
+  assert common.rows_in_place(577, 577, head_dim, dtype) == in_place
+  assert not common.rows_in_place(576, 577 + 7, head_dim, dtype)
+  x = jax.ShapeDtypeStruct((2, 577, 4, head_dim), dtype)
+  text = jax.jit(lambda q, k, v: attention.mosaic_attention(
+      q, k, v, scale=0.125, is_causal=False,
+      backward_blocks=BlockSizes.get_default(head_dim, "NVIDIA H200"))
+                 ).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+  assert _KERNEL_NAME in text
+  assert ("stablehlo.pad" in text) != in_place
+  assert ("x584x" in text) != in_place
+
+
+@pytest.mark.parametrize("q_len, kv_len, is_causal", [(197, 197, False),
+                                                      (261, 133, True)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rows_off_the_tiling_reach_the_kernels(q_len, kv_len, is_causal,
+                                               head_dim, monkeypatch):
+  """Rows off the 8-row tiling: at d=64 both directions' kernels take them
+  unpadded (`common.rows_in_place`); wider rows reach both padded to whole
+  8-row tiles (`attention._plain_attention`, the forward's padded keys
+  masked by its kv_len). With the kernels replaced by the reference's
+  formulas (the backward from the residuals it is given,
+  `reference_backward`), out, lse and the gradients under random
+  cotangents match the reference's. Fails if a kernel gets other rows."""
+  from jax_flash import reference, validation
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import attention
+  rows = lambda n: n if head_dim == 64 else -(-n // 8) * 8
+  kernel_rows = (rows(q_len), rows(kv_len))
+
+  def forward(q, k, v, *, scale, is_causal, kv_len=None, **_):
+    assert (q.shape[1], k.shape[1]) == kernel_rows
+    k, v = k[:, :kv_len], v[:, :kv_len]  # the real keys
+    call = validation.normalise_call(q, k, v, scale=scale,
+                                     is_causal=is_causal)
+    out, lse = reference.reference_attention(call, q, k, v)
+    return out.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
+
+  def backward(q, k, v, out, lse, d_out, d_lse, *, scale, is_causal, **_):
+    assert (q.shape[1], k.shape[1]) == kernel_rows
+    call = validation.normalise_call(q, k, v, scale=scale,
+                                     is_causal=is_causal)
+    # Padded keys: zero K and V add nothing to dq; their rows are sliced.
+    return reference.reference_backward(
+        call, q, k, v, out, jnp.swapaxes(lse, 1, 2), d_out,
+        jnp.swapaxes(d_lse, 1, 2))
+
+  monkeypatch.setattr(attention, "mosaic_forward", forward)
+  monkeypatch.setattr(attention, "mosaic_backward", backward)
+  case = Case(1, q_len, kv_len, 4, 2, head_dim)
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=3)
+
+  def ours(q, k, v):
+    out, lse = attention.mosaic_attention(
+        q, k, v, scale=0.125, is_causal=is_causal,
+        backward_blocks=BlockSizes.get_default(head_dim, "NVIDIA H200"))
+    return out, jnp.swapaxes(lse, 1, 2)
+
+  def theirs(q, k, v):
+    call = validation.normalise_call(q, k, v, scale=0.125,
+                                     is_causal=is_causal)
+    out, lse = reference.reference_attention(call, q, k, v)
+    return out.astype(q.dtype), lse
+
+  def outputs_and_gradients(attend):
+    outputs, vjp = jax.vjp(attend, q, k, v)
+    return (*outputs, *vjp((d_out, d_lse)))
+
+  got, want = map(outputs_and_gradients, (ours, theirs))
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    np.testing.assert_allclose(np.asarray(a, np.float32),
+                               np.asarray(b, np.float32), atol=2e-2,
+                               rtol=2e-2, err_msg=name)
 
 
 @pytest.mark.parametrize("q_len, kv_len, is_causal", [

@@ -36,8 +36,9 @@ from pallas_kernels.masking import Operands
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.mosaic.backward import mosaic_backward, row_statistics
-from pallas_kernels.mosaic.common import (HEAD_DIM_MULTIPLE,
-                                         SUPPORTED_HEAD_DIMS, ragged_lengths)
+from pallas_kernels.mosaic.common import (
+    HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS, TMA_ROW_TILE, ragged_lengths,
+    rows_in_place)
 from pallas_kernels.mosaic.forward import mosaic_forward
 from pallas_kernels.mosaic import plan
 from pallas_kernels.mosaic.plan import backward_config, default_block_kv
@@ -102,9 +103,12 @@ def _plain_attention(query, key, value, scale, is_causal, backward_blocks,
   masked kernels make): the forward masks the padded keys wherever a query
   may see them (`mosaic_forward(kv_len=)`), the backward needs no mask
   (zero K and V add nothing to dQ; the padded rows' gradients and outputs
-  are sliced off, the padding's gradient by autodiff)."""
+  are sliced off, the padding's gradient by autodiff). Where the forward
+  reads such rows in place (`common.rows_in_place`: d=64 in 16 bits) only
+  the backward pads (`_bwd`)."""
   q_len, kv_len = query.shape[1], key.shape[1]
-  if ragged_lengths(q_len, kv_len):
+  if ragged_lengths(q_len, kv_len) or rows_in_place(
+      q_len, kv_len, query.shape[-1], query.dtype):
     return flash_attention_mosaic(query, key, value, scale, is_causal,
                                   backward_blocks, sinks, None, soft_cap)
   query, key, value = (pad_rows(x) for x in (query, key, value))
@@ -238,6 +242,21 @@ def _bwd(scale, is_causal, backward_blocks, kv_len, soft_cap, residuals,
   del kv_len
   query, key, value, out, lse, sinks = residuals
   d_out, d_lse = cotangents
+  q_len, kv_rows = query.shape[1], key.shape[1]
+  if not (ragged_lengths(q_len, kv_rows) or rows_in_place(
+      q_len, kv_rows, query.shape[-1], query.dtype)):
+    # Lengths off the 8-row TMA tiling whose rows the kernels cannot read
+    # in place: none reach here from `_plain_attention` (it pads them),
+    # but `mosaic_attention_backward`'s residuals may. Padded rows carry
+    # zero dO and d_lse, so nothing of theirs reaches a real row's
+    # gradient (above), and their LSE of 0 keeps P finite.
+    pad_lse = lambda x: jnp.pad(x, ((0, 0), (0, 0),
+                                    (0, -q_len % TMA_ROW_TILE)))
+    dq, dk, dv, d_sinks = _bwd(
+        scale, is_causal, backward_blocks, None, soft_cap,
+        (*map(pad_rows, (query, key, value, out)), pad_lse(lse), sinks),
+        (pad_rows(d_out), pad_lse(d_lse)))
+    return dq[:, :q_len], dk[:, :kv_rows], dv[:, :kv_rows], d_sinks
   d_sinks = sink_gradient(sinks, out, lse, d_out, d_lse)
   if soft_cap is None:
     try:

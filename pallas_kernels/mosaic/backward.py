@@ -59,9 +59,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
-    SUPPORTED_HEAD_DIMS, SWIZZLES, THREADS_PER_WARPGROUP, check_layout,
-    check_shared_memory, check_tiles, own_width_head_dim,
-    persistent_num_ctas, ragged_lengths, slope_rows_bytes)
+    SUPPORTED_HEAD_DIMS, SWIZZLES, THREADS_PER_WARPGROUP, TMA_ROW_TILE,
+    check_layout, check_shared_memory, check_tiles, own_width_head_dim,
+    persistent_num_ctas, ragged_lengths, rows_in_place, slope_rows_bytes)
 from pallas_kernels.mosaic.dkdv import launch_dkdv
 from pallas_kernels.mosaic.dq import launch_dq
 from pallas_kernels.mosaic.fused_dq import (DQ_PIECE, ZERO_CELL_BYTES,
@@ -116,8 +116,16 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   """
   config = _config(query, key, is_causal, options)
   # Lengths the tiles do not divide, in whole TMA row tiles: rows past
-  # either end load as zeros and add nothing (`common.ragged_lengths`).
-  any_lengths = ragged_lengths(query.shape[1], key.shape[1])
+  # either end load as zeros and add nothing (`common.ragged_lengths`);
+  # at d=64 any lengths, the rows read and written in place.
+  q_len, kv_len = query.shape[1], key.shape[1]
+  in_place = rows_in_place(q_len, kv_len, query.shape[-1], query.dtype)
+  if in_place and (config.fused_dq or config.shared_rows):
+    raise NotImplementedError(
+        f"lengths off the 8-row TMA tiling ({q_len}, {kv_len}) are read in "
+        "place by the dQ and dK/dV kernels only, not the fused dQ or shared "
+        "rows")
+  any_lengths = ragged_lengths(q_len, kv_len) or in_place
   check_supported(query, key, value, out, lse, d_out, d_lse,
                   block_q=config.block_q, block_kv=config.block_kv,
                   max_concurrent_steps=config.max_concurrent_steps,
@@ -132,6 +140,14 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   dq_config, dkdv_configs = statics(query, key, scale=scale,
                                     is_causal=is_causal, config=config)
   stats = row_statistics(out, lse, d_out, d_lse)
+  if in_place:
+    dq_config, *dkdv_configs = (
+        dataclasses.replace(static, rows_in_place=True)
+        for static in (dq_config, *dkdv_configs))
+    # Whole 8-row tiles: TMA needs 16-byte strides. The rows past q_len
+    # hold zeros, read only beside zero Q and dO rows.
+    stats = jnp.pad(stats, ((0, 0), (0, 0), (0, 0),
+                            (0, -q_len % TMA_ROW_TILE)))
   return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
 
 

@@ -108,6 +108,65 @@ def swizzled(columns: int, dtype):
           plgpu.SwizzleTransform(swizzle))
 
 
+class RowViews(NamedTuple):
+  """One shared-memory buffer of Q, K, V or O rows ([..., rows, columns]),
+  as each use needs it: `mma` tiled and swizzled (`swizzled`: wgmma, and
+  register stores), `tma` for the TMA copies to and from the global rows.
+  The same ref twice, except for rows read in place (`row_buffer`)."""
+  tma: Any
+  mma: Any
+
+  @classmethod
+  def of(cls, scratch, in_place: bool) -> RowViews:
+    """The views of a `row_buffer(in_place=)` as the kernel receives it: a
+    ref, or a `plgpu.RefUnion` of the (row-tiled, tiled) pair."""
+    return cls(*scratch) if in_place else cls(scratch, scratch)
+
+  @property
+  def at(self):
+    return _RowViewsIndexer(self)
+
+
+class _RowViewsIndexer(NamedTuple):
+  views: RowViews
+
+  def __getitem__(self, index) -> RowViews:
+    return RowViews(self.views.tma.at[index], self.views.mma.at[index])
+
+
+def rows_in_place(q_len: int, kv_len: int, head_dim: int, dtype) -> bool:
+  """Whether the plain forward reads and writes rows off the 8-row TMA
+  tiling (`ragged_lengths` false: ViT's 197, 257 or 577 tokens) in place,
+  without a padded copy: where a row is one 128-byte swizzle tile (d=64 in
+  16 bits). Mosaic GPU tiles a TMA's global array like its shared buffer
+  (the row axis as [rows / 8, 8], `TileTransform.transform_gmem_shape`),
+  so a buffer tiled (8, 64) for wgmma cannot take such rows; one tiled
+  (1, 64) with the same swizzle can, and where a row is one swizzle tile
+  the two tilings lay out the same bytes, so wgmma reads the (8, 64) view
+  of what TMA wrote through the (1, 64) one (`row_buffer`). (A swizzle
+  without a tiling is refused by Mosaic GPU's layout inference.) Wider
+  rows interleave their swizzle tiles by 8-row group when tiled (8, 64):
+  those calls are padded."""
+  return (not ragged_lengths(q_len, kv_len)
+          and head_dim * jnp.dtype(dtype).itemsize == SWIZZLES[0])
+
+
+def row_buffer(shape, dtype, *, in_place: bool):
+  """SMEM of `shape` ([..., rows, columns]) for Q, K, V or O rows, tiled
+  and swizzled (`swizzled`); with `in_place` (`rows_in_place`) a
+  `plgpu.RefUnion` of a view tiled one row at a time with the same swizzle
+  (for TMA) and the tiled one (for wgmma): two views of the same bytes,
+  both at the union's start. The kernel takes it apart with
+  `RowViews.of`."""
+  tiled = plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-1], dtype))
+  if not in_place:
+    return tiled
+  untiled = plgpu.SMEM(shape, dtype, transforms=(
+      plgpu.TilingTransform((1, shape[-1])),
+      plgpu.SwizzleTransform(SWIZZLES[0])))
+  return plgpu.RefUnion(untiled, tiled)
+
+
 def own_width_head_dim(head_dim: int, dtype) -> bool:
   """Whether the kernels compute `head_dim` at its own width in `dtype`:
   in 16 bits a multiple of `HEAD_DIM_MULTIPLE` from 64 to 256; in FP8

@@ -32,10 +32,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    THREADS_PER_WARPGROUP, ScoreTiles, alibi_terms, chained_tiles,
-    copy_slopes, dropout_key_hashes,
-    dropout_kept, dropout_query_hashes, masked_steps, per_column,
-    slope_reader, swizzled)
+    THREADS_PER_WARPGROUP, RowViews, ScoreTiles, alibi_terms, chained_tiles,
+    copy_slopes, dropout_key_hashes, dropout_kept, dropout_query_hashes,
+    masked_steps, per_column, row_buffer, slope_reader, swizzled)
 from pallas_kernels.mosaic.fused_dq import (
     DQ_PIECE, PIECES_DONE_BARRIER, FusedDq, issue_dq_piece,
     num_dq_pieces, stage_dq_piece, stage_dq_pieces, write_dq)
@@ -77,6 +76,10 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
   resident = plgpu.SMEM(resident_shape, static.dtype, transforms=transforms)
   streamed = plgpu.SMEM((stages, static.block_q, head_dim), static.dtype,
                         transforms=transforms)
+  if static.rows_in_place:  # `common.rows_in_place` (never shared rows)
+    resident, streamed = (
+        row_buffer(shape, static.dtype, in_place=True) for shape in
+        (resident_shape, (stages, static.block_q, head_dim)))
   scratch = (
       resident,                                           # K, then dK
       resident,                                           # V, then dV
@@ -171,6 +174,11 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   q_ref, k_ref, v_ref, do_ref, stats_ref = inputs[:5]
   (k_smem, v_smem, q_ring, do_ring, stats_ring, k_arrived, v_arrived,
    q_arrived, do_arrived, stats_arrived, consumed) = scratch[:11]
+  # TMA through `views[...].tma`, everything else through the wgmma views.
+  views = {name: RowViews.of(ref, static.rows_in_place) for name, ref in
+           (("k", k_smem), ("v", v_smem), ("q", q_ring), ("do", do_ring))}
+  k_smem, v_smem, q_ring, do_ring = (views[name].mma
+                                     for name in ("k", "v", "q", "do"))
   tile_start = kv_tile * static.kv_rows_per_cta
   plan, ids, slopes, bias, dense = ranged_refs(
       static, inputs[5:], scratch[11:], batch=batch, head=kv_head,
@@ -197,11 +205,11 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
     kv_start = tile_start + wg * static.block_kv
     kv_rows = pl.ds(kv_start, static.block_kv)
     own_k, own_v = k_smem.at[wg], v_smem.at[wg]
-    plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_rows, kv_head], own_k,
-                            k_arrived.at[wg])
+    plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_rows, kv_head],
+                            views["k"].tma.at[wg], k_arrived.at[wg])
     if "dk" in static.outputs:  # only dPᵀ = V dOᵀ reads V
-      plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_rows, kv_head], own_v,
-                              v_arrived.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_rows, kv_head],
+                              views["v"].tma.at[wg], v_arrived.at[wg])
       plgpu.barrier_wait(v_arrived.at[wg])
     plgpu.barrier_wait(k_arrived.at[wg])
     q_of = head_values = positions = terms_of = kept_of = bias_of = None
@@ -281,12 +289,12 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       compat.named_barrier("sync", PIECES_DONE_BARRIER,
                            static.num_consumers * THREADS_PER_WARPGROUP)
     # K and V are dead: write the gradients through their buffers.
-    staged = {"dk": own_k, "dv": own_v}
+    staged = {"dk": "k", "dv": "v"}
     for name, grad in zip(static.outputs, grads):
-      staged[name][...] = grad.astype(static.dtype)
+      views[staged[name]].mma.at[wg][...] = grad.astype(static.dtype)
     plgpu.commit_smem()
     for name in static.outputs:
-      plgpu.copy_smem_to_gmem(staged[name],
+      plgpu.copy_smem_to_gmem(views[staged[name]].tma.at[wg],
                               out_refs[name].at[batch, kv_rows, kv_head])
     # Persistent: the next tile's K and V may load once these have left.
     plgpu.wait_smem_to_gmem(0, wait_read_only=base is not None)
@@ -350,8 +358,8 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       head, rows = q_rows_of(step)
       return stats_ref.at[batch, head, :, rows]
 
-    streams = [(tile(q_ref), q_ring, q_arrived),
-               (tile(do_ref), do_ring, do_arrived),
+    streams = [(tile(q_ref), views["q"].tma, q_arrived),
+               (tile(do_ref), views["do"].tma, do_arrived),
                (stats_tile, stats_ring, stats_arrived)]
     if ids is not None:  # query ids travel with their Q tiles
       streams.append((lambda step: ids.streamed_gmem.at[q_rows_of(step)[1]],

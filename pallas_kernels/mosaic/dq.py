@@ -26,10 +26,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    alibi_terms, causal_mask, chained_tiles, copy_slopes, dropout_key_hashes,
-    dropout_kept,
-    dropout_query_hashes, masked_steps, per_row, slope_reader, swizzled,
-    tile_index, tile_indices, variant_mask)
+    RowViews, alibi_terms, causal_mask, chained_tiles, copy_slopes,
+    dropout_key_hashes, dropout_kept, dropout_query_hashes, masked_steps,
+    per_row, row_buffer, slope_reader, swizzled, tile_index, tile_indices,
+    variant_mask)
 from pallas_kernels.mosaic.pipeline import (
     MASKED, SKIP, UNMASKED, BackwardStatic, Walk, each_tile, grid_args,
     ids_arrived, keep_scale, kernel_name, load_own_ids, produce,
@@ -53,11 +53,10 @@ def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
   """
   batch, q_len, num_heads, head_dim = query.shape
   consumers, stages = static.num_consumers, static.num_stages
-  transforms = swizzled(head_dim, static.dtype)
-  resident = plgpu.SMEM((consumers, static.block_q, head_dim), static.dtype,
-                        transforms=transforms)
-  streamed = plgpu.SMEM((stages, static.block_kv, head_dim), static.dtype,
-                        transforms=transforms)
+  resident = row_buffer((consumers, static.block_q, head_dim), static.dtype,
+                        in_place=static.rows_in_place)
+  streamed = row_buffer((stages, static.block_kv, head_dim), static.dtype,
+                        in_place=static.rows_in_place)
   scratch = (
       resident,                                           # Q, then dQ
       resident,                                           # dO
@@ -130,6 +129,8 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
   q_ref, k_ref, v_ref, do_ref, stats_ref = inputs[:5]
   (q_smem, do_smem, stats_smem, k_ring, v_ring, q_arrived, do_arrived,
    stats_arrived, k_arrived, v_arrived, consumed) = scratch[:11]
+  q_smem, do_smem, k_ring, v_ring = (RowViews.of(x, static.rows_in_place)
+                                     for x in (q_smem, do_smem, k_ring, v_ring))
   plan, ids, slopes, bias, dense = ranged_refs(
       static, inputs[5:], scratch[11:], batch=batch, head=head, tile=q_tile,
       own_is_query=True)
@@ -155,9 +156,9 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
     q_start = start + wg * static.block_q
     q_rows = pl.ds(q_start, static.block_q)
     own_q, own_do, own_stats = q_smem.at[wg], do_smem.at[wg], stats_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], own_q,
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], own_q.tma,
                             q_arrived.at[wg])
-    plgpu.copy_gmem_to_smem(do_ref.at[batch, q_rows, head], own_do,
+    plgpu.copy_gmem_to_smem(do_ref.at[batch, q_rows, head], own_do.tma,
                             do_arrived.at[wg])
     plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, q_rows], own_stats,
                             stats_arrived.at[wg])
@@ -221,8 +222,8 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
         if dense_tile is not None:
           values = values._replace(dense_mask=dense_tile(step) != 0)
         return variant_mask(q_start, step, static, values)
-    dq = _dq_consume(own_q, own_do, lse_log2, delta, k_ring, v_ring, arrived,
-                     consumed, walk=walk, tile_mask=tile_mask, static=static,
+    dq = _dq_consume(own_q.mma, own_do.mma, lse_log2, delta, k_ring.mma,
+                     v_ring.mma, arrived, consumed, walk=walk, tile_mask=tile_mask, static=static,
                      base=base, positions=functools.partial(
                          tile_indices, q_start, static=static),
                      alibi_terms=terms_of, kept_of=kept_of,
@@ -230,9 +231,10 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
     if write_ds is not None:  # the dS tiles have gone out step by step
       plgpu.wait_smem_to_gmem(0)
       return
-    own_q[...] = dq.astype(static.dtype)  # Q is dead: dQ goes out through it
+    # Q is dead: dQ goes out through it
+    own_q.mma[...] = dq.astype(static.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(own_q, dq_ref.at[batch, q_rows, head])
+    plgpu.copy_smem_to_gmem(own_q.tma, dq_ref.at[batch, q_rows, head])
     # Persistent: the next tile's Q may load once dQ has left.
     plgpu.wait_smem_to_gmem(0, wait_read_only=base is not None)
 
@@ -253,8 +255,8 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
         return ref.at[batch, kv_rows_of(step), kv_head]
       return source
 
-    streams = [(tile(k_ref), k_ring, k_arrived),
-               (tile(v_ref), v_ring, v_arrived)]
+    streams = [(tile(k_ref), k_ring.tma, k_arrived),
+               (tile(v_ref), v_ring.tma, v_arrived)]
     if ids is not None:  # key ids travel with their K/V tiles
       streams.append((lambda step: ids.streamed_gmem.at[kv_rows_of(step)],
                       ids.ring, ids.ring_arrived))

@@ -61,7 +61,8 @@ from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, check_layout, check_shared_memory, check_tiles,
     launch_grid, masks_key_tail, own_width_head_dim, persistent_num_ctas,
-    ragged_lengths, slope_rows, slope_rows_bytes, swizzled)
+    ragged_lengths, row_buffer, rows_in_place, slope_rows, slope_rows_bytes,
+    swizzled)
 from pallas_kernels.mosaic.forward_kernel import (
     NUM_CONSUMERS, KernelStatic, forward_kernel, fp8_o_columns,
     persistent_kernel)
@@ -223,18 +224,17 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
         f"the FP8 and masked kernels run {NUM_CONSUMERS} consumers, meeting "
         "at a rendezvous")
   num_q_tiles = pl.cdiv(q_len, static.tile_rows)
-  transforms = swizzled(head_dim, static.dtype)
   stages = static.num_stages
   v_tile = (head_dim, block_kv) if static.fp8 else (block_kv, head_dim)
-  v_transforms = (swizzled(block_kv, static.dtype) if static.fp8
-                  else transforms)
+  in_place = static.rows_in_place
   scratch = (
       # Q, then (bfloat16 / float16) O on the way out.
-      plgpu.SMEM((consumers, block_q, head_dim), static.dtype,
-                 transforms=transforms),
-      plgpu.SMEM((stages, block_kv, head_dim), static.dtype,
-                 transforms=transforms),
-      plgpu.SMEM((stages, *v_tile), static.dtype, transforms=v_transforms),
+      row_buffer((consumers, block_q, head_dim), static.dtype,
+                 in_place=in_place),
+      row_buffer((stages, block_kv, head_dim), static.dtype,
+                 in_place=in_place),
+      # (FP8's V transposed, [head_dim, block_kv]: never in place.)
+      row_buffer((stages, *v_tile), static.dtype, in_place=in_place),
       plgpu.SMEM((consumers, block_q), jnp.float32),  # LSE
       plgpu.Barrier(num_barriers=consumers),          # q_arrived
       plgpu.Barrier(num_barriers=stages),                  # k_arrived
@@ -270,8 +270,8 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
     )
     inputs += (plan,)
   if static.stage_o_apart:
-    scratch += (plgpu.SMEM((consumers, block_q, head_dim), static.dtype,
-                           transforms=transforms),         # O
+    scratch += (row_buffer((consumers, block_q, head_dim), static.dtype,
+                           in_place=in_place),             # O
                 plgpu.SMEM((consumers, block_q), jnp.float32))  # LSE
   if segments is not None:
     scratch += (
@@ -373,7 +373,9 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   # Lengths the tiles do not divide (`ragged_lengths`, of the arrays' rows:
   # TMA's 8-row tiling; the FP8 kernel's K and V come padded to whole
   # blocks, `fp8.mosaic_forward_fp8`).
-  ragged = spec is None and ragged_lengths(q_len, rows)
+  in_place = spec is None and not fp8 and rows_in_place(q_len, rows,
+                                                       head_dim, dtype)
+  ragged = spec is None and (ragged_lengths(q_len, rows) or in_place)
   if spec is None and q_len % q_multiple and not ragged:
     raise NotImplementedError(
         f"q_len {q_len} must be a multiple of {q_multiple} "
@@ -418,7 +420,7 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
       spec=spec, scale=float(scale), num_consumers=num_consumers,
       q_len=q_len, sinks=bool(sinks),
       ragged_tail=ragged and bool(q_len % q_multiple or kv_len % block_kv),
-      kv_len=kv_len, key_rows=rows,
+      rows_in_place=in_place, kv_len=kv_len, key_rows=rows,
       key_tail=ragged and masks_key_tail(q_len, kv_len, block_kv, is_causal))
 
 

@@ -46,8 +46,8 @@ from pallas_kernels import masking
 from pallas_kernels.mosaic import turns
 from pallas_kernels.mosaic.common import (
     LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_TILE, PLAN_UNION, PlanRow,
-    ScoreTiles, SlopeRows, alibi_column_terms, alibi_row_terms, causal_mask,
-    chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
+    RowViews, ScoreTiles, SlopeRows, alibi_column_terms, alibi_row_terms,
+    causal_mask, chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
     dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
     persistent_schedule, read_plan, register_split, slope_reader, tile_index,
     tile_indices, variant_mask)
@@ -189,6 +189,10 @@ class KernelStatic:
   # where a real query may see past kv_len (`key_tail`,
   # `common.masks_key_tail`) the last K/V block is a masked step.
   ragged_tail: bool = False
+  # ... and rows off the 8-row TMA tiling, read and written in place
+  # through untiled views of the Q, K, V and O buffers
+  # (`common.rows_in_place`, `common.RowViews`).
+  rows_in_place: bool = False
   kv_len: int = 0
   key_tail: bool = False
   key_rows: int = 0  # K's rows: kv_len, or more where padded
@@ -343,6 +347,8 @@ def forward_kernel(*refs, static: KernelStatic):
   out_ref, lse_ref = refs[num_inputs:num_inputs + 2]
   (q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
    k_consumed, v_consumed, pingpong) = scratch[:10]
+  q_smem, k_smem, v_smem = (RowViews.of(x, static.rows_in_place)
+                            for x in (q_smem, k_smem, v_smem))
   if static.fp8:
     descale_ref = inputs[3]
     o_smem, descale_smem, descale_arrived = scratch[10:13]
@@ -434,9 +440,12 @@ def persistent_kernel(*refs, static: KernelStatic):
   scratch = refs[num_inputs + 2:]
   (q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
    k_consumed, v_consumed, pingpong) = scratch[:10]
+  q_smem, k_smem, v_smem = (RowViews.of(x, static.rows_in_place)
+                            for x in (q_smem, k_smem, v_smem))
   o_smem = q_smem
   if static.stage_o_apart:
-    o_smem, lse_smem = scratch[10:12]
+    o_smem = RowViews.of(scratch[10], static.rows_in_place)
+    lse_smem = scratch[11]
   stages = static.num_stages
   tiles = persistent_tiles(q_ref.shape, static, lax.axis_index("cta"))
   wg = lax.axis_index("wg")
@@ -452,7 +461,8 @@ def persistent_kernel(*refs, static: KernelStatic):
     def load_q(n):
       batch, head, tile_start = tiles.tile_of(n)
       rows = pl.ds(consumer_rows(tile_start, wg, static), static.block_q)
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg],
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head],
+                              q_smem.tma.at[wg],
                               q_arrived.at[wg])
 
     load_q(0)
@@ -504,7 +514,7 @@ def persistent_kernel(*refs, static: KernelStatic):
               plgpu.barrier_wait(consumed.at[w * stages + slot])
 
           plgpu.copy_gmem_to_smem(ref.at[batch, rows, kv_head],
-                                  smem.at[slot], arrived.at[slot])
+                                  smem.tma.at[slot], arrived.at[slot])
 
       return base + num_blocks
 
@@ -537,7 +547,7 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
       block = ref.at[batch, kv_head, :, rows]
     else:
       block = ref.at[batch, rows, kv_head]
-    plgpu.copy_gmem_to_smem(block, smem.at[slot], arrived.at[slot])
+    plgpu.copy_gmem_to_smem(block, smem.tma.at[slot], arrived.at[slot])
     if segments is not None and ref is k_ref:  # key ids travel with K
       plgpu.copy_gmem_to_smem(segments.kv_gmem.at[rows],
                               segments.kv_smem.at[slot],
@@ -685,7 +695,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.copy_gmem_to_smem(fp8.descale_gmem, fp8.descale_smem,
                             fp8.descale_arrived)
   if tile is None:
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_smem, q_arrived)
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_smem.tma,
+                            q_arrived)
   if fp8 is not None:
     plgpu.barrier_wait(fp8.descale_arrived)
     q_factor = _descale(fp8, q_start // block_q)
@@ -729,7 +740,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       wait_key_ids(slot)
 
     def scores(s_ref):
-      plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+      plgpu.wgmma(s_ref, q_smem.mma, k_smem.mma.at[slot].transpose((1, 0)))
       turn.after_scores(step)
       return s_ref[...]
 
@@ -811,7 +822,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                                                v_arrived.at[slot]))
 
     def accumulate(o_ref, l_ref=None):
-      v_tile = v_smem.at[slot]
+      v_tile = v_smem.mma.at[slot]
       if fp8 is not None:  # stored [head_dim, block_kv]: K-major for wgmma
         v_tile = v_tile.transpose((1, 0))
       plgpu.wgmma(o_ref, p, v_tile)
@@ -885,7 +896,8 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       row_scale, lse = _with_sink(m, l, sink_of(head))
       if plan is not None and static.spec.dropout_rate:
         row_scale = row_scale * (1.0 / (1.0 - static.spec.dropout_rate))
-      o_smem[...] = (acc * per_row(row_scale, acc.shape)).astype(out_dtype)
+      o_smem.mma[...] = (acc * per_row(row_scale, acc.shape)).astype(
+          out_dtype)
       lse_smem[...] = lse
     else:
       if fp8 is None and plan is not None and static.spec.dropout_rate:
@@ -895,8 +907,9 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
         acc = acc * per_row(1.0 / l_safe, acc.shape)
       else:
         acc = acc * per_row(v_factor / l_safe, acc.shape)
-        o_smem, out_dtype = fp8.o_smem, static.out_dtype
-      o_smem[...] = o_piece(acc, 0).astype(out_dtype)
+        o_smem = RowViews.of(fp8.o_smem, in_place=False)
+        out_dtype = static.out_dtype
+      o_smem.mma[...] = o_piece(acc, 0).astype(out_dtype)
       lse = add_unfused(m * _LN2, jnp.log(l_safe))
       if static.alibi_columns:  # the rows' terms the columns' left in it
         lse = lse - alibi_row_terms(values.alibi_slope, block_q)
@@ -904,13 +917,13 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.commit_smem()
 
     def store():
-      plgpu.copy_smem_to_gmem(o_smem, out_rows(0))
+      plgpu.copy_smem_to_gmem(o_smem.tma, out_rows(0))
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, q_rows])
       for piece in range(1, num_pieces):  # FP8 at head_dim 256
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_smem[...] = o_piece(acc, piece).astype(out_dtype)
+        o_smem.mma[...] = o_piece(acc, piece).astype(out_dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_rows(piece))
+        plgpu.copy_smem_to_gmem(o_smem.tma, out_rows(piece))
 
     if static.num_consumers == NUM_CONSUMERS:
       store()

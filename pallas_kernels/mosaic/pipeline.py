@@ -125,6 +125,10 @@ class BackwardStatic:
   # one pass where a consumer could not hold both whole (head_dim above
   # 128), with two consumers.
   shared_rows: bool = False
+  # Plain form, d=64 rows off the 8-row TMA tiling read and written in
+  # place (`common.rows_in_place`): Q, K, V, dO and the gradients through
+  # the (1, 64) views of their buffers (`common.row_buffer`).
+  rows_in_place: bool = False
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
   spec: Any = None
