@@ -144,8 +144,10 @@ def test_unbatched_inputs_and_low_rank_bias_like_jax_nn(implementation):
   def run(fn, **extra):
     def attention(q, k, v, bias):
       return fn(q, k, v, bias, mask, **kwargs, **extra)
-    (out, lse), vjp = jax.vjp(attention, q, k, v, bias)
-    return (out, lse) + vjp((d_out, d_lse))
+    def with_vjp(q, k, v, bias):  # one compilation
+      (out, lse), vjp = jax.vjp(attention, q, k, v, bias)
+      return (out, lse) + vjp((d_out, d_lse))
+    return jax.jit(with_vjp)(q, k, v, bias)
 
   ours = run(jax_flash.flash_attention, implementation=implementation,
              block_sizes=SMALL_BLOCKS)
@@ -197,11 +199,14 @@ def test_vmap_over_unbatched_calls():
                                          segment_ids=ids,
                                          key_value_seq_lengths=lengths)
 
-  got, got_vjp = jax.vjp(
-      lambda q, k, v: jax.vmap(per_example)(q, k, v, ids, lengths), q, k, v)
-  want, want_vjp = jax.vjp(batched, q, k, v)
-  chex.assert_trees_all_close(got, want, atol=2e-6)
-  chex.assert_trees_all_close(got_vjp(d_out), want_vjp(d_out), atol=1e-5)
+  def with_vjp(fn):  # one compilation for out and gradients
+    return jax.jit(lambda q, k, v: (lambda out, vjp: (out, vjp(d_out)))(
+        *jax.vjp(fn, q, k, v)))(q, k, v)
+  got = with_vjp(lambda q, k, v: jax.vmap(per_example)(q, k, v, ids,
+                                                       lengths))
+  want = with_vjp(batched)
+  chex.assert_trees_all_close(got[0], want[0], atol=2e-6)
+  chex.assert_trees_all_close(got[1], want[1], atol=1e-5)
 
 
 def test_deterministic_bitwise():

@@ -633,9 +633,11 @@ def test_rows_off_the_tiling_lower_in_place_at_d64(head_dim, dtype, in_place,
   assert ("x584x" in text) != in_place
 
 
-@pytest.mark.parametrize("q_len, kv_len, is_causal", [(197, 197, False),
-                                                      (261, 133, True)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_len, kv_len, is_causal, head_dim", [
+    (197, 197, False, 64), (261, 133, True, 128),
+    # (CI's ten minutes: the other pairings under -m slow.)
+    pytest.param(261, 133, True, 64, marks=pytest.mark.slow),
+    pytest.param(197, 197, False, 128, marks=pytest.mark.slow)])
 def test_rows_off_the_tiling_reach_the_kernels(q_len, kv_len, is_causal,
                                                head_dim, monkeypatch):
   """Rows off the 8-row tiling: at d=64 both directions' kernels take them
