@@ -121,11 +121,13 @@ CELLS = (
     C("ragged_causal_12000", "Llama 3 8B", 2, 12000, 32, 8, 128),
     C("padded_lengths_causal_2k", "Llama 3 8B", 16, 2048, 32, 8, 128,
       padded=True),
+    # A prompt length off the 8-row tiling (seven in eight are): at d=128
+    # the Mosaic path pads Q, K and V to whole 8-row tiles and cuts O back
+    # (benchmarks/NOTES.md, Open, "Rows in place at d=128 and wider").
+    C("ragged_causal_4097", "Llama 3 8B", 4, 4097, 32, 8, 128),
     # An encoder's tokens off the 8-row tiling (196 patches and a class
-    # token), without a causal mask: `implementation=None` takes the
-    # Triton kernels first here (`api.TRITON_FIRST_UP_TO`); on Mosaic
-    # (`jax_flash_mosaic`) the plain forward with its key tail masked and
-    # the masked backward (`attention._masked`).
+    # token), without a causal mask: at d=64 the Mosaic kernels read and
+    # write such rows in place (`common.rows_in_place`).
     C("ragged_vit_197", "ViT-B/16", 128, 197, 12, 12, 64, causal=False),
     # The same family further up (where routing them elsewhere stops
     # paying, benchmarks/NOTES.md, "Ragged lengths on the plain kernels").
