@@ -214,12 +214,14 @@ def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
     (Case(1, 1000, 1000, 4, 2, 160), True),   # at its own width
     # Off the 8-row TMA tiling: rows padded (`attention._plain_attention`).
     (Case(1, 1001, 1001, 8, 2, 128), True),
-    # Real queries past kv_len: the last K/V block masked past it.
-    # d=64 off the 8-row tiling: rows read in place by the forward
-    # (`common.rows_in_place`), padded for the backward.
+    # d=64 off the 8-row tiling: rows read and written in place by both
+    # directions' kernels (`common.rows_in_place`).
     (Case(8, 197, 197, 12, 12, 64), False),   # ViT-B/16
     (Case(2, 577, 577, 16, 4, 64), True),     # ViT-L/14 at 336 px, GQA
     (Case(2, 261, 133, 4, 2, 64), True),      # q_len > kv_len
+    (Case(2, 3, 5, 4, 2, 64), False),         # fewer rows than a tile
+    (Case(1, 1, 200, 4, 1, 64), True),        # one query
+    # Real queries past kv_len: the last K/V block masked past it.
     (Case(1, 1000, 1000, 4, 2, 128), False),
     (Case(1, 1000, 1000, 4, 2, 256), False),
     (Case(2, 264, 136, 4, 2, 128), True),     # q_len > kv_len
