@@ -151,11 +151,9 @@ def triton_first(call: AttentionCall, dtype) -> bool:
       or not (shape.q_len % _MOSAIC_ROW_TILE
               or shape.kv_len % _MOSAIC_ROW_TILE)):
     return False
-  plain = masking.MaskSpec(q_len=shape.q_len, kv_len=shape.kv_len,
-                           is_causal=call.spec.is_causal)
   in_place = (shape.head_dim * jnp.dtype(dtype).itemsize == _SWIZZLE_BYTES
-              and jnp.dtype(dtype).itemsize == 2 and call.spec == plain
-              and call.bias is None and call.sinks is None)
+              and jnp.dtype(dtype).itemsize == 2 and call.spec.is_plain
+              and call.sinks is None)
   return not in_place
 
 

@@ -344,9 +344,7 @@ def _run_mosaic(call: _Fp8Call, q, k, v, q_descale, k_descale, v_descale,
   except ImportError as e:
     raise NotImplementedError(f"Mosaic GPU is not importable: {e}") from e
   spec = call.spec
-  plain = masking.MaskSpec(q_len=spec.q_len, kv_len=spec.kv_len,
-                           is_causal=spec.is_causal)
-  ranged = {} if spec == plain else dict(
+  ranged = {} if spec.is_plain else dict(
       spec=spec, **{name: x for name, x in masked_operand_kwargs(masks).items()
                     if x is not None})
   out, lse = mosaic_forward_fp8(

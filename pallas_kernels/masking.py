@@ -81,6 +81,13 @@ class MaskSpec:
   dropout_rate: float = 0.0
 
   @property
+  def is_plain(self) -> bool:
+    """Whether nothing beyond the lengths and `is_causal` is asked: a call
+    the plain kernels take as it is."""
+    return self == MaskSpec(q_len=self.q_len, kv_len=self.kv_len,
+                            is_causal=self.is_causal)
+
+  @property
   def modifies_scores(self) -> bool:
     """Whether logits change beyond `scale * q·k` (bias, ALiBi, functions)."""
     return (self.has_bias or self.has_alibi or self.score_fn is not None

@@ -123,6 +123,16 @@ def test_block_ranges_cover_every_nonempty_block(rows):
         assert state == FULL
 
 
+@pytest.mark.parametrize("changes, plain", [
+    ({}, True), (dict(is_causal=True), True),
+    (dict(window=(16, 0)), False), (dict(has_kv_lengths=True), False),
+    (dict(logits_soft_cap=30.0), False), (dict(has_bias=True), False),
+    (dict(dropout_rate=0.1), False), (dict(score_fn=lambda s, *_: s), False)])
+def test_is_plain_is_nothing_beyond_the_lengths_and_causal(changes, plain):
+  """`MaskSpec.is_plain`: what the routing takes for the plain kernels."""
+  assert MaskSpec(q_len=97, kv_len=130, **changes).is_plain == plain
+
+
 def test_causal_skips_blocks_above_the_diagonal():
   spec = MaskSpec(q_len=256, kv_len=256, is_causal=True)
   ranges = np.asarray(masking.block_ranges(

@@ -173,9 +173,7 @@ def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
   H100, geomean of causal and not, h100_mosaic_ragged_forward_*.md).
   Their backward is the plain kernels' too (`_bwd`, benchmarks/NOTES.md,
   "Ragged lengths on the plain kernels")."""
-  plain = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
-                   is_causal=is_causal)
-  if (spec is None or spec == plain
+  if (spec is None or (spec.is_plain and spec.is_causal == is_causal)
       or _plain_soft_cap(spec, query.shape[-1]) is not None):
     return False
   if not MASKED_KERNEL_ENABLED:
@@ -194,9 +192,7 @@ def _plain_soft_cap(spec: MaskSpec | None, head_dim: int) -> float | None:
       or head_dim not in plan.PLAIN_SOFTCAP_HEAD_DIMS):
     return None
   uncapped = dataclasses.replace(spec, logits_soft_cap=None)
-  plain = MaskSpec(q_len=spec.q_len, kv_len=spec.kv_len,
-                   is_causal=spec.is_causal)
-  return spec.logits_soft_cap if uncapped == plain else None
+  return spec.logits_soft_cap if uncapped.is_plain else None
 
 
 def _divides(query, key) -> bool:
