@@ -848,10 +848,10 @@ def test_interpreted_alibi_columns_backward(monkeypatch, with_bias):
 def test_interpreted_folded_cap_backward(monkeypatch):
   """The masked backward with the cap's multiplies folded into the scales
   (`BackwardStatic.fold_cap`): dq, dk, dv as the reference's, GQA 2:1,
-  causal with a key tail, logits well past the cap (q scaled by 4); the
-  unfolded form not taken."""
+  causal with query and key tails (two Q tiles, three K/V tiles), logits
+  well past the cap (q scaled by 4); the unfolded form not taken."""
   _check_masked_backward_without_scores(
-      monkeypatch, Case(1, 136, 200, 2, 1, 64),
+      monkeypatch, Case(1, 72, 130, 2, 1, 64),
       dict(is_causal=True, logits_soft_cap=5.0), seed=15,
       flag="MASKED_BACKWARD_SOFTCAP_FOLDED",
       why="the backward took the unfolded cap", q_factor=4.0)
