@@ -121,6 +121,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 import numpy as np
 
 PATCHED_JAX_VERSION = "0.10.2"
@@ -761,18 +762,32 @@ def _rows_in_one_buffer():
   check. Only while interpreting: lowering keeps the union."""
   from pallas_kernels.mosaic import common, dkdv, dq, forward
   users = (forward, dq, dkdv)  # of `row_buffer`, imported by name
-  stock_of = vars(common.RowViews)["of"]
+  stock_of, stock_box = vars(common.RowViews)["of"], common.RowViews.box
   for module in users:
     module.row_buffer = lambda shape, dtype, in_place: common.row_buffer(
         shape, dtype, in_place=False)
-  common.RowViews.of = classmethod(lambda cls, scratch, in_place: cls(
-      scratch, scratch))
+
+  def one_buffer(cls, scratch, in_place):
+    # Rows wider than a swizzle tile still move box by box (the GPU's
+    # copies and barrier arrivals), each box a slice of the one buffer.
+    boxed = in_place and (scratch.shape[-1] * jnp.dtype(scratch.dtype).itemsize
+                          > common.SWIZZLES[0])
+    return cls(scratch, scratch, boxed)
+
+  def box_slice(views, group, piece):
+    width = common.SWIZZLES[0] // jnp.dtype(views.mma.dtype).itemsize
+    rows = common.TMA_ROW_TILE
+    return views.mma.at[pl.ds(group * rows, rows), pl.ds(piece * width,
+                                                        width)]
+  common.RowViews.of = classmethod(one_buffer)
+  common.RowViews.box = box_slice
   try:
     yield
   finally:
     for module in users:
       module.row_buffer = common.row_buffer
     common.RowViews.of = stock_of
+    common.RowViews.box = stock_box
 
 
 def reset() -> None:

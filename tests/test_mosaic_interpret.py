@@ -112,20 +112,26 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("q_len, kv_len, is_causal, options", [
-    (197, 197, False, dict(persistent=False)),   # ViT-B/16's tokens
-    slow(261, 133, True, dict(num_ctas=2)),      # causal, q_len > kv_len
+@pytest.mark.parametrize("q_len, kv_len, is_causal, head_dim, options", [
+    (197, 197, False, 64, dict(persistent=False)),   # ViT-B/16's tokens
+    slow(261, 133, True, 64, dict(num_ctas=2)),      # causal, q_len > kv_len
+    # Two swizzle tiles a row: 8-row boxes, two Q tiles, a K/V tail.
+    (75, 70, False, 128, dict(persistent=False)),
+    slow(261, 133, True, 256, dict(num_ctas=2)),
 ])
 def test_interpreted_forward_reads_rows_in_place(q_len, kv_len, is_causal,
-                                                 options):
-  """d=64 at lengths off the 8-row TMA tiling (`common.rows_in_place`):
+                                                 head_dim, options):
+  """Lengths off the 8-row TMA tiling (`common.rows_in_place`):
   `mosaic_forward` on the unpadded rows, TMA's zero fill past the ends
   and clipped stores the tail handling, the last K/V block masked past
-  kv_len; out and lse as the reference's. (The interpreter sees one
-  buffer where the GPU has two views: `mosaic_interpret`.)"""
-  case = Case(1, q_len, kv_len, 2, 1, 64)
+  kv_len; out and lse as the reference's. Rows wider than a swizzle tile
+  move a box at a time, each box's copy an arrival on its barrier. (The
+  interpreter sees one buffer where the GPU has two views, the boxes
+  slices of it: `mosaic_interpret`.)"""
+  case = Case(1, q_len, kv_len, 2, 1, head_dim)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
-  out, lse = mosaic_interpret.run(mosaic_forward, q, k, v, scale=0.125,
+  out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
+                                  scale=head_dim**-0.5,
                                   is_causal=is_causal, **options)
   assert out.shape == q.shape
   assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal)

@@ -104,11 +104,12 @@ def _plain_attention(query, key, value, scale, is_causal, backward_blocks,
   may see them (`mosaic_forward(kv_len=)`), the backward needs no mask
   (zero K and V add nothing to dQ; the padded rows' gradients and outputs
   are sliced off, the padding's gradient by autodiff). Where the forward
-  reads such rows in place (`common.rows_in_place`: d=64 in 16 bits) only
-  the backward pads (`_bwd`)."""
+  reads such rows in place (`common.rows_in_place`: whole swizzle tiles
+  of 16-bit rows) they are not padded; the backward pads those its
+  kernels cannot read in place (`_bwd`: wider than a swizzle tile)."""
   q_len, kv_len = query.shape[1], key.shape[1]
   if ragged_lengths(q_len, kv_len) or rows_in_place(
-      q_len, kv_len, query.shape[-1], query.dtype):
+      q_len, kv_len, query.shape[-1], query.dtype, forward=True):
     return flash_attention_mosaic(query, key, value, scale, is_causal,
                                   backward_blocks, sinks, None, soft_cap)
   query, key, value = (pad_rows(x) for x in (query, key, value))
@@ -241,9 +242,10 @@ def _bwd(scale, is_causal, backward_blocks, kv_len, soft_cap, residuals,
   q_len, kv_rows = query.shape[1], key.shape[1]
   if not (ragged_lengths(q_len, kv_rows) or rows_in_place(
       q_len, kv_rows, query.shape[-1], query.dtype)):
-    # Lengths off the 8-row TMA tiling whose rows the kernels cannot read
-    # in place: none reach here from `_plain_attention` (it pads them),
-    # but `mosaic_attention_backward`'s residuals may. Padded rows carry
+    # Lengths off the 8-row TMA tiling whose rows the backward kernels
+    # cannot read in place: from `_plain_attention`'s forward in place
+    # (rows wider than a swizzle tile), or `mosaic_attention_backward`'s
+    # residuals. Padded rows carry
     # zero dO and d_lse, so nothing of theirs reaches a real row's
     # gradient (above), and their LSE of 0 keeps P finite.
     pad_lse = lambda x: jnp.pad(x, ((0, 0), (0, 0),

@@ -112,29 +112,83 @@ class RowViews(NamedTuple):
   """One shared-memory buffer of Q, K, V or O rows ([..., rows, columns]),
   as each use needs it: `mma` tiled and swizzled (`swizzled`: wgmma, and
   register stores), `tma` for the TMA copies to and from the global rows.
-  The same ref twice, except for rows read in place (`row_buffer`)."""
+  The same ref twice, except for rows read in place (`row_buffer`);
+  `boxed` where those rows are wider than a swizzle tile and TMA moves
+  them a box at a time (`copy_rows_in`, `copy_rows_out`)."""
   tma: Any
   mma: Any
+  boxed: bool = False
 
   @classmethod
   def of(cls, scratch, in_place: bool) -> RowViews:
     """The views of a `row_buffer(in_place=)` as the kernel receives it: a
     ref, or a `plgpu.RefUnion` of the (row-tiled, tiled) pair."""
-    return cls(*scratch) if in_place else cls(scratch, scratch)
+    if not in_place:
+      return cls(scratch, scratch)
+    tma, mma = scratch
+    return cls(tma, mma, boxed=len(tma.shape) > len(mma.shape))
 
   @property
   def at(self):
     return _RowViewsIndexer(self)
+
+  def box(self, group: int, piece: int):
+    """The [TMA_ROW_TILE, swizzle tile] box of rows 8 group .. 8 group + 7
+    and swizzle tile `piece` of a boxed buffer's [rows, columns]."""
+    return self.tma.at[group, piece]
 
 
 class _RowViewsIndexer(NamedTuple):
   views: RowViews
 
   def __getitem__(self, index) -> RowViews:
-    return RowViews(self.views.tma.at[index], self.views.mma.at[index])
+    return RowViews(self.views.tma.at[index], self.views.mma.at[index],
+                    self.views.boxed)
 
 
-def rows_in_place(q_len: int, kv_len: int, head_dim: int, dtype) -> bool:
+def copy_rows_in(src, views: RowViews, barrier) -> None:
+  """TMA of the global rows `src` ([rows, columns]) into `views`' buffer,
+  arriving on `barrier`: one copy, or one per box of a boxed buffer
+  (`row_copies` of them: the barrier's arrivals)."""
+  if not views.boxed:
+    plgpu.copy_gmem_to_smem(src, views.tma, barrier)
+    return
+  for (group, piece), rows, columns in _boxes(views):
+    plgpu.copy_gmem_to_smem(src.at[rows, columns], views.box(group, piece),
+                            barrier)
+
+
+def copy_rows_out(views: RowViews, dst) -> None:
+  """TMA of `views`' buffer to the global rows `dst` ([rows, columns]);
+  rows past the array's end are dropped, box by box where boxed."""
+  if not views.boxed:
+    plgpu.copy_smem_to_gmem(views.tma, dst)
+    return
+  for (group, piece), rows, columns in _boxes(views):
+    plgpu.copy_smem_to_gmem(views.box(group, piece), dst.at[rows, columns])
+
+
+def _boxes(views: RowViews):
+  """((group, piece), global rows, global columns) of each box of a boxed
+  buffer: 8 rows by one swizzle tile."""
+  rows, columns = views.mma.shape[-2:]
+  width = SWIZZLES[0] // jnp.dtype(views.mma.dtype).itemsize
+  for group in range(rows // TMA_ROW_TILE):
+    for piece in range(columns // width):
+      yield ((group, piece), pl.ds(group * TMA_ROW_TILE, TMA_ROW_TILE),
+             pl.ds(piece * width, width))
+
+
+def row_copies(rows: int, columns: int, dtype, *, in_place: bool) -> int:
+  """TMA copies that fill a buffer of [rows, columns] (`row_buffer`), the
+  arrivals its barrier waits for: one box per 8 rows and swizzle tile
+  where rows read in place are wider than a swizzle tile, else 1."""
+  tiles = columns * jnp.dtype(dtype).itemsize // SWIZZLES[0]
+  return (rows // TMA_ROW_TILE) * tiles if in_place and tiles > 1 else 1
+
+
+def rows_in_place(q_len: int, kv_len: int, head_dim: int, dtype, *,
+                  forward: bool = False) -> bool:
   """Whether the plain forward reads and writes rows off the 8-row TMA
   tiling (`ragged_lengths` false: ViT's 197, 257 or 577 tokens) in place,
   without a padded copy: where a row is one 128-byte swizzle tile (d=64 in
@@ -145,10 +199,15 @@ def rows_in_place(q_len: int, kv_len: int, head_dim: int, dtype) -> bool:
   the two tilings lay out the same bytes, so wgmma reads the (8, 64) view
   of what TMA wrote through the (1, 64) one (`row_buffer`). (A swizzle
   without a tiling is refused by Mosaic GPU's layout inference.) Wider
-  rows interleave their swizzle tiles by 8-row group when tiled (8, 64):
-  those calls are padded."""
-  return (not ragged_lengths(q_len, kv_len)
-          and head_dim * jnp.dtype(dtype).itemsize == SWIZZLES[0])
+  rows interleave their swizzle tiles by 8-row group when tiled (8, 64);
+  each [8, 64] tile is again the same bytes in both tilings, so the
+  `forward` reads and writes 16-bit rows of whole swizzle tiles in place
+  one 8-row, 64-column box at a time (`copy_rows_in`); its backward pads
+  them."""
+  row_bytes = head_dim * jnp.dtype(dtype).itemsize
+  if forward and jnp.dtype(dtype).itemsize == 2:
+    return not ragged_lengths(q_len, kv_len) and row_bytes % SWIZZLES[0] == 0
+  return not ragged_lengths(q_len, kv_len) and row_bytes == SWIZZLES[0]
 
 
 def row_buffer(shape, dtype, *, in_place: bool):
@@ -156,13 +215,21 @@ def row_buffer(shape, dtype, *, in_place: bool):
   and swizzled (`swizzled`); with `in_place` (`rows_in_place`) a
   `plgpu.RefUnion` of a view tiled one row at a time with the same swizzle
   (for TMA) and the tiled one (for wgmma): two views of the same bytes,
-  both at the union's start. The kernel takes it apart with
+  both at the union's start. Rows wider than a swizzle tile get the TMA
+  view as [..., rows / 8, swizzle tiles, 8, tile columns], the tiled
+  layout's own order, whose every [8, tile columns] box TMA fills from
+  any row (`copy_rows_in`). The kernel takes it apart with
   `RowViews.of`."""
   tiled = plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-1], dtype))
   if not in_place:
     return tiled
+  width = SWIZZLES[0] // jnp.dtype(dtype).itemsize
+  *outer, rows, columns = shape
+  if columns > width:  # [..., rows / 8, swizzle tiles, 8, width]: boxes
+    shape = (*outer, rows // TMA_ROW_TILE, columns // width, TMA_ROW_TILE,
+             width)
   untiled = plgpu.SMEM(shape, dtype, transforms=(
-      plgpu.TilingTransform((1, shape[-1])),
+      plgpu.TilingTransform((1, width)),
       plgpu.SwizzleTransform(SWIZZLES[0])))
   return plgpu.RefUnion(untiled, tiled)
 

@@ -61,8 +61,8 @@ from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, check_layout, check_shared_memory, check_tiles,
     launch_grid, masks_key_tail, own_width_head_dim, persistent_num_ctas,
-    ragged_lengths, row_buffer, rows_in_place, slope_rows, slope_rows_bytes,
-    swizzled)
+    ragged_lengths, row_buffer, row_copies, rows_in_place, slope_rows,
+    slope_rows_bytes, swizzled)
 from pallas_kernels.mosaic.forward_kernel import (
     NUM_CONSUMERS, KernelStatic, forward_kernel, fp8_o_columns,
     persistent_kernel)
@@ -236,9 +236,11 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
       # (FP8's V transposed, [head_dim, block_kv]: never in place.)
       row_buffer((stages, *v_tile), static.dtype, in_place=in_place),
       plgpu.SMEM((consumers, block_q), jnp.float32),  # LSE
-      plgpu.Barrier(num_barriers=consumers),          # q_arrived
-      plgpu.Barrier(num_barriers=stages),                  # k_arrived
-      plgpu.Barrier(num_barriers=stages),                  # v_arrived
+      # q_arrived, k_arrived, v_arrived: one arrival a TMA copy
+      plgpu.Barrier(num_barriers=consumers, num_arrivals=row_copies(
+          block_q, head_dim, static.dtype, in_place=in_place)),
+      *[plgpu.Barrier(num_barriers=stages, num_arrivals=row_copies(
+          block_kv, head_dim, static.dtype, in_place=in_place))] * 2,
       # k_consumed and v_consumed: [consumer * stages + slot]; flat, since
       # the GPU interpreter allocates only 1-D barrier arrays.
       plgpu.Barrier(num_barriers=consumers * stages),
@@ -373,8 +375,8 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   # Lengths the tiles do not divide (`ragged_lengths`, of the arrays' rows:
   # TMA's 8-row tiling; the FP8 kernel's K and V come padded to whole
   # blocks, `fp8.mosaic_forward_fp8`).
-  in_place = spec is None and not fp8 and rows_in_place(q_len, rows,
-                                                       head_dim, dtype)
+  in_place = spec is None and not fp8 and rows_in_place(
+      q_len, rows, head_dim, dtype, forward=True)
   ragged = spec is None and (ragged_lengths(q_len, rows) or in_place)
   if spec is None and q_len % q_multiple and not ragged:
     raise NotImplementedError(

@@ -47,7 +47,8 @@ from pallas_kernels.mosaic import turns
 from pallas_kernels.mosaic.common import (
     LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_TILE, PLAN_UNION, PlanRow,
     RowViews, ScoreTiles, SlopeRows, alibi_column_terms, alibi_row_terms,
-    causal_mask, chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
+    causal_mask, chained_tiles, copy_rows_in, copy_rows_out, copy_slopes,
+    dropout_key_hashes, dropout_kept,
     dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
     persistent_schedule, read_plan, register_split, slope_reader, tile_index,
     tile_indices, variant_mask)
@@ -461,9 +462,8 @@ def persistent_kernel(*refs, static: KernelStatic):
     def load_q(n):
       batch, head, tile_start = tiles.tile_of(n)
       rows = pl.ds(consumer_rows(tile_start, wg, static), static.block_q)
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head],
-                              q_smem.tma.at[wg],
-                              q_arrived.at[wg])
+      copy_rows_in(q_ref.at[batch, rows, head], q_smem.at[wg],
+                   q_arrived.at[wg])
 
     load_q(0)
     sink_of = None
@@ -513,8 +513,8 @@ def persistent_kernel(*refs, static: KernelStatic):
             for w in range(static.num_consumers):
               plgpu.barrier_wait(consumed.at[w * stages + slot])
 
-          plgpu.copy_gmem_to_smem(ref.at[batch, rows, kv_head],
-                                  smem.tma.at[slot], arrived.at[slot])
+          copy_rows_in(ref.at[batch, rows, kv_head], smem.at[slot],
+                       arrived.at[slot])
 
       return base + num_blocks
 
@@ -547,7 +547,7 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
       block = ref.at[batch, kv_head, :, rows]
     else:
       block = ref.at[batch, rows, kv_head]
-    plgpu.copy_gmem_to_smem(block, smem.tma.at[slot], arrived.at[slot])
+    copy_rows_in(block, smem.at[slot], arrived.at[slot])
     if segments is not None and ref is k_ref:  # key ids travel with K
       plgpu.copy_gmem_to_smem(segments.kv_gmem.at[rows],
                               segments.kv_smem.at[slot],
@@ -695,8 +695,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.copy_gmem_to_smem(fp8.descale_gmem, fp8.descale_smem,
                             fp8.descale_arrived)
   if tile is None:
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_smem.tma,
-                            q_arrived)
+    copy_rows_in(q_ref.at[batch, q_rows, head], q_smem, q_arrived)
   if fp8 is not None:
     plgpu.barrier_wait(fp8.descale_arrived)
     q_factor = _descale(fp8, q_start // block_q)
@@ -917,13 +916,13 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.commit_smem()
 
     def store():
-      plgpu.copy_smem_to_gmem(o_smem.tma, out_rows(0))
+      copy_rows_out(o_smem, out_rows(0))
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, q_rows])
       for piece in range(1, num_pieces):  # FP8 at head_dim 256
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         o_smem.mma[...] = o_piece(acc, piece).astype(out_dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.tma, out_rows(piece))
+        copy_rows_out(o_smem, out_rows(piece))
 
     if static.num_consumers == NUM_CONSUMERS:
       store()
