@@ -863,14 +863,17 @@ def test_interpreted_folded_cap_backward(monkeypatch):
       why="the backward took the unfolded cap", q_factor=4.0)
 
 
-@pytest.mark.parametrize("q_len, kv_len, is_causal", [
+@pytest.mark.parametrize("q_len, kv_len, is_causal, head_dim", [
     # The whole route (forward, backward and their padding) of parts the
     # default suite checks apart: `-m slow` (CI's ten minutes).
-    slow(99, 99, False),      # rows padded to 104, not causal
-    slow(197, 197, False),    # ViT's tokens: rows padded to 200
-    slow(136, 100, True),     # causal, q_len > kv_len: whole 8-row tiles
+    slow(99, 99, False, 64),      # rows read in place, not causal
+    slow(197, 197, False, 64),    # ViT's tokens
+    slow(136, 100, True, 64),     # causal, q_len > kv_len: whole 8-row tiles
+    # Rows of two swizzle tiles, in place box by box in both directions.
+    slow(75, 70, False, 128),
 ])
-def test_interpreted_ragged_route(monkeypatch, q_len, kv_len, is_causal):
+def test_interpreted_ragged_route(monkeypatch, q_len, kv_len, is_causal,
+                                  head_dim):
   """`mosaic_attention` at lengths no tile divides where real queries see
   past kv_len (`attention._masked`: the plain forward with its key tail
   masked, the masked forward patched to fail; the masked backward on the
@@ -881,7 +884,7 @@ def test_interpreted_ragged_route(monkeypatch, q_len, kv_len, is_causal):
   def refuse(*_, **__):
     raise AssertionError("a plain call reached the masked forward")
   monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
-  case = Case(1, q_len, kv_len, 2, 1, 64)
+  case = Case(1, q_len, kv_len, 2, 1, head_dim)
   _check_plain_route(monkeypatch, *random_inputs(case, jnp.bfloat16,
                                                  seed=13),
                      is_causal=is_causal)
@@ -902,7 +905,7 @@ def _check_plain_route(monkeypatch, q, k, v, d_out, d_lse, *, is_causal,
   def attend(q, k, v):
     out, lse = attention.mosaic_attention(
         q, k, v, scale=0.125, is_causal=is_causal, spec=spec,
-        backward_blocks=BlockSizes.get_default(64, "NVIDIA H200"))
+        backward_blocks=BlockSizes.get_default(q.shape[-1], "NVIDIA H200"))
     return out, jnp.swapaxes(lse, 1, 2)
   names = ("out", "lse", "dq", "dk", "dv")
   ours = mosaic_interpret.run(

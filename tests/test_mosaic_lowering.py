@@ -212,8 +212,8 @@ def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
     (Case(2, 136, 264, 4, 4, 128), True),     # a consumer past q_len
     (Case(1, 1000, 1000, 4, 2, 256), True),   # shared K/V rows in dK/dV
     (Case(1, 1000, 1000, 4, 2, 160), True),   # at its own width
-    # Off the 8-row TMA tiling at d=128: the forward reads the rows in
-    # place a box at a time, the backward pads them.
+    # Off the 8-row TMA tiling at d=128 and 256: rows read in place a box
+    # at a time (the backward's shared rows at d=256 pad them).
     (Case(1, 1001, 1001, 8, 2, 128), True),
     (Case(2, 577, 577, 4, 4, 256), False),
     # d=64 off the 8-row tiling: rows read and written in place by both
@@ -620,20 +620,16 @@ def test_short_ragged_tail_lowers_on_the_launch_grid(is_causal,
     (80, jnp.bfloat16, False), (96, jnp.float16, False)])
 def test_rows_off_the_tiling_lower_in_place(head_dim, dtype, in_place,
                                             cuda_lowering):
-  """`common.rows_in_place(forward=True)`: ViT-L/14's 577 tokens in 16
-  bits at d=64, 128 or 256 reach the forward kernel unpadded (its Q, K, V
+  """`common.rows_in_place`: ViT-L/14's 577 tokens in 16 bits at d=64,
+  128 or 256 reach the forward kernel unpadded (its Q, K, V
   and O through untiled views of their buffers, a box at a time beyond
   one swizzle tile; no pad in the lowered program); where a row is no
   whole number of swizzle tiles the call pads to 584 (the kernel's
-  operands [.., 584, ..]). The backward reads them in place at d=64
-  only."""
+  operands [.., 584, ..])."""
   from pallas_kernels.config import BlockSizes
   from pallas_kernels.mosaic import attention, common
-  assert common.rows_in_place(577, 577, head_dim, dtype,
-                              forward=True) == in_place
-  assert common.rows_in_place(577, 577, head_dim, dtype) == (head_dim == 64)
-  assert not common.rows_in_place(576, 577 + 7, head_dim, dtype,
-                                  forward=True)
+  assert common.rows_in_place(577, 577, head_dim, dtype) == in_place
+  assert not common.rows_in_place(576, 577 + 7, head_dim, dtype)
   x = jax.ShapeDtypeStruct((2, 577, 4, head_dim), dtype)
   text = jax.jit(lambda q, k, v: attention.mosaic_attention(
       q, k, v, scale=0.125, is_causal=False,
@@ -652,11 +648,11 @@ def test_rows_off_the_tiling_lower_in_place(head_dim, dtype, in_place,
     pytest.param(197, 197, True, 80, marks=pytest.mark.slow)])
 def test_rows_off_the_tiling_reach_the_kernels(q_len, kv_len, is_causal,
                                                head_dim, monkeypatch):
-  """Rows off the 8-row tiling: at d=64 both directions' kernels take them
-  unpadded (`common.rows_in_place`); at d=128 the forward takes them
-  unpadded and the backward padded to whole 8-row tiles; rows of no whole
-  swizzle tiles (d=80) reach both padded (`attention._plain_attention`,
-  the forward's padded keys masked by its kv_len). With the kernels
+  """Rows off the 8-row tiling: at d=64 and d=128 both directions'
+  kernels take them unpadded (`common.rows_in_place`); rows of no whole
+  swizzle tiles (d=80) reach both padded to whole 8-row tiles
+  (`attention._plain_attention`, the forward's padded keys masked by its
+  kv_len). With the kernels
   replaced by the reference's formulas (the backward from the residuals
   it is given, `reference_backward`), out, lse and the gradients under
   random cotangents match the reference's. Fails if a kernel gets other
@@ -667,8 +663,7 @@ def test_rows_off_the_tiling_reach_the_kernels(q_len, kv_len, is_causal,
   padded = lambda n: -(-n // 8) * 8
   forward_rows = ((q_len, kv_len) if head_dim in (64, 128)
                   else (padded(q_len), padded(kv_len)))
-  backward_rows = ((q_len, kv_len) if head_dim == 64
-                   else (padded(q_len), padded(kv_len)))
+  backward_rows = forward_rows
 
   def forward(q, k, v, *, scale, is_causal, kv_len=None, **_):
     assert (q.shape[1], k.shape[1]) == forward_rows

@@ -35,7 +35,9 @@ from pallas_kernels.masking import MaskSpec
 from pallas_kernels.masking import Operands
 from pallas_kernels import compat
 from pallas_kernels.config import BlockSizes
-from pallas_kernels.mosaic.backward import mosaic_backward, row_statistics
+from pallas_kernels.mosaic.backward import (mosaic_backward,
+                                           reads_rows_in_place,
+                                           row_statistics)
 from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS, TMA_ROW_TILE, ragged_lengths,
     rows_in_place)
@@ -103,13 +105,12 @@ def _plain_attention(query, key, value, scale, is_causal, backward_blocks,
   masked kernels make): the forward masks the padded keys wherever a query
   may see them (`mosaic_forward(kv_len=)`), the backward needs no mask
   (zero K and V add nothing to dQ; the padded rows' gradients and outputs
-  are sliced off, the padding's gradient by autodiff). Where the forward
-  reads such rows in place (`common.rows_in_place`: whole swizzle tiles
-  of 16-bit rows) they are not padded; the backward pads those its
-  kernels cannot read in place (`_bwd`: wider than a swizzle tile)."""
+  are sliced off, the padding's gradient by autodiff). Rows the kernels
+  read in place (`common.rows_in_place`: 16-bit rows of whole swizzle
+  tiles) are not padded in either direction."""
   q_len, kv_len = query.shape[1], key.shape[1]
   if ragged_lengths(q_len, kv_len) or rows_in_place(
-      q_len, kv_len, query.shape[-1], query.dtype, forward=True):
+      q_len, kv_len, query.shape[-1], query.dtype):
     return flash_attention_mosaic(query, key, value, scale, is_causal,
                                   backward_blocks, sinks, None, soft_cap)
   query, key, value = (pad_rows(x) for x in (query, key, value))
@@ -240,13 +241,12 @@ def _bwd(scale, is_causal, backward_blocks, kv_len, soft_cap, residuals,
   query, key, value, out, lse, sinks = residuals
   d_out, d_lse = cotangents
   q_len, kv_rows = query.shape[1], key.shape[1]
-  if not (ragged_lengths(q_len, kv_rows) or rows_in_place(
-      q_len, kv_rows, query.shape[-1], query.dtype)):
-    # Lengths off the 8-row TMA tiling whose rows the backward kernels
-    # cannot read in place: from `_plain_attention`'s forward in place
-    # (rows wider than a swizzle tile), or `mosaic_attention_backward`'s
-    # residuals. Padded rows carry
-    # zero dO and d_lse, so nothing of theirs reaches a real row's
+  if not (ragged_lengths(q_len, kv_rows)
+          or reads_rows_in_place(query, key, is_causal)):
+    # Lengths off the 8-row TMA tiling whose rows the backward kernels do
+    # not read in place: a forward's in place on the fused dQ's or shared
+    # rows' plan, or `mosaic_attention_backward`'s residuals. Padded rows
+    # carry zero dO and d_lse, so nothing of theirs reaches a real row's
     # gradient (above), and their LSE of 0 keeps P finite.
     pad_lse = lambda x: jnp.pad(x, ((0, 0), (0, 0),
                                     (0, -q_len % TMA_ROW_TILE)))

@@ -159,6 +159,16 @@ def configure(query, key, *, scale: float, is_causal: bool, **options):
                  config=_config(query, key, is_causal, options))
 
 
+def reads_rows_in_place(query, key, is_causal: bool) -> bool:
+  """Whether `mosaic_backward` on its plan reads these rows in place
+  (`common.rows_in_place`): not with the fused dQ or shared rows, whose
+  calls are padded instead (`attention._bwd`)."""
+  config = _config(query, key, is_causal, {})
+  return (rows_in_place(query.shape[1], key.shape[1], query.shape[-1],
+                        query.dtype)
+          and not (config.fused_dq or config.shared_rows))
+
+
 def _config(query, key, is_causal: bool, options) -> BackwardConfig:
   """`plan.backward_config` of a call, its `dq_tiles` checked."""
   config = backward_config(head_dim=query.shape[-1], is_causal=is_causal,

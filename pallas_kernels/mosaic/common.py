@@ -187,8 +187,7 @@ def row_copies(rows: int, columns: int, dtype, *, in_place: bool) -> int:
   return (rows // TMA_ROW_TILE) * tiles if in_place and tiles > 1 else 1
 
 
-def rows_in_place(q_len: int, kv_len: int, head_dim: int, dtype, *,
-                  forward: bool = False) -> bool:
+def rows_in_place(q_len: int, kv_len: int, head_dim: int, dtype) -> bool:
   """Whether the plain forward reads and writes rows off the 8-row TMA
   tiling (`ragged_lengths` false: ViT's 197, 257 or 577 tokens) in place,
   without a padded copy: where a row is one 128-byte swizzle tile (d=64 in
@@ -200,14 +199,15 @@ def rows_in_place(q_len: int, kv_len: int, head_dim: int, dtype, *,
   of what TMA wrote through the (1, 64) one (`row_buffer`). (A swizzle
   without a tiling is refused by Mosaic GPU's layout inference.) Wider
   rows interleave their swizzle tiles by 8-row group when tiled (8, 64);
-  each [8, 64] tile is again the same bytes in both tilings, so the
-  `forward` reads and writes 16-bit rows of whole swizzle tiles in place
-  one 8-row, 64-column box at a time (`copy_rows_in`); its backward pads
-  them."""
+  each [8, 64] tile is again the same bytes in both tilings, so rows of
+  whole swizzle tiles (d=128 and 256) are read and written in place one
+  8-row, 64-column box at a time (`copy_rows_in`). 16-bit rows only (the
+  FP8 forward's V is transposed); rows of no whole number of swizzle
+  tiles (own widths: d=80, 96, ...) are padded."""
   row_bytes = head_dim * jnp.dtype(dtype).itemsize
-  if forward and jnp.dtype(dtype).itemsize == 2:
-    return not ragged_lengths(q_len, kv_len) and row_bytes % SWIZZLES[0] == 0
-  return not ragged_lengths(q_len, kv_len) and row_bytes == SWIZZLES[0]
+  return (not ragged_lengths(q_len, kv_len)
+          and jnp.dtype(dtype).itemsize == 2
+          and row_bytes % SWIZZLES[0] == 0)
 
 
 def row_buffer(shape, dtype, *, in_place: bool):

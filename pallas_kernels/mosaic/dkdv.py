@@ -33,8 +33,9 @@ from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
     THREADS_PER_WARPGROUP, RowViews, ScoreTiles, alibi_terms, chained_tiles,
-    copy_slopes, dropout_key_hashes, dropout_kept, dropout_query_hashes,
-    masked_steps, per_column, row_buffer, slope_reader, swizzled)
+    copy_rows_in, copy_rows_out, copy_slopes, dropout_key_hashes,
+    dropout_kept, dropout_query_hashes, masked_steps, per_column,
+    row_buffer, row_copies, slope_reader, swizzled)
 from pallas_kernels.mosaic.fused_dq import (
     DQ_PIECE, PIECES_DONE_BARRIER, FusedDq, issue_dq_piece,
     num_dq_pieces, stage_dq_piece, stage_dq_pieces, write_dq)
@@ -86,10 +87,14 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
       streamed,                                           # Q ring
       streamed,                                           # dO ring
       plgpu.SMEM((stages, 2, static.block_q), jnp.float32),  # stats ring
-      plgpu.Barrier(num_barriers=consumers),              # k_arrived
-      plgpu.Barrier(num_barriers=consumers),              # v_arrived
-      plgpu.Barrier(num_barriers=stages),                 # q_arrived
-      plgpu.Barrier(num_barriers=stages),                 # do_arrived
+      # k_arrived, v_arrived, q_arrived, do_arrived: one arrival a TMA
+      # copy (`row_copies`)
+      *[plgpu.Barrier(num_barriers=consumers, num_arrivals=row_copies(
+          static.block_kv, head_dim, static.dtype,
+          in_place=static.rows_in_place))] * 2,
+      *[plgpu.Barrier(num_barriers=stages, num_arrivals=row_copies(
+          static.block_q, head_dim, static.dtype,
+          in_place=static.rows_in_place))] * 2,
       plgpu.Barrier(num_barriers=stages),                 # stats_arrived
       plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # consumed
   )
@@ -205,11 +210,11 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
     kv_start = tile_start + wg * static.block_kv
     kv_rows = pl.ds(kv_start, static.block_kv)
     own_k, own_v = k_smem.at[wg], v_smem.at[wg]
-    plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_rows, kv_head],
-                            views["k"].tma.at[wg], k_arrived.at[wg])
+    copy_rows_in(k_ref.at[batch, kv_rows, kv_head], views["k"].at[wg],
+                 k_arrived.at[wg])
     if "dk" in static.outputs:  # only dPᵀ = V dOᵀ reads V
-      plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_rows, kv_head],
-                              views["v"].tma.at[wg], v_arrived.at[wg])
+      copy_rows_in(v_ref.at[batch, kv_rows, kv_head], views["v"].at[wg],
+                   v_arrived.at[wg])
       plgpu.barrier_wait(v_arrived.at[wg])
     plgpu.barrier_wait(k_arrived.at[wg])
     q_of = head_values = positions = terms_of = kept_of = bias_of = None
@@ -294,8 +299,8 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       views[staged[name]].mma.at[wg][...] = grad.astype(static.dtype)
     plgpu.commit_smem()
     for name in static.outputs:
-      plgpu.copy_smem_to_gmem(views[staged[name]].tma.at[wg],
-                              out_refs[name].at[batch, kv_rows, kv_head])
+      copy_rows_out(views[staged[name]].at[wg],
+                    out_refs[name].at[batch, kv_rows, kv_head])
     # Persistent: the next tile's K and V may load once these have left.
     plgpu.wait_smem_to_gmem(0, wait_read_only=base is not None)
 
@@ -358,8 +363,8 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       head, rows = q_rows_of(step)
       return stats_ref.at[batch, head, :, rows]
 
-    streams = [(tile(q_ref), views["q"].tma, q_arrived),
-               (tile(do_ref), views["do"].tma, do_arrived),
+    streams = [(tile(q_ref), views["q"], q_arrived),
+               (tile(do_ref), views["do"], do_arrived),
                (stats_tile, stats_ring, stats_arrived)]
     if ids is not None:  # query ids travel with their Q tiles
       streams.append((lambda step: ids.streamed_gmem.at[q_rows_of(step)[1]],

@@ -26,10 +26,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    RowViews, alibi_terms, causal_mask, chained_tiles, copy_slopes,
-    dropout_key_hashes, dropout_kept, dropout_query_hashes, masked_steps,
-    per_row, row_buffer, slope_reader, swizzled, tile_index, tile_indices,
-    variant_mask)
+    RowViews, alibi_terms, causal_mask, chained_tiles, copy_rows_in,
+    copy_rows_out, copy_slopes, dropout_key_hashes, dropout_kept,
+    dropout_query_hashes, masked_steps, per_row, row_buffer, row_copies,
+    slope_reader, swizzled, tile_index, tile_indices, variant_mask)
 from pallas_kernels.mosaic.pipeline import (
     MASKED, SKIP, UNMASKED, BackwardStatic, Walk, each_tile, grid_args,
     ids_arrived, keep_scale, kernel_name, load_own_ids, produce,
@@ -63,11 +63,15 @@ def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
       plgpu.SMEM((consumers, 2, static.block_q), jnp.float32),  # stats
       streamed,                                           # K ring
       streamed,                                           # V ring
-      plgpu.Barrier(num_barriers=consumers),              # q_arrived
-      plgpu.Barrier(num_barriers=consumers),              # do_arrived
+      # q_arrived, do_arrived: one arrival a TMA copy (`row_copies`)
+      *[plgpu.Barrier(num_barriers=consumers, num_arrivals=row_copies(
+          static.block_q, head_dim, static.dtype,
+          in_place=static.rows_in_place))] * 2,
       plgpu.Barrier(num_barriers=consumers),              # stats_arrived
-      plgpu.Barrier(num_barriers=stages),                 # k_arrived
-      plgpu.Barrier(num_barriers=stages),                 # v_arrived
+      # k_arrived, v_arrived
+      *[plgpu.Barrier(num_barriers=stages, num_arrivals=row_copies(
+          static.block_kv, head_dim, static.dtype,
+          in_place=static.rows_in_place))] * 2,
       plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # consumed
   )
   inputs = (query, key, value, d_out, stats)
@@ -156,10 +160,8 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
     q_start = start + wg * static.block_q
     q_rows = pl.ds(q_start, static.block_q)
     own_q, own_do, own_stats = q_smem.at[wg], do_smem.at[wg], stats_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], own_q.tma,
-                            q_arrived.at[wg])
-    plgpu.copy_gmem_to_smem(do_ref.at[batch, q_rows, head], own_do.tma,
-                            do_arrived.at[wg])
+    copy_rows_in(q_ref.at[batch, q_rows, head], own_q, q_arrived.at[wg])
+    copy_rows_in(do_ref.at[batch, q_rows, head], own_do, do_arrived.at[wg])
     plgpu.copy_gmem_to_smem(stats_ref.at[batch, head, :, q_rows], own_stats,
                             stats_arrived.at[wg])
     for barrier in (q_arrived, do_arrived, stats_arrived):
@@ -234,7 +236,7 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
     # Q is dead: dQ goes out through it
     own_q.mma[...] = dq.astype(static.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(own_q.tma, dq_ref.at[batch, q_rows, head])
+    copy_rows_out(own_q, dq_ref.at[batch, q_rows, head])
     # Persistent: the next tile's Q may load once dQ has left.
     plgpu.wait_smem_to_gmem(0, wait_read_only=base is not None)
 
@@ -255,8 +257,8 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
         return ref.at[batch, kv_rows_of(step), kv_head]
       return source
 
-    streams = [(tile(k_ref), k_ring.tma, k_arrived),
-               (tile(v_ref), v_ring.tma, v_arrived)]
+    streams = [(tile(k_ref), k_ring, k_arrived),
+               (tile(v_ref), v_ring, v_arrived)]
     if ids is not None:  # key ids travel with their K/V tiles
       streams.append((lambda step: ids.streamed_gmem.at[kv_rows_of(step)],
                       ids.ring, ids.ring_arrived))

@@ -38,8 +38,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import masking
 from pallas_kernels.mosaic.common import (
     LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_TILE, PLAN_UNION, PLAN_WIDTH,
-    PlanRow, ScoreTiles, SlopeRows, launch_grid, per_column, per_row,
-    persistent_schedule, read_plan, register_split, swizzled)
+    PlanRow, RowViews, ScoreTiles, SlopeRows, copy_rows_in, launch_grid,
+    per_column, per_row, persistent_schedule, read_plan, register_split,
+    swizzled)
 
 # The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
 # the producer: 2 * 232 + 24 + 24 = 512 per thread slot. 24 is setmaxnreg's
@@ -290,7 +291,7 @@ def produce(streams, consumed, num_steps, static: BackwardStatic, base=None):
   """Producer warpgroup: TMA step t's tiles into ring slot t % num_stages.
 
   `streams` are (source, ring, arrived): `source(step)` is the GMEM view of
-  that step's tile. A slot is refilled once every consumer released it.
+  that step's tile, `ring` a ref or rows' `RowViews`. A slot is refilled once every consumer released it.
   Persistent (`base` given): the ring runs on from the CTA's earlier tiles,
   step t going to slot (base + t) % num_stages, without a fill of its own.
   """
@@ -298,7 +299,11 @@ def produce(streams, consumed, num_steps, static: BackwardStatic, base=None):
 
   def load(step, slot):
     for source, ring, arrived in streams:
-      plgpu.copy_gmem_to_smem(source(step), ring.at[slot], arrived.at[slot])
+      if isinstance(ring, RowViews):  # Q, K, V, dO: box by box if boxed
+        copy_rows_in(source(step), ring.at[slot], arrived.at[slot])
+      else:
+        plgpu.copy_gmem_to_smem(source(step), ring.at[slot],
+                                arrived.at[slot])
 
   if base is not None:
     @pl.loop(0, num_steps)
