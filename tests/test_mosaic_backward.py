@@ -232,10 +232,10 @@ def test_d_lse_lowers(cuda_lowering):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    # Off the 8-row TMA tiling, rows wider than a swizzle tile (d=64's are
-    # read in place: `common.rows_in_place`).
-    (dict(q_len=204, head_dim=128), "q_len 204"),
-    (dict(kv_len=204, head_dim=128), "kv_len 204"),
+    # Off the 8-row TMA tiling, rows of no whole number of swizzle tiles
+    # (rows of whole ones are read in place: `common.rows_in_place`).
+    (dict(q_len=204, head_dim=96), "q_len 204"),
+    (dict(kv_len=204, head_dim=96), "kv_len 204"),
     (dict(head_dim=72), "head_dim"),    # not a multiple of 16
     (dict(dtype=jnp.float32), "bfloat16 and float16"),
     (dict(block_q=96), "multiples of 64"),
@@ -610,11 +610,11 @@ def test_dq_tiles_lower_and_change_the_dq_kernel_only(is_causal,
   text = lambda **kw: _lower(64, is_causal, q_len=512, kv_len=512,
                              persistent=False, **kw)
   assert text(dq_tiles=(64, 128)) != text(dq_tiles=(128, 64))
-  # Lengths of whole 8-row TMA tiles take any tiles, and at d=64 any
-  # lengths (read in place); others are refused.
-  _lower(64, is_causal, q_len=512, kv_len=388, dq_tiles=(64, 128))
+  # Lengths of whole 8-row TMA tiles take any tiles, and rows of whole
+  # swizzle tiles any lengths (read in place); others are refused.
+  _lower(128, is_causal, q_len=512, kv_len=388, dq_tiles=(64, 128))
   with pytest.raises(NotImplementedError, match="multiple of block_kv"):
-    _lower(128, is_causal, q_len=512, kv_len=388, dq_tiles=(64, 128))
+    _lower(96, is_causal, q_len=512, kv_len=388, dq_tiles=(64, 128))
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

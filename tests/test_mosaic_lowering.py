@@ -168,10 +168,10 @@ def test_padded_head_dim_lowers_with_gradients(cuda_lowering):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    # Off the 8-row TMA tiling, rows wider than a swizzle tile (at d=64
-    # such rows are read in place: `common.rows_in_place`).
-    (dict(q_len=204, head_dim=128), "q_len 204"),
-    (dict(kv_len=204, head_dim=128), "kv_len 204"),
+    # Off the 8-row TMA tiling, rows of no whole number of swizzle tiles
+    # (rows of whole ones are read in place: `common.rows_in_place`).
+    (dict(q_len=204, head_dim=96), "q_len 204"),
+    (dict(kv_len=204, head_dim=96), "kv_len 204"),
     (dict(head_dim=72), "head_dim"),    # not a multiple of 16
     (dict(head_dim=48), "head_dim"),    # below 64: padded by the caller
     (dict(dtype=jnp.float32), "bfloat16 and float16"),
@@ -466,8 +466,8 @@ def test_three_consumers_refuse_what_they_lack():
   with pytest.raises(ValueError, match="num_consumers"):
     run(num_consumers=4)
   # Lengths of whole 8-row TMA tiles (`common.ragged_lengths`) only, where
-  # a row is wider than a swizzle tile (`common.rows_in_place`).
-  ragged = jax.ShapeDtypeStruct((1, 204, 2, 128), jnp.bfloat16)
+  # a row is no whole number of swizzle tiles (`common.rows_in_place`).
+  ragged = jax.ShapeDtypeStruct((1, 204, 2, 96), jnp.bfloat16)
   for consumers in (2, 3):
     with pytest.raises(NotImplementedError, match="q_len 204"):
       run(ragged, num_consumers=consumers)
