@@ -121,7 +121,6 @@ import types
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 import numpy as np
 
 PATCHED_JAX_VERSION = "0.10.2"
@@ -762,32 +761,30 @@ def _rows_in_one_buffer():
   check. Only while interpreting: lowering keeps the union."""
   from pallas_kernels.mosaic import common, dkdv, dq, forward
   users = (forward, dq, dkdv)  # of `row_buffer`, imported by name
-  stock_of, stock_box = vars(common.RowViews)["of"], common.RowViews.box
+  stock_of = vars(common.RowViews)["of"]
+
+  def one_buffer_of(shape, dtype, in_place):
+    # Split rows keep their column tiles ([..., tiles, rows, width]): the
+    # products split at them as on the GPU.
+    if in_place and common.split_rows(shape[-1], dtype):
+      shape = common.column_tiles_shape(shape, dtype)
+    return common.row_buffer(shape, dtype, in_place=False)
+
+  def one_buffer(cls, scratch, static):
+    if static.rows_in_place and common.split_rows(static.head_dim,
+                                                  static.dtype):
+      return cls(scratch, common.ColumnTiles(scratch), split=True)
+    return cls(scratch, scratch)
+
   for module in users:
-    module.row_buffer = lambda shape, dtype, in_place: common.row_buffer(
-        shape, dtype, in_place=False)
-
-  def one_buffer(cls, scratch, in_place):
-    # Rows wider than a swizzle tile still move box by box (the GPU's
-    # copies and barrier arrivals), each box a slice of the one buffer.
-    boxed = in_place and (scratch.shape[-1] * jnp.dtype(scratch.dtype).itemsize
-                          > common.SWIZZLES[0])
-    return cls(scratch, scratch, boxed)
-
-  def box_slice(views, group, piece):
-    width = common.SWIZZLES[0] // jnp.dtype(views.mma.dtype).itemsize
-    rows = common.TMA_ROW_TILE
-    return views.mma.at[pl.ds(group * rows, rows), pl.ds(piece * width,
-                                                        width)]
+    module.row_buffer = one_buffer_of
   common.RowViews.of = classmethod(one_buffer)
-  common.RowViews.box = box_slice
   try:
     yield
   finally:
     for module in users:
       module.row_buffer = common.row_buffer
     common.RowViews.of = stock_of
-    common.RowViews.box = stock_box
 
 
 def reset() -> None:

@@ -115,7 +115,7 @@ CASES = [
 @pytest.mark.parametrize("q_len, kv_len, is_causal, head_dim, options", [
     (197, 197, False, 64, dict(persistent=False)),   # ViT-B/16's tokens
     slow(261, 133, True, 64, dict(num_ctas=2)),      # causal, q_len > kv_len
-    # Two swizzle tiles a row: 8-row boxes, two Q tiles, a K/V tail.
+    # Two swizzle tiles a row: column tiles, two Q tiles, a K/V tail.
     (75, 70, False, 128, dict(persistent=False)),
     slow(261, 133, True, 256, dict(num_ctas=2)),
 ])
@@ -869,7 +869,8 @@ def test_interpreted_folded_cap_backward(monkeypatch):
     slow(99, 99, False, 64),      # rows read in place, not causal
     slow(197, 197, False, 64),    # ViT's tokens
     slow(136, 100, True, 64),     # causal, q_len > kv_len: whole 8-row tiles
-    # Rows of two swizzle tiles, in place box by box in both directions.
+    # Rows of two swizzle tiles, in place a column tile at a time in both
+    # directions.
     slow(75, 70, False, 128),
 ])
 def test_interpreted_ragged_route(monkeypatch, q_len, kv_len, is_causal,

@@ -35,7 +35,7 @@ from pallas_kernels.mosaic.common import (
     THREADS_PER_WARPGROUP, RowViews, ScoreTiles, alibi_terms, chained_tiles,
     copy_rows_in, copy_rows_out, copy_slopes, dropout_key_hashes,
     dropout_kept, dropout_query_hashes, masked_steps, per_column,
-    row_buffer, row_copies, slope_reader, swizzled)
+    row_buffer, row_copies, slope_reader, swizzled, wgmma)
 from pallas_kernels.mosaic.fused_dq import (
     DQ_PIECE, PIECES_DONE_BARRIER, FusedDq, issue_dq_piece,
     num_dq_pieces, stage_dq_piece, stage_dq_pieces, write_dq)
@@ -81,6 +81,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
     resident, streamed = (
         row_buffer(shape, static.dtype, in_place=True) for shape in
         (resident_shape, (stages, static.block_q, head_dim)))
+  arrivals = row_copies(head_dim, static.dtype, in_place=static.rows_in_place)
   scratch = (
       resident,                                           # K, then dK
       resident,                                           # V, then dV
@@ -89,12 +90,8 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
       plgpu.SMEM((stages, 2, static.block_q), jnp.float32),  # stats ring
       # k_arrived, v_arrived, q_arrived, do_arrived: one arrival a TMA
       # copy (`row_copies`)
-      *[plgpu.Barrier(num_barriers=consumers, num_arrivals=row_copies(
-          static.block_kv, head_dim, static.dtype,
-          in_place=static.rows_in_place))] * 2,
-      *[plgpu.Barrier(num_barriers=stages, num_arrivals=row_copies(
-          static.block_q, head_dim, static.dtype,
-          in_place=static.rows_in_place))] * 2,
+      *[plgpu.Barrier(num_barriers=consumers, num_arrivals=arrivals)] * 2,
+      *[plgpu.Barrier(num_barriers=stages, num_arrivals=arrivals)] * 2,
       plgpu.Barrier(num_barriers=stages),                 # stats_arrived
       plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # consumed
   )
@@ -180,7 +177,7 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
   (k_smem, v_smem, q_ring, do_ring, stats_ring, k_arrived, v_arrived,
    q_arrived, do_arrived, stats_arrived, consumed) = scratch[:11]
   # TMA through `views[...].tma`, everything else through the wgmma views.
-  views = {name: RowViews.of(ref, static.rows_in_place) for name, ref in
+  views = {name: RowViews.of(ref, static) for name, ref in
            (("k", k_smem), ("v", v_smem), ("q", q_ring), ("do", do_ring))}
   k_smem, v_smem, q_ring, do_ring = (views[name].mma
                                      for name in ("k", "v", "q", "do"))
@@ -617,14 +614,14 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
     grad_refs = acc_refs[:len(grads)]
     named = dict(zip(static.outputs, grad_refs))
     if "dv" in named:
-      plgpu.wgmma(named["dv"], _weights(p_t, kept).astype(static.dtype),
+      wgmma(named["dv"], _weights(p_t, kept).astype(static.dtype),
                   do_tile)
     if "dk" in named:
       delta = plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0))
       ds_t = score_gradient(p_t, dp_t[0], per_column(delta, p_t.shape),
                             slope, kept, keep_scale(static))
       ds_t = ds_t.astype(static.dtype)
-      plgpu.wgmma(named["dk"], ds_t, q_tile)
+      wgmma(named["dk"], ds_t, q_tile)
       if store_ds is not None:
         store_ds(ds_t)
     if piece is not None:
@@ -661,10 +658,10 @@ def _dkdv_consume_ahead(k_rows, v_rows, q_ring, do_ring, stats_ring,
       return tile_probabilities(s_t, lse_log2, per_column, None, static)[0]
 
     def gradients(slot, p_t, dp_t):
-      plgpu.wgmma(dv_ref, p_t.astype(static.dtype), do_ring.at[slot])
+      wgmma(dv_ref, p_t.astype(static.dtype), do_ring.at[slot])
       delta = column_stat(slot, 1)
       ds_t = score_gradient(p_t, dp_t, per_column(delta, p_t.shape), None)
-      plgpu.wgmma(dk_ref, ds_t.astype(static.dtype), q_ring.at[slot])
+      return wgmma(dk_ref, ds_t.astype(static.dtype), q_ring.at[slot])
 
     walk_scores_ahead(s_ref, dp_ref, num_steps=num_steps, arrived=arrived,
                       consumed=consumed, slot_of=slot_of, products=products,
@@ -690,7 +687,8 @@ def walk_scores_ahead(s_ref, dp_ref, *, num_steps: int, arrived, consumed,
   `products(slot)` ((a, b) pairs: Sᵀ = a b), computes
   Pᵀ = `probabilities(slot, wait_scores)` (`wait_scores()` waits for Sᵀ
   and returns it, while dPᵀ runs), reads dPᵀ, and issues its two gradient
-  products, dV then dK (`gradients(slot, p, dp)`). Step t + 1's Sᵀ is
+  products, dV then dK (`gradients(slot, p, dp)`, returning dK's count of
+  wgmmas, `common.wgmma`: the waits below count wgmmas). Step t + 1's Sᵀ is
   issued right after those, once its tiles have arrived and dV_t is done
   (its 16-bit Pᵀ operand's registers: with them held, ptxas serialized
   every wgmma for registers, C7512), so the tensor cores run
@@ -708,36 +706,38 @@ def walk_scores_ahead(s_ref, dp_ref, *, num_steps: int, arrived, consumed,
   zeros = lambda: plgpu.layout_cast(jnp.zeros(s_ref.shape, jnp.float32),
                                     plgpu.Layout.WGMMA)
 
-  def scores(step, *, fresh: bool, before_dp=None):
+  def scores(step, *, fresh: bool, before_dp=None, dk_issued: int = 0):
     """Step's (Pᵀ, dPᵀ); nothing in flight after. Not `fresh`: the
-    accumulators hold the step before's, and its dV and dK may run."""
+    accumulators hold the step before's, and its dV and dK (`dk_issued`
+    wgmmas) may run."""
     slot = slot_of(step)
     for barrier in arrived:
       plgpu.barrier_wait(barrier.at[slot])
     (s_a, s_b), (dp_a, dp_b) = products(slot)
     if not fresh:
-      plgpu.wgmma_wait(1)  # dV of the step before
+      plgpu.wgmma_wait(dk_issued)  # dV of the step before
       s_ref[...] = zeros()
-    plgpu.wgmma(s_ref, s_a, s_b)
+    s_issued = wgmma(s_ref, s_a, s_b)
     if before_dp is not None:
-      before_dp()
+      before_dp(s_issued)
     if not fresh:
       dp_ref[...] = zeros()
-    plgpu.wgmma(dp_ref, dp_a, dp_b)
-    p = probabilities(
-        slot, lambda: plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+    dp_issued = wgmma(dp_ref, dp_a, dp_b)
+    p = probabilities(slot, lambda: plgpu.wgmma_accumulator_load(
+        s_ref, wait_n=dp_issued))
     return p, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
 
   def release(step):
     plgpu.barrier_arrive(consumed.at[slot_of(step)])
 
   def step_body(t, carry):
-    gradients(slot_of(t), *carry)
+    dk_issued = gradients(slot_of(t), *carry)
 
-    def gradients_done():  # dK_t; Sᵀ of step t + 1 may still run
-      plgpu.wgmma_wait(1)
+    def gradients_done(s_issued):  # dK_t; Sᵀ of step t + 1 may still run
+      plgpu.wgmma_wait(s_issued)
       release(t)
-    return scores(t + 1, fresh=False, before_dp=gradients_done)
+    return scores(t + 1, fresh=False, before_dp=gradients_done,
+                  dk_issued=dk_issued)
 
   carry = lax.fori_loop(0, num_steps - 1, step_body, scores(0, fresh=True))
   gradients(slot_of(num_steps - 1), *carry)

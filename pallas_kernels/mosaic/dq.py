@@ -57,6 +57,7 @@ def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
                         in_place=static.rows_in_place)
   streamed = row_buffer((stages, static.block_kv, head_dim), static.dtype,
                         in_place=static.rows_in_place)
+  arrivals = row_copies(head_dim, static.dtype, in_place=static.rows_in_place)
   scratch = (
       resident,                                           # Q, then dQ
       resident,                                           # dO
@@ -64,14 +65,10 @@ def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
       streamed,                                           # K ring
       streamed,                                           # V ring
       # q_arrived, do_arrived: one arrival a TMA copy (`row_copies`)
-      *[plgpu.Barrier(num_barriers=consumers, num_arrivals=row_copies(
-          static.block_q, head_dim, static.dtype,
-          in_place=static.rows_in_place))] * 2,
+      *[plgpu.Barrier(num_barriers=consumers, num_arrivals=arrivals)] * 2,
       plgpu.Barrier(num_barriers=consumers),              # stats_arrived
       # k_arrived, v_arrived
-      *[plgpu.Barrier(num_barriers=stages, num_arrivals=row_copies(
-          static.block_kv, head_dim, static.dtype,
-          in_place=static.rows_in_place))] * 2,
+      *[plgpu.Barrier(num_barriers=stages, num_arrivals=arrivals)] * 2,
       plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # consumed
   )
   inputs = (query, key, value, d_out, stats)
@@ -133,7 +130,7 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
   q_ref, k_ref, v_ref, do_ref, stats_ref = inputs[:5]
   (q_smem, do_smem, stats_smem, k_ring, v_ring, q_arrived, do_arrived,
    stats_arrived, k_arrived, v_arrived, consumed) = scratch[:11]
-  q_smem, do_smem, k_ring, v_ring = (RowViews.of(x, static.rows_in_place)
+  q_smem, do_smem, k_ring, v_ring = (RowViews.of(x, static)
                                      for x in (q_smem, do_smem, k_ring, v_ring))
   plan, ids, slopes, bias, dense = ranged_refs(
       static, inputs[5:], scratch[11:], batch=batch, head=head, tile=q_tile,

@@ -227,6 +227,7 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
   stages = static.num_stages
   v_tile = (head_dim, block_kv) if static.fp8 else (block_kv, head_dim)
   in_place = static.rows_in_place
+  arrivals = row_copies(head_dim, static.dtype, in_place=in_place)
   scratch = (
       # Q, then (bfloat16 / float16) O on the way out.
       row_buffer((consumers, block_q, head_dim), static.dtype,
@@ -237,10 +238,8 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
       row_buffer((stages, *v_tile), static.dtype, in_place=in_place),
       plgpu.SMEM((consumers, block_q), jnp.float32),  # LSE
       # q_arrived, k_arrived, v_arrived: one arrival a TMA copy
-      plgpu.Barrier(num_barriers=consumers, num_arrivals=row_copies(
-          block_q, head_dim, static.dtype, in_place=in_place)),
-      *[plgpu.Barrier(num_barriers=stages, num_arrivals=row_copies(
-          block_kv, head_dim, static.dtype, in_place=in_place))] * 2,
+      plgpu.Barrier(num_barriers=consumers, num_arrivals=arrivals),
+      *[plgpu.Barrier(num_barriers=stages, num_arrivals=arrivals)] * 2,
       # k_consumed and v_consumed: [consumer * stages + slot]; flat, since
       # the GPU interpreter allocates only 1-D barrier arrays.
       plgpu.Barrier(num_barriers=consumers * stages),

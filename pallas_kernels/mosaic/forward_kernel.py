@@ -51,7 +51,7 @@ from pallas_kernels.mosaic.common import (
     dropout_key_hashes, dropout_kept,
     dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
     persistent_schedule, read_plan, register_split, slope_reader, tile_index,
-    tile_indices, variant_mask)
+    tile_indices, variant_mask, wgmma)
 from pallas_kernels.mosaic.softmax import add_unfused, exponentiate, rescale
 
 # Consumer warpgroups of the masked and FP8 forms, and of the plain one but
@@ -348,7 +348,7 @@ def forward_kernel(*refs, static: KernelStatic):
   out_ref, lse_ref = refs[num_inputs:num_inputs + 2]
   (q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
    k_consumed, v_consumed, pingpong) = scratch[:10]
-  q_smem, k_smem, v_smem = (RowViews.of(x, static.rows_in_place)
+  q_smem, k_smem, v_smem = (RowViews.of(x, static)
                             for x in (q_smem, k_smem, v_smem))
   if static.fp8:
     descale_ref = inputs[3]
@@ -441,11 +441,11 @@ def persistent_kernel(*refs, static: KernelStatic):
   scratch = refs[num_inputs + 2:]
   (q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
    k_consumed, v_consumed, pingpong) = scratch[:10]
-  q_smem, k_smem, v_smem = (RowViews.of(x, static.rows_in_place)
+  q_smem, k_smem, v_smem = (RowViews.of(x, static)
                             for x in (q_smem, k_smem, v_smem))
   o_smem = q_smem
   if static.stage_o_apart:
-    o_smem = RowViews.of(scratch[10], static.rows_in_place)
+    o_smem = RowViews.of(scratch[10], static)
     lse_smem = scratch[11]
   stages = static.num_stages
   tiles = persistent_tiles(q_ref.shape, static, lax.axis_index("cta"))
@@ -739,7 +739,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       wait_key_ids(slot)
 
     def scores(s_ref):
-      plgpu.wgmma(s_ref, q_smem.mma, k_smem.mma.at[slot].transpose((1, 0)))
+      wgmma(s_ref, q_smem.mma, k_smem.mma.at[slot].transpose((1, 0)))
       turn.after_scores(step)
       return s_ref[...]
 
@@ -824,7 +824,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       v_tile = v_smem.mma.at[slot]
       if fp8 is not None:  # stored [head_dim, block_kv]: K-major for wgmma
         v_tile = v_tile.transpose((1, 0))
-      plgpu.wgmma(o_ref, p, v_tile)
+      wgmma(o_ref, p, v_tile)
       if l_ref is not None:  # `sum_after_pv`: while P V_j runs
         l_ref[...] = _row_sum(l_ref[...], alpha, p_f32)
       # Wait for K_{j+1} while P V_j runs on the tensor cores.
@@ -906,7 +906,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
         acc = acc * per_row(1.0 / l_safe, acc.shape)
       else:
         acc = acc * per_row(v_factor / l_safe, acc.shape)
-        o_smem = RowViews.of(fp8.o_smem, in_place=False)
+        o_smem = RowViews(fp8.o_smem, fp8.o_smem)
         out_dtype = static.out_dtype
       o_smem.mma[...] = o_piece(acc, 0).astype(out_dtype)
       lse = add_unfused(m * _LN2, jnp.log(l_safe))

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mosaic.common import wgmma
 from pallas_kernels.mosaic.pipeline import BackwardStatic, wgmma_sum
 
 # The fused dQ splits each Q tile's dQ into [DQ_PIECE, DQ_PIECE] pieces,
@@ -127,7 +128,7 @@ def issue_dq_piece(fused: FusedDq, wg, acc_ref, *, step,
   # Consumer wg's one piece is number wg.
   for lhs, rhs in _piece_operands(fused, fused.ds.at[parity], wg,
                                   static=static, offset=offset):
-    plgpu.wgmma(acc_ref, lhs, rhs)
+    wgmma(acc_ref, lhs, rhs)
 
 
 def stage_dq_piece(fused: FusedDq, wg, value, *, step):

@@ -40,7 +40,7 @@ from pallas_kernels.mosaic.common import (
     LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_TILE, PLAN_UNION, PLAN_WIDTH,
     PlanRow, RowViews, ScoreTiles, SlopeRows, copy_rows_in, launch_grid,
     per_column, per_row, persistent_schedule, read_plan, register_split,
-    swizzled)
+    swizzled, wgmma, wgmma_count)
 
 # The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
 # the producer: 2 * 232 + 24 + 24 = 512 per thread slot. 24 is setmaxnreg's
@@ -299,7 +299,7 @@ def produce(streams, consumed, num_steps, static: BackwardStatic, base=None):
 
   def load(step, slot):
     for source, ring, arrived in streams:
-      if isinstance(ring, RowViews):  # Q, K, V, dO: box by box if boxed
+      if isinstance(ring, RowViews):  # Q, K, V, dO: a copy a column tile if split
         copy_rows_in(source(step), ring.at[slot], arrived.at[slot])
       else:
         plgpu.copy_gmem_to_smem(source(step), ring.at[slot],
@@ -650,7 +650,7 @@ def wgmma_fresh(shape, products):
   def issue(*acc_refs):
     for acc_ref, product in zip(acc_refs, products):
       for a, b in _terms(product):
-        plgpu.wgmma(acc_ref, a, b)
+        wgmma(acc_ref, a, b)
     return tuple(acc_ref[...] for acc_ref in acc_refs)
 
   return pl.run_scoped(issue, *[plgpu.ACC(shape, jnp.float32)
@@ -666,8 +666,9 @@ def wgmma_then(shape, products, first_fn):
   def issue(first_ref, *acc_refs):
     for acc_ref, product in zip((first_ref, *acc_refs), products):
       for a, b in _terms(product):
-        plgpu.wgmma(acc_ref, a, b)
-    later = sum(len(_terms(product)) for product in products[1:])
+        wgmma(acc_ref, a, b)
+    later = sum(wgmma_count(a, b) for product in products[1:]
+                for a, b in _terms(product))
     first = first_fn(plgpu.wgmma_accumulator_load(first_ref, wait_n=later))
     return (first, *(acc_ref[...] for acc_ref in acc_refs))
 
@@ -679,7 +680,7 @@ def wgmma_sum(shape, products):
   """sum(a @ b for (a, b) in products) into one fresh f32 accumulator."""
   def issue(acc_ref):
     for a, b in products:
-      plgpu.wgmma(acc_ref, a, b)
+      wgmma(acc_ref, a, b)
     return acc_ref[...]
 
   return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32))
@@ -691,7 +692,7 @@ def wgmma_accumulate_sums(accs, sums):
   def issue(acc_refs):
     for acc_ref, products in zip(acc_refs, sums):
       for a, b in products:
-        plgpu.wgmma(acc_ref, a, b)
+        wgmma(acc_ref, a, b)
 
   return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
@@ -700,6 +701,6 @@ def wgmma_accumulate(accs, products):
   """(acc + a @ b for acc, (a, b) in zip(accs, products)), one wgmma wait."""
   def issue(acc_refs):
     for acc_ref, (a, b) in zip(acc_refs, products):
-      plgpu.wgmma(acc_ref, a, b)
+      wgmma(acc_ref, a, b)
 
   return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
