@@ -121,10 +121,13 @@ CELLS = (
     C("ragged_causal_12000", "Llama 3 8B", 2, 12000, 32, 8, 128),
     C("padded_lengths_causal_2k", "Llama 3 8B", 16, 2048, 32, 8, 128,
       padded=True),
-    # A prompt length off the 8-row tiling (seven in eight are): at d=128
-    # the Mosaic path pads Q, K and V to whole 8-row tiles and cuts O back
-    # (benchmarks/NOTES.md, Open, "Rows in place at d=128 and wider").
+    # A prompt length off the 8-row tiling (seven in eight are): the Mosaic
+    # kernels read and write such rows in place, at d=128 and 256 as column
+    # tiles (`common.rows_in_place`); a short one, where Triton's kernels
+    # are the other candidate (`api.triton_first`); and Gemma's d=256.
     C("ragged_causal_4097", "Llama 3 8B", 4, 4097, 32, 8, 128),
+    C("ragged_causal_577", "Llama 3 8B", 32, 577, 32, 8, 128),
+    C("ragged_d256_causal_4097", "Gemma 2 9B, no cap", 2, 4097, 16, 8, 256),
     # An encoder's tokens off the 8-row tiling (196 patches and a class
     # token), without a causal mask: at d=64 the Mosaic kernels read and
     # write such rows in place (`common.rows_in_place`).
