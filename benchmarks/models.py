@@ -123,7 +123,7 @@ CELLS = (
       padded=True),
     # A prompt length off the 8-row tiling (seven in eight are): at d=128
     # the Mosaic path pads Q, K and V to whole 8-row tiles and cuts O back
-    # (benchmarks/NOTES.md, Open, "Rows in place at d=128 and wider").
+    # (benchmarks/NOTES.md, Open, "Rows in place at d=128 and 256").
     C("ragged_causal_4097", "Llama 3 8B", 4, 4097, 32, 8, 128),
     # An encoder's tokens off the 8-row tiling (196 patches and a class
     # token), without a causal mask: at d=64 the Mosaic kernels read and
