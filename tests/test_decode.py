@@ -111,11 +111,11 @@ SMALL_TILING = decode_kernel.DecodeTiling(block_r=16, block_k=16,
 def _run(impl, q, k, v, lengths, tiling=None, **kwargs):
   """(out, lse) of `impl` (with the kernel's `tiling` where given), jitted:
   one compilation instead of one per operation."""
-  return jax.jit(functools.partial(_run_eagerly, impl, tiling=tiling,
+  return jax.jit(functools.partial(_attend, impl, tiling=tiling,
                                    **kwargs))(q, k, v, lengths)
 
 
-def _run_eagerly(impl, q, k, v, lengths, tiling=None, **kwargs):
+def _attend(impl, q, k, v, lengths, tiling=None, **kwargs):
   if impl == "triton" and tiling is not None:
     call, (n, tables, slopes, sinks) = decode.normalise_decode_call(
         q, k, v, lengths, block_tables=kwargs.pop("block_tables", None),

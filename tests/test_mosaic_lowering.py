@@ -414,7 +414,10 @@ def test_dispatch_on_hopper_lowers_the_expected_kernels(cuda_lowering,
 @pytest.mark.parametrize("shape, head_dim, num_ctas", [
     ((2, 1024, 4), 128, 5),    # 8 tiles per head
     ((1, 768, 3), 64, 4),      # 6 tiles per head, 18 in all
-    ((3, 384, 1), 256, 2),     # 3 per head: odd, pairs cross heads
+    ((3, 384, 1), 256, 2),     # 3 per head: odd, middles paired
+    # 5 per head and 10 CTAs: pairs of a head's last and the next head's
+    # first tile fell to 2 CTAs (`common.persistent_schedule`).
+    ((1, 640, 16), 128, 10),
     ((1, 128, 1), 128, 1),     # one tile
 ])
 def test_persistent_tiles_cover_every_tile_once(shape, head_dim, num_ctas,
