@@ -274,9 +274,11 @@ def test_no_nan_for_extreme_logits():
 
 
 @pytest.mark.parametrize("q_len, kv_len, head_dim, extra, first", [
-    (197, 197, 128, {}, "triton"),   # ViT-B/16 lengths: off the 8-row tiling
-    (577, 577, 128, {}, "triton"),   # ViT-L/14 at 336 px
+    (197, 197, 96, {}, "triton"),    # ViT-B/16 lengths: off the 8-row
+    (577, 577, 80, {}, "triton"),    # tiling, rows of no whole swizzle tiles
     (197, 197, 64, {}, "mosaic"),    # 128-byte rows: read in place
+    (577, 577, 128, {"is_causal": True}, "mosaic"),  # as column tiles
+    (197, 197, 256, {}, "mosaic"),
     (577, 577, 64, {"is_causal": True}, "mosaic"),
     (197, 197, 64, {"local_window_size": 16}, "triton"),  # masked: padded
     (197, 197, 64, {"bias": True}, "triton"),
@@ -289,8 +291,8 @@ def test_implementation_none_tries_triton_first_for_short_ragged_lengths(
   """`implementation=None` on a GPU: the Mosaic kernels first, but the
   Triton ones for short lengths off Mosaic's 8-row TMA tiling
   (`api.TRITON_FIRST_UP_TO`) where the Mosaic path pads by copies (rows
-  wider than 128 bytes, masked calls); a forced implementation is the only
-  one tried."""
+  of no whole 128-byte swizzle tiles, masked calls); a forced
+  implementation is the only one tried."""
   from jax_flash import api
   from pallas_kernels import compat
   monkeypatch.setattr(compat, "has_gpu", lambda: True)
