@@ -127,7 +127,7 @@ CELLS = (
     # are the other candidate (`api.triton_first`); and Gemma's d=256.
     C("ragged_causal_4097", "Llama 3 8B", 4, 4097, 32, 8, 128),
     C("ragged_causal_577", "Llama 3 8B", 32, 577, 32, 8, 128),
-    C("ragged_d256_causal_4097", "Gemma 2 9B, no cap", 2, 4097, 16, 8, 256),
+    C("ragged_d256_causal_4097", "Gemma 2 9B, no cap", 4, 4097, 16, 8, 256),
     # An encoder's tokens off the 8-row tiling (196 patches and a class
     # token), without a causal mask: at d=64 the Mosaic kernels read and
     # write such rows in place (`common.rows_in_place`).

@@ -129,7 +129,7 @@ def test_cells_cover_the_kinds_of_issue_38():
   assert {96, 160, 192} <= {c.head_dim for c in cells}
   assert {1000, 5000, 12000} <= {c.seq_len for c in cells
                                  if c.causal and c.seq_len % 128}
-  # and off the 8-row TMA tiling, where the Mosaic path pads at d=128
+  # and off the 8-row TMA tiling (read in place as column tiles at d=128)
   assert any(c.causal and c.seq_len % 8 and c.head_dim == 128 for c in cells)
   assert any(c.batch >= 32 and c.seq_len <= 1024 for c in cells)
   for c in cells:  # a cell's fwd+bwd well under a second on an H200

@@ -526,7 +526,12 @@ def test_scores_ahead_walk_keeps_the_pipeline_rules(monkeypatch, num_steps,
       assert not fake.pending, "a wgmma in flight across the back edge"
     return carry
 
+  def wgmma(acc, a, b):  # `common.wgmma` of unsplit operands: one group
+    fake.wgmma(acc, a, b)
+    return 1
+
   monkeypatch.setattr(dkdv, "plgpu", fake)
+  monkeypatch.setattr(dkdv, "wgmma", wgmma)
   monkeypatch.setattr(dkdv, "lax", SimpleNamespace(fori_loop=fori_loop))
   ref = functools.partial(_FakePipeline.Ref, fake)
   s_ref, dp_ref, dk_ref, dv_ref = (ref(n) for n in ("S", "dP", "dK", "dV"))
@@ -543,8 +548,8 @@ def test_scores_ahead_walk_keeps_the_pipeline_rules(monkeypatch, num_steps,
 
   def gradients(slot, p, dp):
     assert (p, dp) == ("P", "dP") and slot == reads[-1]
-    fake.wgmma(dv_ref, p, ("dO", slot))
-    fake.wgmma(dk_ref, "dS", ("Q", slot))
+    wgmma(dv_ref, p, ("dO", slot))
+    return wgmma(dk_ref, "dS", ("Q", slot))  # dK's wgmmas
 
   dkdv.walk_scores_ahead(
       s_ref, dp_ref, num_steps=num_steps, arrived=[ref("q_arrived"),
