@@ -121,13 +121,13 @@ CASES = [
 ])
 def test_interpreted_forward_reads_rows_in_place(q_len, kv_len, is_causal,
                                                  head_dim, options):
-  """Lengths off the 8-row TMA tiling (`common.rows_in_place`):
+  """Lengths off the 8-row TMA tiling (`rows.rows_in_place`):
   `mosaic_forward` on the unpadded rows, TMA's zero fill past the ends
   and clipped stores the tail handling, the last K/V block masked past
   kv_len; out and lse as the reference's. Rows wider than a swizzle tile
-  move a box at a time, each box's copy an arrival on its barrier. (The
-  interpreter sees one buffer where the GPU has two views, the boxes
-  slices of it: `mosaic_interpret`.)"""
+  are column tiles (`rows.ColumnTiles`): a copy a tile, each an arrival
+  on its barrier, and every product split at the tiles. (The interpreter
+  sees one buffer where the GPU has two views: `mosaic_interpret`.)"""
   case = Case(1, q_len, kv_len, 2, 1, head_dim)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
   out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
