@@ -37,7 +37,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic import backward, masked, plan
-from pallas_kernels.mosaic.common import alibi_columns, slope_rows
+from pallas_kernels.mosaic.common import (alibi_columns, rows_in_place,
+                                         slope_rows)
 from pallas_kernels.mosaic.dq import launch_dq
 from pallas_kernels.mosaic.plan import BackwardConfig, planned_kv_copies
 
@@ -166,26 +167,31 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   # MASKED_ALIBI_COLUMNS`, as the masked forward).
   columns = plan.MASKED_ALIBI_COLUMNS and alibi_columns(spec)
   fold_cap = plan.MASKED_BACKWARD_SOFTCAP_FOLDED and masking.cap_only(spec)
+  # Rows off the 8-row TMA tiling read and written in place, as the plain
+  # kernels' (`common.rows_in_place`), except on shared rows.
+  in_place = (rows_in_place(q_len, kv_len, query.shape[-1], query.dtype)
+              and not any(static.shared_rows for static in dkdv_configs))
   dq_config, dbias_config = (
       None if static is None else dataclasses.replace(
           static, plan_heads=plan_heads, alibi_columns=columns,
-          fold_cap=fold_cap)
+          fold_cap=fold_cap, rows_in_place=in_place)
       for static in (dq_config, dbias_config))
   dkdv_configs = [dataclasses.replace(static, plan_heads=kv_plan_heads,
                                       alibi_columns=columns,
-                                      fold_cap=fold_cap)
+                                      fold_cap=fold_cap,
+                                      rows_in_place=in_place)
                   for static in dkdv_configs]
   # The dQ grid's last tile reaches furthest down the query rows.
   rows_per_tile = max(static.q_rows_per_cta
                       for static in (dq_config, dbias_config) if static)
   stats = padded_statistics(out, lse, d_out, d_lse,
                             rows=-(-q_len // rows_per_tile) * rows_per_tile)
-  query, key, value, d_out = (masked.pad_rows(x)
-                              for x in (query, key, value, d_out))
+  if not in_place:
+    query, key, value, d_out = (masked.pad_rows(x)
+                                for x in (query, key, value, d_out))
   segments = None
-  if spec.has_segments:  # padded like the rows they label
-    segments = (masked.pad_ids(q_segments, query.shape[1]),
-                masked.pad_ids(kv_segments, key.shape[1]))
+  if spec.has_segments:  # whole 8-row tiles, like padded rows
+    segments = (masked.pad_ids(q_segments), masked.pad_ids(kv_segments))
   slopes = slope_rows(alibi_slopes) if spec.has_alibi else None
   # The bias and the dense mask: [.., q, kv] for dQ, [.., kv, q] for dK/dV.
   score_arrays = {}
