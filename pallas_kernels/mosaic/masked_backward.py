@@ -17,8 +17,10 @@ definition of the masks):
     q1    1  1  0              q2: [k1, k3)          k2: [q2, q3)
     q2    0  1  1
 
-Any lengths: rows are zero-padded to the TMA row tiling (8), TMA reads past
-the end fill zeros and writes past the end are dropped; keys past kv_len are
+Any lengths: rows of whole 128-byte swizzle tiles (d=64, 128, 256 in 16
+bits) are read and written in place (`common.rows_in_place`), others
+zero-padded to the TMA row tiling (8); TMA reads past the end fill zeros
+and writes past the end are dropped; keys past kv_len are
 masked (`masking.keep`), and query rows past q_len get lse = +inf and
 delta = 0 (P = 0, as for a row that attends to nothing), so that padding
 contributes nothing to any gradient.
