@@ -238,7 +238,7 @@ def wgmma(acc_ref, a, b) -> int:
     plgpu.wgmma(acc_ref, a, b)
     return 1
   for piece in range(split.num_tiles):  # k split
-    ks = slice(piece * split.width, (piece + 1) * split.width)
+    ks = pl.ds(piece * split.width, split.width)
     plgpu.wgmma(acc_ref, _contraction_tile(a, piece, ks, left=True),
                 _contraction_tile(b, piece, ks, left=False))
   return split.num_tiles
@@ -252,12 +252,11 @@ def wgmma_count(a, b) -> int:
   return split.num_tiles if isinstance(split, ColumnTiles) else 1
 
 
-def _contraction_tile(x, piece: int, ks: slice, *, left: bool):
-  """Contraction slice `ks` of a wgmma operand in shared memory
-  (`ColumnTiles` or a ref): a's columns, b's rows."""
+def _contraction_tile(x, piece: int, ks, *, left: bool):
+  """Contraction slice `ks` (tile `piece`) of a wgmma operand in shared
+  memory (`ColumnTiles` or a ref): a's columns, b's rows."""
   if isinstance(x, ColumnTiles):
     return x.tile(piece)
-  ks = pl.ds(ks.start, ks.stop - ks.start)
   return x.at[:, ks] if left else x.at[ks, :]
 
 
@@ -268,7 +267,7 @@ def copy_rows_in(src, views: RowViews, barrier) -> None:
   if not views.split:
     plgpu.copy_gmem_to_smem(src, views.tma, barrier)
     return
-  for piece, columns in _column_tiles(views):
+  for piece, columns in _column_tiles(views.mma):
     plgpu.copy_gmem_to_smem(src.at[:, columns], views.column_tile(piece),
                             barrier)
 
@@ -280,17 +279,14 @@ def copy_rows_out(views: RowViews, dst) -> None:
   if not views.split:
     plgpu.copy_smem_to_gmem(views.tma, dst)
     return
-  for piece, columns in _column_tiles(views):
+  for piece, columns in _column_tiles(views.mma):
     plgpu.copy_smem_to_gmem(views.column_tile(piece), dst.at[:, columns])
 
 
-def _column_tiles(views: RowViews):
-  """(piece, global columns) of each swizzle-tile-wide column tile of a
-  split buffer."""
-  columns = views.mma.shape[-1]
-  width = SWIZZLES[0] // jnp.dtype(views.mma.dtype).itemsize
-  for piece in range(columns // width):
-    yield piece, pl.ds(piece * width, width)
+def _column_tiles(tiles: ColumnTiles):
+  """(piece, global columns) of each column tile of `tiles`."""
+  for piece in range(tiles.num_tiles):
+    yield piece, pl.ds(piece * tiles.width, tiles.width)
 
 
 def split_rows(columns: int, dtype) -> bool:
@@ -301,10 +297,11 @@ def split_rows(columns: int, dtype) -> bool:
 
 def row_copies(columns: int, dtype, *, in_place: bool) -> int:
   """TMA copies that fill a buffer of rows `columns` wide (`row_buffer`),
-  the arrivals its barrier waits for: one per swizzle tile where rows read
-  in place are wider than a swizzle tile, else 1."""
-  tiles = columns * jnp.dtype(dtype).itemsize // SWIZZLES[0]
-  return tiles if in_place and tiles > 1 else 1
+  the arrivals its barrier waits for: one per column tile of split rows
+  (`split_rows`), else 1."""
+  if not (in_place and split_rows(columns, dtype)):
+    return 1
+  return columns * jnp.dtype(dtype).itemsize // SWIZZLES[0]
 
 
 def rows_in_place(q_len: int, kv_len: int, head_dim: int, dtype) -> bool:
