@@ -56,6 +56,8 @@ for step in "$@"; do
   echo "== $step (GPU ${CUDA_VISIBLE_DEVICES:-all}) $(date +%T)"
   case $step in
     tests)  # `pytest -m gpu`, a per-test limit instead of an outer kill;
+            # on one GPU in two calls, TEST_SHARD=0/2 then 1/2 (the whole
+            # suite outgrew a 10-minute call);
             # -v names every test's outcome, so a run cut short says which
             # ran; --dist load spreads one file's tests over the workers;
             # --compile-times: where the time went (tests/compile_times.py)
