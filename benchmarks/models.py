@@ -123,7 +123,7 @@ CELLS = (
       padded=True),
     # A prompt length off the 8-row tiling (seven in eight are): the Mosaic
     # kernels read and write such rows in place, at d=128 and 256 as column
-    # tiles (`common.rows_in_place`); a short one, where Triton's kernels
+    # tiles (`rows.rows_in_place`); a short one, where Triton's kernels
     # are the other candidate (`api.triton_first`); and Gemma's d=256.
     C("ragged_causal_4097", "Llama 3 8B", 4, 4097, 32, 8, 128),
     C("ragged_causal_577", "Llama 3 8B", 32, 577, 32, 8, 128),
@@ -134,7 +134,7 @@ CELLS = (
       window=4096),
     # An encoder's tokens off the 8-row tiling (196 patches and a class
     # token), without a causal mask: at d=64 the Mosaic kernels read and
-    # write such rows in place (`common.rows_in_place`).
+    # write such rows in place (`rows.rows_in_place`).
     C("ragged_vit_197", "ViT-B/16", 128, 197, 12, 12, 64, causal=False),
     # The same family further up (where routing them elsewhere stops
     # paying, benchmarks/NOTES.md, "Ragged lengths on the plain kernels").

@@ -136,7 +136,7 @@ def flash_attention(
 # (benchmarks/results/h100_models_softcap_vit.md); above 577 unmeasured,
 # so the bound is 640, not the next power of two. Plain 16-bit calls of
 # whole swizzle tiles a row (d=64, 128, 256) Mosaic reads in place
-# (`common.rows_in_place`), no copies, and they stay with Mosaic: d=64 163
+# (`rows.rows_in_place`), no copies, and they stay with Mosaic: d=64 163
 # / 131 against Triton's 131 / 96 at 197 tokens, 303 / 242 against 221 /
 # 175 at 577 (h100_models_vit_in_place.md); d=128 causal at 577, 32:8
 # heads, 282 / 237 against 155 / 126 (h100_models_column_tiles_schedule.md).

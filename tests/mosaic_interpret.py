@@ -752,39 +752,39 @@ def interpreted():
 
 @contextlib.contextmanager
 def _rows_in_one_buffer():
-  """Rows read in place (`common.rows_in_place`) through one tiled buffer
-  instead of `common.row_buffer`'s `plgpu.RefUnion`: the interpreter has
+  """Rows read in place (`rows.rows_in_place`) through one tiled buffer
+  instead of `rows.row_buffer`'s `plgpu.RefUnion`: the interpreter has
   no aliased views (`ExtractAliasedRef`), and tiling is a no-op to it, so
   the in-place rows' semantics (TMA reads past the ends as zeros, stores
   there dropped, the kernels' masks and the backward's padding) are what
   a test sees; that the two views lay out the same bytes is the GPU's to
   check. Only while interpreting: lowering keeps the union."""
-  from pallas_kernels.mosaic import common, dkdv, dq, forward
+  from pallas_kernels.mosaic import dkdv, dq, forward, rows
   users = (forward, dq, dkdv)  # of `row_buffer`, imported by name
-  stock_of = vars(common.RowViews)["of"]
+  stock_of = vars(rows.RowViews)["of"]
 
   def one_buffer_of(shape, dtype, in_place):
     # Split rows keep their column tiles ([..., tiles, rows, width]): the
     # products split at them as on the GPU.
-    if in_place and common.split_rows(shape[-1], dtype):
-      shape = common.column_tiles_shape(shape, dtype)
-    return common.row_buffer(shape, dtype, in_place=False)
+    if in_place and rows.split_rows(shape[-1], dtype):
+      shape = rows.column_tiles_shape(shape, dtype)
+    return rows.row_buffer(shape, dtype, in_place=False)
 
   def one_buffer(cls, scratch, static):
-    if static.rows_in_place and common.split_rows(static.head_dim,
+    if static.rows_in_place and rows.split_rows(static.head_dim,
                                                   static.dtype):
-      return cls(scratch, common.ColumnTiles(scratch), split=True)
+      return cls(scratch, rows.ColumnTiles(scratch), split=True)
     return cls(scratch, scratch)
 
   for module in users:
     module.row_buffer = one_buffer_of
-  common.RowViews.of = classmethod(one_buffer)
+  rows.RowViews.of = classmethod(one_buffer)
   try:
     yield
   finally:
     for module in users:
-      module.row_buffer = common.row_buffer
-    common.RowViews.of = stock_of
+      module.row_buffer = rows.row_buffer
+    rows.RowViews.of = stock_of
 
 
 def reset() -> None:

@@ -233,7 +233,7 @@ def test_d_lse_lowers(cuda_lowering):
 
 @pytest.mark.parametrize("kwargs, match", [
     # Off the 8-row TMA tiling, rows of no whole number of swizzle tiles
-    # (rows of whole ones are read in place: `common.rows_in_place`).
+    # (rows of whole ones are read in place: `rows.rows_in_place`).
     (dict(q_len=204, head_dim=96), "q_len 204"),
     (dict(kv_len=204, head_dim=96), "kv_len 204"),
     (dict(head_dim=72), "head_dim"),    # not a multiple of 16
@@ -526,7 +526,7 @@ def test_scores_ahead_walk_keeps_the_pipeline_rules(monkeypatch, num_steps,
       assert not fake.pending, "a wgmma in flight across the back edge"
     return carry
 
-  def wgmma(acc, a, b):  # `common.wgmma` of unsplit operands: one group
+  def wgmma(acc, a, b):  # `rows.wgmma` of unsplit operands: one group
     fake.wgmma(acc, a, b)
     return 1
 

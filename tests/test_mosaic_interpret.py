@@ -121,13 +121,13 @@ CASES = [
 ])
 def test_interpreted_forward_reads_rows_in_place(q_len, kv_len, is_causal,
                                                  head_dim, options):
-  """Lengths off the 8-row TMA tiling (`common.rows_in_place`):
+  """Lengths off the 8-row TMA tiling (`rows.rows_in_place`):
   `mosaic_forward` on the unpadded rows, TMA's zero fill past the ends
   and clipped stores the tail handling, the last K/V block masked past
   kv_len; out and lse as the reference's. Rows wider than a swizzle tile
-  move a box at a time, each box's copy an arrival on its barrier. (The
-  interpreter sees one buffer where the GPU has two views, the boxes
-  slices of it: `mosaic_interpret`.)"""
+  are column tiles (`rows.ColumnTiles`): a copy a tile, each an arrival
+  on its barrier, and every product split at the tiles. (The interpreter
+  sees one buffer where the GPU has two views: `mosaic_interpret`.)"""
   case = Case(1, q_len, kv_len, 2, 1, head_dim)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
   out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
@@ -238,7 +238,7 @@ MASKED_VARIANTS = {
     # Not causal, so that it reads the ragged K/V tail.
     "soft cap": (Case(1, 97, 170, 1, 1, 64), dict(logits_soft_cap=5.0)),
     # Rows of two swizzle tiles off the 8-row tiling, read in place as
-    # column tiles (`common.ColumnTiles`), a window over GQA 2:1 heads.
+    # column tiles (`rows.ColumnTiles`), a window over GQA 2:1 heads.
     "window, column tiles": (Case(1, 75, 70, 2, 1, 128),
                              dict(is_causal=True, local_window_size=(20, 0))),
     # A query's and a key's ids, boundaries inside tiles.

@@ -169,7 +169,7 @@ def test_padded_head_dim_lowers_with_gradients(cuda_lowering):
 
 @pytest.mark.parametrize("kwargs, match", [
     # Off the 8-row TMA tiling, rows of no whole number of swizzle tiles
-    # (rows of whole ones are read in place: `common.rows_in_place`).
+    # (rows of whole ones are read in place: `rows.rows_in_place`).
     (dict(q_len=204, head_dim=96), "q_len 204"),
     (dict(kv_len=204, head_dim=96), "kv_len 204"),
     (dict(head_dim=72), "head_dim"),    # not a multiple of 16
@@ -217,7 +217,7 @@ def test_mosaic_matches_reference_on_gpu(case, is_causal, dtype):
     (Case(1, 1001, 1001, 8, 2, 128), True),
     (Case(2, 577, 577, 4, 4, 256), False),
     # d=64 off the 8-row tiling: rows read and written in place by both
-    # directions' kernels (`common.rows_in_place`).
+    # directions' kernels (`rows.rows_in_place`).
     (Case(8, 197, 197, 12, 12, 64), False),   # ViT-B/16
     (Case(2, 577, 577, 16, 4, 64), True),     # ViT-L/14 at 336 px, GQA
     (Case(2, 261, 133, 4, 2, 64), True),      # q_len > kv_len
@@ -469,7 +469,7 @@ def test_three_consumers_refuse_what_they_lack():
   with pytest.raises(ValueError, match="num_consumers"):
     run(num_consumers=4)
   # Lengths of whole 8-row TMA tiles (`common.ragged_lengths`) only, where
-  # a row is no whole number of swizzle tiles (`common.rows_in_place`).
+  # a row is no whole number of swizzle tiles (`rows.rows_in_place`).
   ragged = jax.ShapeDtypeStruct((1, 204, 2, 96), jnp.bfloat16)
   for consumers in (2, 3):
     with pytest.raises(NotImplementedError, match="q_len 204"):
@@ -623,16 +623,16 @@ def test_short_ragged_tail_lowers_on_the_launch_grid(is_causal,
     (80, jnp.bfloat16, False), (96, jnp.float16, False)])
 def test_rows_off_the_tiling_lower_in_place(head_dim, dtype, in_place,
                                             cuda_lowering):
-  """`common.rows_in_place`: ViT-L/14's 577 tokens in 16 bits at d=64,
+  """`rows.rows_in_place`: ViT-L/14's 577 tokens in 16 bits at d=64,
   128 or 256 reach the forward kernel unpadded (its Q, K, V
-  and O through untiled views of their buffers, a box at a time beyond
-  one swizzle tile; no pad in the lowered program); where a row is no
-  whole number of swizzle tiles the call pads to 584 (the kernel's
+  and O through untiled views of their buffers, column tile by column
+  tile beyond one swizzle tile; no pad in the lowered program); where a
+  row is no whole number of swizzle tiles the call pads to 584 (the kernel's
   operands [.., 584, ..])."""
   from pallas_kernels.config import BlockSizes
-  from pallas_kernels.mosaic import attention, common
-  assert common.rows_in_place(577, 577, head_dim, dtype) == in_place
-  assert not common.rows_in_place(576, 577 + 7, head_dim, dtype)
+  from pallas_kernels.mosaic import attention, rows
+  assert rows.rows_in_place(577, 577, head_dim, dtype) == in_place
+  assert not rows.rows_in_place(576, 577 + 7, head_dim, dtype)
   x = jax.ShapeDtypeStruct((2, 577, 4, head_dim), dtype)
   text = jax.jit(lambda q, k, v: attention.mosaic_attention(
       q, k, v, scale=0.125, is_causal=False,
@@ -653,7 +653,7 @@ def test_masked_rows_off_the_tiling_lower_in_place(head_dim, in_place,
                                                    monkeypatch):
   """The masked kernels, as the plain ones, take rows off the 8-row TMA
   tiling unpadded where a row is whole swizzle tiles
-  (`common.rows_in_place`): a causal window's forward and backward at 577
+  (`rows.rows_in_place`): a causal window's forward and backward at 577
   tokens lower with no [.., 584, ..] operand; at d=96 they are padded."""
   monkeypatch.setattr(versions, "gpu_compute_capability", lambda: (9, 0))
   monkeypatch.setattr(versions, "has_gpu", lambda: True)
@@ -678,7 +678,7 @@ def test_masked_rows_off_the_tiling_lower_in_place(head_dim, in_place,
 def test_rows_off_the_tiling_reach_the_kernels(q_len, kv_len, is_causal,
                                                head_dim, monkeypatch):
   """Rows off the 8-row tiling: at d=64 and d=128 both directions'
-  kernels take them unpadded (`common.rows_in_place`); rows of no whole
+  kernels take them unpadded (`rows.rows_in_place`); rows of no whole
   swizzle tiles (d=80) reach both padded to whole 8-row tiles
   (`attention._plain_attention`, the forward's padded keys masked by its
   kv_len). With the kernels

@@ -39,8 +39,8 @@ from pallas_kernels.mosaic.backward import (mosaic_backward,
                                            reads_rows_in_place,
                                            row_statistics)
 from pallas_kernels.mosaic.common import (
-    HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS, TMA_ROW_TILE, ragged_lengths,
-    rows_in_place)
+    HEAD_DIM_MULTIPLE, SUPPORTED_HEAD_DIMS, TMA_ROW_TILE, ragged_lengths)
+from pallas_kernels.mosaic.rows import rows_in_place
 from pallas_kernels.mosaic.forward import mosaic_forward
 from pallas_kernels.mosaic import plan
 from pallas_kernels.mosaic.plan import backward_config, default_block_kv
@@ -106,7 +106,7 @@ def _plain_attention(query, key, value, scale, is_causal, backward_blocks,
   may see them (`mosaic_forward(kv_len=)`), the backward needs no mask
   (zero K and V add nothing to dQ; the padded rows' gradients and outputs
   are sliced off, the padding's gradient by autodiff). Rows the kernels
-  read in place (`common.rows_in_place`: 16-bit rows of whole swizzle
+  read in place (`rows.rows_in_place`: 16-bit rows of whole swizzle
   tiles) are not padded in either direction."""
   q_len, kv_len = query.shape[1], key.shape[1]
   if ragged_lengths(q_len, kv_len) or rows_in_place(

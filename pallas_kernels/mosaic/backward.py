@@ -61,7 +61,8 @@ from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, SWIZZLES, THREADS_PER_WARPGROUP, TMA_ROW_TILE,
     check_layout, check_shared_memory, check_tiles, own_width_head_dim,
-    persistent_num_ctas, ragged_lengths, rows_in_place, slope_rows_bytes)
+    persistent_num_ctas, ragged_lengths, slope_rows_bytes)
+from pallas_kernels.mosaic.rows import rows_in_place
 from pallas_kernels.mosaic.dkdv import launch_dkdv
 from pallas_kernels.mosaic.dq import launch_dq
 from pallas_kernels.mosaic.fused_dq import (DQ_PIECE, ZERO_CELL_BYTES,
@@ -161,7 +162,7 @@ def configure(query, key, *, scale: float, is_causal: bool, **options):
 
 def reads_rows_in_place(query, key, is_causal: bool) -> bool:
   """Whether `mosaic_backward` on its plan reads these rows in place
-  (`common.rows_in_place`): not with the fused dQ or shared rows, whose
+  (`rows.rows_in_place`): not with the fused dQ or shared rows, whose
   calls are padded instead (`attention._bwd`)."""
   config = _config(query, key, is_causal, {})
   return (rows_in_place(query.shape[1], key.shape[1], query.shape[-1],

@@ -32,10 +32,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    THREADS_PER_WARPGROUP, RowViews, ScoreTiles, alibi_terms, chained_tiles,
-    copy_rows_in, copy_rows_out, copy_slopes, dropout_key_hashes,
-    dropout_kept, dropout_query_hashes, masked_steps, per_column,
-    row_buffer, row_copies, slope_reader, swizzled, wgmma)
+    THREADS_PER_WARPGROUP, ScoreTiles, alibi_terms, chained_tiles, copy_slopes,
+    dropout_key_hashes, dropout_kept, dropout_query_hashes, masked_steps,
+    per_column, slope_reader, swizzled)
+from pallas_kernels.mosaic.rows import (
+    RowViews, copy_rows_in, copy_rows_out, row_buffer, row_copies, wgmma)
 from pallas_kernels.mosaic.fused_dq import (
     DQ_PIECE, PIECES_DONE_BARRIER, FusedDq, issue_dq_piece,
     num_dq_pieces, stage_dq_piece, stage_dq_pieces, write_dq)
@@ -77,7 +78,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
   resident = plgpu.SMEM(resident_shape, static.dtype, transforms=transforms)
   streamed = plgpu.SMEM((stages, static.block_q, head_dim), static.dtype,
                         transforms=transforms)
-  if static.rows_in_place:  # `common.rows_in_place` (never shared rows)
+  if static.rows_in_place:  # `rows.rows_in_place` (never shared rows)
     resident, streamed = (
         row_buffer(shape, static.dtype, in_place=True) for shape in
         (resident_shape, (stages, static.block_q, head_dim)))
@@ -688,7 +689,7 @@ def walk_scores_ahead(s_ref, dp_ref, *, num_steps: int, arrived, consumed,
   Pᵀ = `probabilities(slot, wait_scores)` (`wait_scores()` waits for Sᵀ
   and returns it, while dPᵀ runs), reads dPᵀ, and issues its two gradient
   products, dV then dK (`gradients(slot, p, dp)`, returning dK's count of
-  wgmmas, `common.wgmma`: the waits below count wgmmas). Step t + 1's Sᵀ is
+  wgmmas, `rows.wgmma`: the waits below count wgmmas). Step t + 1's Sᵀ is
   issued right after those, once its tiles have arrived and dV_t is done
   (its 16-bit Pᵀ operand's registers: with them held, ptxas serialized
   every wgmma for registers, C7512), so the tensor cores run

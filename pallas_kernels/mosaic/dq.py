@@ -26,10 +26,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat
 from pallas_kernels.mosaic.common import (
-    RowViews, alibi_terms, causal_mask, chained_tiles, copy_rows_in,
-    copy_rows_out, copy_slopes, dropout_key_hashes, dropout_kept,
-    dropout_query_hashes, masked_steps, per_row, row_buffer, row_copies,
-    slope_reader, swizzled, tile_index, tile_indices, variant_mask)
+    alibi_terms, causal_mask, chained_tiles, copy_slopes, dropout_key_hashes,
+    dropout_kept, dropout_query_hashes, masked_steps, per_row, slope_reader,
+    swizzled, tile_index, tile_indices, variant_mask)
+from pallas_kernels.mosaic.rows import (
+    RowViews, copy_rows_in, copy_rows_out, row_buffer, row_copies)
 from pallas_kernels.mosaic.pipeline import (
     MASKED, SKIP, UNMASKED, BackwardStatic, Walk, each_tile, grid_args,
     ids_arrived, keep_scale, kernel_name, load_own_ids, produce,

@@ -46,12 +46,13 @@ from pallas_kernels import masking
 from pallas_kernels.mosaic import turns
 from pallas_kernels.mosaic.common import (
     LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_TILE, PLAN_UNION, PlanRow,
-    RowViews, ScoreTiles, SlopeRows, alibi_column_terms, alibi_row_terms,
-    causal_mask, chained_tiles, copy_rows_in, copy_rows_out, copy_slopes,
-    dropout_key_hashes, dropout_kept,
+    ScoreTiles, SlopeRows, alibi_column_terms, alibi_row_terms, causal_mask,
+    chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
     dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
     persistent_schedule, read_plan, register_split, slope_reader, tile_index,
-    tile_indices, variant_mask, wgmma)
+    tile_indices, variant_mask)
+from pallas_kernels.mosaic.rows import (
+    RowViews, copy_rows_in, copy_rows_out, wgmma)
 from pallas_kernels.mosaic.softmax import add_unfused, exponentiate, rescale
 
 # Consumer warpgroups of the masked and FP8 forms, and of the plain one but
@@ -192,7 +193,7 @@ class KernelStatic:
   ragged_tail: bool = False
   # ... and rows off the 8-row TMA tiling, read and written in place
   # through untiled views of the Q, K, V and O buffers
-  # (`common.rows_in_place`, `common.RowViews`).
+  # (`rows.rows_in_place`, `rows.RowViews`).
   rows_in_place: bool = False
   kv_len: int = 0
   key_tail: bool = False

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic.common import wgmma
+from pallas_kernels.mosaic.rows import wgmma
 from pallas_kernels.mosaic.pipeline import BackwardStatic, wgmma_sum
 
 # The fused dQ splits each Q tile's dQ into [DQ_PIECE, DQ_PIECE] pieces,

@@ -138,7 +138,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                                dropout_seed=dropout_seed)
   static = dataclasses.replace(static, plan_heads=plan_heads)
   q_len = query.shape[1]
-  if not static.rows_in_place:  # `common.rows_in_place`: unpadded
+  if not static.rows_in_place:  # `rows.rows_in_place`: unpadded
     query, key, value = (pad_rows(x) for x in (query, key, value))
   segments = None
   if spec.has_segments:  # whole 8-row tiles, like padded rows

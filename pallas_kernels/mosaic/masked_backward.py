@@ -18,7 +18,7 @@ definition of the masks):
     q2    0  1  1
 
 Any lengths: rows of whole 128-byte swizzle tiles (d=64, 128, 256 in 16
-bits) are read and written in place (`common.rows_in_place`), others
+bits) are read and written in place (`rows.rows_in_place`), others
 zero-padded to the TMA row tiling (8); TMA reads past the end fill zeros
 and writes past the end are dropped; keys past kv_len are
 masked (`masking.keep`), and query rows past q_len get lse = +inf and
@@ -39,9 +39,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic import backward, masked, plan
-from pallas_kernels.mosaic.common import (alibi_columns, rows_in_place,
-                                         slope_rows)
+from pallas_kernels.mosaic.common import alibi_columns, slope_rows
 from pallas_kernels.mosaic.dq import launch_dq
+from pallas_kernels.mosaic.rows import rows_in_place
 from pallas_kernels.mosaic.plan import BackwardConfig, planned_kv_copies
 
 
@@ -170,7 +170,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   columns = plan.MASKED_ALIBI_COLUMNS and alibi_columns(spec)
   fold_cap = plan.MASKED_BACKWARD_SOFTCAP_FOLDED and masking.cap_only(spec)
   # Rows off the 8-row TMA tiling read and written in place, as the plain
-  # kernels' (`common.rows_in_place`), except on shared rows.
+  # kernels' (`rows.rows_in_place`), except on shared rows.
   in_place = (rows_in_place(q_len, kv_len, query.shape[-1], query.dtype)
               and not any(static.shared_rows for static in dkdv_configs))
   dq_config, dbias_config = (

@@ -38,9 +38,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import masking
 from pallas_kernels.mosaic.common import (
     LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_TILE, PLAN_UNION, PLAN_WIDTH,
-    PlanRow, RowViews, ScoreTiles, SlopeRows, copy_rows_in, launch_grid,
-    per_column, per_row, persistent_schedule, read_plan, register_split,
-    swizzled, wgmma, wgmma_count)
+    PlanRow, ScoreTiles, SlopeRows, launch_grid, per_column, per_row,
+    persistent_schedule, read_plan, register_split, swizzled)
+from pallas_kernels.mosaic.rows import (
+    RowViews, copy_rows_in, wgmma, wgmma_count)
+
 
 # The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
 # the producer: 2 * 232 + 24 + 24 = 512 per thread slot. 24 is setmaxnreg's
@@ -127,8 +129,8 @@ class BackwardStatic:
   # 128), with two consumers.
   shared_rows: bool = False
   # Plain form, d=64 rows off the 8-row TMA tiling read and written in
-  # place (`common.rows_in_place`): Q, K, V, dO and the gradients through
-  # the (1, 64) views of their buffers (`common.row_buffer`).
+  # place (`rows.rows_in_place`): Q, K, V, dO and the gradients through
+  # the (1, 64) views of their buffers (`rows.row_buffer`).
   rows_in_place: bool = False
   # Ranged kernels (`masked_backward`): the static `masking.MaskSpec`; loop
   # ranges come from a plan row per CTA instead of causal geometry.
