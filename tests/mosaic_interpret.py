@@ -774,7 +774,7 @@ def _rows_in_one_buffer():
     if static.rows_in_place and rows.split_rows(static.head_dim,
                                                   static.dtype):
       return cls(scratch, rows.ColumnTiles(scratch), split=True)
-    return cls(scratch, scratch)
+    return cls.plain(scratch)
 
   for module in users:
     module.row_buffer = one_buffer_of

@@ -363,10 +363,10 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
 
     streams = [(tile(q_ref), views["q"], q_arrived),
                (tile(do_ref), views["do"], do_arrived),
-               (stats_tile, stats_ring, stats_arrived)]
+               (stats_tile, RowViews.plain(stats_ring), stats_arrived)]
     if ids is not None:  # query ids travel with their Q tiles
       streams.append((lambda step: ids.streamed_gmem.at[q_rows_of(step)[1]],
-                      ids.ring, ids.ring_arrived))
+                      RowViews.plain(ids.ring), ids.ring_arrived))
     produce(streams, consumed, union_steps, static, base=base)
 
   def _writer():

@@ -259,7 +259,7 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
                (tile(v_ref), v_ring, v_arrived)]
     if ids is not None:  # key ids travel with their K/V tiles
       streams.append((lambda step: ids.streamed_gmem.at[kv_rows_of(step)],
-                      ids.ring, ids.ring_arrived))
+                      RowViews.plain(ids.ring), ids.ring_arrived))
     produce(streams, consumed, union_steps, static, base=base)
 
   (_consumer if consumer else _producer)()

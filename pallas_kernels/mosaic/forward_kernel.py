@@ -907,7 +907,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
         acc = acc * per_row(1.0 / l_safe, acc.shape)
       else:
         acc = acc * per_row(v_factor / l_safe, acc.shape)
-        o_smem = RowViews(fp8.o_smem, fp8.o_smem)
+        o_smem = RowViews.plain(fp8.o_smem)
         out_dtype = static.out_dtype
       o_smem.mma[...] = o_piece(acc, 0).astype(out_dtype)
       lse = add_unfused(m * _LN2, jnp.log(l_safe))

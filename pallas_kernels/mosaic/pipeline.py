@@ -40,8 +40,7 @@ from pallas_kernels.mosaic.common import (
     LOG2E, PLAN_DROPOUT_SEED, PLAN_SCALARS, PLAN_TILE, PLAN_UNION, PLAN_WIDTH,
     PlanRow, ScoreTiles, SlopeRows, launch_grid, per_column, per_row,
     persistent_schedule, read_plan, register_split, swizzled)
-from pallas_kernels.mosaic.rows import (
-    RowViews, copy_rows_in, wgmma, wgmma_count)
+from pallas_kernels.mosaic.rows import copy_rows_in, wgmma, wgmma_count
 
 
 # The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
@@ -293,7 +292,8 @@ def produce(streams, consumed, num_steps, static: BackwardStatic, base=None):
   """Producer warpgroup: TMA step t's tiles into ring slot t % num_stages.
 
   `streams` are (source, ring, arrived): `source(step)` is the GMEM view of
-  that step's tile, `ring` a ref or rows' `RowViews`. A slot is refilled once every consumer released it.
+  that step's tile, `ring` its buffers' `RowViews` (`copy_rows_in`). A
+  slot is refilled once every consumer released it.
   Persistent (`base` given): the ring runs on from the CTA's earlier tiles,
   step t going to slot (base + t) % num_stages, without a fill of its own.
   """
@@ -301,11 +301,7 @@ def produce(streams, consumed, num_steps, static: BackwardStatic, base=None):
 
   def load(step, slot):
     for source, ring, arrived in streams:
-      if isinstance(ring, RowViews):  # Q, K, V, dO: a copy a column tile if split
-        copy_rows_in(source(step), ring.at[slot], arrived.at[slot])
-      else:
-        plgpu.copy_gmem_to_smem(source(step), ring.at[slot],
-                                arrived.at[slot])
+      copy_rows_in(source(step), ring.at[slot], arrived.at[slot])
 
   if base is not None:
     @pl.loop(0, num_steps)

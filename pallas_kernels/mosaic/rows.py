@@ -39,11 +39,17 @@ class RowViews(NamedTuple):
     (its `rows_in_place`, `head_dim` and `dtype`) receives it: a ref, or a
     `plgpu.RefUnion` of the (row-tiled, tiled) pair."""
     if not static.rows_in_place:
-      return cls(scratch, scratch)
+      return cls.plain(scratch)
     tma, mma = scratch
     if split_rows(static.head_dim, static.dtype):
       return cls(tma, ColumnTiles(mma), split=True)
     return cls(tma, mma)
+
+  @classmethod
+  def plain(cls, ref) -> RowViews:
+    """A buffer that is not rows read in place (statistics, ids, FP8's O):
+    one ref for both uses."""
+    return cls(ref, ref)
 
   @property
   def at(self):
