@@ -128,6 +128,10 @@ CELLS = (
     C("ragged_causal_4097", "Llama 3 8B", 4, 4097, 32, 8, 128),
     C("ragged_causal_577", "Llama 3 8B", 32, 577, 32, 8, 128),
     C("ragged_d256_causal_4097", "Gemma 2 9B, no cap", 4, 4097, 16, 8, 256),
+    # A masked call off the 8-row tiling: the masked kernels read such rows
+    # in place too.
+    C("ragged_window4k_causal_8193", "Mistral 7B", 2, 8193, 32, 8, 128,
+      window=4096),
     # An encoder's tokens off the 8-row tiling (196 patches and a class
     # token), without a causal mask: at d=64 the Mosaic kernels read and
     # write such rows in place (`rows.rows_in_place`).

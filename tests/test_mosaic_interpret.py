@@ -237,6 +237,10 @@ MASKED_VARIANTS = {
                      key_value_seq_lengths=jnp.array([130, 50]))),
     # Not causal, so that it reads the ragged K/V tail.
     "soft cap": (Case(1, 97, 170, 1, 1, 64), dict(logits_soft_cap=5.0)),
+    # Rows of two swizzle tiles off the 8-row tiling, read in place as
+    # column tiles (`rows.ColumnTiles`), a window over GQA 2:1 heads.
+    "window, column tiles": (Case(1, 75, 70, 2, 1, 128),
+                             dict(is_causal=True, local_window_size=(20, 0))),
     # A query's and a key's ids, boundaries inside tiles.
     "segments": (Case(1, 100, 150, 1, 1, 64),
                  dict(segment_ids=(_segment_ids(30, 50, 20),
@@ -325,7 +329,7 @@ def _masked_call(q, k, v, variants):
 # backward's "dropout"; the GPU tests take every variant).
 _SLOW_MASKED = ("bottom-right causal", "causal window", "soft cap",
                 "dense mask", "bias", "bias, no mask", "alibi soft cap",
-                "lengths", "dropout", "ragged causal")
+                "lengths", "dropout", "ragged causal", "window, column tiles")
 
 
 @pytest.mark.parametrize("name", [slow(n) if n in _SLOW_MASKED else n
@@ -760,6 +764,9 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
     # mask_fn's tiles per head: with a K/V copy per query head the dK/dV
     # plan rows are per K/V head too (`masked.head_plans`).
     slow("mask_fn", 2),
+    # Rows of two swizzle tiles read in place as column tiles by the masked
+    # dQ and dK/dV kernels (its forward: the plain forward's in-place case).
+    ("window, column tiles", None),
     # Dropout's hash and ALiBi's slopes are per query head: on K/V copies
     # (`kv_head_copies`) each copy's heads must still be the call's.
     ("dropout", 2),

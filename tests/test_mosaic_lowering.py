@@ -643,6 +643,32 @@ def test_rows_off_the_tiling_lower_in_place(head_dim, dtype, in_place,
   assert ("x584x" in text) != in_place
 
 
+@pytest.mark.parametrize("head_dim, in_place", [
+    (128, True), (96, False),
+    # (CI's ten minutes: d=64's and d=256's under -m slow.)
+    pytest.param(64, True, marks=pytest.mark.slow),
+    pytest.param(256, True, marks=pytest.mark.slow)])
+def test_masked_rows_off_the_tiling_lower_in_place(head_dim, in_place,
+                                                   cuda_lowering,
+                                                   monkeypatch):
+  """The masked kernels, as the plain ones, take rows off the 8-row TMA
+  tiling unpadded where a row is whole swizzle tiles
+  (`rows.rows_in_place`): a causal window's forward and backward at 577
+  tokens lower with no [.., 584, ..] operand; at d=96 they are padded."""
+  monkeypatch.setattr(versions, "gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(versions, "has_gpu", lambda: True)
+  x = jax.ShapeDtypeStruct((2, 577, 4, head_dim), jnp.bfloat16)
+
+  def loss(q, k, v):
+    return jax_flash.flash_attention(
+        q, k, v, is_causal=True, local_window_size=(64, 0),
+        implementation="mosaic", interpret=False).astype(jnp.float32).sum()
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert _KERNEL_NAME in text
+  assert ("x584x" in text) != in_place
+
+
 @pytest.mark.parametrize("q_len, kv_len, is_causal, head_dim", [
     (197, 197, False, 64), (261, 133, True, 128),
     # (CI's ten minutes: the other pairings under -m slow.)

@@ -374,8 +374,7 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   # Lengths the tiles do not divide (`ragged_lengths`, of the arrays' rows:
   # TMA's 8-row tiling; the FP8 kernel's K and V come padded to whole
   # blocks, `fp8.mosaic_forward_fp8`).
-  in_place = spec is None and not fp8 and rows_in_place(
-      q_len, rows, head_dim, dtype)
+  in_place = not fp8 and rows_in_place(q_len, rows, head_dim, dtype)
   ragged = spec is None and (ragged_lengths(q_len, rows) or in_place)
   if spec is None and q_len % q_multiple and not ragged:
     raise NotImplementedError(

@@ -138,11 +138,11 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                                dropout_seed=dropout_seed)
   static = dataclasses.replace(static, plan_heads=plan_heads)
   q_len = query.shape[1]
-  query, key, value = (pad_rows(x) for x in (query, key, value))
+  if not static.rows_in_place:  # `rows.rows_in_place`: unpadded
+    query, key, value = (pad_rows(x) for x in (query, key, value))
   segments = None
-  if spec.has_segments:  # padded like the rows they label
-    segments = (pad_ids(q_segments, query.shape[1]),
-                pad_ids(kv_segments, key.shape[1]))
+  if spec.has_segments:  # whole 8-row tiles, like padded rows
+    segments = (pad_ids(q_segments), pad_ids(kv_segments))
   slopes = slope_rows(alibi_slopes) if spec.has_alibi else None
   if spec.has_bias:
     bias = pad_tiles(bias, static.block_kv)
@@ -229,8 +229,13 @@ def pad_rows(x, multiple: int = TMA_ROW_TILE):
   return x if not pad else jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
 
 
-def pad_ids(ids, length: int):
-  """int32 segment ids [batch, n] zero-padded to [batch, length]."""
+def pad_ids(ids, length: int | None = None):
+  """int32 segment ids [batch, n] zero-padded to [batch, length], by
+  default to whole TMA row tiles (TMA's 16-byte strides; the ids of padded
+  rows, or of rows read in place past their array's end, are never
+  compared)."""
+  if length is None:
+    length = ids.shape[1] + -ids.shape[1] % TMA_ROW_TILE
   return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, length - ids.shape[1])))
 
 

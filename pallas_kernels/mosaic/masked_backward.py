@@ -17,8 +17,10 @@ definition of the masks):
     q1    1  1  0              q2: [k1, k3)          k2: [q2, q3)
     q2    0  1  1
 
-Any lengths: rows are zero-padded to the TMA row tiling (8), TMA reads past
-the end fill zeros and writes past the end are dropped; keys past kv_len are
+Any lengths: rows of whole 128-byte swizzle tiles (d=64, 128, 256 in 16
+bits) are read and written in place (`rows.rows_in_place`), others
+zero-padded to the TMA row tiling (8); TMA reads past the end fill zeros
+and writes past the end are dropped; keys past kv_len are
 masked (`masking.keep`), and query rows past q_len get lse = +inf and
 delta = 0 (P = 0, as for a row that attends to nothing), so that padding
 contributes nothing to any gradient.
@@ -39,6 +41,7 @@ from pallas_kernels import masking
 from pallas_kernels.mosaic import backward, masked, plan
 from pallas_kernels.mosaic.common import alibi_columns, slope_rows
 from pallas_kernels.mosaic.dq import launch_dq
+from pallas_kernels.mosaic.rows import rows_in_place
 from pallas_kernels.mosaic.plan import BackwardConfig, planned_kv_copies
 
 
@@ -166,26 +169,31 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   # MASKED_ALIBI_COLUMNS`, as the masked forward).
   columns = plan.MASKED_ALIBI_COLUMNS and alibi_columns(spec)
   fold_cap = plan.MASKED_BACKWARD_SOFTCAP_FOLDED and masking.cap_only(spec)
+  # Rows off the 8-row TMA tiling read and written in place, as the plain
+  # kernels' (`rows.rows_in_place`), except on shared rows.
+  in_place = (rows_in_place(q_len, kv_len, query.shape[-1], query.dtype)
+              and not any(static.shared_rows for static in dkdv_configs))
   dq_config, dbias_config = (
       None if static is None else dataclasses.replace(
           static, plan_heads=plan_heads, alibi_columns=columns,
-          fold_cap=fold_cap)
+          fold_cap=fold_cap, rows_in_place=in_place)
       for static in (dq_config, dbias_config))
   dkdv_configs = [dataclasses.replace(static, plan_heads=kv_plan_heads,
                                       alibi_columns=columns,
-                                      fold_cap=fold_cap)
+                                      fold_cap=fold_cap,
+                                      rows_in_place=in_place)
                   for static in dkdv_configs]
   # The dQ grid's last tile reaches furthest down the query rows.
   rows_per_tile = max(static.q_rows_per_cta
                       for static in (dq_config, dbias_config) if static)
   stats = padded_statistics(out, lse, d_out, d_lse,
                             rows=-(-q_len // rows_per_tile) * rows_per_tile)
-  query, key, value, d_out = (masked.pad_rows(x)
-                              for x in (query, key, value, d_out))
+  if not in_place:
+    query, key, value, d_out = (masked.pad_rows(x)
+                                for x in (query, key, value, d_out))
   segments = None
-  if spec.has_segments:  # padded like the rows they label
-    segments = (masked.pad_ids(q_segments, query.shape[1]),
-                masked.pad_ids(kv_segments, key.shape[1]))
+  if spec.has_segments:  # whole 8-row tiles, like padded rows
+    segments = (masked.pad_ids(q_segments), masked.pad_ids(kv_segments))
   slopes = slope_rows(alibi_slopes) if spec.has_alibi else None
   # The bias and the dense mask: [.., q, kv] for dQ, [.., kv, q] for dK/dV.
   score_arrays = {}

@@ -224,9 +224,9 @@ def row_copies(columns: int, dtype, *, in_place: bool) -> int:
 
 
 def rows_in_place(q_len: int, kv_len: int, head_dim: int, dtype) -> bool:
-  """Whether the plain kernels read and write rows off the 8-row TMA
-  tiling (`ragged_lengths` false: ViT's 197 tokens, an LLM's prompt of
-  4097) in place, without a padded copy. Mosaic GPU tiles a TMA's global
+  """Whether the kernels (plain and masked) read and write rows off the
+  8-row TMA tiling (`ragged_lengths` false: ViT's 197 tokens, an LLM's
+  prompt of 4097) in place, without a padded copy. Mosaic GPU tiles a TMA's global
   array like its shared buffer (the row axis as [rows / 8, 8],
   `TileTransform.transform_gmem_shape`), so a buffer tiled (8, 64) for
   wgmma cannot take such rows; one tiled (1, 64) with the same swizzle
