@@ -132,6 +132,10 @@ CELLS = (
     # in place too.
     C("ragged_window4k_causal_8193", "Mistral 7B", 2, 8193, 32, 8, 128,
       window=4096),
+    # A short masked one: a batch of prompts padded to 577 tokens, where
+    # Triton's kernels are the other candidate (`api.triton_first`).
+    C("ragged_padded_lengths_577", "Llama 3 8B", 32, 577, 32, 8, 128,
+      padded=True),
     # An encoder's tokens off the 8-row tiling (196 patches and a class
     # token), without a causal mask: at d=64 the Mosaic kernels read and
     # write such rows in place (`rows.rows_in_place`).

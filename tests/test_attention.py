@@ -280,8 +280,11 @@ def test_no_nan_for_extreme_logits():
     (577, 577, 128, {"is_causal": True}, "mosaic"),  # as column tiles
     (197, 197, 256, {}, "mosaic"),
     (577, 577, 64, {"is_causal": True}, "mosaic"),
-    (197, 197, 64, {"local_window_size": 16}, "triton"),  # masked: padded
+    (197, 197, 64, {"local_window_size": 16}, "triton"),  # masked d=64
     (197, 197, 64, {"bias": True}, "triton"),
+    (577, 577, 128, {"local_window_size": 16}, "mosaic"),  # masked in place
+    (197, 197, 256, {"bias": True}, "mosaic"),
+    (197, 197, 96, {"local_window_size": 16}, "triton"),  # masked d=96
     (50, 641, 128, {}, "mosaic"),    # longer than TRITON_FIRST_UP_TO
     (200, 200, 128, {}, "mosaic"),   # whole 8-row tiles: no copies
     (1001, 1001, 128, {}, "mosaic"),
@@ -291,7 +294,8 @@ def test_implementation_none_tries_triton_first_for_short_ragged_lengths(
   """`implementation=None` on a GPU: the Mosaic kernels first, but the
   Triton ones for short lengths off Mosaic's 8-row TMA tiling
   (`api.TRITON_FIRST_UP_TO`) where the Mosaic path pads by copies (rows
-  of no whole 128-byte swizzle tiles, masked calls); a forced
+  of no whole 128-byte swizzle tiles) or Triton's forward wins (masked
+  calls at d=64); a forced
   implementation is the only one tried."""
   from jax_flash import api
   from pallas_kernels import compat
