@@ -118,6 +118,42 @@ def test_variants_on_gpu(name):
                           jnp.bfloat16, seed=2, **variants)
 
 
+# Short masked calls off the 8-row tiling (`api.triton_first`): at d=128
+# and 256 `implementation=None` takes the Mosaic masked kernels, which read
+# such rows in place; at d=64 the Triton kernels.
+SHORT_MASKED_CASES = {
+    "d128 lengths": (Case(2, 577, 577, 8, 2, 128), True,
+                     dict(is_causal=True,
+                          key_value_seq_lengths=jnp.array([577, 300]))),
+    "d256 window": (Case(2, 333, 333, 4, 2, 256), True,
+                    dict(is_causal=True, local_window_size=(100, 0))),
+    "d128 segments": (Case(2, 197, 197, 4, 4, 128), True,
+                      dict(segment_ids=jnp.repeat(
+                          jnp.arange(4, dtype=jnp.int32), 50)[None, :197]
+                           .repeat(2, 0))),
+    "d64 window": (Case(2, 197, 197, 4, 4, 64), False,
+                   dict(local_window_size=(30, 30))),
+}
+
+
+@pytest.mark.parametrize("name", list(SHORT_MASKED_CASES))
+def test_short_masked_calls_take_their_kernels_on_gpu(name):
+  """`implementation=None` on short masked calls off the tiling: the
+  kernels `api.triton_first` names, and the reference's numbers."""
+  from pallas_kernels import compat
+  case, mosaic, variants = SHORT_MASKED_CASES[name]
+  on_hopper = (compat.gpu_compute_capability() or (0, 0))[0] == 9
+
+  @jax.jit
+  def attention(q, k, v):
+    return jax_flash.flash_attention(q, k, v, return_residual=True,
+                                     **variants)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, 0)
+  text = attention.lower(q, k, v).as_text()
+  assert ("mosaic_flash_forward" in text) == (mosaic and on_hopper)
+  check_against_reference(attention, case, jnp.bfloat16, seed=4, **variants)
+
+
 MOSAIC_SINK_CASES = {
     # The plan's persistent grid at 4k, its launch grid at 16k (d=128
     # causal), and d=256 without a mask.
