@@ -179,6 +179,32 @@ def _broadcastable(name: str, x, shape: AttentionShape):
   return jnp.reshape(x, padded)
 
 
+def _vector_mask_as_segments(mask, shape: AttentionShape):
+  """(segment_ids, None) for a bool mask that varies along one sequence axis
+  at most, the same for every head: [batch | 1, 1, 1, kv_len] (key
+  padding, as jax.nn and BERT-style encoders pass it) or [batch | 1, 1,
+  q_len, 1]; else (None, mask).
+
+  Kept positions get segment 0 and dropped ones segment 1 on their own
+  side, the other side all 0: a query attends a key exactly where the mask
+  is True, and a query that keeps no key gets zeros, as under the mask.
+  As segments the call runs on every kernel (the Mosaic ones stream no
+  mask tiles of such shapes) and its empty tiles are skipped.
+  """
+  batch, heads, q_len, kv_len = mask.shape
+  if heads != 1 or (q_len != 1 and kv_len != 1):
+    return None, mask
+  if kv_len == 1:
+    q_ids = jnp.where(mask[:, 0, :, 0], 0, 1)
+    kv_ids = jnp.zeros((1, shape.kv_len), jnp.int32)
+  else:
+    q_ids = jnp.zeros((1, shape.q_len), jnp.int32)
+    kv_ids = jnp.where(mask[:, 0, 0, :], 0, 1)
+  full = lambda ids, length: jnp.broadcast_to(
+      ids.astype(jnp.int32), (shape.batch, length))
+  return (full(q_ids, shape.q_len), full(kv_ids, shape.kv_len)), None
+
+
 def _check_block_mask(block_mask, shape: AttentionShape):
   """A `BlockMask` passed as mask_fn, checked to be one of this call's
   shape: its tiles decide which the kernels skip, so one built for other
@@ -294,6 +320,8 @@ def normalise_call(query, key, value, *, bias=None, mask=None, scale=None,
     mask = _broadcastable("mask", mask, shape)
     # Flax's make_causal_mask gives float 0/1 masks: nonzero attends.
     mask = mask if mask.dtype == jnp.bool_ else mask != 0
+    if segment_ids is None:
+      segment_ids, mask = _vector_mask_as_segments(mask, shape)
   if logits_soft_cap is not None:
     logits_soft_cap = float(logits_soft_cap)
     if not logits_soft_cap > 0:

@@ -133,6 +133,11 @@ SHORT_MASKED_CASES = {
                            .repeat(2, 0))),
     "d64 window": (Case(2, 197, 197, 4, 4, 64), False,
                    dict(local_window_size=(30, 30))),
+    # A bool key-padding mask, run as segment ids (`validation.
+    # _vector_mask_as_segments`).
+    "d128 key padding mask": (Case(2, 577, 577, 8, 2, 128), True,
+                              dict(mask=(jnp.arange(577) < jnp.array(
+                                  [[577], [250]]))[:, None, None, :])),
 }
 
 

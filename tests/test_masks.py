@@ -119,6 +119,48 @@ def test_bias_and_its_gradient(bias_shape):
                                err_msg=name)
 
 
+# Bool masks the same for every head that vary along one sequence axis
+# (`validation._vector_mask_as_segments`); batch 0 of "per batch" keeps
+# nothing, and "query rows" drops whole rows: zeros there.
+VECTOR_MASKS = {
+    "key padding [b, 1, 1, kv]": (2, 1, 1, 90),
+    "keys, no batch axis [kv]": (90,),
+    "query rows [b, 1, q, 1]": (2, 1, 70, 1),
+    "per batch [b, 1, 1, 1]": (2, 1, 1, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(VECTOR_MASKS))
+def test_vector_masks_run_as_segment_ids(name):
+  """Such a mask becomes segment ids (no dense mask operand), and the
+  output and gradients equal the reference's under the same mask given
+  for every head (a dense mask, not converted), causal, random
+  cotangent."""
+  from jax_flash import validation
+  shape = VECTOR_MASKS[name]
+  mask = jax.random.bernoulli(jax.random.key(2), 0.6, shape)
+  if name.startswith("per batch"):
+    mask = mask.at[0].set(False).at[1].set(True)
+  q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 10)
+  call = validation.normalise_call(q, k, v, mask=mask)
+  assert call.operands.dense_mask is None and call.spec.has_segments
+  per_head = jnp.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + shape),
+                              (2, 4, 70, 90))
+
+  def loss(fn, q, k, v, mask, **kw):
+    out = fn(q, k, v, mask=mask, is_causal=True, **kw)
+    return jnp.sum(out * d_out), out
+
+  (_, got_out), got = jax.value_and_grad(loss, (1, 2, 3), has_aux=True)(
+      jax_flash.flash_attention, q, k, v, mask, implementation="triton",
+      block_sizes=BLOCKS)
+  (_, want_out), want = jax.value_and_grad(loss, (1, 2, 3), has_aux=True)(
+      jax_flash.attention_reference, q, k, v, per_head)
+  chex.assert_trees_all_close((got_out, got), (want_out, want), atol=2e-5)
+  if name.startswith("per batch"):
+    assert float(jnp.abs(got_out[0]).max()) == 0.0
+
+
 def test_sinks_and_their_gradient():
   q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 6)
   sinks = jnp.array([0.5, -1.0, 2.0, 0.0])

@@ -215,6 +215,30 @@ def test_masked_forward_with_dense_mask_lowers_for_cuda(head_dim,
   assert "mosaic_flash_forward" in lowered.as_text()
 
 
+def test_key_padding_mask_runs_on_the_mosaic_kernels(cuda_lowering,
+                                                     monkeypatch):
+  """A bool key-padding mask [batch, 1, 1, kv_len] (as jax.nn and BERT-style
+  encoders pass it) runs on the Mosaic kernels as segment ids, forward and
+  backward, off the 8-row tiling, cross-lowered for an H200; the masked
+  kernels stream no mask tiles of that shape."""
+  from pallas_kernels import compat
+  monkeypatch.setattr(compat, "gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(compat, "has_gpu", lambda: True)
+  q = jax.ShapeDtypeStruct((2, 577, 4, 128), jnp.bfloat16)
+  mask = jnp.arange(577)[None, None, None, :] < jnp.array([577, 300])[
+      :, None, None, None]
+
+  def loss(q, k, v):
+    return jax_flash.flash_attention(q, k, v, mask=mask,
+                                     implementation="mosaic").astype(
+                                         jnp.float32).sum()
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
+      lowering_platforms=("cuda",)).as_text()
+  kernels = set(re.findall(r"mosaic_flash_backward_masked_([a-z]+)", text))
+  assert "mosaic_flash_forward" in text and kernels == {"dq", "dkdv"}
+
+
 def test_bias_gradients_come_from_the_mosaic_backward(cuda_lowering):
   """With a bias, the masked Mosaic forward and backward: dQ, dK/dV and
   the dbias launch (dS in float32, summed over the broadcast batch axis),
