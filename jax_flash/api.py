@@ -1,6 +1,8 @@
 """`flash_attention`: validate, normalise, dispatch."""
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Literal
 
 import jax.numpy as jnp
@@ -126,26 +128,30 @@ def flash_attention(
   return (out, lse) if return_residual else out
 
 
-# Short sequences off Mosaic GPU's 8-row TMA tiling (`pallas_kernels.mosaic.
-# common.TMA_ROW_TILE`, not importable without Mosaic GPU) go to the Triton
-# kernels first where the Mosaic path pads Q, K and V to whole 8-row tiles
-# and cuts O back (four copies): rows of no whole number of 128-byte
-# swizzle tiles (d=80, 96, ...). Triton against padded Mosaic on an H100,
-# d=64, forward / fwd+bwd TFLOP/s: ViT-B/16's 197 tokens 121 / 94 against
-# 74 / 76, ViT-L/14's 577 182 / 177 against 171 / 172
-# (benchmarks/results/h100_models_softcap_vit.md); above 577 unmeasured,
-# so the bound is 640, not the next power of two. 16-bit rows of whole
-# swizzle tiles (d=64, 128, 256) Mosaic reads in place
-# (`rows.rows_in_place`), no copies, and they stay with Mosaic: plain d=64
-# 163 / 131 against Triton's 131 / 96 at 197 tokens, 303 / 242 against
-# 221 / 175 at 577 (h100_models_vit_in_place.md); d=128 causal at 577,
-# 32:8 heads, 282 / 237 against 155 / 126
-# (h100_models_column_tiles_schedule.md). Masked calls too, except at
-# d=64, where Triton's forward wins: at 577 tokens with padded lengths
-# Mosaic against Triton 87 / 90 against 114 / 87 at d=64, 144 / 143
-# against 99 / 77 at d=128, 150 / 105 against 110 / 59 at d=256; a 256-key
-# window and packed documents at d=128 163 / 163 against 121 / 98 and 68
-# / 75 against 54 / 39 (h100_short_masked_route.md).
+# Short sequences go to the Triton kernels first in two cases.
+# (1) Lengths off Mosaic GPU's 8-row TMA tiling (`pallas_kernels.mosaic.
+# common.TMA_ROW_TILE`, not importable without Mosaic GPU) where the Mosaic
+# path pads Q, K and V to whole 8-row tiles and cuts O back (four copies):
+# rows of no whole number of 128-byte swizzle tiles (d=80, 96, ...).
+# Triton against padded Mosaic on an H100, d=64, forward / fwd+bwd
+# TFLOP/s: ViT-B/16's 197 tokens 121 / 94 against 74 / 76, ViT-L/14's 577
+# 182 / 177 against 171 / 172 (benchmarks/results/h100_models_softcap_vit.md);
+# above 577 unmeasured, so the bound is 640, not the next power of two.
+# 16-bit rows of whole swizzle tiles (d=64, 128, 256) Mosaic reads in
+# place (`rows.rows_in_place`), no copies, and plain calls stay with
+# Mosaic: d=64 163 / 131 against Triton's 131 / 96 at 197 tokens, 303 /
+# 242 against 221 / 175 at 577 (h100_models_vit_in_place.md); d=128 causal
+# at 577, 32:8 heads, 282 / 237 against 155 / 126
+# (h100_models_column_tiles_schedule.md). So do masked calls of wider rows:
+# at 577 tokens with padded lengths Mosaic against Triton 144 / 143 against
+# 99 / 77 at d=128, 150 / 105 against 110 / 59 at d=256; a 256-key window
+# and packed documents at d=128 163 / 163 against 121 / 98 and 68 / 75
+# against 54 / 39 (h100_short_masked_route.md).
+# (2) Masked calls of rows of one swizzle tile or less (d=64 in 16 bits), at
+# any length up to the bound: Triton's forward wins and its fwd+bwd ties,
+# padded lengths, Mosaic against Triton, 577 tokens causal 88 / 91 against
+# 115 / 88, 512 (BERT large's batch) 146 / 144 against 178 / 145, 384
+# causal 63 / 65 against 86 / 70 (h100_short_masked_route_d64.md).
 TRITON_FIRST_UP_TO = 640
 _MOSAIC_ROW_TILE = 8
 _SWIZZLE_BYTES = 128
@@ -155,11 +161,15 @@ def triton_first(call: AttentionCall, dtype) -> bool:
   """Whether `implementation=None` tries the Triton kernels before the
   Mosaic ones for this call of inputs of `dtype` (`TRITON_FIRST_UP_TO`)."""
   shape = call.shape
-  if (max(shape.q_len, shape.kv_len) > TRITON_FIRST_UP_TO
-      or not (shape.q_len % _MOSAIC_ROW_TILE
-              or shape.kv_len % _MOSAIC_ROW_TILE)):
+  if max(shape.q_len, shape.kv_len) > TRITON_FIRST_UP_TO:
     return False
   row_bytes = shape.head_dim * jnp.dtype(dtype).itemsize
+  # The masked kernels' calls (a soft cap alone runs on the plain ones).
+  masked = not dataclasses.replace(call.spec, logits_soft_cap=None).is_plain
+  if masked and row_bytes <= _SWIZZLE_BYTES:
+    return True
+  if not (shape.q_len % _MOSAIC_ROW_TILE or shape.kv_len % _MOSAIC_ROW_TILE):
+    return False
   in_place = (row_bytes % _SWIZZLE_BYTES == 0
               and jnp.dtype(dtype).itemsize == 2 and call.sinks is None
               and (call.spec.is_plain or row_bytes > _SWIZZLE_BYTES))

@@ -175,26 +175,30 @@ def position_score(s, b, h, q_idx, kv_idx):
 # short masked call off the 8-row tiling, a float32 bias beside bfloat16
 # q, a mask broadcast along the queries).
 # `test_gpu` checks them on a GPU, `test_mosaic_lowering` cross-lowered.
+# d=64: masked calls up to `api.TRITON_FIRST_UP_TO` tokens go to Triton
+# first, so the masked ones here are longer.
 DISPATCHED_TO_MOSAIC = [
     (jnp.bfloat16, 512, {}), (jnp.bfloat16, 1001, {}),
     (jnp.bfloat16, 197, {}),   # off the 8-row tiling, rows read in place
-    (jnp.bfloat16, 512, dict(alibi_slopes=jnp.ones(4))),
-    (jnp.bfloat16, 512, dict(dropout_rate=0.1,
-                             dropout_rng=jax.random.key(0))),
-    (jnp.bfloat16, 512, dict(score_fn=lambda s, *_: s * 0.5)),
-    (jnp.bfloat16, 512, dict(mask_fn=lambda b, h, i, j: i >= j)),
-    (jnp.bfloat16, 512, dict(bias=jnp.zeros((512, 512), jnp.bfloat16))),
-    (jnp.bfloat16, 512, dict(mask=jnp.tril(jnp.ones((512, 512), bool)))),
+    (jnp.bfloat16, 1024, dict(alibi_slopes=jnp.ones(4))),
+    (jnp.bfloat16, 1024, dict(dropout_rate=0.1,
+                              dropout_rng=jax.random.key(0))),
+    (jnp.bfloat16, 1024, dict(score_fn=lambda s, *_: s * 0.5)),
+    (jnp.bfloat16, 1024, dict(mask_fn=lambda b, h, i, j: i >= j)),
+    (jnp.bfloat16, 1024, dict(bias=jnp.zeros((1024, 1024), jnp.bfloat16))),
+    (jnp.bfloat16, 1024, dict(mask=jnp.tril(jnp.ones((1024, 1024), bool)))),
     # a key-padding mask, the same for every head: as segment ids
-    (jnp.bfloat16, 512, dict(mask=jnp.ones((1, 512), bool))),
+    (jnp.bfloat16, 1024, dict(mask=jnp.ones((1, 1024), bool))),
 ]
 DISPATCHED_TO_TRITON = [
     (jnp.float32, 512, {}),
-    # short, off Mosaic's 8-row tiling, masked, d=64: Triton's forward wins
+    # short and masked at d=64, off Mosaic's 8-row tiling or on it:
+    # Triton's forward wins
     (jnp.bfloat16, 197, dict(local_window_size=16)),
-    (jnp.bfloat16, 512, dict(bias=jnp.zeros((512, 512)))),
+    (jnp.bfloat16, 512, dict(mask=jnp.ones((1, 512), bool))),
+    (jnp.bfloat16, 1024, dict(bias=jnp.zeros((1024, 1024)))),  # f32 bias
     # a key mask per head: the masked Mosaic kernels stream only [q_len,
     # kv_len] mask tiles (the same key mask for every head runs as segment
     # ids, on Mosaic)
-    (jnp.bfloat16, 512, dict(mask=jnp.ones((4, 1, 512), bool))),
+    (jnp.bfloat16, 1024, dict(mask=jnp.ones((4, 1, 1024), bool))),
 ]

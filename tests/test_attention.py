@@ -285,6 +285,11 @@ def test_no_nan_for_extreme_logits():
     (577, 577, 128, {"local_window_size": 16}, "mosaic"),  # masked in place
     (197, 197, 256, {"bias": True}, "mosaic"),
     (197, 197, 96, {"local_window_size": 16}, "triton"),  # masked d=96
+    (512, 512, 64, {"local_window_size": 16}, "triton"),  # masked d=64 on
+    (384, 384, 64, {"bias": True}, "triton"),             # the tiling too
+    (512, 512, 64, {"logits_soft_cap": 30.0}, "mosaic"),  # plain kernels
+    (512, 512, 128, {"local_window_size": 16}, "mosaic"),
+    (648, 648, 64, {"local_window_size": 16}, "mosaic"),  # past the bound
     (50, 641, 128, {}, "mosaic"),    # longer than TRITON_FIRST_UP_TO
     (200, 200, 128, {}, "mosaic"),   # whole 8-row tiles: no copies
     (1001, 1001, 128, {}, "mosaic"),
@@ -295,7 +300,7 @@ def test_implementation_none_tries_triton_first_for_short_ragged_lengths(
   Triton ones for short lengths off Mosaic's 8-row TMA tiling
   (`api.TRITON_FIRST_UP_TO`) where the Mosaic path pads by copies (rows
   of no whole 128-byte swizzle tiles) or Triton's forward wins (masked
-  calls at d=64); a forced
+  calls at d=64, on the tiling or off it); a forced
   implementation is the only one tried."""
   from jax_flash import api
   from pallas_kernels import compat

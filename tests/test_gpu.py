@@ -118,9 +118,9 @@ def test_variants_on_gpu(name):
                           jnp.bfloat16, seed=2, **variants)
 
 
-# Short masked calls off the 8-row tiling (`api.triton_first`): at d=128
-# and 256 `implementation=None` takes the Mosaic masked kernels, which read
-# such rows in place; at d=64 the Triton kernels.
+# Short masked calls (`api.triton_first`): at d=128 and 256
+# `implementation=None` takes the Mosaic masked kernels, which read rows off
+# the 8-row tiling in place; at d=64 the Triton kernels, on the tiling or off.
 SHORT_MASKED_CASES = {
     "d128 lengths": (Case(2, 577, 577, 8, 2, 128), True,
                      dict(is_causal=True,
@@ -138,6 +138,10 @@ SHORT_MASKED_CASES = {
     "d128 key padding mask": (Case(2, 577, 577, 8, 2, 128), True,
                               dict(mask=(jnp.arange(577) < jnp.array(
                                   [[577], [250]]))[:, None, None, :])),
+    # d=64 on the 8-row tiling (BERT's 512 tokens): Triton's forward wins.
+    "d64 key padding mask, 512": (Case(2, 512, 512, 4, 4, 64), False,
+                                  dict(mask=(jnp.arange(512) < jnp.array(
+                                      [[512], [130]]))[:, None, None, :])),
 }
 
 

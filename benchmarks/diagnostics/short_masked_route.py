@@ -20,6 +20,11 @@ from benchmarks import models
 
 C = models.ModelCell
 CELLS = (
+    # d=64 at lengths on the 8-row tiling, which Mosaic reads in place:
+    # BERT large's batch with padded lengths, and a causal 384.
+    C("padded_lengths_512_d64", "BERT large", 64, 512, 16, 16, 64,
+      causal=False, padded=True),
+    C("padded_lengths_384_d64", "d=64", 64, 384, 16, 16, 64, padded=True),
     C("padded_lengths_577_d64", "d=64", 64, 577, 16, 16, 64, padded=True),
     C("padded_lengths_577_d128", "Llama 3 8B", 32, 577, 32, 8, 128,
       padded=True),
