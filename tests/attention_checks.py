@@ -185,11 +185,16 @@ DISPATCHED_TO_MOSAIC = [
     (jnp.bfloat16, 512, dict(mask_fn=lambda b, h, i, j: i >= j)),
     (jnp.bfloat16, 512, dict(bias=jnp.zeros((512, 512), jnp.bfloat16))),
     (jnp.bfloat16, 512, dict(mask=jnp.tril(jnp.ones((512, 512), bool)))),
+    # a key-padding mask, the same for every head: as segment ids
+    (jnp.bfloat16, 512, dict(mask=jnp.ones((1, 512), bool))),
 ]
 DISPATCHED_TO_TRITON = [
     (jnp.float32, 512, {}),
-    # short, off Mosaic's 8-row tiling and masked: padded on Mosaic
+    # short, off Mosaic's 8-row tiling, masked, d=64: Triton's forward wins
     (jnp.bfloat16, 197, dict(local_window_size=16)),
     (jnp.bfloat16, 512, dict(bias=jnp.zeros((512, 512)))),
-    (jnp.bfloat16, 512, dict(mask=jnp.ones((1, 512), bool))),
+    # a key mask per head: the masked Mosaic kernels stream only [q_len,
+    # kv_len] mask tiles (the same key mask for every head runs as segment
+    # ids, on Mosaic)
+    (jnp.bfloat16, 512, dict(mask=jnp.ones((4, 1, 512), bool))),
 ]
