@@ -699,6 +699,7 @@ def test_interpreted_plain_forward_soft_cap(case, is_causal, cap, sinks):
                              logits_soft_cap=cap, sinks=sinks)
 
 
+@pytest.mark.slow  # CI's ten minutes: the GPU sinks test's "masked" case
 def test_interpreted_masked_forward_sinks():
   """`mosaic_forward_masked(sinks=...)` with dropout, and rows that see no
   key (a batch whose kv length is 0): those give out 0 and lse = the
@@ -880,6 +881,8 @@ def test_interpreted_alibi_columns_backward(monkeypatch, with_bias):
       why="the column form took ALiBi per score")
 
 
+@pytest.mark.slow  # CI's ten minutes: lowered by default
+# (`test_folded_cap_backward_lowers_with_fewer_multiplies`), run on the GPU
 def test_interpreted_folded_cap_backward(monkeypatch):
   """The masked backward with the cap's multiplies folded into the scales
   (`BackwardStatic.fold_cap`): dq, dk, dv as the reference's, GQA 2:1,
@@ -1058,6 +1061,7 @@ def test_interpreted_fp8_forward_with_masks(name):
   assert np.abs(out - exact).max() <= 2 * yardstick + 1e-3
 
 
+@pytest.mark.slow  # CI's ten minutes: `test_dropout_bits_match_triton_on_gpu`
 def test_interpreted_dropout_drops_the_triton_kernels_bits(monkeypatch):
   """The masked Mosaic kernels drop exactly the weights the Triton kernels
   drop (and `masking.dropout_keep` says), recovered bit for bit from their

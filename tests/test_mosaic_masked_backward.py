@@ -589,7 +589,8 @@ def test_overlapped_masked_backward_lowers(name, head_dim,
   assert text != _lower(name, head_dim, overlap_softmax=False)
 
 
-@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("head_dim", [
+    64, pytest.param(256, marks=pytest.mark.slow)])  # CI's ten minutes
 def test_alibi_columns_backward_lowers(head_dim, cuda_lowering, monkeypatch):
   """Causal ALiBi as a term per key and one per query
   (`plan.MASKED_ALIBI_COLUMNS`) in both backward kernels:
