@@ -297,7 +297,8 @@ def test_bias_gradients_come_from_the_mosaic_backward(cuda_lowering):
 @pytest.mark.parametrize("name, x, match", [
     ("bias", None, "bias must be"),                                 # missing
     ("bias", jnp.zeros((2, 1, 128, 128), jnp.bfloat16), "bias must be"),
-    ("bias", jnp.zeros((1, 2, 1, 128), jnp.bfloat16), "q_len, kv_len"),
+    # neither q_len nor broadcast (1) along the queries
+    ("bias", jnp.zeros((1, 2, 64, 128), jnp.bfloat16), "q_len, kv_len"),
     ("bias", jnp.zeros((1, 2, 128, 128), jnp.float32),
      "take bias in bfloat16"),
     ("dense_mask", jnp.ones((1, 2, 128, 1), bool), "q_len, kv_len"),
