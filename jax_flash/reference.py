@@ -121,7 +121,8 @@ def masked_logits(call: AttentionCall, query, key, bias=None, *,
       else ops.alibi_slopes[:, :, None, None],
       bias=None if bias is None else bias.astype(jnp.float32))
   logits = masking.modify_scores(spec, logits, q_idx, kv_idx, values)
-  keep = masking.keep(spec, q_idx, kv_idx, values)
+  keep = (masking.keep(spec, q_idx, kv_idx, values)
+          & (logits > masking.LOWEST_LOGIT))
   return jnp.where(keep, logits, -jnp.inf), values
 
 

@@ -43,6 +43,12 @@ from jax import lax
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
+# The lowest logit a key keeps: the kernels take exp2 of logit * log2(e),
+# which is -inf below this (float32's max / log2(e)), so a key there has
+# weight 0 and a row of nothing else is empty (zeros), as under a mask.
+# What HF's and Flax's padding biases reach (`finfo(float32).min`).
+LOWEST_LOGIT = -float(jnp.finfo(jnp.float32).max) / 1.4426950408889634
+
 
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:

@@ -163,6 +163,29 @@ def test_vector_masks_run_as_segment_ids(name):
     assert float(jnp.abs(got_out[0]).max()) == 0.0
 
 
+def test_padding_bias_at_float32_lowest_empties_its_rows():
+  """A bias of `finfo(float32).min` on every key of a batch (HF's and
+  Flax's padding bias over a sequence of length 0): its rows give zeros
+  and zero gradients in the kernels and in the reference alike
+  (`masking.LOWEST_LOGIT`), the other batch's rows as without it."""
+  q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 12)
+  bias = jnp.where(jnp.arange(90) < jnp.array([[60], [0]]), 0.0,
+                   jnp.finfo(jnp.float32).min)[:, None, None, :]
+
+  def loss(fn, q, k, v, **kw):
+    out = fn(q, k, v, bias, is_causal=True, **kw)
+    return jnp.sum(out * d_out), out
+
+  (_, got_out), got = jax.value_and_grad(loss, (1, 2, 3), has_aux=True)(
+      jax_flash.flash_attention, q, k, v, implementation="triton",
+      block_sizes=BLOCKS)
+  (_, want_out), want = jax.value_and_grad(loss, (1, 2, 3), has_aux=True)(
+      jax_flash.attention_reference, q, k, v)
+  chex.assert_trees_all_close((got_out, got), (want_out, want), atol=2e-5)
+  assert float(jnp.abs(want_out[1]).max()) == 0.0
+  assert float(jnp.abs(want[0][1]).max()) == 0.0
+
+
 def test_sinks_and_their_gradient():
   q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 6)
   sinks = jnp.array([0.5, -1.0, 2.0, 0.0])

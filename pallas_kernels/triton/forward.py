@@ -33,6 +33,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale: float, spec: MaskSpec,
   q_rows_left = spec.q_len - q_start if spec.q_len % block_q else None
   q = common.load_tile(q_ref, tile, dims, q_rows_left)
 
+  # A bias or score_fn can take a whole row of an unmasked tile to -inf
+  # (a padding bias at float32's lowest: `masking.LOWEST_LOGIT`): such
+  # tiles keep the guard against exp2(-inf - -inf) too.
+  unbounded_scores = spec.has_bias or spec.score_fn is not None
+
   def body(j, carry, masked: bool):
     acc, m, l = carry
     kv_start = j * block_k
@@ -43,7 +48,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale: float, spec: MaskSpec,
     values = reader.values(q_start, kv_start)
     qk = common.matmul(q, k, tiling.precision, transpose_b=True)
     s = common.logits_base2(spec, qk, scale, q_idx, kv_idx, values, masked)
-    m_new, correction, p, l = common.softmax_step(m, l, s, masked)
+    m_new, correction, p, l = common.softmax_step(
+        m, l, s, masked or unbounded_scores)
     kept = common.dropout_keep(spec, reader, q_idx, kv_idx, batch, head)
     if kept is not None:
       # The softmax sum uses every weight; only the output sees dropout.
