@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -47,7 +48,7 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 # which is -inf below this (float32's max / log2(e)), so a key there has
 # weight 0 and a row of nothing else is empty (zeros), as under a mask.
 # What HF's and Flax's padding biases reach (`finfo(float32).min`).
-LOWEST_LOGIT = -float(jnp.finfo(jnp.float32).max) / 1.4426950408889634
+LOWEST_LOGIT = -float(jnp.finfo(jnp.float32).max) / math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)

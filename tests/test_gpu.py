@@ -247,6 +247,37 @@ def test_broadcast_bias_on_gpu(name):
                              atol=0.02 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.parametrize("implementation, bias_shape, dtype", [
+    ("mosaic", (2, 4, 1000, 1000), jnp.bfloat16),   # the masked kernels
+    ("triton", (2, 1, 1, 1000), jnp.float32),       # a per-key f32 bias
+], ids=["mosaic full bf16", "triton per-key f32"])
+def test_padding_bias_at_the_lowest_float_on_gpu(implementation, bias_shape,
+                                                 dtype):
+  """A padding bias at its dtype's lowest on every key of batch 1 (an empty
+  sequence, as HF's and Flax's padding biases give it): zeros there, no
+  NaN, and batch 0 as the reference (`masking.LOWEST_LOGIT`)."""
+  q, k, v, _, _ = random_inputs(Case(2, 1000, 1000, 4, 2, 128),
+                                jnp.bfloat16, 6)
+  keep = jnp.arange(1000) < jnp.array([[700], [0]])
+  bias = jnp.broadcast_to(jnp.where(keep, 0.0, jnp.finfo(dtype).min)[
+      :, None, None, :], bias_shape).astype(dtype)
+
+  @jax.jit
+  def run(q, k, v):
+    return jax.vjp(lambda *a: jax_flash.flash_attention(
+        *a, bias=bias, is_causal=True, implementation=implementation),
+                   q, k, v)[1](jnp.ones_like(q))
+  grads = run(q, k, v)
+  out = jax.jit(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, bias=bias, is_causal=True,
+      implementation=implementation))(q, k, v)
+  assert all(bool(jnp.isfinite(x).all()) for x in (out, *grads))
+  assert float(jnp.abs(out[1]).max()) == 0.0
+  want = jax_flash.attention_reference(q, k, v, bias=bias, is_causal=True)
+  np.testing.assert_allclose(np.asarray(out[0], np.float32),
+                             np.asarray(want[0], np.float32), atol=0.02)
+
+
 def test_bias_gradient_on_gpu():
   q, k, v, d_out, _ = random_inputs(Case(1, 1024, 1536, 8, 8, 64),
                                     jnp.bfloat16, 4)

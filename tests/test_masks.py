@@ -5,6 +5,8 @@ gradients (dbias and dsinks too), in interpret mode on awkward shapes.
 """
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,8 @@ from hypothesis import given, settings, strategies as st
 
 import jax_flash
 from jax_flash import BlockMask, BlockSizes
-from tests.attention_checks import Case, check_against_reference, random_inputs
+from tests.attention_checks import (Case, check_against_reference,
+                                   forward_and_grads, random_inputs)
 
 BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_kv_dkv=32,
                     block_q_dq=32, block_kv_dq=16)
@@ -143,24 +146,20 @@ def test_vector_masks_run_as_segment_ids(name):
   mask = jax.random.bernoulli(jax.random.key(2), 0.6, shape)
   if name.startswith("per batch"):
     mask = mask.at[0].set(False).at[1].set(True)
-  q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 10)
+  q, k, v, d_out, d_lse = random_inputs(CASE, jnp.float32, 10)
   call = validation.normalise_call(q, k, v, mask=mask)
   assert call.operands.dense_mask is None and call.spec.has_segments
   per_head = jnp.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + shape),
                               (2, 4, 70, 90))
 
-  def loss(fn, q, k, v, mask, **kw):
-    out = fn(q, k, v, mask=mask, is_causal=True, **kw)
-    return jnp.sum(out * d_out), out
-
-  (_, got_out), got = jax.value_and_grad(loss, (1, 2, 3), has_aux=True)(
-      jax_flash.flash_attention, q, k, v, mask, implementation="triton",
-      block_sizes=BLOCKS)
-  (_, want_out), want = jax.value_and_grad(loss, (1, 2, 3), has_aux=True)(
-      jax_flash.attention_reference, q, k, v, per_head)
-  chex.assert_trees_all_close((got_out, got), (want_out, want), atol=2e-5)
+  got = forward_and_grads(_triton(mask=mask, is_causal=True), q, k, v,
+                          d_out, d_lse)
+  want = forward_and_grads(functools.partial(
+      jax_flash.attention_reference, mask=per_head, is_causal=True,
+      return_residual=True), q, k, v, d_out, d_lse)
+  chex.assert_trees_all_close(got, want, atol=2e-5)
   if name.startswith("per batch"):
-    assert float(jnp.abs(got_out[0]).max()) == 0.0
+    assert float(jnp.abs(got["out"][0]).max()) == 0.0
 
 
 def test_padding_bias_at_float32_lowest_empties_its_rows():
@@ -168,22 +167,17 @@ def test_padding_bias_at_float32_lowest_empties_its_rows():
   Flax's padding bias over a sequence of length 0): its rows give zeros
   and zero gradients in the kernels and in the reference alike
   (`masking.LOWEST_LOGIT`), the other batch's rows as without it."""
-  q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 12)
+  q, k, v, d_out, d_lse = random_inputs(CASE, jnp.float32, 12)
   bias = jnp.where(jnp.arange(90) < jnp.array([[60], [0]]), 0.0,
                    jnp.finfo(jnp.float32).min)[:, None, None, :]
-
-  def loss(fn, q, k, v, **kw):
-    out = fn(q, k, v, bias, is_causal=True, **kw)
-    return jnp.sum(out * d_out), out
-
-  (_, got_out), got = jax.value_and_grad(loss, (1, 2, 3), has_aux=True)(
-      jax_flash.flash_attention, q, k, v, implementation="triton",
-      block_sizes=BLOCKS)
-  (_, want_out), want = jax.value_and_grad(loss, (1, 2, 3), has_aux=True)(
-      jax_flash.attention_reference, q, k, v)
-  chex.assert_trees_all_close((got_out, got), (want_out, want), atol=2e-5)
-  assert float(jnp.abs(want_out[1]).max()) == 0.0
-  assert float(jnp.abs(want[0][1]).max()) == 0.0
+  got = forward_and_grads(_triton(bias=bias, is_causal=True), q, k, v,
+                          d_out, d_lse)
+  want = forward_and_grads(functools.partial(
+      jax_flash.attention_reference, bias=bias, is_causal=True,
+      return_residual=True), q, k, v, d_out, d_lse)
+  chex.assert_trees_all_close(got, want, atol=2e-5)
+  assert float(jnp.abs(want["out"][1]).max()) == 0.0
+  assert float(jnp.abs(want["dq"][1]).max()) == 0.0
 
 
 def test_sinks_and_their_gradient():
