@@ -222,11 +222,15 @@ BROADCAST_BIASES = {"per key": (2, 1, 1, 1537), "per query": (1, 8, 1000, 1)}
 
 @pytest.mark.parametrize("name", list(BROADCAST_BIASES))
 def test_broadcast_bias_on_gpu(name):
-  """out, lse, dq, dk, dv against the reference, and dbias against the
-  reference's within 2% of its largest entry."""
+  """out, lse, dq, dk, dv against the reference, and dbias (the reference's
+  dS summed over the broadcast axes) within 1e-3 of the largest sum of
+  |dS| over those axes: a sum's rounding scales with its terms, and a
+  per-query dbias is a sum that cancels to zero (softmax ignores a shift
+  of a whole row), so its error is all rounding, mostly of delta from the
+  stored 16-bit output."""
   case = Case(2, 1000, 1537, 8, 2, 128)
-  bias = jax.random.normal(jax.random.key(3), BROADCAST_BIASES[name],
-                           jnp.bfloat16)
+  shape = BROADCAST_BIASES[name]
+  bias = jax.random.normal(jax.random.key(3), shape, jnp.bfloat16)
 
   @jax.jit
   def attention(q, k, v):
@@ -235,16 +239,21 @@ def test_broadcast_bias_on_gpu(name):
   check_against_reference(attention, case, jnp.bfloat16, seed=5, bias=bias)
   q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 5)
 
-  def dbias(attend, q, k, v, bias):
-    loss = lambda b: jnp.sum(attend(q, k, v, b).astype(jnp.float32)
-                             * d_out.astype(jnp.float32))
-    return jax.grad(loss)(bias)
-  got = jax.jit(functools.partial(dbias, functools.partial(
-      jax_flash.flash_attention, implementation="mosaic")))(q, k, v, bias)
-  want = jax.jit(functools.partial(dbias, jax_flash.attention_reference))(
-      *(x.astype(jnp.float32) for x in (q, k, v, bias)))
-  np.testing.assert_allclose(np.asarray(got, np.float32), want,
-                             atol=0.02 * float(jnp.abs(want).max()))
+  def loss(attend, bias, q, k, v):
+    return jnp.sum(attend(q, k, v, bias).astype(jnp.float32)
+                   * d_out.astype(jnp.float32))
+  got = jax.jit(jax.grad(functools.partial(loss, functools.partial(
+      jax_flash.flash_attention, implementation="mosaic"))))(bias, q, k, v)
+  # The reference's dS: its gradient for a full zero bias added to this one.
+  full = jnp.zeros((case.batch, case.num_heads, case.q_len, case.kv_len))
+  ds = jax.jit(jax.grad(functools.partial(
+      loss, lambda q, k, v, b: jax_flash.attention_reference(
+          q, k, v, bias=b + bias.astype(jnp.float32)))))(
+              full, *(x.astype(jnp.float32) for x in (q, k, v)))
+  axes = tuple(i for i in range(4) if shape[i] == 1)
+  np.testing.assert_allclose(
+      np.asarray(got, np.float32), ds.sum(axes, keepdims=True),
+      atol=1e-3 * float(jnp.abs(ds).sum(axes).max()))
 
 
 @pytest.mark.parametrize("implementation, bias_shape, dtype", [
