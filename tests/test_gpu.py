@@ -218,6 +218,48 @@ def test_sinks_in_the_mosaic_epilogue_on_gpu(name):
   assert_within_rule("dsinks", ours, exact, naive)
 
 
+# Biases broadcast along a sequence axis on the masked Mosaic kernels
+# (`common.repeat_broadcast_axes`): per key (BERT-style, per batch) and per
+# query (per head), lengths past a tile's extent and off the 8-row tiling.
+BROADCAST_BIASES = {"per key": (2, 1, 1, 1537), "per query": (1, 8, 1000, 1)}
+
+
+@pytest.mark.parametrize("name", list(BROADCAST_BIASES))
+def test_broadcast_bias_on_gpu(name):
+  """out, lse, dq, dk, dv against the reference, and dbias (the reference's
+  dS summed over the broadcast axes) within 1e-3 of the largest sum of
+  |dS| over those axes: a sum's rounding scales with its terms, and a
+  per-query dbias is a sum that cancels to zero (softmax ignores a shift
+  of a whole row), so its error is all rounding, mostly of delta from the
+  stored 16-bit output."""
+  case = Case(2, 1000, 1537, 8, 2, 128)
+  shape = BROADCAST_BIASES[name]
+  bias = jax.random.normal(jax.random.key(3), shape, jnp.bfloat16)
+
+  @jax.jit
+  def attention(q, k, v):
+    return jax_flash.flash_attention(q, k, v, bias, return_residual=True,
+                                     implementation="mosaic")
+  check_against_reference(attention, case, jnp.bfloat16, seed=5, bias=bias)
+  q, k, v, d_out, _ = random_inputs(case, jnp.bfloat16, 5)
+
+  def loss(attend, bias, q, k, v):
+    return jnp.sum(attend(q, k, v, bias).astype(jnp.float32)
+                   * d_out.astype(jnp.float32))
+  got = jax.jit(jax.grad(functools.partial(loss, functools.partial(
+      jax_flash.flash_attention, implementation="mosaic"))))(bias, q, k, v)
+  # The reference's dS: its gradient for a full zero bias added to this one.
+  full = jnp.zeros((case.batch, case.num_heads, case.q_len, case.kv_len))
+  ds = jax.jit(jax.grad(functools.partial(
+      loss, lambda q, k, v, b: jax_flash.attention_reference(
+          q, k, v, bias=b + bias.astype(jnp.float32)))))(
+              full, *(x.astype(jnp.float32) for x in (q, k, v)))
+  axes = tuple(i for i in range(4) if shape[i] == 1)
+  np.testing.assert_allclose(
+      np.asarray(got, np.float32), ds.sum(axes, keepdims=True),
+      atol=1e-3 * float(jnp.abs(ds).sum(axes).max()))
+
+
 @pytest.mark.parametrize("implementation, bias_shape, dtype", [
     ("mosaic", (2, 4, 1000, 1000), jnp.bfloat16),   # the masked kernels
     ("triton", (2, 1, 1, 1000), jnp.float32),       # a per-key f32 bias

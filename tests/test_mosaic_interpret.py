@@ -297,6 +297,23 @@ MASKED_VARIANTS = {
                               bias=jax.random.normal(jax.random.key(7),
                                                      (1, 2, 100, 300),
                                                      jnp.bfloat16))),
+    # A bias per key (BERT-style padding) broadcast over the heads and
+    # queries: a tile's extent of rows, read from its start
+    # (`common.repeat_broadcast_axes`); dbias summed over heads and queries.
+    # Queries past a tile's extent (200): read from the repeated rows.
+    "per-key bias": (Case(1, 200, 150, 2, 1, 64),
+                     dict(is_causal=True, q_offset=100,
+                          bias=jnp.where(
+                              jnp.arange(150) < 90,
+                              jax.random.normal(jax.random.key(8), (150,)),
+                              -30.0)[None, None, None, :].astype(
+                                  jnp.bfloat16))),
+    # A bias per query and head, keys past a tile's extent: the dK/dV
+    # kernel's streamed axis repeats.
+    "per-query bias": (Case(1, 100, 300, 2, 1, 64),
+                       dict(bias=jax.random.normal(jax.random.key(9),
+                                                   (1, 2, 100, 1),
+                                                   jnp.bfloat16))),
     # A dense mask per head, GQA 2:1 (`_dense_mask_per_head`): the
     # backward's dK/dV reads each query head's transposed tiles.
     "dense mask": (Case(1, 100, 200, 2, 1, 64),
@@ -329,7 +346,8 @@ def _masked_call(q, k, v, variants):
 # backward's "dropout"; the GPU tests take every variant).
 _SLOW_MASKED = ("bottom-right causal", "causal window", "soft cap",
                 "dense mask", "bias", "bias, no mask", "alibi soft cap",
-                "lengths", "dropout", "ragged causal", "window, column tiles")
+                "lengths", "dropout", "ragged causal", "window, column tiles",
+                "per-query bias")
 
 
 @pytest.mark.parametrize("name", [slow(n) if n in _SLOW_MASKED else n
@@ -779,7 +797,11 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
     # A bias per head broadcast over the batch: dS in float32, summed.
     slow("dense mask, bias", 1),
     # No mask: no tile to zero, dS passed on as it is.
-    slow("bias, no mask", 1)])
+    slow("bias, no mask", 1),
+    # Biases broadcast along a sequence axis: per key (both kernels' tiles
+    # from a tile's extent of rows; dS in float32, summed over heads and
+    # queries) and per query (under -m slow).
+    ("per-key bias", None), slow("per-query bias", None)])
 def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
                                                               monkeypatch):
   """`mosaic_backward_masked`'s dq, dk, dv and dbias (its plan rows,

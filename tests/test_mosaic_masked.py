@@ -239,6 +239,36 @@ def test_key_padding_mask_runs_on_the_mosaic_kernels(cuda_lowering,
   assert "mosaic_flash_forward" in text and kernels == {"dq", "dkdv"}
 
 
+@pytest.mark.parametrize("bias_shape", [(2, 1, 1, 333), (1, 4, 200, 1)],
+                         ids=["per key", "per query"])
+def test_broadcast_bias_runs_on_the_mosaic_kernels(bias_shape, cuda_lowering,
+                                                   monkeypatch):
+  """A bias broadcast along a sequence axis, through `flash_attention`
+  cross-lowered for an H200: the Mosaic forward, dQ, dK/dV and dbias
+  kernels; the bias operands hold a tile's extent of the broadcast axis,
+  not q_len x kv_len."""
+  from pallas_kernels import compat
+  monkeypatch.setattr(compat, "gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(compat, "has_gpu", lambda: True)
+  q = jax.ShapeDtypeStruct((2, 200, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 333, 2, 128), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct(bias_shape, jnp.bfloat16)
+
+  def loss(q, k, v, b):
+    return jax_flash.flash_attention(q, k, v, b, is_causal=True,
+                                     implementation="mosaic").astype(
+                                         jnp.float32).sum()
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(
+      q, kv, kv, bias).lower(lowering_platforms=("cuda",))
+  assert lowered.out_info[3].shape == bias_shape
+  text = lowered.as_text()
+  kernels = set(re.findall(r"mosaic_flash_backward_masked_([a-z]+)", text))
+  assert "mosaic_flash_forward" in text and kernels == {"dq", "dkdv",
+                                                        "dbias"}
+  assert not re.search(r"tensor<\d+x\d+x(200|208)x(333|336)xbf16>", text)
+
+
 def test_bias_gradients_come_from_the_mosaic_backward(cuda_lowering):
   """With a bias, the masked Mosaic forward and backward: dQ, dK/dV and
   the dbias launch (dS in float32, summed over the broadcast batch axis),
@@ -267,7 +297,8 @@ def test_bias_gradients_come_from_the_mosaic_backward(cuda_lowering):
 @pytest.mark.parametrize("name, x, match", [
     ("bias", None, "bias must be"),                                 # missing
     ("bias", jnp.zeros((2, 1, 128, 128), jnp.bfloat16), "bias must be"),
-    ("bias", jnp.zeros((1, 2, 1, 128), jnp.bfloat16), "q_len, kv_len"),
+    # neither q_len nor broadcast (1) along the queries
+    ("bias", jnp.zeros((1, 2, 64, 128), jnp.bfloat16), "q_len, kv_len"),
     ("bias", jnp.zeros((1, 2, 128, 128), jnp.float32),
      "take bias in bfloat16"),
     ("dense_mask", jnp.ones((1, 2, 128, 1), bool), "q_len, kv_len"),

@@ -741,8 +741,8 @@ def _lower_masked_gradients():
 @pytest.mark.parametrize("bias, error, match", [
     (jnp.zeros((1, 2, 128, 128), jnp.float32), NotImplementedError,
      "take bias in bfloat16"),                    # the Triton backward's
-    (jnp.zeros((1, 2, 1, 128), jnp.bfloat16), NotImplementedError,
-     "q_len, kv_len"),                            # broadcast along q_len
+    (jnp.zeros((1, 2, 64, 128), jnp.bfloat16), NotImplementedError,
+     "q_len, kv_len"),                            # neither q_len nor 1
     (None, ValueError, "bias must be"),           # the spec has one
 ])
 def test_masked_backward_refuses_a_bias_it_does_not_stream(bias, error,

@@ -1,5 +1,5 @@
-"""A bool key-padding mask [batch, 1, 1, kv_len] (jax.nn's and BERT-style
-encoders' form), as segment ids against the dense-mask path it took before.
+"""Key padding as a bool mask [batch, 1, 1, kv_len] (jax.nn's form) and as
+an additive bias of that shape (Flax BERT's), against the routes before.
 
     python -m benchmarks.diagnostics.key_padding_mask \
         --out benchmarks/results/h100_key_padding_mask.json
@@ -9,7 +9,10 @@ encoders' form), as segment ids against the dense-mask path it took before.
 inputs on sm90; the same mask given for every head, [batch, heads, 1,
 kv_len], is not converted and takes the route every such call took before
 (the Triton kernels' dense mask: the Mosaic kernels stream only [q_len,
-kv_len] mask tiles). Forward and fwd+bwd, bf16, lengths drawn per
+kv_len] mask tiles). A bias per key (0 or -1e4, bf16) runs on the masked
+Mosaic kernels from a tile's extent of repeated rows
+(`common.repeat_broadcast_axes`), against the Triton kernels, which it
+took before. Forward and fwd+bwd, bf16, lengths drawn per
 sequence between half and all of seq_len; TFLOP/s count the dense
 4·B·T²·N·D (x3.5 for fwd+bwd), not the attended pairs.
 """
@@ -39,13 +42,17 @@ def measure(name, batch, seq, heads, kv_heads, head_dim, causal) -> list:
                             jnp.bfloat16) for key in keys[1:3])
   lengths = jax.random.randint(keys[3], (batch,), seq // 2, seq + 1)
   keep = jnp.arange(seq)[None, :] < lengths[:, None]
-  masks = {"as segment ids": keep[:, None, None, :],
-           "dense, per head (before)": jnp.broadcast_to(
-               keep[:, None, None, :], (batch, heads, 1, seq))}
+  key_bias = jnp.where(keep, 0.0, -1e4).astype(jnp.bfloat16)[:, None, None]
+  routes = {"mask as segment ids": dict(mask=keep[:, None, None, :]),
+            "mask per head (before)": dict(mask=jnp.broadcast_to(
+                keep[:, None, None, :], (batch, heads, 1, seq))),
+            "bias per key": dict(bias=key_bias),
+            "bias per key, Triton (before)": dict(
+                bias=key_bias, implementation="triton")}
   records = []
-  for route, mask in masks.items():
-    attend = lambda q, k, v, mask=mask: jax_flash.flash_attention(
-        q, k, v, mask=mask, is_causal=causal)
+  for route, kwargs in routes.items():
+    attend = lambda q, k, v, kwargs=kwargs: jax_flash.flash_attention(
+        q, k, v, is_causal=causal, **kwargs)
     loss = lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum()
     for mode, fn in (("fwd", jax.jit(attend)),
                      ("fwd_bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2))))):
@@ -73,7 +80,7 @@ def main(argv=None) -> int:
     rows += [f"| {r['shape']} | {r['route']} | {r['mode']} | {r['ms']:.3f} "
              f"| {r['tflops']:.1f} |" for r in result["records"]]
     with open(args.out.removesuffix(".json") + ".md", "w") as f:
-      f.write(f"# Key-padding mask: segment ids against the dense mask\n\n"
+      f.write(f"# Key padding: mask and bias routes\n\n"
               f"Device: {result['device']}; JAX {result['jax_version']}.\n\n"
               f"Command: `{result['command']}`\n\n" + "\n".join(rows) + "\n")
   return 0

@@ -440,18 +440,39 @@ class ScoreTiles(NamedTuple):
   gmem: Any          # [heads | 1, own len, streamed len] of this batch
   smem: Any          # [consumers, own rows, streamed rows]
   arrived: Any       # barriers [consumers]
+  # (own, streamed): whether the array is the same along that axis and
+  # holds one tile's extent of it (`repeat_broadcast_axes`), read from 0.
+  repeats: tuple[bool, bool] = (False, False)
 
   @classmethod
-  def of(cls, ref, scratch, batch) -> "ScoreTiles":
+  def of(cls, ref, scratch, batch,
+         repeats: tuple[bool, bool] = (False, False)) -> "ScoreTiles":
     """Of `ref` [batch | 1, heads | 1, own len, streamed len] (batch
     broadcast where it has one) and the first two `scratch` refs."""
-    return cls(ref.at[batch if ref.shape[0] > 1 else 0], *scratch[:2])
+    return cls(ref.at[batch if ref.shape[0] > 1 else 0], *scratch[:2],
+               repeats=repeats)
 
   def source(self, head, rows, start, count):
     """The GMEM tile of query head `head` (broadcast where the array has
-    one head), own `rows` and streamed [start, start + count)."""
-    return self.gmem.at[head if self.gmem.shape[0] > 1 else 0, rows,
-                        pl.ds(start, count)]
+    one head), own `rows` and streamed [start, start + count); along an
+    axis the array repeats, its first rows or columns."""
+    own, streamed = self.repeats
+    return self.gmem.at[head if self.gmem.shape[0] > 1 else 0,
+                        pl.ds(0, rows.size) if own else rows,
+                        pl.ds(0 if streamed else start, count)]
+
+
+def repeat_broadcast_axes(x, extent: int):
+  """[B, N, R | q, C | kv] and (repeats q, repeats kv): `x` [B, N, q | 1,
+  kv | 1] with each sequence axis of one element broadcast to `extent`
+  rows or columns, at least a tile of the kernel reading it, which then
+  reads its first rows or columns wherever its tile lies
+  (`ScoreTiles.repeats`): a per-key or per-query bias costs a tile's
+  extent, not q_len x kv_len."""
+  repeats = (x.shape[2] == 1, x.shape[3] == 1)
+  shape = (*x.shape[:2], *(extent if r else n
+                           for r, n in zip(repeats, x.shape[2:])))
+  return jnp.broadcast_to(x, shape), repeats
 
 
 def chained_tiles(smem, arrived, source, *, first, next_of, end):

@@ -198,6 +198,10 @@ class KernelStatic:
   kv_len: int = 0
   key_tail: bool = False
   key_rows: int = 0  # K's rows: kv_len, or more where padded
+  # Ranged, a bias broadcast along the queries or the keys (per key, per
+  # query): (own rows, streamed) repeated to a tile's extent and read from
+  # its start (`common.repeat_broadcast_axes`, `ScoreTiles.repeats`).
+  bias_repeats: tuple[bool, bool] = (False, False)
 
   @property
   def ranged(self) -> bool:
@@ -382,7 +386,8 @@ def forward_kernel(*refs, static: KernelStatic):
   first_input = ranged_input + 1 + 2 * segmented + alibi
   first_scratch = ranged_scratch + 2 + 4 * segmented + 2 * alibi
   if biased:
-    bias = ScoreTiles.of(inputs[first_input], scratch[first_scratch:], batch)
+    bias = ScoreTiles.of(inputs[first_input], scratch[first_scratch:], batch,
+                         static.bias_repeats)
   if dense:
     dense_mask = ScoreTiles.of(inputs[first_input + biased],
                                scratch[first_scratch + 2 * biased:], batch)

@@ -18,7 +18,8 @@ from pallas_kernels.reciprocals import scalar_divisions_as_products
 from pallas_kernels.mosaic import forward, plan
 from pallas_kernels.mosaic.common import (PLAN_TILE, PLAN_WIDTH,
                                          TMA_ROW_TILE, alibi_columns,
-                                         slope_rows, swizzled)
+                                         repeat_broadcast_axes, slope_rows,
+                                         swizzled)
 
 
 # What the masked kernels cover; the rest stays with the Triton kernels.
@@ -63,8 +64,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     block_mask: `masking.BlockMask` of `spec.mask_fn` (its tiles skip
       and unmask the kernel's, `tile_states`), or None: built here where
       `spec.mask_fn` needs one (`block_mask_of`).
-    bias: [batch | 1, num_heads | 1, q_len, kv_len] in query's dtype
-      (`spec.has_bias`), added to the scaled logits, or None; each
+    bias: [batch | 1, num_heads | 1, q_len | 1, kv_len | 1] in query's
+      dtype (`spec.has_bias`), added to the scaled logits, or None; each
       consumer streams the tile of its next step.
     dense_mask: bool [batch | 1, num_heads | 1, q_len, kv_len]
       (`spec.has_dense_mask`: True where a query sees a key) or None;
@@ -88,14 +89,14 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
 
   Raises:
     NotImplementedError: for features outside `_RANGED_FEATURES`,
-      a bias of another dtype than query's, a bias or dense mask
-      broadcast along q_len or kv_len, a `block_mask` whose tile does not
+      a bias of another dtype than query's, a dense mask broadcast along
+      q_len or kv_len, a `block_mask` whose tile does not
       divide the kernel's, and what `forward.mosaic_forward` refuses.
   """
   check_ranged_features(spec, "the masked Mosaic forward")
   spec = kernel_spec(spec)
   check_score_array("bias", spec.has_bias, bias, query, spec.kv_len,
-                    dtype=query.dtype)
+                    dtype=query.dtype, broadcast=True)
   check_score_array("dense_mask", spec.has_dense_mask, dense_mask, query,
                     spec.kv_len, dtype=jnp.bool_)
   if spec.logits_soft_cap is not None and not scale > 0:
@@ -145,6 +146,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     segments = (pad_ids(q_segments), pad_ids(kv_segments))
   slopes = slope_rows(alibi_slopes) if spec.has_alibi else None
   if spec.has_bias:
+    bias, repeats = repeat_broadcast_axes(
+        bias, max(static.block_q, static.block_kv))
+    static = dataclasses.replace(static, bias_repeats=repeats)
     bias = pad_tiles(bias, static.block_kv)
   if spec.has_dense_mask:  # one byte an element, as TMA copies it
     dense_mask = pad_tiles(dense_mask.astype(jnp.int8), static.block_kv)
@@ -183,12 +187,12 @@ def pad_tiles(x, tile_columns: int):
 
 
 def check_score_array(name: str, expected: bool, x, query, kv_len: int, *,
-                      dtype):
+                      dtype, broadcast: bool = False):
   """ValueError unless array `name` (the bias or the dense mask) is given
   exactly when the spec says (`expected`), [batch | 1, num_heads | 1, ...];
   NotImplementedError for one the kernel does not stream (another dtype
-  than `dtype`, or broadcast along a sequence axis: the Triton kernels
-  take those)."""
+  than `dtype`, or, unless `broadcast`, broadcast along a sequence axis:
+  the Triton kernels take those)."""
   if not expected:
     if x is not None:
       raise ValueError(f"{name} given but the spec has none")
@@ -199,7 +203,8 @@ def check_score_array(name: str, expected: bool, x, query, kv_len: int, *,
     raise ValueError(
         f"{name} must be [batch | 1, num_heads | 1, q_len, kv_len] for "
         f"query {query.shape}; got {None if x is None else x.shape}")
-  if x.shape[2:] != (q_len, kv_len):
+  if any(n != length and not (broadcast and n == 1)
+         for n, length in zip(x.shape[2:], (q_len, kv_len))):
     raise NotImplementedError(
         f"the masked Mosaic kernels stream {name} tiles of [q_len, kv_len] "
         f"= ({q_len}, {kv_len}); got {x.shape}")

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import masking
 from pallas_kernels.mosaic import backward, masked, plan
-from pallas_kernels.mosaic.common import alibi_columns, slope_rows
+from pallas_kernels.mosaic.common import (alibi_columns,
+                                         repeat_broadcast_axes, slope_rows)
 from pallas_kernels.mosaic.dq import launch_dq
 from pallas_kernels.mosaic.rows import rows_in_place
 from pallas_kernels.mosaic.plan import BackwardConfig, planned_kv_copies
@@ -85,10 +86,11 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
       them, dP is dropped as they were, both scaled by 1 / (1 - rate).
     block_mask: `masking.BlockMask` of `spec.mask_fn` (`masked.tile_states`),
       or None: built here where it needs one (`masked.block_mask_of`).
-    bias: [batch | 1, num_heads | 1, q_len, kv_len] in query's dtype
-      (`spec.has_bias`) or None: added to the recomputed logits of both
-      kernels (the dK/dV kernel's from its transpose, a copy); its
-      gradient is returned.
+    bias: [batch | 1, num_heads | 1, q_len | 1, kv_len | 1] in query's
+      dtype (`spec.has_bias`) or None: added to the recomputed logits of
+      both kernels (the dK/dV kernel's from its transpose, a copy; along
+      a broadcast sequence axis a tile's extent,
+      `common.repeat_broadcast_axes`); its gradient is returned.
     dense_mask: bool [batch | 1, num_heads | 1, q_len, kv_len]
       (`spec.has_dense_mask`) or None: streamed as int8 tiles of the
       masked steps, the dK/dV kernel's from its transpose (a copy), and
@@ -117,7 +119,7 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   masked.check_ranged_features(spec, "the masked Mosaic backward")
   spec = masked.kernel_spec(spec)
   masked.check_score_array("bias", spec.has_bias, bias, query, spec.kv_len,
-                           dtype=query.dtype)
+                           dtype=query.dtype, broadcast=True)
   masked.check_score_array("dense_mask", spec.has_dense_mask, dense_mask,
                            query, spec.kv_len, dtype=jnp.bool_)
   masked.check_slopes(spec, alibi_slopes, query.shape)
@@ -152,7 +154,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   if spec.has_bias:
     dbias_config = backward.dbias_static(
         query, key, scale=scale, config=config, spec=spec,
-        dbias_dtype=_dbias_dtype(bias, batch=batch, num_heads=num_heads))
+        dbias_dtype=_dbias_dtype(bias, batch=batch, num_heads=num_heads,
+                                 q_len=q_len, kv_len=kv_len))
   block_mask = masked.block_mask_of(spec, block_mask, query.shape)
   states, plans = _classified(
       spec, batch, block_q=block_q, block_kv=block_kv, q_offset=q_offset,
@@ -173,16 +176,24 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   # kernels' (`rows.rows_in_place`), except on shared rows.
   in_place = (rows_in_place(q_len, kv_len, query.shape[-1], query.dtype)
               and not any(static.shared_rows for static in dkdv_configs))
+  # A bias broadcast along a sequence axis: a tile's extent of it, read
+  # from its start (the dK/dV kernel's own rows are the keys).
+  repeats = ((False, False) if bias is None
+             else (bias.shape[2] == 1, bias.shape[3] == 1))
   dq_config, dbias_config = (
       None if static is None else dataclasses.replace(
           static, plan_heads=plan_heads, alibi_columns=columns,
-          fold_cap=fold_cap, rows_in_place=in_place)
+          fold_cap=fold_cap, rows_in_place=in_place, bias_repeats=repeats)
       for static in (dq_config, dbias_config))
   dkdv_configs = [dataclasses.replace(static, plan_heads=kv_plan_heads,
                                       alibi_columns=columns,
                                       fold_cap=fold_cap,
-                                      rows_in_place=in_place)
+                                      rows_in_place=in_place,
+                                      bias_repeats=repeats[::-1])
                   for static in dkdv_configs]
+  tile_extent = max(max(static.block_q, static.block_kv)
+                    for static in (dq_config, dbias_config, *dkdv_configs)
+                    if static)
   # The dQ grid's last tile reaches furthest down the query rows.
   rows_per_tile = max(static.q_rows_per_cta
                       for static in (dq_config, dbias_config) if static)
@@ -201,6 +212,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
     if x is not None:
       if x.dtype == jnp.bool_:  # one byte an element, as TMA copies it
         x = x.astype(jnp.int8)
+      else:
+        x, _ = repeat_broadcast_axes(x, tile_extent)
       score_arrays[name] = (masked.pad_tiles(x, block_kv),
                             masked.pad_tiles(jnp.swapaxes(x, 2, 3), block_q))
   ranged = dict(segments=segments, slopes=slopes)
@@ -217,14 +230,16 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
         bias=score_arrays["biases"][0],
         dense_mask=score_arrays.get("dense_masks", (None,))[0], **ranged)
     dbias = _reduced_dbias(ds, states if _masks_keys(spec) else None, bias,
-                           block_q=block_q, block_kv=block_kv)
+                           q_len=q_len, kv_len=kv_len, block_q=block_q,
+                           block_kv=block_kv)
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len], dbias
 
 
-def _dbias_dtype(bias, *, batch: int, num_heads: int):
+def _dbias_dtype(bias, *, batch: int, num_heads: int, q_len: int,
+                 kv_len: int):
   """The dS tiles' dtype: the bias's where dbias is dS itself, float32
-  where a sum over broadcast batch or heads follows."""
-  if bias.shape[:2] == (batch, num_heads):
+  where a sum over a broadcast axis follows."""
+  if bias.shape == (batch, num_heads, q_len, kv_len):
     return bias.dtype
   return jnp.float32
 
@@ -238,8 +253,9 @@ def _masks_keys(spec: masking.MaskSpec) -> bool:
           or spec.mask_fn is not None or spec.has_dense_mask)
 
 
-def _reduced_dbias(ds, states, bias, *, block_q: int, block_kv: int):
-  """dbias like `bias` [B | 1, N | 1, q_len, kv_len] from the dbias
+def _reduced_dbias(ds, states, bias, *, q_len: int, kv_len: int,
+                   block_q: int, block_kv: int):
+  """dbias like `bias` [B | 1, N | 1, q_len | 1, kv_len | 1] from the dbias
   kernel's dS [B, N, num_q_blocks * block_q, num_kv_blocks * block_kv]:
   zero on the tiles the plan skips (`states` [B | 1, N | 1, nq, nk]
   EMPTY, never written; None where no mask empties a tile), cut to the
@@ -254,8 +270,8 @@ def _reduced_dbias(ds, states, bias, *, block_q: int, block_kv: int):
                        num_kv_blocks, block_kv)
     visited = (states != masking.EMPTY)[:, :, :, None, :, None]
     ds = jnp.where(visited, tiles, 0).reshape(ds.shape)
-  ds = ds[:, :, :bias.shape[2], :bias.shape[3]]
-  axes = tuple(i for i in (0, 1) if bias.shape[i] == 1 < ds.shape[i])
+  ds = ds[:, :, :q_len, :kv_len]
+  axes = tuple(i for i in range(4) if bias.shape[i] == 1 < ds.shape[i])
   if axes:
     ds = ds.sum(axes, keepdims=True, dtype=jnp.float32)
   return ds.astype(bias.dtype)

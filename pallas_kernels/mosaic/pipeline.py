@@ -154,6 +154,10 @@ class BackwardStatic:
   # scales as in the forward (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED`)
   # instead of `modify_scores` and its `jax.jvp`.
   fold_cap: bool = False
+  # Ranged, a bias broadcast along the queries or the keys: (own rows,
+  # streamed) repeated to a tile's extent and read from its start
+  # (`common.repeat_broadcast_axes`; the dK/dV kernel's own rows are keys).
+  bias_repeats: tuple[bool, bool] = (False, False)
 
   @property
   def ranged(self) -> bool:
@@ -601,7 +605,9 @@ def ranged_refs(static: BackwardStatic, inputs, scratch, *, batch, head,
   tiles = {}
   for name, present in (("bias", static.biased), ("dense", static.dense)):
     if present:
-      tiles[name] = ScoreTiles.of(inputs[index], scratch[first:], batch)
+      tiles[name] = ScoreTiles.of(
+          inputs[index], scratch[first:], batch,
+          static.bias_repeats if name == "bias" else (False, False))
       index, first = index + 1, first + 2
   return RangedRefs(plan, ids, slopes, **tiles)
 
