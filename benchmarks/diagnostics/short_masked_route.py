@@ -7,10 +7,12 @@ behind `api.triton_first` for masked calls.
 `benchmarks.models` on cells of its kind that the suite does not carry: a
 batch of prompts padded to 577 tokens (random lengths) at head dims 64,
 128 and 256, and a causal 256-key window and six packed documents at
-d=128. Below `api.TRITON_FIRST_UP_TO` tokens `implementation=None` tries
-the Triton kernels first for masked calls, so `jax_flash` shows Triton's
-time and `jax_flash_mosaic` the Mosaic kernels' (which read such rows in
-place, `rows.rows_in_place`).
+d=128; and d=64 padded lengths on the tiling (512 and 384 tokens,
+`--cells padded_lengths_512_d64 padded_lengths_384_d64 --impls jax_flash
+jax_flash_mosaic jax_flash_triton`, `results/h100_short_masked_route_d64.md`).
+`jax_flash` shows the route `api.triton_first` picks; `jax_flash_mosaic`
+and `jax_flash_triton` each kernel family (Mosaic reads rows off the
+tiling in place, `rows.rows_in_place`).
 """
 from __future__ import annotations
 
