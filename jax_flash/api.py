@@ -95,8 +95,9 @@ def flash_attention(
     return_residual: also return the logsumexp of the logits, float32
       [batch, q_len, num_heads], natural log (-inf for empty rows).
     implementation: None picks the best available (mosaic -> triton -> xla on
-      a GPU, triton first for short lengths off Mosaic's 8-row tiling that
-      the Mosaic path would pad, `triton_first`; xla on a CPU unless
+      a GPU, triton first for short calls where its kernels are faster:
+      masked calls at d=64, and lengths off Mosaic's 8-row tiling that the
+      Mosaic path would pad, `triton_first`; xla on a CPU unless
       `interpret=True`); "mosaic", "triton" and "xla" force one (on a CPU
       "triton" runs in Pallas interpret mode). A backend that cannot do a
       call raises NotImplementedError, and None then tries the next one.
