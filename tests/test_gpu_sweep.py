@@ -102,6 +102,12 @@ def describe(seed: int) -> str:
 
 
 DRAWS = int(os.environ.get("SWEEP_DRAWS", "48"))
+# Draws past the default that failed once, kept in every run: 186, a
+# float32 dK/dV kernel over Triton's shared memory (`common.fit_stages`);
+# 125, open (benchmarks/NOTES.md, Open: the Mosaic route's dk at 2.9x the
+# plain computation's error, where the Triton kernels' is 0.9x).
+REGRESSIONS = (125, 186)
+OPEN = {125: "the Mosaic route's dk past the rule (NOTES, Open)"}
 
 
 def one_key_under_dropout(case: Case, kw) -> bool:
@@ -112,17 +118,23 @@ def one_key_under_dropout(case: Case, kw) -> bool:
   instead, ~9x the plain 16-bit computation's error in dq (whose softmax
   VJP cancels exactly). Every FlashAttention backward computes delta so;
   benchmarks/NOTES.md, "Delta from the stored output"."""
+  masks_the_key = ("q_offset", "query_seq_lengths", "key_value_seq_lengths",
+                   "local_window_size", "segment_ids", "mask", "mask_fn")
   return (kw.get("dropout_rate", 0) > 0 and case.q_len == 1
-          and kw.get("is_causal", False) and "q_offset" not in kw)
+          and kw.get("is_causal", False)
+          and not any(name in kw for name in masks_the_key))
 
 
-@pytest.mark.parametrize("seed", range(DRAWS))
+@pytest.mark.parametrize("seed", sorted(set(range(DRAWS)) | set(REGRESSIONS)))
 def test_random_call_matches_reference_on_gpu(seed, request):
   case, dtype, kw = draw(seed)
   if one_key_under_dropout(case, kw) and dtype != jnp.float32:
     request.applymarker(pytest.mark.xfail(
         strict=True, raises=AssertionError,
         reason="delta from the stored 16-bit output, one key a row"))
+  if seed in OPEN:
+    request.applymarker(pytest.mark.xfail(
+        strict=True, raises=AssertionError, reason=OPEN[seed]))
 
   @jax.jit
   def attention(q, k, v):

@@ -127,6 +127,22 @@ def test_float32_through_triton_multiplies_in_three_tf32_passes(
     assert dots and attributes == {precision}, (requested, attributes)
 
 
+def test_float32_pipeline_depth_leaves_room_for_triton_scratch():
+  """`common.fit_stages`: the float32 dK/dV kernel at d=128 with a streamed
+  float32 bias (64-key K/V tiles resident, 32-query Q, dO and bias tiles a
+  step) takes one stage; two asked 237,952 bytes of an H100's 232,448 (XLA's
+  Triton; the tiles alone come to 147,456). 16-bit tiles of the same bytes,
+  and float32 without a streamed tile, keep the tuned two."""
+  from pallas_kernels.triton import common
+  resident, step, bias = 2 * 64 * 128 * 4, 2 * 32 * 128 * 4, 32 * 64 * 4
+  assert common.fit_stages(2, resident_bytes=resident,
+                           per_step_bytes=step + bias, itemsize=4) == 1
+  assert common.fit_stages(2, resident_bytes=resident,
+                           per_step_bytes=step, itemsize=4) == 2
+  assert common.fit_stages(2, resident_bytes=resident,
+                           per_step_bytes=step + bias, itemsize=2) == 2
+
+
 def test_interpreted_float32_dots_are_ieee():
   """Interpreted (XLA's dots; the CPU has no TF32 algorithms): float32 at
   HIGHEST whatever is requested; 16-bit tiles at the default."""

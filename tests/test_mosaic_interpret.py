@@ -347,7 +347,9 @@ def _masked_call(q, k, v, variants):
 _SLOW_MASKED = ("bottom-right causal", "causal window", "soft cap",
                 "dense mask", "bias", "bias, no mask", "alibi soft cap",
                 "lengths", "dropout", "ragged causal", "window, column tiles",
-                "per-query bias")
+                "per-query bias",
+                # `test_broadcast_bias_on_gpu` and the lowering test
+                "per-key bias")
 
 
 @pytest.mark.parametrize("name", [slow(n) if n in _SLOW_MASKED else n
@@ -787,8 +789,10 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
     # dQ and dK/dV kernels (its forward: the plain forward's in-place case).
     ("window, column tiles", None),
     # Dropout's hash and ALiBi's slopes are per query head: on K/V copies
-    # (`kv_head_copies`) each copy's heads must still be the call's.
-    ("dropout", 2),
+    # (`kv_head_copies`) each copy's heads must still be the call's (under
+    # -m slow: the GPU's masked backward tests take dropout on copies, and
+    # its bits against Triton's).
+    slow("dropout", 2),
     # A bias per (batch, head) in both kernels (dK/dV: each head's
     # transposed tiles) and dbias, dS in bf16 from the dbias kernel;
     # bottom-right causal, so that the tiles the plan skips are never
@@ -800,8 +804,9 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
     slow("bias, no mask", 1),
     # Biases broadcast along a sequence axis: per key (both kernels' tiles
     # from a tile's extent of rows; dS in float32, summed over heads and
-    # queries) and per query (under -m slow).
-    ("per-key bias", None), slow("per-query bias", None)])
+    # queries) and per query; under -m slow since their GPU test
+    # (`test_broadcast_bias_on_gpu`) and lowering test run by default.
+    slow("per-key bias", None), slow("per-query bias", None)])
 def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
                                                               monkeypatch):
   """`mosaic_backward_masked`'s dq, dk, dv and dbias (its plan rows,

@@ -577,7 +577,9 @@ _SEMANTICS = ["Warpgroup", pytest.param("Lane", marks=pytest.mark.slow)]
                                             ("segments", 256),
                                             ("alibi soft cap", 64),
                                             ("dropout", 128),
-                                            ("score_fn", 256),
+                                            pytest.param(
+                                                "score_fn", 256,
+                                                marks=pytest.mark.slow),
                                             ("mask_fn", 64)])
 def test_overlapped_masked_backward_lowers(name, head_dim,
                                            lowering_semantics):

@@ -216,7 +216,8 @@ def backward_dkdv(query, key, value, d_out, lse, delta, call_operands, bias,
       resident_bytes=2 * tiling.block_k * dp * itemsize,
       per_step_bytes=2 * tiling.block_q * dp * itemsize
       + common.streamed_tile_bytes(call_operands, bias, tiling.block_q,
-                                   tiling.block_k))
+                                   tiling.block_k),
+      itemsize=itemsize)
   inputs = (query, key, value, d_out, lse, delta, *extra)
   return compat.pallas_call(
       functools.partial(_dkdv_kernel, scale=scale, spec=spec, dims=dims,
@@ -264,7 +265,8 @@ def backward_dq(query, key, value, d_out, lse, delta, call_operands, bias, *,
       per_step_bytes=2 * tiling.block_k * dp * itemsize
       + common.streamed_tile_bytes(call_operands, bias, tiling.block_q,
                                    tiling.block_k)
-      + (tiling.block_q * tiling.block_k * 4 if bias_grad else 0))
+      + (tiling.block_q * tiling.block_k * 4 if bias_grad else 0),
+      itemsize=itemsize)
   inputs = [query, key, value, d_out, lse, delta, *extra]
   out_specs = [q_tile_spec]
   out_shape = [compat.output_struct(query.shape, query.dtype, *inputs)]

@@ -159,21 +159,29 @@ def compiler_params(num_warps: int, num_stages: int):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def fit_stages(num_stages: int, *, resident_bytes: int,
-               per_step_bytes: int) -> int:
+def fit_stages(num_stages: int, *, resident_bytes: int, per_step_bytes: int,
+               itemsize: int) -> int:
   """Pipeline depth that keeps Triton's shared-memory buffers within sm90's.
 
   Triton keeps `num_stages` copies of every tile loaded in the K/V (or Q)
   loop in shared memory. A streamed mask or bias tile adds to the tuned
   K/V tiles' footprint (a 128 x 128 float32 bias tile is 64 KiB), so a depth
   tuned without them can exceed the limit; fewer stages always compile.
+  float32 inputs' dots (split TF32 products) take scratch of about one more
+  resident set and step beside the pipelined tiles: Triton 3.5 compiled a
+  float32 dK/dV kernel at d=128 with a streamed bias into 221,568 bytes
+  where the tiles came to 147,456, and XLA's Triton asked 237,952 on an H100
+  (`tests/test_gpu_sweep.py`, draw 186), so that is reserved.
 
   Args:
     num_stages: the tuned depth.
     resident_bytes: tiles held across the loop (the owned Q or K/V tile).
     per_step_bytes: tiles loaded in each loop step.
+    itemsize: bytes of an input element.
   """
-  fitting = (SHARED_MEMORY_BYTES - resident_bytes) // max(per_step_bytes, 1)
+  scratch = resident_bytes + per_step_bytes if itemsize >= 4 else 0
+  fitting = ((SHARED_MEMORY_BYTES - resident_bytes - scratch)
+             // max(per_step_bytes, 1))
   return max(1, min(num_stages, fitting))
 
 

@@ -97,7 +97,8 @@ def flash_forward(query, key, value, call_operands, bias, *, scale: float,
       resident_bytes=tiling.block_q * dp * itemsize,
       per_step_bytes=2 * tiling.block_k * dp * itemsize
       + common.streamed_tile_bytes(call_operands, bias, tiling.block_q,
-                                   tiling.block_k))
+                                   tiling.block_k),
+      itemsize=itemsize)
   inputs = (query, key, value, *extra)
   kernel = functools.partial(_forward_kernel, scale=scale, spec=spec,
                              dims=dims, tiling=tiling, layouts=layouts)
