@@ -133,6 +133,18 @@ VECTOR_MASKS = {
 }
 
 
+def _causal_triton_and_reference(inputs, kernel_kwargs, reference_kwargs):
+  """`forward_and_grads` of the causal Triton kernels with `kernel_kwargs`
+  and of the reference with `reference_kwargs` on `inputs` (q, k, v, d_out,
+  d_lse), asserted equal to float32 rounding; returns both."""
+  got = forward_and_grads(_triton(is_causal=True, **kernel_kwargs), *inputs)
+  want = forward_and_grads(functools.partial(
+      jax_flash.attention_reference, is_causal=True, return_residual=True,
+      **reference_kwargs), *inputs)
+  chex.assert_trees_all_close(got, want, atol=2e-5)
+  return got, want
+
+
 @pytest.mark.parametrize("name", [
     name if i % 2 == 0 else pytest.param(name, marks=pytest.mark.slow)
     for i, name in enumerate(VECTOR_MASKS)])  # half by default: CI's time
@@ -152,12 +164,8 @@ def test_vector_masks_run_as_segment_ids(name):
   per_head = jnp.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + shape),
                               (2, 4, 70, 90))
 
-  got = forward_and_grads(_triton(mask=mask, is_causal=True), q, k, v,
-                          d_out, d_lse)
-  want = forward_and_grads(functools.partial(
-      jax_flash.attention_reference, mask=per_head, is_causal=True,
-      return_residual=True), q, k, v, d_out, d_lse)
-  chex.assert_trees_all_close(got, want, atol=2e-5)
+  got, want = _causal_triton_and_reference(
+      (q, k, v, d_out, d_lse), dict(mask=mask), dict(mask=per_head))
   if name.startswith("per batch"):
     assert float(jnp.abs(got["out"][0]).max()) == 0.0
 
@@ -170,12 +178,8 @@ def test_padding_bias_at_float32_lowest_empties_its_rows():
   q, k, v, d_out, d_lse = random_inputs(CASE, jnp.float32, 12)
   bias = jnp.where(jnp.arange(90) < jnp.array([[60], [0]]), 0.0,
                    jnp.finfo(jnp.float32).min)[:, None, None, :]
-  got = forward_and_grads(_triton(bias=bias, is_causal=True), q, k, v,
-                          d_out, d_lse)
-  want = forward_and_grads(functools.partial(
-      jax_flash.attention_reference, bias=bias, is_causal=True,
-      return_residual=True), q, k, v, d_out, d_lse)
-  chex.assert_trees_all_close(got, want, atol=2e-5)
+  got, want = _causal_triton_and_reference(
+      (q, k, v, d_out, d_lse), dict(bias=bias), dict(bias=bias))
   assert float(jnp.abs(want["out"][1]).max()) == 0.0
   assert float(jnp.abs(want["dq"][1]).max()) == 0.0
 
