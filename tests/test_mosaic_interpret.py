@@ -656,6 +656,32 @@ def test_interpreted_max_free_forward(monkeypatch, name, fold_cap):
   assert_forward_within_rule(q, k, v, out, lse, sinks=sinks, **variants)
 
 
+@pytest.mark.parametrize("form", ["masked", "plain"])
+def test_interpreted_max_free_row_of_one_key_is_its_value(form):
+  """Without a running max (`KernelStatic.max_free`) no weight is exactly 1,
+  yet a causal row that sees one key gives exactly that key's value: O is
+  normalised by the row sum of P as P V takes it, rounded
+  (benchmarks/diagnostics/max_free_rounding: a sum of the unrounded P gave
+  V (1 + δ), δ up to 2^-9); the LSE keeps the exact sum."""
+  from pallas_kernels.mosaic.forward import mosaic_forward
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  case = Case(1, 64, 64, 2, 1, 64)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=12)
+  q = q * 8
+  variants = dict(is_causal=True, logits_soft_cap=5.0)
+  if form == "masked":
+    scale, spec, operands = _masked_call(q, k, v, variants)
+    out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
+                                    scale=scale, spec=spec, **operands)
+  else:
+    out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
+                                    scale=case.head_dim**-0.5,
+                                    is_causal=True, soft_cap=5.0)
+  np.testing.assert_array_equal(out[:, 0], jnp.broadcast_to(v[:, 0],
+                                                            out[:, 0].shape))
+  assert_forward_within_rule(q, k, v, out, lse, **variants)
+
+
 # Sinks in the forward's epilogue: strong enough to take about half of a
 # row's weight (a row's LSE is near 5 here), a different one per head.
 _SINKS = jnp.array([5.0, -2.0])

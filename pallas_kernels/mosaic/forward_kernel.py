@@ -173,7 +173,11 @@ class KernelStatic:
   # A soft cap that bounds every logit (`plan.max_free_cap`): P =
   # 2^(s log2 e) cannot overflow, so there is no running max (m stays 0)
   # and nothing to rescale: no row max per step, no alpha, O and l only
-  # accumulate. `plan.MASKED_MAX_FREE`.
+  # accumulate. `plan.MASKED_MAX_FREE`. No weight is then exactly 1, so
+  # the row's dominant one is rounded for P V too: O is normalised by the
+  # row sum of P as P V takes it (in P's dtype, `l_pv`), which keeps a row
+  # of one key at exactly V, and the LSE by the exact sum
+  # (benchmarks/diagnostics/max_free_rounding).
   max_free: bool = False
   # Ranged, a soft cap: its multiplies by 1 / cap and by cap folded into
   # the score's scale and exp2's (`masking.modify_scores_folded`), two
@@ -719,6 +723,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
   acc = plgpu.layout_cast(jnp.zeros((block_q, static.head_dim), jnp.float32),
                           plgpu.Layout.WGMMA)
+  l_pv = l if static.max_free else None  # `KernelStatic.max_free`
 
   # Every row tile sees block 0 (top-left causal), so num_steps >= 1. Later
   # K tiles are awaited under the previous P V (see `accumulate`).
@@ -739,7 +744,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   turn.begin()
 
   def step_body(step, carry, *, masked: bool):
-    acc, m, l = carry
+    acc, m, l, l_pv = carry
     slot = slot_of(step)
     if plan is not None:
       wait_key_ids(slot)
@@ -809,8 +814,15 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       acc = rescale(acc, alpha,
                     skip_ones=static.rescale_threshold is not None)
     p_f32 = p
+
+    def row_sums(l, l_pv):
+      if l_pv is not None:  # P's row sum as P V takes it, rounded
+        l_pv = _row_sum(l_pv, None,
+                        p_f32.astype(static.dtype).astype(jnp.float32))
+      return _row_sum(l, alpha, p_f32), l_pv
+
     if not static.sum_after_pv:
-      l = _row_sum(l, alpha, p)
+      l, l_pv = row_sums(l, l_pv)
     if plan is not None and static.spec.dropout_rate:
       # The row sum (so the LSE) takes every weight; only P V sees dropout,
       # its 1 / (1 - rate) applied to O at the end.
@@ -826,23 +838,27 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     turn.before_values(step, functools.partial(plgpu.barrier_wait,
                                                v_arrived.at[slot]))
 
-    def accumulate(o_ref, l_ref=None):
+    def accumulate(o_ref, sum_refs=None):
       v_tile = v_smem.mma.at[slot]
       if fp8 is not None:  # stored [head_dim, block_kv]: K-major for wgmma
         v_tile = v_tile.transpose((1, 0))
       wgmma(o_ref, p, v_tile)
-      if l_ref is not None:  # `sum_after_pv`: while P V_j runs
-        l_ref[...] = _row_sum(l_ref[...], alpha, p_f32)
+      if sum_refs is not None:  # `sum_after_pv`: while P V_j runs
+        l_ref, l_pv_ref = sum_refs
+        l_ref[...], l_pv = row_sums(
+            l_ref[...], None if l_pv_ref is None else l_pv_ref[...])
+        if l_pv_ref is not None:
+          l_pv_ref[...] = l_pv
       # Wait for K_{j+1} while P V_j runs on the tensor cores.
       wait_next_k(step)
 
     if static.sum_after_pv:
-      acc, l = pl.run_state(lambda refs: accumulate(*refs))(
-          (plgpu.ACC.init(acc), l))
+      acc, (l, l_pv) = pl.run_state(lambda refs: accumulate(*refs))(
+          (plgpu.ACC.init(acc), (l, l_pv)))
     else:
       acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
     plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
-    return acc, m_new, l
+    return acc, m_new, l, l_pv
 
   def skip_body(step, carry):
     """A block of the union outside this consumer's range: barriers only."""
@@ -868,14 +884,16 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
     return carry
 
-  def finish(acc, m, l):
+  def finish(acc, m, l, l_pv):
     """Ends the turns, normalises, writes O and the LSE."""
     turn.end()
 
     # Epilogue: normalise, and write O through the Q buffer (Q is dead now;
-    # in FP8 through a buffer of its own, in the output dtype).
+    # in FP8 through a buffer of its own, in the output dtype). O's
+    # normaliser is l_pv where there is one (`KernelStatic.max_free`).
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
+    l_o = l_safe if l_pv is None else jnp.where(empty, 1.0, l_pv)
     # O's columns per store: all of them, but for FP8 (`FP8_O_COLUMNS`).
     head_dim = static.head_dim
     columns = fp8_o_columns(head_dim) if fp8 is not None else head_dim
@@ -898,7 +916,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
         tile.load_next_q()
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     if sink_of is not None:  # neither FP8 nor ALiBi's columns
-      row_scale, lse = _with_sink(m, l, sink_of(head))
+      row_scale, lse = _with_sink(m, l, sink_of(head), l_pv)
       if plan is not None and static.spec.dropout_rate:
         row_scale = row_scale * (1.0 / (1.0 - static.spec.dropout_rate))
       o_smem.mma[...] = (acc * per_row(row_scale, acc.shape)).astype(
@@ -907,9 +925,9 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     else:
       if fp8 is None and plan is not None and static.spec.dropout_rate:
         acc = acc * per_row(
-            (1.0 / (1.0 - static.spec.dropout_rate)) / l_safe, acc.shape)
+            (1.0 / (1.0 - static.spec.dropout_rate)) / l_o, acc.shape)
       elif fp8 is None:
-        acc = acc * per_row(1.0 / l_safe, acc.shape)
+        acc = acc * per_row(1.0 / l_o, acc.shape)
       else:
         acc = acc * per_row(v_factor / l_safe, acc.shape)
         o_smem = RowViews.plain(fp8.o_smem)
@@ -940,7 +958,7 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       tile.load_next_q()
 
-  carry = (acc, m, l)
+  carry = (acc, m, l, l_pv)
   masked_body = functools.partial(step_body, masked=True)
   if plan is None and static.skip_spare:
     # A consumer with no rows in this tile (`KernelStatic.skip_spare`)
@@ -985,18 +1003,21 @@ def _row_sum(l, alpha, p):
   return (l if alpha is None else l * alpha) + p.sum(axis=1)
 
 
-def _with_sink(m, l, sink):
+def _with_sink(m, l, sink, l_pv=None):
   """(O's row factor, the LSE) of rows whose running max (exp2's units) and
   sum are m and l [block_q], with `sink` (natural-log units) in each row's
   denominator, as `masking.apply_sinks` computes after the fact:
   m' = max(m, sink), l' = l 2^(m - m') + 2^(sink - m'), O scaled by
-  2^(m - m') / l'. A row that saw no key (m = -inf, l = 0) gets O = 0 and
-  the LSE `sink`, with no case of its own."""
+  2^(m - m') / l' (O's l' from l_pv, the sum as P V took it, where given).
+  A row that saw no key (m = -inf, l = 0) gets O = 0 and the LSE `sink`,
+  with no case of its own."""
   sink = sink * LOG2E
   m_total = jnp.maximum(m, sink)
   alpha = jnp.exp2(m - m_total)
-  l_total = l * alpha + jnp.exp2(sink - m_total)
-  return alpha / l_total, add_unfused(m_total * _LN2, jnp.log(l_total))
+  with_sink = lambda row_sum: row_sum * alpha + jnp.exp2(sink - m_total)
+  l_total = with_sink(l)
+  l_o = l_total if l_pv is None else with_sink(l_pv)
+  return alpha / l_o, add_unfused(m_total * _LN2, jnp.log(l_total))
 
 
 def _descale(fp8: _Fp8Refs, i):
