@@ -241,18 +241,23 @@ PY
           # default the causal fwd+bwd at 16k, d=128): the plain Mosaic
           # kernels (NCU_IMPLS) beside the masked ones on the same mask
           # (NCU_MASKS, one row of benchmarks.masks), for issue 39's masked
-          # kernel cost; NCU_KERNELS a regex of kernel names. Details,
+          # kernel cost; NCU_KERNELS a regex of kernel names;
+          # NCU_MODEL_CELL a cell of benchmarks.models instead (its mode
+          # still NCU_CELL's, NCU_IMPLS its implementations). Details,
           # raw metrics and per-SASS samples come back, and their
           # summaries (`benchmarks.diagnostics.ncu_summary`) print.
       ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
       [ -n "$ncu_bin" ] || { echo "no ncu on this machine"; continue; }
       IFS=: read -r mode seq d causal <<< "${NCU_CELL:-fwd_bwd:16384:128:causal}"
       name=ncu_${mode}_${seq}_${d}${causal:+_causal}
+      cell_args=(--seq "$seq" --head-dim "$d" ${causal:+--causal} --masks "${NCU_MASKS:-causal as mask_fn}")
+      if [ -n "${NCU_MODEL_CELL:-}" ]; then
+        name=ncu_${mode}_$NCU_MODEL_CELL; cell_args=(--model-cell "$NCU_MODEL_CELL")
+      fi
       timeout ${NCU_TIMEOUT:-400} "$ncu_bin" --profile-from-start off --clock-control none \
         ${NCU_KERNELS:+--kernel-name "regex:$NCU_KERNELS"} --set full --import-source yes \
         -f -o "/tmp/$name" python3 -m benchmarks.diagnostics.ncu_kernels --mode "$mode" \
-        --seq "$seq" --head-dim "$d" ${causal:+--causal} --impls ${NCU_IMPLS:-jax_flash_mosaic} \
-        --masks "${NCU_MASKS:-causal as mask_fn}" > "$LOGS/$name.log" 2>&1
+        "${cell_args[@]}" --impls ${NCU_IMPLS:-jax_flash_mosaic} > "$LOGS/$name.log" 2>&1
       tail -5 "$LOGS/$name.log"
       "$ncu_bin" --import "/tmp/$name.ncu-rep" --page details > "$OUT/$name.txt" 2>&1
       "$ncu_bin" --import "/tmp/$name.ncu-rep" --page raw --csv > "$OUT/${name}_raw.csv" 2>&1

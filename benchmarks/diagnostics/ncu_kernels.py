@@ -16,6 +16,10 @@ cell's length, 16 heads, on the Mosaic kernels): "causal as mask_fn"
 profiles the masked kernels on the very mask the plain ones take with
 `is_causal`, so that the two sets of kernels can be read side by side.
 
+`--model-cell NAME` profiles a cell of `benchmarks.models` instead
+(GQA, windows, soft caps: its shapes and options, its implementations'
+names), e.g. `--model-cell gqa32x8_causal_32k --impls jax_flash cudnn`.
+
 `h200_check.sh ncu` runs it under ncu and prints each kernel's headline
 numbers (`benchmarks.diagnostics.ncu_summary`).
 """
@@ -59,6 +63,9 @@ def main(argv=None) -> int:
   parser.add_argument("--masks", nargs="+", default=[], metavar="NAME",
                       help="rows of benchmarks.masks to profile too, on the "
                       "Mosaic kernels (e.g. 'causal as mask_fn')")
+  parser.add_argument("--model-cell", metavar="NAME",
+                      help="a cell of benchmarks.models instead of the "
+                      "grid's (--seq, --head-dim, --causal, --tokens unused)")
   parser.add_argument("--two-consumers", action="store_true",
                       help="our Mosaic forward with two consumer "
                       "warpgroups at every head dim (not three at d=64)")
@@ -66,17 +73,20 @@ def main(argv=None) -> int:
   if args.two_consumers or args.fused_dq:
     _replan(args.head_dim, two_consumers=args.two_consumers,
             fused_dq=args.fused_dq)
-  cell = common.Cell.standard(args.mode, args.seq, args.head_dim,
-                              args.causal, tokens=args.tokens)
   start, stop = _profiler()
-  runs = []
-  for name in args.impls:
-    try:
-      bench = getattr(peers, name)(cell)
-    except peers.Unavailable as e:
-      print(f"{name}: {e}", file=sys.stderr)
-      continue
-    runs.append((name, bench.fn, bench.args))
+  if args.model_cell:
+    cell, runs = _model_cell_runs(args.model_cell, args.mode, args.impls)
+  else:
+    cell = common.Cell.standard(args.mode, args.seq, args.head_dim,
+                                args.causal, tokens=args.tokens)
+    runs = []
+    for name in args.impls:
+      try:
+        bench = getattr(peers, name)(cell)
+      except peers.Unavailable as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        continue
+      runs.append((name, bench.fn, bench.args))
   if args.masks:
     from benchmarks import masks  # noqa: PLC0415
     table = masks.variants(args.seq, 16)
@@ -95,8 +105,27 @@ def main(argv=None) -> int:
     start()
     jax.block_until_ready(fn(*inputs))
     stop()
-    print(f"{name} {cell.label()}: profiled", flush=True)
+    print(f"{name} {getattr(cell, 'name', None) or cell.label()}: "
+          "profiled", flush=True)
   return 0
+
+
+def _model_cell_runs(name: str, mode: str, impls):
+  """(the `benchmarks.models` cell `name`, [(impl, fn, args)] of `impls`
+  built as that suite builds them)."""
+  from benchmarks import models  # noqa: PLC0415
+  cell = models.CELLS_BY_NAME[name]
+  inputs = models.make_inputs(cell, seed=0)
+  pairs = models.attended_pairs(cell, inputs.segment_ids, inputs.lengths)
+  runs = []
+  for impl in impls:
+    try:
+      built = models.build(impl, cell, mode, inputs, pairs, interpret=False)
+    except (peers.Unavailable, NotImplementedError) as e:
+      print(f"{impl}: {e}", file=sys.stderr)
+      continue
+    runs.append((impl, built.compiled, built.args))
+  return cell, runs
 
 
 def _replan(head_dim: int, *, two_consumers: bool, fused_dq: bool):

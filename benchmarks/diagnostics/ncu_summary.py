@@ -36,6 +36,8 @@ METRICS = {
         "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
     "smem read %": "l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed",
     "L2 %": "lts__t_sectors.avg.pct_of_peak_sustained_elapsed",
+    "L2 hit %": "lts__t_sector_hit_rate.pct",
+    "DRAM read": "dram__bytes_read.sum",  # with its unit
     "regs": "launch__registers_per_thread",
     "local sectors": "l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum",
 }
@@ -69,8 +71,10 @@ def metrics_table(path: str) -> str:
     for label, metric in columns:
       value = row[index[metric]]
       try:
-        cells.append(_to_ms(value, units[index[metric]]) if label == "ms"
-                     else f"{float(value.replace(',', '')):.3g}")
+        unit = units[index[metric]]
+        cells.append(_to_ms(value, unit) if label == "ms"
+                     else f"{float(value.replace(',', '')):.3g}"
+                     + (f" {unit}" if label == "DRAM read" else ""))
       except ValueError:
         cells.append(value)
     name = row[index["Kernel Name"]][:60]
