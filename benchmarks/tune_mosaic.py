@@ -263,16 +263,14 @@ def masked_schedule(form: str):
   heaviest first, for `form` "masked_in_order" (`masked.heaviest_first_order`
   the identity); causal ALiBi by index tiles, not as column terms, for
   "alibi_tiles" (`plan.MASKED_ALIBI_COLUMNS` off); the soft cap with a
-  running max for "softcap_with_max" and "softcap_plain_with_max"
-  (`plan.MASKED_MAX_FREE` off), its
-  multiplies not folded into the scales for "softcap_unfolded"
+  running max for "softcap_with_max" (`plan.MASKED_MAX_FREE_HEAD_DIMS`
+  empty), its multiplies not folded into the scales for "softcap_unfolded"
   (`plan.MASKED_SOFTCAP_FOLDED` off), and in the backward for
   "softcap_backward_folded" (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED` on);
   as planned for any other."""
   from pallas_kernels.mosaic import masked, plan
   choices = {"alibi_tiles": ("MASKED_ALIBI_COLUMNS", False),
-             "softcap_with_max": ("MASKED_MAX_FREE", False),
-             "softcap_plain_with_max": ("MASKED_MAX_FREE", False),
+             "softcap_with_max": ("MASKED_MAX_FREE_HEAD_DIMS", ()),
              "softcap_unfolded": ("MASKED_SOFTCAP_FOLDED", False),
              "softcap_backward_folded": ("MASKED_BACKWARD_SOFTCAP_FOLDED",
                                          True)}
@@ -297,19 +295,16 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
   dropout 0.1 or a soft cap of 30 (`SCORE_CHANGE_SPACE`), so that a score
   change's cost splits into the masked kernel's and the term's own;
   "softcap_plain": the plain kernel with that cap
-  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`), "softcap_plain_with_max" with a running
-  max."""
+  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`)."""
   from pallas_kernels.mosaic.forward import mosaic_forward
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
   scale, form = cell.head_dim**-0.5, blocks["form"]
-  if form in ("plain", "softcap_plain", "softcap_plain_with_max"):
+  if form in ("plain", "softcap_plain"):
     cap = causal_spec(cell, "softcap")[0].logits_soft_cap
-    fn = jax.jit(lambda q, k, v: mosaic_forward(
+    return jax.jit(lambda q, k, v: mosaic_forward(
         q, k, v, scale=scale, is_causal=True,
-        soft_cap=None if form == "plain" else cap))
-    with masked_schedule(form):
-      return fn.lower(q, k, v).compile(), (q, k, v)
+        soft_cap=cap if form == "softcap_plain" else None)), (q, k, v)
   spec, operands = causal_spec(cell, "none" if form in MASKED_FORMS
                                else form.split("_")[0])
   fn = jax.jit(lambda q, k, v, operands: mosaic_forward_masked(
@@ -398,7 +393,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                2.5, (True,)),
            "max_free": (score_change_benchmark,
                         dict(form=("plain", "softcap_with_max", "softcap",
-                                   "softcap_plain_with_max",
                                    "softcap_plain")),
                         1.0, (True,)),
            "softcap_folded": (score_change_benchmark,

@@ -639,7 +639,7 @@ def test_interpreted_max_free_forward(monkeypatch, name, fold_cap):
   def counted(*args, **kwargs):
     folds.append(1)
     return folded(*args, **kwargs)
-  monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
+  monkeypatch.setattr(plan, "MASKED_MAX_FREE_HEAD_DIMS", (64,))
   monkeypatch.setattr(plan, "MASKED_SOFTCAP_FOLDED", fold_cap)
   monkeypatch.setattr(forward_kernel, "exponentiate", no_running_max)
   monkeypatch.setattr(masking, "modify_scores_folded", counted)
@@ -656,27 +656,22 @@ def test_interpreted_max_free_forward(monkeypatch, name, fold_cap):
   assert_forward_within_rule(q, k, v, out, lse, sinks=sinks, **variants)
 
 
-@pytest.mark.parametrize("form", ["masked", "plain"])
-def test_interpreted_max_free_row_of_one_key_is_its_value(form):
+def test_interpreted_max_free_row_of_one_key_is_its_value(monkeypatch):
   """Without a running max (`KernelStatic.max_free`) no weight is exactly 1,
   yet a causal row that sees one key gives exactly that key's value: O is
   normalised by the row sum of P as P V takes it, rounded
   (benchmarks/diagnostics/max_free_rounding: a sum of the unrounded P gave
   V (1 + δ), δ up to 2^-9); the LSE keeps the exact sum."""
-  from pallas_kernels.mosaic.forward import mosaic_forward
+  from pallas_kernels.mosaic import plan
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  monkeypatch.setattr(plan, "MASKED_MAX_FREE_HEAD_DIMS", (64,))
   case = Case(1, 64, 64, 2, 1, 64)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=12)
   q = q * 8
   variants = dict(is_causal=True, logits_soft_cap=5.0)
-  if form == "masked":
-    scale, spec, operands = _masked_call(q, k, v, variants)
-    out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
-                                    scale=scale, spec=spec, **operands)
-  else:
-    out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
-                                    scale=case.head_dim**-0.5,
-                                    is_causal=True, soft_cap=5.0)
+  scale, spec, operands = _masked_call(q, k, v, variants)
+  out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
+                                  scale=scale, spec=spec, **operands)
   np.testing.assert_array_equal(out[:, 0], jnp.broadcast_to(v[:, 0],
                                                             out[:, 0].shape))
   assert_forward_within_rule(q, k, v, out, lse, **variants)
@@ -707,10 +702,10 @@ def test_interpreted_forward_sinks(case, options):
 
 
 @pytest.mark.parametrize("case, is_causal, cap, sinks", [
-    # Max-free (the cap bounds P), causal, GQA 2:1, the persistent grid.
+    # Causal, GQA 2:1, the persistent grid.
     (Case(1, 256, 256, 2, 1, 64), True, 20.0, None),
-    # Above the max-free bound: the running max at exp2's scale cap
-    # log2(e); not causal, a ragged key tail, sinks.
+    # The running max at exp2's scale cap log2(e) past any bound on P;
+    # not causal, a ragged key tail, sinks.
     slow(Case(1, 128, 200, 2, 2, 64), False, 100.0, _SINKS),
 ], ids=str)
 def test_interpreted_plain_forward_soft_cap(case, is_causal, cap, sinks):

@@ -124,10 +124,23 @@ def test_score_changes_add_no_division(cuda_lowering):
     assert divisions(backward, score_fn=softcap_score) == plain
 
 
+def test_max_free_where_planned():
+  """The masked forward skips its running max at the planned head dims
+  (those between 128 and 256 on 256's rows) and caps within P's range."""
+  from pallas_kernels.mosaic import plan
+  assert plan.MASKED_MAX_FREE_HEAD_DIMS == (256,)
+  assert plan.max_free_cap(50.0, jnp.bfloat16, 256)
+  assert plan.max_free_cap(50.0, jnp.bfloat16, 192)
+  assert not plan.max_free_cap(50.0, jnp.bfloat16, 128)
+  assert not plan.max_free_cap(61.0, jnp.bfloat16, 256)
+  assert not plan.max_free_cap(30.0, jnp.float16, 256)
+  assert not plan.max_free_cap(None, jnp.bfloat16, 256)
+
+
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_max_free_forward_lowers(head_dim, cuda_lowering, monkeypatch):
-  """The soft cap without a running max (`plan.MASKED_MAX_FREE`): it
-  lowers, and the flag reaches the kernel."""
+  """The soft cap without a running max (`plan.MASKED_MAX_FREE_HEAD_DIMS`):
+  it lowers, and the choice reaches the kernel."""
   from pallas_kernels.mosaic import plan
 
   def text():
@@ -136,9 +149,9 @@ def test_max_free_forward_lowers(head_dim, cuda_lowering, monkeypatch):
     kv = jax.ShapeDtypeStruct((2, case.kv_len, 2, head_dim), jnp.bfloat16)
     return jax.jit(forward).trace(q, kv, kv).lower(
         lowering_platforms=("cuda",)).as_text()
-  monkeypatch.setattr(plan, "MASKED_MAX_FREE", False)
+  monkeypatch.setattr(plan, "MASKED_MAX_FREE_HEAD_DIMS", ())
   with_max = text()
-  monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
+  monkeypatch.setattr(plan, "MASKED_MAX_FREE_HEAD_DIMS", (head_dim,))
   assert text() != with_max
 
 
@@ -419,14 +432,14 @@ def test_alibi_columns_match_reference_on_gpu(head_dim, monkeypatch):
                                         (jnp.float16, 10.0)])
 def test_max_free_forward_matches_reference_on_gpu(head_dim, dtype, cap,
                                                    fold_cap, monkeypatch):
-  """The masked forward without a running max (`plan.MASKED_MAX_FREE`)
-  under Gemma's soft cap (bfloat16) and float16's largest it takes, a
+  """The masked forward without a running max (`plan.
+  MASKED_MAX_FREE_HEAD_DIMS`, here at every head dim) under Gemma's soft cap (bfloat16) and float16's largest it takes, a
   causal window over ragged lengths, Q times 4 so that logits reach the
   cap; with the cap's multiplies folded (`plan.MASKED_SOFTCAP_FOLDED`)."""
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90")
   from pallas_kernels.mosaic import plan
-  monkeypatch.setattr(plan, "MASKED_MAX_FREE", True)
+  monkeypatch.setattr(plan, "MASKED_MAX_FREE_HEAD_DIMS", (head_dim,))
   monkeypatch.setattr(plan, "MASKED_SOFTCAP_FOLDED", fold_cap)
   case = Case(2, 1500, 1500, 8, 4, head_dim)
   variants = dict(is_causal=True, local_window_size=(700, 0),

@@ -66,8 +66,7 @@ from pallas_kernels.mosaic.rows import row_buffer, row_copies, rows_in_place
 from pallas_kernels.mosaic.forward_kernel import (
     NUM_CONSUMERS, KernelStatic, forward_kernel, fp8_o_columns,
     persistent_kernel)
-from pallas_kernels.mosaic.plan import (ForwardConfig, forward_config,
-                                        max_free_cap)
+from pallas_kernels.mosaic.plan import ForwardConfig, forward_config
 
 # The forward's shared memory also leaves the 2 KiB that Mosaic GPU reserves
 # for cross-warp reductions (`CompilerParams.reduction_scratch_bytes`'
@@ -113,8 +112,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       the K/V block that holds key kv_len - 1.
     soft_cap: None, or a positive cap: logits become cap * tanh(logit /
       cap) (`masking.modify_scores`), computed as tanh(scale q·k / cap)
-      into exp2 at cap log2(e), without a running max where the cap
-      bounds P (`plan.max_free_cap`).
+      into exp2 at cap log2(e).
     **options: fields of `plan.ForwardConfig` replacing the plan's choice
       for this call (`plan.forward_config`): tiles, pipeline depth,
       consumers, grid, turns, the row sum's place, the lazy rescale. Every
@@ -156,9 +154,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if soft_cap is not None:
     if not soft_cap > 0:
       raise ValueError(f"soft_cap must be positive, got {soft_cap}")
-    static = dataclasses.replace(
-        static, soft_cap=float(soft_cap),
-        max_free=max_free_cap(soft_cap, query.dtype))
+    static = dataclasses.replace(static, soft_cap=float(soft_cap))
   if config.persistent:
     static = persistent_static(static, query.shape, config.num_ctas)
   return launch(static, query, key, value,

@@ -170,10 +170,10 @@ class KernelStatic:
   # of an XLA pass over O after the kernel. Not with `alibi_columns` (its
   # rows' logits are shifted until the LSE) nor FP8.
   sinks: bool = False
-  # A soft cap that bounds every logit (`plan.max_free_cap`): P =
+  # Ranged, a soft cap that bounds every logit (`plan.max_free_cap`): P =
   # 2^(s log2 e) cannot overflow, so there is no running max (m stays 0)
   # and nothing to rescale: no row max per step, no alpha, O and l only
-  # accumulate. `plan.MASKED_MAX_FREE`. No weight is then exactly 1, so
+  # accumulate. `plan.MASKED_MAX_FREE_HEAD_DIMS`. No weight is then exactly 1, so
   # the row's dominant one is rounded for P V too: O is normalised by the
   # row sum of P as P V takes it (in P's dtype, `l_pv`), which keeps a row
   # of one key at exactly V, and the LSE by the exact sum
@@ -186,8 +186,7 @@ class KernelStatic:
   fold_cap: bool = False
   # Plain form, a soft cap (`plan.PLAIN_SOFTCAP_HEAD_DIMS`): each score
   # enters exp2 as tanh(s * scale / cap) at cap log2(e) (`masking.
-  # modify_scores_folded`), without the ranged kernel's plan rows; with
-  # `max_free` where the cap bounds P.
+  # modify_scores_folded`), without the ranged kernel's plan rows.
   soft_cap: float | None = None
   # Plain form, lengths its tiles do not divide (`common.ragged_lengths`):
   # the last tiles reach past q_len and kv_len, where TMA reads zeros and

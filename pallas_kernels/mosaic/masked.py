@@ -118,7 +118,8 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                     in plan.MASKED_LAZY_RESCALE_HEAD_DIMS)
   # The soft cap is the last change to the scores (`masking.modify_scores`),
   # so |s| <= cap wherever a key is kept.
-  no_running_max = plan.max_free_cap(spec.logits_soft_cap, query.dtype)
+  no_running_max = plan.max_free_cap(spec.logits_soft_cap, query.dtype,
+                                     query.shape[-1])
   # The plain causal forward's schedule: the split rendezvous, launched
   # tile-fastest (each head's tiles heaviest first, `tile_plans`): on the
   # causal forward at 16k 531 -> 563 TFLOP/s at d=128 (the plain kernel

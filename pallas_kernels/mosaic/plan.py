@@ -418,11 +418,15 @@ FP8_BLOCK_KV = {64: 256, 128: 256, 256: 128}
 # at d=128 and 551 -> 585 at d=256, the backward 394 -> 429 and 172 -> 231
 # (h100_mosaic_prepared.md).
 MASKED_ALIBI_COLUMNS = True
-# The masked forward without a running max where a soft cap bounds every
-# logit (`KernelStatic.max_free`; tokamax's sm90 forward does the same): on
-# an H100 at 16k, causal, cap 30: 459 -> 482 TFLOP/s at d=128, 558 -> 619
-# at d=256 (h100_mosaic_prepared.md).
-MASKED_MAX_FREE = True
+# The plan head dims at which the masked forward runs without a running
+# max where a soft cap bounds every logit (`KernelStatic.max_free`: O
+# normalised by P's row sum as P V takes it, the LSE by the exact sum). On
+# an H100 at 16k, causal, cap 30, against the running max: d=256 567 ->
+# 597 TFLOP/s; d=128 484 -> 422 loses, as does the plain d=256 forward,
+# 632 -> 587 (h100_mosaic_max_free_sums.md). One sum of the unrounded P
+# (tokamax's form) had won at both, +5% / +11%, but rounds each row's
+# dominant weight (benchmarks/NOTES.md, "Soft cap without a running max").
+MASKED_MAX_FREE_HEAD_DIMS = (256,)
 # The cap's multiplies by 1 / cap (before the tanh) and by cap (after it)
 # folded into the score's scale and exp2's (`KernelStatic.fold_cap`,
 # `masking.modify_scores_folded`): two FMULs fewer a score for a cap
@@ -453,10 +457,11 @@ PLAIN_SOFTCAP_HEAD_DIMS = (256,)
 MAX_FREE_SOFT_CAPS = {"bfloat16": 60.0, "float16": 10.0}
 
 
-def max_free_cap(cap: float | None, dtype) -> bool:
-  """Whether a soft cap bounds every logit tightly enough for a forward to
-  skip its running max (`KernelStatic.max_free`, on while
-  `MASKED_MAX_FREE`): P = e^s, |s| <= cap, stays in range for caps up to
-  `MAX_FREE_SOFT_CAPS` of P's dtype."""
-  return (MASKED_MAX_FREE and cap is not None
+def max_free_cap(cap: float | None, dtype, head_dim: int) -> bool:
+  """Whether the masked forward at `head_dim` skips its running max
+  (`KernelStatic.max_free`, at `MASKED_MAX_FREE_HEAD_DIMS`): a soft cap
+  bounds every logit, so P = e^s, |s| <= cap, stays in range for caps up
+  to `MAX_FREE_SOFT_CAPS` of P's dtype."""
+  return (plan_head_dim(head_dim) in MASKED_MAX_FREE_HEAD_DIMS
+          and cap is not None
           and cap <= MAX_FREE_SOFT_CAPS.get(np.dtype(dtype).name, 0.0))
