@@ -433,9 +433,10 @@ def test_alibi_columns_match_reference_on_gpu(head_dim, monkeypatch):
 def test_max_free_forward_matches_reference_on_gpu(head_dim, dtype, cap,
                                                    fold_cap, monkeypatch):
   """The masked forward without a running max (`plan.
-  MASKED_MAX_FREE_HEAD_DIMS`, here at every head dim) under Gemma's soft cap (bfloat16) and float16's largest it takes, a
-  causal window over ragged lengths, Q times 4 so that logits reach the
-  cap; with the cap's multiplies folded (`plan.MASKED_SOFTCAP_FOLDED`)."""
+  MASKED_MAX_FREE_HEAD_DIMS`, here at every head dim) under Gemma's soft
+  cap (bfloat16) and float16's largest it takes, a causal window over
+  ragged lengths, Q times 4 so that logits reach the cap; with the cap's
+  multiplies folded (`plan.MASKED_SOFTCAP_FOLDED`)."""
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90")
   from pallas_kernels.mosaic import plan

@@ -173,11 +173,11 @@ class KernelStatic:
   # Ranged, a soft cap that bounds every logit (`plan.max_free_cap`): P =
   # 2^(s log2 e) cannot overflow, so there is no running max (m stays 0)
   # and nothing to rescale: no row max per step, no alpha, O and l only
-  # accumulate. `plan.MASKED_MAX_FREE_HEAD_DIMS`. No weight is then exactly 1, so
-  # the row's dominant one is rounded for P V too: O is normalised by the
-  # row sum of P as P V takes it (in P's dtype, `l_pv`), which keeps a row
-  # of one key at exactly V, and the LSE by the exact sum
-  # (benchmarks/diagnostics/max_free_rounding).
+  # accumulate. `plan.MASKED_MAX_FREE_HEAD_DIMS`. No weight is then
+  # exactly 1, so the row's dominant one is rounded for P V too: O is
+  # normalised by the row sum of P as P V takes it (in P's dtype, `l_pv`),
+  # which keeps a row of one key at exactly V, and the LSE by the exact
+  # sum (benchmarks/diagnostics/max_free_rounding).
   max_free: bool = False
   # Ranged, a soft cap: its multiplies by 1 / cap and by cap folded into
   # the score's scale and exp2's (`masking.modify_scores_folded`), two
