@@ -178,6 +178,7 @@ class KernelStatic:
   # normalised by the row sum of P as P V takes it (in P's dtype, `l_pv`),
   # which keeps a row of one key at exactly V, and the LSE by the exact
   # sum (benchmarks/diagnostics/max_free_rounding).
+  # (Ranged only: never with the plain form's `sum_after_pv`.)
   max_free: bool = False
   # Ranged, a soft cap: its multiplies by 1 / cap and by cap folded into
   # the score's scale and exp2's (`masking.modify_scores_folded`), two
@@ -813,15 +814,10 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       acc = rescale(acc, alpha,
                     skip_ones=static.rescale_threshold is not None)
     p_f32 = p
-
-    def row_sums(l, l_pv):
-      if l_pv is not None:  # P's row sum as P V takes it, rounded
-        l_pv = _row_sum(l_pv, None,
-                        p_f32.astype(static.dtype).astype(jnp.float32))
-      return _row_sum(l, alpha, p_f32), l_pv
-
+    if l_pv is not None:  # `max_free`: P's row sum as P V takes it, rounded
+      l_pv = _row_sum(l_pv, None, p.astype(static.dtype).astype(jnp.float32))
     if not static.sum_after_pv:
-      l, l_pv = row_sums(l, l_pv)
+      l = _row_sum(l, alpha, p)
     if plan is not None and static.spec.dropout_rate:
       # The row sum (so the LSE) takes every weight; only P V sees dropout,
       # its 1 / (1 - rate) applied to O at the end.
@@ -837,23 +833,19 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     turn.before_values(step, functools.partial(plgpu.barrier_wait,
                                                v_arrived.at[slot]))
 
-    def accumulate(o_ref, sum_refs=None):
+    def accumulate(o_ref, l_ref=None):
       v_tile = v_smem.mma.at[slot]
       if fp8 is not None:  # stored [head_dim, block_kv]: K-major for wgmma
         v_tile = v_tile.transpose((1, 0))
       wgmma(o_ref, p, v_tile)
-      if sum_refs is not None:  # `sum_after_pv`: while P V_j runs
-        l_ref, l_pv_ref = sum_refs
-        l_ref[...], l_pv = row_sums(
-            l_ref[...], None if l_pv_ref is None else l_pv_ref[...])
-        if l_pv_ref is not None:
-          l_pv_ref[...] = l_pv
+      if l_ref is not None:  # `sum_after_pv`: while P V_j runs
+        l_ref[...] = _row_sum(l_ref[...], alpha, p_f32)
       # Wait for K_{j+1} while P V_j runs on the tensor cores.
       wait_next_k(step)
 
     if static.sum_after_pv:
-      acc, (l, l_pv) = pl.run_state(lambda refs: accumulate(*refs))(
-          (plgpu.ACC.init(acc), (l, l_pv)))
+      acc, l = pl.run_state(lambda refs: accumulate(*refs))(
+          (plgpu.ACC.init(acc), l))
     else:
       acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
     plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
