@@ -12,7 +12,9 @@ O rounded to bf16 as stored:
 - max-free: P = exp(s), up to e^cap, rounded like every other weight, while
   l sums the unrounded P: O is off by the dominant weight's rounding;
 - max-free, l of the rounded P: numerator and denominator from the same
-  weights, so a row of one key gives V exactly again.
+  weights, so a row of one key gives V exactly again. The kernel's form
+  (`KernelStatic.max_free`) normalises O so and keeps the exact sum for
+  the LSE, which this emulation of O does not need.
 """
 from __future__ import annotations
 
