@@ -12,15 +12,18 @@ bits: they are diagnostics of cost, never of the mask.
                   multiply, the compare and the select (7 ops); the
                   streamed side's half (the key's in the forward and dQ,
                   the query's in dK/dV) hashed again every step
-  step half free  the streamed side's half taken at position 0 every step:
-                  loop-invariant, so what hashing it per step costs
+  step half free  the streamed side's half taken at position 0 every step.
+                  Then both halves, so the whole mask, are the same every
+                  step and the compiler may hoist all of the hash out of
+                  the step loop: it bounds what any cheaper hash could
+                  save, not what the step's half alone costs (taking that
+                  half during S's matmul instead, bit for bit the same,
+                  gained nothing: NOTES.md)
   add form        as is, but the halves added instead of xored, with the
                   first multiply folded into each half ((a + b) M1 =
                   a M1 + b M1): 6 ops a weight, the step's half one
                   multiply dearer
-  add form, free  both: what halves precomputed outside the kernels and
-                  read per step would leave (the candidate in NOTES.md,
-                  "Open")
+  add form, free  both (hoisted as above)
   xor only        the halves' xor compared directly (3 ops a weight): the
                   floor of any hash of two halves
 
