@@ -145,13 +145,19 @@ def kernel_ran(fn, inputs) -> str:
   return peers.implementation_run(fn.lower(*inputs).as_text())
 
 
-def main(argv=None) -> int:
-  compat.filter_known_warnings()
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_cell_arguments(parser: argparse.ArgumentParser) -> None:
+  """--seq, --heads, --head-dim and --reps: the cell every row runs on
+  (batch 1) and the timed calls per measurement."""
   parser.add_argument("--seq", type=int, default=16384)
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--reps", type=int, default=10)
+
+
+def main(argv=None) -> int:
+  compat.filter_known_warnings()
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  add_cell_arguments(parser)
   parser.add_argument("--implementation", choices=("triton", "mosaic",
                                                    "auto"),
                       default="triton")

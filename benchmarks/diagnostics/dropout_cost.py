@@ -104,11 +104,8 @@ FORMS = ("as is", "step half free", "add form", "add form, free",
 def main(argv=None) -> int:
   compat.filter_known_warnings()
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--seq", type=int, default=16384)
-  parser.add_argument("--heads", type=int, default=16)
-  parser.add_argument("--head-dim", type=int, default=128)
+  masks.add_cell_arguments(parser)
   parser.add_argument("--rounds", type=int, default=3)
-  parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--out",
                       default="benchmarks/results/h200_dropout_cost.json")
   args = parser.parse_args(argv)
