@@ -240,7 +240,8 @@ PY
     ncu)  # Nsight Compute on one cell's kernels (NCU_CELL mode:seq:d[:causal],
           # default the causal fwd+bwd at 16k, d=128): the plain Mosaic
           # kernels (NCU_IMPLS) beside the masked ones on the same mask
-          # (NCU_MASKS, one row of benchmarks.masks), for issue 39's masked
+          # (NCU_MASKS, rows of benchmarks.masks separated by ';'), for
+          # issue 39's masked
           # kernel cost; NCU_KERNELS a regex of kernel names;
           # NCU_MODEL_CELL a cell of benchmarks.models instead (its mode
           # still NCU_CELL's, NCU_IMPLS its implementations). Details,
@@ -250,7 +251,9 @@ PY
       [ -n "$ncu_bin" ] || { echo "no ncu on this machine"; continue; }
       IFS=: read -r mode seq d causal <<< "${NCU_CELL:-fwd_bwd:16384:128:causal}"
       name=ncu_${mode}_${seq}_${d}${causal:+_causal}
-      cell_args=(--seq "$seq" --head-dim "$d" ${causal:+--causal} --masks "${NCU_MASKS:-causal as mask_fn}")
+      # NCU_MASKS: rows of benchmarks.masks, several separated by ';'
+      IFS=';' read -ra mask_rows <<< "${NCU_MASKS:-causal as mask_fn}"
+      cell_args=(--seq "$seq" --head-dim "$d" ${causal:+--causal} --masks "${mask_rows[@]}")
       if [ -n "${NCU_MODEL_CELL:-}" ]; then
         name=ncu_${mode}_$NCU_MODEL_CELL; cell_args=(--model-cell "$NCU_MODEL_CELL")
       fi
