@@ -349,7 +349,12 @@ _SLOW_MASKED = ("bottom-right causal", "causal window", "soft cap",
                 "lengths", "dropout", "ragged causal", "window, column tiles",
                 "per-query bias",
                 # `test_broadcast_bias_on_gpu` and the lowering test
-                "per-key bias")
+                "per-key bias",
+                # CI's ten minutes: 12-16 s each interpreted; their GPU
+                # twins (`test_masked_kernel_matches_reference_on_gpu`,
+                # the lazy rescale's, ALiBi's columns') and lowering tests
+                # run, and the Triton kernels take the same masks here
+                "alibi", "score_fn", "mask_fn")
 
 
 @pytest.mark.parametrize("name", [slow(n) if n in _SLOW_MASKED else n
@@ -804,8 +809,8 @@ def test_interpreted_own_width_backward_matches_reference(head_dim, is_causal,
     # is one head).
     # (The dense mask's forward tiles: the forward's default "dense mask,
     # bias"; its transposed per-head tiles, and mask_fn's per-head plan
-    # rows, here under -m slow; mask_fn's forward by default.)
-    # (ALiBi's forward and the GPU tests by default: CI's ten minutes.)
+    # rows, here under -m slow, as are their forwards: CI's ten minutes;
+    # their GPU tests and lowering tests run by default.)
     slow("alibi", 1), slow("score_fn", 1), slow("mask_fn", 1),
     slow("dense mask", 1),
     # mask_fn's tiles per head: with a K/V copy per query head the dK/dV
