@@ -32,13 +32,18 @@ NUM_WORKERS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
 
 @pytest.fixture(scope="module")
-def worker_results():
-  """Runs every multi-device check in subprocesses; {name: result}."""
-  return sharding_worker.run_in_subprocesses(list(sharding_worker.CHECKS),
-                                             num_workers=NUM_WORKERS)
+def worker_results(request):
+  """Runs the multi-device checks this session selected (`-m slow` adds
+  `sharding_worker.SLOW_CHECKS`) in subprocesses; {name: result}."""
+  names = [item.callspec.params["name"] for item in request.session.items
+           if getattr(item, "originalname", None) == "test_multi_device"]
+  return sharding_worker.run_in_subprocesses(names, num_workers=NUM_WORKERS)
 
 
-@pytest.mark.parametrize("name", list(sharding_worker.CHECKS))
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.slow)
+    if name in sharding_worker.SLOW_CHECKS else name
+    for name in sharding_worker.CHECKS])
 def test_multi_device(name, worker_results):
   results, worker_errors = worker_results
   if name not in results:
