@@ -24,8 +24,8 @@ bits: they are diagnostics of cost, never of the mask.
                   a M1 + b M1): 6 ops a weight, the step's half one
                   multiply dearer
   add form, free  both (hoisted as above)
-  xor only        the halves' xor compared directly (3 ops a weight): the
-                  floor of any hash of two halves
+  xor only        the halves' xor compared directly (3 ops a weight),
+                  hoisted as above: the floor of any hash of two halves
 
 Each form's kernels are compiled first (tracing under the form's patch),
 then timed `--rounds` times in turn, each keeping its median.
