@@ -57,6 +57,29 @@ def forward_and_grads(attention, q, k, v, d_out, d_lse):
   return jax.jit(run)(q, k, v, d_out, d_lse)
 
 
+def reference_gradients(q, k, v, d_out, d_lse, **variants):
+  """(float32, bf16) `forward_and_grads` of the reference with
+  `flash_attention`'s arguments `variants`, under cotangents d_out and
+  d_lse ([batch, q_len, heads]); with a bias among them, also its
+  gradient ("dbias")."""
+  def reference(compute_dtype):
+    cast = lambda x: x.astype(compute_dtype)
+    if "bias" not in variants:
+      return forward_and_grads(
+          lambda q, k, v: naive_attention(
+              q, k, v, compute_dtype=compute_dtype, **variants),
+          cast(q), cast(k), cast(v), cast(d_out), d_lse)
+    others = {n: x for n, x in variants.items() if n != "bias"}
+    (out, lse), vjp = jax.vjp(
+        lambda q, k, v, bias: naive_attention(
+            q, k, v, bias=bias, compute_dtype=compute_dtype, **others),
+        cast(q), cast(k), cast(v), cast(variants["bias"]))
+    grads = vjp((cast(d_out), d_lse))
+    return dict(out=out, lse=lse, **dict(zip(("dq", "dk", "dv", "dbias"),
+                                             grads)))
+  return reference(jnp.float32), reference(jnp.bfloat16)
+
+
 def _max_err(a, b):
   a = np.asarray(jnp.asarray(a, jnp.float32))
   b = np.asarray(jnp.asarray(b, jnp.float32))

@@ -4,8 +4,8 @@ JAX ships an interpreter for Pallas Mosaic GPU kernels
 (`jax._src.pallas.mosaic_gpu.interpret`: private) that runs a kernel on the
 CPU, simulating shared memory, warpgroup threads, mbarriers, TMA and wgmma.
 Under it `pallas_kernels.mosaic.forward` stops at what it lacks; `install()`
-monkeypatches these into it (tests/test_mosaic_interpret.py uses them to
-check the Mosaic forward's numerics in CI, without a GPU):
+monkeypatches these into it (tests/test_mosaic_interpret*.py use them to
+check the Mosaic kernels' numerics in CI, without a GPU):
 
 * `JaxprInterpreter.interpret`, wrapped: three primitives that the stock
   loop would send to `_interpret_arithmetic_primitive` (which gets no

@@ -3,7 +3,7 @@ the statistics of the mask it draws.
 
 Every kernel and the reference draw dropout's bits from these functions, so
 the tests here hold for all of them; that each kernel reproduces them is
-checked beside the kernels (`test_mosaic_interpret.py`, `-m gpu`).
+checked beside the kernels (`test_mosaic_interpret_masked.py`, `-m gpu`).
 """
 
 import hypothesis

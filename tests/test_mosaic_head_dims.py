@@ -7,7 +7,7 @@ tiles divide a row (`common.swizzled`); any other is zero-padded to the next
 such (`attention._pad_head_dim`). Here: those rules, and each kernel
 cross-lowered for CUDA at 80, 96, 160 and 192 (Mosaic GPU checks wgmma's
 shapes and swizzles and the TMA boxes as it lowers); the interpreter's
-numerics at those dims are in test_mosaic_interpret.py; `-m gpu` checks
+numerics at those dims are in test_mosaic_interpret*.py; `-m gpu` checks
 them against the reference on an H200.
 """
 from __future__ import annotations
