@@ -108,6 +108,8 @@ def test_fully_masked_rows_stay_finite_and_zero(implementation):
   assert result["other_rows_max_abs_err"] < 1e-5
 
 
+@pytest.mark.slow  # CI's ten minutes (33 s); the GPU round executes it
+# at full size and commits its outputs (`h200_check.sh notebook`)
 def test_notebook_executes(monkeypatch):
   """The notebook runs top to bottom at its `small` size on this machine."""
   nbformat = pytest.importorskip("nbformat")
