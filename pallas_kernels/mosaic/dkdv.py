@@ -42,9 +42,9 @@ from pallas_kernels.mosaic.fused_dq import (
     num_dq_pieces, stage_dq_piece, stage_dq_pieces, write_dq)
 from pallas_kernels.mosaic.pipeline import (
     MASKED, UNMASKED, BackwardStatic, Walk, causal_mask_t,
-    column_statistic,
-    dkdv_causal_runs, each_tile, first_q_block, first_unmasked_q_block,
-    grid_args, ids_arrived, keep_scale, kernel_name, load_own_ids, produce,
+    column_statistic, dkdv_causal_runs, dropped_in_sign, each_tile,
+    first_q_block, first_unmasked_q_block, grid_args, ids_arrived,
+    keep_scale, kept_weights, kernel_name, load_own_ids, produce,
     ranged_inputs, ranged_refs, ranged_scratch, ranged_walk, ring_slot,
     score_gradient, tile_indices_t, tile_probabilities, tile_values,
     variant_mask_t, walk_group, walk_range, wgmma_accumulate, wgmma_fresh,
@@ -517,8 +517,9 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     column_stat = functools.partial(column_statistic, stats_ring, slot)
     lse_log2 = column_stat(0) if static.prefetch_lse else None
 
-    def probabilities(s_t):
-      """(Pᵀ, its slope, dropout's kept weights or None)."""
+    def probabilities(s_t, kept=None):
+      """(Pᵀ, its slope); with dropout Pᵀ's dropped weights negated
+      (`pipeline.dropped_in_sign`) where `kept` (or `kept_of`) says."""
       lse = column_stat(0) if lse_log2 is None else lse_log2
       values = (walk.values if head_values is None
                 else head_values(group_index))
@@ -532,8 +533,9 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       if masked:
         p_t = jnp.where(tile_mask(q_block, slot, values, group_index), p_t,
                         0.0)
-      return p_t, slope, (None if kept_of is None
-                          else kept_of(q_block, group_index))
+      if kept is None and kept_of is not None:
+        kept = kept_of(q_block, group_index)
+      return dropped_in_sign(p_t, kept), slope
 
     store_ds = None
     if fused is not None:  # this step's dSᵀ, for every consumer to read
@@ -546,30 +548,35 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         ds_smem[...] = ds_t
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
-      (p_t, slope, kept), *dp_t = wgmma_then(shape, products, probabilities)
+      # Dropout's hash reads positions only: taken while Sᵀ's matmul runs.
+      (p_t, slope), *dp_t = wgmma_then(
+          shape, products, probabilities,
+          None if kept_of is None
+          else functools.partial(kept_of, q_block, group_index))
       piece = None
       if fused is not None:
         piece = functools.partial(issue_dq_piece, fused, wg, step=step,
                                   static=static, offset=offset)
       grads = _dkdv_accumulate_overlapped(
           grads, p_t, dp_t, slope, q_tile, do_tile, stats_ring.at[slot],
-          static, store_ds=store_ds, piece=piece, kept=kept)
+          static, store_ds=store_ds, piece=piece)
       plgpu.barrier_arrive(consumed.at[slot])
       if piece is not None:
         *grads, piece_value = grads
         stage_dq_piece(fused, wg, piece_value, step=step)
       return tuple(grads)
     s_t, *dp_t = wgmma_fresh(shape, products)
-    p_t, slope, kept = probabilities(s_t)
+    p_t, slope = probabilities(s_t)
     updates = []
     for name in static.outputs:
       if name == "dv":
-        updates.append((_weights(p_t, kept).astype(static.dtype),
+        updates.append((kept_weights(p_t, static.dropout).astype(
+            static.dtype),
                         do_tile))  # dV += Pᵀ dO
       else:
         ds_t = score_gradient(p_t, dp_t[0],
                               per_column(column_stat(1), s_t.shape), slope,
-                              kept, keep_scale(static))
+                              keep_scale(static))
         updates.append((ds_t.astype(static.dtype), q_tile))  # dK += dSᵀ Q
     grads = wgmma_accumulate(grads, updates)
     plgpu.barrier_arrive(consumed.at[slot])
@@ -589,15 +596,9 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
                for name, grad in zip(static.outputs, grads))
 
 
-def _weights(p_t, kept):
-  """Pᵀ as it multiplied V in the forward: dropped where `kept` says (its
-  factor comes at the end)."""
-  return p_t if kept is None else jnp.where(kept, p_t, 0.0)
-
-
 def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
                                 stats, static: BackwardStatic, store_ds=None,
-                                piece=None, kept=None):
+                                piece=None):
   """`grads` (in `static.outputs` order) plus this step's dV += Pᵀ dO and
   dK += dSᵀ Q, with dV's wgmma issued first, so that dS is computed while
   it runs. `dp_t` is [dPᵀ] when dK is an output, else []; `stats` is the
@@ -605,7 +606,8 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
   `store_ds` (fused dQ) takes dSᵀ while dK's wgmma runs. `piece(acc_ref)`
   (fused dQ) issues a [DQ_PIECE, DQ_PIECE] product after them, into a
   fresh accumulator returned after the gradients, all waited for at
-  once. `kept`: dropout's kept weights, or None."""
+  once. With dropout `p_t` carries the dropped weights negated
+  (`pipeline.dropped_in_sign`)."""
   accs = [plgpu.ACC.init(grad) for grad in grads]
   if piece is not None:
     accs.append(plgpu.ACC.init(plgpu.layout_cast(
@@ -615,12 +617,12 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
     grad_refs = acc_refs[:len(grads)]
     named = dict(zip(static.outputs, grad_refs))
     if "dv" in named:
-      wgmma(named["dv"], _weights(p_t, kept).astype(static.dtype),
-                  do_tile)
+      wgmma(named["dv"],
+            kept_weights(p_t, static.dropout).astype(static.dtype), do_tile)
     if "dk" in named:
       delta = plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0))
       ds_t = score_gradient(p_t, dp_t[0], per_column(delta, p_t.shape),
-                            slope, kept, keep_scale(static))
+                            slope, keep_scale(static))
       ds_t = ds_t.astype(static.dtype)
       wgmma(named["dk"], ds_t, q_tile)
       if store_ds is not None:

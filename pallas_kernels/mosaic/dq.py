@@ -32,9 +32,9 @@ from pallas_kernels.mosaic.common import (
 from pallas_kernels.mosaic.rows import (
     RowViews, copy_rows_in, copy_rows_out, row_buffer, row_copies)
 from pallas_kernels.mosaic.pipeline import (
-    MASKED, SKIP, UNMASKED, BackwardStatic, Walk, each_tile, grid_args,
-    ids_arrived, keep_scale, kernel_name, load_own_ids, produce,
-    ranged_inputs, ranged_refs, ranged_scratch, ranged_walk, score_gradient,
+    MASKED, SKIP, UNMASKED, BackwardStatic, Walk, dropped_in_sign,
+    each_tile, grid_args, ids_arrived, keep_scale, kernel_name,
+    load_own_ids, produce, ranged_inputs, ranged_refs, ranged_scratch, ranged_walk, score_gradient,
     skip_step, tile_probabilities, tile_values, walk_range, walk_runs,
     wgmma_accumulate, wgmma_fresh, wgmma_then)
 
@@ -302,8 +302,9 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
     products = [(q_smem, k_tile.transpose((1, 0))),     # S = Q Kᵀ
                 (do_smem, v_tile.transpose((1, 0)))]    # dP = dO Vᵀ
 
-    def probabilities(s):
-      """(P, its slope, dropout's kept weights or None)."""
+    def probabilities(s, kept=None):
+      """(P, its slope); with dropout P's dropped weights negated
+      (`pipeline.dropped_in_sign`) where `kept` (or `kept_of`) says."""
       values = walk.values
       if bias_of is not None:
         values = values._replace(bias=bias_of(step).astype(jnp.float32))
@@ -313,15 +314,20 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
           alibi_terms=None if alibi_terms is None else alibi_terms(step))
       if masked:
         p = jnp.where(tile_mask(step, slot), p, 0.0)
-      return p, slope, None if kept_of is None else kept_of(step)
+      if kept is None and kept_of is not None:
+        kept = kept_of(step)
+      return dropped_in_sign(p, kept), slope
 
     shape = (static.block_q, static.block_kv)
     if static.overlap_softmax:
-      (p, slope, kept), dp = wgmma_then(shape, products, probabilities)
+      # Dropout's hash reads positions only: taken while S's matmul runs.
+      (p, slope), dp = wgmma_then(
+          shape, products, probabilities,
+          None if kept_of is None else functools.partial(kept_of, step))
     else:
       s, dp = wgmma_fresh(shape, products)
-      p, slope, kept = probabilities(s)
-    ds = score_gradient(p, dp, per_row(delta, p.shape), slope, kept,
+      p, slope = probabilities(s)
+    ds = score_gradient(p, dp, per_row(delta, p.shape), slope,
                         keep_scale(static))
     if write_ds is not None:
       plgpu.barrier_arrive(consumed.at[slot])  # K and V are not read again

@@ -429,22 +429,42 @@ def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
   return jnp.exp2(logits * LOG2E - broadcast(lse_log2, s.shape)), slope
 
 
-def score_gradient(p, dp, delta, slope, kept=None, keep_scale=1.0):
+def dropped_in_sign(p, kept):
+  """P with the weights dropout drops negated (FlashAttention-2's
+  encoding), or P as it is (`kept` None): the step's kept weights ride in
+  P's sign bit from the hash to dV's operand (`kept_weights`) and dS
+  (`score_gradient`), instead of a tile of booleans live beside P across
+  the step's wgmma issues. P >= 0, so the sign loses nothing."""
+  return p if kept is None else jnp.where(kept, p, -p)
+
+
+def kept_weights(p, dropout: bool):
+  """The weights that multiplied V in the forward: P, without the ones
+  dropout dropped (`dropped_in_sign`; their 1 / (1 - rate) comes at the
+  end)."""
+  return jnp.maximum(p, 0.0) if dropout else p
+
+
+def score_gradient(p, dp, delta, slope, dropout_scale=None):
   """dS = P ∘ (dP - delta), times the score changes' slope when there is
   one; dS is then dL / d(scale·q·k), scaled once at the end.
 
-  Dropout (`kept`, bool like P, and 1 / (1 - rate)): dP is the gradient of
-  the weights that multiplied V, so it is dropped and scaled as they were
-  first."""
-  if kept is not None:
-    dp = jnp.where(kept, dp * keep_scale, 0.0)
-  ds = p * (dp - delta)
+  Dropout (`dropout_scale`, its 1 / (1 - rate)): `p` carries the dropped
+  weights negated (`dropped_in_sign`), and dP is the gradient of the
+  weights that multiplied V, so it is dropped and scaled as they were:
+  dS = max(P, 0) ∘ dP · scale - |P| ∘ delta, which is P ∘ (dP · scale -
+  delta) where kept and P ∘ (0 - delta) where dropped."""
+  if dropout_scale is not None:
+    ds = jnp.maximum(p, 0.0) * (dp * dropout_scale) - jnp.abs(p) * delta
+  else:
+    ds = p * (dp - delta)
   return ds if slope is None else ds * slope
 
 
-def keep_scale(static: BackwardStatic) -> float:
-  """1 / (1 - rate): the factor of the weights dropout keeps."""
-  return 1.0 / (1.0 - static.spec.dropout_rate) if static.dropout else 1.0
+def keep_scale(static: BackwardStatic) -> float | None:
+  """1 / (1 - rate): the factor of the weights dropout keeps; None
+  without dropout."""
+  return 1.0 / (1.0 - static.spec.dropout_rate) if static.dropout else None
 
 
 def column_statistic(stats_ring, slot, n):
@@ -661,11 +681,13 @@ def wgmma_fresh(shape, products):
                                 for _ in products])
 
 
-def wgmma_then(shape, products, first_fn):
+def wgmma_then(shape, products, first_fn, early_fn=None):
   """(first_fn(a0 @ b0), a1 @ b1, ...) into fresh f32 accumulators: all
   issued together, and `first_fn` run on the first product as soon as it is
   done, while the others are still on the tensor cores (wgmmas complete in
   issue order). A product may be a list of (a, b), their sum (`_terms`).
+  `early_fn()`, if given, runs once they are issued, before the first is
+  awaited, and its value is `first_fn`'s second argument.
   """
   def issue(first_ref, *acc_refs):
     for acc_ref, product in zip((first_ref, *acc_refs), products):
@@ -673,7 +695,9 @@ def wgmma_then(shape, products, first_fn):
         wgmma(acc_ref, a, b)
     later = sum(wgmma_count(a, b) for product in products[1:]
                 for a, b in _terms(product))
-    first = first_fn(plgpu.wgmma_accumulator_load(first_ref, wait_n=later))
+    early = () if early_fn is None else (early_fn(),)
+    first = first_fn(plgpu.wgmma_accumulator_load(first_ref, wait_n=later),
+                     *early)
     return (first, *(acc_ref[...] for acc_ref in acc_refs))
 
   return pl.run_scoped(issue, *[plgpu.ACC(shape, jnp.float32)
