@@ -270,7 +270,9 @@ PY
       # printed table, so that every attention kernel's row shows
       python3 -m benchmarks.diagnostics.ncu_summary metrics "$OUT/${name}_raw.csv" \
         | grep -v -E '^\| (input_|loop_|sort_|wrapped_)' | head -30
-      python3 -m benchmarks.diagnostics.ncu_summary phases "$OUT/${name}_sass.csv" | head -60 ;;
+      python3 -m benchmarks.diagnostics.ncu_summary phases "$OUT/${name}_sass.csv" | head -60
+      python3 -m benchmarks.diagnostics.ncu_summary opcodes --top 16 "$OUT/${name}_sass.csv" \
+        | tee "$OUT/${name}_opcodes.md" ;;
     *) echo "unknown step: $step (see the STEPs at the top)" ;;
   esac
 done

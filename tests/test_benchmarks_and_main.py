@@ -712,6 +712,29 @@ def test_ncu_summary_phases_cut_at_wgmma_waits(tmp_path):
       "| 0x6.. | 2 | 20.0% | - | mbarrier wait 1, TMA load 1 |"]
 
 
+def test_ncu_summary_opcodes_count_each_kernels_instructions(tmp_path):
+  """`opcodes` sums each kernel's executed warp instructions by opcode
+  (predicate and modifiers dropped), the most frequent first, and leaves
+  XLA's fusions out unless a kernel is named."""
+  from benchmarks.diagnostics import ncu_summary
+  sass = tmp_path / "sass.csv"
+  columns = '"Address","Source","Instructions Executed"\n'
+  sass.write_text(
+      '"Kernel Name","attention_kernel",\n' + columns
+      + '"0x1","LOP3.LUT R4, R4, R5, RZ, 0x3c, !PT","300"\n'
+      + '"0x2","@!P1  MUFU.EX2 R9, R9","100"\n'
+      + '"0x3","LOP3.LUT P0, RZ, R4, 0x1, RZ, 0xc0, !PT","300"\n'
+      + '"0x4","IMAD R4, R4, -0x7a143595, RZ","",\n'
+      + '"Kernel Name","loop_add_fusion",\n' + columns
+      + '"0x1","IADD3 R1, R1, 0x1, RZ","7"\n')
+  report = ncu_summary.opcodes_report(str(sass), top=2)
+  assert "loop_add_fusion" not in report
+  lines = [l for l in report.splitlines() if l.startswith("| ") and "%" in l]
+  assert lines == ["| LOP3 | 600 | 85.7% |", "| MUFU | 100 | 14.3% |"]
+  assert "| IADD3 | 7 | 100.0% |" in ncu_summary.opcodes_report(
+      str(sass), kernel="fusion")
+
+
 def test_timing_probe_times_each_sample_length_in_turn(tmp_path, monkeypatch):
   """`benchmarks.diagnostics.timing_probe` times every implementation of a
   cell at each sample length, in rounds (A B, B A, A B, ...), keeps the median per

@@ -3,6 +3,7 @@
     python -m benchmarks.diagnostics.ncu_summary metrics ncu_fwd_bwd_16384_128_raw.csv
     python -m benchmarks.diagnostics.ncu_summary stalls ncu_fwd_bwd_16384_128_sass.csv
     python -m benchmarks.diagnostics.ncu_summary phases ncu_fwd_bwd_4096_64_sass.csv
+    python -m benchmarks.diagnostics.ncu_summary opcodes ncu_fwd_bwd_4096_64_sass.csv
 
 `metrics`: one row per profiled kernel of `ncu --page raw --csv` exports
 (what `h200_check.sh ncu` brings back): duration, tensor-pipe and shared-
@@ -13,6 +14,10 @@ the average warp stall cycles per issued instruction by reason.
 export (`NCU_SOURCE=1`), the share of warp-stall samples by reason and the
 instructions that collect the most samples, with their top reasons. The
 samples cover every warp, the producer's waits included.
+
+`opcodes`: per kernel of the same export, the warp instructions executed
+by SASS opcode (predicates and modifiers dropped), the most frequent
+first: which pipe's work a kernel issues beyond another's.
 
 `phases`: each kernel's SASS cut after every wgmma wait
 (`WARPGROUP.DEPBAR`), in program order: per piece its samples (and the
@@ -82,14 +87,22 @@ def metrics_table(path: str) -> str:
   return "\n".join(lines)
 
 
-def _kernels(path: str):
-  """[(name, header, rows)] of a source-page export."""
+# XLA's own fusions, which a profiled call runs dozens of beside the
+# attention kernels: left out of the SASS reports unless named.
+_XLA_FUSION = re.compile(r"^(input_|loop_|sort_|wrapped_)")
+
+
+def _kernels(path: str, kernel: str | None = None):
+  """[(name, header, rows)] of a source-page export: the kernels whose
+  name contains `kernel`, or (None) every one but XLA's fusions."""
   lines = open(path).read().splitlines()
   starts = [i for i, line in enumerate(lines)
             if line.startswith('"Kernel Name"')]
   for n, start in enumerate(starts):
     stop = starts[n + 1] if n + 1 < len(starts) else len(lines)
     name = next(csv.reader([lines[start]]))[1]
+    if (kernel not in name) if kernel else _XLA_FUSION.match(name):
+      continue
     table = list(csv.reader(lines[start + 1:stop]))
     yield name, table[0], table[1:]
 
@@ -102,9 +115,9 @@ def _columns(header):
   return index, lambda row: int(row[column] or 0)
 
 
-def stalls_report(path: str, top: int = 12) -> str:
+def stalls_report(path: str, top: int = 12, kernel: str | None = None) -> str:
   out = []
-  for name, header, rows in _kernels(path):
+  for name, header, rows in _kernels(path, kernel):
     index, samples = _columns(header)
     reasons = [h for h in header
                if h.startswith("stall_") and "Not Issued" not in h]
@@ -140,9 +153,7 @@ def phases_report(path: str, kernel: str | None = None) -> str:
   in pieces ending at each wgmma wait, with each piece's share of the
   samples."""
   out = []
-  for name, header, rows in _kernels(path):
-    if kernel and kernel not in name:
-      continue
+  for name, header, rows in _kernels(path, kernel):
     index, samples = _columns(header)
     source = lambda row: row[index["Source"]].strip()
     total = sum(samples(row) for row in rows) or 1
@@ -172,20 +183,45 @@ def phases_report(path: str, kernel: str | None = None) -> str:
   return "\n".join(out)
 
 
+def opcodes_report(path: str, top: int = 12, kernel: str | None = None) -> str:
+  """Per kernel, warp instructions executed by SASS opcode."""
+  out = []
+  for name, header, rows in _kernels(path, kernel):
+    index = {h: i for i, h in enumerate(header)}
+    column = index.get("Instructions Executed")
+    if column is None:
+      return f"no 'Instructions Executed' column in {path}: {header}"
+    by_opcode = collections.Counter()
+    for row in rows:
+      op = _PREDICATE.sub("", row[index["Source"]].strip()).split(" ")[0]
+      by_opcode[op.split(".")[0]] += int(float(row[column] or 0))
+    total = sum(by_opcode.values()) or 1
+    out += [f"### {name}", "", f"{total:,} warp instructions.", "",
+            "| opcode | warp instructions | share |", "|---|---|---|"]
+    out += [f"| {op} | {n:,} | {100 * n / total:.1f}% |"
+            for op, n in by_opcode.most_common(top)]
+    out.append("")
+  return "\n".join(out)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       description=__doc__.splitlines()[0], epilog=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("what", choices=("metrics", "stalls", "phases"))
+  parser.add_argument("what",
+                      choices=("metrics", "stalls", "phases", "opcodes"))
   parser.add_argument("paths", nargs="+")
   parser.add_argument("--top", type=int, default=12)
-  parser.add_argument("--kernel", help="phases: kernels whose name has this")
+  parser.add_argument("--kernel", help="stalls, phases, opcodes: kernels "
+                      "whose name has this (default: all but XLA's fusions)")
   args = parser.parse_args(argv)
   for path in args.paths:
     if args.what == "metrics":
       print(metrics_table(path))
     elif args.what == "stalls":
-      print(stalls_report(path, args.top))
+      print(stalls_report(path, args.top, args.kernel))
+    elif args.what == "opcodes":
+      print(opcodes_report(path, args.top, args.kernel))
     else:
       print(phases_report(path, args.kernel))
     print()
