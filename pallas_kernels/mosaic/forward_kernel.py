@@ -752,17 +752,9 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     def scores(s_ref):
       wgmma(s_ref, q_smem.mma, k_smem.mma.at[slot].transpose((1, 0)))
       turn.after_scores(step)
-      kept = None
-      if plan is not None and static.spec.dropout_rate:
-        # Dropout's hash reads positions only: taken while S's matmul runs.
-        kept = dropout_kept(
-            query_hashes, dropout_key_hashes(step * block_kv, block_kv,
-                                             plgpu.Layout.WGMMA.reduce(0)),
-            (block_q, block_kv), static.spec.dropout_rate)
-      return s_ref[...], kept
+      return s_ref[...]
 
-    s, kept = pl.run_scoped(scores,
-                            plgpu.ACC((block_q, block_kv), jnp.float32))
+    s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
     if masked and plan is not None:
       # Read before the slot is released: the key ids share it with K.
       step_values = with_key_ids(values, slot, s.shape)
@@ -829,7 +821,10 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     if plan is not None and static.spec.dropout_rate:
       # The row sum (so the LSE) takes every weight; only P V sees dropout,
       # its 1 / (1 - rate) applied to O at the end.
-      p = jnp.where(kept, p, 0.0)
+      p = jnp.where(dropout_kept(
+          query_hashes, dropout_key_hashes(step * block_kv, block_kv,
+                                           plgpu.Layout.WGMMA.reduce(0)),
+          p.shape, static.spec.dropout_rate), p, 0.0)
     p = p.astype(static.dtype)
     if fp8 is not None:
       # P V's 8-bit operand in registers, its columns permuted within each
