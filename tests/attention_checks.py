@@ -12,6 +12,7 @@ import functools
 
 import chex
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 
@@ -225,3 +226,21 @@ DISPATCHED_TO_TRITON = [
     # ids, on Mosaic)
     (jnp.bfloat16, 1024, dict(mask=jnp.ones((4, 1, 1024), bool))),
 ]
+
+
+def one_head_dim_each(names, head_dims=(64, 128, 256), *, in_turn=None,
+                      always=()):
+  """(name, head_dim) parameters: each name at one head dim by default,
+  taking `in_turn` (default `head_dims`) in turn so that each of them is
+  covered, the others under `-m slow` (CI's ten minutes;
+  `benchmarks.lower_mosaic` and the GPU round lower every form).
+  `always`: (name, head_dim) pairs kept in the default run."""
+  in_turn = head_dims if in_turn is None else in_turn
+  params = []
+  for i, name in enumerate(names):
+    for d in head_dims:
+      if d == in_turn[i % len(in_turn)] or (name, d) in always:
+        params.append((name, d))
+      else:
+        params.append(pytest.param(name, d, marks=pytest.mark.slow))
+  return params

@@ -157,11 +157,19 @@ def cuda_lowering():
     pytest.skip(f"this JAX cannot lower Mosaic GPU for CUDA here: {e}")
 
 
-@pytest.fixture(params=["Warpgroup", "Lane"])
+# Both semantics in the default run (`lowering_semantics`'s parameters).
+BOTH_SEMANTICS = pytest.mark.parametrize("lowering_semantics",
+                                         ["Warpgroup", "Lane"], indirect=True)
+
+
+@pytest.fixture(params=["Warpgroup",
+                        pytest.param("Lane", marks=pytest.mark.slow)])
 def lowering_semantics(request, cuda_lowering, monkeypatch):
   """Runs a Mosaic cross-lowering test in each of Mosaic GPU's lowering
   semantics, so that the one-line switch in `pallas_kernels.mosaic.compat`
-  stays available if the chosen one miscompiles on the GPU."""
+  stays available if the chosen one miscompiles on the GPU. "Lane" with
+  `-m slow` (CI's ten minutes), but for the plain forward's and
+  backward's lowering tests (`BOTH_SEMANTICS`)."""
   del cuda_lowering  # requested for its skip
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from pallas_kernels.mosaic import compat as mosaic_compat

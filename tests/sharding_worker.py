@@ -332,10 +332,17 @@ _VARIANT_CASES = [
     ("window", "ring", True), ("window", "ring", False),
     ("window", "all_gather", False), ("softcap", "ring", True),
 ]
+# By default each variant once, on the ring (CI's ten minutes); the rest
+# with `-m slow`.
+_seen_variants = set()
 for _variant, _strategy, _causal in _VARIANT_CASES:
   _suffix = f"{_variant}-{_strategy}-{'causal' if _causal else 'full'}"
   _check(f"variant-{_suffix}")(functools.partial(
       _variant_check, _variant, _strategy, _causal))
+  if _variant in _seen_variants or _strategy != "ring":
+    SLOW_CHECKS.add(f"variant-{_suffix}")
+  else:
+    _seen_variants.add(_variant)
 
 
 # ---------------------------------------------------------------------------

@@ -321,6 +321,17 @@ PAGE_SIZE = 2
 LAYOUTS = [pytest.param(None, id="dense"), pytest.param(PAGE_SIZE, id="paged")]
 
 
+def decode_cases(defaults):
+  """(page_size, implementation) parameters of the decode modules' tests:
+  the (layout, implementation) pairs named in `defaults` in the default
+  run, the others with `-m slow` (CI's ten minutes)."""
+  return [pytest.param(page_size, impl, id=f"{layout}-{impl}",
+                       marks=() if (layout, impl) in defaults
+                       else pytest.mark.slow)
+          for layout, page_size in (("dense", None), ("paged", PAGE_SIZE))
+          for impl in ("xla", "triton")]
+
+
 def ragged_calls(x):
   """The calls of a ragged generation over x [batch, len, features]: the
   prompts right-padded with noise into one prefill call (and their
@@ -355,8 +366,8 @@ def poison(module):
     cache[...] = jnp.full_like(cache[...], jnp.nan)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("page_size", LAYOUTS)
+@pytest.mark.parametrize("page_size, implementation", decode_cases(
+    {("dense", "xla"), ("paged", "triton")}))
 def test_nnx_decode_ragged_batch(page_size, implementation):
   """Prompts of different lengths in one prefill call, then single tokens,
   through a dense or a paged (shuffled, NaN-poisoned) cache, equal the
@@ -387,8 +398,8 @@ def test_nnx_decode_ragged_batch(page_size, implementation):
   assert_ragged_matches(prefill, steps, full)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("page_size", LAYOUTS)
+@pytest.mark.parametrize("page_size, implementation", decode_cases(
+    {("dense", "triton"), ("paged", "xla")}))
 def test_linen_decode_ragged_batch(page_size, implementation):
   kwargs = dict(num_heads=2, qkv_features=8)
   ours = flax_layers.linen.MultiHeadDotProductAttention(

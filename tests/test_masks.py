@@ -101,8 +101,13 @@ def test_half_precision_variants(dtype):
          segment_ids=SEG_SELF, logits_soft_cap=5.0)
 
 
-@pytest.mark.parametrize("bias_shape", [(2, 4, 70, 90), (1, 4, 1, 90),
-                                        (2, 1, 70, 1)],
+# Full and per-key with `-m slow` (CI's ten minutes, ~10 s each): the
+# broadcast bias's reductions by per-query, a [heads, q, k] bias and its
+# gradient on Triton by `test_attention.py::test_unbatched_inputs_and_low_
+# rank_bias_like_jax_nn`, every shape by the GPU tests.
+@pytest.mark.parametrize("bias_shape", [
+    pytest.param((2, 4, 70, 90), marks=pytest.mark.slow),
+    pytest.param((1, 4, 1, 90), marks=pytest.mark.slow), (2, 1, 70, 1)],
                          ids=["full", "per-key", "per-query"])
 def test_bias_and_its_gradient(bias_shape):
   q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 5)

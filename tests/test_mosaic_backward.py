@@ -18,6 +18,7 @@ import pytest
 from pallas_kernels import compat as versions
 from pallas_kernels.config import BlockSizes
 from tests.attention_checks import Case, check_against_reference, random_inputs
+from tests.conftest import BOTH_SEMANTICS
 
 try:
   from pallas_kernels.mosaic import backward, dkdv, plan
@@ -77,6 +78,7 @@ def _configs(head_dim, is_causal=False, *, q_len=256, kv_len=384, **options):
   return backward.configure(q, kv, scale=0.1, is_causal=is_causal, **options)
 
 
+@BOTH_SEMANTICS
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_backward_lowers_for_cuda(head_dim, is_causal, lowering_semantics):
@@ -566,11 +568,14 @@ def test_scores_ahead_walk_keeps_the_pipeline_rules(monkeypatch, num_steps,
 
 @pytest.mark.parametrize("head_dim, option, kwargs", [
     (128, "prefetch_lse", dict(fused_dq=True)),
-    (128, "prefetch_lse", dict(persistent=False)),
+    pytest.param(128, "prefetch_lse", dict(persistent=False),  # CI's ten
+                 marks=pytest.mark.slow),                      # minutes
     (256, "prefetch_lse", {}),
     (128, "lean_producer", dict(persistent=False)),
-    (128, "lean_producer", dict(persistent=True, num_ctas=5)),
-    (64, "lean_producer", {}), (256, "lean_producer", {}),
+    pytest.param(128, "lean_producer", dict(persistent=True, num_ctas=5),
+                 marks=pytest.mark.slow),
+    (64, "lean_producer", {}),
+    pytest.param(256, "lean_producer", {}, marks=pytest.mark.slow),
 ], ids=str)
 def test_options_lower_and_change_the_kernels(head_dim, option, kwargs,
                                               cuda_lowering):

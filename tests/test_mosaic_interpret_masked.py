@@ -198,7 +198,10 @@ _SLOW_MASKED = ("bottom-right causal", "causal window", "soft cap",
                 # twins (`test_masked_kernel_matches_reference_on_gpu`,
                 # the lazy rescale's, ALiBi's columns') and lowering tests
                 # run, and the Triton kernels take the same masks here
-                "alibi", "score_fn", "mask_fn")
+                "alibi", "score_fn", "mask_fn",
+                # likewise (19 s): its GPU twin, and the lowering tests'
+                # "dense mask" and "bias" forms
+                "dense mask, bias")
 
 
 @pytest.mark.parametrize("name", [slow(n) if n in _SLOW_MASKED else n

@@ -20,6 +20,7 @@ from pallas_kernels.masking import MaskSpec
 from tests.attention_checks import (DISPATCHED_TO_MOSAIC, DISPATCHED_TO_TRITON,
                                     Case, assert_forward_within_rule,
                                     check_against_reference, random_inputs)
+from tests.conftest import BOTH_SEMANTICS
 
 try:
   from pallas_kernels.mosaic import plan
@@ -62,6 +63,7 @@ def _static(q_len, kv_len, head_dim, *, is_causal=False, num_consumers=2,
   return forward.persistent_static(static, q.shape, num_ctas)
 
 
+@BOTH_SEMANTICS
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_forward_lowers_for_cuda(head_dim, is_causal, lowering_semantics):

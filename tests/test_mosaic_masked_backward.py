@@ -26,7 +26,8 @@ from jax_flash.validation import Operands
 from pallas_kernels import compat as versions
 from pallas_kernels.config import BlockSizes
 from tests.attention_checks import (Case, blocks_and_stripes,
-                                    check_against_reference, position_score,
+                                    check_against_reference,
+                                    one_head_dim_each, position_score,
                                     random_inputs)
 
 try:
@@ -524,18 +525,13 @@ def _expected_kernels(head_dim):
   return {"dq", "dk", "dv"} if head_dim == 256 else {"dq", "dkdv"}
 
 
-# Lowered at one head dim only (to keep CI short), the others at d=64 and
-# d=256 (the two kernel shapes: dK/dV together, or a pass each); d=128
-# (d=64's kernels at other tiles) for "combined" by default, for every
-# variant with `-m slow`.
-_AT_ONE_HEAD_DIM = ("alibi soft cap",)
-
-
-@pytest.mark.parametrize("name, head_dim", [
-    (name, d) if d != 128 or name == "combined"
-    else pytest.param(name, d, marks=pytest.mark.slow)
-    for name in VARIANTS if name not in _AT_ONE_HEAD_DIM
-    for d in (64, 128, 256)])
+# By default each variant at d=64 or d=256 in turn (the two kernel shapes:
+# dK/dV together, or a pass each) and "combined" at every head dim (d=128:
+# d=64's kernels at other tiles); every pair with `-m slow`.
+@pytest.mark.parametrize("name, head_dim", one_head_dim_each(
+    [name for name in VARIANTS if name != "alibi soft cap"],  # (overlapped)
+    in_turn=(64, 256),
+    always=(("combined", 64), ("combined", 128), ("combined", 256))))
 def test_masked_backward_lowers_for_cuda(head_dim, name, cuda_lowering,
                                          monkeypatch):
   monkeypatch.setattr(compat, "LOWERING_SEMANTICS",
@@ -573,8 +569,12 @@ _SEMANTICS = ["Warpgroup", pytest.param("Lane", marks=pytest.mark.slow)]
 
 @pytest.mark.parametrize("lowering_semantics", _SEMANTICS, indirect=True)
 @pytest.mark.parametrize("name, head_dim", [("combined", 64),
-                                            ("soft cap", 128),
-                                            ("segments", 256),
+                                            pytest.param(  # CI's ten minutes
+                                                "soft cap", 128,
+                                                marks=pytest.mark.slow),
+                                            pytest.param(
+                                                "segments", 256,
+                                                marks=pytest.mark.slow),
                                             ("alibi soft cap", 64),
                                             ("dropout", 128),
                                             pytest.param(
