@@ -209,14 +209,18 @@ def test_overlapped_backward_lowers_and_changes_the_kernels(
   assert text != _lower(head_dim, is_causal, overlap_softmax=False)
 
 
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("shape", [
-    dict(q_len=512, kv_len=128),                    # causal: rows past kv_len
-    dict(q_len=128, kv_len=512),                    # causal: keys never seen
-    dict(q_len=192, kv_len=320, num_heads=4, num_kv_heads=1),  # MQA, 1 consumer
-    dict(q_len=256, kv_len=256, block_q=128, max_concurrent_steps=3),
-    dict(q_len=256, kv_len=256, dtype=jnp.float16),
-], ids=str)
+# Causal where the mask matters, both for the rest (CI's ten minutes: the
+# other pairs with -m slow).
+@pytest.mark.parametrize("shape, is_causal", [
+    (shape, causal) if causal or shape.get("q_len") == 192
+    else pytest.param(shape, causal, marks=pytest.mark.slow)
+    for shape in (
+        dict(q_len=512, kv_len=128),                    # causal: rows past kv_len
+        dict(q_len=128, kv_len=512),                    # causal: keys never seen
+        dict(q_len=192, kv_len=320, num_heads=4, num_kv_heads=1),  # MQA
+        dict(q_len=256, kv_len=256, block_q=128, max_concurrent_steps=3),
+        dict(q_len=256, kv_len=256, dtype=jnp.float16))
+    for causal in (False, True)], ids=str)
 def test_backward_lowers_other_shapes(shape, is_causal, cuda_lowering):
   assert _kernels(_lower(64, is_causal, **shape)) == {"dq", "dkdv"}
 
@@ -652,8 +656,10 @@ def test_fused_dq_refuses_what_it_does_not_cover(kwargs, match,
     _lower(kwargs.pop("head_dim"), False, **{"fused_dq": True, **kwargs})
 
 
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim, is_causal", [
+    (64, True), (128, False), (256, True),
+    *(pytest.param(d, c, marks=pytest.mark.slow)  # CI's ten minutes
+      for d, c in ((64, False), (128, True), (256, False)))])
 def test_persistent_backward_lowers(head_dim, is_causal, cuda_lowering):
   """`persistent=True` puts both kernels on a grid of `num_ctas` CTAs (a
   different module) and lowers; the ranged backward has no such grid."""

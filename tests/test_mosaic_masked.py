@@ -252,7 +252,9 @@ def test_key_padding_mask_runs_on_the_mosaic_kernels(cuda_lowering,
   assert "mosaic_flash_forward" in text and kernels == {"dq", "dkdv"}
 
 
-@pytest.mark.parametrize("bias_shape", [(2, 1, 1, 333), (1, 4, 200, 1)],
+@pytest.mark.parametrize("bias_shape", [
+    (2, 1, 1, 333),
+    pytest.param((1, 4, 200, 1), marks=pytest.mark.slow)],  # CI's ten minutes
                          ids=["per key", "per query"])
 def test_broadcast_bias_runs_on_the_mosaic_kernels(bias_shape, cuda_lowering,
                                                    monkeypatch):
