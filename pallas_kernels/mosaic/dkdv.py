@@ -570,9 +570,8 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     updates = []
     for name in static.outputs:
       if name == "dv":
-        updates.append((kept_weights(p_t, static.dropout).astype(
-            static.dtype),
-                        do_tile))  # dV += Pᵀ dO
+        weights = kept_weights(p_t, static.dropout)
+        updates.append((weights.astype(static.dtype), do_tile))  # dV += Pᵀ dO
       else:
         ds_t = score_gradient(p_t, dp_t[0],
                               per_column(column_stat(1), s_t.shape), slope,

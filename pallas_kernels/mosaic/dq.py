@@ -34,9 +34,10 @@ from pallas_kernels.mosaic.rows import (
 from pallas_kernels.mosaic.pipeline import (
     MASKED, SKIP, UNMASKED, BackwardStatic, Walk, dropped_in_sign,
     each_tile, grid_args, ids_arrived, keep_scale, kernel_name,
-    load_own_ids, produce, ranged_inputs, ranged_refs, ranged_scratch, ranged_walk, score_gradient,
-    skip_step, tile_probabilities, tile_values, walk_range, walk_runs,
-    wgmma_accumulate, wgmma_fresh, wgmma_then)
+    load_own_ids, produce, ranged_inputs, ranged_refs, ranged_scratch,
+    ranged_walk, score_gradient, skip_step, tile_probabilities,
+    tile_values, walk_range, walk_runs, wgmma_accumulate, wgmma_fresh,
+    wgmma_then)
 
 
 def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
