@@ -166,6 +166,14 @@ MASKED_VARIANTS = {
     "dropout": (Case(2, 64, 100, 2, 1, 64),
                 dict(is_causal=True, q_offset=jnp.array([36, 0]),
                      dropout_rate=0.3, dropout_rng=jax.random.key(3))),
+    # dbias under dropout: the dbias kernel writes dS itself (the kept
+    # weights' dP scaled by 1 / (1 - rate), the dropped ones' by 0), the
+    # same dS as dQ's and dK's sums take.
+    "dropout, bias": (Case(1, 64, 100, 2, 1, 64),
+                      dict(dropout_rate=0.3, dropout_rng=jax.random.key(5),
+                           bias=jax.random.normal(jax.random.key(6),
+                                                  (1, 2, 64, 100),
+                                                  jnp.bfloat16))),
 }
 
 
@@ -191,7 +199,7 @@ def _masked_call(q, k, v, variants):
 _SLOW_MASKED = ("bottom-right causal", "causal window", "soft cap",
                 "dense mask", "bias", "bias, no mask", "alibi soft cap",
                 "lengths", "dropout", "ragged causal", "window, column tiles",
-                "per-query bias",
+                "per-query bias", "dropout, bias",
                 # `test_broadcast_bias_on_gpu` and the lowering test
                 "per-key bias",
                 # CI's ten minutes: 12-16 s each interpreted; their GPU
@@ -392,6 +400,7 @@ def test_interpreted_alibi_columns_match_reference(monkeypatch):
     # -m slow: the GPU's masked backward tests take dropout on copies, and
     # its bits against Triton's).
     slow("dropout", 2),
+    slow("dropout, bias", 1),
     # A bias per (batch, head) in both kernels (dK/dV: each head's
     # transposed tiles) and dbias, dS in bf16 from the dbias kernel;
     # bottom-right causal, so that the tiles the plan skips are never
