@@ -6,7 +6,7 @@
 # Usage (repo root, on the H200): bash benchmarks/h200_check.sh STEP...
 # With no STEP it only installs (the package, and the peers' wheels from
 # .whl/ into /tmp/site, benchmarks/README.md).
-# STEPs: tests tests_shards grid grid_halves masks memory decode models fp8
+# STEPs: tests tests_shards grid grid_halves masks masks_ab memory decode models fp8
 #        sequence_parallel flax notebook example mosaic_lowering prepared
 #        first_call fp8_tiles new_tests ragged_route vit_tiles ncu
 # Seen on an H100 (seconds, one call each): new_tests ~140 with 14
@@ -129,6 +129,44 @@ for step in "$@"; do
           --out "$OUT/h200_masks$suffix.json" > "$LOGS/masks_$impl.log" 2>&1
         tail -18 "$LOGS/masks_$impl.log"
       done ;;
+    masks_ab)  # kernel code against a base tree, in turn: rows of
+               # benchmarks.masks (AB_ROWS, separated by ';'; default the
+               # dropout row) at head dims AB_DIMS (default 128), AB_ROUNDS
+               # rounds (default 2), MASKS_IMPL (default mosaic); the base
+               # is another checkout's root, AB_BASE (say `git archive main
+               # pallas_kernels jax_flash flax_layers benchmarks | tar -x
+               # -C ab_base`, carried with the call). Each form runs from
+               # its own tree; AB_ARGS: more arguments of benchmarks.masks
+               # (say "--seq 4096"); records in $OUT/masks_ab.json.
+      [ -d "${AB_BASE:-}" ] || { echo "masks_ab: AB_BASE is not a directory"; continue; }
+      IFS=';' read -ra ab_rows <<< "${AB_ROWS:-causal + dropout 0.1}"
+      rm -rf /tmp/masks_ab && mkdir -p /tmp/masks_ab
+      for round in $(seq ${AB_ROUNDS:-2}); do
+        for d in ${AB_DIMS:-128}; do
+          for form in base change; do
+            tree=$PWD; [ $form = base ] && tree=$(cd "$AB_BASE" && pwd)
+            (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" timeout 240 \
+              python3 -m benchmarks.masks --implementation ${MASKS_IMPL:-mosaic} \
+              --head-dim $d ${AB_ARGS:-} --variants "${ab_rows[@]}" \
+              --out /tmp/masks_ab/${form}_d${d}_r${round}.json) > "$LOGS/masks_ab.log" 2>&1 \
+              || tail -5 "$LOGS/masks_ab.log"
+          done
+        done
+      done
+      python3 - "$OUT/masks_ab.json" <<'PY'
+import glob, json, os, sys
+runs = []
+for path in sorted(glob.glob("/tmp/masks_ab/*.json")):
+  form, d, r = os.path.basename(path)[:-5].split("_")
+  data = json.load(open(path))
+  runs.append(dict(form=form, head_dim=int(d[1:]), round=int(r[1:]),
+                   device=data.get("device"), records=data["records"]))
+  for rec in data["records"]:
+    print(f"{form:7s} {d:5s} {r:3s} {rec['variant']:30s} {rec['mode']:8s}"
+          f" {rec['ms']:8.3f} ms  x{rec['vs_against'] or 0:.3f}")
+json.dump(dict(runs=runs), open(sys.argv[1], "w"), indent=1)
+PY
+      ;;
     memory)
       timeout 110 python3 -m benchmarks.memory --impls jax_flash_triton xla \
         --worker-timeout 50 --out "$OUT/h200_memory.json" > "$LOGS/memory.log" 2>&1
