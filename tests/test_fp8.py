@@ -409,6 +409,22 @@ def test_benchmark_smoke(tmp_path):
   assert "tensor / block+incoherent" in open(tmp_path / "fp8.md").read()
 
 
+
+def test_error_terms_diagnostic(tmp_path):
+  """`diagnostics.fp8_error_terms`: each rounding alone is smaller than all
+  of them together, and the rotation shrinks Q's and K's term (a swapped
+  or missing rotation fails it)."""
+  from benchmarks.diagnostics import fp8_error_terms
+  out = str(tmp_path / "terms.json")
+  assert fp8_error_terms.main(["--seq", "1024", "--head-dims", "64",
+                               "--heads", "2", "--out", out]) == 0
+  rmses = {r["term"]: r["rmse"] for r in json.load(open(out))["records"]}
+  assert set(rmses) == set(fp8_error_terms.TERMS)
+  for term in ("P", "V", "QK"):
+    assert 0 < rmses[term] < rmses["all"]
+  assert rmses["QK rotated"] < 0.8 * rmses["QK"]
+  assert rmses["all rotated"] < 0.8 * rmses["all"]
+
 # The kernel on a Hopper GPU.
 
 
