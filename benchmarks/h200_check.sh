@@ -49,6 +49,22 @@ fi
 has_module() {
   [ -f "benchmarks/$1.py" ] || { echo "benchmarks/$1.py is not here: skipped"; return 1; }
 }
+# masks_ab's runs so far into $OUT/masks_ab.json; with "print", a table.
+masks_ab_records() {
+  python3 - "$OUT/masks_ab.json" "${1:-}" <<'PY'
+import glob, json, os, sys
+runs = []
+for path in sorted(glob.glob("/tmp/masks_ab/*.json")):
+  form, d, r = os.path.basename(path)[:-5].split("_")
+  data = json.load(open(path))
+  runs.append(dict(form=form, head_dim=int(d[1:]), round=int(r[1:]),
+                   device=data.get("device"), records=data["records"]))
+  for rec in data["records"] if sys.argv[2] == "print" else ():
+    print(f"{form:7s} {d:5s} {r:3s} {rec['variant']:30s} {rec['mode']:8s}"
+          f" {rec['ms']:8.3f} ms  x{rec['vs_against'] or 0:.3f}")
+json.dump(dict(runs=runs), open(sys.argv[1], "w"), indent=1)
+PY
+}
 for step in "$@"; do
   if [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -ge "$DEADLINE" ]; then
     echo "skipped $step: past DEADLINE"; continue
@@ -150,23 +166,11 @@ for step in "$@"; do
               --head-dim $d ${AB_ARGS:-} --variants "${ab_rows[@]}" \
               --out /tmp/masks_ab/${form}_d${d}_r${round}.json) > "$LOGS/masks_ab.log" 2>&1 \
               || tail -5 "$LOGS/masks_ab.log"
+            masks_ab_records  # after every run: a call cut short keeps them
           done
         done
       done
-      python3 - "$OUT/masks_ab.json" <<'PY'
-import glob, json, os, sys
-runs = []
-for path in sorted(glob.glob("/tmp/masks_ab/*.json")):
-  form, d, r = os.path.basename(path)[:-5].split("_")
-  data = json.load(open(path))
-  runs.append(dict(form=form, head_dim=int(d[1:]), round=int(r[1:]),
-                   device=data.get("device"), records=data["records"]))
-  for rec in data["records"]:
-    print(f"{form:7s} {d:5s} {r:3s} {rec['variant']:30s} {rec['mode']:8s}"
-          f" {rec['ms']:8.3f} ms  x{rec['vs_against'] or 0:.3f}")
-json.dump(dict(runs=runs), open(sys.argv[1], "w"), indent=1)
-PY
-      ;;
+      masks_ab_records print ;;
     memory)
       timeout 110 python3 -m benchmarks.memory --impls jax_flash_triton xla \
         --worker-timeout 50 --out "$OUT/h200_memory.json" > "$LOGS/memory.log" 2>&1
