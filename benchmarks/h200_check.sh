@@ -278,7 +278,11 @@ PY
           timeout 300 python3 -m benchmarks.diagnostics.compile_probe \
           --split mosaic cudnn > "$LOGS/first_call_$run.log" 2>&1
         echo "-- $run cache"; grep -E "trace .* lower" "$LOGS/first_call_$run.log"
-      done | tee "$OUT/h200_first_call_cache.txt" ;;
+      done | tee "$OUT/h200_first_call_cache.txt"
+      # Each kernel lowered and compiled alone (no cache): how much of
+      # XLA's compile is the kernels' own (Mosaic GPU's passes, ptxas).
+      timeout 200 python3 -m benchmarks.diagnostics.compile_probe --kernels \
+        2>&1 | grep -E "lower .* compile" | tee -a "$OUT/h200_first_call_cache.txt" ;;
     ncu)  # Nsight Compute on one cell's kernels (NCU_CELL mode:seq:d[:causal],
           # default the causal fwd+bwd at 16k, d=128): the plain Mosaic
           # kernels (NCU_IMPLS) beside the masked ones on the same mask

@@ -443,6 +443,30 @@ def test_compile_probe_splits_a_first_call(capsys):
                                         "first run")), line
 
 
+def test_compile_probe_times_each_mosaic_kernel_alone(cuda_lowering,
+                                                      monkeypatch):
+  """`--kernels` records the three Mosaic launches of a causal fwd+VJP and
+  lowers each alone (cross-lowered for CUDA here, its compile skipped)."""
+  del cuda_lowering  # requested for its skip
+  import jax_flash
+  from benchmarks.diagnostics import compile_probe
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import mosaic_attention
+  monkeypatch.setattr(jax_flash, "flash_attention", lambda q, k, v, **kw: (
+      mosaic_attention(q, k, v, scale=q.shape[-1]**-0.5, **kw,
+                       backward_blocks=BlockSizes.get_default(
+                           q.shape[-1], "NVIDIA H200"))[0]))
+  lower = jax.stages.Traced.lower
+  monkeypatch.setattr(jax.stages.Traced, "lower", lambda self: lower(
+      self, lowering_platforms=("cuda",)))
+  monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self: None)
+  stages = compile_probe.kernel_stages((256, 256, 2, 2, 64))
+  assert [name for name, *_ in stages] == [
+      "mosaic_flash_forward", "mosaic_flash_backward_dq",
+      "mosaic_flash_backward_dkdv"]
+  assert all(lower_s > 0 for _, lower_s, _ in stages)
+
+
 def test_block_mask_probe_times_each_mask(capsys):
   from benchmarks.diagnostics import block_mask_probe
   assert block_mask_probe.main(["--seqs", "256", "--tiles", "16"]) == 0

@@ -12,6 +12,12 @@ compiles inside XLA's compile). It tells a slow compile from a hang, and
 first-call latency from steady-state time. With `--hang-after S`, a step
 that takes longer than S seconds dumps every thread's Python traceback and
 exits (faulthandler), so a hang names its place.
+
+`--split IMPL...` times the stages of issue 38's first call instead (trace,
+lower, compile, first run), and `--kernels` each Pallas kernel of that
+call lowered and compiled alone, in a program of its own: what of XLA's
+compile is the kernels' (Mosaic GPU's LLVM passes and ptxas) and what is
+the rest of the program's.
 """
 from __future__ import annotations
 
@@ -107,6 +113,41 @@ def split(shape, *, implementation: str | None) -> dict:
   return times
 
 
+def kernel_stages(shape) -> list[tuple[str, float, float]]:
+  """(kernel name, lower s, compile s) of each Mosaic kernel launched by
+  the causal bf16 fwd+VJP of `split`, each in a `jit` of its own: the
+  launches are recorded while the whole call is traced (`plgpu.kernel`
+  wrapped), then lowered and compiled one by one."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  q, k, v, d_out = _inputs(shape, jnp.bfloat16)
+  attention = lambda q, k, v: jax_flash.flash_attention(q, k, v,
+                                                        is_causal=True)
+  launches, kernel = [], plgpu.kernel
+
+  def recorded(body, **kernel_args):
+    def call(*inputs):
+      launches.append((body, kernel_args, [
+          jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]))
+      return kernel(body, **kernel_args)(*inputs)
+    return call
+
+  plgpu.kernel = recorded
+  try:
+    jax.jit(_with_vjp(attention)).trace(q, k, v, d_out)
+  finally:
+    plgpu.kernel = kernel
+  stages = []
+  for body, kernel_args, avals in launches:
+    alone = lambda *args, body=body, kw=kernel_args: kernel(body, **kw)(*args)
+    start = time.perf_counter()
+    lowered = jax.jit(alone).trace(*avals).lower()
+    lower_s, start = time.perf_counter() - start, time.perf_counter()
+    lowered.compile()
+    stages.append((kernel_args.get("kernel_name", "kernel"), lower_s,
+                   time.perf_counter() - start))
+  return stages
+
+
 def main(argv=None) -> int:
   compat.filter_known_warnings()
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -119,8 +160,16 @@ def main(argv=None) -> int:
                       "call (`split`) for these implementations in turn "
                       "(mosaic, triton, cudnn), the first as a new process "
                       "meets it, at SPLIT_SHAPE")
+  parser.add_argument("--kernels", action="store_true",
+                      help="instead: each Pallas kernel of the call that "
+                      "--split times, lowered and compiled alone")
   args = parser.parse_args(argv)
   print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}", flush=True)
+  if args.kernels:
+    for name, lower_s, compile_s in kernel_stages(SPLIT_SHAPE):
+      print(f"{SPLIT_SHAPE} {name}: lower {lower_s:.2f} s  compile "
+            f"{compile_s:.2f} s", flush=True)
+    return 0
   if args.split:
     for impl in args.split:
       times = split(SPLIT_SHAPE, implementation=impl)
