@@ -300,8 +300,8 @@ def dropout_keep(seed, batch, head, q_idx, kv_idx, rate: float):
   q_idx, kv_idx = _u32(q_idx), _u32(kv_idx)
   quad = dropout_quad_hash(
       dropout_query_hash(dropout_stream(seed, batch, head),
-                         q_idx & jnp.uint32(~QUAD_STRIDE & 0xFFFFFFFF)),
-      dropout_key_hash(kv_idx & jnp.uint32(~QUAD_STRIDE & 0xFFFFFFFF)))
+                         quad_first(q_idx)),
+      dropout_key_hash(quad_first(kv_idx)))
   return dropout_keep_byte(quad, dropout_byte_shift(q_idx, kv_idx), rate)
 
 
@@ -313,8 +313,8 @@ def _u32(v):
 # and murmur3's finaliser's two.
 _QUERY_STEP = 0x27D4EB2F
 _KEY_STEP = 0x165667B1
-_MIX_1 = 0x85EBCA6B
-_MIX_2 = 0xC2B2AE35
+DROPOUT_MIX_1 = 0x85EBCA6B
+DROPOUT_MIX_2 = 0xC2B2AE35
 # A quad's second query and second key lie this far from its first
 # (`dropout_keep`): the row and column strides of a wgmma thread's values.
 QUAD_STRIDE = 8
@@ -358,14 +358,20 @@ def dropout_key_hash(kv_idx, kv_start=0):
                  + _u32(kv_start) * jnp.uint32(_KEY_STEP))
 
 
+def quad_first(idx):
+  """uint32: the position of the first query (key) of `idx`'s quad, bit 3
+  cleared (`dropout_keep`)."""
+  return _u32(idx) & jnp.uint32(~QUAD_STRIDE & 0xFFFFFFFF)
+
+
 def dropout_quad_hash(query_hash, key_hash):
   """uint32: a quad's four bytes (`dropout_keep`), murmur3's finaliser
   after its first xor-shift, of the two words' xor. Every output bit
   depends on every input bit with probability about 1/2, the low bytes as
   much as the high ones."""
-  x = (query_hash ^ key_hash) * jnp.uint32(_MIX_1)
+  x = (query_hash ^ key_hash) * jnp.uint32(DROPOUT_MIX_1)
   x = x ^ lax.shift_right_logical(x, jnp.uint32(13))
-  x = x * jnp.uint32(_MIX_2)
+  x = x * jnp.uint32(DROPOUT_MIX_2)
   return x ^ lax.shift_right_logical(x, jnp.uint32(16))
 
 

@@ -43,9 +43,9 @@ def _without_spread(x):
 def _without_last_shift(x):
   """The finaliser without its last xor-shift: the low bytes of a product
   depend only on the low bits of its factors."""
-  x = masking._spread(x) * jnp.uint32(masking._MIX_1)
+  x = masking._spread(x) * jnp.uint32(masking.DROPOUT_MIX_1)
   x = x ^ lax.shift_right_logical(x, jnp.uint32(13))
-  return x * jnp.uint32(masking._MIX_2)
+  return x * jnp.uint32(masking.DROPOUT_MIX_2)
 
 
 def _avalanche_bias(mix, samples=20_000):

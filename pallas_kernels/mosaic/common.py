@@ -461,8 +461,8 @@ def quad_dropout_in_threads(_, query_hashes, key_hashes, *, shape,
     return arith.xori(x, arith.shrui(x, const(bits)))
 
   def quad_hash(x):  # `masking.dropout_quad_hash` of the words' xor
-    x = arith.muli(x, const(masking._MIX_1))
-    x = arith.muli(xor_shift(x, 13), const(masking._MIX_2))
+    x = arith.muli(x, const(masking.DROPOUT_MIX_1))
+    x = arith.muli(xor_shift(x, 13), const(masking.DROPOUT_MIX_2))
     return xor_shift(x, 16)
 
   kept = np.empty(queries.registers.shape, dtype=object)
@@ -482,11 +482,11 @@ def quad_dropout_value(query_hashes, key_hashes, *, shape, threshold: int,
   """What `quad_dropout_in_threads` computes, as jnp: the tile's kept
   weights, from the words at each quad's first row and column."""
   rows, cols = (jnp.arange(n, dtype=jnp.uint32) for n in shape)
-  first = jnp.uint32(~masking.QUAD_STRIDE & 0xFFFFFFFF)
   row_words, col_words = ((key_hashes, query_hashes) if transposed
                           else (query_hashes, key_hashes))
-  quad = masking.dropout_quad_hash(row_words[rows & first][:, None],
-                                   col_words[cols & first][None, :])
+  quad = masking.dropout_quad_hash(
+      row_words[masking.quad_first(rows)][:, None],
+      col_words[masking.quad_first(cols)][None, :])
   q_idx, kv_idx = ((cols[None, :], rows[:, None]) if transposed
                    else (rows[:, None], cols[None, :]))
   shift = masking.dropout_byte_shift(q_idx, kv_idx)
