@@ -65,7 +65,13 @@ def kernel(body: Callable, **kernel_args) -> Callable:
     if key is None:
       return launch(*inputs)
     exported = _load_or_export(directory / f"{key}.bin", launch, inputs)
-    return launch(*inputs) if exported is None else exported.call(*inputs)
+    if exported is not None:
+      try:
+        return exported.call(*inputs)
+      except Exception as e:  # noqa: BLE001 - the plain launch always works
+        warnings.warn(f"jax_flash's kernel cache skipped {key}: {e!r}",
+                      stacklevel=2)
+    return launch(*inputs)
 
   return call
 
@@ -95,7 +101,7 @@ def _key(body, kernel_args: dict, inputs) -> str | None:
       _SCHEMA, body.func.__module__, body.func.__qualname__,
       sorted(body.keywords.items()), sorted(kernel_args.items()),
       [(tuple(x.shape), str(x.dtype)) for x in inputs],
-      jax.__version__, jaxlib.__version__,
+      jax.__version__, jaxlib.__version__, jax.config.jax_enable_x64,
       versions.gpu_compute_capability(),
       sorted((k, v) for k, v in os.environ.items()
              if k.startswith("MOSAIC_GPU")),
