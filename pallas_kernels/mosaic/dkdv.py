@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat as versions
-from pallas_kernels.mosaic import compat
+from pallas_kernels.mosaic import compat, lowered_cache
 from pallas_kernels.mosaic.common import (
     THREADS_PER_WARPGROUP, ScoreTiles, alibi_terms, chained_tiles, copy_slopes,
     dropout_key_hashes, dropout_kept, dropout_query_hashes, masked_steps,
@@ -125,7 +125,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
                 ) + out_type
   if static.opaque_resident:  # a zero (see `BackwardStatic.opaque_resident`)
     scratch += (plgpu.SMEM((1,), jnp.int32),)
-  results = plgpu.kernel(
+  results = lowered_cache.kernel(
       functools.partial(_dkdv_kernel, static=static),
       out_type=out_type,
       scratch_types=scratch,

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat as versions
-from pallas_kernels.mosaic import compat
+from pallas_kernels.mosaic import compat, lowered_cache
 from pallas_kernels.mosaic.common import (
     alibi_terms, causal_mask, chained_tiles, copy_slopes, dropout_key_hashes,
     dropout_kept, dropout_query_hashes, masked_steps, per_row, slope_reader,
@@ -87,7 +87,7 @@ def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
     scratch += (plgpu.SMEM((consumers, static.block_q, static.block_kv),
                            out_dtype,
                            transforms=swizzled(static.block_kv, out_dtype)),)
-  return compat.vary_like(plgpu.kernel(
+  return compat.vary_like(lowered_cache.kernel(
       functools.partial(_dq_kernel, static=static),
       out_type=versions.output_struct(out_shape, out_dtype, *inputs),
       scratch_types=scratch,
