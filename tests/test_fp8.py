@@ -409,7 +409,6 @@ def test_benchmark_smoke(tmp_path):
   assert "tensor / block+incoherent" in open(tmp_path / "fp8.md").read()
 
 
-
 def test_error_terms_diagnostic(tmp_path):
   """`diagnostics.fp8_error_terms`: each rounding alone is smaller than all
   of them together, and the rotation shrinks Q's and K's term (a swapped
@@ -424,6 +423,7 @@ def test_error_terms_diagnostic(tmp_path):
     assert 0 < rmses[term] < rmses["all"]
   assert rmses["QK rotated"] < 0.8 * rmses["QK"]
   assert rmses["all rotated"] < 0.8 * rmses["all"]
+
 
 # The kernel on a Hopper GPU.
 

@@ -14,7 +14,7 @@ that takes longer than S seconds dumps every thread's Python traceback and
 exits (faulthandler), so a hang names its place.
 
 `--split IMPL...` times the stages of issue 38's first call instead (trace,
-lower, compile, first run), and `--kernels` each Pallas kernel of that
+lower, compile, first run), and `--kernels` each Mosaic kernel of that
 call lowered and compiled alone, in a program of its own: what of XLA's
 compile is the kernels' (Mosaic GPU's LLVM passes and ptxas) and what is
 the rest of the program's.
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
                       "(mosaic, triton, cudnn), the first as a new process "
                       "meets it, at SPLIT_SHAPE")
   parser.add_argument("--kernels", action="store_true",
-                      help="instead: each Pallas kernel of the call that "
+                      help="instead: each Mosaic kernel of the call that "
                       "--split times, lowered and compiled alone")
   args = parser.parse_args(argv)
   print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}", flush=True)
