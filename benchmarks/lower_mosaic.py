@@ -32,6 +32,7 @@ every form the same.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import hashlib
 import os
@@ -388,23 +389,32 @@ _DUMP_NAME = re.compile(r'mosaic_gpu\.dump_basename = "[^"]*"')
 def canonical(fn, args) -> str:
   """The lowered text of `fn` at `args`, each Mosaic GPU kernel printed
   without source locations, as it is before serialization."""
+  with kernels_lowered() as kernels_seen:
+    text = jax.jit(fn).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+  return "\n".join([_BLOB.sub(r'\1 = "<blob>"', text)] + [
+      f"// ---- mosaic kernel {i}\n" + kernel
+      for i, kernel in enumerate(kernels_seen)])
+
+
+@contextlib.contextmanager
+def kernels_lowered():
+  """A list that collects, while open, the text of each Mosaic GPU kernel
+  lowered (without source locations, its dump name blanked)."""
   from jax.experimental.mosaic.gpu import core
   kernels_seen, serialize = [], core._run_serde_pass
 
   def capture(module, *a, **kw):
-    kernels_seen.append(module.operation.get_asm(enable_debug_info=False))
+    kernel = module.operation.get_asm(enable_debug_info=False)
+    kernels_seen.append(
+        _DUMP_NAME.sub('mosaic_gpu.dump_basename = "<name>"', kernel))
     return serialize(module, *a, **kw)
 
   core._run_serde_pass = capture
   try:
-    text = jax.jit(fn).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
+    yield kernels_seen
   finally:
     core._run_serde_pass = serialize
-  return "\n".join([_BLOB.sub(r'\1 = "<blob>"', text)] + [
-      f"// ---- mosaic kernel {i}\n"
-      + _DUMP_NAME.sub('mosaic_gpu.dump_basename = "<name>"', kernel)
-      for i, kernel in enumerate(kernels_seen)])
 
 
 def dump(directory: str, forms: str | None = None) -> int:

@@ -89,6 +89,10 @@ def flash_attention(
       score there).
     dropout_rate, dropout_rng: dropout of the attention weights, from a
       counter-based hash of (seed, b, h, q_idx, kv_idx) in the kernels.
+      The rate is applied in steps of 1/256, rounded (0.1 drops 26/256 of
+      the weights, and the kept ones are scaled by 256/230), as
+      FlashAttention-2's: each weight compares one byte of a hash that four
+      weights share. Rates that round to 0 or 1 are refused.
     sinks: float32 [num_heads]: a learnable logit per head that joins every
       row's softmax denominator (attention sinks, GPT-OSS). Differentiable.
     return_residual: also return the logsumexp of the logits, float32

@@ -6,6 +6,7 @@ without importing the public API. This module keeps `jax_flash.masking` as
 the name users and the reference know it by.
 """
 from pallas_kernels.masking import (  # noqa: F401
-    EMPTY, FULL, LOWEST_LOGIT, PARTIAL, BlockMask, MaskSpec, MaskValues,
-    Operands, apply_sinks, block_ranges, classify_blocks, dense_block_states,
-    dropout_keep, keep, modify_scores)
+    DROPOUT_LEVELS, EMPTY, FULL, LOWEST_LOGIT, PARTIAL, BlockMask, MaskSpec,
+    MaskValues, Operands, apply_sinks, block_ranges, classify_blocks,
+    dense_block_states, dropout_keep, dropout_levels, keep, modify_scores,
+    quantized_dropout_rate)

@@ -277,6 +277,12 @@ def _dropout_seed(dropout_rate, dropout_rng):
                      f"{dropout_rate!r}")
   if not dropout_rate:
     return None
+  levels = masking.dropout_levels(dropout_rate)
+  if not 0 < levels < masking.DROPOUT_LEVELS:
+    raise ValueError(
+        f"dropout_rate is applied in steps of 1/256 (each weight compares "
+        f"a byte); {dropout_rate!r} rounds to {levels}/256: give 0 or a "
+        f"rate in [1/512, 511/512)")
   if dropout_rng is None:
     raise ValueError("dropout_rate > 0 needs a dropout_rng key")
   if not jnp.issubdtype(jnp.asarray(dropout_rng).dtype, jax.dtypes.prng_key):
@@ -357,5 +363,5 @@ def normalise_call(query, key, value, *, bias=None, mask=None, scale=None,
       has_segments=q_segments is not None, has_dense_mask=mask is not None,
       mask_fn=mask_fn, score_fn=score_fn, logits_soft_cap=logits_soft_cap,
       has_alibi=operands.alibi_slopes is not None, has_bias=bias is not None,
-      dropout_rate=float(dropout_rate))
+      dropout_rate=masking.quantized_dropout_rate(dropout_rate))
   return AttentionCall(shape, scale, spec, operands, bias, sinks)

@@ -68,7 +68,8 @@ class MaskSpec:
     logits_soft_cap: `cap` of `cap * tanh(s / cap)`.
     has_alibi: ALiBi slopes are given: `s -= slope * |q_pos - kv_idx|`.
     has_bias: an additive `bias` array is given.
-    dropout_rate: probability of dropping an attention weight.
+    dropout_rate: probability of dropping an attention weight, rounded to
+      a multiple of 1/256 (`quantized_dropout_rate`).
   """
 
   q_len: int
@@ -86,6 +87,12 @@ class MaskSpec:
   has_alibi: bool = False
   has_bias: bool = False
   dropout_rate: float = 0.0
+
+  def __post_init__(self):
+    # The rate the hash applies (steps of 1/256), so that every scale of
+    # the kept weights, 1 / (1 - rate), is the bits' own.
+    object.__setattr__(self, "dropout_rate",
+                       quantized_dropout_rate(self.dropout_rate))
 
   @property
   def is_plain(self) -> bool:
@@ -271,42 +278,53 @@ def dropout_keep(seed, batch, head, q_idx, kv_idx, rate: float):
   """Counter-based dropout mask from (seed, batch, head, q_idx, kv_idx).
 
   The same bits in the forward kernel, the backward kernels and the reference:
-  no RNG state is carried. Keeps a weight with probability `1 - rate`.
+  no RNG state is carried. Keeps a weight with probability `1 - rate`, for a
+  rate that is a multiple of 1/256 (`quantized_dropout_rate`).
 
-  Composed of the pieces below, which a kernel may evaluate apart (the
-  query's half once per row, the key's once per column) and combine on a
-  tile: elementwise, so the bits are the same however they broadcast.
+  One 32-bit hash serves a quad of weights, {q, q + 8} x {k, k + 8} with bit
+  3 of q and of k clear: the four weights that one thread of a wgmma
+  accumulator holds (rows r and r + 8, columns c and c + 8, in the score
+  tile and in its transpose), as FlashAttention-2 compares its Philox
+  output a byte at a time. Each weight takes its byte of the hash
+  (`dropout_byte_shift`) and is kept when the byte is at least rate * 256.
 
-  Each weight's bits are murmur3's finaliser of the xor of a query word
-  and a key word, both linear in the position, compared on their top bits.
-  The finaliser's first xor-shift is linear over xor, so it is taken in
-  each half (`_spread`), and its last one moves high bits into the low 16
-  only, which the compare hardly reads, so it is left out: per element an
-  xor, two multiplies around one xor-shift and an unsigned compare, 7 SASS
-  instructions with the select of the weight (the full finaliser per
-  element was 12). `tests/test_dropout_hash.py` checks the mixing's
-  avalanche and the mask's statistics.
+  The hash is murmur3's finaliser of the xor of a query word and a key
+  word, both linear in the position (`dropout_query_hash`,
+  `dropout_key_hash`); the finaliser's first xor-shift is linear over xor,
+  so each word takes its own (`_spread`), and the xor is mixed by the rest
+  (`dropout_quad_hash`). A kernel evaluates the words apart (the query's
+  once a row, the key's once a column) and hashes a quad once.
+  `tests/test_dropout_hash.py` checks the mixing's avalanche and the mask's
+  statistics.
   """
-  return dropout_keep_hashed(
-      dropout_query_hash(dropout_stream(seed, batch, head), q_idx),
-      dropout_key_hash(kv_idx), rate)
+  q_idx, kv_idx = _u32(q_idx), _u32(kv_idx)
+  quad = dropout_quad_hash(
+      dropout_query_hash(dropout_stream(seed, batch, head),
+                         quad_first(q_idx)),
+      dropout_key_hash(quad_first(kv_idx)))
+  return dropout_keep_byte(quad, dropout_byte_shift(q_idx, kv_idx), rate)
 
 
 def _u32(v):
   return jnp.asarray(v).astype(jnp.uint32)
 
 
-# Odd multipliers: the position steps of the two halves (xxHash's primes),
+# Odd multipliers: the position steps of the two words (xxHash's primes),
 # and murmur3's finaliser's two.
 _QUERY_STEP = 0x27D4EB2F
 _KEY_STEP = 0x165667B1
-_MIX_1 = 0x85EBCA6B
-_MIX_2 = 0xC2B2AE35
+DROPOUT_MIX_1 = 0x85EBCA6B
+DROPOUT_MIX_2 = 0xC2B2AE35
+# A quad's second query and second key lie this far from its first
+# (`dropout_keep`): the row and column strides of a wgmma thread's values.
+QUAD_STRIDE = 8
+# A rate is a multiple of 1 / DROPOUT_LEVELS: each weight compares a byte.
+DROPOUT_LEVELS = 256
 
 
 def _spread(x):
   """murmur3's first xor-shift, x ^ (x >> 16): linear over xor, so that
-  _spread(a) ^ _spread(b) = _spread(a ^ b) and each half takes its own."""
+  _spread(a) ^ _spread(b) = _spread(a ^ b) and each word takes its own."""
   return x ^ lax.shift_right_logical(x, jnp.uint32(16))
 
 
@@ -324,7 +342,7 @@ def dropout_stream(seed, batch, head):
 
 
 def dropout_query_hash(stream, q_idx, q_start=0):
-  """uint32 query half: `_spread` of ((q_start + q_idx) * step + offset)
+  """uint32 query word: `_spread` of ((q_start + q_idx) * step + offset)
   ^ word. The product is written q_idx * step + (q_start * step + offset),
   the same modulo 2^32, so that a kernel whose q_idx is an iota keeps
   q_idx * step and adds one scalar per tile."""
@@ -334,30 +352,61 @@ def dropout_query_hash(stream, q_idx, q_start=0):
 
 
 def dropout_key_hash(kv_idx, kv_start=0):
-  """uint32 key half: `_spread` of (kv_start + kv_idx) * step, the same in
+  """uint32 key word: `_spread` of (kv_start + kv_idx) * step, the same in
   every stream (split as in `dropout_query_hash`)."""
   return _spread(_u32(kv_idx) * jnp.uint32(_KEY_STEP)
                  + _u32(kv_start) * jnp.uint32(_KEY_STEP))
 
 
-def dropout_threshold(rate: float) -> int:
-  """The uint32 below which a weight is dropped: P(x < t) = rate for x
-  uniform on [0, 2^32)."""
-  return min(int(round(rate * 2.0**32)), 2**32 - 1)
+def quad_first(idx):
+  """uint32: the position of the first query (key) of `idx`'s quad, bit 3
+  cleared (`dropout_keep`)."""
+  return _u32(idx) & jnp.uint32(~QUAD_STRIDE & 0xFFFFFFFF)
 
 
-def dropout_mix(x):
-  """murmur3's finaliser after its first xor-shift and without its last
-  (see `dropout_keep`): the top bits of the result depend on every bit of
-  x with probability about 1/2 each."""
-  x = x * jnp.uint32(_MIX_1)
+def dropout_quad_hash(query_hash, key_hash):
+  """uint32: a quad's four bytes (`dropout_keep`), murmur3's finaliser
+  after its first xor-shift, of the two words' xor. Every output bit
+  depends on every input bit with probability about 1/2, the low bytes as
+  much as the high ones."""
+  x = (query_hash ^ key_hash) * jnp.uint32(DROPOUT_MIX_1)
   x = x ^ lax.shift_right_logical(x, jnp.uint32(13))
-  return x * jnp.uint32(_MIX_2)
+  x = x * jnp.uint32(DROPOUT_MIX_2)
+  return x ^ lax.shift_right_logical(x, jnp.uint32(16))
 
 
-def dropout_keep_hashed(query_hash, key_hash, rate: float):
-  """Whether the (query, key) weight is kept, from the two halves."""
-  return dropout_mix(query_hash ^ key_hash) >= jnp.uint32(
+def dropout_byte_shift(q_idx, kv_idx):
+  """uint32: the left shift that brings a weight's byte of its quad's hash
+  to the top: 16 for the quad's second query, 8 for its second key."""
+  q_bit = lax.shift_right_logical(_u32(q_idx), jnp.uint32(3)) & 1
+  kv_bit = lax.shift_right_logical(_u32(kv_idx), jnp.uint32(3)) & 1
+  return q_bit * jnp.uint32(16) + kv_bit * jnp.uint32(8)
+
+
+def dropout_levels(rate: float) -> int:
+  """How many of a byte's 256 values drop a weight: rate * 256, rounded."""
+  return int(round(rate * DROPOUT_LEVELS))
+
+
+def quantized_dropout_rate(rate: float) -> float:
+  """The rate dropout applies, `rate` rounded to a multiple of 1/256 (the
+  scale of the kept weights is 1 / (1 - this))."""
+  return dropout_levels(rate) / DROPOUT_LEVELS
+
+
+def dropout_threshold(rate: float) -> int:
+  """The uint32 below which a weight's byte, shifted to the top, drops it:
+  levels << 24, so P(x < t) is the quantized rate."""
+  levels = dropout_levels(rate)
+  if not 0 <= levels < DROPOUT_LEVELS:
+    raise ValueError(f"dropout rate {rate} rounds to {levels}/256")
+  return levels << 24
+
+
+def dropout_keep_byte(quad_hash, shift, rate: float):
+  """Whether a weight is kept: its byte of `quad_hash` (brought to the top
+  by `shift`) against the rate's threshold."""
+  return lax.shift_left(quad_hash, _u32(shift)) >= jnp.uint32(
       dropout_threshold(rate))
 
 

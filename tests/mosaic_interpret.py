@@ -82,6 +82,9 @@ check the Mosaic kernels' numerics in CI, without a GPU):
       each thread, Mosaic GPU code): its product, `acc * alpha[:, None]`,
       which the branch equals since it skips only multiplies by exactly
       1; whether it skips the right threads shows only on a GPU.
+    - `common.quad_dropout_in_threads` (dropout's kept weights, one hash
+      per quad of a thread's registers): `common.quad_dropout_value`, the
+      same bits from the words at each quad's first row and column;
     - `softmax.add_rounded_in_threads` (the LSE's add, unfused by PTX's
       `add.rn`): `a + b` behind an optimization barrier, so that XLA's
       algebraic simplifier folds it with nothing, as no compiler may fold
@@ -283,7 +286,8 @@ def _patched_interpret(self, jaxpr, token, *args):
                               and (_named_barrier_of(e) is not None
                                    or _is_row_multiply(e)
                                    or _is_rounded_add(e)
-                                   or _is_fp8_operand(e))))
+                                   or _is_fp8_operand(e)
+                                   or _is_quad_dropout(e))))
   if not any(is_special(e) for e in jaxpr.eqns):
     return _STOCK_INTERPRET(self, jaxpr, token, *args)
   # Interpret the equations in runs: maximal runs of ordinary equations go
@@ -320,6 +324,9 @@ def _patched_interpret(self, jaxpr, token, *args):
           outs = [jax.lax.optimization_barrier(invals[0] + invals[1])]
         elif _is_fp8_operand(eqn):
           outs = [_fp8_operand_value(invals[0])]
+        elif _is_quad_dropout(eqn):
+          outs = [mosaic_common.quad_dropout_value(
+              *invals, **eqn.params["mgpu_fn"].keywords)]
         elif eqn.primitive is gpu_primitives.inline_mgpu_p:
           token, outs = _interpret_named_barrier(self, eqn, token,
                                                  _named_barrier_of(eqn))
@@ -553,6 +560,14 @@ def _is_rounded_add(eqn) -> bool:
   return (eqn.primitive is gpu_primitives.inline_mgpu_p
           and eqn.params.get("mgpu_fn")
           is mosaic_softmax.add_rounded_in_threads)
+
+
+def _is_quad_dropout(eqn) -> bool:
+  """Whether `eqn` is `common.quad_dropout_in_threads` (dropout's kept
+  weights, a hash per quad of a thread's registers)."""
+  fn = eqn.params.get("mgpu_fn")
+  return (eqn.primitive is gpu_primitives.inline_mgpu_p
+          and getattr(fn, "func", None) is mosaic_common.quad_dropout_in_threads)
 
 
 def _is_fp8_operand(eqn) -> bool:

@@ -33,56 +33,59 @@ def test_split_halves_equal_the_whole_position(seed, start, index):
 
 
 def _spread_then_mix(x):
-  return masking.dropout_mix(masking._spread(x))
+  return masking.dropout_quad_hash(masking._spread(x), jnp.uint32(0))
 
 
 def _without_spread(x):
-  return masking.dropout_mix(x)
+  return masking.dropout_quad_hash(x, jnp.uint32(0))
 
 
-def _one_multiply(x):
-  x = masking._spread(x)
+def _without_last_shift(x):
+  """The finaliser without its last xor-shift: the low bytes of a product
+  depend only on the low bits of its factors."""
+  x = masking._spread(x) * jnp.uint32(masking.DROPOUT_MIX_1)
   x = x ^ lax.shift_right_logical(x, jnp.uint32(13))
-  return x * jnp.uint32(masking._MIX_2)
+  return x * jnp.uint32(masking.DROPOUT_MIX_2)
 
 
 def _avalanche_bias(mix, samples=20_000):
-  """max over input bits i and output bits j >= 16 (those the compare
-  reads) of |P(bit j flips when bit i does) - 1/2|."""
+  """max over input bits i and output bits j (each byte is one weight's
+  compare) of |P(bit j flips when bit i does) - 1/2|."""
   x = np.random.default_rng(0).integers(0, 2**32, samples, dtype=np.uint64)
   x = jnp.asarray(x.astype(np.uint32))
   y = np.asarray(mix(x))
   worst = 0.0
   for i in range(32):
     flips = y ^ np.asarray(mix(x ^ jnp.uint32(1 << i)))
-    for j in range(16, 32):
+    for j in range(32):
       worst = max(worst, abs(float(((flips >> j) & 1).mean()) - 0.5))
   return worst
 
 
 # 20k samples: one frequency's standard deviation is 0.0035; the largest of
-# 512 lands near 0.012. A bias of 0.03 is 8.5 of them.
+# 1024 lands near 0.012. A bias of 0.03 is 8.5 of them.
 AVALANCHE_LIMIT = 0.03
 
 
-def test_mixing_avalanches_into_the_compared_bits():
-  """Every bit of the two halves' xor flips every compared bit with
-  probability 1/2: no structure of the positions survives into the
-  compare (the battery below looks for it directly)."""
+def test_mixing_avalanches_into_every_byte():
+  """Every bit of the two words' xor flips every bit of the quad's hash
+  with probability 1/2: no structure of the positions survives into any
+  weight's byte (the battery below looks for it directly)."""
   assert _avalanche_bias(_spread_then_mix) < AVALANCHE_LIMIT
 
 
-@pytest.mark.parametrize("weakened", [_without_spread, _one_multiply])
+@pytest.mark.parametrize("weakened", [_without_spread, _without_last_shift])
 def test_avalanche_check_rejects_weaker_mixing(weakened):
-  """The check above can fail: the high bits of the xor reach the compared
-  bits only through `_spread`, and one multiply leaves a bias."""
+  """The check above can fail: the high bits of the xor reach the low
+  output bits only through `_spread`, and the low bytes need the last
+  xor-shift."""
   assert _avalanche_bias(weakened) > 0.2
 
 
 def _standardised_masks(n, rate, heads=2):
   q = jnp.arange(n)[:, None]
   k = jnp.arange(n)[None, :]
-  p = 1 - rate
+  p = 1 - masking.quantized_dropout_rate(rate)
   return [(np.asarray(masking.dropout_keep(jnp.int32(5), 1, h, q, k, rate),
                       np.float64) - p) / np.sqrt(p * (1 - p))
           for h in range(heads)]
@@ -146,4 +149,24 @@ def test_mask_statistics_at_8k():
 
 def test_threshold_is_exact_and_stays_in_range():
   assert masking.dropout_threshold(0.25) == 2**30
-  assert masking.dropout_threshold(1 - 2**-40) == 2**32 - 1
+  assert masking.dropout_threshold(255 / 256) == 255 << 24
+  assert masking.quantized_dropout_rate(0.1) == 26 / 256
+  with pytest.raises(ValueError, match="rounds to 256/256"):
+    masking.dropout_threshold(1 - 2**-10)
+
+
+def test_each_weight_takes_its_byte_of_its_quad():
+  """The four weights {q, q + 8} x {k, k + 8} (bit 3 of q and k clear)
+  share one hash and take its four bytes, top first."""
+  seed, q, k = jnp.int32(11), 33, 70      # q % 16 = 1, k % 16 = 6
+  quad = masking.dropout_quad_hash(
+      masking.dropout_query_hash(masking.dropout_stream(seed, 0, 2), q),
+      masking.dropout_key_hash(k))
+  quad = int(quad)
+  for dq, dk, byte in ((0, 0, 3), (0, 8, 2), (8, 0, 1), (8, 8, 0)):
+    value = (quad >> (8 * byte)) & 0xFF
+    for levels in (value, value + 1):
+      rate = levels / 256
+      if levels < 256:
+        kept = bool(masking.dropout_keep(seed, 0, 2, q + dq, k + dk, rate))
+        assert kept == (value >= levels), (dq, dk, levels)

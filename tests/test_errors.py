@@ -1,6 +1,7 @@
 """Bad input gets a clear error naming the argument and the shapes."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -73,6 +74,11 @@ def test_dropout_arguments():
     jax_flash.flash_attention(q, k, v, dropout_rate=1.5)
   with pytest.raises(ValueError, match=r"needs a dropout_rng"):
     jax_flash.flash_attention(q, k, v, dropout_rate=0.1)
+  # Rates are steps of 1/256: one that rounds to none or all is refused.
+  for rate, levels in ((0.001, 0), (0.999, 256)):
+    with pytest.raises(ValueError, match=rf"rounds to {levels}/256"):
+      jax_flash.flash_attention(q, k, v, dropout_rate=rate,
+                                dropout_rng=jax.random.key(0))
 
 
 @pytest.mark.parametrize("field, value, error", [

@@ -235,6 +235,23 @@ def test_dropout_is_deterministic_and_keeps_the_expected_fraction():
   assert not np.allclose(a, c)
 
 
+def test_dropout_rate_is_applied_in_steps_of_1_256():
+  """0.1 drops the weights 26/256 drops, and scales the kept ones by
+  256/230, as the reference does; the fraction dropped is 26/256's."""
+  q, k, v, _, _ = random_inputs(CASE, jnp.float32, 3)
+  run = lambda fn, rate: fn(q, k, v, dropout_rate=rate,
+                            dropout_rng=jax.random.key(4), is_causal=True)
+  triton = functools.partial(jax_flash.flash_attention,
+                             implementation="triton", block_sizes=BLOCKS)
+  chex.assert_trees_all_equal(run(triton, 0.1), run(triton, 26 / 256))
+  chex.assert_trees_all_equal(run(jax_flash.attention_reference, 0.1),
+                              run(jax_flash.attention_reference, 26 / 256))
+  kept = jax_flash.masking.dropout_keep(
+      jnp.int32(9), 0, 0, jnp.arange(512)[:, None], jnp.arange(512)[None],
+      0.1)
+  assert abs(float(1 - kept.mean()) - 26 / 256) < 0.004  # 3 sigma
+
+
 def test_block_mask_is_reusable_and_skips_empty_tiles():
   mask_fn = lambda b, h, i, j: (i // 32) == (j // 32)   # block diagonal
   block_mask = BlockMask.from_mask_fn(mask_fn, batch=1, num_heads=1,

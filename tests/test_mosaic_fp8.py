@@ -22,6 +22,7 @@ except ImportError as e:  # a jaxlib built without Mosaic GPU
   pytest.skip(f"Mosaic GPU is not importable: {e}", allow_module_level=True)
 
 from benchmarks import lower_mosaic
+from tests.mosaic_layouts import element_coordinates
 from benchmarks.fp8_accuracy import emulated_fp8_attention
 from jax_flash import fp8 as public_fp8
 
@@ -178,30 +179,6 @@ def test_fp8_lazy_rescale_lowers_and_changes_the_kernel(cuda_lowering):
     assert text() == text(lazy_rescale=head_dim == 256)
 
 
-def _element_coordinates(layout, shape) -> dict:
-  """{(warp, lane, register index, vector position): (row, col)} of a
-  Mosaic GPU `TiledLayout` over a [64·m, n] warpgroup array, from the
-  layout's own tiling, warp, lane and vector dims (not from our reading
-  of them): warp and lane numbers are split over their dims row-major, as
-  Mosaic GPU's `_delinearize_index` splits them."""
-  tiled = layout.tiling.tile_shape(shape)
-  rank = len(tiled)
-  dims = lambda ds: [d % rank for d in ds]
-  warp_dims, lane_dims = dims(layout.warp_dims), dims(layout.lane_dims)
-  vector_dim = layout.vector_dim % rank
-  coordinates = {}
-  for index in np.ndindex(*tiled):
-    warp = np.ravel_multi_index([index[d] for d in warp_dims],
-                                [tiled[d] for d in warp_dims])
-    lane = np.ravel_multi_index([index[d] for d in lane_dims],
-                                [tiled[d] for d in lane_dims])
-    register = tuple(0 if d in (*warp_dims, *lane_dims, vector_dim) else i
-                     for d, i in enumerate(index))
-    coordinates[warp, lane, register, index[vector_dim]] = (
-        layout.tiling.untile_indices(index))
-  return coordinates
-
-
 @pytest.mark.parametrize("block_kv", [64, 128])
 def test_fp8_operand_permutes_p_as_v_keys_are_permuted(block_kv):
   """`common.fp8_operand` regroups each thread's registers of P (WGMMA:
@@ -212,8 +189,8 @@ def test_fp8_operand_permutes_p_as_v_keys_are_permuted(block_kv):
   from jax.experimental.mosaic.gpu import fragmented_array as mgpu_arrays
   from pallas_kernels.mosaic import common
   shape = (64, block_kv)
-  acc = _element_coordinates(mgpu_arrays.WGMMA_LAYOUT, shape)
-  operand = _element_coordinates(mgpu_arrays.WGMMA_LAYOUT_8BIT, shape)
+  acc = element_coordinates(mgpu_arrays.WGMMA_LAYOUT, shape)
+  operand = element_coordinates(mgpu_arrays.WGMMA_LAYOUT_8BIT, shape)
   p = np.random.default_rng(0).standard_normal(shape)
   regrouped = np.full(shape, np.nan)
   sources = common.fp8_operand_sources(shape)  # what `fp8_operand` joins

@@ -12,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from benchmarks import lower_mosaic
@@ -81,6 +82,55 @@ def _masked_forward(name, head_dim, **options):
     return mosaic_forward_masked(q, k, v, scale=head_dim**-0.5, spec=spec,
                                  **operands, **options)
   return forward, Case(2, q_len, kv_len, 4, 2, head_dim)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape", [(64, 128), (64, 64), (128, 64)])
+def test_quad_registers_draw_dropout_keeps_bits(shape, transposed):
+  """`common.quad_dropout_in_threads`'s register walk, by the WGMMA
+  layout's own element map (`mosaic_layouts`): each thread's quads hashed
+  from the words at their first register's row and column, each member's
+  byte shifted to the top and compared, give `masking.dropout_keep`'s bits
+  on a tile whose queries and keys start at multiples of 16, every
+  element once (queries down the rows, or across them: an Sᵀ tile). Fails
+  if a register index or a shift is wrong."""
+  from jax.experimental.mosaic.gpu import fragmented_array as mgpu_arrays
+  from pallas_kernels import masking as kernel_masking
+  from pallas_kernels.mosaic import common
+  from tests.mosaic_layouts import element_coordinates
+  rate, seed, batch, head, q0, k0 = 0.3, 17, 1, 2, 48, 160
+  layout = mgpu_arrays.WGMMA_LAYOUT
+  where = element_coordinates(layout, shape)
+  quads = common.quad_registers(layout.registers_shape(shape),
+                                transposed=transposed)
+  firsts, members = [], []   # (row, col) of each quad's first, its members
+  for warp, lane in {(w, l) for w, l, _, _ in where}:
+    for first, quad in quads:
+      for position in (0, 1):
+        firsts.append(where[warp, lane, first, position])
+        members.append([(*where[warp, lane, member, position], shift)
+                        for member, shift in quad])
+  firsts, members = np.array(firsts), np.array(members)
+  if transposed:
+    q_first, k_first = firsts[:, 1], firsts[:, 0]
+  else:
+    q_first, k_first = firsts[:, 0], firsts[:, 1]
+  words = kernel_masking.dropout_quad_hash(
+      kernel_masking.dropout_query_hash(
+          kernel_masking.dropout_stream(seed, batch, head), q0 + q_first),
+      kernel_masking.dropout_key_hash(k0 + k_first))
+  bytes_on_top = np.left_shift(np.asarray(words)[:, None],
+                               members[..., 2].astype(np.uint32))
+  kept = np.zeros(shape, bool)
+  seen = np.zeros(shape, int)
+  np.add.at(seen, (members[..., 0], members[..., 1]), 1)
+  kept[members[..., 0], members[..., 1]] = (
+      bytes_on_top >= kernel_masking.dropout_threshold(rate))
+  assert (seen == 1).all()
+  rows, cols = np.arange(shape[0])[:, None], np.arange(shape[1])[None]
+  q_idx, kv_idx = (cols, rows) if transposed else (rows, cols)
+  np.testing.assert_array_equal(kept, masking.dropout_keep(
+      seed, batch, head, q0 + q_idx, k0 + kv_idx, rate))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -17,6 +17,8 @@ import math
 from typing import Any, NamedTuple
 
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, vector
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_arrays
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -383,15 +385,112 @@ def alibi_terms(slope, *, q_start, kv_start, q_offset, block_q: int,
 
 def dropout_kept(query_hashes, key_hashes, shape, rate: float, *,
                  transposed: bool = False):
-  """bool `shape`: `masking.dropout_keep_hashed` of every pair, queries
-  down the rows and keys across the columns (transposed: the other way,
-  an Sᵀ tile). The bits of `masking.dropout_keep`, which the Triton
-  kernels and the reference use."""
-  if transposed:
-    queries, keys = per_column(query_hashes, shape), per_row(key_hashes, shape)
-  else:
-    queries, keys = per_row(query_hashes, shape), per_column(key_hashes, shape)
-  return masking.dropout_keep_hashed(queries, keys, rate)
+  """bool `shape` in the WGMMA layout: `masking.dropout_keep` of every
+  pair, queries down the rows and keys across the columns (transposed: the
+  other way, an Sᵀ tile), from the words of the tile's queries and keys
+  (`dropout_query_hashes`, `dropout_key_hashes`: [rows] in the WGMMA row
+  layout, [cols] in its column layout). The bits of `masking.dropout_keep`,
+  which the Triton kernels and the reference use.
+
+  Each thread hashes each of its quads once (`quad_dropout_in_threads`);
+  the tile's first query and first key must sit at multiples of 16, so
+  that a thread's rows r, r + 8 and columns c, c + 8 are quads'."""
+  row_layout, col_layout = (plgpu.Layout.WGMMA.reduce(1),
+                            plgpu.Layout.WGMMA.reduce(0))
+  return plgpu.inline_mgpu(
+      arg_types=((col_layout, row_layout) if transposed
+                 else (row_layout, col_layout)),
+      return_type=plgpu.ShapeDtypeStruct(shape, jnp.bool_,
+                                         plgpu.Layout.WGMMA),
+  )(functools.partial(quad_dropout_in_threads, shape=tuple(shape),
+                      threshold=masking.dropout_threshold(rate),
+                      transposed=transposed))(query_hashes, key_hashes)
+
+
+# A WGMMA register's index: [64-row block, 8-column block, 1, 1, row half
+# (rows r and r + 8), 1, 1, 1, 1]; its two elements are columns 2t, 2t + 1.
+_COLUMN_BLOCK, _ROW_HALF = 1, 4
+
+
+def quad_registers(registers_shape, *, transposed: bool):
+  """[(first, [(member, shift)] * 4)]: for each quad of a thread's WGMMA
+  registers (`masking.dropout_keep`), the register of its first row and
+  column, and each member's register with the left shift that brings its
+  byte of the quad's hash to the top (`masking.dropout_byte_shift`; the
+  tile's queries down the rows, or, `transposed`, across the columns)."""
+  if (len(registers_shape) != 9 or registers_shape[_ROW_HALF] != 2
+      or registers_shape[_COLUMN_BLOCK] % 2):
+    raise NotImplementedError(f"quads of WGMMA registers {registers_shape}")
+  quads = []
+  for first in np.ndindex(registers_shape):
+    if first[_COLUMN_BLOCK] % 2 or first[_ROW_HALF]:
+      continue
+    members = []
+    for row_bit in (0, 1):
+      for column_bit in (0, 1):
+        member = list(first)
+        member[_ROW_HALF] += row_bit
+        member[_COLUMN_BLOCK] += column_bit
+        q_bit, kv_bit = ((column_bit, row_bit) if transposed
+                         else (row_bit, column_bit))
+        members.append((tuple(member), 16 * q_bit + 8 * kv_bit))
+    quads.append((first, members))
+  return quads
+
+
+def quad_dropout_in_threads(_, query_hashes, key_hashes, *, shape,
+                            threshold: int, transposed: bool):
+  """`dropout_kept` on Mosaic GPU fragments: for each quad of a thread's
+  registers (`quad_registers`), one `masking.dropout_quad_hash` of the
+  words of its first row and column, and each weight's byte of it against
+  `threshold`. The words of the quads' second rows and columns go unused
+  (the compiler drops their computation). Interpreted on a CPU as
+  `quad_dropout_value` (tests/mosaic_interpret.py knows this function)."""
+  layout = mgpu_arrays.WGMMA_LAYOUT
+  q_dims, kv_dims = ((1,), (0,)) if transposed else ((0,), (1,))
+  queries = query_hashes.broadcast_in_dim(shape, q_dims, layout)
+  keys = key_hashes.broadcast_in_dim(shape, kv_dims, layout)
+  vector_type = queries.registers.flat[0].type
+  i32 = ir.IntegerType.get_signless(32)
+
+  def const(value: int):  # a uint32 as the i32 of its bits, splat
+    value = value - 2**32 if value >= 2**31 else value
+    return vector.broadcast(vector_type, arith.constant(i32, value))
+
+  def xor_shift(x, bits: int):
+    return arith.xori(x, arith.shrui(x, const(bits)))
+
+  def quad_hash(x):  # `masking.dropout_quad_hash` of the words' xor
+    x = arith.muli(x, const(masking.DROPOUT_MIX_1))
+    x = arith.muli(xor_shift(x, 13), const(masking.DROPOUT_MIX_2))
+    return xor_shift(x, 16)
+
+  kept = np.empty(queries.registers.shape, dtype=object)
+  for first, members in quad_registers(kept.shape, transposed=transposed):
+    quad = quad_hash(arith.xori(queries.registers[first],
+                                keys.registers[first]))
+    for member, shift in members:
+      byte = arith.shli(quad, const(shift)) if shift else quad
+      kept[member] = arith.cmpi(arith.CmpIPredicate.uge, byte,
+                                const(threshold))
+  return mgpu_arrays.FragmentedArray(_registers=kept, _layout=layout,
+                                     _is_signed=False)
+
+
+def quad_dropout_value(query_hashes, key_hashes, *, shape, threshold: int,
+                       transposed: bool):
+  """What `quad_dropout_in_threads` computes, as jnp: the tile's kept
+  weights, from the words at each quad's first row and column."""
+  rows, cols = (jnp.arange(n, dtype=jnp.uint32) for n in shape)
+  row_words, col_words = ((key_hashes, query_hashes) if transposed
+                          else (query_hashes, key_hashes))
+  quad = masking.dropout_quad_hash(
+      row_words[masking.quad_first(rows)][:, None],
+      col_words[masking.quad_first(cols)][None, :])
+  q_idx, kv_idx = ((cols[None, :], rows[:, None]) if transposed
+                   else (rows[:, None], cols[None, :]))
+  shift = masking.dropout_byte_shift(q_idx, kv_idx)
+  return lax.shift_left(quad, shift) >= jnp.uint32(threshold)
 
 
 class SlopeRows(NamedTuple):

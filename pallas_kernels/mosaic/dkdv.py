@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat as versions
-from pallas_kernels.mosaic import compat
+from pallas_kernels.mosaic import compat, lowered_cache
 from pallas_kernels.mosaic.common import (
     THREADS_PER_WARPGROUP, ScoreTiles, alibi_terms, chained_tiles, copy_slopes,
     dropout_key_hashes, dropout_kept, dropout_query_hashes, masked_steps,
@@ -42,9 +42,10 @@ from pallas_kernels.mosaic.fused_dq import (
     num_dq_pieces, stage_dq_piece, stage_dq_pieces, write_dq)
 from pallas_kernels.mosaic.pipeline import (
     MASKED, UNMASKED, BackwardStatic, Walk, causal_mask_t,
-    column_statistic, dkdv_causal_runs, dropped_in_sign, each_tile,
-    first_q_block, first_unmasked_q_block, grid_args, ids_arrived,
-    keep_scale, kept_weights, kernel_name, load_own_ids, produce,
+    column_statistic, dkdv_causal_runs, dropout_delta, dropped_in_sign,
+    ds_scale, each_tile, first_q_block, first_unmasked_q_block, grid_args,
+    ids_arrived, keep_scale, kept_weights, kernel_name, load_own_ids,
+    produce,
     ranged_inputs, ranged_refs, ranged_scratch, ranged_walk, ring_slot,
     score_gradient, tile_indices_t, tile_probabilities, tile_values,
     variant_mask_t, walk_group, walk_range, wgmma_accumulate, wgmma_fresh,
@@ -124,7 +125,7 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
                 ) + out_type
   if static.opaque_resident:  # a zero (see `BackwardStatic.opaque_resident`)
     scratch += (plgpu.SMEM((1,), jnp.int32),)
-  results = plgpu.kernel(
+  results = lowered_cache.kernel(
       functools.partial(_dkdv_kernel, static=static),
       out_type=out_type,
       scratch_types=scratch,
@@ -573,9 +574,10 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         weights = kept_weights(p_t, static.dropout)
         updates.append((weights.astype(static.dtype), do_tile))  # dV += Pᵀ dO
       else:
-        ds_t = score_gradient(p_t, dp_t[0],
-                              per_column(column_stat(1), s_t.shape), slope,
-                              keep_scale(static))
+        ds_t = score_gradient(
+            p_t, dp_t[0],
+            per_column(dropout_delta(column_stat(1), static), s_t.shape),
+            slope, static.dropout)
         updates.append((ds_t.astype(static.dtype), q_tile))  # dK += dSᵀ Q
     grads = wgmma_accumulate(grads, updates)
     plgpu.barrier_arrive(consumed.at[slot])
@@ -588,7 +590,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     offset = 0 if resident is None else resident()[2]
     pl.when(last >= 0)(functools.partial(
         stage_dq_pieces, fused, wg, step=last, static=static, offset=offset))
-  factors = {"dk": static.scale}
+  factors = {"dk": ds_scale(static)}
   if static.dropout:  # the kept weights' 1 / (1 - rate), once
     factors["dv"] = keep_scale(static)
   return tuple(grad * factors[name] if name in factors else grad
@@ -619,9 +621,10 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
       wgmma(named["dv"],
             kept_weights(p_t, static.dropout).astype(static.dtype), do_tile)
     if "dk" in named:
-      delta = plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0))
+      delta = dropout_delta(
+          plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0)), static)
       ds_t = score_gradient(p_t, dp_t[0], per_column(delta, p_t.shape),
-                            slope, keep_scale(static))
+                            slope, static.dropout)
       ds_t = ds_t.astype(static.dtype)
       wgmma(named["dk"], ds_t, q_tile)
       if store_ds is not None:

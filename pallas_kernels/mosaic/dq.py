@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat as versions
-from pallas_kernels.mosaic import compat
+from pallas_kernels.mosaic import compat, lowered_cache
 from pallas_kernels.mosaic.common import (
     alibi_terms, causal_mask, chained_tiles, copy_slopes, dropout_key_hashes,
     dropout_kept, dropout_query_hashes, masked_steps, per_row, slope_reader,
@@ -32,8 +32,9 @@ from pallas_kernels.mosaic.common import (
 from pallas_kernels.mosaic.rows import (
     RowViews, copy_rows_in, copy_rows_out, row_buffer, row_copies)
 from pallas_kernels.mosaic.pipeline import (
-    MASKED, SKIP, UNMASKED, BackwardStatic, Walk, dropped_in_sign,
-    each_tile, grid_args, ids_arrived, keep_scale, kernel_name,
+    MASKED, SKIP, UNMASKED, BackwardStatic, Walk, dropout_delta,
+    dropped_in_sign, ds_scale, each_tile, grid_args, ids_arrived,
+    keep_scale, kernel_name,
     load_own_ids, produce, ranged_inputs, ranged_refs, ranged_scratch,
     ranged_walk, score_gradient, skip_step, tile_probabilities,
     tile_values, walk_range, walk_runs, wgmma_accumulate, wgmma_fresh,
@@ -86,7 +87,7 @@ def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
     scratch += (plgpu.SMEM((consumers, static.block_q, static.block_kv),
                            out_dtype,
                            transforms=swizzled(static.block_kv, out_dtype)),)
-  return compat.vary_like(plgpu.kernel(
+  return compat.vary_like(lowered_cache.kernel(
       functools.partial(_dq_kernel, static=static),
       out_type=versions.output_struct(out_shape, out_dtype, *inputs),
       scratch_types=scratch,
@@ -167,7 +168,8 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
       plgpu.barrier_wait(barrier.at[wg])
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     lse_log2 = plgpu.layout_cast(own_stats[0], row_layout)
-    delta = plgpu.layout_cast(own_stats[1], row_layout)
+    delta = dropout_delta(plgpu.layout_cast(own_stats[1], row_layout),
+                          static)
     kept_of = bias_of = write_ds = terms_of = None
     if plan is None:
       walk = Walk(0, num_steps, _dq_causal_runs(q_start, num_steps, static),
@@ -329,10 +331,11 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
       s, dp = wgmma_fresh(shape, products)
       p, slope = probabilities(s)
     ds = score_gradient(p, dp, per_row(delta, p.shape), slope,
-                        keep_scale(static))
+                        static.dropout)
     if write_ds is not None:
       plgpu.barrier_arrive(consumed.at[slot])  # K and V are not read again
-      write_ds(step, ds)
+      # dS itself: dbias takes it unscaled.
+      write_ds(step, ds * keep_scale(static) if static.dropout else ds)
       return dq
     (dq,) = wgmma_accumulate((dq,), [(ds.astype(static.dtype), k_tile)])
     plgpu.barrier_arrive(consumed.at[slot])
@@ -345,7 +348,7 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
   dq = walk_runs(walk.runs, {
       SKIP: skip_body, UNMASKED: functools.partial(step_body, masked=False),
       MASKED: functools.partial(step_body, masked=True)}, dq)
-  return None if dq is None else dq * static.scale
+  return None if dq is None else dq * ds_scale(static)
 
 
 def _write_ds(smem, destination, step, ds):

@@ -56,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import compat as versions
-from pallas_kernels.mosaic import compat, turns
+from pallas_kernels.mosaic import compat, lowered_cache, turns
 from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, check_layout, check_shared_memory, check_tiles,
@@ -311,7 +311,7 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
     grid, grid_names = launch_grid((num_q_tiles, num_heads, batch),
                                    ("q_tile", "head", "batch"),
                                    tile_fastest=static.tile_fastest)
-  out, lse = compat.vary_like(plgpu.kernel(
+  out, lse = compat.vary_like(lowered_cache.kernel(
       functools.partial(body, static=static),
       out_type=out_type,
       scratch_types=scratch,

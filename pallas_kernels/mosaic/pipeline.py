@@ -445,17 +445,20 @@ def kept_weights(p, dropout: bool):
   return jnp.maximum(p, 0.0) if dropout else p
 
 
-def score_gradient(p, dp, delta, slope, dropout_scale=None):
+def score_gradient(p, dp, delta, slope, dropout: bool = False):
   """dS = P ∘ (dP - delta), times the score changes' slope when there is
   one; dS is then dL / d(scale·q·k), scaled once at the end.
 
-  Dropout (`dropout_scale`, its 1 / (1 - rate)): `p` carries the dropped
-  weights negated (`dropped_in_sign`), and dP is the gradient of the
-  weights that multiplied V, so it is dropped and scaled as they were:
-  dS = max(P, 0) ∘ dP · scale - |P| ∘ delta, which is P ∘ (dP · scale -
-  delta) where kept and P ∘ (0 - delta) where dropped."""
-  if dropout_scale is not None:
-    ds = jnp.maximum(p, 0.0) * (dp * dropout_scale) - jnp.abs(p) * delta
+  Dropout: `p` carries the dropped weights negated (`dropped_in_sign`),
+  dP is the gradient of the weights that multiplied V, so it is dropped
+  and scaled by 1 / (1 - rate) as they were, and `delta` comes times
+  (1 - rate) (`dropout_delta`): this returns dS (1 - rate) = max(P, 0) ∘
+  dP - |P| ∘ delta (1 - rate), which is (1 - rate) P ∘ (dP / (1 - rate) -
+  delta) where kept and (1 - rate) P ∘ (0 - delta) where dropped; its
+  1 / (1 - rate) joins the final scale (`ds_scale`), one multiply a score
+  fewer."""
+  if dropout:
+    ds = jnp.maximum(p, 0.0) * dp - jnp.abs(p) * delta
   else:
     ds = p * (dp - delta)
   return ds if slope is None else ds * slope
@@ -465,6 +468,18 @@ def keep_scale(static: BackwardStatic) -> float | None:
   """1 / (1 - rate): the factor of the weights dropout keeps; None
   without dropout."""
   return 1.0 / (1.0 - static.spec.dropout_rate) if static.dropout else None
+
+
+def dropout_delta(delta, static: BackwardStatic):
+  """Rows' delta as `score_gradient` takes it: times 1 - rate under
+  dropout."""
+  return delta * (1.0 - static.spec.dropout_rate) if static.dropout else delta
+
+
+def ds_scale(static: BackwardStatic) -> float:
+  """The factor of the sums of `score_gradient`'s dS (dQ = dS K and dK =
+  dSᵀ Q): the softmax scale, and under dropout 1 / (1 - rate)."""
+  return static.scale * (keep_scale(static) if static.dropout else 1.0)
 
 
 def column_statistic(stats_ring, slot, n):
