@@ -7,7 +7,7 @@ from typing import Literal
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
-from jax_flash import masking, reference, validation
+from jax_flash import masking, reference, score_forms, validation
 from jax_flash.reference import (AlibiSlopes, Bias, KeyValue, Lengths, Lse,
                                  Mask, MaskFn, Out, QOffset, Query, ScoreFn,
                                  SegmentIds, Sinks, Window)
@@ -226,12 +226,13 @@ def _run_xla(call: AttentionCall, query, key, value, **_):
 
 def _run_triton(call: AttentionCall, query, key, value, *, block_sizes,
                 interpret):
+  call, lse_shift = score_forms.as_builtin(call)
   block_sizes, operands = triton_setup(call, query.dtype, block_sizes,
                                        interpret)
   out, lse = flash_attention_triton(query, key, value, operands, call.bias,
                                     call.scale, call.spec, block_sizes,
                                     interpret)
-  return _kernel_result(call, out, lse)
+  return _kernel_result(call, out, lse, lse_shift=lse_shift)
 
 
 def triton_setup(call: AttentionCall, dtype, block_sizes, interpret):
@@ -273,9 +274,12 @@ def check_triton_device(head_dim: int, interpret: bool):
 
 
 def _kernel_result(call: AttentionCall, out, lse, *,
-                   sinks_applied: bool = False):
+                   sinks_applied: bool = False, lse_shift=None):
   """A kernel's (out, lse [B, N, Tq]) as the API returns them: lse
-  [B, Tq, N], and the sinks folded in unless the kernel did."""
+  [B, Tq, N], `lse_shift` [B, N, Tq] (`score_forms.as_builtin`'s) added,
+  and the sinks folded in unless the kernel did."""
+  if lse_shift is not None:
+    lse = lse + lse_shift
   lse = jnp.swapaxes(lse, 1, 2)
   if call.sinks is not None and not sinks_applied:
     out, lse = masking.apply_sinks(out, lse, call.sinks)
@@ -287,12 +291,14 @@ def _run_mosaic(call: AttentionCall, query, key, value, *, block_sizes,
   """The sm90 kernels (sinks in the forward's epilogue); masks beyond
   `is_causal` raise NotImplementedError unless the masked kernel is
   enabled."""
+  call, lse_shift = score_forms.as_builtin(call)
   block_sizes, mosaic, operands = mosaic_setup(call, block_sizes, interpret)
   out, lse = mosaic.mosaic_attention(
       query, key, value, scale=call.scale, is_causal=call.spec.is_causal,
       backward_blocks=block_sizes, spec=call.spec, operands=operands,
       bias=call.bias, sinks=call.sinks)
-  return _kernel_result(call, out, lse, sinks_applied=True)
+  return _kernel_result(call, out, lse, sinks_applied=True,
+                        lse_shift=lse_shift)
 
 
 def mosaic_setup(call: AttentionCall, block_sizes, interpret):

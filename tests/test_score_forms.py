@@ -1,0 +1,147 @@
+"""A `score_fn` that is causal ALiBi, run as the built-in ALiBi
+(`jax_flash.score_forms`): which functions are read as ALiBi, with which
+slopes and row shifts, and that the kernels then give the reference's
+numbers for the function as written (out, LSE and gradients)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import BlockSizes, score_forms, validation
+from tests.attention_checks import Case, check_against_reference
+
+BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_kv_dkv=32,
+                    block_q_dq=32, block_kv_dq=16)
+
+
+def alibi_abs(s, b, h, q_idx, kv_idx):
+  """ALiBi as `benchmarks.masks` writes it: -slope |q - kv|."""
+  del b
+  slope = jnp.exp2(-(h + 1).astype(jnp.float32))
+  return s - slope * jnp.abs(q_idx - kv_idx).astype(jnp.float32)
+
+
+def alibi_linear(s, b, h, q_idx, kv_idx):
+  """FlexAttention's form: slope (kv - q), a slope chosen by `where`."""
+  del b
+  slope = jnp.where(h % 2 == 0, 0.25, 0.125) / (h + 1)
+  return s + slope * (kv_idx - q_idx)
+
+
+def shifted_rows(s, b, h, q_idx, kv_idx):
+  """Linear in the positions with a per-row remainder: q's slope is not
+  -kv's, and a constant per (b, h)."""
+  return s + 0.03 * (h + 1) * kv_idx - 0.01 * q_idx + 0.5 * b - 0.2 * h
+
+
+def _slopes(form):
+  return np.asarray(form.slopes)
+
+
+def test_alibi_as_abs_is_read_with_its_slopes():
+  form = score_forms.alibi_form(alibi_abs, batch=2, num_heads=3,
+                                abs_sign_known=True)
+  np.testing.assert_array_equal(_slopes(form), [[0.5, 0.25, 0.125]] * 2)
+  assert not form.shifts_rows
+
+
+def test_linear_alibi_is_read_with_where_slopes():
+  form = score_forms.alibi_form(alibi_linear, batch=1, num_heads=4,
+                                abs_sign_known=False)
+  np.testing.assert_allclose(_slopes(form),
+                             [[0.25, 0.125 / 2, 0.25 / 3, 0.125 / 4]])
+  assert not form.shifts_rows
+
+
+def test_row_remainder_is_kept_as_a_shift():
+  form = score_forms.alibi_form(shifted_rows, batch=2, num_heads=2,
+                                abs_sign_known=False)
+  np.testing.assert_allclose(_slopes(form), [[0.03, 0.06]] * 2, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(form.row_slope),
+                             [[0.02, 0.05]] * 2, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(form.row_const),
+                             [[0.0, -0.2], [0.5, 0.3]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("score_fn, sign_known", [
+    (alibi_abs, False),  # abs without a causal mask's sign
+    (lambda s, b, h, q, k: s + 0.1 * jnp.abs(q - 2 * k), True),
+    (lambda s, b, h, q, k: s + 0.01 * (q * k), True),   # a product
+    (lambda s, b, h, q, k: 2.0 * s + 0.1 * (k - q), True),  # s not added
+    (lambda s, b, h, q, k: s + jnp.where(q > k, 0.0, 1.0), True),
+    (lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0), True),
+    (lambda s, b, h, q, k: s + jnp.sqrt((k - q).astype(jnp.float32)), True),
+])
+def test_other_functions_stay_opaque(score_fn, sign_known):
+  assert score_forms.alibi_form(score_fn, batch=1, num_heads=2,
+                                abs_sign_known=sign_known) is None
+
+
+def _call(score_fn, case, **variants):
+  q = jnp.zeros((case.batch, case.q_len, case.num_heads, case.head_dim))
+  k = jnp.zeros((case.batch, case.kv_len, case.num_kv_heads, case.head_dim))
+  return validation.normalise_call(q, k, k, score_fn=score_fn, **variants)
+
+
+CASE = Case(2, 70, 90, 4, 2, 40)
+
+
+def test_causal_alibi_runs_as_builtin_without_a_shift():
+  call, shift = score_forms.as_builtin(_call(alibi_abs, CASE,
+                                             is_causal=True))
+  assert call.spec.score_fn is None and call.spec.has_alibi
+  assert call.operands.alibi_slopes.shape == (2, 4) and shift is None
+
+
+@pytest.mark.parametrize("variants", [
+    dict(is_causal=False),  # no mask that fixes the sign or makes it ALiBi
+    dict(is_causal=True, sinks=jnp.zeros(4)),  # a shift under sinks
+    dict(is_causal=True, logits_soft_cap=5.0),  # a shift under a cap
+    dict(is_causal=True, alibi_slopes=jnp.ones(4)),  # ALiBi already
+])
+def test_rewrite_is_declined_where_it_would_change_the_result(variants):
+  score_fn = shifted_rows if "alibi_slopes" not in variants else alibi_abs
+  call = _call(score_fn, CASE, **variants)
+  rewritten, shift = score_forms.as_builtin(call)
+  assert rewritten is call and shift is None
+
+
+def test_sinks_and_cap_keep_the_rewrite_without_a_shift():
+  call, _ = score_forms.as_builtin(_call(
+      alibi_linear, CASE, is_causal=True, logits_soft_cap=5.0,
+      sinks=jnp.zeros(4)))
+  assert call.spec.has_alibi and call.spec.score_fn is None
+
+
+def _triton(**variants):
+  def attention(q, k, v):
+    return jax_flash.flash_attention(q, k, v, return_residual=True,
+                                     implementation="triton",
+                                     block_sizes=BLOCKS, **variants)
+  return attention
+
+
+@pytest.mark.parametrize("name, case, variants", [
+    ("abs", Case(2, 83, 83, 4, 1, 32), dict(score_fn=alibi_abs)),
+    ("linear-q_offset", CASE, dict(score_fn=alibi_linear, q_offset=20)),
+    ("shifted-lengths", CASE, dict(
+        score_fn=shifted_rows, q_offset=jnp.array([20, 5], jnp.int32),
+        key_value_seq_lengths=jnp.array([90, 61], jnp.int32))),
+    ("linear-cap-sinks", Case(1, 64, 64, 2, 2, 64), dict(
+        score_fn=alibi_linear, logits_soft_cap=4.0,
+        sinks=jnp.array([0.5, -1.0]))),
+])
+def test_rewritten_calls_match_the_function_as_written(name, case, variants):
+  """Against the reference, which evaluates `score_fn` itself: out, the
+  LSE (the row shift) and dq, dk, dv under random cotangents."""
+  del name
+  variants = dict(variants, is_causal=True)
+  call, _ = score_forms.as_builtin(_call(**{"case": case, **variants}))
+  assert call.spec.has_alibi  # the rewrite is what runs
+  check_against_reference(_triton(**variants), case, jnp.float32, seed=3,
+                          **variants)
