@@ -4,9 +4,6 @@ slopes and row shifts, and that the kernels then give the reference's
 numbers for the function as written (out, LSE and gradients)."""
 from __future__ import annotations
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
