@@ -142,3 +142,20 @@ def test_rewritten_calls_match_the_function_as_written(name, case, variants):
   assert call.spec.has_alibi  # the rewrite is what runs
   check_against_reference(_triton(**variants), case, jnp.float32, seed=3,
                           **variants)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("score_fn", [alibi_abs, shifted_rows])
+def test_rewritten_calls_on_the_mosaic_kernels_on_gpu(score_fn):
+  """The same on the masked Mosaic kernels (causal ALiBi as column terms),
+  bfloat16, GQA 4:2, ragged lengths."""
+  from pallas_kernels import compat
+  if (compat.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic kernels need sm90")
+  case = Case(2, 1000, 1000, 4, 2, 128)
+  variants = dict(score_fn=score_fn, is_causal=True)
+
+  def attention(q, k, v):
+    return jax_flash.flash_attention(q, k, v, return_residual=True,
+                                     implementation="mosaic", **variants)
+  check_against_reference(attention, case, jnp.bfloat16, seed=5, **variants)
