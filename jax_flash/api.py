@@ -86,7 +86,12 @@ def flash_attention(
       traced into the kernels (its derivative by jax.jvp in the backward;
       in the Mosaic kernels its divisions by a scalar run as products by
       the reciprocal, within an ulp: a division costs ~15 instructions a
-      score there).
+      score there). Under a causal mask, a score_fn that adds a linear
+      function of the positions, s + a(b, h) q_idx + c(b, h) kv_idx +
+      d(b, h) (ALiBi written as `slope * (kv_idx - q_idx)`, or without
+      q_offset `-slope * abs(q_idx - kv_idx)`), runs as the built-in ALiBi
+      with the remainder per row added to the LSE (`score_forms`): the same
+      results up to rounding, at the built-in's speed.
     dropout_rate, dropout_rng: dropout of the attention weights, from a
       counter-based hash of (seed, b, h, q_idx, kv_idx) in the kernels.
       The rate is applied in steps of 1/256, rounded (0.1 drops 26/256 of
