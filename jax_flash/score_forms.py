@@ -1,4 +1,4 @@
-"""A `score_fn` that is causal ALiBi in disguise, run as the built-in ALiBi.
+"""A `score_fn` that is a built-in score change, run as that built-in.
 
 `score_fn(s, b, h, q_idx, kv_idx)` is opaque to the kernels: they call it
 on whole [block_q, block_kv] tiles of scores and positions, forward and
@@ -8,14 +8,16 @@ abs(q_idx - kv_idx)`), then costs a tile of positions, a conversion and a
 multiply-add per score, where the built-in causal ALiBi enters as one
 term per key and one per query (`pallas_kernels.mosaic.common.
 alibi_columns`): on an H100 at 16k, d=128, fwd+bwd, ALiBi as a `score_fn`
-ran 0.79x plain causal against the built-in's 0.88x.
+ran 0.79x plain causal against the built-in's 0.88x. A soft cap written
+as `score_fn` misses the plain kernels' capped forward (d=256) and the
+folded cap (`masking.modify_scores_folded`).
 
-`as_builtin` reads the function's jaxpr (traced on scalars) with its
+`score_form` reads the function's jaxpr (traced on scalars) with its
 score and positions as symbols and everything else, (b, h) and constants,
 as values, under `vmap` over every (b, h). Where the result is, on every
 entry a causal mask keeps,
 
-    s + alpha(b, h) * q_idx + beta(b, h) * kv_idx + gamma(b, h)
+    A = s + alpha(b, h) * q_idx + beta(b, h) * kv_idx + gamma(b, h)
 
 the call runs as built-in ALiBi with slopes beta (the built-in adds
 -slope * |q_pos - kv_idx| = slope * (kv_idx - q_pos) there, q_pos = q_idx
@@ -23,15 +25,16 @@ the call runs as built-in ALiBi with slopes beta (the built-in adds
 
     shift(b, h, q_idx) = (alpha + beta) * q_idx + beta * q_offset + gamma,
 
-leaves the softmax alone and is added to the returned logsumexp. `abs` is
-read where the mask fixes its sign: of +-c (q_idx - kv_idx) under a causal
-mask without q_offset (kept keys sit at or before their query). Anything
-else (a product of positions, a `where`, a score not added, a cap inside
-`score_fn`) leaves the call as it is. A row shift that is not zero
-symbolically also leaves it where something after the scores is not
-shift-invariant: a soft cap, sinks. The rewritten scores differ from the
-function's by rounding only (slope times a position, summed, against
-slope times the difference).
+leaves the softmax alone and is added to the returned logsumexp. Without
+position terms (alpha = beta = 0) no mask is needed. `cap * tanh(A / cap)`
+(or `A * (1 / cap)`), cap a Python number, runs as the built-in soft cap
+after A's ALiBi, which must then leave no shift: a cap is not
+shift-invariant, nor are sinks. `abs` is read where the mask fixes its
+sign: of +-c (q_idx - kv_idx) under a causal mask without q_offset (kept
+keys sit at or before their query). Anything else (a product of
+positions, a `where` on them, a score not added) leaves the call as it
+is. The rewritten scores differ from the function's by rounding only
+(slope times a position, summed, against slope times the difference).
 """
 from __future__ import annotations
 
@@ -173,6 +176,17 @@ def _evaluate(jaxpr, consts, args, *, abs_sign_known: bool):
   return [read(v) for v in jaxpr.outvars]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tanh:
+  """tanh(form), and after a multiply by a constant `factor`: factor *
+  tanh(form)."""
+
+  form: _Form
+  factor: float | None = None
+  is_scalar = False
+  dtype = jnp.float32
+
+
 def _apply(eqn, ins, *, abs_sign_known: bool):
   name = eqn.primitive.name
   dtype = eqn.outvars[0].aval.dtype
@@ -183,7 +197,8 @@ def _apply(eqn, ins, *, abs_sign_known: bool):
     return [_scalar(o, v.aval.dtype) for o, v in zip(outs, eqn.outvars)]
   if any(v.aval.shape != () for v in eqn.outvars):
     raise _NotAForm(f"{name} of a non-scalar shape")
-  if name in _SHAPE_ONLY:
+  if name in _SHAPE_ONLY or (name == "convert_element_type"
+                             and ins[0].dtype == dtype):
     return [ins[0]]
   for param in _CALLS:
     if param in eqn.params:
@@ -191,6 +206,10 @@ def _apply(eqn, ins, *, abs_sign_known: bool):
       inner = getattr(closed, "jaxpr", closed)
       return _evaluate(inner, getattr(closed, "consts", ()), ins,
                        abs_sign_known=abs_sign_known)
+  if any(isinstance(x, _Tanh) for x in ins):
+    return [_scaled_tanh(name, ins)]
+  if name == "tanh":
+    return [_Tanh(ins[0])]
   if name == "add":
     return [ins[0].plus(ins[1])]
   if name == "sub":
@@ -218,6 +237,16 @@ def _apply(eqn, ins, *, abs_sign_known: bool):
   raise _NotAForm(f"{name} of a position or score term")
 
 
+def _scaled_tanh(name: str, ins) -> _Tanh:
+  """factor * tanh(form), the factor a constant (a Python number, so that
+  it can be the built-in cap)."""
+  tanh, factor = ins if isinstance(ins[0], _Tanh) else ins[::-1]
+  if not (name == "mul" and tanh.factor is None and factor.is_scalar
+          and factor.one.is_const):
+    raise _NotAForm(f"{name} of a tanh")
+  return _Tanh(tanh.form, factor.one.const)
+
+
 def _abs_of_difference(form: _Form, sign_known: bool) -> _Form:
   """|c (q_idx - kv_idx)| = |c| (q_idx - kv_idx) where every kept key sits
   at or before its query (causal, no q_offset)."""
@@ -231,25 +260,41 @@ def _abs_of_difference(form: _Form, sign_known: bool) -> _Form:
 
 
 @dataclasses.dataclass(frozen=True)
-class AlibiForm:
-  """`score_fn` as ALiBi: slopes float32 [batch, num_heads] and the row
-  shift's parts (None where symbolically zero): `row_slope` [batch,
-  num_heads] times q_idx, plus `row_const` [batch, num_heads]."""
+class ScoreForm:
+  """`score_fn` as built-ins (module docstring): ALiBi `slopes` float32
+  [batch, num_heads] (None without position terms), the row shift's parts
+  (None where symbolically zero: `row_slope` [batch, num_heads] times
+  q_idx, plus `row_const` [batch, num_heads]) and a soft `cap`."""
 
-  slopes: jax.Array
+  slopes: jax.Array | None
   row_slope: jax.Array | None
   row_const: jax.Array | None
+  cap: float | None = None
 
   @property
   def shifts_rows(self) -> bool:
     return self.row_slope is not None or self.row_const is not None
 
 
-def alibi_form(score_fn, *, batch: int, num_heads: int,
-               abs_sign_known: bool) -> AlibiForm | None:
-  """`score_fn`'s ALiBi form (module docstring), or None where it has none.
-  `abs_sign_known`: every kept key sits at or before its query (causal
-  without q_offset), so that abs(q_idx - kv_idx) is q_idx - kv_idx."""
+def _uncapped(out) -> tuple[_Form, float | None]:
+  """(A, cap) of `out` = A or cap * tanh(A / cap)."""
+  if not isinstance(out, _Tanh):
+    return out, None
+  cap, inner = out.factor, out.form
+  if cap is None or not cap > 0 or not inner.score.is_const:
+    raise _NotAForm("a tanh that is not a soft cap")
+  if abs(inner.score.const * cap - 1.0) > 1e-6:
+    raise _NotAForm("a tanh whose scale is not 1 / its factor")
+  scores = inner.map(lambda c: c.scaled(cap))
+  return dataclasses.replace(scores, score=_ONE), cap
+
+
+def score_form(score_fn, *, batch: int, num_heads: int,
+               abs_sign_known: bool) -> ScoreForm | None:
+  """`score_fn`'s built-in form (module docstring), or None where it has
+  none. `abs_sign_known`: every kept key sits at or before its query
+  (causal without q_offset), so that abs(q_idx - kv_idx) is q_idx -
+  kv_idx."""
   scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
   try:
     closed = jax.make_jaxpr(score_fn)(
@@ -267,11 +312,14 @@ def alibi_form(score_fn, *, batch: int, num_heads: int,
     (out,) = _evaluate(closed.jaxpr, closed.consts,
                        [score, _scalar(b, jnp.int32), _scalar(h, jnp.int32),
                         q, k], abs_sign_known=abs_sign_known)
+    out, cap = _uncapped(out)
     if not (out.score.is_const and out.score.const == 1.0
             and jnp.issubdtype(out.dtype, jnp.floating)):
       raise _NotAForm("the score is not added")
     row = out.q.plus(out.k)
-    found.update(row_slope=not row.is_zero, row_const=not out.one.is_zero)
+    found.update(positions=not (out.q.is_zero and out.k.is_zero),
+                 row_slope=not row.is_zero, row_const=not out.one.is_zero,
+                 cap=cap)
     return out.k.value(), row.value(), out.one.value()
 
   b = jnp.arange(batch, dtype=jnp.int32)[:, None]
@@ -281,40 +329,52 @@ def alibi_form(score_fn, *, batch: int, num_heads: int,
     slopes, row_slope, row_const = grid(*jnp.broadcast_arrays(b, h))
   except _NotAForm:
     return None
-  return AlibiForm(slopes.astype(jnp.float32),
+  return ScoreForm(slopes.astype(jnp.float32) if found["positions"] else None,
                    row_slope if found["row_slope"] else None,
-                   row_const if found["row_const"] else None)
+                   row_const if found["row_const"] else None, found["cap"])
 
 
 def as_builtin(call: AttentionCall):
-  """(call, lse_shift): `call` with a causal-ALiBi `score_fn` replaced by
-  the built-in ALiBi, and the float32 [batch, num_heads, q_len] to add to
-  the kernels' logsumexp (None where nothing is); else (call, None)."""
+  """(call, lse_shift): `call` with a `score_fn` that has a built-in form
+  replaced by the built-ins, and the float32 [batch, num_heads, q_len] to
+  add to the kernels' logsumexp (None where nothing is); else (call,
+  None)."""
   spec, operands = call.spec, call.operands
-  if spec.score_fn is None or not spec.is_causal or spec.has_alibi:
+  if spec.score_fn is None:
     return call, None
   shape = call.shape
-  form = alibi_form(spec.score_fn, batch=shape.batch,
+  form = score_form(spec.score_fn, batch=shape.batch,
                     num_heads=shape.num_heads,
-                    abs_sign_known=not spec.has_q_offset)
+                    abs_sign_known=spec.is_causal and not spec.has_q_offset)
   if form is None:
     return call, None
-  shift_sensitive = spec.logits_soft_cap is not None or call.sinks is not None
-  if shift_sensitive and (form.shifts_rows or spec.has_q_offset):
+  positions = form.slopes is not None
+  if positions and (not spec.is_causal or spec.has_alibi):
+    return call, None  # not ALiBi's form, or ALiBi already
+  if form.cap is not None and spec.logits_soft_cap is not None:
+    return call, None  # a cap inside a cap
+  shift_sensitive = (form.cap is not None or spec.logits_soft_cap is not None
+                     or call.sinks is not None)
+  if shift_sensitive and (form.shifts_rows
+                          or (positions and spec.has_q_offset)):
     return call, None
   builtin = dataclasses.replace(
-      call, spec=dataclasses.replace(spec, score_fn=None, has_alibi=True),
-      operands=operands._replace(alibi_slopes=form.slopes))
+      call, spec=dataclasses.replace(
+          spec, score_fn=None, has_alibi=spec.has_alibi or positions,
+          logits_soft_cap=(form.cap if form.cap is not None
+                           else spec.logits_soft_cap)),
+      operands=(operands._replace(alibi_slopes=form.slopes) if positions
+                else operands))
   return builtin, _row_shift(form, operands.q_offset, shape)
 
 
-def _row_shift(form: AlibiForm, q_offset, shape):
+def _row_shift(form: ScoreForm, q_offset, shape):
   """shift [batch, num_heads, q_len] (module docstring), or None."""
   shift = None
   if form.row_slope is not None:
     q_idx = jnp.arange(shape.q_len, dtype=jnp.float32)
     shift = form.row_slope[:, :, None] * q_idx
-  if q_offset is not None:
+  if q_offset is not None and form.slopes is not None:
     offset = jnp.asarray(q_offset, jnp.float32).reshape(-1)[:, None, None]
     term = form.slopes[:, :, None] * offset
     shift = term if shift is None else shift + term

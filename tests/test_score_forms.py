@@ -10,7 +10,8 @@ import pytest
 
 import jax_flash
 from jax_flash import BlockSizes, score_forms, validation
-from tests.attention_checks import Case, check_against_reference
+from tests.attention_checks import (Case, check_against_reference,
+                                   position_score)
 
 BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_kv_dkv=32,
                     block_q_dq=32, block_kv_dq=16)
@@ -41,14 +42,14 @@ def _slopes(form):
 
 
 def test_alibi_as_abs_is_read_with_its_slopes():
-  form = score_forms.alibi_form(alibi_abs, batch=2, num_heads=3,
+  form = score_forms.score_form(alibi_abs, batch=2, num_heads=3,
                                 abs_sign_known=True)
   np.testing.assert_array_equal(_slopes(form), [[0.5, 0.25, 0.125]] * 2)
   assert not form.shifts_rows
 
 
 def test_linear_alibi_is_read_with_where_slopes():
-  form = score_forms.alibi_form(alibi_linear, batch=1, num_heads=4,
+  form = score_forms.score_form(alibi_linear, batch=1, num_heads=4,
                                 abs_sign_known=False)
   np.testing.assert_allclose(_slopes(form),
                              [[0.25, 0.125 / 2, 0.25 / 3, 0.125 / 4]])
@@ -56,7 +57,7 @@ def test_linear_alibi_is_read_with_where_slopes():
 
 
 def test_row_remainder_is_kept_as_a_shift():
-  form = score_forms.alibi_form(shifted_rows, batch=2, num_heads=2,
+  form = score_forms.score_form(shifted_rows, batch=2, num_heads=2,
                                 abs_sign_known=False)
   np.testing.assert_allclose(_slopes(form), [[0.03, 0.06]] * 2, rtol=1e-6)
   np.testing.assert_allclose(np.asarray(form.row_slope),
@@ -71,12 +72,29 @@ def test_row_remainder_is_kept_as_a_shift():
     (lambda s, b, h, q, k: s + 0.01 * (q * k), True),   # a product
     (lambda s, b, h, q, k: 2.0 * s + 0.1 * (k - q), True),  # s not added
     (lambda s, b, h, q, k: s + jnp.where(q > k, 0.0, 1.0), True),
-    (lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0), True),
+    (lambda s, b, h, q, k: 5.0 * jnp.tanh(s / 4.0), True),  # not a cap
+    (lambda s, b, h, q, k: 5.0 * jnp.tanh(s / 5.0) + 0.1, True),
+    (position_score, True),  # a cap that depends on b and h
     (lambda s, b, h, q, k: s + jnp.sqrt((k - q).astype(jnp.float32)), True),
 ])
 def test_other_functions_stay_opaque(score_fn, sign_known):
-  assert score_forms.alibi_form(score_fn, batch=1, num_heads=2,
+  assert score_forms.score_form(score_fn, batch=1, num_heads=2,
                                 abs_sign_known=sign_known) is None
+
+
+def capped_alibi(s, b, h, q_idx, kv_idx):
+  """Gemma's cap over FlexAttention's ALiBi."""
+  return 5.0 * jnp.tanh(alibi_linear(s, b, h, q_idx, kv_idx) * (1 / 5.0))
+
+
+def test_a_cap_is_read_as_the_builtin_cap():
+  form = score_forms.score_form(lambda s, *_: 30.0 * jnp.tanh(s / 30.0),
+                                batch=1, num_heads=2, abs_sign_known=False)
+  assert form.cap == 30.0 and form.slopes is None and not form.shifts_rows
+  form = score_forms.score_form(capped_alibi, batch=1, num_heads=2,
+                                abs_sign_known=False)
+  assert form.cap == 5.0 and not form.shifts_rows
+  np.testing.assert_allclose(_slopes(form), [[0.25, 0.0625]], rtol=1e-6)
 
 
 def _call(score_fn, case, **variants):
@@ -100,9 +118,12 @@ def test_causal_alibi_runs_as_builtin_without_a_shift():
     dict(is_causal=True, sinks=jnp.zeros(4)),  # a shift under sinks
     dict(is_causal=True, logits_soft_cap=5.0),  # a shift under a cap
     dict(is_causal=True, alibi_slopes=jnp.ones(4)),  # ALiBi already
+    dict(is_causal=True, logits_soft_cap=5.0, score_fn=capped_alibi),
+    dict(is_causal=True, q_offset=3, score_fn=capped_alibi),  # a shift
 ])
 def test_rewrite_is_declined_where_it_would_change_the_result(variants):
-  score_fn = shifted_rows if "alibi_slopes" not in variants else alibi_abs
+  score_fn = variants.pop("score_fn", (
+      shifted_rows if "alibi_slopes" not in variants else alibi_abs))
   call = _call(score_fn, CASE, **variants)
   rewritten, shift = score_forms.as_builtin(call)
   assert rewritten is call and shift is None
@@ -132,14 +153,18 @@ def _triton(**variants):
     ("linear-cap-sinks", Case(1, 64, 64, 2, 2, 64), dict(
         score_fn=alibi_linear, logits_soft_cap=4.0,
         sinks=jnp.array([0.5, -1.0]))),
+    ("capped-alibi", CASE, dict(score_fn=capped_alibi)),
+    ("cap-not-causal", Case(2, 83, 83, 4, 1, 32), dict(
+        score_fn=lambda s, *_: 4.0 * jnp.tanh(s / 4.0), is_causal=False,
+        local_window_size=(9, 4))),
 ])
 def test_rewritten_calls_match_the_function_as_written(name, case, variants):
   """Against the reference, which evaluates `score_fn` itself: out, the
   LSE (the row shift) and dq, dk, dv under random cotangents."""
   del name
-  variants = dict(variants, is_causal=True)
+  variants = {"is_causal": True, **variants}
   call, _ = score_forms.as_builtin(_call(**{"case": case, **variants}))
-  assert call.spec.has_alibi  # the rewrite is what runs
+  assert call.spec.score_fn is None  # the rewrite is what runs
   check_against_reference(_triton(**variants), case, jnp.float32, seed=3,
                           **variants)
 
