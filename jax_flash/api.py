@@ -129,10 +129,14 @@ def flash_attention(
       dropout_rate=dropout_rate, dropout_rng=dropout_rng, sinks=sinks)
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
+  # The kernels take a score_fn with a built-in form as the built-ins;
+  # XLA evaluates it as written.
+  kernel_call, lse_shift = score_forms.as_builtin(call)
   out, lse = dispatch(implementation, interpret, lambda name, interpret_: (
-      _IMPLEMENTATIONS[name](call, query, key, value, block_sizes=block_sizes,
-                             interpret=interpret_)),
-      triton_first=triton_first(call, query.dtype))
+      _IMPLEMENTATIONS[name](call if name == "xla" else kernel_call, query,
+                             key, value, block_sizes=block_sizes,
+                             interpret=interpret_, lse_shift=lse_shift)),
+      triton_first=triton_first(kernel_call, query.dtype))
   out, lse = restore(out, lse)
   return (out, lse) if return_residual else out
 
@@ -230,8 +234,7 @@ def _run_xla(call: AttentionCall, query, key, value, **_):
 
 
 def _run_triton(call: AttentionCall, query, key, value, *, block_sizes,
-                interpret):
-  call, lse_shift = score_forms.as_builtin(call)
+                interpret, lse_shift=None):
   block_sizes, operands = triton_setup(call, query.dtype, block_sizes,
                                        interpret)
   out, lse = flash_attention_triton(query, key, value, operands, call.bias,
@@ -292,11 +295,10 @@ def _kernel_result(call: AttentionCall, out, lse, *,
 
 
 def _run_mosaic(call: AttentionCall, query, key, value, *, block_sizes,
-                interpret):
+                interpret, lse_shift=None):
   """The sm90 kernels (sinks in the forward's epilogue); masks beyond
   `is_causal` raise NotImplementedError unless the masked kernel is
   enabled."""
-  call, lse_shift = score_forms.as_builtin(call)
   block_sizes, mosaic, operands = mosaic_setup(call, block_sizes, interpret)
   out, lse = mosaic.mosaic_attention(
       query, key, value, scale=call.scale, is_causal=call.spec.is_causal,
