@@ -301,7 +301,10 @@ def score_form(score_fn, *, batch: int, num_heads: int,
         scalar(jnp.float32), *(scalar(jnp.int32) for _ in range(4)))
   except Exception:  # pylint: disable=broad-except
     return None  # a function that takes tiles only: opaque it stays
-  if len(closed.jaxpr.outvars) != 1:
+  if len(closed.jaxpr.outvars) != 1 or any(
+      isinstance(c, jax.core.Tracer) for c in closed.consts):
+    # A value of the caller's trace among its constants: built-in slopes
+    # or caps would take no gradient where the function's terms do.
     return None
   found = {}
 

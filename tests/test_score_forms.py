@@ -4,6 +4,7 @@ slopes and row shifts, and that the kernels then give the reference's
 numbers for the function as written (out, LSE and gradients)."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -85,6 +86,18 @@ def test_other_functions_stay_opaque(score_fn, sign_known):
 def capped_alibi(s, b, h, q_idx, kv_idx):
   """Gemma's cap over FlexAttention's ALiBi."""
   return 5.0 * jnp.tanh(alibi_linear(s, b, h, q_idx, kv_idx) * (1 / 5.0))
+
+
+def test_traced_constants_keep_the_function_opaque():
+  """A slope closed over from the caller's trace (a parameter under
+  jax.grad) stays in the function, whose terms it differentiates."""
+  def forms(slope):
+    score_fn = lambda s, b, h, q, k: s + slope * (k - q)
+    form = score_forms.score_form(score_fn, batch=1, num_heads=2,
+                                  abs_sign_known=True)
+    assert form is None
+    return slope
+  jax.jit(forms)(jnp.float32(0.5))
 
 
 def test_a_cap_is_read_as_the_builtin_cap():
