@@ -85,10 +85,7 @@ for step in "$@"; do
                 # round (benchmarks/NOTES.md, Open), before the whole suite
       env $TEST_CACHE python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} --dist load -rfE --tb=short \
         --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider -p no:benchmark -v \
-        tests/test_mosaic_lowering.py tests/test_mosaic_masked_backward.py \
-        tests/test_gpu.py tests/test_mosaic_backward.py tests/test_mosaic_shared_rows.py \
-        -k "197 or 257 or ragged_lengths or folded_cap or uses_kernels or schedule_choices or fused_dq_is_deterministic or deterministic_and_the_grid" \
-        > "$OUT/pytest_gpu_new.log" 2>&1
+        tests/test_score_forms.py > "$OUT/pytest_gpu_new.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu_new.log" | tail -30 ;;
     tests_shards)  # `tests` on a two-GPU host, a part of the suite on each
                    # GPU (`pytest --shard I/N`, tests/conftest.py):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import chex
 import jax
@@ -244,3 +245,16 @@ def one_head_dim_each(names, head_dims=(64, 128, 256), *, in_turn=None,
       else:
         params.append(pytest.param(name, d, marks=pytest.mark.slow))
   return params
+
+
+# Kernel names in a lowered module: the masked Mosaic backward's, and the
+# Triton backward's (the fallback), not the Mosaic ones.
+_MASKED_BACKWARD_KERNEL = re.compile(
+    r"mosaic_flash_backward_masked_(dkdv|dk|dv|dq|dbias)(?![a-z])")
+TRITON_BACKWARD = re.compile(r"(?<!mosaic_)flash_backward_(dkdv|dq)")
+
+
+def masked_backward_kernels(text: str) -> set:
+  """Which masked backward kernels (dq, dkdv, dk, dv, dbias) a lowered
+  module contains."""
+  return set(_MASKED_BACKWARD_KERNEL.findall(text))
