@@ -17,6 +17,7 @@ import pytest
 import jax.numpy as jnp
 import numpy as np
 
+import jax_flash
 from jax_flash.reference import naive_attention
 
 
@@ -172,6 +173,12 @@ def check_against_reference(attention, case: Case, dtype, *, seed: int = 0,
           for name, ref in exact.items()}
 
 
+# ALiBi slopes of 8 heads for a batch of two: the standard ones, and a
+# spread whose heads differ by batch.
+ALIBI_SLOPES = jnp.stack([2.0 ** -jnp.arange(1, 9, dtype=jnp.float32),
+                          jnp.linspace(0.01, 0.5, 8)])
+
+
 def blocks_and_stripes(b, h, i, j):
   """A `mask_fn` of every argument: queries and keys in blocks of
   128 (h + 1) positions see only their own block, where keys past the
@@ -258,3 +265,14 @@ def masked_backward_kernels(text: str) -> set:
   """Which masked backward kernels (dq, dkdv, dk, dv, dbias) a lowered
   module contains."""
   return set(_MASKED_BACKWARD_KERNEL.findall(text))
+
+
+def triton_attention(block_sizes, **variants):
+  """`attention(q, k, v) -> (out, lse)` for `check_against_reference`:
+  `flash_attention` with `variants` on the Triton kernels (interpreted on
+  a CPU) at `block_sizes`."""
+  def attention(q, k, v):
+    return jax_flash.flash_attention(q, k, v, return_residual=True,
+                                     implementation="triton",
+                                     block_sizes=block_sizes, **variants)
+  return attention

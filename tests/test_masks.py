@@ -17,7 +17,8 @@ from hypothesis import given, settings, strategies as st
 import jax_flash
 from jax_flash import BlockMask, BlockSizes
 from tests.attention_checks import (Case, check_against_reference,
-                                   forward_and_grads, random_inputs)
+                                   forward_and_grads, random_inputs,
+                                   triton_attention)
 
 BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_kv_dkv=32,
                     block_q_dq=32, block_kv_dq=16)
@@ -35,11 +36,7 @@ def _segments(lengths, total):
 
 
 def _triton(**variants):
-  def attention(q, k, v):
-    return jax_flash.flash_attention(q, k, v, return_residual=True,
-                                     implementation="triton",
-                                     block_sizes=BLOCKS, **variants)
-  return attention
+  return triton_attention(BLOCKS, **variants)
 
 
 def _check(case, dtype=jnp.float32, **variants):

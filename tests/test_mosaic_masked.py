@@ -22,7 +22,8 @@ from jax_flash.reference import naive_attention
 from jax_flash.validation import Operands
 from pallas_kernels import compat as versions
 from pallas_kernels.config import BlockSizes
-from tests.attention_checks import (Case, assert_forward_within_rule,
+from tests.attention_checks import (ALIBI_SLOPES, Case,
+                                    assert_forward_within_rule,
                                     assert_within_rule,
                                     blocks_and_stripes,
                                     check_against_reference,
@@ -412,13 +413,10 @@ _GPU_VARIANTS = {
     # A slope per (batch, head), GQA 4:1, bottom-right causal and ragged.
     "alibi": (Case(2, 1000, 1537, 8, 2, 128),
               dict(is_causal=True, q_offset=jnp.array([537, 0]),
-                   alibi_slopes=jnp.stack([
-                       2.0 ** -jnp.arange(1, 9, dtype=jnp.float32),
-                       jnp.linspace(0.01, 0.5, 8)]))),
+                   alibi_slopes=ALIBI_SLOPES)),
     "alibi soft cap, d=96": (Case(1, 777, 1100, 8, 2, 96),
                              dict(logits_soft_cap=20.0,
-                                  alibi_slopes=2.0 ** -jnp.arange(
-                                      1, 9, dtype=jnp.float32))),
+                                  alibi_slopes=ALIBI_SLOPES[0])),
     # A score_fn of (b, h, q_idx, kv_idx), GQA 4:1, ragged.
     "score_fn, d=96": (Case(2, 777, 1100, 8, 2, 96),
                        dict(is_causal=True, score_fn=position_score)),

@@ -14,7 +14,7 @@ import pytest
 import jax_flash
 from jax_flash import masking, validation
 from pallas_kernels import compat as versions
-from tests.attention_checks import (TRITON_BACKWARD, Case,
+from tests.attention_checks import (ALIBI_SLOPES, TRITON_BACKWARD, Case,
                                     blocks_and_stripes,
                                     check_against_reference,
                                     masked_backward_kernels, position_score,
@@ -56,13 +56,10 @@ _GPU_VARIANTS = {
                        dict(is_causal=True, logits_soft_cap=20.0)),
     "alibi": (Case(2, 500, 2047, 8, 2, 64),
               dict(is_causal=True, q_offset=jnp.array([1547, 100]),
-                   alibi_slopes=jnp.stack([
-                       2.0 ** -jnp.arange(1, 9, dtype=jnp.float32),
-                       jnp.linspace(0.01, 0.5, 8)]))),
+                   alibi_slopes=ALIBI_SLOPES)),
     "alibi soft cap, d=96": (Case(1, 777, 1100, 8, 2, 96),
                              dict(logits_soft_cap=20.0,
-                                  alibi_slopes=2.0 ** -jnp.arange(
-                                      1, 9, dtype=jnp.float32))),
+                                  alibi_slopes=ALIBI_SLOPES[0])),
     # A score_fn of (b, h, q_idx, kv_idx), GQA 4:1, bottom-right causal.
     "score_fn": (Case(2, 500, 2047, 8, 2, 64),
                  dict(is_causal=True, q_offset=jnp.array([1547, 100]),

@@ -12,7 +12,7 @@ import pytest
 import jax_flash
 from jax_flash import BlockSizes, score_forms, validation
 from tests.attention_checks import (Case, check_against_reference,
-                                   position_score)
+                                   position_score, triton_attention)
 
 BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_kv_dkv=32,
                     block_q_dq=32, block_kv_dq=16)
@@ -150,11 +150,7 @@ def test_sinks_and_cap_keep_the_rewrite_without_a_shift():
 
 
 def _triton(**variants):
-  def attention(q, k, v):
-    return jax_flash.flash_attention(q, k, v, return_residual=True,
-                                     implementation="triton",
-                                     block_sizes=BLOCKS, **variants)
-  return attention
+  return triton_attention(BLOCKS, **variants)
 
 
 @pytest.mark.parametrize("name, case, variants", [
