@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import jax_flash
 from jax_flash import BlockSizes, score_forms, validation
@@ -193,3 +194,67 @@ def test_rewritten_calls_on_the_mosaic_kernels_on_gpu(score_fn):
     return jax_flash.flash_attention(q, k, v, return_residual=True,
                                      implementation="mosaic", **variants)
   check_against_reference(attention, case, jnp.bfloat16, seed=5, **variants)
+
+
+def _linear_terms(draw):
+  """A random score_fn of FlexAttention's linear kind, built as nested
+  jnp expressions: position terms scaled by constants or by functions of
+  (b, h), integer or float arithmetic, an abs of +-(q - kv)."""
+  def coefficient():
+    kind = draw(st.sampled_from(["const", "head", "batch", "where"]))
+    c = draw(st.floats(-2.0, 2.0, allow_nan=False, width=32))
+    return {"const": lambda b, h: c,
+            "head": lambda b, h: c / (h + 1).astype(jnp.float32),
+            "batch": lambda b, h: c * jnp.exp2(-b.astype(jnp.float32)),
+            "where": lambda b, h: jnp.where(h % 2 == 0, c, -c / 4)}[kind]
+
+  def term():
+    kind = draw(st.sampled_from(["q", "kv", "diff", "abs", "int_diff"]))
+    a = coefficient()
+    return {
+        "q": lambda b, h, q, k: a(b, h) * q.astype(jnp.float32),
+        "kv": lambda b, h, q, k: a(b, h) * k,
+        "diff": lambda b, h, q, k: a(b, h) * (k - q),
+        "abs": lambda b, h, q, k: a(b, h) * jnp.abs(k - q).astype(
+            jnp.float32),
+        "int_diff": lambda b, h, q, k: (3 * (q - k) - 2 * q).astype(
+            jnp.float32) / (h + 2),
+    }[kind]
+
+  terms = [term() for _ in range(draw(st.integers(1, 3)))]
+  offset = coefficient()
+
+  def score_fn(s, b, h, q, k):
+    total = s + offset(b, h)
+    for t in terms:
+      total = total + t(b, h, q, k)
+    return total
+  return score_fn
+
+
+@given(st.data())
+@settings(max_examples=40, deadline=None)
+def test_forms_reproduce_random_linear_functions(data):
+  """For random linear score functions, the form's slopes and row terms
+  give the function's value at random kept (causal) positions."""
+  score_fn = _linear_terms(data.draw)
+  batch, heads = 2, 3
+  form = score_forms.score_form(score_fn, batch=batch, num_heads=heads,
+                                abs_sign_known=True)
+  assert form is not None
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+  q = rng.integers(0, 5000, 64).astype(np.int32)
+  k = (q - rng.integers(0, 5000, 64)).clip(0).astype(np.int32)  # kept
+  b = rng.integers(0, batch, 64).astype(np.int32)
+  h = rng.integers(0, heads, 64).astype(np.int32)
+  s = rng.normal(size=64).astype(np.float32)
+  want = jax.vmap(score_fn)(s, b, h, q, k)
+  zero = np.zeros((batch, heads), np.float32)
+  slopes = np.asarray(form.slopes if form.slopes is not None else zero)
+  row_slope = np.asarray(form.row_slope if form.row_slope is not None
+                         else zero)
+  row_const = np.asarray(form.row_const if form.row_const is not None
+                         else zero)
+  got = (s - slopes[b, h] * (q - k) + row_slope[b, h] * q
+         + row_const[b, h])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-3)
