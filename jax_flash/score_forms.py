@@ -221,17 +221,20 @@ def _apply(eqn, ins, *, abs_sign_known: bool):
     if not factor.is_scalar:
       raise _NotAForm("a product of two position or score terms")
     return [form.map(lambda c: c.times(factor.one))]
-  if name == "div" and ins[1].is_scalar:
+  if (name == "div" and ins[1].is_scalar
+      and jnp.issubdtype(dtype, jnp.floating)):  # not an integer division
     den = ins[1].one
     inverse = (_Coefficient(1.0 / den.const) if den.is_const
                else _atom(1.0 / den.value()))
     return [ins[0].map(lambda c: c.times(inverse))]
   if name == "convert_element_type":
-    if jnp.issubdtype(dtype, jnp.floating) or (
-        jnp.issubdtype(dtype, jnp.integer)
-        and jnp.issubdtype(ins[0].dtype, jnp.integer)):
+    # Exact ones only (positions below 2^24): to float32 or wider, or
+    # between integers; a rounding to 16 bits would be lost.
+    if jnp.dtype(dtype).itemsize >= 4 and (
+        jnp.issubdtype(dtype, jnp.floating) or
+        jnp.issubdtype(ins[0].dtype, jnp.integer)):
       return [ins[0].map(lambda c: c, dtype)]
-    raise _NotAForm("a conversion to an integer or a bool")
+    raise _NotAForm("a conversion that rounds, or to an integer")
   if name == "abs":
     return [_abs_of_difference(ins[0], abs_sign_known)]
   raise _NotAForm(f"{name} of a position or score term")

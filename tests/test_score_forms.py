@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -78,6 +79,12 @@ def test_row_remainder_is_kept_as_a_shift():
     (lambda s, b, h, q, k: 5.0 * jnp.tanh(s / 5.0) + 0.1, True),
     (position_score, True),  # a cap that depends on b and h
     (lambda s, b, h, q, k: s + jnp.sqrt((k - q).astype(jnp.float32)), True),
+    (lambda s, b, h, q, k: s + ((q - k) // 3).astype(jnp.float32), True),
+    (lambda s, b, h, q, k: s + lax.div(q - k, 3).astype(jnp.float32), True),
+    (lambda s, b, h, q, k: (s.astype(jnp.bfloat16) + 0.5).astype(
+        jnp.float32), True),  # a rounding of the score
+    (lambda s, b, h, q, k: s + (k - q).astype(jnp.bfloat16).astype(
+        jnp.float32), True),
 ])
 def test_other_functions_stay_opaque(score_fn, sign_known):
   assert score_forms.score_form(score_fn, batch=1, num_heads=2,
