@@ -43,6 +43,7 @@ import dataclasses
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 
 from jax_flash.validation import AttentionCall
 
@@ -140,8 +141,10 @@ class _Form:
 
 
 def _scalar(value, dtype) -> _Form:
-  coefficient = (_Coefficient(float(value)) if isinstance(value, (int, float))
-                 else _atom(value))
+  """A value of b, h and constants: a number where it is known (a cap must
+  be), else an atom."""
+  known = not isinstance(value, jax.core.Tracer) and np.ndim(value) == 0
+  coefficient = _Coefficient(float(value)) if known else _atom(value)
   return _Form(_ZERO, _ZERO, _ZERO, coefficient, dtype)
 
 

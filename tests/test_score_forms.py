@@ -112,6 +112,10 @@ def test_a_cap_is_read_as_the_builtin_cap():
   form = score_forms.score_form(lambda s, *_: 30.0 * jnp.tanh(s / 30.0),
                                 batch=1, num_heads=2, abs_sign_known=False)
   assert form.cap == 30.0 and form.slopes is None and not form.shifts_rows
+  cap = jnp.asarray(30.0)  # a concrete array closed over: a constant
+  form = score_forms.score_form(lambda s, *_: cap * jnp.tanh(s / cap),
+                                batch=1, num_heads=2, abs_sign_known=False)
+  assert form.cap == 30.0
   form = score_forms.score_form(capped_alibi, batch=1, num_heads=2,
                                 abs_sign_known=False)
   assert form.cap == 5.0 and not form.shifts_rows
