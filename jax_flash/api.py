@@ -91,7 +91,7 @@ def flash_attention(
       d(b, h) (ALiBi written as `slope * (kv_idx - q_idx)`, or without
       q_offset `-slope * abs(q_idx - kv_idx)`), runs as the built-in ALiBi
       with the remainder per row added to the LSE (`score_forms`): the same
-      results up to rounding, at the built-in's speed.
+      results up to rounding, on the built-in's kernels.
     dropout_rate, dropout_rng: dropout of the attention weights, from a
       counter-based hash of (seed, b, h, q_idx, kv_idx) in the kernels.
       The rate is applied in steps of 1/256, rounded (0.1 drops 26/256 of
