@@ -85,6 +85,10 @@ def variants(seq: int, num_heads: int) -> dict[str, Variant]:
                                             "full"),
       "causal as mask_fn": Variant(
           dict(mask_fn=lambda b, h, q, k: q >= k), "causal"),
+      # The same mask through an `or` that `jax_flash.score_forms` does not
+      # read (the row above runs as `is_causal`): mask_fn's own path.
+      "causal as an opaque mask_fn": Variant(
+          dict(mask_fn=lambda b, h, q, k: (q >= k) | (k < 0)), "causal"),
       "causal as a dense mask": Variant(
           dict(mask=jnp.tril(jnp.ones((seq, seq), bool))), "causal"),
       "16 documents as mask_fn": Variant(

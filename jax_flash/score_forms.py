@@ -39,6 +39,7 @@ is. The rewritten scores differ from the function's by rounding only
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.extend.core as jex
@@ -190,6 +191,42 @@ class _Tanh:
   dtype = jnp.float32
 
 
+@dataclasses.dataclass(frozen=True)
+class _Bounds:
+  """A `mask_fn`'s keep condition as bounds on q_idx - kv_idx: lower <= q -
+  kv <= upper (None: unbounded)."""
+
+  lower: int | None = None
+  upper: int | None = None
+  is_scalar = False
+  dtype = jnp.bool_
+
+  def both(self, other: "_Bounds") -> "_Bounds":
+    pick = lambda f, a, b: a if b is None else b if a is None else f(a, b)
+    return _Bounds(pick(max, self.lower, other.lower),
+                   pick(min, self.upper, other.upper))
+
+
+# Comparisons of a and b as c (q - kv) + c0 against 0, c0 = ±(a - b)'s
+# constant: the sign that makes it a - b or b - a, and whether strict.
+_COMPARISONS = {"ge": (1.0, False), "gt": (1.0, True), "le": (-1.0, False),
+                "lt": (-1.0, True)}
+
+
+def _bounds(form: _Form, strict: bool) -> _Bounds:
+  """The bounds on d = q - kv of `form` >= 0 (> 0 where `strict`), `form`
+  being c d + c0 with c and c0 numbers: positions are integers."""
+  q, k, c0 = form.q, form.k, form.one
+  if not (form.score.is_zero and q.is_const and k.is_const and c0.is_const
+          and q.const == -k.const != 0):
+    raise _NotAForm("a comparison that is not of q_idx - kv_idx with a "
+                    "number")
+  c, t = q.const, -c0.const / q.const  # c d >= -c0: d >= t (c > 0)
+  if c > 0:
+    return _Bounds(lower=math.floor(t) + 1 if strict else math.ceil(t))
+  return _Bounds(upper=math.ceil(t) - 1 if strict else math.floor(t))
+
+
 def _apply(eqn, ins, *, abs_sign_known: bool):
   name = eqn.primitive.name
   dtype = eqn.outvars[0].aval.dtype
@@ -209,6 +246,15 @@ def _apply(eqn, ins, *, abs_sign_known: bool):
       inner = getattr(closed, "jaxpr", closed)
       return _evaluate(inner, getattr(closed, "consts", ()), ins,
                        abs_sign_known=abs_sign_known)
+  if name in _COMPARISONS:
+    sign, strict = _COMPARISONS[name]
+    return [_bounds(ins[0].plus(ins[1], -1.0).map(
+        lambda c: c.scaled(sign)), strict)]
+  if any(isinstance(x, _Bounds) for x in ins):
+    bounds = [x if isinstance(x, _Bounds) else _always(x) for x in ins]
+    if name != "and" or None in bounds:
+      raise _NotAForm(f"{name} of a mask's bounds")
+    return [bounds[0].both(bounds[1])]
   if any(isinstance(x, _Tanh) for x in ins):
     return [_scaled_tanh(name, ins)]
   if name == "tanh":
@@ -241,6 +287,12 @@ def _apply(eqn, ins, *, abs_sign_known: bool):
   if name == "abs":
     return [_abs_of_difference(ins[0], abs_sign_known)]
   raise _NotAForm(f"{name} of a position or score term")
+
+
+def _always(form: _Form) -> _Bounds | None:
+  """No bounds where `form` is the constant True, else None."""
+  true = form.is_scalar and form.one.is_const and form.one.const == 1
+  return _Bounds() if true else None
 
 
 def _scaled_tanh(name: str, ins) -> _Tanh:
@@ -343,12 +395,70 @@ def score_form(score_fn, *, batch: int, num_heads: int,
                    row_const if found["row_const"] else None, found["cap"])
 
 
+def mask_form(mask_fn) -> _Bounds | None:
+  """`mask_fn`'s keep condition as bounds on q_idx - kv_idx (`_Bounds`;
+  no bounds for the constant True), or None where it is anything else: a
+  conjunction of comparisons of q_idx - kv_idx with numbers is a causal
+  mask and a window."""
+  int32 = jax.ShapeDtypeStruct((), jnp.int32)
+  try:
+    closed = jax.make_jaxpr(mask_fn)(int32, int32, int32, int32)
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if len(closed.jaxpr.outvars) != 1 or any(
+      isinstance(c, jax.core.Tracer) for c in closed.consts):
+    return None
+  found = []
+
+  def bounds(b, h):  # b and h traced: bounds that depend on them are not
+    q = _Form(_ZERO, _ONE, _ZERO, _ZERO, jnp.int32)  # numbers
+    k = _Form(_ZERO, _ZERO, _ONE, _ZERO, jnp.int32)
+    (out,) = _evaluate(closed.jaxpr, closed.consts,
+                       [_scalar(b, jnp.int32), _scalar(h, jnp.int32), q, k],
+                       abs_sign_known=False)
+    found.append(out if isinstance(out, _Bounds) else _always(out))
+    return b
+
+  try:
+    jax.make_jaxpr(bounds)(int32, int32)
+  except _NotAForm:
+    return None
+  return found[0]
+
+
+def _with_mask_form(spec, operands):
+  """(spec, operands) with a `mask_fn` that is a causal mask and a window
+  replaced by `is_causal` and `window`, or None where it is not. The
+  function sees q_idx, the built-ins q_idx + q_offset: without q_offset
+  only."""
+  bounds = mask_form(spec.mask_fn)
+  if bounds is None or spec.has_q_offset:
+    return None
+  lower, upper = bounds.lower, bounds.upper
+  if (lower is not None and lower > 0) or (upper is not None and upper < 0):
+    return None  # keys strictly before the diagonal only, or after it
+  causal = spec.is_causal or lower == 0
+  left, right = spec.window or (None, None)
+  pick = lambda a, b: a if b is None else b if a is None else min(a, b)
+  left = pick(left, upper)
+  right = pick(right, None if lower is None or lower == 0 else -lower)
+  window = None if left is None and right is None else (left, right)
+  spec = dataclasses.replace(spec, mask_fn=None, is_causal=causal,
+                             window=window)
+  return spec, operands._replace(block_mask=None)
+
+
 def as_builtin(call: AttentionCall):
   """(call, lse_shift): `call` with a `score_fn` that has a built-in form
   replaced by the built-ins, and the float32 [batch, num_heads, q_len] to
   add to the kernels' logsumexp (None where nothing is); else (call,
   None)."""
   spec, operands = call.spec, call.operands
+  if spec.mask_fn is not None:
+    masks = _with_mask_form(spec, operands)
+    if masks is not None:
+      spec, operands = masks
+      call = dataclasses.replace(call, spec=spec, operands=operands)
   if spec.score_fn is None:
     return call, None
   shape = call.shape

@@ -269,3 +269,110 @@ def test_forms_reproduce_random_linear_functions(data):
   got = (s - slopes[b, h] * (q - k) + row_slope[b, h] * q
          + row_const[b, h])
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-3)
+
+
+# mask_fn read as the built-in causal mask and window.
+
+
+@pytest.mark.parametrize("mask_fn, bounds", [
+    (lambda b, h, q, k: q >= k, (0, None)),
+    (lambda b, h, q, k: (q >= k) & (q - k < 256), (0, 255)),
+    (lambda b, h, q, k: jnp.logical_and(k <= q, k > q - 100), (0, 99)),
+    (lambda b, h, q, k: (k - q <= 5) & (q - k <= 7), (-5, 7)),
+    (lambda b, h, q, k: 2 * q >= 2 * k - 3, (-1, None)),
+    (lambda b, h, q, k: True, (None, None)),
+])
+def test_masks_read_as_bounds(mask_fn, bounds):
+  form = score_forms.mask_form(mask_fn)
+  assert (form.lower, form.upper) == bounds
+
+
+@pytest.mark.parametrize("mask_fn", [
+    lambda b, h, q, k: q - k < 10 * (h + 1),   # a bound of h
+    lambda b, h, q, k: (q // 128) == (k // 128),
+    lambda b, h, q, k: (q >= k) | (k < 4),
+    lambda b, h, q, k: q >= 2 * k,
+    lambda b, h, q, k: (q >= k) & (b == 0),
+])
+def test_other_masks_stay_opaque(mask_fn):
+  assert score_forms.mask_form(mask_fn) is None
+
+
+def _mask_call(mask_fn, **variants):
+  return _call(None, CASE, mask_fn=mask_fn, **variants)
+
+
+def test_causal_mask_fn_runs_as_is_causal():
+  call, _ = score_forms.as_builtin(_mask_call(lambda b, h, q, k: q >= k))
+  assert call.spec.is_plain and call.spec.is_causal
+  assert call.spec.mask_fn is None and call.operands.block_mask is None
+
+
+def test_window_mask_fn_meets_the_call_window():
+  call, _ = score_forms.as_builtin(_mask_call(
+      lambda b, h, q, k: (q >= k) & (q - k < 64), local_window_size=(99, 9)))
+  assert call.spec.is_causal and call.spec.window == (63, 9)
+  assert call.spec.mask_fn is None
+
+
+@pytest.mark.parametrize("mask_fn, variants", [
+    (lambda b, h, q, k: q >= k, dict(q_offset=4)),  # q_pos is q + q_offset
+    (lambda b, h, q, k: q > k, {}),  # strictly below the diagonal
+])
+def test_mask_rewrite_is_declined(mask_fn, variants):
+  call = _mask_call(mask_fn, **variants)
+  assert score_forms.as_builtin(call)[0] is call
+
+
+@pytest.mark.parametrize("name, case, variants", [
+    ("causal", CASE, dict(mask_fn=lambda b, h, q, k: q >= k)),
+    ("window", Case(2, 83, 83, 4, 1, 32), dict(
+        mask_fn=lambda b, h, q, k: (k - q <= 5) & (q - k <= 7))),
+    ("causal window, segments, alibi score_fn", Case(2, 83, 83, 4, 1, 32),
+     dict(mask_fn=lambda b, h, q, k: (k <= q) & (k > q - 20),
+          segment_ids=jnp.repeat(jnp.arange(3), 28)[None, :83].repeat(2, 0),
+          score_fn=alibi_abs)),
+])
+def test_rewritten_masks_match_the_function_as_written(name, case, variants):
+  del name
+  call, _ = score_forms.as_builtin(_call(**{"score_fn": None, "case": case,
+                                            **variants}))
+  assert call.spec.mask_fn is None
+  check_against_reference(_triton(**variants), case, jnp.float32, seed=4,
+                          **variants)
+
+
+@given(st.data())
+@settings(max_examples=40, deadline=None)
+def test_bounds_reproduce_random_masks(data):
+  """Random conjunctions of comparisons of the positions with numbers,
+  against their bounds on every (q, kv) of a 64 x 64 grid."""
+  def comparison():
+    a = data.draw(st.integers(-40, 40))
+    c = data.draw(st.sampled_from([1, 2, -3]))
+    op = data.draw(st.sampled_from(["ge", "gt", "le", "lt"]))
+    side = data.draw(st.booleans())
+
+    def keep(q, k):
+      x, y = (c * q, c * k + a) if side else (c * k - a, c * q)
+      return {"ge": x >= y, "gt": x > y, "le": x <= y, "lt": x < y}[op]
+    return keep
+
+  parts = [comparison() for _ in range(data.draw(st.integers(1, 3)))]
+
+  def mask_fn(b, h, q, k):
+    del b, h
+    kept = parts[0](q, k)
+    for part in parts[1:]:
+      kept = kept & part(q, k)
+    return kept
+  form = score_forms.mask_form(mask_fn)
+  q, k = np.meshgrid(np.arange(64), np.arange(64), indexing="ij")
+  want = np.asarray(jax.vmap(jax.vmap(
+      lambda q, k: mask_fn(0, 0, q, k)))(jnp.asarray(q), jnp.asarray(k)))
+  got = np.ones_like(want)
+  if form.lower is not None:
+    got &= q - k >= form.lower
+  if form.upper is not None:
+    got &= q - k <= form.upper
+  np.testing.assert_array_equal(got, want)
