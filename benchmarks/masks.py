@@ -66,7 +66,7 @@ def variants(seq: int, num_heads: int) -> dict[str, Variant]:
     return 30.0 * jnp.tanh(score / 30.0)
 
   # The same ALiBi through a `max` of the positions, which
-  # `jax_flash.score_forms` does not read: the kernels call it per score
+  # `jax_flash.builtin_forms` does not read: the kernels call it per score
   # (the two above run as the built-ins).
   def opaque_alibi_score(score, b, h, q_idx, kv_idx):
     del b
@@ -85,7 +85,7 @@ def variants(seq: int, num_heads: int) -> dict[str, Variant]:
                                             "full"),
       "causal as mask_fn": Variant(
           dict(mask_fn=lambda b, h, q, k: q >= k), "causal"),
-      # The same mask through an `or` that `jax_flash.score_forms` does not
+      # The same mask through an `or` that `jax_flash.builtin_forms` does not
       # read (the row above runs as `is_causal`): mask_fn's own path.
       "causal as an opaque mask_fn": Variant(
           dict(mask_fn=lambda b, h, q, k: (q >= k) | (k < 0)), "causal"),

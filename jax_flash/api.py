@@ -7,7 +7,7 @@ from typing import Literal
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
-from jax_flash import masking, reference, score_forms, validation
+from jax_flash import builtin_forms, masking, reference, validation
 from jax_flash.reference import (AlibiSlopes, Bias, KeyValue, Lengths, Lse,
                                  Mask, MaskFn, Out, QOffset, Query, ScoreFn,
                                  SegmentIds, Sinks, Window)
@@ -81,7 +81,11 @@ def flash_attention(
       `b` or `h`; up to a 32k square; `BlockMask.for_call`), else on every
       call; pass a `BlockMask` (`BlockMask.from_mask_fn`) to share one
       between calls.
-      Fully masked tiles are skipped (block-sparse attention).
+      Fully masked tiles are skipped (block-sparse attention). Without
+      q_offset, a mask_fn that is a conjunction of comparisons of
+      q_idx - kv_idx with numbers (`q_idx >= kv_idx`, `q_idx - kv_idx <
+      window`) runs as `is_causal` and `local_window_size`
+      (`builtin_forms`).
     score_fn: (score, b, h, q_idx, kv_idx) -> score, elementwise in score,
       traced into the kernels (its derivative by jax.jvp in the backward;
       in the Mosaic kernels its divisions by a scalar run as products by
@@ -90,8 +94,9 @@ def flash_attention(
       function of the positions, s + a(b, h) q_idx + c(b, h) kv_idx +
       d(b, h) (ALiBi written as `slope * (kv_idx - q_idx)`, or without
       q_offset `-slope * abs(q_idx - kv_idx)`), runs as the built-in ALiBi
-      with the remainder per row added to the LSE (`score_forms`): the same
-      results up to rounding, on the built-in's kernels.
+      with the remainder per row added to the LSE, and `cap * tanh(s /
+      cap)` as the built-in soft cap (`builtin_forms`): the same results up
+      to rounding, on the built-in's kernels.
     dropout_rate, dropout_rng: dropout of the attention weights, from a
       counter-based hash of (seed, b, h, q_idx, kv_idx) in the kernels.
       The rate is applied in steps of 1/256, rounded (0.1 drops 26/256 of
@@ -131,7 +136,7 @@ def flash_attention(
     raise TypeError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
   # The kernels take a score_fn with a built-in form as the built-ins;
   # XLA evaluates it as written.
-  kernel_call, lse_shift = score_forms.as_builtin(call)
+  kernel_call, lse_shift = builtin_forms.as_builtin(call)
   out, lse = dispatch(implementation, interpret, lambda name, interpret_: (
       _IMPLEMENTATIONS[name](call if name == "xla" else kernel_call, query,
                              key, value, block_sizes=block_sizes,
@@ -284,7 +289,7 @@ def check_triton_device(head_dim: int, interpret: bool):
 def _kernel_result(call: AttentionCall, out, lse, *,
                    sinks_applied: bool = False, lse_shift=None):
   """A kernel's (out, lse [B, N, Tq]) as the API returns them: lse
-  [B, Tq, N], `lse_shift` [B, N, Tq] (`score_forms.as_builtin`'s) added,
+  [B, Tq, N], `lse_shift` [B, N, Tq] (`builtin_forms.as_builtin`'s) added,
   and the sinks folded in unless the kernel did."""
   if lse_shift is not None:
     lse = lse + lse_shift

@@ -1,7 +1,8 @@
-"""A `score_fn` that is causal ALiBi, run as the built-in ALiBi
-(`jax_flash.score_forms`): which functions are read as ALiBi, with which
-slopes and row shifts, and that the kernels then give the reference's
-numbers for the function as written (out, LSE and gradients)."""
+"""`score_fn` and `mask_fn` run as the built-ins (`jax_flash.builtin_forms`):
+which functions are read as ALiBi, a soft cap, a causal mask or a window,
+with which slopes, row shifts and bounds, and that the kernels then give
+the reference's numbers for the function as written (out, LSE and
+gradients)."""
 from __future__ import annotations
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_flash
-from jax_flash import BlockSizes, score_forms, validation
+from jax_flash import BlockSizes, builtin_forms, validation
 from tests.attention_checks import (Case, check_against_reference,
                                    position_score, triton_attention)
 
@@ -45,14 +46,14 @@ def _slopes(form):
 
 
 def test_alibi_as_abs_is_read_with_its_slopes():
-  form = score_forms.score_form(alibi_abs, batch=2, num_heads=3,
+  form = builtin_forms.score_form(alibi_abs, batch=2, num_heads=3,
                                 abs_sign_known=True)
   np.testing.assert_array_equal(_slopes(form), [[0.5, 0.25, 0.125]] * 2)
   assert not form.shifts_rows
 
 
 def test_linear_alibi_is_read_with_where_slopes():
-  form = score_forms.score_form(alibi_linear, batch=1, num_heads=4,
+  form = builtin_forms.score_form(alibi_linear, batch=1, num_heads=4,
                                 abs_sign_known=False)
   np.testing.assert_allclose(_slopes(form),
                              [[0.25, 0.125 / 2, 0.25 / 3, 0.125 / 4]])
@@ -60,7 +61,7 @@ def test_linear_alibi_is_read_with_where_slopes():
 
 
 def test_row_remainder_is_kept_as_a_shift():
-  form = score_forms.score_form(shifted_rows, batch=2, num_heads=2,
+  form = builtin_forms.score_form(shifted_rows, batch=2, num_heads=2,
                                 abs_sign_known=False)
   np.testing.assert_allclose(_slopes(form), [[0.03, 0.06]] * 2, rtol=1e-6)
   np.testing.assert_allclose(np.asarray(form.row_slope),
@@ -87,7 +88,7 @@ def test_row_remainder_is_kept_as_a_shift():
         jnp.float32), True),
 ])
 def test_other_functions_stay_opaque(score_fn, sign_known):
-  assert score_forms.score_form(score_fn, batch=1, num_heads=2,
+  assert builtin_forms.score_form(score_fn, batch=1, num_heads=2,
                                 abs_sign_known=sign_known) is None
 
 
@@ -101,7 +102,7 @@ def test_traced_constants_keep_the_function_opaque():
   jax.grad) stays in the function, whose terms it differentiates."""
   def forms(slope):
     score_fn = lambda s, b, h, q, k: s + slope * (k - q)
-    form = score_forms.score_form(score_fn, batch=1, num_heads=2,
+    form = builtin_forms.score_form(score_fn, batch=1, num_heads=2,
                                   abs_sign_known=True)
     assert form is None
     return slope
@@ -109,14 +110,14 @@ def test_traced_constants_keep_the_function_opaque():
 
 
 def test_a_cap_is_read_as_the_builtin_cap():
-  form = score_forms.score_form(lambda s, *_: 30.0 * jnp.tanh(s / 30.0),
+  form = builtin_forms.score_form(lambda s, *_: 30.0 * jnp.tanh(s / 30.0),
                                 batch=1, num_heads=2, abs_sign_known=False)
   assert form.cap == 30.0 and form.slopes is None and not form.shifts_rows
   cap = jnp.asarray(30.0)  # a concrete array closed over: a constant
-  form = score_forms.score_form(lambda s, *_: cap * jnp.tanh(s / cap),
+  form = builtin_forms.score_form(lambda s, *_: cap * jnp.tanh(s / cap),
                                 batch=1, num_heads=2, abs_sign_known=False)
   assert form.cap == 30.0
-  form = score_forms.score_form(capped_alibi, batch=1, num_heads=2,
+  form = builtin_forms.score_form(capped_alibi, batch=1, num_heads=2,
                                 abs_sign_known=False)
   assert form.cap == 5.0 and not form.shifts_rows
   np.testing.assert_allclose(_slopes(form), [[0.25, 0.0625]], rtol=1e-6)
@@ -132,7 +133,7 @@ CASE = Case(2, 70, 90, 4, 2, 40)
 
 
 def test_causal_alibi_runs_as_builtin_without_a_shift():
-  call, shift = score_forms.as_builtin(_call(alibi_abs, CASE,
+  call, shift = builtin_forms.as_builtin(_call(alibi_abs, CASE,
                                              is_causal=True))
   assert call.spec.score_fn is None and call.spec.has_alibi
   assert call.operands.alibi_slopes.shape == (2, 4) and shift is None
@@ -150,12 +151,12 @@ def test_rewrite_is_declined_where_it_would_change_the_result(variants):
   score_fn = variants.pop("score_fn", (
       shifted_rows if "alibi_slopes" not in variants else alibi_abs))
   call = _call(score_fn, CASE, **variants)
-  rewritten, shift = score_forms.as_builtin(call)
+  rewritten, shift = builtin_forms.as_builtin(call)
   assert rewritten is call and shift is None
 
 
 def test_sinks_and_cap_keep_the_rewrite_without_a_shift():
-  call, _ = score_forms.as_builtin(_call(
+  call, _ = builtin_forms.as_builtin(_call(
       alibi_linear, CASE, is_causal=True, logits_soft_cap=5.0,
       sinks=jnp.zeros(4)))
   assert call.spec.has_alibi and call.spec.score_fn is None
@@ -184,7 +185,7 @@ def test_rewritten_calls_match_the_function_as_written(name, case, variants):
   LSE (the row shift) and dq, dk, dv under random cotangents."""
   del name
   variants = {"is_causal": True, **variants}
-  call, _ = score_forms.as_builtin(_call(**{"case": case, **variants}))
+  call, _ = builtin_forms.as_builtin(_call(**{"case": case, **variants}))
   assert call.spec.score_fn is None  # the rewrite is what runs
   check_against_reference(_triton(**variants), case, jnp.float32, seed=3,
                           **variants)
@@ -250,7 +251,7 @@ def test_forms_reproduce_random_linear_functions(data):
   give the function's value at random kept (causal) positions."""
   score_fn = _linear_terms(data.draw)
   batch, heads = 2, 3
-  form = score_forms.score_form(score_fn, batch=batch, num_heads=heads,
+  form = builtin_forms.score_form(score_fn, batch=batch, num_heads=heads,
                                 abs_sign_known=True)
   assert form is not None
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
@@ -283,7 +284,7 @@ def test_forms_reproduce_random_linear_functions(data):
     (lambda b, h, q, k: True, (None, None)),
 ])
 def test_masks_read_as_bounds(mask_fn, bounds):
-  form = score_forms.mask_form(mask_fn)
+  form = builtin_forms.mask_form(mask_fn)
   assert (form.lower, form.upper) == bounds
 
 
@@ -295,7 +296,7 @@ def test_masks_read_as_bounds(mask_fn, bounds):
     lambda b, h, q, k: (q >= k) & (b == 0),
 ])
 def test_other_masks_stay_opaque(mask_fn):
-  assert score_forms.mask_form(mask_fn) is None
+  assert builtin_forms.mask_form(mask_fn) is None
 
 
 def _mask_call(mask_fn, **variants):
@@ -303,13 +304,13 @@ def _mask_call(mask_fn, **variants):
 
 
 def test_causal_mask_fn_runs_as_is_causal():
-  call, _ = score_forms.as_builtin(_mask_call(lambda b, h, q, k: q >= k))
+  call, _ = builtin_forms.as_builtin(_mask_call(lambda b, h, q, k: q >= k))
   assert call.spec.is_plain and call.spec.is_causal
   assert call.spec.mask_fn is None and call.operands.block_mask is None
 
 
 def test_window_mask_fn_meets_the_call_window():
-  call, _ = score_forms.as_builtin(_mask_call(
+  call, _ = builtin_forms.as_builtin(_mask_call(
       lambda b, h, q, k: (q >= k) & (q - k < 64), local_window_size=(99, 9)))
   assert call.spec.is_causal and call.spec.window == (63, 9)
   assert call.spec.mask_fn is None
@@ -321,7 +322,7 @@ def test_window_mask_fn_meets_the_call_window():
 ])
 def test_mask_rewrite_is_declined(mask_fn, variants):
   call = _mask_call(mask_fn, **variants)
-  assert score_forms.as_builtin(call)[0] is call
+  assert builtin_forms.as_builtin(call)[0] is call
 
 
 @pytest.mark.parametrize("name, case, variants", [
@@ -335,7 +336,7 @@ def test_mask_rewrite_is_declined(mask_fn, variants):
 ])
 def test_rewritten_masks_match_the_function_as_written(name, case, variants):
   del name
-  call, _ = score_forms.as_builtin(_call(**{"score_fn": None, "case": case,
+  call, _ = builtin_forms.as_builtin(_call(**{"score_fn": None, "case": case,
                                             **variants}))
   assert call.spec.mask_fn is None
   check_against_reference(_triton(**variants), case, jnp.float32, seed=4,
@@ -366,7 +367,7 @@ def test_bounds_reproduce_random_masks(data):
     for part in parts[1:]:
       kept = kept & part(q, k)
     return kept
-  form = score_forms.mask_form(mask_fn)
+  form = builtin_forms.mask_form(mask_fn)
   q, k = np.meshgrid(np.arange(64), np.arange(64), indexing="ij")
   want = np.asarray(jax.vmap(jax.vmap(
       lambda q, k: mask_fn(0, 0, q, k)))(jnp.asarray(q), jnp.asarray(k)))
