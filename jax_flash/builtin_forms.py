@@ -255,6 +255,8 @@ def _apply(eqn, ins, *, abs_sign_known: bool):
       inner = getattr(closed, "jaxpr", closed)
       return _evaluate(inner, getattr(closed, "consts", ()), ins,
                        abs_sign_known=abs_sign_known)
+  if any(isinstance(x, _Distance) for x in ins):
+    return [_distance_op(name, ins, dtype)]
   if name in _COMPARISONS:
     sign, strict = _COMPARISONS[name]
     return [_bounds(ins[0].plus(ins[1], -1.0).map(
@@ -314,16 +316,58 @@ def _scaled_tanh(name: str, ins) -> _Tanh:
   return _Tanh(tanh.form, factor.one.const)
 
 
-def _abs_of_difference(form: _Form, sign_known: bool) -> _Form:
+@dataclasses.dataclass(frozen=True)
+class _Distance:
+  """scale * |q_idx - kv_idx| where its sign is not known: only a mask's
+  comparison with a number takes it (a band about the diagonal)."""
+
+  scale: float
+  is_scalar = False
+  dtype = jnp.int32
+
+
+def _abs_of_difference(form: _Form, sign_known: bool) -> _Form | _Distance:
   """|c (q_idx - kv_idx)| = |c| (q_idx - kv_idx) where every kept key sits
-  at or before its query (causal, no q_offset)."""
+  at or before its query (causal, no q_offset); else a `_Distance`."""
   q, k = form.q, form.k
-  if not (sign_known and form.score.is_zero and form.one.is_zero
-          and q.is_const and k.is_const and q.const == -k.const != 0):
-    raise _NotAForm("abs of anything but c * (q_idx - kv_idx) under a "
-                    "causal mask without q_offset")
+  if not (form.score.is_zero and form.one.is_zero and q.is_const
+          and k.is_const and q.const == -k.const != 0):
+    raise _NotAForm("abs of anything but c * (q_idx - kv_idx)")
   c = abs(q.const)
+  if not sign_known:
+    return _Distance(c)
   return dataclasses.replace(form, q=_Coefficient(c), k=_Coefficient(-c))
+
+
+def _distance_op(name: str, ins, dtype):
+  """A `_Distance` converted to float, times a positive number, or
+  compared with a number (`_band`)."""
+  if name in _COMPARISONS:
+    return _band(name, ins)
+  if name == "convert_element_type" and jnp.dtype(dtype).itemsize >= 4:
+    return ins[0]
+  distance, factor = ins if isinstance(ins[0], _Distance) else ins[::-1]
+  if (name == "mul" and isinstance(factor, _Form) and factor.is_scalar
+      and factor.one.is_const and factor.one.const > 0):
+    return _Distance(distance.scale * factor.one.const)
+  raise _NotAForm(f"{name} of a distance")
+
+
+def _band(name: str, ins) -> _Bounds:
+  """|d| <= t (or < t), d = q_idx - kv_idx: -t' <= d <= t'."""
+  distance, limit = ins
+  name = {"ge": "le", "gt": "lt"}.get(name, name) if isinstance(
+      ins[1], _Distance) else name
+  if isinstance(ins[1], _Distance):
+    distance, limit = ins[1], ins[0]
+  if not (name in ("le", "lt") and isinstance(limit, _Form)
+          and limit.is_scalar and limit.one.is_const):
+    raise _NotAForm(f"{name} of a distance")
+  t = limit.one.const / distance.scale
+  reach = math.ceil(t) - 1 if name == "lt" else math.floor(t)
+  if reach < 0:
+    raise _NotAForm("a band that keeps nothing")
+  return _Bounds(-reach, reach)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -282,6 +282,10 @@ def test_forms_reproduce_random_linear_functions(data):
     (lambda b, h, q, k: (k - q <= 5) & (q - k <= 7), (-5, 7)),
     (lambda b, h, q, k: 2 * q >= 2 * k - 3, (-1, None)),
     (lambda b, h, q, k: True, (None, None)),
+    (lambda b, h, q, k: jnp.abs(q - k) <= 5, (-5, 5)),
+    (lambda b, h, q, k: 8 > 2 * jnp.abs(k - q), (-3, 3)),
+    (lambda b, h, q, k: (jnp.abs(q - k).astype(jnp.float32) < 2.5)
+     & (q >= k), (0, 2)),
 ])
 def test_masks_read_as_bounds(mask_fn, bounds):
   form = builtin_forms.mask_form(mask_fn)
@@ -294,6 +298,8 @@ def test_masks_read_as_bounds(mask_fn, bounds):
     lambda b, h, q, k: (q >= k) | (k < 4),
     lambda b, h, q, k: q >= 2 * k,
     lambda b, h, q, k: (q >= k) & (b == 0),
+    lambda b, h, q, k: jnp.abs(q - k) >= 5,   # two bands
+    lambda b, h, q, k: jnp.abs(q - k) + 1 <= 5,
 ])
 def test_other_masks_stay_opaque(mask_fn):
   assert builtin_forms.mask_form(mask_fn) is None
@@ -329,6 +335,7 @@ def test_mask_rewrite_is_declined(mask_fn, variants):
     ("causal", CASE, dict(mask_fn=lambda b, h, q, k: q >= k)),
     ("window", Case(2, 83, 83, 4, 1, 32), dict(
         mask_fn=lambda b, h, q, k: (k - q <= 5) & (q - k <= 7))),
+    ("band", CASE, dict(mask_fn=lambda b, h, q, k: jnp.abs(q - k) < 9)),
     ("causal window, segments, alibi score_fn", Case(2, 83, 83, 4, 1, 32),
      dict(mask_fn=lambda b, h, q, k: (k <= q) & (k > q - 20),
           segment_ids=jnp.repeat(jnp.arange(3), 28)[None, :83].repeat(2, 0),
@@ -349,6 +356,11 @@ def test_bounds_reproduce_random_masks(data):
   """Random conjunctions of comparisons of the positions with numbers,
   against their bounds on every (q, kv) of a 64 x 64 grid."""
   def comparison():
+    if data.draw(st.booleans()):  # a band: |q - kv| against a number
+      reach = data.draw(st.integers(0, 40))
+      strict = data.draw(st.booleans())
+      return lambda q, k: (jnp.abs(q - k) < reach + 1 if strict
+                           else jnp.abs(k - q) <= reach)
     a = data.draw(st.integers(-40, 40))
     c = data.draw(st.sampled_from([1, 2, -3]))
     op = data.draw(st.sampled_from(["ge", "gt", "le", "lt"]))
