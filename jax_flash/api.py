@@ -84,8 +84,8 @@ def flash_attention(
       Fully masked tiles are skipped (block-sparse attention). Without
       q_offset, a mask_fn that is a conjunction of comparisons of
       q_idx - kv_idx with numbers (`q_idx >= kv_idx`, `q_idx - kv_idx <
-      window`) runs as `is_causal` and `local_window_size`
-      (`builtin_forms`).
+      window`, `abs(q_idx - kv_idx) <= w`) runs as `is_causal` and
+      `local_window_size` (`builtin_forms`).
     score_fn: (score, b, h, q_idx, kv_idx) -> score, elementwise in score,
       traced into the kernels (its derivative by jax.jvp in the backward;
       in the Mosaic kernels its divisions by a scalar run as products by
