@@ -40,11 +40,11 @@ is. The rewritten scores differ from the function's by rounding only
 comparisons of q_idx - kv_idx (times a number) with numbers bounds q_idx -
 kv_idx from below and above, which is `is_causal` (a lower bound of 0) and
 a `local_window_size` (other bounds; `abs(q_idx - kv_idx) <= w` is the
-band -w..w), without q_offset (the function sees
-q_idx, the built-ins q_idx + q_offset). The causal mask written as
-`mask_fn` then runs on the plain kernels (it ran 0.93-0.94x of
-`is_causal` on the masked ones, H100, 16k, d=128, fwd+bwd), a window on
-the masked kernels without the function's tiles or its block map.
+band -w..w), without q_offset (the function sees q_idx, the built-ins
+q_idx + q_offset). The causal mask written as `mask_fn` then runs on the
+plain kernels (it ran 0.93-0.94x of `is_causal` on the masked ones, H100,
+16k, d=128, fwd+bwd), a window on the masked kernels without the
+function's tiles or its block map.
 """
 from __future__ import annotations
 
