@@ -375,6 +375,25 @@ def _ring_check(implementation):
   return assert_close(checked, reference_results())
 
 
+def _builtin_forms_check(implementation):
+  """A causal window as `mask_fn` and ALiBi as `score_fn`, which the
+  kernels run as the built-ins (`jax_flash.builtin_forms`: slopes and the
+  LSE's row terms computed inside the body), data parallel under
+  `shard_map` with `check_vma` True and False."""
+  def alibi(s, b, h, q, k):
+    del b
+    return s - jnp.exp2(-(h + 1.0)) * jnp.abs(q - k).astype(jnp.float32)
+  variants = dict(score_fn=alibi, mask_fn=lambda b, h, q, k: q - k < 9)
+  run = lambda check_vma: data_parallel(
+      functools.partial(attention(implementation), **variants),
+      random_inputs(CASE), jax.devices()[:2], check_vma)
+  checked = run(True)
+  assert_bitwise(checked, run(False))
+  want = jax.jit(functools.partial(forward_and_grad, functools.partial(
+      attention("reference"), **variants)))(*random_inputs(CASE))
+  return assert_close(checked, want)
+
+
 def _pmap_check(implementation):
   got = pmapped(attention(implementation), random_inputs(CASE), 2)
   return assert_close(got, reference_results())
@@ -385,6 +404,7 @@ CHECKS = {
     for implementation in IMPLEMENTATIONS
     for name, check in (("shard_map-data_parallel", _data_parallel_check),
                         ("shard_map-ring", _ring_check),
+                        ("shard_map-builtin_forms", _builtin_forms_check),
                         ("pmap", _pmap_check))}
 
 
