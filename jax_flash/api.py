@@ -134,8 +134,8 @@ def flash_attention(
       dropout_rate=dropout_rate, dropout_rng=dropout_rng, sinks=sinks)
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
-  # The kernels take a score_fn with a built-in form as the built-ins;
-  # XLA evaluates it as written.
+  # The kernels take a score_fn or mask_fn of a built-in form as the
+  # built-ins; XLA evaluates it as written.
   kernel_call, lse_shift = builtin_forms.as_builtin(call)
   out, lse = dispatch(implementation, interpret, lambda name, interpret_: (
       _IMPLEMENTATIONS[name](call if name == "xla" else kernel_call, query,
