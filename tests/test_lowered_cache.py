@@ -127,7 +127,7 @@ def test_cached_kernels_give_the_same_bits_on_gpu(tmp_path, monkeypatch):
                     for key in keys)
   results = []
   # The directory given directly: JAX's own compilation cache stays as the
-  # session set it.
+  # test process set it.
   for directory in (None, tmp_path, tmp_path):
     monkeypatch.setattr(lowered_cache, "cache_directory",
                         lambda directory=directory: directory)
