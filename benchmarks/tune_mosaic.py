@@ -196,6 +196,19 @@ def ragged_forward_benchmark(cell: common.Cell, blocks: dict):
       q, k, v, scale=scale, spec=spec)[0]), (q, k, v)
 
 
+def masked_term_forward_benchmark(cell: common.Cell, blocks: dict):
+  """The masked forward on a causal mask with `blocks["term"]`
+  (`causal_spec`), the other entries its options."""
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  blocks = dict(blocks)
+  spec, operands = causal_spec(cell, blocks.pop("term"))
+  q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
+  fn = jax.jit(lambda q, k, v, operands: mosaic_forward_masked(
+      q, k, v, scale=cell.head_dim**-0.5, spec=spec, **operands,
+      **blocks)[0])
+  return functools.partial(fn, operands=operands), (q, k, v)
+
+
 def masked_backward_benchmark(cell: common.Cell, blocks: dict):
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
@@ -240,13 +253,26 @@ MASKED_BACKWARD_CANDIDATES = [
                              lean_producer=False))]
 
 
+# The documents of `causal_spec`'s "documents": where each of 8 packed
+# documents of unequal lengths starts, as a fraction of the sequence.
+DOCUMENT_STARTS = (0.0, 0.05, 0.15, 0.3, 0.5, 0.6, 0.8, 0.9)
+
+
 def causal_spec(cell: common.Cell, term: str):
   """(a causal `MaskSpec` with `term`, the masked kernels' operands of
-  it): "none", "alibi" (slopes 2^-1 .. 2^-heads), "dropout" (0.1), or
-  "softcap" (30)."""
+  it): "none", "alibi" (slopes 2^-1 .. 2^-heads), "dropout" (0.1),
+  "softcap" (30), "window" (4,096 keys, Mistral's) or "documents" (8
+  packed, `DOCUMENT_STARTS`)."""
   from jax_flash import masking
+  positions = jnp.arange(cell.seq_len)
+  ids = jnp.searchsorted(jnp.asarray(DOCUMENT_STARTS) * cell.seq_len,
+                         positions, side="right").astype(jnp.int32) - 1
+  ids = jnp.broadcast_to(ids, (cell.batch, cell.seq_len))
   changes, operands = {
       "none": ({}, {}),
+      "window": (dict(window=(4096, 0)), {}),
+      "documents": (dict(has_segments=True),
+                    dict(q_segments=ids, kv_segments=ids)),
       "alibi": (dict(has_alibi=True), dict(alibi_slopes=jnp.broadcast_to(
           2.0 ** -jnp.arange(1.0, cell.num_heads + 1),
           (cell.batch, cell.num_heads)))),
@@ -404,6 +430,10 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                [dict(term="none"), dict(term="softcap"),
                 dict(term="softcap", form="softcap_backward_folded")],
                2.5, (True,)),
+           "masked_forward_persistent": (
+               masked_term_forward_benchmark,
+               dict(term=("none", "window", "documents", "softcap"),
+                    persistent=(False, True)), 1.0, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,
                                       MASKED_RESCALE_SPACE, 1.0, (True,)),
            "masked_backward_order": (masked_causal_backward_benchmark,

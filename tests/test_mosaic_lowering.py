@@ -505,7 +505,7 @@ def test_three_consumers_cover_every_row_once(q_len, num_ctas, is_causal):
       stored += [(b, h, r) for w, r in enumerate(rows)
                  if start + 64 * w < q_len]
       assert int(tiles.blocks(start)) == int(
-          forward_kernel._num_kv_steps(rows[-1], static))
+          forward_kernel.num_kv_steps(rows[-1], static))
   want = [(b, h, r) for b in range(batch) for h in range(heads)
           for r in range(0, q_len, 64)]
   assert sorted(stored) == want

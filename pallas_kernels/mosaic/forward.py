@@ -64,8 +64,8 @@ from pallas_kernels.mosaic.common import (
     ragged_lengths, slope_rows, slope_rows_bytes, swizzled)
 from pallas_kernels.mosaic.rows import row_buffer, row_copies, rows_in_place
 from pallas_kernels.mosaic.forward_kernel import (
-    NUM_CONSUMERS, KernelStatic, forward_kernel, fp8_o_columns,
-    persistent_kernel)
+    NUM_CONSUMERS, KernelStatic, forward_kernel, fp8_o_columns)
+from pallas_kernels.mosaic.forward_persistent import persistent_kernel
 from pallas_kernels.mosaic.plan import ForwardConfig, forward_config
 
 # The forward's shared memory also leaves the 2 KiB that Mosaic GPU reserves
@@ -184,18 +184,32 @@ def rescale_fields(lazy_rescale: bool, *,
 
 def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
                       ) -> KernelStatic:
-  """`static` for the persistent grid over query tiles of `q_shape`."""
+  """`static` for the persistent grid over query tiles of `q_shape` (the
+  ranged form's tiles paired heaviest with lightest, as causal ones are,
+  `forward_persistent`)."""
+  if static.fp8:
+    raise NotImplementedError("the FP8 forward has no persistent grid")
   batch, q_len, num_heads, head_dim = q_shape
   num_ctas = persistent_num_ctas(
-      num_ctas, paired=static.is_causal,
+      num_ctas, paired=static.is_causal or static.ranged,
       num_tiles=batch * num_heads * pl.cdiv(q_len, static.tile_rows))
   o_bytes = static.tile_rows * (head_dim * static.dtype.itemsize + 4)
   return dataclasses.replace(
       static, persistent=True, num_ctas=num_ctas,
-      stage_o_apart=_smem_bytes(
-          static.block_q, static.block_kv, static.num_stages, head_dim,
-          static.dtype.itemsize, static.num_consumers) + o_bytes
+      stage_o_apart=static.smem_bytes + _ranged_smem_bytes(static) + o_bytes
       <= _FORWARD_SMEM_LIMIT_BYTES)
+
+
+def _ranged_smem_bytes(static: KernelStatic) -> int:
+  """The ranged form's small buffers on the persistent grid, which
+  `check_supported` leaves to the reserve: two plan rows per warpgroup,
+  and with segments the query ids and the key ids' ring."""
+  if not static.ranged:
+    return 0
+  segments = 4 * (static.num_consumers * static.block_q
+                  + static.num_stages * static.block_kv)
+  return (2 * (static.num_consumers + 1) * PLAN_WIDTH * 4
+          + segments * static.spec.has_segments)
 
 
 def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
@@ -260,10 +274,12 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
   # plain kernels").
   lse_len = num_q_tiles * static.tile_rows
   if static.ranged:
+    # One plan row per consumer and one for the producer; on the persistent
+    # grid two each, the next tile's loading (`forward_persistent`).
+    plan_rows = (consumers + 1) * (2 if static.persistent else 1)
     scratch += (
-        # One plan row per consumer and one for the producer.
-        plgpu.SMEM((consumers + 1, PLAN_WIDTH), jnp.int32),
-        plgpu.Barrier(num_barriers=consumers + 1),    # plan_arrived
+        plgpu.SMEM((plan_rows, PLAN_WIDTH), jnp.int32),
+        plgpu.Barrier(num_barriers=plan_rows),    # plan_arrived
     )
     inputs += (plan,)
   if static.stage_o_apart:
@@ -414,7 +430,7 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
       is_causal=bool(is_causal), dtype=dtype, fp8=fp8,
       out_dtype=fp8_out_dtype, num_q_blocks=num_q_blocks if fp8 else 0,
       spec=spec, scale=float(scale), num_consumers=num_consumers,
-      q_len=q_len, sinks=bool(sinks),
+      q_len=q_len, sinks=bool(sinks), smem_bytes=smem_bytes,
       ragged_tail=ragged and bool(q_len % q_multiple or kv_len % block_kv),
       rows_in_place=in_place, kv_len=kv_len, key_rows=rows,
       key_tail=ragged and masks_key_tail(q_len, kv_len, block_kv, is_causal))

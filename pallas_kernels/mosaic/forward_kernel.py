@@ -2,10 +2,10 @@
 
 A CTA of `num_consumers + 1` warpgroups computes `num_consumers * block_q`
 query rows of one (batch, head) (`forward_kernel`), or, on the persistent
-grid, such tiles one after another (`persistent_kernel`):
+grid, such tiles one after another (`forward_persistent.py`):
 
   consumers   warpgroups 0, 1 (and 2): each loads its `block_q` rows of Q
-              and walks the K/V blocks they see (`_consume`): S = Q Kᵀ by
+              and walks the K/V blocks they see (`consume`): S = Q Kᵀ by
               wgmma, the online softmax (`softmax.py`; masked on the blocks
               that straddle the diagonal, or as the plan row says in the
               ranged form), O += P V by wgmma, taking turns on the tensor
@@ -24,11 +24,8 @@ grid, such tiles one after another (`persistent_kernel`):
               fewer K/V blocks simply stops arriving and the producer stops
               waiting for it: no flush loop is needed.
 
-On the persistent grid the ring and every barrier's phases run on from
-tile to tile (block `base + j` of a tile in slot (base + j) % num_stages),
-each consumer waits for and releases every block of a tile (also the ones
-only a later consumer reads), and a tile's Q load and O store overlap the
-neighbouring tiles' work.
+On the persistent grid `consume` computes one tile of the walk (`Tile`),
+its ring slots counting on from the tiles before.
 """
 from __future__ import annotations
 
@@ -48,7 +45,7 @@ from pallas_kernels.mosaic.common import (
     ScoreTiles, SlopeRows, alibi_column_terms, alibi_row_terms, causal_mask,
     chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
     dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
-    persistent_schedule, read_plan, register_split, slope_reader, tile_index,
+    read_plan, register_split, slope_reader, tile_index,
     tile_indices, variant_mask)
 from pallas_kernels.mosaic.forward_static import NUM_CONSUMERS, KernelStatic
 from pallas_kernels.mosaic.rows import (
@@ -93,7 +90,7 @@ def consumer_rows(tile_start, wg, static: KernelStatic):
   return jnp.minimum(start, static.q_len - static.block_q)
 
 
-def _num_kv_steps(q_start, static: KernelStatic):
+def num_kv_steps(q_start, static: KernelStatic):
   """K/V blocks that rows [q_start, q_start + block_q) attend to."""
   if not static.is_causal:
     return static.num_kv_blocks
@@ -140,7 +137,7 @@ class _Fp8Refs(NamedTuple):
                        # dtype
 
 
-class _SegmentRefs(NamedTuple):
+class SegmentRefs(NamedTuple):
   """The ranged kernel's segment ids (`spec.has_segments`)."""
   q_gmem: Any        # int32 [q_len] of this batch
   kv_gmem: Any       # int32 [kv_len] of this batch
@@ -150,8 +147,8 @@ class _SegmentRefs(NamedTuple):
   kv_arrived: Any    # barriers [stages]
 
 
-class _Tile(NamedTuple):
-  """A persistent CTA's current tile, as `_consume` needs it."""
+class Tile(NamedTuple):
+  """A persistent CTA's current tile, as `consume` needs it."""
   base: Any         # global index of the tile's first K/V block: the ring
                     # slot and barrier phase go on from the previous tile
   load_next_q: Any  # () -> None: issues the next tile's Q load, if any
@@ -159,62 +156,95 @@ class _Tile(NamedTuple):
                     # unless `static.stage_o_apart`)
 
 
-class _PersistentTiles(NamedTuple):
-  """The forward's persistent schedule, in query rows."""
-  count: Any    # tiles this CTA computes
-  tile_of: Any  # n -> (batch, head, first query row) of its n-th tile
-  blocks: Any   # first query row -> K/V blocks the tile streams
+class KernelRefs(NamedTuple):
+  """`forward.launch`'s refs by name (None where the kernel's form has
+  none): inputs, outputs, then scratch, in `launch`'s order."""
+  q: Any
+  k: Any
+  v: Any
+  descale: Any      # FP8
+  plan: Any         # ranged: int32 [batch * plan_heads, tiles, PLAN_WIDTH]
+  q_ids: Any        # segments: int32 [batch, q_len]
+  kv_ids: Any       #           int32 [batch, kv_len]
+  slopes: Any       # ALiBi: `common.slope_rows`
+  bias: Any
+  dense_mask: Any
+  sinks: Any        # `forward.sink_rows`
+  out: Any
+  lse: Any
+  common: tuple     # the 10 scratch refs every form has
+  fp8: tuple | None         # O, descale rows, their barriers
+  plan_rows: tuple | None   # ranged: plan rows' SMEM, their barriers
+  o_apart: tuple | None     # `stage_o_apart`: O's and the LSE's buffers
+  segments: tuple | None    # query ids, barriers, key ids, barriers
+  slope_rows: tuple | None  # ALiBi: SMEM, barriers
+  bias_tiles: tuple | None
+  dense_tiles: tuple | None
+  sink_rows: tuple | None
 
 
-def persistent_tiles(q_shape, static: KernelStatic, cta) -> _PersistentTiles:
-  """Which query tiles CTA `cta` computes (`persistent_schedule`; under
-  causal masking query tile i reads i + 1 blocks, so tiles go in pairs)."""
-  batch_size, q_len, num_heads, _ = q_shape
-  tile_rows = static.tile_rows
-  schedule = persistent_schedule(
-      num_tiles=pl.cdiv(q_len, tile_rows), num_heads=num_heads,
-      batch=batch_size, paired=static.is_causal, num_ctas=static.num_ctas,
-      cta=cta)
+def kernel_refs(refs, static: KernelStatic) -> KernelRefs:
+  """Names `refs`: q, k, v, [descale (FP8)], [plan (ranged)], [q ids, kv
+  ids (segments)], [slopes (ALiBi)], [bias], [dense mask], [sinks], out,
+  lse, the 10 common scratch refs, [FP8's 3], [ranged's 2], [O and LSE
+  staged apart, 2], [segments' 4], [ALiBi's 2], [bias' 2], [dense mask's
+  2], [sinks' 2]."""
+  ranged = static.ranged
+  segmented = ranged and static.spec.has_segments
+  has = dict(alibi=ranged and static.spec.has_alibi,
+             bias=ranged and static.spec.has_bias,
+             dense=ranged and static.spec.has_dense_mask)
+  refs = iter(refs)
 
-  def tile_of(n):
-    batch, head, q_tile = schedule.tile_of(n)
-    return batch, head, q_tile * tile_rows
+  def take(n, present=True):
+    if not present:
+      return None
+    taken = tuple(next(refs) for _ in range(n))
+    return taken[0] if n == 1 else taken
 
-  def blocks(tile_start):  # the last consumer's rows reach furthest
-    return _num_kv_steps(
-        consumer_rows(tile_start, static.num_consumers - 1, static), static)
+  q, k, v = take(3)
+  descale, plan = take(1, static.fp8), take(1, ranged)
+  q_ids, kv_ids = take(2, segmented) or (None, None)
+  slopes, bias, dense_mask = (take(1, has[x]) for x in ("alibi", "bias",
+                                                         "dense"))
+  sinks = take(1, static.sinks)
+  out, lse = take(2)
+  named = KernelRefs(
+      q, k, v, descale, plan, q_ids, kv_ids, slopes, bias, dense_mask, sinks,
+      out, lse, common=take(10), fp8=take(3, static.fp8),
+      plan_rows=take(2, ranged), o_apart=take(2, static.stage_o_apart),
+      segments=take(4, segmented), slope_rows=take(2, has["alibi"]),
+      bias_tiles=take(2, has["bias"]), dense_tiles=take(2, has["dense"]),
+      sink_rows=take(2, static.sinks))
+  if next(refs, None) is not None:
+    raise ValueError("more refs than the kernel's form takes")
+  return named
 
-  return _PersistentTiles(schedule.count, tile_of, blocks)
+
+def segment_refs_of(refs: KernelRefs, batch) -> SegmentRefs | None:
+  """The ranged kernel's segment ids of `batch`, where it has them."""
+  if refs.segments is None:
+    return None
+  return SegmentRefs(refs.q_ids.at[batch], refs.kv_ids.at[batch],
+                      *refs.segments)
 
 
 def forward_kernel(*refs, static: KernelStatic):
-  """Kernel body; refs: `forward.launch`'s inputs, outputs and scratch, in
-  order:
-
-  q, k, v, [descale (FP8)], [plan (ranged)], [q ids, kv ids (segments)],
-  [slopes (ALiBi)], [bias], [dense mask], [sinks], out, lse, the 10 common
-  scratch refs, [FP8's 3], [ranged's 2], [segments' 4], [ALiBi's 2], [bias'
-  2], [dense mask's 2], [sinks' 2].
-  """
-  segmented = static.ranged and static.spec.has_segments
-  alibi = static.ranged and static.spec.has_alibi
-  biased = static.ranged and static.spec.has_bias
-  dense = static.ranged and static.spec.has_dense_mask
-  num_inputs = (3 + static.fp8 + static.ranged + 2 * segmented + alibi
-                + biased + dense + static.sinks)
-  inputs, scratch = refs[:num_inputs], refs[num_inputs + 2:]
+  """Kernel body on the launch grid: one CTA a tile; refs as `kernel_refs`
+  names them."""
+  refs = kernel_refs(refs, static)
+  q_ref, k_ref, v_ref = refs.q, refs.k, refs.v
+  out_ref, lse_ref = refs.out, refs.lse
   sinks = None
-  if static.sinks:  # the last input and the last two scratch refs
-    sinks = SlopeRows(inputs[-1], *scratch[-2:])
-  q_ref, k_ref, v_ref = inputs[:3]
-  out_ref, lse_ref = refs[num_inputs:num_inputs + 2]
+  if static.sinks:
+    sinks = SlopeRows(refs.sinks, *refs.sink_rows)
   (q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
-   k_consumed, v_consumed, pingpong) = scratch[:10]
+   k_consumed, v_consumed, pingpong) = refs.common
   q_smem, k_smem, v_smem = (RowViews.of(x, static)
                             for x in (q_smem, k_smem, v_smem))
   if static.fp8:
-    descale_ref = inputs[3]
-    o_smem, descale_smem, descale_arrived = scratch[10:13]
+    descale_ref = refs.descale
+    o_smem, descale_smem, descale_arrived = refs.fp8
   batch = lax.axis_index("batch")
   head = lax.axis_index("head")
   wg = lax.axis_index("wg")
@@ -224,30 +254,19 @@ def forward_kernel(*refs, static: KernelStatic):
   q_tile = tile_index("q_tile", num_q_tiles, reverse=(
       static.is_causal and not static.ranged))
   tile_start = None if static.ranged else q_tile * static.tile_rows
-  plan = segment_refs = slopes = bias = dense_mask = None
-  # The ranged kernel's inputs and scratch follow the FP8 kernel's.
-  ranged_input, ranged_scratch = 3 + static.fp8, 10 + 3 * static.fp8
+  plan = slopes = bias = dense_mask = None
   if static.ranged:
     plan_row = batch if static.plan_heads == 1 else (
         batch * static.plan_heads + head)
-    plan = PlanRow(inputs[ranged_input].at[plan_row, q_tile],
-                   *scratch[ranged_scratch:ranged_scratch + 2])
-  if segmented:
-    segment_refs = _SegmentRefs(
-        inputs[ranged_input + 1].at[batch], inputs[ranged_input + 2].at[batch],
-        *scratch[ranged_scratch + 2:ranged_scratch + 6])
-  if alibi:
-    first_scratch = ranged_scratch + 2 + 4 * segmented
-    slopes = SlopeRows(inputs[ranged_input + 1 + 2 * segmented].at[batch],
-                       *scratch[first_scratch:first_scratch + 2])
-  first_input = ranged_input + 1 + 2 * segmented + alibi
-  first_scratch = ranged_scratch + 2 + 4 * segmented + 2 * alibi
-  if biased:
-    bias = ScoreTiles.of(inputs[first_input], scratch[first_scratch:], batch,
+    plan = PlanRow(refs.plan.at[plan_row, q_tile], *refs.plan_rows)
+  segment_refs = segment_refs_of(refs, batch)
+  if refs.slopes is not None:
+    slopes = SlopeRows(refs.slopes.at[batch], *refs.slope_rows)
+  if refs.bias is not None:
+    bias = ScoreTiles.of(refs.bias, refs.bias_tiles, batch,
                          static.bias_repeats)
-  if dense:
-    dense_mask = ScoreTiles.of(inputs[first_input + biased],
-                               scratch[first_scratch + 2 * biased:], batch)
+  if refs.dense_mask is not None:
+    dense_mask = ScoreTiles.of(refs.dense_mask, refs.dense_tiles, batch)
 
   consumer_registers, producer_registers = register_split(
       lean=False, num_consumers=static.num_consumers)
@@ -265,11 +284,16 @@ def forward_kernel(*refs, static: KernelStatic):
     if sinks is not None:  # in flight until the epilogue waits for it
       copy_slopes(sinks, wg)
       sink_of = lambda head: slope_reader(sinks, wg)(head)
-    _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
+    read = None
+    if plan is not None:
+      if slopes is not None:  # in flight while the plan row loads
+        copy_slopes(slopes, wg)
+      read = read_plan(plan, wg)
+    consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
              lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
              k_consumed, v_consumed, turns.turns_of(pingpong, static),
              batch=batch, head=head, wg=wg, tile_start=tile_start,
-             static=static, fp8=fp8, plan=plan, segments=segment_refs,
+             static=static, fp8=fp8, plan=read, segments=segment_refs,
              slopes=slopes, bias=bias, dense_mask=dense_mask,
              sink_of=sink_of)
 
@@ -282,111 +306,24 @@ def forward_kernel(*refs, static: KernelStatic):
              segments=segment_refs)
 
 
-def persistent_kernel(*refs, static: KernelStatic):
-  """The plain kernel on a persistent grid of `num_ctas` CTAs.
-
-  Each CTA computes its tiles (`persistent_tiles`) one after another. The
-  producer streams their K/V blocks through the ring without draining it:
-  a tile's blocks continue a running count `base`, block base + j going to
-  slot (base + j) % num_stages, so every barrier's phases run on across
-  tiles. Both consumers wait for and release every block (under causal
-  masking warpgroup 0 passes through the blocks only warpgroup 1 reads),
-  so the producer always waits for both. A consumer issues the next tile's
-  Q load as soon as its Q is dead, and leaves each O store in flight until
-  its buffer is needed again.
-
-  refs: q, k, v, [sinks], out, lse, the 10 common scratch refs, [O and LSE
-  staged apart], [sinks' 2].
-  """
-  num_inputs = 3 + static.sinks
-  q_ref, k_ref, v_ref = refs[:3]
-  out_ref, lse_ref = refs[num_inputs:num_inputs + 2]
-  scratch = refs[num_inputs + 2:]
-  (q_smem, k_smem, v_smem, lse_smem, q_arrived, k_arrived, v_arrived,
-   k_consumed, v_consumed, pingpong) = scratch[:10]
-  q_smem, k_smem, v_smem = (RowViews.of(x, static)
-                            for x in (q_smem, k_smem, v_smem))
-  o_smem = q_smem
-  if static.stage_o_apart:
-    o_smem = RowViews.of(scratch[10], static)
-    lse_smem = scratch[11]
-  stages = static.num_stages
-  tiles = persistent_tiles(q_ref.shape, static, lax.axis_index("cta"))
-  wg = lax.axis_index("wg")
-
-  consumer_registers, producer_registers = register_split(
-      lean=False, num_consumers=static.num_consumers)
-
-  @pl.when(wg < static.num_consumers)
-  def _consumer():
-    plgpu.set_max_registers(consumer_registers, action="increase")
-    turns.seed_turns(pingpong, wg, static)
-
-    def load_q(n):
-      batch, head, tile_start = tiles.tile_of(n)
-      rows = pl.ds(consumer_rows(tile_start, wg, static), static.block_q)
-      copy_rows_in(q_ref.at[batch, rows, head], q_smem.at[wg],
-                   q_arrived.at[wg])
-
-    load_q(0)
-    sink_of = None
-    if static.sinks:  # every head's, once: a tile reads its own
-      sinks = SlopeRows(refs[3], *scratch[-2:])
-      copy_slopes(sinks, wg)
-      sink_of = slope_reader(sinks, wg)
-
-    def tile_body(n, base):
-      batch, head, tile_start = tiles.tile_of(n)
-      tile = _Tile(base=base,
-                   load_next_q=lambda: pl.when(n + 1 < tiles.count)(
-                       lambda: load_q(n + 1)),
-                   o_smem=o_smem.at[wg])
-      _consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
-               lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
-               k_consumed, v_consumed, turns.turns_of(pingpong, static),
-               batch=batch,
-               head=head, wg=wg, tile_start=tile_start, static=static,
-               fp8=None, plan=None, tile=tile, sink_of=sink_of)
-      return base + tiles.blocks(tile_start)
-
-    lax.fori_loop(0, tiles.count, tile_body, jnp.int32(0))
-    plgpu.wait_smem_to_gmem(0)
-
-  @pl.when(wg == static.producer)
-  def _producer():
-    plgpu.set_max_registers(producer_registers, action="decrease")
-
-    def tile_body(n, base):
-      batch, head, tile_start = tiles.tile_of(n)
-      kv_head = lax.div(head, static.group)
-      num_blocks = tiles.blocks(tile_start)
-
-      @pl.loop(0, num_blocks)
-      def _step(step):
-        block = base + step
-        slot = lax.rem(block, stages)
-        rows = pl.ds(step * static.block_kv, static.block_kv)
-        # K before V, as in `_produce`; a slot is refilled once both
-        # consumers have released the block `stages` earlier.
-        for ref, smem, arrived, consumed in (
-            (k_ref, k_smem, k_arrived, k_consumed),
-            (v_ref, v_smem, v_arrived, v_consumed)):
-          @pl.when(block >= stages)
-          def _wait(consumed=consumed):
-            for w in range(static.num_consumers):
-              plgpu.barrier_wait(consumed.at[w * stages + slot])
-
-          copy_rows_in(ref.at[batch, rows, kv_head], smem.at[slot],
-                       arrived.at[slot])
-
-      return base + num_blocks
-
-    lax.fori_loop(0, tiles.count, tile_body, jnp.int32(0))
+def load_kv_block(rows, slot, ref, smem, arrived, *, k_ref, batch, kv_head,
+                  static: KernelStatic, segments: SegmentRefs | None):
+  """The producer's TMA of K or V (`ref`) rows `rows` (a block,
+  `_kv_rows`) into ring slot `slot`; with K, its key ids (`segments`)."""
+  if static.fp8 and ref is not k_ref:  # V transposed: [B, Hkv, D, T]
+    block = ref.at[batch, kv_head, :, rows]
+  else:
+    block = ref.at[batch, rows, kv_head]
+  copy_rows_in(block, smem.at[slot], arrived.at[slot])
+  if segments is not None and ref is k_ref:  # key ids travel with K
+    plgpu.copy_gmem_to_smem(segments.kv_gmem.at[rows],
+                            segments.kv_smem.at[slot],
+                            segments.kv_arrived.at[slot])
 
 
 def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
              v_consumed, *, batch, kv_head, tile_start, static: KernelStatic,
-             plan: PlanRow | None, segments: _SegmentRefs | None):
+             plan: PlanRow | None, segments: SegmentRefs | None):
   """Producer warpgroup: TMA K/V block j into ring slot j % num_stages.
 
   Ranged kernel: blocks [first, total) of the plan's union, block j into
@@ -397,7 +334,7 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
   # later, so it reads at least as many blocks as an earlier one.
   first = 0
   if plan is None:
-    steps = [_num_kv_steps(consumer_rows(tile_start, w, static), static)
+    steps = [num_kv_steps(consumer_rows(tile_start, w, static), static)
              for w in range(static.num_consumers)]
     total = steps[-1]
   else:
@@ -405,16 +342,9 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
     first, total = read(PLAN_UNION), read(PLAN_UNION + 1)
 
   def load(step, slot, ref, smem, arrived):
-    rows = _kv_rows(step, static)
-    if static.fp8 and ref is v_ref:  # V transposed: [B, Hkv, D, T]
-      block = ref.at[batch, kv_head, :, rows]
-    else:
-      block = ref.at[batch, rows, kv_head]
-    copy_rows_in(block, smem.at[slot], arrived.at[slot])
-    if segments is not None and ref is k_ref:  # key ids travel with K
-      plgpu.copy_gmem_to_smem(segments.kv_gmem.at[rows],
-                              segments.kv_smem.at[slot],
-                              segments.kv_arrived.at[slot])
+    load_kv_block(_kv_rows(step, static), slot, ref, smem, arrived,
+                  k_ref=k_ref, batch=batch, kv_head=kv_head, static=static,
+                  segments=segments)
 
   def wait_consumed(consumed, step, slot):
     # The slot held block step - stages; wait for every consumer that read it.
@@ -463,16 +393,18 @@ def _kv_rows(step, static: KernelStatic):
   return pl.ds(start, static.block_kv)
 
 
-def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
+def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
              q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
              pingpong, *, batch, head, wg, tile_start, static: KernelStatic,
-             fp8: _Fp8Refs | None, plan: PlanRow | None,
-             segments: _SegmentRefs | None = None, tile: _Tile | None = None,
+             fp8: _Fp8Refs | None, plan,
+             segments: SegmentRefs | None = None, tile: Tile | None = None,
              slopes: SlopeRows | None = None, bias: ScoreTiles | None = None,
              dense_mask: ScoreTiles | None = None, sink_of=None):
   """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile.
 
   `sink_of` (`static.sinks`): head -> its sink logit, read in the epilogue.
+  `plan` (ranged kernel): index -> that entry of the tile's plan row, read
+  from shared memory (`read_plan`; the ALiBi slopes' copy already issued).
 
   Persistent grid (`tile` given): Q was loaded by the previous tile (or the
   kernel's prologue), ring slots count on from `tile.base`, and O's store
@@ -485,19 +417,17 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   """
   block_q, block_kv = static.block_q, static.block_kv
   if plan is not None:
-    if slopes is not None:  # in flight while the plan row loads
-      copy_slopes(slopes, wg)
-    read = read_plan(plan, wg)
+    read = plan
     tile_start = read(PLAN_TILE) * static.tile_rows
   q_start = consumer_rows(tile_start, wg, static)
   q_rows = pl.ds(q_start, block_q)
   if plan is None:
     first = 0
-    num_steps = _num_kv_steps(q_start, static)
+    num_steps = num_kv_steps(q_start, static)
     num_unmasked = _num_unmasked_steps(q_start, num_steps, static)
     # Steps in which every consumer runs and so takes turns: all of
     # warpgroup 0's (it never has more blocks than a later one).
-    num_shared = _num_kv_steps(tile_start, static)
+    num_shared = num_kv_steps(tile_start, static)
     if tile is None:
       slot_of = lambda step: lax.rem(step, static.num_stages)
     else:
@@ -516,7 +446,11 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       query_hashes = dropout_query_hashes(
           read(PLAN_DROPOUT_SEED), batch, head, q_start, block_q,
           plgpu.Layout.WGMMA.reduce(1))
-    slot_of = lambda step: lax.rem(step - first, static.num_stages)
+    if tile is None:
+      slot_of = lambda step: lax.rem(step - first, static.num_stages)
+    else:
+      slot_of = lambda step: lax.rem(tile.base + step - first,
+                                     static.num_stages)
     if segments is not None:
       q_ids_smem = segments.q_smem.at[wg]
       plgpu.copy_gmem_to_smem(segments.q_gmem.at[q_rows], q_ids_smem,
@@ -580,13 +514,12 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
 
   # Every row tile sees block 0 (top-left causal), so num_steps >= 1. Later
   # K tiles are awaited under the previous P V (see `accumulate`).
-  if tile is not None:
-    plgpu.barrier_wait(k_arrived.at[slot_of(0)])
-  elif plan is None:
-    plgpu.barrier_wait(k_arrived.at[0])
+  if plan is None:
+    plgpu.barrier_wait(k_arrived.at[0 if tile is None else slot_of(0)])
   else:  # an empty union loads nothing
-    pl.when(first < num_steps)(
-        functools.partial(plgpu.barrier_wait, k_arrived.at[0]))
+    pl.when(first < num_steps)(functools.partial(
+        plgpu.barrier_wait, k_arrived.at[0 if tile is None
+                                         else slot_of(first)]))
 
   def wait_next_k(step):
     next_step = step + 1
@@ -825,11 +758,11 @@ def _consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
         (unmasked_hi, hi, masked_body), (hi, num_steps, skip_body)):
       carry = lax.fori_loop(start, stop, body, carry)
   finish(*carry)
-  if tile is not None and static.is_causal:
+  if tile is not None and static.is_causal and plan is None:
     # Persistent: the blocks only the other consumer reads pass through this
     # one too (barriers, no math, no turns), so that every consumer waits
     # for each barrier phase and the next tile finds them in step.
-    last = _num_kv_steps(
+    last = num_kv_steps(
         consumer_rows(tile_start, static.num_consumers - 1, static), static)
 
     @pl.loop(num_steps, last)

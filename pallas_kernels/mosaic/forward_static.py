@@ -54,12 +54,15 @@ class KernelStatic:
   # Persistent grid (`persistent_kernel`): `num_ctas` CTAs (one per SM) walk
   # the tiles in turn, so that a tile's prologue (Q and the first K/V
   # loads) and epilogue (the O store) overlap its neighbours' work instead of
-  # costing a CTA launch each. Plain form only. `stage_o_apart`: O and the
+  # costing a CTA launch each. Plain and ranged forms (`forward_persistent`;
+  # not FP8). `stage_o_apart`: O and the
   # LSE go out through a buffer of their own where it fits, so the next
   # tile's Q loads while this one's O is written.
   persistent: bool = False
   num_ctas: int = 0
   stage_o_apart: bool = False
+  # Shared memory of every buffer but O's staged apart (`check_supported`).
+  smem_bytes: int = 0
   # Launch grid order: a head's query tiles launched together, so that the
   # CTAs at work at once stream the same K/V through L2 (the plain form's:
   # +2.3% at d=256 and +2.6% at d=128 causal at 16k,

@@ -37,7 +37,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                           dense_mask=None, sinks=None, block_q: int = 64,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2,
-                          lazy_rescale: bool | None = None):
+                          lazy_rescale: bool | None = None,
+                          persistent: bool | None = None,
+                          num_ctas: int | None = None):
   """`forward.mosaic_forward` with masks, score changes, dropout and any
   lengths.
 
@@ -82,6 +84,9 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       (log2 units, see `forward.KernelStatic`); the results change by
       rounding only. None: at `plan.MASKED_LAZY_RESCALE_HEAD_DIMS` (by
       `plan.plan_head_dim`).
+    persistent: one CTA per SM walks the tiles (`forward_persistent`;
+      `num_ctas` of them, None: the GPU's SM count) instead of one CTA a
+      tile; the same results. None: `plan.masked_persistent`.
 
   Returns:
     (out [batch, q_len, num_heads, head_dim], lse float32
@@ -139,6 +144,10 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                                block_mask=block_mask, dense_mask=dense_mask,
                                dropout_seed=dropout_seed)
   static = dataclasses.replace(static, plan_heads=plan_heads)
+  if persistent is None:
+    persistent = plan.masked_persistent(query.shape[-1], key.shape[1])
+  if persistent:
+    static = forward.persistent_static(static, query.shape, num_ctas)
   q_len = query.shape[1]
   if not static.rows_in_place:  # `rows.rows_in_place`: unpadded
     query, key, value = (pad_rows(x) for x in (query, key, value))

@@ -399,6 +399,11 @@ def _within(length: int, bounds: Range) -> bool:
 # tile-slowest: tile-fastest moved it -1.1% to +1.8% (h200_mosaic_masked_
 # order.md).
 MASKED_LAZY_RESCALE_HEAD_DIMS = (256,)
+# The masked forward's persistent grid (`forward_persistent`: each SM's CTA
+# walks its tiles, plan rows paired heaviest with lightest) for kv_len up
+# to this many keys, by plan head dim; the launch grid above. Not yet
+# timed: 0, the launch grid everywhere.
+MASKED_PERSISTENT_UP_TO = {64: 0, 128: 0, 256: 0}
 # The FP8 forward (`fp8.mosaic_forward_fp8`) likewise: d=256 +4.7% / +3.8%
 # without a mask and +6.9% / +6.0% causal at 16k; d=128 -5.9% to -10.4%,
 # d=64 -8.2% to -14.6% (h200_mosaic_fp8_rescale*.md).
@@ -465,3 +470,9 @@ def max_free_cap(cap: float | None, dtype, head_dim: int) -> bool:
   return (plan_head_dim(head_dim) in MASKED_MAX_FREE_HEAD_DIMS
           and cap is not None
           and cap <= MAX_FREE_SOFT_CAPS.get(np.dtype(dtype).name, 0.0))
+
+
+def masked_persistent(head_dim: int, kv_len: int) -> bool:
+  """Whether the masked forward at `head_dim` over `kv_len` keys runs on
+  the persistent grid (`MASKED_PERSISTENT_UP_TO`)."""
+  return kv_len <= MASKED_PERSISTENT_UP_TO[plan_head_dim(head_dim)]

@@ -9,12 +9,12 @@ their softmax. Two ways here (`forward_kernel.KernelStatic.hw_turns`):
               matmuls and passes the turn to the next (`RingTurns`; three
               consumers always, two at head_dim 64: `plan.FORWARD_PLAN`)
 
-Both have one interface, which `forward_kernel._consume` calls at fixed
+Both have one interface, which `forward_kernel.consume` calls at fixed
 points of its step (`consumer_turns` builds the right one): `begin()`
 before S_0, `after_scores(step)` once S_step is issued,
 `before_values(step, wait)` before P_step V_step (`wait()` awaits V's tile
 there), `end()` after the last P V. `turn_barriers` allocates the
-mbarriers, `turns_of` hands `_consume` what it takes turns with,
+mbarriers, `turns_of` hands `consume` what it takes turns with,
 `seed_turns` starts a ring.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def turn_barriers(static):
 
 
 def turns_of(barriers, static):
-  """What `forward._consume` takes turns with: the rendezvous barrier of two
+  """What `forward_kernel.consume` takes turns with: the rendezvous barrier of two
   consumers, or (unused) the ring's (`turn_barriers`)."""
   return barriers if static.hw_turns else barriers.at[0]
 
