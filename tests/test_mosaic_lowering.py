@@ -428,13 +428,13 @@ def test_persistent_tiles_cover_every_tile_once(shape, head_dim, num_ctas,
   causal masking, heaviest paired with lightest, the CTAs' K/V block counts
   differ by at most one pair's (the launch grid's tail is up to a whole
   head's heaviest tiles)."""
-  from pallas_kernels.mosaic import forward_kernel
+  from pallas_kernels.mosaic import forward_persistent
   batch, q_len, heads = shape
   static = _static(q_len, q_len, head_dim, is_causal=is_causal,
                    num_ctas=num_ctas, batch=batch, heads=heads)
   seen, loads = [], []
   for cta in range(static.num_ctas):
-    tiles = forward_kernel.persistent_tiles(
+    tiles = forward_persistent.persistent_tiles(
         (batch, q_len, heads, head_dim), static, cta)
     mine = [tuple(int(x) for x in tiles.tile_of(n))
             for n in range(int(tiles.count))]
@@ -478,6 +478,54 @@ def test_three_consumers_refuse_what_they_lack():
       run(ragged, num_consumers=consumers)
 
 
+@pytest.mark.parametrize("variants, num_ctas", [
+    (dict(is_causal=True, window=(256, 0)), 7),   # 16 rows of 11 CTAs
+    (dict(is_causal=True, has_segments=True), 5),
+    (dict(is_causal=True), 32),                   # a partial last round
+    (dict(is_causal=True, window=(256, 0)), 48),  # fewer rows than CTAs
+])
+def test_masked_persistent_rows_are_dealt_evenly(variants, num_ctas):
+  """The masked forward's persistent plan (`masked.persistent_plan`) has
+  one row per (batch, head, tile), sorted by descending K/V blocks; dealt
+  to the CTAs (`forward_persistent._PlanRows`), every row goes to one CTA
+  once, and the CTAs' blocks differ by at most the heaviest tile's (the
+  pairs of a causal schedule left a window's CTAs 30% apart)."""
+  import types
+  from pallas_kernels.mosaic import common, forward_persistent, masked
+  batch, heads, q_len = 2, 3, 1000
+  spec = MaskSpec(q_len=q_len, kv_len=q_len, **variants)
+  segments = None
+  if spec.has_segments:  # documents of 300, 50, 600 and 50 tokens
+    ids = jnp.repeat(jnp.arange(4), jnp.array([300, 50, 600, 50]),
+                     total_repeat_length=q_len)
+    segments = jnp.broadcast_to(ids, (batch, q_len)).astype(jnp.int32)
+  static = types.SimpleNamespace(spec=spec, block_q=64, block_kv=128,
+                                 num_kv_blocks=8, num_consumers=2,
+                                 num_ctas=num_ctas)
+  rows, plan_heads = masked.plan_rows(
+      static, batch, q_offset=None, q_lengths=None, kv_lengths=None,
+      q_segments=segments, kv_segments=segments)
+  plan = np.asarray(masked.persistent_plan(rows, plan_heads,
+                                           num_heads=heads))
+  blocks = plan[:, common.PLAN_UNION + 1] - plan[:, common.PLAN_UNION]
+  assert list(blocks) == sorted(blocks, reverse=True)
+  names = plan[:, [common.PLAN_BATCH, common.PLAN_HEAD, common.PLAN_TILE]]
+  assert sorted(map(tuple, names)) == [
+      (b, h, t) for b in range(batch) for h in range(heads)
+      for t in range(8)]
+  dealt, loads = [], []
+  refs = types.SimpleNamespace(plan=plan, plan_rows=None)
+  grid = types.SimpleNamespace(num_consumers=2,
+                               num_ctas=min(num_ctas, len(plan)))
+  for cta in range(grid.num_ctas):
+    rows = forward_persistent._PlanRows(refs, grid, cta)
+    mine = [int(rows._row(n)) for n in range(int(rows.count))]
+    dealt += mine
+    loads.append(sum(blocks[mine]))
+  assert sorted(dealt) == list(range(len(plan)))
+  assert max(loads) - min(loads) <= blocks.max()
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("q_len, num_ctas", [(320, 3), (1024, 5), (64, 1),
                                              (576, 2)])
@@ -487,7 +535,7 @@ def test_three_consumers_cover_every_row_once(q_len, num_ctas, is_causal):
   take the last block again and store nothing), and the producer streams
   as many K/V blocks as the tile's last consumer reads. The spares skip
   their math where the tile is short and unmasked (`skip_spare`)."""
-  from pallas_kernels.mosaic import forward, forward_kernel
+  from pallas_kernels.mosaic import forward, forward_kernel, forward_persistent
   batch, heads, head_dim = 2, 3, 64
   static = _static(q_len, 640, head_dim, is_causal=is_causal,
                    num_consumers=3, num_ctas=num_ctas, batch=batch,
@@ -495,7 +543,7 @@ def test_three_consumers_cover_every_row_once(q_len, num_ctas, is_causal):
   assert forward._skips_spare(static) == (not is_causal and q_len % 192 != 0)
   stored = []
   for cta in range(static.num_ctas):
-    tiles = forward_kernel.persistent_tiles(
+    tiles = forward_persistent.persistent_tiles(
         (batch, q_len, heads, head_dim), static, cta)
     for n in range(int(tiles.count)):
       b, h, start = (int(x) for x in tiles.tile_of(n))

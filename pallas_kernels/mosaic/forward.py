@@ -184,14 +184,13 @@ def rescale_fields(lazy_rescale: bool, *,
 
 def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
                       ) -> KernelStatic:
-  """`static` for the persistent grid over query tiles of `q_shape` (the
-  ranged form's tiles paired heaviest with lightest, as causal ones are,
-  `forward_persistent`)."""
+  """`static` for the persistent grid over query tiles of `q_shape`
+  (`forward_persistent`)."""
   if static.fp8:
     raise NotImplementedError("the FP8 forward has no persistent grid")
   batch, q_len, num_heads, head_dim = q_shape
   num_ctas = persistent_num_ctas(
-      num_ctas, paired=static.is_causal or static.ranged,
+      num_ctas, paired=static.is_causal and not static.ranged,
       num_tiles=batch * num_heads * pl.cdiv(q_len, static.tile_rows))
   o_bytes = static.tile_rows * (head_dim * static.dtype.itemsize + 4)
   return dataclasses.replace(

@@ -14,9 +14,11 @@ Which tiles a CTA computes:
 
   plain    `persistent_tiles`: each head's query tiles, paired first with
            last under causal masking (`common.persistent_schedule`).
-  ranged   the same pairing over each (batch, head)'s plan rows
-           (`masked.plan_rows`), which come heaviest first: the heaviest
-           tile pairs with the lightest. Each warpgroup copies its next
+  ranged   plan rows of every (batch, head, tile), sorted by cost and
+           dealt out forwards and backwards (`masked.persistent_plan`,
+           `_PlanRows`): about even shares whatever the mask, where the
+           causal pairs leave a window's or documents' CTAs unevenly
+           loaded (benchmarks/NOTES.md). Each warpgroup copies its next
            tile's plan row into the other of its two plan buffers while it
            computes this one (`_PlanRows`), so that the next tile's Q (the
            consumers) and K/V blocks (the producer) are issued without
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.mosaic import turns
 from pallas_kernels.mosaic.common import (
-    PLAN_TILE, PLAN_UNION, ScoreTiles, SlopeRows, copy_slopes,
+    PLAN_BATCH, PLAN_HEAD, PLAN_TILE, PLAN_UNION, ScoreTiles, SlopeRows, copy_slopes,
     persistent_schedule, register_split, slope_reader)
 from pallas_kernels.mosaic.forward_kernel import (
     Tile, consume, consumer_rows, kernel_refs, load_kv_block, num_kv_steps,
@@ -73,37 +75,37 @@ def persistent_tiles(q_shape, static: KernelStatic, cta) -> _PersistentTiles:
 
 
 class _PlanRows:
-  """The ranged form's plan rows on the persistent grid: CTA `cta`'s n-th
-  tile is row `persistent_schedule`.tile_of(n) (ranks heaviest first, so
-  paired heaviest with lightest), held by each warpgroup w in buffer
-  (n % 2) * warpgroups + w. `fetch(n, w)` issues its copy, `wait(n, w)`
-  waits for it (once a copy), `read(n, w)` reads it."""
+  """The ranged form's plan rows on the persistent grid
+  (`masked.persistent_plan`: one per (batch, head, tile), sorted by
+  descending cost): CTA `cta` of N takes rows cta, 2N - 1 - cta, 2N + cta,
+  ... (dealt forwards, then backwards). Warpgroup w holds its n-th in
+  buffer (n % 2) * warpgroups + w: `fetch(n, w)` issues its copy,
+  `wait(n, w)` waits for it (once a copy), `read(n, w)` reads it."""
 
   def __init__(self, refs, static: KernelStatic, cta):
-    self._refs, self._static = refs, static
+    self._refs, self._static, self._cta = refs, static, cta
     self._warpgroups = static.num_consumers + 1
-    batch, _, num_heads, _ = refs.q.shape
-    self._schedule = persistent_schedule(
-        num_tiles=refs.plan.shape[1], num_heads=num_heads, batch=batch,
-        paired=True, num_ctas=static.num_ctas, cta=cta)
-    self.count = self._schedule.count
+    total, num_ctas = refs.plan.shape[0], static.num_ctas
+    rounds, rest = divmod(total, num_ctas)
+    # The last, partial round goes forwards after an even number of
+    # rounds, backwards after an odd one.
+    last = cta < rest if rounds % 2 == 0 else cta >= num_ctas - rest
+    self.count = rounds + jnp.where(last, 1, 0)
 
-  def head_of(self, n):
-    """(batch, head) of tile n."""
-    batch, head, _ = self._schedule.tile_of(n)
-    return batch, head
+  def _row(self, n):
+    num_ctas = self._static.num_ctas
+    dealt = jnp.where(lax.rem(n, 2) == 0, self._cta,
+                      num_ctas - 1 - self._cta)
+    return n * num_ctas + dealt
 
   def _buffer(self, n, w):
     return lax.rem(n, 2) * self._warpgroups + w
 
   def fetch(self, n, w):
-    batch, head, rank = self._schedule.tile_of(n)
-    row = batch if self._static.plan_heads == 1 else (
-        batch * self._static.plan_heads + head)
     smem, arrived = self._refs.plan_rows
     buffer = self._buffer(n, w)
-    plgpu.copy_gmem_to_smem(self._refs.plan.at[row, rank], smem.at[buffer],
-                            arrived.at[buffer])
+    plgpu.copy_gmem_to_smem(self._refs.plan.at[self._row(n)],
+                            smem.at[buffer], arrived.at[buffer])
 
   def wait(self, n, w):
     plgpu.barrier_wait(self._refs.plan_rows[1].at[self._buffer(n, w)])
@@ -111,9 +113,6 @@ class _PlanRows:
   def read(self, n, w):
     row = self._refs.plan_rows[0].at[self._buffer(n, w)]
     return lambda i: row[i]
-
-  def tile_start(self, n, w):
-    return self.read(n, w)(PLAN_TILE) * self._static.tile_rows
 
 
 def persistent_kernel(*refs, static: KernelStatic):
@@ -151,7 +150,9 @@ def persistent_kernel(*refs, static: KernelStatic):
     ranged tile's plan row must have been waited for."""
     if not ranged:
       return (*tiles.tile_of(n), None)
-    return (*plans.head_of(n), plans.tile_start(n, w), plans.read(n, w))
+    read = plans.read(n, w)
+    return (read(PLAN_BATCH), read(PLAN_HEAD),
+            read(PLAN_TILE) * static.tile_rows, read)
 
   def fetch_next(n, w):
     """Ranged: tile n + 1's plan row on its way, while n computes."""
