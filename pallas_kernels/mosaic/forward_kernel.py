@@ -226,7 +226,23 @@ def segment_refs_of(refs: KernelRefs, batch) -> SegmentRefs | None:
   if refs.segments is None:
     return None
   return SegmentRefs(refs.q_ids.at[batch], refs.kv_ids.at[batch],
-                      *refs.segments)
+                     *refs.segments)
+
+
+def mask_operands(refs: KernelRefs, static: KernelStatic, batch) -> dict:
+  """`consume`'s mask operands for a ranged tile of `batch`: its segment
+  ids, ALiBi slopes, bias and dense-mask tiles (None where it has none)."""
+  operands = dict(segments=segment_refs_of(refs, batch), slopes=None,
+                  bias=None, dense_mask=None)
+  if refs.slopes is not None:
+    operands["slopes"] = SlopeRows(refs.slopes.at[batch], *refs.slope_rows)
+  if refs.bias is not None:
+    operands["bias"] = ScoreTiles.of(refs.bias, refs.bias_tiles, batch,
+                                     static.bias_repeats)
+  if refs.dense_mask is not None:
+    operands["dense_mask"] = ScoreTiles.of(refs.dense_mask,
+                                           refs.dense_tiles, batch)
+  return operands
 
 
 def forward_kernel(*refs, static: KernelStatic):
@@ -254,19 +270,13 @@ def forward_kernel(*refs, static: KernelStatic):
   q_tile = tile_index("q_tile", num_q_tiles, reverse=(
       static.is_causal and not static.ranged))
   tile_start = None if static.ranged else q_tile * static.tile_rows
-  plan = slopes = bias = dense_mask = None
+  plan = None
   if static.ranged:
     plan_row = batch if static.plan_heads == 1 else (
         batch * static.plan_heads + head)
     plan = PlanRow(refs.plan.at[plan_row, q_tile], *refs.plan_rows)
-  segment_refs = segment_refs_of(refs, batch)
-  if refs.slopes is not None:
-    slopes = SlopeRows(refs.slopes.at[batch], *refs.slope_rows)
-  if refs.bias is not None:
-    bias = ScoreTiles.of(refs.bias, refs.bias_tiles, batch,
-                         static.bias_repeats)
-  if refs.dense_mask is not None:
-    dense_mask = ScoreTiles.of(refs.dense_mask, refs.dense_tiles, batch)
+  masks = mask_operands(refs, static, batch)
+  slopes = masks["slopes"]
 
   consumer_registers, producer_registers = register_split(
       lean=False, num_consumers=static.num_consumers)
@@ -290,12 +300,10 @@ def forward_kernel(*refs, static: KernelStatic):
         copy_slopes(slopes, wg)
       read = read_plan(plan, wg)
     consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
-             lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
-             k_consumed, v_consumed, turns.turns_of(pingpong, static),
-             batch=batch, head=head, wg=wg, tile_start=tile_start,
-             static=static, fp8=fp8, plan=read, segments=segment_refs,
-             slopes=slopes, bias=bias, dense_mask=dense_mask,
-             sink_of=sink_of)
+            lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
+            k_consumed, v_consumed, turns.turns_of(pingpong, static),
+            batch=batch, head=head, wg=wg, tile_start=tile_start,
+            static=static, fp8=fp8, plan=read, sink_of=sink_of, **masks)
 
   @pl.when(wg == static.producer)
   def _producer():
@@ -303,7 +311,7 @@ def forward_kernel(*refs, static: KernelStatic):
     _produce(k_ref, v_ref, k_smem, v_smem, k_arrived, v_arrived, k_consumed,
              v_consumed, batch=batch, kv_head=head // static.group,
              tile_start=tile_start, static=static, plan=plan,
-             segments=segment_refs)
+             segments=masks["segments"])
 
 
 def load_kv_block(rows, slot, ref, smem, arrived, *, k_ref, batch, kv_head,
@@ -394,12 +402,12 @@ def _kv_rows(step, static: KernelStatic):
 
 
 def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
-             q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
-             pingpong, *, batch, head, wg, tile_start, static: KernelStatic,
-             fp8: _Fp8Refs | None, plan,
-             segments: SegmentRefs | None = None, tile: Tile | None = None,
-             slopes: SlopeRows | None = None, bias: ScoreTiles | None = None,
-             dense_mask: ScoreTiles | None = None, sink_of=None):
+            q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
+            pingpong, *, batch, head, wg, tile_start, static: KernelStatic,
+            fp8: _Fp8Refs | None, plan,
+            segments: SegmentRefs | None = None, tile: Tile | None = None,
+            slopes: SlopeRows | None = None, bias: ScoreTiles | None = None,
+            dense_mask: ScoreTiles | None = None, sink_of=None):
   """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile.
 
   `sink_of` (`static.sinks`): head -> its sink logit, read in the epilogue.

@@ -37,11 +37,11 @@ import jax.numpy as jnp
 
 from pallas_kernels.mosaic import turns
 from pallas_kernels.mosaic.common import (
-    PLAN_BATCH, PLAN_HEAD, PLAN_TILE, PLAN_UNION, ScoreTiles, SlopeRows, copy_slopes,
+    PLAN_BATCH, PLAN_HEAD, PLAN_TILE, PLAN_UNION, SlopeRows, copy_slopes,
     persistent_schedule, register_split, slope_reader)
 from pallas_kernels.mosaic.forward_kernel import (
-    Tile, consume, consumer_rows, kernel_refs, load_kv_block, num_kv_steps,
-    segment_refs_of, _kv_rows)
+    Tile, consume, consumer_rows, kernel_refs, load_kv_block, mask_operands,
+    num_kv_steps, segment_refs_of, _kv_rows)
 from pallas_kernels.mosaic.forward_static import KernelStatic
 from pallas_kernels.mosaic.rows import RowViews, copy_rows_in
 
@@ -192,8 +192,10 @@ def persistent_kernel(*refs, static: KernelStatic):
                       lambda: load_q(n + 1)),
                   o_smem=o_smem.at[wg])
       masks = {}
-      if ranged:
-        masks = _ranged_operands(refs, static, batch, wg)
+      if ranged:  # as the launch grid's, the slopes' copy issued here
+        masks = mask_operands(refs, static, batch)
+        if masks["slopes"] is not None:
+          copy_slopes(masks["slopes"], wg)
       consume(q_ref, refs.out, refs.lse, q_smem.at[wg], k_smem, v_smem,
               lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
               k_consumed, v_consumed, turns.turns_of(pingpong, static),
@@ -249,21 +251,3 @@ def persistent_kernel(*refs, static: KernelStatic):
       return base + total - first if ranged else base + total
 
     lax.fori_loop(0, count, tile_body, jnp.int32(0))
-
-
-def _ranged_operands(refs, static: KernelStatic, batch, wg) -> dict:
-  """`consume`'s mask operands of a ranged tile of `batch`: its segment
-  ids, and its ALiBi slopes (their copy issued here), bias and dense-mask
-  tiles."""
-  operands = dict(segments=segment_refs_of(refs, batch))
-  if refs.slopes is not None:
-    slopes = SlopeRows(refs.slopes.at[batch], *refs.slope_rows)
-    copy_slopes(slopes, wg)
-    operands["slopes"] = slopes
-  if refs.bias is not None:
-    operands["bias"] = ScoreTiles.of(refs.bias, refs.bias_tiles, batch,
-                                     static.bias_repeats)
-  if refs.dense_mask is not None:
-    operands["dense_mask"] = ScoreTiles.of(refs.dense_mask,
-                                           refs.dense_tiles, batch)
-  return operands
