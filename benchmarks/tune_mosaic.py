@@ -261,8 +261,9 @@ DOCUMENT_STARTS = (0.0, 0.05, 0.15, 0.3, 0.5, 0.6, 0.8, 0.9)
 def causal_spec(cell: common.Cell, term: str):
   """(a causal `MaskSpec` with `term`, the masked kernels' operands of
   it): "none", "alibi" (slopes 2^-1 .. 2^-heads), "dropout" (0.1),
-  "softcap" (30), "window" (4,096 keys, Mistral's) or "documents" (8
-  packed, `DOCUMENT_STARTS`)."""
+  "softcap" (30), "window" (4,096 keys, Mistral's), "gemma_local" (that
+  window and a cap of 50, Gemma's local layers) or "documents" (8 packed,
+  `DOCUMENT_STARTS`)."""
   from jax_flash import masking
   positions = jnp.arange(cell.seq_len)
   ids = jnp.searchsorted(jnp.asarray(DOCUMENT_STARTS) * cell.seq_len,
@@ -271,6 +272,7 @@ def causal_spec(cell: common.Cell, term: str):
   changes, operands = {
       "none": ({}, {}),
       "window": (dict(window=(4096, 0)), {}),
+      "gemma_local": (dict(window=(4096, 0), logits_soft_cap=50.0), {}),
       "documents": (dict(has_segments=True),
                     dict(q_segments=ids, kv_segments=ids)),
       "alibi": (dict(has_alibi=True), dict(alibi_slopes=jnp.broadcast_to(
@@ -432,7 +434,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                2.5, (True,)),
            "masked_forward_persistent": (
                masked_term_forward_benchmark,
-               dict(term=("none", "window", "documents", "softcap"),
+               dict(term=("none", "window", "gemma_local", "documents",
+                          "softcap"),
                     persistent=(False, True)), 1.0, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,
                                       MASKED_RESCALE_SPACE, 1.0, (True,)),

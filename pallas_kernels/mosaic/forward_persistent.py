@@ -20,10 +20,10 @@ Which tiles a CTA computes:
            causal pairs leave a window's or documents' CTAs unevenly
            loaded (benchmarks/NOTES.md). Each warpgroup copies its next
            tile's plan row into the other of its two plan buffers while it
-           computes this one (`_PlanRows`), so that the next tile's Q (the
-           consumers) and K/V blocks (the producer) are issued without
-           waiting for it. The ring holds the blocks of each plan's union
-           [first, total); a tile's ALiBi slopes, segment ids and bias or
+           computes this one, so that the next tile's Q (the consumers)
+           and K/V blocks (the producer) are issued without waiting for
+           it. The ring holds the blocks of each plan's union [first,
+           total); a tile's ALiBi slopes, segment ids and bias or
            dense-mask tiles are copied per tile, as on the launch grid.
 """
 from __future__ import annotations
