@@ -470,6 +470,9 @@ def persistent_plan(rows, plan_heads: int, *, num_heads: int):
   Args:
     rows: int32 [batch * plan_heads, num_tiles, PLAN_WIDTH] (`plan_rows`).
   """
+  if plan_heads not in (1, num_heads):
+    raise ValueError(f"plan rows per batch for 1 or {num_heads} heads, got "
+                     f"{plan_heads}")
   groups, num_tiles, width = rows.shape
   batch = groups // plan_heads
   rows = rows.reshape(batch, plan_heads, num_tiles, width)
