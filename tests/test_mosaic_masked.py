@@ -436,6 +436,25 @@ _GPU_VARIANTS = {
 }
 
 
+def _gpu_variant(name: str, head_dim: int, seed: int):
+  """(q, k, v, variants, forward) of `_GPU_VARIANTS[name]` at `head_dim`:
+  `forward(**options)` runs `mosaic_forward_masked` on its masks, jitted,
+  with `options`, and returns (out, lse). Skips below sm90."""
+  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
+    pytest.skip("the Mosaic forward needs sm90")
+  case, variants = _GPU_VARIANTS[name]
+  case = dataclasses.replace(case, head_dim=head_dim)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed)
+  call = validation.normalise_call(q, k, v, **variants)
+  operands = masked_operand_kwargs(call.operands)
+
+  def forward(**options):
+    return jax.jit(lambda q, k, v: mosaic_forward_masked(
+        q, k, v, scale=call.scale, spec=call.spec, **operands,
+        **options))(q, k, v)
+  return q, k, v, variants, forward
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(_GPU_VARIANTS))
 @pytest.mark.parametrize("head_dim", [128, 256])
@@ -443,16 +462,8 @@ def test_lazy_rescale_masked_forward_matches_reference_on_gpu(name,
                                                               head_dim):
   """The ranged forward with O rescaled lazily, on each mask variant (at
   this head dim), against the float32 reference within DESIGN's rule."""
-  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
-    pytest.skip("the Mosaic forward needs sm90")
-  case, variants = _GPU_VARIANTS[name]
-  case = dataclasses.replace(case, head_dim=head_dim)
-  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, 43)
-  call = validation.normalise_call(q, k, v, **variants)
-  operands = masked_operand_kwargs(call.operands)
-  out, lse = jax.jit(lambda q, k, v: mosaic_forward_masked(
-      q, k, v, scale=call.scale, spec=call.spec, lazy_rescale=True,
-      **operands))(q, k, v)
+  q, k, v, variants, forward = _gpu_variant(name, head_dim, 43)
+  out, lse = forward(lazy_rescale=True)
   assert_forward_within_rule(q, k, v, out, lse, **variants)
 
 
@@ -464,19 +475,10 @@ def test_persistent_masked_forward_on_gpu(name, head_dim):
   each mask variant, with the GPU's CTAs and with 7 (each CTA walks many
   tiles, of several batches and heads): out and lse bitwise the launch
   grid's, and within DESIGN's rule of the reference."""
-  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
-    pytest.skip("the Mosaic forward needs sm90")
-  case, variants = _GPU_VARIANTS[name]
-  case = dataclasses.replace(case, head_dim=head_dim)
-  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, 44)
-  call = validation.normalise_call(q, k, v, **variants)
-  operands = masked_operand_kwargs(call.operands)
-  run = lambda **grid: jax.jit(lambda q, k, v: mosaic_forward_masked(
-      q, k, v, scale=call.scale, spec=call.spec, **operands, **grid))(
-          q, k, v)
-  launched = run(persistent=False)
+  q, k, v, variants, forward = _gpu_variant(name, head_dim, 44)
+  launched = forward(persistent=False)
   for num_ctas in (None, 7):
-    out, lse = run(persistent=True, num_ctas=num_ctas)
+    out, lse = forward(persistent=True, num_ctas=num_ctas)
     np.testing.assert_array_equal(np.asarray(out, np.float32),
                                   np.asarray(launched[0], np.float32))
     np.testing.assert_array_equal(lse, launched[1])
