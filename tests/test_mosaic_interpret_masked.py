@@ -358,14 +358,14 @@ def test_interpreted_masked_forward_sinks():
   assert_forward_within_rule(q, k, v, out, lse, sinks=SINKS, **variants)
 
 
-# The persistent grid's cases (`forward_persistent`): name, CTAs. One CTA
-# walks every tile of "ragged causal" (three, the middle one a pair of its
-# own after the first-with-last pair) and of "segments" (ids copied per
-# tile); two CTAs share "alibi"'s four tiles of two batches (slopes copied
-# per tile) and "sinks"' ("sinks": a batch of kv length 0, dropout).
-_PERSISTENT_CASES = [("ragged causal", 1), ("alibi", 2),
+# The persistent grid's cases (`forward_persistent`): name, CTAs. Two CTAs
+# share "documents"' twelve tiles of two batches (each tile's query ids
+# loaded with the tile before's Q) and "alibi"'s four (slopes likewise);
+# one CTA walks "ragged causal"'s three; "sinks": a batch of kv length 0,
+# dropout.
+_PERSISTENT_CASES = [("documents", 2), ("alibi", 2),
                      *(slow(n, c) for n, c in [
-                         ("segments", 1), ("sinks", 2),
+                         ("ragged causal", 1), ("segments", 1), ("sinks", 2),
                          ("dense mask, bias", 3), ("mask_fn", 1),
                          ("lengths", 1), ("dropout", 2),
                          ("causal window", 1), ("per-key bias", 2)])]
@@ -378,7 +378,11 @@ def test_interpreted_persistent_masked_forward(name, num_ctas):
   and within the rule of the reference."""
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   sinks = None
-  if name == "sinks":
+  if name == "documents":  # causal, each batch's documents its own
+    ids = jnp.concatenate([_segment_ids(40, 150, 70), _segment_ids(200, 60)])
+    case, variants = Case(2, 260, 260, 2, 1, 64), dict(
+        is_causal=True, segment_ids=ids)
+  elif name == "sinks":
     case = Case(2, 100, 150, 2, 1, 64)
     variants = dict(is_causal=True, q_offset=jnp.array([50, 0]),
                     key_value_seq_lengths=jnp.array([0, 150]),

@@ -414,9 +414,10 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   `plan` (ranged kernel): index -> that entry of the tile's plan row, read
   from shared memory (`read_plan`; the ALiBi slopes' copy already issued).
 
-  Persistent grid (`tile` given): Q was loaded by the previous tile (or the
-  kernel's prologue), ring slots count on from `tile.base`, and O's store
-  is left in flight for the next tile to overlap.
+  Persistent grid (`tile` given): Q (and a ranged tile's query ids and
+  ALiBi slopes) was loaded by the previous tile (or the kernel's
+  prologue), ring slots count on from `tile.base`, and O's store is left
+  in flight for the next tile to overlap.
 
   Ranged kernel: the tile is the plan row's (`tile_start` None), and both
   consumers walk every block of the plan's union (a block outside its own
@@ -461,8 +462,9 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                                      static.num_stages)
     if segments is not None:
       q_ids_smem = segments.q_smem.at[wg]
-      plgpu.copy_gmem_to_smem(segments.q_gmem.at[q_rows], q_ids_smem,
-                              segments.q_arrived.at[wg])
+      if tile is None:  # persistent: loaded with Q
+        plgpu.copy_gmem_to_smem(segments.q_gmem.at[q_rows], q_ids_smem,
+                                segments.q_arrived.at[wg])
       plgpu.barrier_wait(segments.q_arrived.at[wg])
       q_ids = plgpu.layout_cast(q_ids_smem[...],
                                 plgpu.Layout.WGMMA.reduce(1))

@@ -22,9 +22,10 @@ Which tiles a CTA computes:
            tile's plan row into the other of its two plan buffers while it
            computes this one, so that the next tile's Q (the consumers)
            and K/V blocks (the producer) are issued without waiting for
-           it. The ring holds the blocks of each plan's union [first,
-           total); a tile's ALiBi slopes, segment ids and bias or
-           dense-mask tiles are copied per tile, as on the launch grid.
+           it; a consumer loads the next tile's query ids and ALiBi
+           slopes with its Q. The ring holds the blocks of each plan's
+           union [first, total); bias and dense-mask tiles stream per
+           tile, as on the launch grid.
 """
 from __future__ import annotations
 
@@ -168,12 +169,25 @@ def persistent_kernel(*refs, static: KernelStatic):
     turns.seed_turns(pingpong, wg, static)
 
     def load_q(n):
+      """Tile n's Q rows; a ranged tile's query ids and ALiBi slopes too
+      (`consume` waits for them), once the last tile's reads of their
+      buffers are fenced from the copies."""
       if ranged:
         plans.wait(n, wg)
       batch, head, tile_start, _ = tile_of(n, wg)
       rows = pl.ds(consumer_rows(tile_start, wg, static), static.block_q)
       copy_rows_in(q_ref.at[batch, rows, head], q_smem.at[wg],
                    q_arrived.at[wg])
+      masks = mask_operands(refs, static, batch) if ranged else {}
+      segments, slopes = masks.get("segments"), masks.get("slopes")
+      if segments is not None or slopes is not None:
+        plgpu.commit_smem()
+      if segments is not None:
+        plgpu.copy_gmem_to_smem(segments.q_gmem.at[rows],
+                                segments.q_smem.at[wg],
+                                segments.q_arrived.at[wg])
+      if slopes is not None:
+        copy_slopes(slopes, wg)
 
     if ranged:
       plans.fetch(0, wg)
@@ -191,11 +205,7 @@ def persistent_kernel(*refs, static: KernelStatic):
                   load_next_q=lambda: pl.when(n + 1 < count)(
                       lambda: load_q(n + 1)),
                   o_smem=o_smem.at[wg])
-      masks = {}
-      if ranged:  # as the launch grid's, the slopes' copy issued here
-        masks = mask_operands(refs, static, batch)
-        if masks["slopes"] is not None:
-          copy_slopes(masks["slopes"], wg)
+      masks = mask_operands(refs, static, batch) if ranged else {}
       consume(q_ref, refs.out, refs.lse, q_smem.at[wg], k_smem, v_smem,
               lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
               k_consumed, v_consumed, turns.turns_of(pingpong, static),
