@@ -45,8 +45,8 @@ from pallas_kernels.mosaic.common import (
     ScoreTiles, SlopeRows, alibi_column_terms, alibi_row_terms, causal_mask,
     chained_tiles, copy_slopes, dropout_key_hashes, dropout_kept,
     dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
-    read_plan, register_split, slope_reader, tile_index,
-    tile_indices, variant_mask)
+    read_plan, register_split, slope_reader, tile_index, tile_indices,
+    variant_mask)
 from pallas_kernels.mosaic.forward_static import NUM_CONSUMERS, KernelStatic
 from pallas_kernels.mosaic.rows import (
     RowViews, copy_rows_in, copy_rows_out, wgmma)
@@ -151,7 +151,8 @@ class Tile(NamedTuple):
   """A persistent CTA's current tile, as `consume` needs it."""
   base: Any         # global index of the tile's first K/V block: the ring
                     # slot and barrier phase go on from the previous tile
-  load_next_q: Any  # () -> None: issues the next tile's Q load, if any
+  load_next_q: Any  # () -> None: issues the next tile's Q load (and a
+                    # ranged tile's query ids and slopes), if any
   o_smem: Any       # [block_q, head_dim]: where O is staged (Q's buffer
                     # unless `static.stage_o_apart`)
 
