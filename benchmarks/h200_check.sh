@@ -240,7 +240,8 @@ PY
       tail -6 "$LOGS/between.log" ;;
     masked_persistent)  # the masked forward's persistent grid against
                         # its launch grid (`plan.MASKED_PERSISTENT_UP_TO`):
-                        # causal, a 4k window, 8 documents, cap 30; two
+                        # causal, a 4k window (with a cap of 50: Gemma's
+                        # local layer), 8 documents, cap 30; two
                         # rounds in turn at each MP_SEQS length
       for seq in ${MP_SEQS:-2048 8192 16384}; do
         timeout ${MP_TIMEOUT:-200} python3 -m benchmarks.tune_mosaic \
