@@ -429,6 +429,43 @@ def test_interpreted_plain_forward_soft_cap(case, is_causal, cap, sinks):
                              logits_soft_cap=cap, sinks=sinks)
 
 
+@pytest.mark.parametrize("case, options", [
+    # GQA 2:1, q_len < kv_len: tiles past every query's keys, rows whose
+    # keys end mid-block.
+    (Case(2, 128, 256, 2, 1, 64), dict()),
+    # Three consumers on hardware turns; q_len > kv_len.
+    slow(Case(1, 384, 256, 1, 1, 64), dict(num_consumers=3)),
+], ids=str)
+def test_interpreted_plain_forward_alibi(case, options):
+  """`mosaic_forward(alibi_slopes=...)` (causal ALiBi as column terms on
+  the plain form): out and lse as the reference's with slopes that differ
+  by batch and head, large enough that a dropped row term or a wrong key
+  position moves every row."""
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=9)
+  slopes = jnp.linspace(0.05, 0.6, case.batch * case.num_heads,
+                        dtype=jnp.float32).reshape(case.batch, case.num_heads)
+  out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
+                                  scale=case.head_dim**-0.5, is_causal=True,
+                                  alibi_slopes=slopes, **options)
+  assert_forward_within_rule(q, k, v, out, lse, is_causal=True,
+                             alibi_slopes=slopes)
+
+
+def test_plain_forward_alibi_refuses_what_the_masked_kernel_takes():
+  """ValueError for slopes of the wrong shape; NotImplementedError without
+  a causal mask, with sinks or a soft cap, or on the persistent grid."""
+  q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+  slopes = jnp.ones((1, 2), jnp.float32)
+  with pytest.raises(ValueError, match="alibi_slopes"):
+    mosaic_forward(q, q, q, scale=1.0, is_causal=True,
+                   alibi_slopes=jnp.ones((2,), jnp.float32))
+  for kwargs in (dict(is_causal=False), dict(is_causal=True, sinks=SINKS),
+                 dict(is_causal=True, soft_cap=20.0),
+                 dict(is_causal=True, persistent=True)):
+    with pytest.raises(NotImplementedError):
+      mosaic_forward(q, q, q, scale=1.0, alibi_slopes=slopes, **kwargs)
+
+
 def test_sink_gradient_is_thereference_gradients():
   """`attention.sink_gradient` from the forward's out and lse (sinks in
   them) and random cotangents of both, against autodiff of the reference,

@@ -82,7 +82,8 @@ _MAX_RESCALE_THRESHOLD = 8.0
 
 def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
                    sinks=None, kv_len: int | None = None,
-                   soft_cap: float | None = None, **options):
+                   soft_cap: float | None = None, alibi_slopes=None,
+                   **options):
   """FlashAttention-3 forward on sm90.
 
   Args:
@@ -113,6 +114,11 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     soft_cap: None, or a positive cap: logits become cap * tanh(logit /
       cap) (`masking.modify_scores`), computed as tanh(scale q·k / cap)
       into exp2 at cap log2(e).
+    alibi_slopes: float32 [batch, num_heads] or None: with `is_causal`,
+      each score loses slope * (q_idx - kv_idx) (`masking.modify_scores`'
+      ALiBi), taken as a term per key and one per query
+      (`common.alibi_columns`); on the launch grid, without sinks or a
+      soft cap (the masked kernel takes those mixes).
     **options: fields of `plan.ForwardConfig` replacing the plan's choice
       for this call (`plan.forward_config`): tiles, pipeline depth,
       consumers, grid, turns, the row sum's place, the lazy rescale. Every
@@ -137,14 +143,21 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if config.num_consumers not in (2, 3):
     raise ValueError(f"num_consumers must be 2 or 3, got "
                      f"{config.num_consumers}")
+  alibi = alibi_slopes is not None
+  if alibi:
+    _check_plain_alibi(alibi_slopes, query.shape, is_causal=is_causal,
+                       sinks=sinks, soft_cap=soft_cap,
+                       persistent=options.get("persistent"))
+    config = dataclasses.replace(config, persistent=False)
   static = check_supported(query, key, value, scale=scale,
                            is_causal=is_causal, block_q=config.block_q,
                            block_kv=config.block_kv,
                            max_concurrent_steps=config.max_concurrent_steps,
                            num_consumers=config.num_consumers,
-                           sinks=sinks is not None, kv_len=kv_len)
+                           sinks=sinks is not None, kv_len=kv_len,
+                           slopes=alibi)
   static = dataclasses.replace(
-      static, split_handover=True, tile_fastest=True,
+      static, split_handover=True, tile_fastest=True, alibi_columns=alibi,
       # Three consumers always take hardware turns (`turns.RingTurns`).
       hw_turns=config.hw_turns or config.num_consumers != NUM_CONSUMERS,
       sum_after_pv=config.sum_after_pv,
@@ -158,7 +171,26 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if config.persistent:
     static = persistent_static(static, query.shape, config.num_ctas)
   return launch(static, query, key, value,
+                slopes=slope_rows(alibi_slopes) if alibi else None,
                 sinks=None if sinks is None else sink_rows(sinks))
+
+
+def _check_plain_alibi(alibi_slopes, q_shape, *, is_causal, sinks, soft_cap,
+                       persistent):
+  """`mosaic_forward`'s ALiBi: ValueError for slopes not [batch,
+  num_heads]; NotImplementedError for what the plain form leaves to the
+  masked kernel."""
+  batch, _, num_heads, _ = q_shape
+  if alibi_slopes.shape != (batch, num_heads):
+    raise ValueError(f"alibi_slopes must be [batch, num_heads] = ({batch}, "
+                     f"{num_heads}), got {alibi_slopes.shape}")
+  if not is_causal or sinks is not None or soft_cap is not None:
+    raise NotImplementedError(
+        "the plain forward takes ALiBi under a causal mask, without sinks "
+        "or a soft cap (the masked kernel takes the rest)")
+  if persistent:
+    raise NotImplementedError("the plain forward takes ALiBi on the launch "
+                              "grid only")
 
 
 def sink_rows(sinks):
@@ -344,13 +376,14 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
                     block_kv, max_concurrent_steps,
                     fp8_out_dtype=None, spec=None,
                     num_consumers: int = NUM_CONSUMERS,
-                    sinks: bool = False,
+                    sinks: bool = False, slopes: bool = False,
                     kv_len: int | None = None) -> KernelStatic:
   """Validates the call; anything this kernel lacks is NotImplementedError.
 
   `fp8_out_dtype` is given for the FP8 kernel (inputs float8_e4m3fn), `spec`
   for the ranged (masked) one, which takes any lengths; `sinks` where the
-  epilogue takes them (`KernelStatic.sinks`); `kv_len` where key's rows
+  epilogue takes them (`KernelStatic.sinks`), `slopes` where the plain form
+  takes ALiBi's (`KernelStatic.alibi_columns`); `kv_len` where key's rows
   past it are padding (`mosaic_forward`'s).
   """
   _, q_len, num_heads, head_dim = query.shape
@@ -404,7 +437,7 @@ def check_supported(query, key, value, *, scale, is_causal, block_q,
   smem_bytes = _smem_bytes(block_q, block_kv, num_stages, head_dim,
                            dtype.itemsize, num_consumers)
   num_q_blocks = q_len // block_q
-  if spec is not None and spec.has_alibi:
+  if slopes or (spec is not None and spec.has_alibi):
     smem_bytes += num_consumers * slope_rows_bytes(num_heads)
   if sinks:
     if fp8:

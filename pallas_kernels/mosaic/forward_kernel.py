@@ -192,7 +192,7 @@ def kernel_refs(refs, static: KernelStatic) -> KernelRefs:
   2], [sinks' 2]."""
   ranged = static.ranged
   segmented = ranged and static.spec.has_segments
-  has = dict(alibi=ranged and static.spec.has_alibi,
+  has = dict(alibi=static.takes_slopes,
              bias=ranged and static.spec.has_bias,
              dense=ranged and static.spec.has_dense_mask)
   refs = iter(refs)
@@ -231,8 +231,9 @@ def segment_refs_of(refs: KernelRefs, batch) -> SegmentRefs | None:
 
 
 def mask_operands(refs: KernelRefs, static: KernelStatic, batch) -> dict:
-  """`consume`'s mask operands for a ranged tile of `batch`: its segment
-  ids, ALiBi slopes, bias and dense-mask tiles (None where it has none)."""
+  """`consume`'s mask operands for a tile of `batch`: its segment ids,
+  ALiBi slopes (ranged, or the plain form's `alibi_columns`), bias and
+  dense-mask tiles (None where it has none)."""
   operands = dict(segments=segment_refs_of(refs, batch), slopes=None,
                   bias=None, dense_mask=None)
   if refs.slopes is not None:
@@ -296,9 +297,9 @@ def forward_kernel(*refs, static: KernelStatic):
       copy_slopes(sinks, wg)
       sink_of = lambda head: slope_reader(sinks, wg)(head)
     read = None
+    if slopes is not None:  # in flight while the plan row (or Q) loads
+      copy_slopes(slopes, wg)
     if plan is not None:
-      if slopes is not None:  # in flight while the plan row loads
-        copy_slopes(slopes, wg)
       read = read_plan(plan, wg)
     consume(q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem,
             lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
@@ -431,6 +432,7 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     tile_start = read(PLAN_TILE) * static.tile_rows
   q_start = consumer_rows(tile_start, wg, static)
   q_rows = pl.ds(q_start, block_q)
+  alibi_slope = None  # `static.alibi_columns`: this head's
   if plan is None:
     first = 0
     num_steps = num_kv_steps(q_start, static)
@@ -451,7 +453,8 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     if static.spec.reads_batch_and_head:  # mask_fn's, score_fn's b and h
       values = values._replace(batch=batch, head=head)
     if slopes is not None:  # this head's, for every tile it visits
-      values = values._replace(alibi_slope=slope_reader(slopes, wg)(head))
+      alibi_slope = slope_reader(slopes, wg)(head)
+      values = values._replace(alibi_slope=alibi_slope)
     if static.spec.dropout_rate:  # the rows' half of the hash, once
       query_hashes = dropout_query_hashes(
           read(PLAN_DROPOUT_SEED), batch, head, q_start, block_q,
@@ -509,6 +512,8 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     q_factor = _descale(fp8, q_start // block_q)
     v_factor = _descale(fp8, static.num_q_blocks + static.num_kv_blocks)
   plgpu.barrier_wait(q_arrived)
+  if plan is None and slopes is not None:  # copied beside Q
+    alibi_slope = slope_reader(slopes, wg)(head)
 
   turn = turns.consumer_turns(
       pingpong, wg=wg, num_steps=num_steps,
@@ -565,6 +570,10 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       s, factor = masking.modify_scores_folded(cap_only, s, static.scale,
                                                None, None, None)
       scale_log2 = factor * LOG2E
+    if plan is None and static.alibi_columns:  # top-left causal: no offset
+      s = s * static.scale + per_column(alibi_column_terms(
+          alibi_slope, step * block_kv, q_start, 0, block_kv), s.shape)
+      scale_log2 = LOG2E
     modified = plan is not None and static.spec.modifies_scores
     if modified:
       # Scores change before the masks (DESIGN's order), on every visited
@@ -723,7 +732,7 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       o_smem.mma[...] = o_piece(acc, 0).astype(out_dtype)
       lse = add_unfused(m * _LN2, jnp.log(l_safe))
       if static.alibi_columns:  # the rows' terms the columns' left in it
-        lse = lse - alibi_row_terms(values.alibi_slope, block_q)
+        lse = lse - alibi_row_terms(alibi_slope, block_q)
       lse_smem[...] = jnp.where(empty, -jnp.inf, lse)
     plgpu.commit_smem()
 

@@ -101,10 +101,12 @@ class KernelStatic:
   # form without a causal mask (where three consumers run from q_len
   # 1024). What is stored is computed as without it: bitwise the same.
   skip_spare: bool = False
-  # Ranged, causal ALiBi without score_fn or soft cap: the term enters as
-  # a per-column vector and the LSE loses a per-row one (`common.
+  # Causal ALiBi without score_fn or soft cap: the term enters as a
+  # per-column vector and the LSE loses a per-row one (`common.
   # alibi_columns`) instead of |q_pos - kv| per element from two index
-  # tiles. `plan.MASKED_ALIBI_COLUMNS`.
+  # tiles. Ranged: `plan.MASKED_ALIBI_COLUMNS`. Plain form (top-left
+  # causal, `mosaic_forward(alibi_slopes=)`): the slopes come as the
+  # ranged form's (`takes_slopes`), on the launch grid.
   alibi_columns: bool = False
   # Attention sinks (GPT-OSS): a logit per head that joins every row's
   # softmax denominator, in the epilogue (`_with_sink`), read from the
@@ -152,6 +154,11 @@ class KernelStatic:
   @property
   def ranged(self) -> bool:
     return self.spec is not None
+
+  @property
+  def takes_slopes(self) -> bool:
+    """Whether the kernel reads ALiBi slopes (`common.slope_rows`)."""
+    return (self.spec.has_alibi if self.ranged else self.alibi_columns)
 
   @property
   def tile_rows(self) -> int:
