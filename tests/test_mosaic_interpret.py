@@ -279,22 +279,27 @@ def _backward_test(case, is_causal, options):
   return grads
 
 
-def _interpreted_gradients(case, is_causal, options):
-  """(dq, dk, dv) of `mosaic_backward`'s kernels for `options` under the
-  interpreter, and the float32 and bf16 references' `forward_and_grads`.
-  delta (`row_statistics`, a Triton kernel the Mosaic GPU interpreter
-  cannot take) is computed outside it."""
+def _interpreted_gradients(case, is_causal, options, alibi_slopes=None):
+  """(dq, dk, dv) of `mosaic_backward`'s kernels for `options` (and the
+  plain kernels' ALiBi) under the interpreter, and the float32 and bf16
+  references' `forward_and_grads`. delta (`row_statistics`, a Triton
+  kernel the Mosaic GPU interpreter cannot take) is computed outside
+  it."""
   from pallas_kernels.mosaic import backward
+  from pallas_kernels.mosaic.common import slope_rows
   q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=11)
-  exact, lowp = reference_gradients(q, k, v, d_out, d_lse, is_causal=is_causal)
+  exact, lowp = reference_gradients(q, k, v, d_out, d_lse, is_causal=is_causal,
+                                    alibi_slopes=alibi_slopes)
   out, lse = exact["out"], exact["lse"]
   lse_t = jnp.swapaxes(lse, 1, 2)  # [batch, heads, q_len], the kernels'
   dq_config, dkdv_configs = backward.configure(
-      q, k, scale=case.head_dim**-0.5, is_causal=is_causal, **options)
+      q, k, scale=case.head_dim**-0.5, is_causal=is_causal,
+      alibi_slopes=alibi_slopes, **options)
   stats = backward.row_statistics(out.astype(q.dtype), lse_t, d_out,
                                   jnp.swapaxes(d_lse, 1, 2))
-  grads = mosaic_interpret.run(backward.gradients, q, k, v, d_out, stats,
-                               dq_config, dkdv_configs)
+  grads = mosaic_interpret.run(
+      backward.gradients, q, k, v, d_out, stats, dq_config, dkdv_configs,
+      slopes=None if alibi_slopes is None else slope_rows(alibi_slopes))
   return grads, exact, lowp
 
 
@@ -451,6 +456,27 @@ def test_interpreted_plain_forward_alibi(case, options):
                              alibi_slopes=slopes)
 
 
+@pytest.mark.parametrize("case, options", [
+    # GQA 2:1 (the dK/dV kernel's walk over the group's heads, each its
+    # slope), q_len < kv_len.
+    (Case(2, 128, 256, 2, 1, 64), dict()),
+    # The dQ kernel on tiles of its own; K/V head copies in dK/dV.
+    slow(Case(1, 256, 256, 4, 1, 64), dict(dq_tiles=(64, 128),
+                                           kv_head_copies=2)),
+    slow(Case(1, 128, 128, 2, 2, 128), dict()),
+], ids=str)
+def test_interpreted_plain_backward_alibi(case, options):
+  """`mosaic_backward(alibi_slopes=...)`'s kernels (causal ALiBi as column
+  terms on the plain dQ and dK/dV kernels): dq, dk, dv against the
+  reference's under random cotangents, with slopes by batch and head."""
+  slopes = jnp.linspace(0.05, 0.6, case.batch * case.num_heads,
+                        dtype=jnp.float32).reshape(case.batch, case.num_heads)
+  grads, exact, lowp = _interpreted_gradients(case, True, options,
+                                              alibi_slopes=slopes)
+  for name, ours in zip(("dq", "dk", "dv"), grads):
+    assert_within_rule(name, ours, exact[name], lowp[name])
+
+
 def test_plain_forward_alibi_refuses_what_the_masked_kernel_takes():
   """ValueError for slopes of the wrong shape; NotImplementedError without
   a causal mask, with sinks or a soft cap, or on the persistent grid."""
@@ -526,7 +552,7 @@ def test_interpreted_ragged_route(monkeypatch, q_len, kv_len, is_causal,
 
 
 def _check_plain_route(monkeypatch, q, k, v, d_out, d_lse, *, is_causal,
-                       spec=None, **variants):
+                       spec=None, operands=None, **variants):
   """`mosaic_attention`'s out, lse and gradients (scale 0.125) under the
   cotangents d_out and d_lse against the reference with `variants`.
   delta's Triton kernel (`backward.row_delta`), which the Mosaic
@@ -540,7 +566,7 @@ def _check_plain_route(monkeypatch, q, k, v, d_out, d_lse, *, is_causal,
   def attend(q, k, v):
     out, lse = attention.mosaic_attention(
         q, k, v, scale=0.125, is_causal=is_causal, spec=spec,
-        backward_blocks=BlockSizes.get_default(q.shape[-1], "NVIDIA H200"))
+        operands=operands, backward_blocks=BlockSizes.get_default(q.shape[-1], "NVIDIA H200"))
     return out, jnp.swapaxes(lse, 1, 2)
   names = ("out", "lse", "dq", "dk", "dv")
   ours = mosaic_interpret.run(
@@ -570,6 +596,30 @@ def test_interpreted_soft_cap_route(monkeypatch):
                           logits_soft_cap=cap)
   _check_plain_route(monkeypatch, q * 4, k, v, d_out, d_lse, is_causal=True,
                      spec=spec, logits_soft_cap=cap)
+
+
+@pytest.mark.slow  # the whole route (~80 s here); lowered by default
+def test_interpreted_alibi_route(monkeypatch):
+  """`mosaic_attention` of a causal call whose only change is ALiBi, at a
+  length no tile divides: the plain forward and backward with ALiBi's
+  column terms (`plan.PLAIN_ALIBI_HEAD_DIMS`; the masked kernels patched
+  to fail); out, lse and gradients under random cotangents against the
+  reference."""
+  from pallas_kernels.mosaic import attention, plan
+
+  def refuse(*_, **__):
+    raise AssertionError("a plain ALiBi call reached the masked kernels")
+  monkeypatch.setattr(plan, "PLAIN_ALIBI_HEAD_DIMS", (64, 128, 256))
+  monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
+  monkeypatch.setattr(attention, "mosaic_backward_masked", refuse)
+  case = Case(2, 200, 200, 2, 1, 64)
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=15)
+  slopes = jnp.array([[0.5, 0.05], [0.25, 0.125]], jnp.float32)
+  spec = masking.MaskSpec(q_len=200, kv_len=200, is_causal=True,
+                          has_alibi=True)
+  _check_plain_route(monkeypatch, q, k, v, d_out, d_lse, is_causal=True,
+                     spec=spec, operands=masking.Operands(alibi_slopes=slopes),
+                     alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("head_dim, block_kv, kv_len", [

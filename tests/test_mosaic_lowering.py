@@ -16,7 +16,7 @@ import pytest
 
 import jax_flash
 from pallas_kernels import compat as versions
-from pallas_kernels.masking import MaskSpec
+from pallas_kernels.masking import MaskSpec, Operands
 from tests.attention_checks import (DISPATCHED_TO_MOSAIC, DISPATCHED_TO_TRITON,
                                     Case, assert_forward_within_rule,
                                     check_against_reference, random_inputs)
@@ -872,6 +872,79 @@ def test_soft_cap_on_the_plain_forward_on_gpu(case, is_causal, cap,
     return jax_flash.flash_attention(q, k, v, return_residual=True,
                                      implementation="mosaic", **variants)
   check_against_reference(capped, case, jnp.bfloat16, **variants)
+
+
+@pytest.mark.parametrize("head_dim", [128, _slow(64), _slow(256)])
+def test_alibi_on_the_plain_kernels(head_dim, cuda_lowering, monkeypatch):
+  """`plan.PLAIN_ALIBI_HEAD_DIMS`: a causal call whose only change is
+  ALiBi takes the plain forward and backward kernels (the masked ones and
+  Triton's patched to fail) and lowers with `jax.grad`; off the list,
+  beside another change, with sinks or without a causal mask, the masked
+  kernels take it."""
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import attention, plan
+
+  def refuse(*_, **__):
+    raise AssertionError("a plain ALiBi call reached the masked kernels")
+  q = jax.ShapeDtypeStruct((2, 1024, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 1024, 2, head_dim), jnp.bfloat16)
+  alibi = MaskSpec(q_len=1024, kv_len=1024, is_causal=True, has_alibi=True)
+  monkeypatch.setattr(plan, "PLAIN_ALIBI_HEAD_DIMS", ())
+  assert attention._masked(q, kv, True, alibi)
+  monkeypatch.setattr(plan, "PLAIN_ALIBI_HEAD_DIMS", (64, 128, 256))
+  assert not attention._masked(q, kv, True, alibi)
+  assert attention._masked(q, kv, True, alibi, sinks=jnp.zeros((4,)))
+  for other in (dict(window=(64, 0)), dict(logits_soft_cap=30.0),
+                dict(is_causal=False), dict(has_q_offset=True)):
+    changed = MaskSpec(**{**dict(q_len=1024, kv_len=1024, is_causal=True,
+                                 has_alibi=True), **other})
+    assert attention._masked(q, kv, changed.is_causal, changed), other
+  for name in ("mosaic_forward_masked", "mosaic_backward_masked",
+               "flash_backward"):
+    monkeypatch.setattr(attention, name, refuse)
+  slopes = jax.ShapeDtypeStruct((2, 4), jnp.float32)
+
+  def loss(q, k, v, slopes):
+    out, lse = attention.mosaic_attention(
+        q, k, v, scale=head_dim**-0.5, is_causal=True, spec=alibi,
+        operands=Operands(alibi_slopes=slopes),
+        backward_blocks=BlockSizes.get_default(head_dim, "NVIDIA H200"))
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+      q, kv, kv, slopes).lower(lowering_platforms=("cuda",)).as_text()
+  assert _KERNEL_NAME in text and "backward_masked" not in text
+  assert "mosaic_flash_backward_dq" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    Case(2, 1024, 1024, 8, 4, 128),
+    Case(1, 2048, 2048, 8, 2, 256),
+    Case(1, 1000, 1000, 4, 2, 64),     # lengths no tile divides
+    Case(1, 1024, 2048, 4, 4, 128),    # q_len < kv_len, top-left
+], ids=str)
+def test_alibi_on_the_plain_kernels_on_gpu(case, monkeypatch):
+  """`plan.PLAIN_ALIBI_HEAD_DIMS`: causal ALiBi by the plain forward and
+  backward kernels (the masked ones patched to fail), out, lse and
+  gradients against the reference, slopes by batch and head."""
+  from pallas_kernels.mosaic import attention, plan
+  _require_sm90()
+
+  def refuse(*_, **__):
+    raise AssertionError("a plain ALiBi call reached the masked kernels")
+  monkeypatch.setattr(plan, "PLAIN_ALIBI_HEAD_DIMS", (64, 128, 256))
+  for name in ("mosaic_forward_masked", "mosaic_backward_masked"):
+    monkeypatch.setattr(attention, name, refuse)
+  slopes = jnp.linspace(0.01, 0.5, case.batch * case.num_heads,
+                        dtype=jnp.float32).reshape(case.batch, case.num_heads)
+  variants = dict(is_causal=True, alibi_slopes=slopes)
+
+  @jax.jit
+  def with_alibi(q, k, v):
+    return jax_flash.flash_attention(q, k, v, return_residual=True,
+                                     implementation="mosaic", **variants)
+  check_against_reference(with_alibi, case, jnp.bfloat16, **variants)
 
 
 @pytest.mark.parametrize("q_len, lse_rows", [(1000, 1024), (200, 256),

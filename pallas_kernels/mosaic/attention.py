@@ -87,19 +87,21 @@ def mosaic_attention(query, key, value, *, scale: float, is_causal: bool,
   """
   head_dim = query.shape[-1]
   query, key, value = _pad_head_dim(query, key, value)
-  if _masked(query, key, is_causal, spec):
+  operands = operands or Operands()
+  if _masked(query, key, is_causal, spec, sinks):
     out, lse = flash_attention_mosaic_masked(query, key, value, bias,
-                                             operands or Operands(), scale,
-                                             spec, backward_blocks, sinks)
+                                             operands, scale, spec,
+                                             backward_blocks, sinks)
   else:
-    out, lse = _plain_attention(query, key, value, scale, is_causal,
-                                backward_blocks, sinks,
-                                _plain_soft_cap(spec, query.shape[-1]))
+    out, lse = _plain_attention(
+        query, key, value, scale, is_causal, backward_blocks, sinks,
+        _plain_soft_cap(spec, query.shape[-1]),
+        _plain_alibi(spec, operands, is_causal, query.shape[-1], sinks))
   return out[..., :head_dim], lse
 
 
 def _plain_attention(query, key, value, scale, is_causal, backward_blocks,
-                     sinks, soft_cap=None):
+                     sinks, soft_cap=None, alibi_slopes=None):
   """`flash_attention_mosaic`, on rows zero-padded to whole 8-row TMA tiles
   where the lengths are not (`common.ragged_lengths`; a copy, as the
   masked kernels make): the forward masks the padded keys wherever a query
@@ -112,10 +114,12 @@ def _plain_attention(query, key, value, scale, is_causal, backward_blocks,
   if ragged_lengths(q_len, kv_len) or rows_in_place(
       q_len, kv_len, query.shape[-1], query.dtype):
     return flash_attention_mosaic(query, key, value, scale, is_causal,
-                                  backward_blocks, sinks, None, soft_cap)
+                                  backward_blocks, sinks, None, soft_cap,
+                                  alibi_slopes)
   query, key, value = (pad_rows(x) for x in (query, key, value))
   out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
-                                    backward_blocks, sinks, kv_len, soft_cap)
+                                    backward_blocks, sinks, kv_len, soft_cap,
+                                    alibi_slopes)
   return out[:, :q_len], lse[:, :, :q_len]
 
 
@@ -138,14 +142,16 @@ def mosaic_attention_backward(query, key, value, out, lse, d_out, d_lse, *,
   query, key, value, out, d_out = _pad_head_dim(query, key, value, out,
                                                 d_out)
   residuals, cotangents = (query, key, value, out, lse), (d_out, d_lse)
+  operands = operands or Operands()
   if _masked(query, key, is_causal, spec):
     dq, dk, dv, _, _, _ = _masked_bwd(
-        scale, spec, backward_blocks,
-        (*residuals, None, operands or Operands(), None), cotangents)
+        scale, spec, backward_blocks, (*residuals, None, operands, None),
+        cotangents)
   else:
     soft_cap = _plain_soft_cap(spec, query.shape[-1])
-    dq, dk, dv, _ = _bwd(scale, is_causal, backward_blocks, None, soft_cap,
-                         (*residuals, None), cotangents)
+    alibi = _plain_alibi(spec, operands, is_causal, query.shape[-1])
+    dq, dk, dv = _bwd(scale, is_causal, backward_blocks, None, soft_cap,
+                      (*residuals, None, alibi), cotangents)[:3]
   return tuple(x[..., :head_dim] for x in (dq, dk, dv))
 
 
@@ -166,7 +172,8 @@ def _pad_head_dim(*arrays):
   return tuple(jnp.pad(x, pad) for x in arrays)
 
 
-def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
+def _masked(query, key, is_causal: bool, spec: MaskSpec | None,
+            sinks=None) -> bool:
   """Whether a call goes to the masked kernels: masks beyond `is_causal`.
   Plain calls of any lengths take the plain forward (the last K/V block
   masked past kv_len where a query may see there, `_plain_attention`):
@@ -175,8 +182,10 @@ def _masked(query, key, is_causal: bool, spec: MaskSpec | None) -> bool:
   H100, geomean of causal and not, h100_mosaic_ragged_forward_*.md).
   Their backward is the plain kernels' too (`_bwd`, benchmarks/NOTES.md,
   "Ragged lengths on the plain kernels")."""
+  head_dim = query.shape[-1]
   if (spec is None or (spec.is_plain and spec.is_causal == is_causal)
-      or _plain_soft_cap(spec, query.shape[-1]) is not None):
+      or _plain_soft_cap(spec, head_dim) is not None
+      or _takes_plain_alibi(spec, is_causal, head_dim, sinks)):
     return False
   if not MASKED_KERNEL_ENABLED:
     raise NotImplementedError(
@@ -197,6 +206,28 @@ def _plain_soft_cap(spec: MaskSpec | None, head_dim: int) -> float | None:
   return spec.logits_soft_cap if uncapped.is_plain else None
 
 
+def _plain_alibi(spec: MaskSpec | None, operands: Operands, is_causal: bool,
+                 head_dim: int, sinks=None):
+  """The ALiBi slopes (float32 [batch, num_heads]) of a call the plain
+  kernels take with them (`_takes_plain_alibi`), else None."""
+  if not _takes_plain_alibi(spec, is_causal, head_dim, sinks):
+    return None
+  return operands.alibi_slopes
+
+
+def _takes_plain_alibi(spec: MaskSpec | None, is_causal: bool, head_dim: int,
+                       sinks=None) -> bool:
+  """Whether the plain kernels take the call's ALiBi as column terms
+  (`plan.PLAIN_ALIBI_HEAD_DIMS`): its only change beyond a top-left
+  `is_causal` and its lengths, without sinks."""
+  if (spec is None or not spec.has_alibi or not is_causal
+      or sinks is not None
+      or plan.plan_head_dim(head_dim) not in plan.PLAIN_ALIBI_HEAD_DIMS):
+    return False
+  return dataclasses.replace(spec, has_alibi=False) == MaskSpec(
+      q_len=spec.q_len, kv_len=spec.kv_len, is_causal=True)
+
+
 def _divides(query, key) -> bool:
   """Whether the plain kernels' tiles divide the lengths."""
   return (query.shape[1] % (2 * 64) == 0
@@ -207,7 +238,7 @@ def _divides(query, key) -> bool:
 def flash_attention_mosaic(query, key, value, scale: float, is_causal: bool,
                            backward_blocks: BlockSizes, sinks=None,
                            kv_len: int | None = None,
-                           soft_cap: float | None = None):
+                           soft_cap: float | None = None, alibi_slopes=None):
   """Exact attention on sm90; returns (out [B, Tq, N, D], lse f32 [B, N, Tq]).
 
   `backward_blocks` are the Triton backward's tiles, for the calls the
@@ -215,17 +246,20 @@ def flash_attention_mosaic(query, key, value, scale: float, is_causal: bool,
   forward's epilogue; `kv_len`: key's rows past it are zero padding
   (`mosaic_forward`'s); `soft_cap`: None or the logits' cap
   (`plan.PLAIN_SOFTCAP_HEAD_DIMS`), whose gradients the masked backward
-  gives.
+  gives; `alibi_slopes`: None or float32 [B, N], causal ALiBi in the plain
+  kernels both ways (`_takes_plain_alibi`; not differentiated).
   """
   return mosaic_forward(query, key, value, scale=scale, is_causal=is_causal,
-                        sinks=sinks, kv_len=kv_len, soft_cap=soft_cap)
+                        sinks=sinks, kv_len=kv_len, soft_cap=soft_cap,
+                        alibi_slopes=alibi_slopes)
 
 
 def _fwd(query, key, value, scale, is_causal, backward_blocks, sinks, kv_len,
-         soft_cap):
+         soft_cap, alibi_slopes):
   out, lse = flash_attention_mosaic(query, key, value, scale, is_causal,
-                                    backward_blocks, sinks, kv_len, soft_cap)
-  return (out, lse), (query, key, value, out, lse, sinks)
+                                    backward_blocks, sinks, kv_len, soft_cap,
+                                    alibi_slopes)
+  return (out, lse), (query, key, value, out, lse, sinks, alibi_slopes)
 
 
 def _bwd(scale, is_causal, backward_blocks, kv_len, soft_cap, residuals,
@@ -238,7 +272,7 @@ def _bwd(scale, is_causal, backward_blocks, kv_len, soft_cap, residuals,
   d_lse, so their dS is zero. The real rows' gradients are those of the
   unpadded call, given the forward's lse (which masked the padding)."""
   del kv_len
-  query, key, value, out, lse, sinks = residuals
+  query, key, value, out, lse, sinks, alibi_slopes = residuals
   d_out, d_lse = cotangents
   q_len, kv_rows = query.shape[1], key.shape[1]
   if not (ragged_lengths(q_len, kv_rows)
@@ -250,33 +284,39 @@ def _bwd(scale, is_causal, backward_blocks, kv_len, soft_cap, residuals,
     # gradient (above), and their LSE of 0 keeps P finite.
     pad_lse = lambda x: jnp.pad(x, ((0, 0), (0, 0),
                                     (0, -q_len % TMA_ROW_TILE)))
-    dq, dk, dv, d_sinks = _bwd(
+    dq, dk, dv, d_sinks, _ = _bwd(
         scale, is_causal, backward_blocks, None, soft_cap,
-        (*map(pad_rows, (query, key, value, out)), pad_lse(lse), sinks),
+        (*map(pad_rows, (query, key, value, out)), pad_lse(lse), sinks,
+         alibi_slopes),
         (pad_rows(d_out), pad_lse(d_lse)))
-    return dq[:, :q_len], dk[:, :kv_rows], dv[:, :kv_rows], d_sinks
+    return dq[:, :q_len], dk[:, :kv_rows], dv[:, :kv_rows], d_sinks, None
   d_sinks = sink_gradient(sinks, out, lse, d_out, d_lse)
   if soft_cap is None:
     try:
       return (*mosaic_backward(query, key, value, out, lse, d_out, d_lse,
-                               scale=scale, is_causal=is_causal), d_sinks)
+                               scale=scale, is_causal=is_causal,
+                               alibi_slopes=alibi_slopes), d_sinks, None)
     except NotImplementedError:
       pass  # a call the plain kernels do not cover: the masked ones'
   spec = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
-                  is_causal=is_causal, logits_soft_cap=soft_cap)
+                  is_causal=is_causal, logits_soft_cap=soft_cap,
+                  has_alibi=alibi_slopes is not None)
   if MASKED_BACKWARD_ENABLED and (soft_cap is not None
+                                  or alibi_slopes is not None
                                   or not _divides(query, key)):
-    try:  # a soft cap, or tiles the plain kernels do not cover
+    try:  # a soft cap, ALiBi, or tiles the plain kernels do not cover
       return (*mosaic_backward_masked(query, key, value, out, lse, d_out,
-                                      d_lse, scale=scale, spec=spec)[:3],
-              d_sinks)
+                                      d_lse, scale=scale, spec=spec,
+                                      alibi_slopes=alibi_slopes)[:3],
+              d_sinks, None)
     except NotImplementedError:
       pass
   with compat.quiet_triton_deprecation():
     dq, dk, dv, _ = flash_backward(
-        query, key, value, out, lse, d_out, d_lse, Operands(), None,
-        scale=scale, spec=spec, block_sizes=backward_blocks, interpret=False)
-  return dq, dk, dv, d_sinks
+        query, key, value, out, lse, d_out, d_lse,
+        Operands(alibi_slopes=alibi_slopes), None, scale=scale, spec=spec,
+        block_sizes=backward_blocks, interpret=False)
+  return dq, dk, dv, d_sinks, None
 
 
 def sink_gradient(sinks, out, lse, d_out, d_lse):

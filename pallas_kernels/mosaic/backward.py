@@ -61,7 +61,7 @@ from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, SWIZZLES, THREADS_PER_WARPGROUP, TMA_ROW_TILE,
     check_layout, check_shared_memory, check_tiles, own_width_head_dim,
-    persistent_num_ctas, ragged_lengths, slope_rows_bytes)
+    persistent_num_ctas, ragged_lengths, slope_rows, slope_rows_bytes)
 from pallas_kernels.mosaic.rows import rows_in_place
 from pallas_kernels.mosaic.dkdv import launch_dkdv
 from pallas_kernels.mosaic.dq import launch_dq
@@ -82,7 +82,8 @@ _ACCUMULATOR_REGISTERS = 192
 
 
 def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
-                    scale: float, is_causal: bool, **options):
+                    scale: float, is_causal: bool, alibi_slopes=None,
+                    **options):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -101,6 +102,10 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     scale: multiplies q·k in the forward.
     is_causal: top-left aligned, query i attends keys j <= i (as
       `forward.mosaic_forward`, whose docstring draws it).
+    alibi_slopes: float32 [batch, num_heads] or None: the forward's causal
+      ALiBi (`mosaic_forward(alibi_slopes=)`), as a term per key and one
+      per query in both kernels (`common.alibi_columns`); on the launch
+      grid, without the fused dQ or shared rows.
     **options: fields of `plan.BackwardConfig` replacing the plan's choice
       for this call (`plan.backward_config`): tiles, pipeline depth, the
       fused dQ, grid, shared rows, registers, when lse and Sᵀ are read and
@@ -115,7 +120,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       do not fit in shared memory or registers), so that a dispatcher falls
       back.
   """
-  config = _config(query, key, is_causal, options)
+  config = _config(query, key, is_causal, options, alibi_slopes)
+  alibi = alibi_slopes is not None
   # Lengths the tiles do not divide, in whole TMA row tiles: rows past
   # either end load as zeros and add nothing (`common.ragged_lengths`);
   # at d=64 any lengths, the rows read and written in place.
@@ -139,7 +145,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                        any_lengths=any_lengths)
   # Configuring raises for tiles that do not fit, before any work is traced.
   dq_config, dkdv_configs = statics(query, key, scale=scale,
-                                    is_causal=is_causal, config=config)
+                                    is_causal=is_causal, config=config,
+                                    alibi=alibi)
   stats = row_statistics(out, lse, d_out, d_lse)
   if in_place:
     dq_config, *dkdv_configs = (
@@ -149,15 +156,39 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
     # hold zeros, read only beside zero Q and dO rows.
     stats = jnp.pad(stats, ((0, 0), (0, 0), (0, 0),
                             (0, -q_len % TMA_ROW_TILE)))
-  return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs)
+  return gradients(query, key, value, d_out, stats, dq_config, dkdv_configs,
+                   slopes=slope_rows(alibi_slopes) if alibi else None)
 
 
-def configure(query, key, *, scale: float, is_causal: bool, **options):
+def _alibi_config(config: BackwardConfig, alibi_slopes, q_shape, *,
+                  is_causal: bool, options) -> BackwardConfig:
+  """`config` for the plain kernels' ALiBi (`mosaic_backward`): on the
+  launch grid, neither the fused dQ nor shared rows (the planned ones give
+  way; asked for, NotImplementedError); ValueError for slopes not [batch,
+  num_heads]."""
+  batch, _, num_heads, _ = q_shape
+  if alibi_slopes.shape != (batch, num_heads):
+    raise ValueError(f"alibi_slopes must be [batch, num_heads] = ({batch}, "
+                     f"{num_heads}), got {alibi_slopes.shape}")
+  if not is_causal:
+    raise NotImplementedError("the plain backward takes ALiBi under a causal "
+                              "mask (the masked kernels take the rest)")
+  refused = ("fused_dq", "shared_rows", "persistent")
+  asked = [name for name in refused if options.get(name)]
+  if asked:
+    raise NotImplementedError(f"the plain backward takes ALiBi without "
+                              f"{', '.join(asked)}")
+  return dataclasses.replace(config, **dict.fromkeys(refused, False))
+
+
+def configure(query, key, *, scale: float, is_causal: bool,
+              alibi_slopes=None, **options):
   """`mosaic_backward`'s kernels for these arguments: (`dq_static` or None
   when fused, [`dkdv_statics`' passes]), as `gradients` takes them. Raises
   NotImplementedError for tiles that do not fit."""
-  return statics(query, key, scale=scale, is_causal=is_causal,
-                 config=_config(query, key, is_causal, options))
+  config = _config(query, key, is_causal, options, alibi_slopes)
+  return statics(query, key, scale=scale, is_causal=is_causal, config=config,
+                 alibi=alibi_slopes is not None)
 
 
 def reads_rows_in_place(query, key, is_causal: bool) -> bool:
@@ -170,11 +201,16 @@ def reads_rows_in_place(query, key, is_causal: bool) -> bool:
           and not (config.fused_dq or config.shared_rows))
 
 
-def _config(query, key, is_causal: bool, options) -> BackwardConfig:
-  """`plan.backward_config` of a call, its `dq_tiles` checked."""
+def _config(query, key, is_causal: bool, options,
+            alibi_slopes=None) -> BackwardConfig:
+  """`plan.backward_config` of a call (with the plain kernels' ALiBi,
+  `_alibi_config`'s), its `dq_tiles` checked."""
   config = backward_config(head_dim=query.shape[-1], is_causal=is_causal,
                            q_len=query.shape[1], kv_len=key.shape[1],
                            **options)
+  if alibi_slopes is not None:
+    config = _alibi_config(config, alibi_slopes, query.shape,
+                           is_causal=is_causal, options=options)
   batch, _, num_heads, _ = query.shape
   config = dataclasses.replace(config, kv_head_copies=planned_kv_copies(
       config, batch=batch, num_kv_heads=key.shape[2],
@@ -204,8 +240,9 @@ def gradients(query, key, value, d_out, stats,
       [batch, num_tiles, PLAN_WIDTH] (see `masked.tile_plans`), or None.
     segments: the ranged kernels' (q ids [batch, q_len], kv ids
       [batch, kv_len]) when the spec has segment ids, else None.
-    slopes: the ranged kernels' ALiBi slopes as `common.slope_rows` when
-      the spec has them, else None.
+    slopes: the ALiBi slopes as `common.slope_rows` when the ranged
+      kernels' spec has them or the plain ones take them (`alibi_columns`),
+      else None.
     biases: the ranged kernels' bias, in query's dtype, [batch | 1,
       heads | 1, q_len, kv_len] for dQ and its transpose [..., kv_len,
       q_len] for dK/dV, padded to their tiles, or None.
@@ -327,13 +364,15 @@ def row_statistics(out, lse, d_out, d_lse, *, interpret: bool | None = None):
 
 
 def statics(query, key, *, scale: float, is_causal: bool,
-            config: BackwardConfig, spec=None):
+            config: BackwardConfig, spec=None, alibi: bool = False):
   """(`dq_static`, `dkdv_statics`) of `config`'s kernels, or (None, [the
   fused pass]) with the fused dQ; `spec`: the ranged (masked) kernels' mask
-  spec. Raises NotImplementedError for what the kernels lack."""
+  spec; `alibi`: the plain kernels' ALiBi (`BackwardStatic.alibi_columns`).
+  Raises NotImplementedError for what the kernels lack."""
   tiles = dict(scale=scale, is_causal=is_causal, block_q=config.block_q,
                block_kv=config.block_kv,
-               max_concurrent_steps=config.max_concurrent_steps, spec=spec)
+               max_concurrent_steps=config.max_concurrent_steps, spec=spec,
+               alibi=alibi)
   if spec is not None and (config.fused_dq or config.dq_tiles is not None):
     # The ranged kernels' plans classify blocks at the one pair of tiles.
     raise NotImplementedError(
@@ -403,10 +442,11 @@ def _check_scores_ahead(config: BackwardConfig, *, is_causal: bool, spec):
 
 
 def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
-              max_concurrent_steps, spec=None,
+              max_concurrent_steps, spec=None, alibi: bool = False,
               dbias_dtype=None) -> BackwardStatic:
   """The dQ kernel's configuration (`spec`: the ranged form's mask spec;
-  `dbias_dtype`: its dbias form, `BackwardStatic.dbias_dtype`)."""
+  `alibi`: the plain form's ALiBi; `dbias_dtype`: its dbias form,
+  `BackwardStatic.dbias_dtype`)."""
   _, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   registers = _accumulator_registers((block_q, head_dim),
@@ -425,7 +465,8 @@ def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
       streamed_stats=0) + _ranged_smem_bytes(
           spec, num_consumers=consumers, num_stages=stages,
           resident_rows=block_q, streamed_rows=block_kv,
-          num_heads=num_heads, itemsize=jnp.dtype(query.dtype).itemsize) + (
+          num_heads=num_heads, itemsize=jnp.dtype(query.dtype).itemsize,
+          alibi=alibi) + (
               0 if dbias_dtype is None else  # each consumer's dS tile
               consumers * block_q * block_kv * jnp.dtype(dbias_dtype).itemsize)
   return BackwardStatic(
@@ -437,7 +478,7 @@ def dq_static(query, key, *, scale, is_causal, block_q, block_kv,
       group=num_heads // num_kv_heads, scale=float(scale),
       scale_log2=float(scale) * LOG2E, is_causal=bool(is_causal),
       dtype=jnp.dtype(query.dtype), outputs=("dq",), spec=spec,
-      dbias_dtype=None if dbias_dtype is None else jnp.dtype(dbias_dtype))
+      alibi_columns=alibi, dbias_dtype=None if dbias_dtype is None else jnp.dtype(dbias_dtype))
 
 
 def dbias_static(query, key, *, scale: float, config: BackwardConfig, spec,
@@ -453,12 +494,17 @@ def dbias_static(query, key, *, scale: float, config: BackwardConfig, spec,
 
 
 def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
-                 max_concurrent_steps, spec=None, fused_dq: bool = False,
+                 max_concurrent_steps, spec=None, alibi: bool = False,
+                 fused_dq: bool = False,
                  shared_rows: bool = False) -> list[BackwardStatic]:
   """One pass computing dK and dV, or one pass each if registers demand;
   `fused_dq`: the one pass that also sums dQ (raises where there is none),
   its resident rows opaque where the zero's cell fits; `shared_rows`: the
-  one pass with shared K/V rows (likewise)."""
+  one pass with shared K/V rows (likewise); `alibi`: the plain form's
+  ALiBi (neither of those)."""
+  if alibi and (fused_dq or shared_rows):
+    raise NotImplementedError("the plain dK/dV kernel takes ALiBi without "
+                              "the fused dQ or shared rows")
   if shared_rows:
     return [_shared_rows_static(
         query, key, scale=scale, is_causal=is_causal, block_q=block_q,
@@ -493,7 +539,8 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
       streamed_stats=block_q) + _ranged_smem_bytes(
           spec, num_consumers=consumers, num_stages=stages,
           resident_rows=block_kv, streamed_rows=block_q,
-          num_heads=num_heads, itemsize=jnp.dtype(query.dtype).itemsize) + (
+          num_heads=num_heads, itemsize=jnp.dtype(query.dtype).itemsize,
+          alibi=alibi) + (
               fused_smem_bytes(
                   num_consumers=consumers, block_q=block_q,
                   block_kv=block_kv, head_dim=head_dim,
@@ -518,7 +565,7 @@ def dkdv_statics(query, key, *, scale, is_causal, block_q, block_kv,
           group=group, scale=float(scale), scale_log2=float(scale) * LOG2E,
           is_causal=bool(is_causal), dtype=jnp.dtype(query.dtype),
           outputs=outputs, spec=spec, fused_dq=bool(fused_dq),
-          opaque_resident=opaque)
+          opaque_resident=opaque, alibi_columns=alibi)
       for outputs in passes]
 
 
@@ -612,14 +659,16 @@ def _kernel_options(config: BackwardConfig) -> dict:
 
 
 def _ranged_smem_bytes(spec, *, num_consumers, num_stages, resident_rows,
-                       streamed_rows, num_heads, itemsize) -> int:
-  """The ranged kernels' extra shared memory (0 for the plain ones): a plan
-  row per warpgroup, with segment ids the int32 ids of each consumer's rows
-  and of each ring slot, with ALiBi each consumer's slopes, with a bias
-  each consumer's tile in q's dtype (`itemsize` bytes), with a dense mask
-  each consumer's int8 tile."""
+                       streamed_rows, num_heads, itemsize,
+                       alibi: bool = False) -> int:
+  """The ranged kernels' extra shared memory (for the plain ones each
+  consumer's slopes with `alibi`, else 0): a plan row per warpgroup, with
+  segment ids the int32 ids of each consumer's rows and of each ring slot,
+  with ALiBi each consumer's slopes, with a bias each consumer's tile in
+  q's dtype (`itemsize` bytes), with a dense mask each consumer's int8
+  tile."""
   if spec is None:
-    return 0
+    return num_consumers * slope_rows_bytes(num_heads) if alibi else 0
   extra = (num_consumers + 1) * PLAN_WIDTH * 4
   if spec.has_segments:
     extra += (num_consumers * resident_rows + num_stages * streamed_rows) * 4

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat as versions
+from pallas_kernels import masking
 from pallas_kernels.mosaic import compat, lowered_cache
 from pallas_kernels.mosaic.common import (
     THREADS_PER_WARPGROUP, ScoreTiles, alibi_terms, chained_tiles, copy_slopes,
@@ -47,7 +48,8 @@ from pallas_kernels.mosaic.pipeline import (
     ids_arrived, keep_scale, kept_weights, kernel_name, load_own_ids,
     produce,
     ranged_inputs, ranged_refs, ranged_scratch, ranged_walk, ring_slot,
-    score_gradient, tile_indices_t, tile_probabilities, tile_values,
+    score_gradient, slope_scratch, tile_indices_t, tile_probabilities,
+    tile_values,
     variant_mask_t, walk_group, walk_range, wgmma_accumulate, wgmma_fresh,
     wgmma_then)
 from pallas_kernels.mosaic.shared_rows import (
@@ -102,6 +104,9 @@ def launch_dkdv(query, key, value, d_out, stats, static: BackwardStatic, *,
     scratch += ranged_scratch(static, resident_rows=static.block_kv,
                               streamed_rows=static.block_q, slopes=slopes)
     inputs += ranged_inputs(plan, segments, slopes, bias, dense_mask)
+  elif static.alibi:  # the plain kernel's ALiBi (`alibi_columns`)
+    scratch += slope_scratch(static, slopes)
+    inputs += (slopes,)
   if static.shared_rows:
     scratch += exchange_scratch(static, static.block_kv,
                                 static.block_q // consumers, kinds=2)
@@ -217,7 +222,17 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       plgpu.barrier_wait(v_arrived.at[wg])
     plgpu.barrier_wait(k_arrived.at[wg])
     q_of = head_values = positions = terms_of = kept_of = bias_of = None
+    if slopes is not None:  # in flight while the plan row (or Q) loads
+      copy_slopes(slopes, wg)
     if plan is None:
+      if slopes is not None:  # `alibi_columns`: top-left causal
+        terms_of = lambda q_block: functools.partial(
+            alibi_terms, q_start=q_block * static.block_q, kv_start=kv_start,
+            q_offset=0, block_q=static.block_q, block_kv=static.block_kv,
+            transposed=True)
+        head_values = functools.partial(
+            _head_values, masking.MaskValues(), batch=batch, kv_head=kv_head,
+            slope_of=slope_reader(slopes, wg), static=static)
       if fused is None:
         walk = Walk(first, per_head,
                     dkdv_causal_runs(kv_start, first, static), None)
@@ -227,8 +242,6 @@ def _dkdv_tile(inputs, out_refs, scratch, batch, kv_head, kv_tile, wg, base,
       tile_mask = lambda i, slot, values, g: causal_mask_t(kv_start, i,
                                                           static)
     else:
-      if slopes is not None:  # in flight while the plan row loads
-        copy_slopes(slopes, wg)
       walk = ranged_walk(plan, wg, dropout=static.dropout)
       own_ids = load_own_ids(ids, kv_rows, wg)
       shape = (static.block_kv, static.block_q)
@@ -397,7 +410,7 @@ def _head_values(values, g, *, batch, kv_head, slope_of,
   head = kv_head * static.group + g
   if slope_of is not None:  # each query head of the group has its own
     values = values._replace(alibi_slope=slope_of(head))
-  if static.spec.reads_batch_and_head:
+  if static.ranged and static.spec.reads_batch_and_head:
     values = values._replace(batch=batch, head=head)
   return values
 

@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat as versions
+from pallas_kernels import masking
 from pallas_kernels.mosaic import compat, lowered_cache
 from pallas_kernels.mosaic.common import (
     alibi_terms, causal_mask, chained_tiles, copy_slopes, dropout_key_hashes,
@@ -36,7 +37,7 @@ from pallas_kernels.mosaic.pipeline import (
     dropped_in_sign, ds_scale, each_tile, grid_args, ids_arrived,
     keep_scale, kernel_name,
     load_own_ids, produce, ranged_inputs, ranged_refs, ranged_scratch,
-    ranged_walk, score_gradient, skip_step, tile_probabilities,
+    ranged_walk, score_gradient, skip_step, slope_scratch, tile_probabilities,
     tile_values, walk_range, walk_runs, wgmma_accumulate, wgmma_fresh,
     wgmma_then)
 
@@ -79,6 +80,9 @@ def launch_dq(query, key, value, d_out, stats, static: BackwardStatic, *,
     scratch += ranged_scratch(static, resident_rows=static.block_q,
                               streamed_rows=static.block_kv, slopes=slopes)
     inputs += ranged_inputs(plan, segments, slopes, bias, dense_mask)
+  elif static.alibi:  # the plain kernel's ALiBi (`alibi_columns`)
+    scratch += slope_scratch(static, slopes)
+    inputs += (slopes,)
   out_shape, out_dtype = query.shape, query.dtype
   if static.bias_grad:  # each consumer's dS tile, on its way out
     out_shape = (batch, num_heads, static.num_q_blocks * static.block_q,
@@ -151,9 +155,9 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
 
   def _consumer():
     walk = None
+    if slopes is not None:  # in flight while the plan row (or Q) loads
+      copy_slopes(slopes, wg)
     if plan is not None:
-      if slopes is not None:  # in flight while the plan row loads
-        copy_slopes(slopes, wg)
       walk = ranged_walk(plan, wg, dropout=static.dropout)
     start = (tile_start if walk is None
              else walk.tile * static.q_rows_per_cta)
@@ -172,8 +176,15 @@ def _dq_tile(inputs, dq_ref, scratch, batch, head, q_tile, wg, base,
                           static)
     kept_of = bias_of = write_ds = terms_of = None
     if plan is None:
+      values = None
+      if slopes is not None:  # `alibi_columns`: top-left causal
+        values = masking.MaskValues(
+            alibi_slope=slope_reader(slopes, wg)(head))
+        terms_of = lambda step: functools.partial(
+            alibi_terms, q_start=q_start, kv_start=step * static.block_kv,
+            q_offset=0, block_q=static.block_q, block_kv=static.block_kv)
       walk = Walk(0, num_steps, _dq_causal_runs(q_start, num_steps, static),
-                  None)
+                  values)
       tile_mask = lambda step, slot: causal_mask(q_start, step, static)
     else:
       if static.spec.reads_batch_and_head:  # mask_fn's, score_fn's b and h

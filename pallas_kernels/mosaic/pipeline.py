@@ -143,10 +143,12 @@ class BackwardStatic:
   # kernel's query heads, the dK/dV kernel's K/V heads), where a mask
   # differs by head (`masked.head_plans`).
   plan_heads: int = 1
-  # Ranged, causal ALiBi without score_fn or soft cap (`common.
-  # alibi_columns`): P from a term per key and one per query added to the
-  # scores and the LSE (`tile_probabilities`' `alibi_terms`) instead of
-  # |q_pos - kv| per score from two index tiles. `plan.MASKED_ALIBI_COLUMNS`.
+  # Causal ALiBi without score_fn or soft cap (`common.alibi_columns`): P
+  # from a term per key and one per query added to the scores and the LSE
+  # (`tile_probabilities`' `alibi_terms`) instead of |q_pos - kv| per score
+  # from two index tiles. Ranged: `plan.MASKED_ALIBI_COLUMNS`. Plain
+  # kernels (top-left causal, `backward.mosaic_backward(alibi_slopes=)`):
+  # the slopes come as the ranged ones' (`alibi`, `slope_refs`).
   alibi_columns: bool = False
   # Ranged, a soft cap the only score change (`masking.cap_only`): P and
   # the cap's slope from t = tanh(q·k * scale / cap), P = exp2(t * cap
@@ -179,7 +181,8 @@ class BackwardStatic:
 
   @property
   def alibi(self) -> bool:
-    return self.ranged and self.spec.has_alibi
+    """Whether the kernel reads ALiBi slopes (`common.slope_rows`)."""
+    return self.spec.has_alibi if self.ranged else self.alibi_columns
 
   @property
   def dropout(self) -> bool:
@@ -404,6 +407,14 @@ def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
   terms along `broadcast`'s axis, key terms along the other) of
   `common.alibi_columns`: a vector each, no index tiles.
   """
+  if static.alibi_columns:  # plain or ranged (never with `fold_cap`)
+    queries, keys = alibi_terms(values.alibi_slope)
+    across = per_column if broadcast is per_row else per_row
+    logits_log2 = s * static.scale_log2 + across(keys * LOG2E, s.shape)
+    if static.ranged and static.spec.has_bias:
+      logits_log2 = logits_log2 + values.bias * LOG2E
+    return jnp.exp2(logits_log2 - broadcast(lse_log2 + queries * LOG2E,
+                                            s.shape)), None
   if not (static.ranged and static.spec.modifies_scores):
     return jnp.exp2(s * static.scale_log2 - broadcast(lse_log2, s.shape)), None
   spec = static.spec
@@ -412,14 +423,6 @@ def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
                                              None, values)
     p = jnp.exp2(t * (factor * LOG2E) - broadcast(lse_log2, s.shape))
     return p, 1.0 - t * t
-  if static.alibi_columns:
-    queries, keys = alibi_terms(values.alibi_slope)
-    across = per_column if broadcast is per_row else per_row
-    logits_log2 = s * static.scale_log2 + across(keys * LOG2E, s.shape)
-    if spec.has_bias:
-      logits_log2 = logits_log2 + values.bias * LOG2E
-    return jnp.exp2(logits_log2 - broadcast(lse_log2 + queries * LOG2E,
-                                            s.shape)), None
   q_idx, kv_idx = positions() if spec.scores_read_positions else (None, None)
   modify = lambda x: masking.modify_scores(spec, x, q_idx, kv_idx, values)
   if spec.scores_shift_only:  # slope 1: dS as without them
@@ -584,8 +587,7 @@ def ranged_scratch(static: BackwardStatic, *, resident_rows, streamed_rows,
                 plgpu.SMEM((stages, streamed_rows), jnp.int32),
                 plgpu.Barrier(num_barriers=stages))
   if static.alibi:
-    scratch += (plgpu.SMEM((consumers, *slopes.shape[1:]), jnp.float32),
-                plgpu.Barrier(num_barriers=consumers))    # slopes_arrived
+    scratch += slope_scratch(static, slopes)
   for present, dtype in ((static.biased, static.dtype),
                          (static.dense, jnp.int8)):
     if present:
@@ -593,6 +595,14 @@ def ranged_scratch(static: BackwardStatic, *, resident_rows, streamed_rows,
                              transforms=swizzled(streamed_rows, dtype)),
                   plgpu.Barrier(num_barriers=consumers))  # tile_arrived
   return scratch
+
+
+def slope_scratch(static: BackwardStatic, slopes) -> tuple:
+  """Each consumer's copy of `slopes` (`common.slope_rows`), and its
+  barriers: the ranged kernels' with ALiBi, and the plain ones' with
+  `alibi_columns` (their only scratch after the common list)."""
+  return (plgpu.SMEM((static.num_consumers, *slopes.shape[1:]), jnp.float32),
+          plgpu.Barrier(num_barriers=static.num_consumers))  # slopes_arrived
 
 
 def ranged_inputs(plan, segments, slopes, bias=None, dense_mask=None
@@ -616,7 +626,8 @@ class RangedRefs(NamedTuple):
 
 def ranged_refs(static: BackwardStatic, inputs, scratch, *, batch, head,
                 tile, own_is_query: bool) -> RangedRefs:
-  """`RangedRefs` of a ranged kernel (all None in a plain one).
+  """`RangedRefs` of a ranged kernel (all None in a plain one, but its
+  ALiBi slopes with `alibi_columns`: inputs and scratch `slope_scratch`).
 
   `inputs` are the kernel's inputs after the common five
   (`ranged_inputs`), `scratch` its scratch after the common list
@@ -624,7 +635,9 @@ def ranged_refs(static: BackwardStatic, inputs, scratch, *, batch, head,
   dK/dV), for plan rows per head.
   """
   if not static.ranged:
-    return RangedRefs()
+    if not static.alibi:
+      return RangedRefs()
+    return RangedRefs(slopes=SlopeRows(inputs[0].at[batch], *scratch[:2]))
   plan_row = batch if static.plan_heads == 1 else (
       batch * static.plan_heads + head)
   plan = PlanRow(inputs[0].at[plan_row, tile], *scratch[:2])

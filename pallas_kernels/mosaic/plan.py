@@ -459,6 +459,12 @@ MASKED_BACKWARD_SOFTCAP_FOLDED = True
 # plain causal forward without a cap: 632), d=128 499 against 515
 # (h100_mosaic_softcap_folded.md); between them unmeasured.
 PLAIN_SOFTCAP_HEAD_DIMS = (256,)
+# The head dims (of `plan_head_dim`) at which a call whose only change
+# beyond a top-left `is_causal` is ALiBi takes the plain kernels, forward
+# and backward, with ALiBi as column terms (`common.alibi_columns`; the
+# launch grid, neither the fused dQ nor shared rows) instead of the masked
+# ones (`attention._takes_plain_alibi`).
+PLAIN_ALIBI_HEAD_DIMS = (64, 128, 256)
 # The largest soft cap it takes, by P's dtype: e^cap below float16's
 # largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
 # float32's (3.4e38 = e^88.7).
