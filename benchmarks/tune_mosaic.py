@@ -341,6 +341,33 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
     return fn.lower(q, k, v, operands).compile(), (q, k, v, operands)
 
 
+def alibi_route_benchmark(cell: common.Cell, blocks: dict):
+  """Causal attention through `jax_flash.flash_attention` on the Mosaic
+  kernels, forward (`blocks["mode"]` "fwd") or forward and backward
+  ("fwd_bwd"), as `blocks["form"]` routes it: "causal" without ALiBi,
+  "masked" ALiBi on the masked kernels (`plan.PLAIN_ALIBI_HEAD_DIMS`
+  empty), "plain" ALiBi on the plain ones (every head dim listed)."""
+  import jax_flash
+  from pallas_kernels.mosaic import plan
+  form, mode = blocks["form"], blocks["mode"]
+  q, k, v, d_out = common.attention_inputs(cell.shape, cell.dtype)
+  _, operands = causal_spec(cell, "alibi")
+  slopes = None if form == "causal" else operands["alibi_slopes"]
+
+  def attend(q, k, v):
+    return jax_flash.flash_attention(q, k, v, is_causal=True,
+                                     alibi_slopes=slopes,
+                                     implementation="mosaic")
+  if mode == "fwd":
+    fn = jax.jit(attend)
+  else:
+    fn = jax.jit(lambda q, k, v, d_out: jax.vjp(attend, q, k, v)[1](d_out))
+  args = (q, k, v) if mode == "fwd" else (q, k, v, d_out)
+  head_dims = () if form == "masked" else (64, 128, 256)
+  with mock.patch.object(plan, "PLAIN_ALIBI_HEAD_DIMS", head_dims):
+    return fn.lower(*args).compile(), args
+
+
 # The forms `score_change_benchmark` times: where issue 39's ALiBi (0.62x
 # plain causal's forward on the H100) and dropout (0.52x) lose their time.
 MASKED_FORMS = ("masked", "masked_in_order")
@@ -419,6 +446,12 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                masked_causal_backward_benchmark,
                dict(term=("alibi",), form=("alibi_tiles", "masked")),
                2.5, (True,)),
+           "alibi_route": (alibi_route_benchmark,
+                           dict(form=("causal", "masked", "plain"),
+                                mode=("fwd",)), 1.0, (True,)),
+           "alibi_route_fwd_bwd": (alibi_route_benchmark,
+                                   dict(form=("causal", "masked", "plain"),
+                                        mode=("fwd_bwd",)), 3.5, (True,)),
            "max_free": (score_change_benchmark,
                         dict(form=("plain", "softcap_with_max", "softcap",
                                    "softcap_plain")),
