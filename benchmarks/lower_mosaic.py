@@ -272,6 +272,18 @@ def calls():
            lambda q, k, v, s=spec, values=values: mosaic_forward_masked(
                q, k, v, scale=0.1, spec=s, persistent=True, num_ctas=5,
                **masked_operand_kwargs(masked_operands(values))), (q, kv, kv))
+  # Causal ALiBi alone on the plain kernels (`plan.PLAIN_ALIBI_HEAD_DIMS`),
+  # as column terms in the forward, dQ and dK/dV; lengths off the tiles.
+  for d in (64, 128, 256):
+    spec = MaskSpec(q_len=1000, kv_len=1000, is_causal=True, has_alibi=True)
+    q, kv = bf16(2, 1000, 4, d), bf16(2, 1000, 2, d)
+    values = dict(alibi_slopes=[[0.5, 0.25, 0.125, 0.0625]] * 2)
+    attend = lambda q, k, v, d=d, s=spec, values=values: mosaic_attention(
+        q, k, v, scale=d**-0.5, is_causal=True,
+        backward_blocks=BlockSizes.get_default(d, "NVIDIA H200"), spec=s,
+        operands=masked_operands(values))
+    yield f"plain alibi d{d} fwd", attend, (q, kv, kv)
+    yield f"plain alibi d{d} fwdbwd", with_gradients(attend), (q, kv, kv, q)
   # A bias on the masked kernels, its tiles streamed beside the K/V rings
   # (dK/dV's from its transpose), dbias from the dbias kernel: per head,
   # broadcast over the batch (dS in float32, then summed), and per batch
