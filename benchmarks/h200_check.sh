@@ -85,9 +85,7 @@ for step in "$@"; do
                 # round (benchmarks/NOTES.md, Open), before the whole suite
       env $TEST_CACHE python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} --dist load -rfE --tb=short \
         --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider -p no:benchmark -v \
-        ${NEW_TESTS:-tests/test_builtin_forms.py \
-          tests/test_mosaic_masked.py::test_persistent_masked_forward_on_gpu \
-          tests/test_mosaic_lowering.py::test_alibi_on_the_plain_kernels_on_gpu} \
+        ${NEW_TESTS:-tests/test_mosaic_lowering.py::test_alibi_on_the_plain_kernels_on_gpu} \
         > "$OUT/pytest_gpu_new.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu_new.log" | tail -30 ;;
     tests_shards)  # `tests` on a two-GPU host, a part of the suite on each
@@ -239,19 +237,6 @@ PY
         --seq 4096 --head-dims 144 160 176 --rounds 2 --budget 150 \
         --out "$OUT/h200_mosaic_between_tiles.json" > "$LOGS/between.log" 2>&1
       tail -6 "$LOGS/between.log" ;;
-    masked_persistent)  # the masked forward's persistent grid against
-                        # its launch grid (`plan.MASKED_PERSISTENT_UP_TO`):
-                        # causal, a 4k window (with a cap of 50: Gemma's
-                        # local layer), 8 documents, cap 30; two
-                        # rounds in turn at each MP_SEQS length
-      for seq in ${MP_SEQS:-2048 8192 16384}; do
-        timeout ${MP_TIMEOUT:-200} python3 -m benchmarks.tune_mosaic \
-          --kernels masked_forward_persistent --seq $seq \
-          --head-dims ${MP_DIMS:-128 256} --rounds 2 --budget ${MP_BUDGET:-170} \
-          --out "$OUT/h200_mosaic_masked_persistent_$seq.json" \
-          > "$LOGS/masked_persistent_$seq.log" 2>&1
-        tail -20 "$LOGS/masked_persistent_$seq.log"
-      done ;;
     ragged_route)  # the forward at lengths no tile divides, plain kernel
                    # (key tail) against masked, causal and not: the A/B
                    # behind `attention._masked`'s route for plain calls

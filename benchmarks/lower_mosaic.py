@@ -210,10 +210,6 @@ def kernels(head_dim: int):
   yield (f"masked forward d{head_dim}",
          lambda q, k, v: mosaic_forward_masked(q, k, v, scale=0.1, spec=spec),
          (q, kv, kv))
-  yield (f"masked persistent forward d{head_dim}",
-         lambda q, k, v: mosaic_forward_masked(q, k, v, scale=0.1, spec=spec,
-                                               persistent=True, num_ctas=3),
-         (q, kv, kv))
   for options in ({}, dict(overlap_softmax=True)):
     yield (f"masked backward d{head_dim} {options}",
            lambda q, k, v, out, d_out, o=options: mosaic_backward_masked(
@@ -227,7 +223,6 @@ def calls():
   `kernels`' forms."""
   from pallas_kernels.config import BlockSizes
   from pallas_kernels.mosaic import mosaic_attention
-  from pallas_kernels.mosaic.attention import masked_operand_kwargs
   from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
 
@@ -265,13 +260,6 @@ def calls():
       yield f"{kind} {mask} d{d} fwd", attend, (q, kv, kv)
       yield f"{kind} {mask} d{d} fwdbwd", with_gradients(attend), (q, kv,
                                                                    kv, q)
-    # The masked forward on the persistent grid (`forward_persistent`).
-    spec = MaskSpec(q_len=q_len, kv_len=kv_len, **fields)
-    q, kv = bf16(2, q_len, 4, 128), bf16(2, kv_len, 2, 128)
-    yield (f"masked persistent {mask} d128 fwd",
-           lambda q, k, v, s=spec, values=values: mosaic_forward_masked(
-               q, k, v, scale=0.1, spec=s, persistent=True, num_ctas=5,
-               **masked_operand_kwargs(masked_operands(values))), (q, kv, kv))
   # Causal ALiBi alone on the plain kernels (`plan.PLAIN_ALIBI_HEAD_DIMS`),
   # as column terms in the forward, dQ and dK/dV; lengths off the tiles.
   for d in (64, 128, 256):

@@ -465,11 +465,10 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                [dict(term="none"), dict(term="softcap"),
                 dict(term="softcap", form="softcap_backward_folded")],
                2.5, (True,)),
-           "masked_forward_persistent": (
+           "masked_forward_terms": (
                masked_term_forward_benchmark,
                dict(term=("none", "window", "gemma_local", "documents",
-                          "softcap"),
-                    persistent=(False, True)), 1.0, (True,)),
+                          "softcap")), 1.0, (True,)),
            "masked_forward_rescale": (masked_forward_benchmark,
                                       MASKED_RESCALE_SPACE, 1.0, (True,)),
            "masked_backward_order": (masked_causal_backward_benchmark,

@@ -474,24 +474,6 @@ def test_block_mask_probe_times_each_mask(capsys):
   assert len(lines) == 3 and all(" ms" in line for line in lines[1:]), lines
 
 
-def test_persistent_balance_models_each_schedule():
-  """`persistent_balance`: on a 4k window at 8k, d=256 (where the paired
-  schedule lost 7.6% on an H100), the pairs load the busiest SM ~23% above
-  the ideal, the launch grid ~7%, the dealt rows within 1%; a schedule's
-  load is never below the ideal."""
-  from benchmarks.diagnostics import persistent_balance
-  row = persistent_balance.balance(8192, 256, "window", sms=132)
-  assert row["tiles"] == 2 * 8 * 64
-  assert 1.2 < row["paired"] < 1.25 and 1.05 < row["launch"] < 1.1
-  assert 1.0 <= row["dealt"] < 1.01
-  # Each cost counted once: one SM takes it all.
-  costs = persistent_balance.tile_costs(2048, 128, "documents")
-  for makespan in (persistent_balance.launch_makespan,
-                   persistent_balance.paired_makespan,
-                   persistent_balance.dealt_makespan):
-    assert makespan(costs, 1) == costs.sum()
-
-
 def test_masks_benchmark_skips_what_a_backend_lacks(tmp_path):
   """On the CPU the Mosaic kernels refuse every call (no interpret mode):
   each row is skipped and recorded as absent, not a crash or a timing."""

@@ -358,50 +358,6 @@ def test_interpreted_masked_forward_sinks():
   assert_forward_within_rule(q, k, v, out, lse, sinks=SINKS, **variants)
 
 
-# The persistent grid's cases (`forward_persistent`): name, CTAs. Two CTAs
-# share "documents"' twelve tiles of two batches (each tile's query ids
-# loaded with the tile before's Q) and "alibi"'s four (slopes likewise);
-# one CTA walks "ragged causal"'s three; "sinks": a batch of kv length 0,
-# dropout.
-_PERSISTENT_CASES = [("documents", 2), ("alibi", 2),
-                     *(slow(n, c) for n, c in [
-                         ("ragged causal", 1), ("segments", 1), ("sinks", 2),
-                         ("dense mask, bias", 3), ("mask_fn", 1),
-                         ("lengths", 1), ("dropout", 2),
-                         ("causal window", 1), ("per-key bias", 2)])]
-
-
-@pytest.mark.parametrize("name, num_ctas", _PERSISTENT_CASES)
-def test_interpreted_persistent_masked_forward(name, num_ctas):
-  """The masked forward on the persistent grid (`persistent=True`): out
-  and lse bitwise the launch grid's (each tile's arithmetic is the same),
-  and within the rule of the reference."""
-  from pallas_kernels.mosaic.masked import mosaic_forward_masked
-  sinks = None
-  if name == "documents":  # causal, each batch's documents its own
-    ids = jnp.concatenate([_segment_ids(40, 150, 70), _segment_ids(200, 60)])
-    case, variants = Case(2, 260, 260, 2, 1, 64), dict(
-        is_causal=True, segment_ids=ids)
-  elif name == "sinks":
-    case = Case(2, 100, 150, 2, 1, 64)
-    variants = dict(is_causal=True, q_offset=jnp.array([50, 0]),
-                    key_value_seq_lengths=jnp.array([0, 150]),
-                    dropout_rate=0.2, dropout_rng=jax.random.key(1))
-    sinks = SINKS
-  else:
-    case, variants = MASKED_VARIANTS[name]
-  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=6)
-  scale, spec, operands = _masked_call(q, k, v, variants)
-  run = lambda **grid: mosaic_interpret.run(
-      mosaic_forward_masked, q, k, v, scale=scale, spec=spec, sinks=sinks,
-      **operands, **grid)
-  out, lse = run(persistent=True, num_ctas=num_ctas)
-  launched_out, launched_lse = run(persistent=False)
-  np.testing.assert_array_equal(out, launched_out)
-  np.testing.assert_array_equal(lse, launched_lse)
-  assert_forward_within_rule(q, k, v, out, lse, sinks=sinks, **variants)
-
-
 @pytest.mark.slow  # the default masked cases with causal ALiBi take the form too
 def test_interpreted_alibi_columns_match_reference(monkeypatch):
   """Causal ALiBi as a per-column term with the rows' left in the LSE

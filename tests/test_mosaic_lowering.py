@@ -478,54 +478,6 @@ def test_three_consumers_refuse_what_they_lack():
       run(ragged, num_consumers=consumers)
 
 
-@pytest.mark.parametrize("variants, num_ctas", [
-    (dict(is_causal=True, window=(256, 0)), 7),   # 16 rows of 11 CTAs
-    (dict(is_causal=True, has_segments=True), 5),
-    (dict(is_causal=True), 32),                   # a partial last round
-    (dict(is_causal=True, window=(256, 0)), 48),  # fewer rows than CTAs
-])
-def test_masked_persistent_rows_are_dealt_evenly(variants, num_ctas):
-  """The masked forward's persistent plan (`masked.persistent_plan`) has
-  one row per (batch, head, tile), sorted by descending K/V blocks; dealt
-  to the CTAs (`forward_persistent._PlanRows`), every row goes to one CTA
-  once, and the CTAs' blocks differ by at most the heaviest tile's (the
-  pairs of a causal schedule left a window's CTAs 30% apart)."""
-  import types
-  from pallas_kernels.mosaic import common, forward_persistent, masked
-  batch, heads, q_len = 2, 3, 1000
-  spec = MaskSpec(q_len=q_len, kv_len=q_len, **variants)
-  segments = None
-  if spec.has_segments:  # documents of 300, 50, 600 and 50 tokens
-    ids = jnp.repeat(jnp.arange(4), jnp.array([300, 50, 600, 50]),
-                     total_repeat_length=q_len)
-    segments = jnp.broadcast_to(ids, (batch, q_len)).astype(jnp.int32)
-  static = types.SimpleNamespace(spec=spec, block_q=64, block_kv=128,
-                                 num_kv_blocks=8, num_consumers=2,
-                                 num_ctas=num_ctas)
-  rows, plan_heads = masked.plan_rows(
-      static, batch, q_offset=None, q_lengths=None, kv_lengths=None,
-      q_segments=segments, kv_segments=segments)
-  plan = np.asarray(masked.persistent_plan(rows, plan_heads,
-                                           num_heads=heads))
-  blocks = plan[:, common.PLAN_UNION + 1] - plan[:, common.PLAN_UNION]
-  assert list(blocks) == sorted(blocks, reverse=True)
-  names = plan[:, [common.PLAN_BATCH, common.PLAN_HEAD, common.PLAN_TILE]]
-  assert sorted(map(tuple, names)) == [
-      (b, h, t) for b in range(batch) for h in range(heads)
-      for t in range(8)]
-  dealt, loads = [], []
-  refs = types.SimpleNamespace(plan=plan, plan_rows=None)
-  grid = types.SimpleNamespace(num_consumers=2,
-                               num_ctas=min(num_ctas, len(plan)))
-  for cta in range(grid.num_ctas):
-    rows = forward_persistent._PlanRows(refs, grid, cta)
-    mine = [int(rows._row(n)) for n in range(int(rows.count))]
-    dealt += mine
-    loads.append(sum(blocks[mine]))
-  assert sorted(dealt) == list(range(len(plan)))
-  assert max(loads) - min(loads) <= blocks.max()
-
-
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("q_len, num_ctas", [(320, 3), (1024, 5), (64, 1),
                                              (576, 2)])

@@ -468,24 +468,6 @@ def test_lazy_rescale_masked_forward_matches_reference_on_gpu(name,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(_GPU_VARIANTS))
-@pytest.mark.parametrize("head_dim", [64, 256])
-def test_persistent_masked_forward_on_gpu(name, head_dim):
-  """The masked forward on the persistent grid (`forward_persistent`), on
-  each mask variant, with the GPU's CTAs and with 7 (each CTA walks many
-  tiles, of several batches and heads): out and lse bitwise the launch
-  grid's, and within DESIGN's rule of the reference."""
-  q, k, v, variants, forward = _gpu_variant(name, head_dim, 44)
-  launched = forward(persistent=False)
-  for num_ctas in (None, 7):
-    out, lse = forward(persistent=True, num_ctas=num_ctas)
-    np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                  np.asarray(launched[0], np.float32))
-    np.testing.assert_array_equal(lse, launched[1])
-  assert_forward_within_rule(q, k, v, out, lse, **variants)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_alibi_columns_match_reference_on_gpu(head_dim, monkeypatch):
   """Causal ALiBi as a per-column term (`plan.MASKED_ALIBI_COLUMNS`), GQA

@@ -75,9 +75,6 @@ PLAN_WIDTH = 32
 PLAN_UNION, PLAN_SCALARS = 8, 10
 PLAN_DROPOUT_SEED = PLAN_SCALARS + 3
 PLAN_TILE = PLAN_SCALARS + 4
-# On the forward's persistent grid a row names its batch and query head too
-# (`masked.persistent_plan`).
-PLAN_BATCH, PLAN_HEAD = PLAN_TILE + 1, PLAN_TILE + 2
 # ALiBi slopes travel as rows of 32 floats (`slope_rows`).
 SLOPE_ROW_WIDTH = 32
 

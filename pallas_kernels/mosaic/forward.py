@@ -218,29 +218,17 @@ def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
                       ) -> KernelStatic:
   """`static` for the persistent grid over query tiles of `q_shape`
   (`forward_persistent`)."""
-  if static.fp8:
-    raise NotImplementedError("the FP8 forward has no persistent grid")
+  if static.fp8 or static.ranged:
+    raise NotImplementedError("the FP8 and masked forwards have no "
+                              "persistent grid")
   batch, q_len, num_heads, head_dim = q_shape
   num_ctas = persistent_num_ctas(
-      num_ctas, paired=static.is_causal and not static.ranged,
+      num_ctas, paired=static.is_causal,
       num_tiles=batch * num_heads * pl.cdiv(q_len, static.tile_rows))
   o_bytes = static.tile_rows * (head_dim * static.dtype.itemsize + 4)
   return dataclasses.replace(
       static, persistent=True, num_ctas=num_ctas,
-      stage_o_apart=static.smem_bytes + _ranged_smem_bytes(static) + o_bytes
-      <= _FORWARD_SMEM_LIMIT_BYTES)
-
-
-def _ranged_smem_bytes(static: KernelStatic) -> int:
-  """The ranged form's small buffers on the persistent grid, which
-  `check_supported` leaves to the reserve: two plan rows per warpgroup,
-  and with segments the query ids and the key ids' ring."""
-  if not static.ranged:
-    return 0
-  segments = 4 * (static.num_consumers * static.block_q
-                  + static.num_stages * static.block_kv)
-  return (2 * (static.num_consumers + 1) * PLAN_WIDTH * 4
-          + segments * static.spec.has_segments)
+      stage_o_apart=static.smem_bytes + o_bytes <= _FORWARD_SMEM_LIMIT_BYTES)
 
 
 def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
@@ -304,13 +292,10 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
   # first rows on the GPU (benchmarks/NOTES.md, "Ragged lengths on the
   # plain kernels").
   lse_len = num_q_tiles * static.tile_rows
-  if static.ranged:
-    # One plan row per consumer and one for the producer; on the persistent
-    # grid two each, the next tile's loading (`forward_persistent`).
-    plan_rows = (consumers + 1) * (2 if static.persistent else 1)
+  if static.ranged:  # one plan row per consumer, one for the producer
     scratch += (
-        plgpu.SMEM((plan_rows, PLAN_WIDTH), jnp.int32),
-        plgpu.Barrier(num_barriers=plan_rows),    # plan_arrived
+        plgpu.SMEM((consumers + 1, PLAN_WIDTH), jnp.int32),
+        plgpu.Barrier(num_barriers=consumers + 1),    # plan_arrived
     )
     inputs += (plan,)
   if static.stage_o_apart:

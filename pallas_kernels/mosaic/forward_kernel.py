@@ -416,10 +416,10 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   `plan` (ranged kernel): index -> that entry of the tile's plan row, read
   from shared memory (`read_plan`; the ALiBi slopes' copy already issued).
 
-  Persistent grid (`tile` given): Q (and a ranged tile's query ids and
-  ALiBi slopes) was loaded by the previous tile (or the kernel's
-  prologue), ring slots count on from `tile.base`, and O's store is left
-  in flight for the next tile to overlap.
+  Persistent grid (`tile` given; the plain form): Q was loaded by the
+  previous tile (or the kernel's prologue), ring slots count on from
+  `tile.base`, and O's store is left in flight for the next tile to
+  overlap.
 
   Ranged kernel: the tile is the plan row's (`tile_start` None), and both
   consumers walk every block of the plan's union (a block outside its own
@@ -459,16 +459,11 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       query_hashes = dropout_query_hashes(
           read(PLAN_DROPOUT_SEED), batch, head, q_start, block_q,
           plgpu.Layout.WGMMA.reduce(1))
-    if tile is None:
-      slot_of = lambda step: lax.rem(step - first, static.num_stages)
-    else:
-      slot_of = lambda step: lax.rem(tile.base + step - first,
-                                     static.num_stages)
+    slot_of = lambda step: lax.rem(step - first, static.num_stages)
     if segments is not None:
       q_ids_smem = segments.q_smem.at[wg]
-      if tile is None:  # persistent: loaded with Q
-        plgpu.copy_gmem_to_smem(segments.q_gmem.at[q_rows], q_ids_smem,
-                                segments.q_arrived.at[wg])
+      plgpu.copy_gmem_to_smem(segments.q_gmem.at[q_rows], q_ids_smem,
+                              segments.q_arrived.at[wg])
       plgpu.barrier_wait(segments.q_arrived.at[wg])
       q_ids = plgpu.layout_cast(q_ids_smem[...],
                                 plgpu.Layout.WGMMA.reduce(1))
@@ -534,8 +529,7 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     plgpu.barrier_wait(k_arrived.at[0 if tile is None else slot_of(0)])
   else:  # an empty union loads nothing
     pl.when(first < num_steps)(functools.partial(
-        plgpu.barrier_wait, k_arrived.at[0 if tile is None
-                                         else slot_of(first)]))
+        plgpu.barrier_wait, k_arrived.at[0]))
 
   def wait_next_k(step):
     next_step = step + 1

@@ -11,14 +11,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jax import lax
 import jax.numpy as jnp
 
 from pallas_kernels import masking
 from pallas_kernels.reciprocals import scalar_divisions_as_products
 from pallas_kernels.mosaic import forward, plan
-from pallas_kernels.mosaic.common import (PLAN_BATCH, PLAN_HEAD, PLAN_TILE,
-                                         PLAN_UNION, PLAN_WIDTH,
+from pallas_kernels.mosaic.common import (PLAN_TILE, PLAN_WIDTH,
                                          TMA_ROW_TILE, alibi_columns,
                                          repeat_broadcast_axes, slope_rows,
                                          swizzled)
@@ -39,9 +37,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                           dense_mask=None, sinks=None, block_q: int = 64,
                           block_kv: int | None = None,
                           max_concurrent_steps: int = 2,
-                          lazy_rescale: bool | None = None,
-                          persistent: bool | None = None,
-                          num_ctas: int | None = None):
+                          lazy_rescale: bool | None = None):
   """`forward.mosaic_forward` with masks, score changes, dropout and any
   lengths.
 
@@ -86,9 +82,6 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       (log2 units, see `forward.KernelStatic`); the results change by
       rounding only. None: at `plan.MASKED_LAZY_RESCALE_HEAD_DIMS` (by
       `plan.plan_head_dim`).
-    persistent: one CTA per SM walks the tiles (`forward_persistent`;
-      `num_ctas` of them, None: the GPU's SM count) instead of one CTA a
-      tile; the same results. None: `plan.masked_persistent`.
 
   Returns:
     (out [batch, q_len, num_heads, head_dim], lse float32
@@ -146,10 +139,6 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
                                block_mask=block_mask, dense_mask=dense_mask,
                                dropout_seed=dropout_seed)
   static = dataclasses.replace(static, plan_heads=plan_heads)
-  if persistent is None:
-    persistent = plan.masked_persistent(query.shape[-1], key.shape[1])
-  if persistent:
-    static = forward.persistent_static(static, query.shape, num_ctas)
   q_len = query.shape[1]
   if not static.rows_in_place:  # `rows.rows_in_place`: unpadded
     query, key, value = (pad_rows(x) for x in (query, key, value))
@@ -164,8 +153,6 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
     bias = pad_tiles(bias, static.block_kv)
   if spec.has_dense_mask:  # one byte an element, as TMA copies it
     dense_mask = pad_tiles(dense_mask.astype(jnp.int8), static.block_kv)
-  if static.persistent:
-    rows = persistent_plan(rows, plan_heads, num_heads=query.shape[2])
   out, lse = forward.launch(static, query, key, value, plan=rows,
                             segments=segments, slopes=slopes, bias=bias,
                             dense_mask=dense_mask,
@@ -452,39 +439,6 @@ def tile_plans(ranges, *, spec: masking.MaskSpec, batch: int,
     row = jnp.take_along_axis(
         row, heaviest_first_order(union_hi - union_lo)[..., None], axis=1)
   return jnp.pad(row, ((0, 0), (0, 0), (0, PLAN_WIDTH - row.shape[-1])))
-
-
-def persistent_plan(rows, plan_heads: int, *, num_heads: int):
-  """The plan rows of the forward's persistent grid (`forward_persistent`):
-  int32 [batch * num_heads * num_tiles, PLAN_WIDTH], one row per (batch,
-  query head, tile) naming its batch and head (`common.PLAN_BATCH`,
-  `PLAN_HEAD`), every tile by descending union (its K/V blocks), ties in
-  (batch, head, tile) order. The kernel deals them out to its CTAs like
-  cards, one round forwards and the next backwards (CTA c takes rows c,
-  2 num_ctas - 1 - c, 2 num_ctas + c, ...), so that, the rows sorted, each
-  CTA's share of the work is about the same whatever the mask (windows
-  and documents make tiles of unequal cost, which pairs of a causal
-  schedule leave unbalanced), and that tiles of equal cost, a head's run
-  of them together, go out side by side.
-
-  Args:
-    rows: int32 [batch * plan_heads, num_tiles, PLAN_WIDTH] (`plan_rows`).
-  """
-  if plan_heads not in (1, num_heads):
-    raise ValueError(f"plan rows per batch for 1 or {num_heads} heads, got "
-                     f"{plan_heads}")
-  groups, num_tiles, width = rows.shape
-  batch = groups // plan_heads
-  rows = rows.reshape(batch, plan_heads, num_tiles, width)
-  rows = jnp.broadcast_to(rows, (batch, num_heads, num_tiles, width))
-  shape = (batch, num_heads, num_tiles)
-  rows = rows.at[..., PLAN_BATCH].set(lax.broadcasted_iota(jnp.int32, shape,
-                                                           0))
-  rows = rows.at[..., PLAN_HEAD].set(lax.broadcasted_iota(jnp.int32, shape,
-                                                          1))
-  rows = rows.reshape(-1, width)
-  blocks = rows[:, PLAN_UNION + 1] - rows[:, PLAN_UNION]
-  return rows[jnp.argsort(-blocks, stable=True)]
 
 
 def heaviest_first_order(steps):

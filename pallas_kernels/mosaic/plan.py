@@ -399,14 +399,6 @@ def _within(length: int, bounds: Range) -> bool:
 # tile-slowest: tile-fastest moved it -1.1% to +1.8% (h200_mosaic_masked_
 # order.md).
 MASKED_LAZY_RESCALE_HEAD_DIMS = (256,)
-# The masked forward's persistent grid (`forward_persistent`: each SM's CTA
-# walks its tiles, every tile's plan row sorted by cost and dealt out) for
-# kv_len up to this many keys, by plan head dim; the launch grid above.
-# Causal pairs instead of the deal won 3-12% on an H100 at 2k and 8k
-# (causal, a cap, d=128 windows and documents) and lost 5-15% on d=256
-# windows and documents (h100_mosaic_masked_persistent_paired.md); the
-# deal is untimed, so 0: the launch grid everywhere.
-MASKED_PERSISTENT_UP_TO = {64: 0, 128: 0, 256: 0}
 # The FP8 forward (`fp8.mosaic_forward_fp8`) likewise: d=256 +4.7% / +3.8%
 # without a mask and +6.9% / +6.0% causal at 16k; d=128 -5.9% to -10.4%,
 # d=64 -8.2% to -14.6% (h200_mosaic_fp8_rescale*.md).
@@ -481,9 +473,3 @@ def max_free_cap(cap: float | None, dtype, head_dim: int) -> bool:
   return (plan_head_dim(head_dim) in MASKED_MAX_FREE_HEAD_DIMS
           and cap is not None
           and cap <= MAX_FREE_SOFT_CAPS.get(np.dtype(dtype).name, 0.0))
-
-
-def masked_persistent(head_dim: int, kv_len: int) -> bool:
-  """Whether the masked forward at `head_dim` over `kv_len` keys runs on
-  the persistent grid (`MASKED_PERSISTENT_UP_TO`)."""
-  return kv_len <= MASKED_PERSISTENT_UP_TO[plan_head_dim(head_dim)]
