@@ -205,6 +205,11 @@ def kernels(head_dim: int):
              lambda q, k, v, out, d_out, c=causal, o=options: mosaic_backward(
                  q, k, v, out, jnp.zeros(lse.shape, lse.dtype), d_out,
                  scale=0.1, is_causal=c, **o), (q, kv, kv, q, q))
+    # The plain kernels' soft cap (`BackwardStatic.soft_cap`), as planned.
+    yield (f"backward d{head_dim} causal={causal} soft cap",
+           lambda q, k, v, out, d_out, c=causal: mosaic_backward(
+               q, k, v, out, jnp.zeros(lse.shape, lse.dtype), d_out,
+               scale=0.1, is_causal=c, soft_cap=30.0), (q, kv, kv, q, q))
   spec = MaskSpec(q_len=500, kv_len=700, is_causal=True, window=(64, 0))
   q, kv = (1, 500, 4, head_dim), (1, 700, 2, head_dim)
   yield (f"masked forward d{head_dim}",

@@ -341,30 +341,35 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
     return fn.lower(q, k, v, operands).compile(), (q, k, v, operands)
 
 
-def alibi_route_benchmark(cell: common.Cell, blocks: dict):
+def route_benchmark(cell: common.Cell, blocks: dict):
   """Causal attention through `jax_flash.flash_attention` on the Mosaic
   kernels, forward (`blocks["mode"]` "fwd") or forward and backward
-  ("fwd_bwd"), as `blocks["form"]` routes it: "causal" without ALiBi,
-  "masked" ALiBi on the masked kernels (`plan.PLAIN_ALIBI_HEAD_DIMS`
-  empty), "plain" ALiBi on the plain ones (every head dim listed)."""
+  ("fwd_bwd"), with `blocks["change"]` ("alibi", `causal_spec`'s slopes;
+  "softcap", its cap of 30) as `blocks["form"]` routes it: "causal"
+  without the change, "masked" on the masked kernels, "plain" on the
+  plain ones (`plan.PLAIN_ALIBI_HEAD_DIMS`; the cap's backward,
+  `plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: empty, or every head dim)."""
   import jax_flash
   from pallas_kernels.mosaic import plan
-  form, mode = blocks["form"], blocks["mode"]
+  form, mode, change = blocks["form"], blocks["mode"], blocks["change"]
   q, k, v, d_out = common.attention_inputs(cell.shape, cell.dtype)
-  _, operands = causal_spec(cell, "alibi")
-  slopes = None if form == "causal" else operands["alibi_slopes"]
+  spec, operands = causal_spec(cell, change)
+  kwargs = {} if form == "causal" else (
+      dict(alibi_slopes=operands["alibi_slopes"]) if change == "alibi"
+      else dict(logits_soft_cap=spec.logits_soft_cap))
 
   def attend(q, k, v):
     return jax_flash.flash_attention(q, k, v, is_causal=True,
-                                     alibi_slopes=slopes,
-                                     implementation="mosaic")
+                                     implementation="mosaic", **kwargs)
   if mode == "fwd":
     fn = jax.jit(attend)
   else:
     fn = jax.jit(lambda q, k, v, d_out: jax.vjp(attend, q, k, v)[1](d_out))
   args = (q, k, v) if mode == "fwd" else (q, k, v, d_out)
+  switch = {"alibi": "PLAIN_ALIBI_HEAD_DIMS",
+            "softcap": "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS"}[change]
   head_dims = () if form == "masked" else (64, 128, 256)
-  with mock.patch.object(plan, "PLAIN_ALIBI_HEAD_DIMS", head_dims):
+  with mock.patch.object(plan, switch, head_dims):
     return fn.lower(*args).compile(), args
 
 
@@ -446,12 +451,18 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                masked_causal_backward_benchmark,
                dict(term=("alibi",), form=("alibi_tiles", "masked")),
                2.5, (True,)),
-           "alibi_route": (alibi_route_benchmark,
+           "alibi_route": (route_benchmark,
                            dict(form=("causal", "masked", "plain"),
-                                mode=("fwd",)), 1.0, (True,)),
-           "alibi_route_fwd_bwd": (alibi_route_benchmark,
+                                mode=("fwd",), change=("alibi",)),
+                           1.0, (True,)),
+           "alibi_route_fwd_bwd": (route_benchmark,
                                    dict(form=("causal", "masked", "plain"),
-                                        mode=("fwd_bwd",)), 3.5, (True,)),
+                                        mode=("fwd_bwd",),
+                                        change=("alibi",)), 3.5, (True,)),
+           "softcap_route_fwd_bwd": (route_benchmark,
+                                     dict(form=("causal", "masked", "plain"),
+                                          mode=("fwd_bwd",),
+                                          change=("softcap",)), 3.5, (True,)),
            "max_free": (score_change_benchmark,
                         dict(form=("plain", "softcap_with_max", "softcap",
                                    "softcap_plain")),

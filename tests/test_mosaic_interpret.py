@@ -279,22 +279,26 @@ def _backward_test(case, is_causal, options):
   return grads
 
 
-def _interpreted_gradients(case, is_causal, options, alibi_slopes=None):
+def _interpreted_gradients(case, is_causal, options, alibi_slopes=None,
+                           soft_cap=None):
   """(dq, dk, dv) of `mosaic_backward`'s kernels for `options` (and the
-  plain kernels' ALiBi) under the interpreter, and the float32 and bf16
-  references' `forward_and_grads`. delta (`row_statistics`, a Triton
-  kernel the Mosaic GPU interpreter cannot take) is computed outside
-  it."""
+  plain kernels' ALiBi or soft cap; with a cap, Q times 4, so that logits
+  reach it) under the interpreter, and the float32 and bf16 references'
+  `forward_and_grads`. delta (`row_statistics`, a Triton kernel the
+  Mosaic GPU interpreter cannot take) is computed outside it."""
   from pallas_kernels.mosaic import backward
   from pallas_kernels.mosaic.common import slope_rows
   q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=11)
+  if soft_cap is not None:
+    q = q * 4
   exact, lowp = reference_gradients(q, k, v, d_out, d_lse, is_causal=is_causal,
-                                    alibi_slopes=alibi_slopes)
+                                    alibi_slopes=alibi_slopes,
+                                    logits_soft_cap=soft_cap)
   out, lse = exact["out"], exact["lse"]
   lse_t = jnp.swapaxes(lse, 1, 2)  # [batch, heads, q_len], the kernels'
   dq_config, dkdv_configs = backward.configure(
       q, k, scale=case.head_dim**-0.5, is_causal=is_causal,
-      alibi_slopes=alibi_slopes, **options)
+      alibi_slopes=alibi_slopes, soft_cap=soft_cap, **options)
   stats = backward.row_statistics(out.astype(q.dtype), lse_t, d_out,
                                   jnp.swapaxes(d_lse, 1, 2))
   grads = mosaic_interpret.run(
@@ -473,6 +477,25 @@ def test_interpreted_plain_backward_alibi(case, options):
                         dtype=jnp.float32).reshape(case.batch, case.num_heads)
   grads, exact, lowp = _interpreted_gradients(case, True, options,
                                               alibi_slopes=slopes)
+  for name, ours in zip(("dq", "dk", "dv"), grads):
+    assert_within_rule(name, ours, exact[name], lowp[name])
+
+
+@pytest.mark.parametrize("case, is_causal, options", [
+    # GQA 2:1 under causal masking, q_len < kv_len.
+    (Case(2, 128, 256, 2, 1, 64), True, dict(persistent=False)),
+    # Without a mask: d=64's planned `scores_ahead` gives way; the
+    # persistent grid.
+    slow(Case(1, 256, 128, 2, 2, 64), False, dict(num_ctas=2)),
+    # d=256: the planned shared rows give way.
+    slow(Case(1, 128, 128, 2, 1, 256), True, dict(persistent=False)),
+], ids=str)
+def test_interpreted_plain_backward_soft_cap(case, is_causal, options):
+  """`mosaic_backward(soft_cap=...)`'s kernels (the cap on the plain dQ
+  and dK/dV kernels, `BackwardStatic.soft_cap`): dq, dk, dv against the
+  reference's under random cotangents, logits past a cap of 10."""
+  grads, exact, lowp = _interpreted_gradients(case, is_causal, options,
+                                              soft_cap=10.0)
   for name, ours in zip(("dq", "dk", "dv"), grads):
     assert_within_rule(name, ours, exact[name], lowp[name])
 

@@ -826,6 +826,71 @@ def test_soft_cap_on_the_plain_forward_on_gpu(case, is_causal, cap,
   check_against_reference(capped, case, jnp.bfloat16, **variants)
 
 
+@pytest.mark.parametrize("head_dim, is_causal", [(128, True), (256, True),
+                                                _slow(64, False)])
+def test_soft_cap_on_the_plain_backward(head_dim, is_causal, cuda_lowering,
+                                        monkeypatch):
+  """`plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: a call whose only change is a
+  soft cap takes the plain backward kernels (the masked backward and
+  Triton's patched to fail) after either forward (the masked one at
+  d=128, the plain one at d=256, `PLAIN_SOFTCAP_HEAD_DIMS`), and lowers;
+  off the list, the masked backward."""
+  from pallas_kernels.config import BlockSizes
+  from pallas_kernels.mosaic import attention, plan
+
+  q = jax.ShapeDtypeStruct((1, 1024, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 1024, 2, head_dim), jnp.bfloat16)
+  capped = MaskSpec(q_len=1024, kv_len=1024, is_causal=is_causal,
+                    logits_soft_cap=30.0)
+
+  def lowered():
+    def loss(q, k, v):
+      out, lse = attention.mosaic_attention(
+          q, k, v, scale=head_dim**-0.5, is_causal=is_causal, spec=capped,
+          backward_blocks=BlockSizes.get_default(head_dim, "NVIDIA H200"))
+      return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+        q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS", ())
+  assert "backward_masked" in lowered()
+
+  def refuse(*_, **__):
+    raise AssertionError("a capped call reached the masked backward")
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS", (64, 128, 256))
+  for name in ("mosaic_backward_masked", "flash_backward"):
+    monkeypatch.setattr(attention, name, refuse)
+  text = lowered()
+  assert "backward_masked" not in text
+  assert "mosaic_flash_backward_dq" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, is_causal", [
+    (Case(2, 1024, 1024, 8, 4, 128), True),
+    (Case(1, 2048, 2048, 8, 4, 256), True),   # Gemma's d=256
+    (Case(1, 1000, 1000, 4, 2, 64), False),   # a key tail
+], ids=str)
+def test_soft_cap_on_the_plain_backward_on_gpu(case, is_causal, monkeypatch):
+  """`plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: the capped call's gradients by
+  the plain backward kernels (the masked one patched to fail), against
+  the reference; the scale 4 / sqrt(d) so that logits reach the cap."""
+  from pallas_kernels.mosaic import attention, plan
+  _require_sm90()
+
+  def refuse(*_, **__):
+    raise AssertionError("a capped call reached the masked backward")
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS", (64, 128, 256))
+  monkeypatch.setattr(attention, "mosaic_backward_masked", refuse)
+  variants = dict(is_causal=is_causal, logits_soft_cap=30.0,
+                  scale=4 * case.head_dim**-0.5)
+
+  @jax.jit
+  def capped(q, k, v):
+    return jax_flash.flash_attention(q, k, v, return_residual=True,
+                                     implementation="mosaic", **variants)
+  check_against_reference(capped, case, jnp.bfloat16, **variants)
+
+
 @pytest.mark.parametrize("head_dim", [128, _slow(64), _slow(256)])
 def test_alibi_on_the_plain_kernels(head_dim, cuda_lowering, monkeypatch):
   """`plan.PLAIN_ALIBI_HEAD_DIMS`: a causal call whose only change is

@@ -228,6 +228,12 @@ def _takes_plain_alibi(spec: MaskSpec | None, is_causal: bool, head_dim: int,
       q_len=spec.q_len, kv_len=spec.kv_len, is_causal=True)
 
 
+def _plain_cap_backward(head_dim: int) -> bool:
+  """Whether a soft cap alone takes the plain backward kernels
+  (`plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`), whichever forward ran."""
+  return plan.plan_head_dim(head_dim) in plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS
+
+
 def _divides(query, key) -> bool:
   """Whether the plain kernels' tiles divide the lengths."""
   return (query.shape[1] % (2 * 64) == 0
@@ -291,11 +297,12 @@ def _bwd(scale, is_causal, backward_blocks, kv_len, soft_cap, residuals,
         (pad_rows(d_out), pad_lse(d_lse)))
     return dq[:, :q_len], dk[:, :kv_rows], dv[:, :kv_rows], d_sinks, None
   d_sinks = sink_gradient(sinks, out, lse, d_out, d_lse)
-  if soft_cap is None:
+  if soft_cap is None or _plain_cap_backward(query.shape[-1]):
     try:
       return (*mosaic_backward(query, key, value, out, lse, d_out, d_lse,
                                scale=scale, is_causal=is_causal,
-                               alibi_slopes=alibi_slopes), d_sinks, None)
+                               alibi_slopes=alibi_slopes, soft_cap=soft_cap),
+              d_sinks, None)
     except NotImplementedError:
       pass  # a call the plain kernels do not cover: the masked ones'
   spec = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1],
@@ -391,6 +398,15 @@ def _masked_fwd(query, key, value, bias, operands, scale, spec,
 def _masked_bwd(scale, spec, backward_blocks, residuals, cotangents):
   query, key, value, out, lse, bias, operands, sinks = residuals
   d_out, d_lse = cotangents
+  cap = spec.logits_soft_cap
+  if (cap is not None and _plain_cap_backward(query.shape[-1])
+      and dataclasses.replace(spec, logits_soft_cap=None).is_plain):
+    # A cap alone: the plain kernels' backward on the masked forward's
+    # residuals (`plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`).
+    dq, dk, dv, d_sinks, _ = _bwd(
+        scale, spec.is_causal, backward_blocks, None, cap,
+        (query, key, value, out, lse, sinks, None), cotangents)
+    return dq, dk, dv, None, None, d_sinks
   d_sinks = sink_gradient(sinks, out, lse, d_out, d_lse)
   if MASKED_BACKWARD_ENABLED:
     try:

@@ -83,7 +83,7 @@ _ACCUMULATOR_REGISTERS = 192
 
 def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                     scale: float, is_causal: bool, alibi_slopes=None,
-                    **options):
+                    soft_cap: float | None = None, **options):
   """Gradients of `mosaic_forward`'s output with respect to q, k and v.
 
   Args:
@@ -106,6 +106,10 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       ALiBi (`mosaic_forward(alibi_slopes=)`), as a term per key and one
       per query in both kernels (`common.alibi_columns`); on the launch
       grid, without the fused dQ or shared rows.
+    soft_cap: None, or the forward's positive cap (`mosaic_forward(
+      soft_cap=)`): P and the cap's slope from t = tanh(scale q·k / cap)
+      in both kernels (`BackwardStatic.soft_cap`); without the fused dQ,
+      shared rows or `scores_ahead`.
     **options: fields of `plan.BackwardConfig` replacing the plan's choice
       for this call (`plan.backward_config`): tiles, pipeline depth, the
       fused dQ, grid, shared rows, registers, when lse and Sᵀ are read and
@@ -120,7 +124,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       do not fit in shared memory or registers), so that a dispatcher falls
       back.
   """
-  config = _config(query, key, is_causal, options, alibi_slopes)
+  config = _config(query, key, is_causal, options, alibi_slopes, soft_cap)
   alibi = alibi_slopes is not None
   # Lengths the tiles do not divide, in whole TMA row tiles: rows past
   # either end load as zeros and add nothing (`common.ragged_lengths`);
@@ -146,7 +150,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
   # Configuring raises for tiles that do not fit, before any work is traced.
   dq_config, dkdv_configs = statics(query, key, scale=scale,
                                     is_causal=is_causal, config=config,
-                                    alibi=alibi)
+                                    alibi=alibi, soft_cap=soft_cap)
   stats = row_statistics(out, lse, d_out, d_lse)
   if in_place:
     dq_config, *dkdv_configs = (
@@ -160,35 +164,46 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
                    slopes=slope_rows(alibi_slopes) if alibi else None)
 
 
-def _alibi_config(config: BackwardConfig, alibi_slopes, q_shape, *,
-                  is_causal: bool, options) -> BackwardConfig:
-  """`config` for the plain kernels' ALiBi (`mosaic_backward`): on the
-  launch grid, neither the fused dQ nor shared rows (the planned ones give
-  way; asked for, NotImplementedError); ValueError for slopes not [batch,
-  num_heads]."""
+def _score_change_config(config: BackwardConfig, options, q_shape, *,
+                         is_causal: bool, alibi_slopes=None,
+                         soft_cap: float | None = None) -> BackwardConfig:
+  """`config` for the plain kernels' ALiBi or soft cap (`mosaic_backward`):
+  ALiBi on the launch grid, and either without the fused dQ, shared rows
+  or `scores_ahead` (the planned ones give way; asked for,
+  NotImplementedError). ValueError for slopes not [batch, num_heads] or a
+  cap not positive."""
   batch, _, num_heads, _ = q_shape
-  if alibi_slopes.shape != (batch, num_heads):
-    raise ValueError(f"alibi_slopes must be [batch, num_heads] = ({batch}, "
-                     f"{num_heads}), got {alibi_slopes.shape}")
-  if not is_causal:
-    raise NotImplementedError("the plain backward takes ALiBi under a causal "
-                              "mask (the masked kernels take the rest)")
-  refused = ("fused_dq", "shared_rows", "persistent")
+  change = "ALiBi" if soft_cap is None else "a soft cap"
+  if alibi_slopes is not None and soft_cap is not None:
+    raise NotImplementedError("the plain backward takes ALiBi or a soft cap, "
+                              "not both (the masked kernels take the mix)")
+  if alibi_slopes is not None:
+    if alibi_slopes.shape != (batch, num_heads):
+      raise ValueError(f"alibi_slopes must be [batch, num_heads] = ({batch}, "
+                       f"{num_heads}), got {alibi_slopes.shape}")
+    if not is_causal:
+      raise NotImplementedError("the plain backward takes ALiBi under a "
+                                "causal mask (the masked kernels take the "
+                                "rest)")
+  if soft_cap is not None and not soft_cap > 0:
+    raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+  refused = ("fused_dq", "shared_rows", "scores_ahead") + (
+      ("persistent",) if alibi_slopes is not None else ())
   asked = [name for name in refused if options.get(name)]
   if asked:
-    raise NotImplementedError(f"the plain backward takes ALiBi without "
+    raise NotImplementedError(f"the plain backward takes {change} without "
                               f"{', '.join(asked)}")
   return dataclasses.replace(config, **dict.fromkeys(refused, False))
 
 
 def configure(query, key, *, scale: float, is_causal: bool,
-              alibi_slopes=None, **options):
+              alibi_slopes=None, soft_cap: float | None = None, **options):
   """`mosaic_backward`'s kernels for these arguments: (`dq_static` or None
   when fused, [`dkdv_statics`' passes]), as `gradients` takes them. Raises
   NotImplementedError for tiles that do not fit."""
-  config = _config(query, key, is_causal, options, alibi_slopes)
+  config = _config(query, key, is_causal, options, alibi_slopes, soft_cap)
   return statics(query, key, scale=scale, is_causal=is_causal, config=config,
-                 alibi=alibi_slopes is not None)
+                 alibi=alibi_slopes is not None, soft_cap=soft_cap)
 
 
 def reads_rows_in_place(query, key, is_causal: bool) -> bool:
@@ -201,16 +216,18 @@ def reads_rows_in_place(query, key, is_causal: bool) -> bool:
           and not (config.fused_dq or config.shared_rows))
 
 
-def _config(query, key, is_causal: bool, options,
-            alibi_slopes=None) -> BackwardConfig:
-  """`plan.backward_config` of a call (with the plain kernels' ALiBi,
-  `_alibi_config`'s), its `dq_tiles` checked."""
+def _config(query, key, is_causal: bool, options, alibi_slopes=None,
+            soft_cap: float | None = None) -> BackwardConfig:
+  """`plan.backward_config` of a call (with the plain kernels' ALiBi or
+  soft cap, `_score_change_config`'s), its `dq_tiles` checked."""
   config = backward_config(head_dim=query.shape[-1], is_causal=is_causal,
                            q_len=query.shape[1], kv_len=key.shape[1],
                            **options)
-  if alibi_slopes is not None:
-    config = _alibi_config(config, alibi_slopes, query.shape,
-                           is_causal=is_causal, options=options)
+  if alibi_slopes is not None or soft_cap is not None:
+    config = _score_change_config(config, options, query.shape,
+                                  is_causal=is_causal,
+                                  alibi_slopes=alibi_slopes,
+                                  soft_cap=soft_cap)
   batch, _, num_heads, _ = query.shape
   config = dataclasses.replace(config, kv_head_copies=planned_kv_copies(
       config, batch=batch, num_kv_heads=key.shape[2],
@@ -364,11 +381,23 @@ def row_statistics(out, lse, d_out, d_lse, *, interpret: bool | None = None):
 
 
 def statics(query, key, *, scale: float, is_causal: bool,
-            config: BackwardConfig, spec=None, alibi: bool = False):
+            config: BackwardConfig, spec=None, alibi: bool = False,
+            soft_cap: float | None = None):
   """(`dq_static`, `dkdv_statics`) of `config`'s kernels, or (None, [the
   fused pass]) with the fused dQ; `spec`: the ranged (masked) kernels' mask
-  spec; `alibi`: the plain kernels' ALiBi (`BackwardStatic.alibi_columns`).
-  Raises NotImplementedError for what the kernels lack."""
+  spec; `alibi`, `soft_cap`: the plain kernels' ALiBi and cap
+  (`BackwardStatic.alibi_columns`, `.soft_cap`). Raises
+  NotImplementedError for what the kernels lack."""
+  if soft_cap is not None:
+    if spec is not None or config.fused_dq or config.shared_rows:
+      raise NotImplementedError("the plain kernels' soft cap: not ranged, "
+                                "fused or on shared rows")
+    dq_config, dkdv_configs = statics(query, key, scale=scale,
+                                      is_causal=is_causal, config=config,
+                                      alibi=alibi)
+    return (dataclasses.replace(dq_config, soft_cap=float(soft_cap)),
+            [dataclasses.replace(static, soft_cap=float(soft_cap))
+             for static in dkdv_configs])
   tiles = dict(scale=scale, is_causal=is_causal, block_q=config.block_q,
                block_kv=config.block_kv,
                max_concurrent_steps=config.max_concurrent_steps, spec=spec,

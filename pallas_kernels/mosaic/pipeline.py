@@ -156,6 +156,11 @@ class BackwardStatic:
   # scales as in the forward (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED`)
   # instead of `modify_scores` and its `jax.jvp`.
   fold_cap: bool = False
+  # Plain kernels, a soft cap (`backward.mosaic_backward(soft_cap=)`,
+  # `plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`): P and the slope as
+  # `fold_cap`'s, of the cap alone; never with shared rows or `scores_ahead`
+  # (their walks take no slope) nor the fused dQ.
+  soft_cap: float | None = None
   # Ranged, a bias broadcast along the queries or the keys: (own rows,
   # streamed) repeated to a tile's extent and read from its start
   # (`common.repeat_broadcast_axes`; the dK/dV kernel's own rows are keys).
@@ -415,14 +420,18 @@ def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
       logits_log2 = logits_log2 + values.bias * LOG2E
     return jnp.exp2(logits_log2 - broadcast(lse_log2 + queries * LOG2E,
                                             s.shape)), None
+  if static.soft_cap is not None:  # the plain kernels' (never ranged)
+    cap_only = masking.MaskSpec(q_len=static.num_q_blocks * static.block_q,
+                                kv_len=static.num_kv_blocks * static.block_kv,
+                                logits_soft_cap=static.soft_cap)
+    return _folded_cap_probabilities(s, lse_log2, broadcast, cap_only,
+                                     values, static)
   if not (static.ranged and static.spec.modifies_scores):
     return jnp.exp2(s * static.scale_log2 - broadcast(lse_log2, s.shape)), None
   spec = static.spec
-  if static.fold_cap:  # d(cap tanh(x / cap)) / dx = 1 - tanh(x / cap)²
-    t, factor = masking.modify_scores_folded(spec, s, static.scale, None,
-                                             None, values)
-    p = jnp.exp2(t * (factor * LOG2E) - broadcast(lse_log2, s.shape))
-    return p, 1.0 - t * t
+  if static.fold_cap:
+    return _folded_cap_probabilities(s, lse_log2, broadcast, spec, values,
+                                     static)
   q_idx, kv_idx = positions() if spec.scores_read_positions else (None, None)
   modify = lambda x: masking.modify_scores(spec, x, q_idx, kv_idx, values)
   if spec.scores_shift_only:  # slope 1: dS as without them
@@ -430,6 +439,17 @@ def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
   else:
     logits, slope = jax.jvp(modify, (s * static.scale,), (jnp.ones_like(s),))
   return jnp.exp2(logits * LOG2E - broadcast(lse_log2, s.shape)), slope
+
+
+def _folded_cap_probabilities(s, lse_log2, broadcast, spec, values,
+                              static: BackwardStatic):
+  """`tile_probabilities` of a soft cap alone (`spec`'s), folded: P from t
+  = tanh(q·k * scale / cap) as exp2(t * cap log2(e) - lse), and its slope
+  d(cap tanh(x / cap)) / dx = 1 - t²."""
+  t, factor = masking.modify_scores_folded(spec, s, static.scale, None,
+                                           None, values)
+  p = jnp.exp2(t * (factor * LOG2E) - broadcast(lse_log2, s.shape))
+  return p, 1.0 - t * t
 
 
 def dropped_in_sign(p, kept):

@@ -459,6 +459,14 @@ PLAIN_SOFTCAP_HEAD_DIMS = (256,)
 # masked -> plain TFLOP/s at 16k: 343 -> 370, 447 -> 468, 287 -> 351 at
 # d=64, 128, 256; +3-17% at 2k and 4k (h100_mosaic_alibi_plain.md).
 PLAIN_ALIBI_HEAD_DIMS = (64, 128, 256)
+# The head dims (of `plan_head_dim`) at which a soft cap alone takes the
+# plain dQ and dK/dV kernels (`BackwardStatic.soft_cap`: the folded cap,
+# without the fused dQ, shared rows or `scores_ahead`) instead of the
+# masked ones, whichever forward ran (`attention._plain_cap_backward`).
+# Untimed, so none yet: causal ALiBi gained 3-8% fwd+bwd at d=64/128 and
+# 16-22% at d=256 moving to the plain kernels (above), and the cap's
+# backward runs on the same masked kernels.
+PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS = ()
 # The largest soft cap it takes, by P's dtype: e^cap below float16's
 # largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
 # float32's (3.4e38 = e^88.7).
