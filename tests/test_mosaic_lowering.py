@@ -809,21 +809,33 @@ def test_soft_cap_on_the_plain_forward_on_gpu(case, is_causal, cap,
   (the masked one patched to fail), its gradients by the masked backward,
   against the reference; the scale 4 / sqrt(d) so that logits reach the
   cap."""
+  _check_plain_route_on_gpu(
+      case, monkeypatch, "PLAIN_SOFTCAP_HEAD_DIMS", ("mosaic_forward_masked",),
+      is_causal=is_causal, logits_soft_cap=cap,
+      scale=4 * case.head_dim**-0.5)
+
+
+def _check_plain_route_on_gpu(case, monkeypatch, switch: str, refused,
+                              **variants):
+  """`flash_attention(implementation="mosaic")` with `variants`, jitted,
+  against the reference (`check_against_reference`), with `plan.<switch>`
+  listing every head dim and the `attention` functions `refused` patched
+  to fail (the plain route taken, not the masked one)."""
   from pallas_kernels.mosaic import attention, plan
   _require_sm90()
 
   def refuse(*_, **__):
-    raise AssertionError("a capped plain call reached the masked forward")
-  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_HEAD_DIMS", (64, 128, 256))
-  monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
-  variants = dict(is_causal=is_causal, logits_soft_cap=cap,
-                  scale=4 * case.head_dim**-0.5)
+    raise AssertionError(f"a call routed by plan.{switch} reached the "
+                         f"masked kernels")
+  monkeypatch.setattr(plan, switch, (64, 128, 256))
+  for name in refused:
+    monkeypatch.setattr(attention, name, refuse)
 
   @jax.jit
-  def capped(q, k, v):
+  def attend(q, k, v):
     return jax_flash.flash_attention(q, k, v, return_residual=True,
                                      implementation="mosaic", **variants)
-  check_against_reference(capped, case, jnp.bfloat16, **variants)
+  check_against_reference(attend, case, jnp.bfloat16, **variants)
 
 
 @pytest.mark.parametrize("head_dim, is_causal", [(128, True), (256, True),
@@ -874,21 +886,10 @@ def test_soft_cap_on_the_plain_backward_on_gpu(case, is_causal, monkeypatch):
   """`plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: the capped call's gradients by
   the plain backward kernels (the masked one patched to fail), against
   the reference; the scale 4 / sqrt(d) so that logits reach the cap."""
-  from pallas_kernels.mosaic import attention, plan
-  _require_sm90()
-
-  def refuse(*_, **__):
-    raise AssertionError("a capped call reached the masked backward")
-  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS", (64, 128, 256))
-  monkeypatch.setattr(attention, "mosaic_backward_masked", refuse)
-  variants = dict(is_causal=is_causal, logits_soft_cap=30.0,
-                  scale=4 * case.head_dim**-0.5)
-
-  @jax.jit
-  def capped(q, k, v):
-    return jax_flash.flash_attention(q, k, v, return_residual=True,
-                                     implementation="mosaic", **variants)
-  check_against_reference(capped, case, jnp.bfloat16, **variants)
+  _check_plain_route_on_gpu(
+      case, monkeypatch, "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS",
+      ("mosaic_backward_masked",), is_causal=is_causal, logits_soft_cap=30.0,
+      scale=4 * case.head_dim**-0.5)
 
 
 @pytest.mark.parametrize("head_dim", [128, _slow(64), _slow(256)])
@@ -945,23 +946,12 @@ def test_alibi_on_the_plain_kernels_on_gpu(case, monkeypatch):
   """`plan.PLAIN_ALIBI_HEAD_DIMS`: causal ALiBi by the plain forward and
   backward kernels (the masked ones patched to fail), out, lse and
   gradients against the reference, slopes by batch and head."""
-  from pallas_kernels.mosaic import attention, plan
-  _require_sm90()
-
-  def refuse(*_, **__):
-    raise AssertionError("a plain ALiBi call reached the masked kernels")
-  monkeypatch.setattr(plan, "PLAIN_ALIBI_HEAD_DIMS", (64, 128, 256))
-  for name in ("mosaic_forward_masked", "mosaic_backward_masked"):
-    monkeypatch.setattr(attention, name, refuse)
   slopes = jnp.linspace(0.01, 0.5, case.batch * case.num_heads,
                         dtype=jnp.float32).reshape(case.batch, case.num_heads)
-  variants = dict(is_causal=True, alibi_slopes=slopes)
-
-  @jax.jit
-  def with_alibi(q, k, v):
-    return jax_flash.flash_attention(q, k, v, return_residual=True,
-                                     implementation="mosaic", **variants)
-  check_against_reference(with_alibi, case, jnp.bfloat16, **variants)
+  _check_plain_route_on_gpu(
+      case, monkeypatch, "PLAIN_ALIBI_HEAD_DIMS",
+      ("mosaic_forward_masked", "mosaic_backward_masked"), is_causal=True,
+      alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("q_len, lse_rows", [(1000, 1024), (200, 256),
