@@ -151,8 +151,7 @@ class Tile(NamedTuple):
   """A persistent CTA's current tile, as `consume` needs it."""
   base: Any         # global index of the tile's first K/V block: the ring
                     # slot and barrier phase go on from the previous tile
-  load_next_q: Any  # () -> None: issues the next tile's Q load (and a
-                    # ranged tile's query ids and slopes), if any
+  load_next_q: Any  # () -> None: issues the next tile's Q load, if any
   o_smem: Any       # [block_q, head_dim]: where O is staged (Q's buffer
                     # unless `static.stage_o_apart`)
 

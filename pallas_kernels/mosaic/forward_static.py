@@ -54,8 +54,8 @@ class KernelStatic:
   # Persistent grid (`persistent_kernel`): `num_ctas` CTAs (one per SM) walk
   # the tiles in turn, so that a tile's prologue (Q and the first K/V
   # loads) and epilogue (the O store) overlap its neighbours' work instead of
-  # costing a CTA launch each. Plain and ranged forms (`forward_persistent`;
-  # not FP8). `stage_o_apart`: O and the
+  # costing a CTA launch each. The plain form only (`forward_persistent`;
+  # not FP8, not ALiBi). `stage_o_apart`: O and the
   # LSE go out through a buffer of their own where it fits, so the next
   # tile's Q loads while this one's O is written.
   persistent: bool = False
