@@ -108,8 +108,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, d_lse=None, *,
       grid, without the fused dQ or shared rows.
     soft_cap: None, or the forward's positive cap (`mosaic_forward(
       soft_cap=)`): P and the cap's slope from t = tanh(scale q·k / cap)
-      in both kernels (`BackwardStatic.soft_cap`); without the fused dQ,
-      shared rows or `scores_ahead`.
+      in both kernels (`BackwardStatic.soft_cap`); on the launch grid,
+      without the fused dQ, shared rows or `scores_ahead`.
     **options: fields of `plan.BackwardConfig` replacing the plan's choice
       for this call (`plan.backward_config`): tiles, pipeline depth, the
       fused dQ, grid, shared rows, registers, when lse and Sᵀ are read and
@@ -168,10 +168,11 @@ def _score_change_config(config: BackwardConfig, options, q_shape, *,
                          is_causal: bool, alibi_slopes=None,
                          soft_cap: float | None = None) -> BackwardConfig:
   """`config` for the plain kernels' ALiBi or soft cap (`mosaic_backward`):
-  ALiBi on the launch grid, and either without the fused dQ, shared rows
-  or `scores_ahead` (the planned ones give way; asked for,
-  NotImplementedError). ValueError for slopes not [batch, num_heads] or a
-  cap not positive."""
+  on the launch grid, without the fused dQ, shared rows or `scores_ahead`
+  (the planned ones give way; asked for, NotImplementedError). ValueError
+  for slopes not [batch, num_heads] or a cap not positive. (The capped
+  route on the persistent grid hung in the interpreter: benchmarks/
+  NOTES.md, "The soft cap on the plain backward".)"""
   batch, _, num_heads, _ = q_shape
   change = "ALiBi" if soft_cap is None else "a soft cap"
   if alibi_slopes is not None and soft_cap is not None:
@@ -187,8 +188,7 @@ def _score_change_config(config: BackwardConfig, options, q_shape, *,
                                 "rest)")
   if soft_cap is not None and not soft_cap > 0:
     raise ValueError(f"soft_cap must be positive, got {soft_cap}")
-  refused = ("fused_dq", "shared_rows", "scores_ahead") + (
-      ("persistent",) if alibi_slopes is not None else ())
+  refused = ("fused_dq", "shared_rows", "scores_ahead", "persistent")
   asked = [name for name in refused if options.get(name)]
   if asked:
     raise NotImplementedError(f"the plain backward takes {change} without "

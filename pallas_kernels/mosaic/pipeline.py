@@ -158,8 +158,8 @@ class BackwardStatic:
   fold_cap: bool = False
   # Plain kernels, a soft cap (`backward.mosaic_backward(soft_cap=)`,
   # `plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`): P and the slope as
-  # `fold_cap`'s, of the cap alone; never with shared rows or `scores_ahead`
-  # (their walks take no slope) nor the fused dQ.
+  # `fold_cap`'s, of the cap alone; on the launch grid, never with shared
+  # rows or `scores_ahead` (their walks take no slope) nor the fused dQ.
   soft_cap: float | None = None
   # Ranged, a bias broadcast along the queries or the keys: (own rows,
   # streamed) repeated to a tile's extent and read from its start
