@@ -61,7 +61,8 @@ from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, SWIZZLES, THREADS_PER_WARPGROUP, TMA_ROW_TILE,
     check_layout, check_shared_memory, check_tiles, own_width_head_dim,
-    persistent_num_ctas, ragged_lengths, slope_rows, slope_rows_bytes)
+    check_slope_shape, persistent_num_ctas, ragged_lengths, slope_rows,
+    slope_rows_bytes)
 from pallas_kernels.mosaic.rows import rows_in_place
 from pallas_kernels.mosaic.dkdv import launch_dkdv
 from pallas_kernels.mosaic.dq import launch_dq
@@ -173,15 +174,12 @@ def _score_change_config(config: BackwardConfig, options, q_shape, *,
   for slopes not [batch, num_heads] or a cap not positive. (The capped
   route on the persistent grid hung in the interpreter: benchmarks/
   NOTES.md, "The soft cap on the plain backward".)"""
-  batch, _, num_heads, _ = q_shape
   change = "ALiBi" if soft_cap is None else "a soft cap"
   if alibi_slopes is not None and soft_cap is not None:
     raise NotImplementedError("the plain backward takes ALiBi or a soft cap, "
                               "not both (the masked kernels take the mix)")
   if alibi_slopes is not None:
-    if alibi_slopes.shape != (batch, num_heads):
-      raise ValueError(f"alibi_slopes must be [batch, num_heads] = ({batch}, "
-                       f"{num_heads}), got {alibi_slopes.shape}")
+    check_slope_shape(alibi_slopes, q_shape)
     if not is_causal:
       raise NotImplementedError("the plain backward takes ALiBi under a "
                                 "causal mask (the masked kernels take the "

@@ -501,6 +501,18 @@ class SlopeRows(NamedTuple):
   arrived: Any    # barriers [consumers]
 
 
+def check_slope_shape(alibi_slopes, q_shape) -> None:
+  """ValueError unless `alibi_slopes` is [batch, num_heads] of query's
+  [batch, q_len, num_heads, head_dim] (`validation` broadcasts [num_heads]
+  ones)."""
+  batch, _, num_heads, _ = q_shape
+  if alibi_slopes is None or alibi_slopes.shape != (batch, num_heads):
+    raise ValueError(
+        f"alibi_slopes must be [batch, num_heads] = ({batch}, {num_heads}) "
+        f"for query {q_shape}; got "
+        f"{None if alibi_slopes is None else alibi_slopes.shape}")
+
+
 def slope_rows(alibi_slopes):
   """float32 [batch, ceil(heads / 32), 32] of slopes [batch, heads]: head h
   at [h // 32, h % 32]. Each batch's rows are one TMA copy of whole

@@ -59,7 +59,7 @@ from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat, lowered_cache, turns
 from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
-    SUPPORTED_HEAD_DIMS, check_layout, check_shared_memory, check_tiles,
+    SUPPORTED_HEAD_DIMS, check_layout, check_slope_shape, check_shared_memory, check_tiles,
     launch_grid, masks_key_tail, own_width_head_dim, persistent_num_ctas,
     ragged_lengths, slope_rows, slope_rows_bytes, swizzled)
 from pallas_kernels.mosaic.rows import row_buffer, row_copies, rows_in_place
@@ -180,10 +180,7 @@ def _check_plain_alibi(alibi_slopes, q_shape, *, is_causal, sinks, soft_cap,
   """`mosaic_forward`'s ALiBi: ValueError for slopes not [batch,
   num_heads]; NotImplementedError for what the plain form leaves to the
   masked kernel."""
-  batch, _, num_heads, _ = q_shape
-  if alibi_slopes.shape != (batch, num_heads):
-    raise ValueError(f"alibi_slopes must be [batch, num_heads] = ({batch}, "
-                     f"{num_heads}), got {alibi_slopes.shape}")
+  check_slope_shape(alibi_slopes, q_shape)
   if not is_causal or sinks is not None or soft_cap is not None:
     raise NotImplementedError(
         "the plain forward takes ALiBi under a causal mask, without sinks "

@@ -18,6 +18,7 @@ from pallas_kernels.reciprocals import scalar_divisions_as_products
 from pallas_kernels.mosaic import forward, plan
 from pallas_kernels.mosaic.common import (PLAN_TILE, PLAN_WIDTH,
                                          TMA_ROW_TILE, alibi_columns,
+                                         check_slope_shape,
                                          repeat_broadcast_axes, slope_rows,
                                          swizzled)
 
@@ -164,16 +165,11 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
 def check_slopes(spec: masking.MaskSpec, alibi_slopes, q_shape):
   """ValueError unless `alibi_slopes` is float [batch, num_heads] exactly
   when `spec.has_alibi` (`validation` broadcasts [num_heads] ones)."""
-  batch, _, num_heads, _ = q_shape
   if not spec.has_alibi:
     if alibi_slopes is not None:
       raise ValueError("alibi_slopes given but spec.has_alibi is False")
     return
-  if alibi_slopes is None or alibi_slopes.shape != (batch, num_heads):
-    raise ValueError(
-        f"alibi_slopes must be [batch, num_heads] = ({batch}, {num_heads}) "
-        f"for query {q_shape}; got "
-        f"{None if alibi_slopes is None else alibi_slopes.shape}")
+  check_slope_shape(alibi_slopes, q_shape)
 
 
 def pad_tiles(x, tile_columns: int):
