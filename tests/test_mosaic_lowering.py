@@ -764,9 +764,10 @@ def test_ragged_lengths_route(q_len, kv_len, is_causal):
 def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
                                        monkeypatch):
   """`plan.PLAIN_SOFTCAP_HEAD_DIMS`: a call whose only change is a soft cap takes
-  the plain forward (the masked one patched to fail) and the masked
-  backward, and lowers; beside another change, or at a head dim off the list, the
-  masked kernels take it."""
+  the plain forward (the masked one patched to fail) and, off
+  `PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`, the masked backward, and lowers;
+  beside another change, or at a head dim off the list, the masked kernels
+  take it."""
   from pallas_kernels.config import BlockSizes
   from pallas_kernels.mosaic import attention, plan
 
@@ -778,6 +779,7 @@ def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
                     logits_soft_cap=30.0)
   assert attention._masked(q, kv, is_causal, capped)
   monkeypatch.setattr(plan, "PLAIN_SOFTCAP_HEAD_DIMS", (64, 128, 256))
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS", ())
   assert not attention._masked(q, kv, is_causal, capped)
   windowed = MaskSpec(q_len=q_len, kv_len=q_len, is_causal=True,
                       window=(64, 0), logits_soft_cap=30.0)
@@ -806,8 +808,8 @@ def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
 def test_soft_cap_on_the_plain_forward_on_gpu(case, is_causal, cap,
                                               monkeypatch):
   """`plan.PLAIN_SOFTCAP_HEAD_DIMS`: the capped call's forward by the plain kernel
-  (the masked one patched to fail), its gradients by the masked backward,
-  against the reference; the scale 4 / sqrt(d) so that logits reach the
+  (the masked one patched to fail), its gradients by the backward the
+  plan picks, against the reference; the scale 4 / sqrt(d) so that logits reach the
   cap."""
   _check_plain_route_on_gpu(
       case, monkeypatch, "PLAIN_SOFTCAP_HEAD_DIMS", ("mosaic_forward_masked",),

@@ -463,10 +463,12 @@ PLAIN_ALIBI_HEAD_DIMS = (64, 128, 256)
 # plain dQ and dK/dV kernels (`BackwardStatic.soft_cap`: the folded cap,
 # without the fused dQ, shared rows or `scores_ahead`) instead of the
 # masked ones, whichever forward ran (`attention._plain_cap_backward`).
-# Untimed, so none yet: causal ALiBi gained 3-8% fwd+bwd at d=64/128 and
-# 16-22% at d=256 moving to the plain kernels (above), and the cap's
-# backward runs on the same masked kernels.
-PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS = ()
+# On an H100, causal cap, fwd+bwd, masked -> plain TFLOP/s at 16k: 293 ->
+# 268, 388 -> 414, 324 -> 334 at d=64, 128, 256; at 4k 265 -> 231,
+# 327 -> 352, 290 -> 300 (h100_mosaic_softcap_plain_backward.md). d=64
+# stays on the masked kernels, whose d=64 tiles suit the cap's extra
+# elementwise work.
+PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS = (128, 256)
 # The largest soft cap it takes, by P's dtype: e^cap below float16's
 # largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
 # float32's (3.4e38 = e^88.7).
