@@ -30,6 +30,15 @@ except ImportError as e:  # a jaxlib built without Mosaic GPU
 # On an sm90 GPU: gradients against the reference.
 
 
+@pytest.fixture(autouse=True)
+def _cap_on_the_masked_backward(monkeypatch):
+  """This module tests the masked backward: a soft cap alone would take
+  the plain backward kernels (`plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`;
+  their GPU test is in test_mosaic_lowering.py)."""
+  from pallas_kernels.mosaic import plan
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS", ())
+
+
 def _require_sm90():
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic backward needs sm90 (wgmma, TMA, setmaxnreg)")
