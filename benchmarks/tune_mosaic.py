@@ -348,7 +348,8 @@ def route_benchmark(cell: common.Cell, blocks: dict):
   "softcap", its cap of 30) as `blocks["form"]` routes it: "causal"
   without the change, "masked" on the masked kernels, "plain" on the
   plain ones (`plan.PLAIN_ALIBI_HEAD_DIMS`; the cap's backward,
-  `plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: empty, or every head dim)."""
+  `plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: empty, or every head dim);
+  `blocks["slope_ahead"]`, if given, sets `plan.CAP_SLOPE_AHEAD`."""
   import jax_flash
   from pallas_kernels.mosaic import plan
   form, mode, change = blocks["form"], blocks["mode"], blocks["change"]
@@ -369,7 +370,9 @@ def route_benchmark(cell: common.Cell, blocks: dict):
   switch = {"alibi": "PLAIN_ALIBI_HEAD_DIMS",
             "softcap": "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS"}[change]
   head_dims = () if form == "masked" else (64, 128, 256)
-  with mock.patch.object(plan, switch, head_dims):
+  ahead = blocks.get("slope_ahead", plan.CAP_SLOPE_AHEAD)
+  with mock.patch.object(plan, switch, head_dims), mock.patch.object(
+      plan, "CAP_SLOPE_AHEAD", ahead):
     return fn.lower(*args).compile(), args
 
 
@@ -463,6 +466,13 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                      dict(form=("causal", "masked", "plain"),
                                           mode=("fwd_bwd",),
                                           change=("softcap",)), 3.5, (True,)),
+           "softcap_slope_ahead": (
+               route_benchmark,
+               [dict(form="causal", mode="fwd_bwd", change="softcap")]
+               + [dict(form=form, mode="fwd_bwd", change="softcap",
+                       slope_ahead=ahead)
+                  for form in ("masked", "plain") for ahead in (False, True)],
+               3.5, (True,)),
            "max_free": (score_change_benchmark,
                         dict(form=("plain", "softcap_with_max", "softcap",
                                    "softcap_plain")),

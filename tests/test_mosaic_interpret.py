@@ -348,7 +348,7 @@ def test_interpreted_wide_forms_in_a_larger_pool():
   they must all pass there."""
   if mosaic_interpret.MAX_WARPGROUPS >= 4:
     pytest.skip("the wide forms run in this process")
-  selected = "fused_backward or num_consumers"
+  selected = "fused_backward or num_consumers or capped_backward_route"
   env = dict(os.environ,
              PJRT_NPROC=str(mosaic_interpret.CPU_CLIENT_THREADS))
   child = subprocess.run(
@@ -358,7 +358,8 @@ def test_interpreted_wide_forms_in_a_larger_pool():
       env=env, capture_output=True, text=True, timeout=300, check=False)
   summary = child.stdout.strip().splitlines()[-1] if child.stdout else ""
   expected = len(FUSED_BACKWARD_CASES) + sum(
-      "num_consumers" in getattr(case, "values", case)[2] for case in CASES)
+      "num_consumers" in getattr(case, "values", case)[2]
+      for case in CASES) + 1  # test_interpreted_capped_backward_route
   assert child.returncode == 0 and summary.startswith(
       f"{expected} passed"), child.stdout[-4000:] + child.stderr[-2000:]
 
@@ -500,6 +501,25 @@ def test_interpreted_plain_backward_soft_cap(case, is_causal, options):
     assert_within_rule(name, ours, exact[name], lowp[name])
 
 
+def test_interpreted_cap_slope_ahead(monkeypatch):
+  """`plan.CAP_SLOPE_AHEAD` (`BackwardStatic.cap_slope_ahead`): the plain
+  capped dK/dV kernel takes dV's 16-bit P and P ∘ slope before dPᵀ's
+  wait; dq, dk, dv against the reference's, GQA 2:1, causal, q_len <
+  kv_len, logits past a cap of 10."""
+  from pallas_kernels.mosaic import backward, plan
+  monkeypatch.setattr(plan, "CAP_SLOPE_AHEAD", True)
+  case, options = Case(2, 128, 256, 2, 1, 64), dict(persistent=False)
+  q = jnp.zeros((2, 128, 2, 64), jnp.bfloat16)
+  k = jnp.zeros((2, 256, 1, 64), jnp.bfloat16)
+  _, dkdv = backward.configure(q, k, scale=0.125, is_causal=True,
+                               soft_cap=10.0, **options)
+  assert all(static.cap_slope_ahead for static in dkdv)
+  grads, exact, lowp = _interpreted_gradients(case, True, options,
+                                              soft_cap=10.0)
+  for name, ours in zip(("dq", "dk", "dv"), grads):
+    assert_within_rule(name, ours, exact[name], lowp[name])
+
+
 def test_plain_forward_alibi_refuses_what_the_masked_kernel_takes():
   """ValueError for slopes of the wrong shape; NotImplementedError without
   a causal mask, with sinks or a soft cap, or on the persistent grid."""
@@ -613,6 +633,31 @@ def test_interpreted_soft_cap_route(monkeypatch):
     raise AssertionError("a capped plain call reached the masked forward")
   monkeypatch.setattr(plan, "PLAIN_SOFTCAP_HEAD_DIMS", (64, 128, 256))
   monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
+  case, cap = Case(1, 200, 200, 2, 1, 64), 10.0
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=14)
+  spec = masking.MaskSpec(q_len=200, kv_len=200, is_causal=True,
+                          logits_soft_cap=cap)
+  _check_plain_route(monkeypatch, q * 4, k, v, d_out, d_lse, is_causal=True,
+                     spec=spec, logits_soft_cap=cap)
+
+
+def test_interpreted_capped_backward_route(monkeypatch):
+  """`mosaic_attention` of a causal call whose only change is a soft cap,
+  with `plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: the masked forward, then
+  the plain backward on its residuals (the masked backward patched to
+  fail); out, lse and gradients under random cotangents against the
+  reference. The enclosing program's callback holds a CPU client thread
+  beside the kernels' three warpgroups, so this runs in the larger pool
+  (`test_interpreted_wide_forms_in_a_larger_pool`): on two threads it
+  hangs."""
+  from pallas_kernels.mosaic import attention, plan
+  _skip_if_too_wide(4)
+
+  def refuse(*_, **__):
+    raise AssertionError("a capped call reached the masked backward")
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_HEAD_DIMS", ())
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS", (64, 128, 256))
+  monkeypatch.setattr(attention, "mosaic_backward_masked", refuse)
   case, cap = Case(1, 200, 200, 2, 1, 64), 10.0
   q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=14)
   spec = masking.MaskSpec(q_len=200, kv_len=200, is_causal=True,

@@ -508,6 +508,19 @@ def test_interpreted_folded_cap_backward(monkeypatch):
       why="the backward took the unfolded cap", q_factor=4.0)
 
 
+def test_interpreted_cap_slope_ahead_with_dropout(monkeypatch):
+  """The masked dK/dV kernel with the folded cap and dropout, P ∘ slope
+  and dV's 16-bit P taken before dPᵀ's wait (`plan.CAP_SLOPE_AHEAD`;
+  dropout's sign code rides on P ∘ slope, the slope >= 0): dq, dk, dv
+  against the reference's, GQA 2:1, causal with tails."""
+  _check_masked_backward_without_scores(
+      monkeypatch, Case(1, 72, 130, 2, 1, 64),
+      dict(is_causal=True, logits_soft_cap=5.0, dropout_rate=0.2,
+           dropout_rng=jax.random.key(4)), seed=16,
+      flag="CAP_SLOPE_AHEAD", why="the backward took the unfolded cap",
+      q_factor=4.0)
+
+
 # name: flash_attention mask arguments of the FP8 kernel
 # with masks (the masked kernel's plan rows): [2, 100, 2, 64] queries on
 # [2, 200, 1, 64] keys (GQA 2:1, kv_len no multiple of the 64-key tiles).

@@ -164,13 +164,17 @@ def test_alibi_columns_fwd_bwd_match_reference_on_gpu(head_dim, monkeypatch):
 @pytest.mark.parametrize("case", [Case(1, 777, 1100, 8, 2, 96),
                                   Case(2, 1024, 1024, 8, 4, 128),
                                   Case(1, 1000, 1000, 4, 2, 256)], ids=str)
-def test_folded_cap_backward_matches_reference_on_gpu(case, monkeypatch):
+@pytest.mark.parametrize("slope_ahead", [False, True])
+def test_folded_cap_backward_matches_reference_on_gpu(case, slope_ahead,
+                                                      monkeypatch):
   """The cap's multiplies folded into the scales in both backward kernels
-  (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED`): out, lse, dq, dk, dv, causal,
-  GQA, logits past the cap (the scale 4 / sqrt(d))."""
+  (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED`), with `plan.CAP_SLOPE_AHEAD` as
+  `slope_ahead` says: out, lse, dq, dk, dv, causal, GQA, logits past the
+  cap (the scale 4 / sqrt(d))."""
   _require_sm90()
   from pallas_kernels.mosaic import plan
   monkeypatch.setattr(plan, "MASKED_BACKWARD_SOFTCAP_FOLDED", True)
+  monkeypatch.setattr(plan, "CAP_SLOPE_AHEAD", slope_ahead)
   variants = dict(is_causal=True, logits_soft_cap=20.0,
                   scale=4 * case.head_dim**-0.5)
   attention = _masked_attention(**variants)

@@ -69,6 +69,7 @@ from pallas_kernels.mosaic.dq import launch_dq
 from pallas_kernels.mosaic.fused_dq import (DQ_PIECE, ZERO_CELL_BYTES,
                                             fused_smem_bytes, num_dq_pieces)
 from pallas_kernels.mosaic.pipeline import BackwardStatic
+from pallas_kernels.mosaic import plan
 from pallas_kernels.mosaic.plan import (BackwardConfig, backward_config,
                                        planned_kv_copies)
 from pallas_kernels.triton.delta import row_delta
@@ -378,6 +379,15 @@ def row_statistics(out, lse, d_out, d_lse, *, interpret: bool | None = None):
   return jnp.stack([lse_log2, delta], axis=2)
 
 
+def cap_slope_ahead(static: BackwardStatic, capped: bool) -> bool:
+  """`BackwardStatic.cap_slope_ahead` for a dK/dV kernel whose scores a
+  cap alone changes (`capped`): `plan.CAP_SLOPE_AHEAD`, where its step
+  computes P while dPᵀ's wgmma runs (`overlap_softmax`; the walks of
+  shared rows and `scores_ahead` take no slope)."""
+  return bool(plan.CAP_SLOPE_AHEAD and capped and static.overlap_softmax
+              and not (static.shared_rows or static.scores_ahead))
+
+
 def statics(query, key, *, scale: float, is_causal: bool,
             config: BackwardConfig, spec=None, alibi: bool = False,
             soft_cap: float | None = None):
@@ -394,7 +404,9 @@ def statics(query, key, *, scale: float, is_causal: bool,
                                       is_causal=is_causal, config=config,
                                       alibi=alibi)
     return (dataclasses.replace(dq_config, soft_cap=float(soft_cap)),
-            [dataclasses.replace(static, soft_cap=float(soft_cap))
+            [dataclasses.replace(static, soft_cap=float(soft_cap),
+                                 cap_slope_ahead=cap_slope_ahead(static,
+                                                                 True))
              for static in dkdv_configs])
   tiles = dict(scale=scale, is_causal=is_causal, block_q=config.block_q,
                block_kv=config.block_kv,

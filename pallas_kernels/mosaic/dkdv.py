@@ -562,18 +562,25 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
         ds_smem[...] = ds_t
     shape = (static.block_kv, static.block_q)
     if static.overlap_softmax:
+      first, dv_operand = probabilities, None
+      if static.cap_slope_ahead:
+        first = functools.partial(_weights_and_sloped, probabilities, static)
       # Dropout's hash reads positions only: taken while Sᵀ's matmul runs.
-      (p_t, slope), *dp_t = wgmma_then(
-          shape, products, probabilities,
+      first_value, *dp_t = wgmma_then(
+          shape, products, first,
           None if kept_of is None
           else functools.partial(kept_of, q_block, group_index))
+      if static.cap_slope_ahead:  # Pᵀ ∘ slope in dS, dV's Pᵀ ready
+        (dv_operand, p_t), slope = first_value, None
+      else:
+        p_t, slope = first_value
       piece = None
       if fused is not None:
         piece = functools.partial(issue_dq_piece, fused, wg, step=step,
                                   static=static, offset=offset)
       grads = _dkdv_accumulate_overlapped(
           grads, p_t, dp_t, slope, q_tile, do_tile, stats_ring.at[slot],
-          static, store_ds=store_ds, piece=piece)
+          static, store_ds=store_ds, piece=piece, dv_operand=dv_operand)
       plgpu.barrier_arrive(consumed.at[slot])
       if piece is not None:
         *grads, piece_value = grads
@@ -610,9 +617,19 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
                for name, grad in zip(static.outputs, grads))
 
 
+def _weights_and_sloped(probabilities, static: BackwardStatic, s_t,
+                        kept=None):
+  """`cap_slope_ahead`'s step: (dV's 16-bit Pᵀ, Pᵀ ∘ slope) of
+  `probabilities(s_t, kept)`, 48 float32 registers a thread across dPᵀ's
+  wait instead of Pᵀ's and the slope's 64."""
+  p_t, slope = probabilities(s_t, kept)
+  return (kept_weights(p_t, static.dropout).astype(static.dtype),
+          p_t * slope)
+
+
 def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
                                 stats, static: BackwardStatic, store_ds=None,
-                                piece=None):
+                                piece=None, dv_operand=None):
   """`grads` (in `static.outputs` order) plus this step's dV += Pᵀ dO and
   dK += dSᵀ Q, with dV's wgmma issued first, so that dS is computed while
   it runs. `dp_t` is [dPᵀ] when dK is an output, else []; `stats` is the
@@ -621,7 +638,8 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
   (fused dQ) issues a [DQ_PIECE, DQ_PIECE] product after them, into a
   fresh accumulator returned after the gradients, all waited for at
   once. With dropout `p_t` carries the dropped weights negated
-  (`pipeline.dropped_in_sign`)."""
+  (`pipeline.dropped_in_sign`). `dv_operand` (`cap_slope_ahead`): dV's
+  16-bit Pᵀ, taken before, `p_t` then Pᵀ ∘ slope and `slope` None."""
   accs = [plgpu.ACC.init(grad) for grad in grads]
   if piece is not None:
     accs.append(plgpu.ACC.init(plgpu.layout_cast(
@@ -632,7 +650,8 @@ def _dkdv_accumulate_overlapped(grads, p_t, dp_t, slope, q_tile, do_tile,
     named = dict(zip(static.outputs, grad_refs))
     if "dv" in named:
       wgmma(named["dv"],
-            kept_weights(p_t, static.dropout).astype(static.dtype), do_tile)
+            kept_weights(p_t, static.dropout).astype(static.dtype)
+            if dv_operand is None else dv_operand, do_tile)
     if "dk" in named:
       delta = dropout_delta(
           plgpu.layout_cast(stats[1], plgpu.Layout.WGMMA.reduce(0)), static)

@@ -188,6 +188,8 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   dkdv_configs = [dataclasses.replace(static, plan_heads=kv_plan_heads,
                                       alibi_columns=columns,
                                       fold_cap=fold_cap,
+                                      cap_slope_ahead=backward.cap_slope_ahead(
+                                          static, fold_cap),
                                       rows_in_place=in_place,
                                       bias_repeats=repeats[::-1])
                   for static in dkdv_configs]
