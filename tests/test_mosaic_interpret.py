@@ -343,12 +343,13 @@ def test_interpreted_mosaic_fused_backward_matches_reference(case, is_causal,
 @pytest.mark.slow
 def test_interpreted_wide_forms_in_a_larger_pool():
   """Runs the tests that skip here for want of CPU client threads
-  (`_skip_if_too_wide`: the three-consumer forward, the fused backward) in
+  (`_skip_if_too_wide`: the three-consumer forward, the fused backward,
+  the capped routes) in
   a pytest child whose client has `mosaic_interpret.CPU_CLIENT_THREADS`;
   they must all pass there."""
   if mosaic_interpret.MAX_WARPGROUPS >= 4:
     pytest.skip("the wide forms run in this process")
-  selected = "fused_backward or num_consumers or capped_backward_route"
+  selected = "fused_backward or num_consumers or soft_cap_route"
   env = dict(os.environ,
              PJRT_NPROC=str(mosaic_interpret.CPU_CLIENT_THREADS))
   child = subprocess.run(
@@ -357,9 +358,11 @@ def test_interpreted_wide_forms_in_a_larger_pool():
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
       env=env, capture_output=True, text=True, timeout=300, check=False)
   summary = child.stdout.strip().splitlines()[-1] if child.stdout else ""
+  # The fused backward's cases, the three-consumer forwards, and the
+  # capped routes.
   expected = len(FUSED_BACKWARD_CASES) + sum(
       "num_consumers" in getattr(case, "values", case)[2]
-      for case in CASES) + 1  # test_interpreted_capped_backward_route
+      for case in CASES) + 2
   assert child.returncode == 0 and summary.startswith(
       f"{expected} passed"), child.stdout[-4000:] + child.stderr[-2000:]
 
@@ -621,43 +624,31 @@ def _check_plain_route(monkeypatch, q, k, v, d_out, d_lse, *, is_causal,
     assert_within_rule(name, got, exact[name], lowp[name])
 
 
-@pytest.mark.slow  # the whole route, of parts the default suite checks apart
-def test_interpreted_soft_cap_route(monkeypatch):
-  """`mosaic_attention` of a causal call whose only change is a soft cap,
-  with `plan.PLAIN_SOFTCAP_HEAD_DIMS`: the plain forward (the masked one patched to
-  fail), the masked backward on its residuals; out, lse and gradients
-  under random cotangents against the reference."""
-  from pallas_kernels.mosaic import attention, plan
-
-  def refuse(*_, **__):
-    raise AssertionError("a capped plain call reached the masked forward")
-  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_HEAD_DIMS", (64, 128, 256))
-  monkeypatch.setattr(attention, "mosaic_forward_masked", refuse)
-  case, cap = Case(1, 200, 200, 2, 1, 64), 10.0
-  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=14)
-  spec = masking.MaskSpec(q_len=200, kv_len=200, is_causal=True,
-                          logits_soft_cap=cap)
-  _check_plain_route(monkeypatch, q * 4, k, v, d_out, d_lse, is_causal=True,
-                     spec=spec, logits_soft_cap=cap)
-
-
-def test_interpreted_capped_backward_route(monkeypatch):
-  """`mosaic_attention` of a causal call whose only change is a soft cap,
-  with `plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: the masked forward, then
-  the plain backward on its residuals (the masked backward patched to
-  fail); out, lse and gradients under random cotangents against the
+@pytest.mark.parametrize("route", ["forward_plain", "backward_plain"])
+def test_interpreted_soft_cap_route(monkeypatch, route):
+  """`mosaic_attention` of a causal call whose only change is a soft cap:
+  "forward_plain" with `plan.PLAIN_SOFTCAP_HEAD_DIMS`, the plain forward
+  (the masked one patched to fail) and the masked backward on its
+  residuals; "backward_plain" with `plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`,
+  the masked forward and the plain backward (the masked one patched to
+  fail). out, lse and gradients under random cotangents against the
   reference. The enclosing program's callback holds a CPU client thread
-  beside the kernels' three warpgroups, so this runs in the larger pool
-  (`test_interpreted_wide_forms_in_a_larger_pool`): on two threads it
-  hangs."""
+  beside a kernel's three warpgroups: it runs in the larger pool
+  (`test_interpreted_wide_forms_in_a_larger_pool`; on two threads it
+  hangs)."""
   from pallas_kernels.mosaic import attention, plan
   _skip_if_too_wide(4)
+  plain_forward = route == "forward_plain"
 
   def refuse(*_, **__):
-    raise AssertionError("a capped call reached the masked backward")
-  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_HEAD_DIMS", ())
-  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS", (64, 128, 256))
-  monkeypatch.setattr(attention, "mosaic_backward_masked", refuse)
+    raise AssertionError(f"a capped call left the {route} route")
+  every = (64, 128, 256)
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_HEAD_DIMS",
+                      every if plain_forward else ())
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS",
+                      () if plain_forward else every)
+  monkeypatch.setattr(attention, "mosaic_forward_masked" if plain_forward
+                      else "mosaic_backward_masked", refuse)
   case, cap = Case(1, 200, 200, 2, 1, 64), 10.0
   q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=14)
   spec = masking.MaskSpec(q_len=200, kv_len=200, is_causal=True,
