@@ -453,8 +453,8 @@ MASKED_BACKWARD_SOFTCAP_FOLDED = True
 CAP_SLOPE_AHEAD = False
 # The head dims at which a call whose only change beyond `is_causal` is a
 # soft cap takes the plain forward (`KernelStatic.soft_cap`, the cap folded
-# as above) instead of the masked one; the backward stays masked
-# (`attention.flash_attention_mosaic`). On an H100 at 16k, causal, cap 30,
+# as above) instead of the masked one; its backward is as
+# `PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS` (below) says. On an H100 at 16k, causal, cap 30,
 # against the masked forward folded: d=256 640 against 614 TFLOP/s (the
 # plain causal forward without a cap: 632), d=128 499 against 515
 # (h100_mosaic_softcap_folded.md); between them unmeasured.
