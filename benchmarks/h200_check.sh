@@ -85,7 +85,7 @@ for step in "$@"; do
                 # round (benchmarks/NOTES.md, Open), before the whole suite
       env $TEST_CACHE python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} --dist load -rfE --tb=short \
         --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider -p no:benchmark -v \
-        ${NEW_TESTS:-tests/test_mosaic_lowering.py::test_soft_cap_on_the_plain_backward_on_gpu} \
+        ${NEW_TESTS:-tests/test_mosaic_lowering.py::test_soft_cap_on_the_plain_backward_on_gpu tests/test_mosaic_masked_backward_gpu.py tests/test_mosaic_masked.py::test_bias_on_the_masked_kernels_on_gpu tests/test_mosaic_masked.py::test_max_free_forward_matches_reference_on_gpu tests/test_mosaic_lowering.py::test_causal_forward_default_at_long_kv_on_gpu} \
         > "$OUT/pytest_gpu_new.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu_new.log" | tail -30 ;;
     tests_shards)  # `tests` on a two-GPU host, a part of the suite on each
