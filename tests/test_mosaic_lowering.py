@@ -807,10 +807,10 @@ def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
 ], ids=str)
 def test_soft_cap_on_the_plain_forward_on_gpu(case, is_causal, cap,
                                               monkeypatch):
-  """`plan.PLAIN_SOFTCAP_HEAD_DIMS`: the capped call's forward by the plain kernel
-  (the masked one patched to fail), its gradients by the backward the
-  plan picks, against the reference; the scale 4 / sqrt(d) so that logits reach the
-  cap."""
+  """`plan.PLAIN_SOFTCAP_HEAD_DIMS`: the capped call's forward by the plain
+  kernel (the masked one patched to fail), its gradients by the backward
+  the plan picks, against the reference; the scale 4 / sqrt(d) so that
+  logits reach the cap."""
   _check_plain_route_on_gpu(
       case, monkeypatch, "PLAIN_SOFTCAP_HEAD_DIMS", ("mosaic_forward_masked",),
       is_causal=is_causal, logits_soft_cap=cap,

@@ -396,10 +396,7 @@ def statics(query, key, *, scale: float, is_causal: bool,
   spec; `alibi`, `soft_cap`: the plain kernels' ALiBi and cap
   (`BackwardStatic.alibi_columns`, `.soft_cap`). Raises
   NotImplementedError for what the kernels lack."""
-  if soft_cap is not None:
-    if spec is not None or config.fused_dq or config.shared_rows:
-      raise NotImplementedError("the plain kernels' soft cap: not ranged, "
-                                "fused or on shared rows")
+  if soft_cap is not None:  # `_score_change_config` cleared what it refuses
     dq_config, dkdv_configs = statics(query, key, scale=scale,
                                       is_causal=is_causal, config=config,
                                       alibi=alibi)

@@ -59,9 +59,10 @@ from pallas_kernels import compat as versions
 from pallas_kernels.mosaic import compat, lowered_cache, turns
 from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
-    SUPPORTED_HEAD_DIMS, check_layout, check_slope_shape, check_shared_memory, check_tiles,
-    launch_grid, masks_key_tail, own_width_head_dim, persistent_num_ctas,
-    ragged_lengths, slope_rows, slope_rows_bytes, swizzled)
+    SUPPORTED_HEAD_DIMS, check_layout, check_slope_shape, check_shared_memory,
+    check_tiles, launch_grid, masks_key_tail, own_width_head_dim,
+    persistent_num_ctas, ragged_lengths, slope_rows, slope_rows_bytes,
+    swizzled)
 from pallas_kernels.mosaic.rows import row_buffer, row_copies, rows_in_place
 from pallas_kernels.mosaic.forward_kernel import (
     NUM_CONSUMERS, KernelStatic, forward_kernel, fp8_o_columns)

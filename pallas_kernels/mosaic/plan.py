@@ -454,10 +454,10 @@ CAP_SLOPE_AHEAD = False
 # The head dims at which a call whose only change beyond `is_causal` is a
 # soft cap takes the plain forward (`KernelStatic.soft_cap`, the cap folded
 # as above) instead of the masked one; its backward is as
-# `PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS` (below) says. On an H100 at 16k, causal, cap 30,
-# against the masked forward folded: d=256 640 against 614 TFLOP/s (the
-# plain causal forward without a cap: 632), d=128 499 against 515
-# (h100_mosaic_softcap_folded.md); between them unmeasured.
+# `PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS` (below) says. On an H100 at 16k,
+# causal, cap 30, against the masked forward folded: d=256 640 against
+# 614 TFLOP/s (the plain causal forward without a cap: 632), d=128 499
+# against 515 (h100_mosaic_softcap_folded.md); between them unmeasured.
 PLAIN_SOFTCAP_HEAD_DIMS = (256,)
 # The head dims (of `plan_head_dim`) at which a call whose only change
 # beyond a top-left `is_causal` is ALiBi takes the plain kernels, forward
@@ -473,9 +473,10 @@ PLAIN_ALIBI_HEAD_DIMS = (64, 128, 256)
 # masked ones, whichever forward ran (`attention._plain_cap_backward`).
 # On an H100, causal cap, fwd+bwd, masked -> plain TFLOP/s at 16k: 293 ->
 # 268, 388 -> 414, 324 -> 334 at d=64, 128, 256; at 4k 265 -> 231,
-# 327 -> 352, 290 -> 300 (h100_mosaic_softcap_plain_backward.md). d=64
-# stays on the masked kernels, whose d=64 tiles suit the cap's extra
-# elementwise work.
+# 327 -> 352, 290 -> 300 (h100_mosaic_softcap_plain_backward.md): d=64
+# stays on the masked kernels (why it loses is not profiled: its plan's
+# persistent grid at 4k gives way, and its 128-row Q tiles hold twice the
+# slope).
 PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS = (128, 256)
 # The largest soft cap it takes, by P's dtype: e^cap below float16's
 # largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
