@@ -448,9 +448,11 @@ MASKED_BACKWARD_SOFTCAP_FOLDED = True
 # before dPᵀ's wait (`BackwardStatic.cap_slope_ahead`): 64 float32
 # registers a thread live there become 48, where the plain d=128 dK/dV
 # kernel already spills without the cap (9.9e6 local sectors at 16k,
-# h100_ncu_causal_masked.md). Off until timed (`tune_mosaic --kernels
-# softcap_slope_ahead`).
-CAP_SLOPE_AHEAD = False
+# h100_ncu_causal_masked.md). On an H100 at 16k, causal, cap 30, fwd+bwd
+# TFLOP/s without -> with, at d=64, 128, 256: masked backward 290 -> 314,
+# 381 -> 442, 334 -> 335; plain backward 267 -> 327, 412 -> 453, 339 ->
+# 339 (h100_mosaic_softcap_slope_ahead.md).
+CAP_SLOPE_AHEAD = True
 # The head dims at which a call whose only change beyond `is_causal` is a
 # soft cap takes the plain forward (`KernelStatic.soft_cap`, the cap folded
 # as above) instead of the masked one; its backward is as
@@ -473,11 +475,10 @@ PLAIN_ALIBI_HEAD_DIMS = (64, 128, 256)
 # masked ones, whichever forward ran (`attention._plain_cap_backward`).
 # On an H100, causal cap, fwd+bwd, masked -> plain TFLOP/s at 16k: 293 ->
 # 268, 388 -> 414, 324 -> 334 at d=64, 128, 256; at 4k 265 -> 231,
-# 327 -> 352, 290 -> 300 (h100_mosaic_softcap_plain_backward.md): d=64
-# stays on the masked kernels (why it loses is not profiled: its plan's
-# persistent grid at 4k gives way, and its 128-row Q tiles hold twice the
-# slope).
-PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS = (128, 256)
+# 327 -> 352, 290 -> 300 (h100_mosaic_softcap_plain_backward.md), with
+# `CAP_SLOPE_AHEAD` off. With it on, d=64's plain backward wins too: 314
+# -> 327 at 16k (h100_mosaic_softcap_slope_ahead.md).
+PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS = (64, 128, 256)
 # The largest soft cap it takes, by P's dtype: e^cap below float16's
 # largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
 # float32's (3.4e38 = e^88.7).
