@@ -234,11 +234,11 @@ def kernels(head_dim: int):
 
 
 def _slope_ahead(fn):
-  """`fn`, traced with `plan.CAP_SLOPE_AHEAD` on."""
+  """`fn`, traced with `plan.CAP_SLOPE_AHEAD` on in both kernels."""
   from pallas_kernels.mosaic import plan
 
   def traced(*args):
-    with mock.patch.object(plan, "CAP_SLOPE_AHEAD", True):
+    with mock.patch.object(plan, "CAP_SLOPE_AHEAD", ("dkdv", "dq")):
       return fn(*args)
   return traced
 

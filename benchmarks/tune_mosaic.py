@@ -349,7 +349,8 @@ def route_benchmark(cell: common.Cell, blocks: dict):
   without the change, "masked" on the masked kernels, "plain" on the
   plain ones (`plan.PLAIN_ALIBI_HEAD_DIMS`; the cap's backward,
   `plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: empty, or every head dim);
-  `blocks["slope_ahead"]`, if given, sets `plan.CAP_SLOPE_AHEAD`."""
+  `blocks["slope_ahead"]`, if given, sets `plan.CAP_SLOPE_AHEAD` (the
+  kernels taking the slope ahead)."""
   import jax_flash
   from pallas_kernels.mosaic import plan
   form, mode, change = blocks["form"], blocks["mode"], blocks["change"]
@@ -471,7 +472,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                [dict(form="causal", mode="fwd_bwd", change="softcap")]
                + [dict(form=form, mode="fwd_bwd", change="softcap",
                        slope_ahead=ahead)
-                  for form in ("masked", "plain") for ahead in (False, True)],
+                  for form in ("masked", "plain")
+                  for ahead in ((), ("dkdv",), ("dkdv", "dq"))],
                3.5, (True,)),
            "max_free": (score_change_benchmark,
                         dict(form=("plain", "softcap_with_max", "softcap",

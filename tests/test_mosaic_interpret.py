@@ -507,16 +507,17 @@ def test_interpreted_plain_backward_soft_cap(case, is_causal, options):
 def test_interpreted_cap_slope_ahead(monkeypatch):
   """`plan.CAP_SLOPE_AHEAD` (`BackwardStatic.cap_slope_ahead`): the plain
   capped dK/dV kernel takes dV's 16-bit P and P ∘ slope before dPᵀ's
-  wait; dq, dk, dv against the reference's, GQA 2:1, causal, q_len <
-  kv_len, logits past a cap of 10."""
+  wait, the dQ kernel P ∘ slope before dP's; dq, dk, dv against the
+  reference's, GQA 2:1, causal, q_len < kv_len, logits past a cap of
+  10."""
   from pallas_kernels.mosaic import backward, plan
-  monkeypatch.setattr(plan, "CAP_SLOPE_AHEAD", True)
+  monkeypatch.setattr(plan, "CAP_SLOPE_AHEAD", ("dkdv", "dq"))
   case, options = Case(2, 128, 256, 2, 1, 64), dict(persistent=False)
   q = jnp.zeros((2, 128, 2, 64), jnp.bfloat16)
   k = jnp.zeros((2, 256, 1, 64), jnp.bfloat16)
-  _, dkdv = backward.configure(q, k, scale=0.125, is_causal=True,
-                               soft_cap=10.0, **options)
-  assert all(static.cap_slope_ahead for static in dkdv)
+  dq, dkdv = backward.configure(q, k, scale=0.125, is_causal=True,
+                                soft_cap=10.0, **options)
+  assert all(static.cap_slope_ahead for static in (dq, *dkdv))
   grads, exact, lowp = _interpreted_gradients(case, True, options,
                                               soft_cap=10.0)
   for name, ours in zip(("dq", "dk", "dv"), grads):

@@ -447,8 +447,10 @@ def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
 
 
 def _check_masked_backward_without_scores(monkeypatch, case, variants, *,
-                                          seed, flag, why, q_factor=1.0):
-  """`mosaic_backward_masked` under `variants` with `plan.<flag>` on and
+                                          seed, flag, why, q_factor=1.0,
+                                          value=True):
+  """`mosaic_backward_masked` under `variants` with `plan.<flag>` on
+  (`value`) and
   `masking.modify_scores` patched to fail inside the kernels (raising
   `why`), so that the form under test is the one taken: dq, dk, dv (and
   dbias with a bias) against the reference under random cotangents, on
@@ -465,7 +467,7 @@ def _check_masked_backward_without_scores(monkeypatch, case, variants, *,
 
   def refuse(*args, **kwargs):
     raise AssertionError(why)
-  monkeypatch.setattr(plan, flag, True)
+  monkeypatch.setattr(plan, flag, value)
   monkeypatch.setattr(kernel_masking, "modify_scores", refuse)
   stats = backward.row_statistics(*args)
   monkeypatch.setattr(backward, "row_statistics", lambda *given: stats)
@@ -509,16 +511,16 @@ def test_interpreted_folded_cap_backward(monkeypatch):
 
 
 def test_interpreted_cap_slope_ahead_with_dropout(monkeypatch):
-  """The masked dK/dV kernel with the folded cap and dropout, P ∘ slope
-  and dV's 16-bit P taken before dPᵀ's wait (`plan.CAP_SLOPE_AHEAD`;
-  dropout's sign code rides on P ∘ slope, the slope >= 0): dq, dk, dv
-  against the reference's, GQA 2:1, causal with tails."""
+  """The masked dK/dV and dQ kernels with the folded cap and dropout, P ∘
+  slope (and dK/dV's 16-bit P for dV) taken before dP's wait (`plan.
+  CAP_SLOPE_AHEAD`; dropout's sign code rides on P ∘ slope, the slope >=
+  0): dq, dk, dv against the reference's, GQA 2:1, causal with tails."""
   _check_masked_backward_without_scores(
       monkeypatch, Case(1, 72, 130, 2, 1, 64),
       dict(is_causal=True, logits_soft_cap=5.0, dropout_rate=0.2,
            dropout_rng=jax.random.key(4)), seed=16,
-      flag="CAP_SLOPE_AHEAD", why="the backward took the unfolded cap",
-      q_factor=4.0)
+      flag="CAP_SLOPE_AHEAD", value=("dkdv", "dq"),
+      why="the backward took the unfolded cap", q_factor=4.0)
 
 
 # name: flash_attention mask arguments of the FP8 kernel

@@ -841,8 +841,8 @@ def _check_plain_route_on_gpu(case, monkeypatch, switch: str, refused,
 
 
 @pytest.mark.parametrize("head_dim, is_causal, slope_ahead", [
-    (128, True, False), (128, True, True), (256, True, True),
-    _slow(64, False, False)])
+    (128, True, ()), (128, True, ("dkdv", "dq")), (256, True, ("dkdv", "dq")),
+    _slow(64, False, ())])
 def test_soft_cap_on_the_plain_backward(head_dim, is_causal, slope_ahead,
                                         cuda_lowering, monkeypatch):
   """`plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: a call whose only change is a
@@ -887,7 +887,8 @@ def test_soft_cap_on_the_plain_backward(head_dim, is_causal, slope_ahead,
     (Case(1, 2048, 2048, 8, 4, 256), True),   # Gemma's d=256
     (Case(1, 1000, 1000, 4, 2, 64), False),   # a key tail
 ], ids=str)
-@pytest.mark.parametrize("slope_ahead", [False, True])
+@pytest.mark.parametrize("slope_ahead", [(), ("dkdv", "dq")],
+                         ids=["behind", "ahead"])
 def test_soft_cap_on_the_plain_backward_on_gpu(case, is_causal, slope_ahead,
                                                monkeypatch):
   """`plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: the capped call's gradients by

@@ -164,7 +164,8 @@ def test_alibi_columns_fwd_bwd_match_reference_on_gpu(head_dim, monkeypatch):
 @pytest.mark.parametrize("case", [Case(1, 777, 1100, 8, 2, 96),
                                   Case(2, 1024, 1024, 8, 4, 128),
                                   Case(1, 1000, 1000, 4, 2, 256)], ids=str)
-@pytest.mark.parametrize("slope_ahead", [False, True])
+@pytest.mark.parametrize("slope_ahead", [(), ("dkdv", "dq")],
+                         ids=["behind", "ahead"])
 def test_folded_cap_backward_matches_reference_on_gpu(case, slope_ahead,
                                                       monkeypatch):
   """The cap's multiplies folded into the scales in both backward kernels

@@ -379,12 +379,15 @@ def row_statistics(out, lse, d_out, d_lse, *, interpret: bool | None = None):
   return jnp.stack([lse_log2, delta], axis=2)
 
 
-def cap_slope_ahead(static: BackwardStatic, capped: bool) -> bool:
-  """`BackwardStatic.cap_slope_ahead` for a dK/dV kernel whose scores a
-  cap alone changes (`capped`): `plan.CAP_SLOPE_AHEAD`, where its step
-  computes P while dPᵀ's wgmma runs (`overlap_softmax`; the walks of
-  shared rows and `scores_ahead` take no slope)."""
-  return bool(plan.CAP_SLOPE_AHEAD and capped and static.overlap_softmax
+def cap_slope_ahead(static: BackwardStatic, capped: bool,
+                    kernel: str = "dkdv") -> bool:
+  """`BackwardStatic.cap_slope_ahead` for a `kernel` ("dkdv" or "dq")
+  whose scores a cap alone changes (`capped`): where `plan.
+  CAP_SLOPE_AHEAD` names the kernel and its step computes P while dP's
+  wgmma runs (`overlap_softmax`; the walks of shared rows and
+  `scores_ahead` take no slope)."""
+  return bool(kernel in plan.CAP_SLOPE_AHEAD and capped
+              and static.overlap_softmax
               and not (static.shared_rows or static.scores_ahead))
 
 
@@ -400,7 +403,9 @@ def statics(query, key, *, scale: float, is_causal: bool,
     dq_config, dkdv_configs = statics(query, key, scale=scale,
                                       is_causal=is_causal, config=config,
                                       alibi=alibi)
-    return (dataclasses.replace(dq_config, soft_cap=float(soft_cap)),
+    return (dataclasses.replace(dq_config, soft_cap=float(soft_cap),
+                                cap_slope_ahead=cap_slope_ahead(
+                                    dq_config, True, "dq")),
             [dataclasses.replace(static, soft_cap=float(soft_cap),
                                  cap_slope_ahead=cap_slope_ahead(static,
                                                                  True))

@@ -332,11 +332,17 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
         kept = kept_of(step)
       return dropped_in_sign(p, kept), slope
 
+    def sloped(s, kept=None):
+      # `cap_slope_ahead`: P ∘ slope, dS's one use of either.
+      p, slope = probabilities(s, kept)
+      return p * slope, None
+
     shape = (static.block_q, static.block_kv)
     if static.overlap_softmax:
+      first = sloped if static.cap_slope_ahead else probabilities
       # Dropout's hash reads positions only: taken while S's matmul runs.
       (p, slope), dp = wgmma_then(
-          shape, products, probabilities,
+          shape, products, first,
           None if kept_of is None else functools.partial(kept_of, step))
     else:
       s, dp = wgmma_fresh(shape, products)

@@ -161,11 +161,11 @@ class BackwardStatic:
   # `fold_cap`'s, of the cap alone; on the launch grid, never with shared
   # rows or `scores_ahead` (their walks take no slope) nor the fused dQ.
   soft_cap: float | None = None
-  # The dK/dV kernel with a cap (`fold_cap` or `soft_cap`) and
-  # `overlap_softmax`: while dPᵀ's wgmma runs, P becomes dV's 16-bit
-  # operand and P ∘ slope (the slope 1 - t² >= 0, so dropout's sign code
-  # holds) instead of P and the slope in float32 both live across the
-  # wait: 16 registers a thread fewer beside the dK, dV accumulators
+  # A kernel with a cap (`fold_cap` or `soft_cap`) and `overlap_softmax`:
+  # while dP's wgmma runs, P becomes P ∘ slope (the slope 1 - t² >= 0, so
+  # dropout's sign code holds) and, in dK/dV, dV's 16-bit operand, instead
+  # of P and the slope in float32 both live across the wait: 16 registers
+  # a thread fewer beside the dK, dV accumulators, 32 beside dQ's
   # (`plan.CAP_SLOPE_AHEAD`).
   cap_slope_ahead: bool = False
   # Ranged, a bias broadcast along the queries or the keys: (own rows,

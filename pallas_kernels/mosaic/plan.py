@@ -443,16 +443,18 @@ MASKED_SOFTCAP_FOLDED = True
 # backward_folded.md); Gemma's 8k cells fwd+bwd 301 -> 317 (global) and
 # 291 -> 312 (4k window; h100_models_softcap_backward_folded.md).
 MASKED_BACKWARD_SOFTCAP_FOLDED = True
-# The capped dK/dV kernels (masked with the folded cap, plain with
-# `PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`) take P ∘ slope and dV's 16-bit P
-# before dPᵀ's wait (`BackwardStatic.cap_slope_ahead`): 64 float32
-# registers a thread live there become 48, where the plain d=128 dK/dV
+# The capped backward kernels (masked with the folded cap, plain with
+# `PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`) whose step takes P ∘ slope (and, in
+# "dkdv", dV's 16-bit P) before dP's wait (`BackwardStatic.
+# cap_slope_ahead`). In dK/dV, 64 float32 registers a thread live there
+# become 48, where the plain d=128 dK/dV
 # kernel already spills without the cap (9.9e6 local sectors at 16k,
 # h100_ncu_causal_masked.md). On an H100 at 16k, causal, cap 30, fwd+bwd
 # TFLOP/s without -> with, at d=64, 128, 256: masked backward 290 -> 314,
 # 381 -> 442, 334 -> 335; plain backward 267 -> 327, 412 -> 453, 339 ->
 # 339 (h100_mosaic_softcap_slope_ahead.md).
-CAP_SLOPE_AHEAD = True
+# In dQ ("dq": P ∘ slope alone, 32 registers instead of 64), untimed.
+CAP_SLOPE_AHEAD = ("dkdv",)
 # The head dims at which a call whose only change beyond `is_causal` is a
 # soft cap takes the plain forward (`KernelStatic.soft_cap`, the cap folded
 # as above) instead of the masked one; its backward is as
