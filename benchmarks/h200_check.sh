@@ -8,7 +8,7 @@
 # .whl/ into /tmp/site, benchmarks/README.md).
 # STEPs: tests tests_shards grid grid_halves masks masks_ab memory decode models fp8
 #        sequence_parallel flax notebook example mosaic_lowering prepared
-#        first_call fp8_tiles new_tests ragged_route vit_tiles ncu
+#        first_call fp8_tiles new_tests ragged_route vit_tiles spills ncu
 # Seen on an H100 (seconds, one call each): new_tests ~140 with 14
 # workers, prepared's softcap A/B ~60 a kernel, masks (Mosaic) ~300, fp8
 # ~180, models of 4 cells ~120, first_call ~15; a machine's start takes
@@ -281,6 +281,14 @@ PY
       # XLA's compile is the kernels' own (Mosaic GPU's passes, ptxas).
       timeout 200 python3 -m benchmarks.diagnostics.compile_probe --kernels \
         2>&1 | grep -E "lower .* compile" | tee -a "$OUT/h200_first_call_cache.txt" ;;
+    spills)  # ptxas's registers and spill bytes of every Mosaic kernel
+             # of benchmarks.masks' rows (SPILL_ROWS, separated by ';';
+             # default `spill_survey.DEFAULT_ROWS`), compile only, at
+             # SPILL_SEQ (4096) and head dims SPILL_DIMS (64 128 256)
+      rows=(); IFS=';' read -ra rows <<< "${SPILL_ROWS:-}"
+      timeout ${SPILL_TIMEOUT:-300} python3 -m benchmarks.diagnostics.spill_survey \
+        --seq ${SPILL_SEQ:-4096} --head-dims ${SPILL_DIMS:-64 128 256} \
+        ${rows[@]:+--rows "${rows[@]}"} --out "$OUT/spills.json" 2>&1 | tail -60 ;;
     ncu)  # Nsight Compute on one cell's kernels (NCU_CELL mode:seq:d[:causal],
           # default the causal fwd+bwd at 16k, d=128): the plain Mosaic
           # kernels (NCU_IMPLS) beside the masked ones on the same mask

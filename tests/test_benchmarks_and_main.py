@@ -638,6 +638,43 @@ def test_sass_spills_counts_local_accesses_per_loop(capsys):
   assert len(with_spin["mosaic_flash_backward_dkdv_mosaic_gpu_kernel"]) == 3
 
 
+def test_spill_survey_reads_ptxas_reports_per_kernel(monkeypatch):
+  """Each kernel ptxas compiled, with its registers and spill bytes, in
+  order (a kernel without a properties line left out); a row whose child
+  process failed keeps the exception's line, not JAX's note after it."""
+  from benchmarks.diagnostics import spill_survey
+  report = """
+ptxas info    : Compiling entry function 'mosaic_flash_forward_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for mosaic_flash_forward_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem
+ptxas warning : Registers are spilled to local memory in function 'k2', 388 bytes spill stores, 456 bytes spill loads
+ptxas info    : Compiling entry function 'mosaic_flash_backward_dkdv_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for mosaic_flash_backward_dkdv_mosaic_gpu_kernel
+    232 bytes stack frame, 388 bytes spill stores, 456 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 232 bytes cumulative stack size
+ptxas info    : Compiling entry function 'half_reported' for 'sm_90a'
+"""
+  got = spill_survey.parse_ptxas(report)
+  assert got == [
+      dict(kernel="mosaic_flash_forward_mosaic_gpu_kernel", stack=0,
+           spill_stores=0, spill_loads=0, registers=168),
+      dict(kernel="mosaic_flash_backward_dkdv_mosaic_gpu_kernel", stack=232,
+           spill_stores=388, spill_loads=456, registers=168)]
+  text = spill_survey.table([dict(row="causal", head_dim=128, kernels=got)])
+  assert "| causal | 128 | mosaic_flash_backward_dkdv_mosaic_gpu_kernel | "\
+         "168 | 388 | 456 |" in text
+
+  class Done:
+    returncode, stdout = 1, ""
+    stderr = ("Traceback...\nValueError: no GPU here\n-----\n"
+              "For simplicity, JAX has removed its internal frames\n")
+  monkeypatch.setattr(spill_survey.subprocess, "run", lambda *a, **k: Done)
+  record = spill_survey.survey_one("causal", 4096, 64, "fwd", timeout=5)
+  assert record == dict(row="causal", head_dim=64, kernels=[],
+                        error="ValueError: no GPU here")
+
+
 @pytest.mark.parametrize("head_dim, want", [
     (128, ["dQ kernel", "dK/dV pass dk+dv"]),
     (256, ["dQ kernel", "dK/dV pass dk", "dK/dV pass dv"]),
