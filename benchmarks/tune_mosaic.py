@@ -225,9 +225,12 @@ def masked_causal_backward_benchmark(cell: common.Cell, blocks: dict):
   """The masked backward alone on a causal mask with `blocks["term"]`
   (`causal_spec`: none, ALiBi, dropout 0.1, a soft cap of 30): its dQ
   grid's plan rows heaviest first or in tile order (`blocks["form"]`,
-  `masked_schedule`), the other entries its options."""
+  `masked_schedule`), `blocks["hash_early"]`, if given, as `plan.
+  DROPOUT_HASH_EARLY`, the other entries its options."""
+  from pallas_kernels.mosaic import plan
   blocks = dict(blocks)
   form = blocks.pop("form", "masked")
+  hash_early = blocks.pop("hash_early", plan.DROPOUT_HASH_EARLY)
   spec, operands = causal_spec(cell, blocks.pop("term", "none"))
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
@@ -238,7 +241,8 @@ def masked_causal_backward_benchmark(cell: common.Cell, blocks: dict):
   fn = jax.jit(lambda *a, operands: mosaic_backward_masked(
       *a, scale=scale, spec=spec, **operands, **blocks))
   args = (q, k, v, out, lse, d_out)
-  with masked_schedule(form):
+  with masked_schedule(form), mock.patch.object(plan, "DROPOUT_HASH_EARLY",
+                                                hash_early):
     return functools.partial(fn.lower(*args, operands=operands).compile(),
                              operands=operands), args
 
@@ -475,6 +479,12 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                   for form in ("masked", "plain")
                   for ahead in ((), ("dkdv",), ("dkdv", "dq"))],
                3.5, (True,)),
+           "dropout_hash_early": (
+               masked_causal_backward_benchmark,
+               [dict(term="none")]
+               + [dict(term="dropout", hash_early=early)
+                  for early in (("dkdv", "dq"), ("dq",), ("dkdv",), ())],
+               2.5, (True,)),
            "max_free": (score_change_benchmark,
                         dict(form=("plain", "softcap_with_max", "softcap",
                                    "softcap_plain")),

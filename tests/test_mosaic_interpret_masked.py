@@ -523,6 +523,18 @@ def test_interpreted_cap_slope_ahead_with_dropout(monkeypatch):
       why="the backward took the unfolded cap", q_factor=4.0)
 
 
+def test_interpreted_dropout_hashed_late(monkeypatch):
+  """`plan.DROPOUT_HASH_EARLY` empty: both masked backward kernels hash
+  dropout's kept weights after S (Sᵀ) is read instead of while its wgmma
+  runs; dq, dk, dv against the reference's (the same bits), GQA 2:1,
+  causal with tails."""
+  _check_masked_backward_without_scores(
+      monkeypatch, Case(1, 72, 130, 2, 1, 64),
+      dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(7)),
+      seed=17, flag="DROPOUT_HASH_EARLY", value=(),
+      why="dropout took the score path")
+
+
 # name: flash_attention mask arguments of the FP8 kernel
 # with masks (the masked kernel's plan rows): [2, 100, 2, 64] queries on
 # [2, 200, 1, 64] keys (GQA 2:1, kv_len no multiple of the 64-key tiles).

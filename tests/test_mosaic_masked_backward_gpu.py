@@ -144,6 +144,25 @@ def test_masked_backward_matches_reference_on_gpu(name, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["dropout", "dropout, segments, d=256"])
+def test_dropout_hashed_late_matches_reference_on_gpu(name, monkeypatch):
+  """`plan.DROPOUT_HASH_EARLY` empty (the kept weights hashed after S is
+  read, in both kernels): dq, dk, dv against the reference's, which drops
+  the same weights."""
+  _require_sm90()
+  from pallas_kernels.mosaic import plan
+  monkeypatch.setattr(plan, "DROPOUT_HASH_EARLY", ())
+  monkeypatch.setattr(mosaic_attention_module, "MASKED_KERNEL_ENABLED", True)
+  monkeypatch.setattr(mosaic_attention_module, "MASKED_BACKWARD_ENABLED",
+                      True)
+  case, variants = _GPU_VARIANTS[name]
+  attention = _masked_attention(**variants)
+  _assert_uses_masked_backward(attention, case, jnp.bfloat16)
+  check_against_reference(attention, case, jnp.bfloat16, seed=11,
+                          **variants)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_alibi_columns_fwd_bwd_match_reference_on_gpu(head_dim, monkeypatch):
   """Causal ALiBi as a term per key and one per query in the masked

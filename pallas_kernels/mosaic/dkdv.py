@@ -565,10 +565,11 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       first, dv_operand = probabilities, None
       if static.cap_slope_ahead:
         first = functools.partial(_weights_and_sloped, probabilities, static)
-      # Dropout's hash reads positions only: taken while Sᵀ's matmul runs.
+      # Dropout's hash reads positions only: taken while Sᵀ's matmul runs
+      # (`dropout_hash_early`), else in `probabilities`, while dPᵀ's does.
       first_value, *dp_t = wgmma_then(
           shape, products, first,
-          None if kept_of is None
+          None if kept_of is None or not static.dropout_hash_early
           else functools.partial(kept_of, q_block, group_index))
       if static.cap_slope_ahead:  # Pᵀ ∘ slope in dS, dV's Pᵀ ready
         (dv_operand, p_t), slope = first_value, None

@@ -340,10 +340,12 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
     shape = (static.block_q, static.block_kv)
     if static.overlap_softmax:
       first = sloped if static.cap_slope_ahead else probabilities
-      # Dropout's hash reads positions only: taken while S's matmul runs.
+      # Dropout's hash reads positions only: taken while S's matmul runs
+      # (`dropout_hash_early`), else in `probabilities`, while dP's does.
       (p, slope), dp = wgmma_then(
           shape, products, first,
-          None if kept_of is None else functools.partial(kept_of, step))
+          None if kept_of is None or not static.dropout_hash_early
+          else functools.partial(kept_of, step))
     else:
       s, dp = wgmma_fresh(shape, products)
       p, slope = probabilities(s)

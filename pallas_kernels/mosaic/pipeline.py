@@ -168,6 +168,9 @@ class BackwardStatic:
   # a thread fewer beside the dK, dV accumulators, 32 beside dQ's
   # (`plan.CAP_SLOPE_AHEAD`).
   cap_slope_ahead: bool = False
+  # Ranged with dropout: its kept weights hashed while S's wgmma runs
+  # (else after S is read, while dP's runs; `plan.DROPOUT_HASH_EARLY`).
+  dropout_hash_early: bool = True
   # Ranged, a bias broadcast along the queries or the keys: (own rows,
   # streamed) repeated to a tile's extent and read from its start
   # (`common.repeat_broadcast_axes`; the dK/dV kernel's own rows are keys).

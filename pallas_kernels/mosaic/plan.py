@@ -443,6 +443,14 @@ MASKED_SOFTCAP_FOLDED = True
 # backward_folded.md); Gemma's 8k cells fwd+bwd 301 -> 317 (global) and
 # 291 -> 312 (4k window; h100_models_softcap_backward_folded.md).
 MASKED_BACKWARD_SOFTCAP_FOLDED = True
+# The masked backward kernels whose step hashes dropout's kept weights
+# while S's (dK/dV: Sᵀ's) wgmma runs (`BackwardStatic.dropout_hash_early`);
+# the others hash after S is read, while dP's still runs. Early, the kept
+# tile's booleans are live beside the S and dP accumulators through S's
+# wait: the masked dK/dV kernel with dropout spilled 4.5e7 local-memory
+# sectors at 16k, d=128, causal, against 2.0e6 without dropout (an H100,
+# ncu). Both early until timed (`tune_mosaic --kernels dropout_hash_early`).
+DROPOUT_HASH_EARLY = ("dkdv", "dq")
 # The capped backward kernels (masked with the folded cap, plain with
 # `PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`) whose step takes P ∘ slope (and, in
 # "dkdv", dV's 16-bit P) before dP's wait (`BackwardStatic.
