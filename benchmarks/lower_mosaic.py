@@ -231,6 +231,24 @@ def kernels(head_dim: int):
          _slope_ahead(lambda q, k, v, out, d_out: mosaic_backward_masked(
              q, k, v, out, jnp.zeros((1, 4, 500), jnp.float32), d_out,
              scale=0.1, spec=capped)), (q, kv, kv, q, q))
+  dropped = MaskSpec(q_len=500, kv_len=700, is_causal=True,
+                     dropout_rate=0.1)
+  yield (f"masked backward d{head_dim} dropout hashed late",
+         _hashed_late(lambda q, k, v, out, d_out: mosaic_backward_masked(
+             q, k, v, out, jnp.zeros((1, 4, 500), jnp.float32), d_out,
+             scale=0.1, spec=dropped, dropout_seed=jnp.int32(3))),
+         (q, kv, kv, q, q))
+
+
+def _hashed_late(fn):
+  """`fn`, traced with dropout hashed after S is read in both kernels
+  (`plan.DROPOUT_HASH_EARLY` empty)."""
+  from pallas_kernels.mosaic import plan
+
+  def traced(*args):
+    with mock.patch.object(plan, "DROPOUT_HASH_EARLY", ()):
+      return fn(*args)
+  return traced
 
 
 def _slope_ahead(fn):
