@@ -83,9 +83,12 @@ for step in "$@"; do
       grep -E "^(FAILED|ERROR)|passed|failed|^[0-9.]+s " "$OUT/pytest_gpu.log" | tail -30 ;;
     new_tests)  # the GPU tests of what was written since the last GPU
                 # round (benchmarks/NOTES.md, Open), before the whole suite
+                # NEW_TESTS the paths, NEW_TESTS_K their -k filter ("": none)
+      k_filter=(); [ -z "${NEW_TESTS_K-cap or dropout}" ] \
+        || k_filter=(-k "${NEW_TESTS_K-cap or dropout}")
       env $TEST_CACHE python3 -m pytest -m gpu -n ${TEST_WORKERS:-8} --dist load -rfE --tb=short \
-        --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider -p no:benchmark -v \
-        ${NEW_TESTS:-tests/test_mosaic_lowering.py::test_soft_cap_on_the_plain_backward_on_gpu tests/test_mosaic_masked_backward_gpu.py tests/test_mosaic_masked.py::test_bias_on_the_masked_kernels_on_gpu tests/test_mosaic_masked.py::test_max_free_forward_matches_reference_on_gpu tests/test_mosaic_lowering.py::test_causal_forward_default_at_long_kv_on_gpu} \
+        --timeout ${TEST_TIMEOUT:-240} -p no:cacheprovider -p no:benchmark -v ${k_filter[@]+"${k_filter[@]}"} \
+        ${NEW_TESTS:-tests/test_mosaic_masked_backward_gpu.py tests/test_mosaic_lowering.py tests/test_mosaic_masked.py} \
         > "$OUT/pytest_gpu_new.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu_new.log" | tail -30 ;;
     tests_shards)  # `tests` on a two-GPU host, a part of the suite on each
@@ -222,21 +225,20 @@ PY
                       # CUDA under this machine's JAX
       timeout 300 python3 -m benchmarks.lower_mosaic > "$LOGS/lower_mosaic.log" 2>&1
       tail -20 "$LOGS/lower_mosaic.log" ;;
-    prepared)  # the kernel options' A/Bs (benchmarks/NOTES.md, Open):
-               # each against the default, two rounds in turn, at 16k
-               # (decided on an H100, again on the H200);
-               # PREPARED_KERNELS another list
-      timeout ${PREPARED_TIMEOUT:-500} python3 -m benchmarks.tune_mosaic \
-        --kernels ${PREPARED_KERNELS:-softcap_backward_folded max_free alibi_columns alibi_columns_backward} \
-        --seq 16384 --head-dims 128 256 \
-        --rounds 2 --budget ${PREPARED_BUDGET:-420} \
-        --out "$OUT/h200_mosaic_prepared.json" > "$LOGS/prepared.log" 2>&1
-      tail -40 "$LOGS/prepared.log"
-      # The K/V tile between d=128 and 256, at the model suite's 4k
-      timeout 200 python3 -m benchmarks.tune_mosaic --kernels forward_between_tiles \
-        --seq 4096 --head-dims 144 160 176 --rounds 2 --budget 150 \
-        --out "$OUT/h200_mosaic_between_tiles.json" > "$LOGS/between.log" 2>&1
-      tail -6 "$LOGS/between.log" ;;
+    prepared)  # the prepared kernel options' A/Bs (benchmarks/NOTES.md,
+               # Open): each against the default, two rounds in turn, one
+               # process a length (PREPARED_SEQS) at head dims
+               # PREPARED_DIMS; PREPARED_KERNELS another list (the H100's
+               # earlier decisions again on the H200: softcap_backward_folded
+               # max_free alibi_columns alibi_columns_backward)
+      for seq in ${PREPARED_SEQS:-16384 4096}; do
+        timeout ${PREPARED_TIMEOUT:-300} python3 -m benchmarks.tune_mosaic \
+          --kernels ${PREPARED_KERNELS:-softcap_slope_ahead dropout_hash_early} \
+          --seq $seq --head-dims ${PREPARED_DIMS:-128 64} \
+          --rounds 2 --budget ${PREPARED_BUDGET:-240} \
+          --out "$OUT/mosaic_prepared_$seq.json" > "$LOGS/prepared_$seq.log" 2>&1
+        tail -8 "$LOGS/prepared_$seq.log"
+      done ;;
     ragged_route)  # the forward at lengths no tile divides, plain kernel
                    # (key tail) against masked, causal and not: the A/B
                    # behind `attention._masked`'s route for plain calls
