@@ -57,7 +57,6 @@ def parse_ptxas(text: str) -> list[dict]:
 def compile_row(row: str, seq: int, head_dim: int, mode: str) -> None:
   """Compiles one row's call (in this process, whose ptxas output the
   parent reads)."""
-  import jax  # noqa: PLC0415
   from benchmarks import masks  # noqa: PLC0415
   from pallas_kernels import compat  # noqa: PLC0415
   compat.filter_known_warnings()
@@ -65,7 +64,6 @@ def compile_row(row: str, seq: int, head_dim: int, mode: str) -> None:
                            masks.variants(seq, 16)[row], interpret=False,
                            implementation="mosaic")
   fn.lower(*inputs).compile()
-  jax.effects_barrier()
 
 
 def survey_one(row: str, seq: int, head_dim: int, mode: str,
@@ -139,11 +137,12 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
       json.dump(dict(seq=args.seq, mode=args.mode, records=records), f,
                 indent=1)
+    command = " ".join(argv or sys.argv[1:])
     with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
       f.write(f"# Register spills by kernel (ptxas), seq {args.seq}, "
               f"{args.mode}, 16 heads, bf16\n\nCommand: `python3 -m "
-              f"benchmarks.diagnostics.spill_survey {' '.join(argv or sys.argv[1:])}`"
-              f"\n\n{text}\n")
+              f"benchmarks.diagnostics.spill_survey {command}`\n\n"
+              f"{text}\n")
   return 0
 
 
