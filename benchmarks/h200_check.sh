@@ -225,15 +225,14 @@ PY
                       # CUDA under this machine's JAX
       timeout 300 python3 -m benchmarks.lower_mosaic > "$LOGS/lower_mosaic.log" 2>&1
       tail -20 "$LOGS/lower_mosaic.log" ;;
-    prepared)  # the prepared kernel options' A/Bs (benchmarks/NOTES.md,
-               # Open): each against the default, two rounds in turn, one
-               # process a length (PREPARED_SEQS) at head dims
-               # PREPARED_DIMS; PREPARED_KERNELS another list (the H100's
-               # earlier decisions again on the H200: softcap_backward_folded
-               # max_free alibi_columns alibi_columns_backward)
+    prepared)  # kernel options' A/Bs (benchmarks/NOTES.md, Open): each
+               # against the default, two rounds in turn, one process a
+               # length (PREPARED_SEQS) at head dims PREPARED_DIMS; by
+               # default the H100's earlier decisions again on the H200,
+               # PREPARED_KERNELS another list
       for seq in ${PREPARED_SEQS:-16384 4096}; do
         timeout ${PREPARED_TIMEOUT:-300} python3 -m benchmarks.tune_mosaic \
-          --kernels ${PREPARED_KERNELS:-softcap_slope_ahead dropout_hash_early} \
+          --kernels ${PREPARED_KERNELS:-softcap_backward_folded max_free alibi_columns alibi_columns_backward} \
           --seq $seq --head-dims ${PREPARED_DIMS:-128 64} \
           --rounds 2 --budget ${PREPARED_BUDGET:-240} \
           --out "$OUT/mosaic_prepared_$seq.json" > "$LOGS/prepared_$seq.log" 2>&1

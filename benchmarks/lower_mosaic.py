@@ -38,7 +38,6 @@ import hashlib
 import os
 import re
 import sys
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -206,15 +205,12 @@ def kernels(head_dim: int):
              lambda q, k, v, out, d_out, c=causal, o=options: mosaic_backward(
                  q, k, v, out, jnp.zeros(lse.shape, lse.dtype), d_out,
                  scale=0.1, is_causal=c, **o), (q, kv, kv, q, q))
-    # The plain kernels' soft cap (`BackwardStatic.soft_cap`), as planned,
-    # and with its slope taken ahead (`plan.CAP_SLOPE_AHEAD`).
+    # The plain kernels' soft cap (`BackwardStatic.soft_cap`), as planned.
     capped = lambda q, k, v, out, d_out, c=causal: mosaic_backward(
         q, k, v, out, jnp.zeros(lse.shape, lse.dtype), d_out, scale=0.1,
         is_causal=c, soft_cap=30.0)
     yield (f"backward d{head_dim} causal={causal} soft cap", capped,
            (q, kv, kv, q, q))
-    yield (f"backward d{head_dim} causal={causal} soft cap slope ahead",
-           _slope_ahead(capped), (q, kv, kv, q, q))
   spec = MaskSpec(q_len=500, kv_len=700, is_causal=True, window=(64, 0))
   q, kv = (1, 500, 4, head_dim), (1, 700, 2, head_dim)
   yield (f"masked forward d{head_dim}",
@@ -227,38 +223,17 @@ def kernels(head_dim: int):
                scale=0.1, spec=spec, **o), (q, kv, kv, q, q))
   capped = MaskSpec(q_len=500, kv_len=700, is_causal=True,
                     logits_soft_cap=20.0)
-  yield (f"masked backward d{head_dim} soft cap slope ahead",
-         _slope_ahead(lambda q, k, v, out, d_out: mosaic_backward_masked(
+  yield (f"masked backward d{head_dim} soft cap",
+         lambda q, k, v, out, d_out: mosaic_backward_masked(
              q, k, v, out, jnp.zeros((1, 4, 500), jnp.float32), d_out,
-             scale=0.1, spec=capped)), (q, kv, kv, q, q))
+             scale=0.1, spec=capped), (q, kv, kv, q, q))
   dropped = MaskSpec(q_len=500, kv_len=700, is_causal=True,
                      dropout_rate=0.1)
-  yield (f"masked backward d{head_dim} dropout hashed late",
-         _hashed_late(lambda q, k, v, out, d_out: mosaic_backward_masked(
+  yield (f"masked backward d{head_dim} dropout",
+         lambda q, k, v, out, d_out: mosaic_backward_masked(
              q, k, v, out, jnp.zeros((1, 4, 500), jnp.float32), d_out,
-             scale=0.1, spec=dropped, dropout_seed=jnp.int32(3))),
+             scale=0.1, spec=dropped, dropout_seed=jnp.int32(3)),
          (q, kv, kv, q, q))
-
-
-def _hashed_late(fn):
-  """`fn`, traced with dropout hashed after S is read in both kernels
-  (`plan.DROPOUT_HASH_EARLY` empty)."""
-  from pallas_kernels.mosaic import plan
-
-  def traced(*args):
-    with mock.patch.object(plan, "DROPOUT_HASH_EARLY", ()):
-      return fn(*args)
-  return traced
-
-
-def _slope_ahead(fn):
-  """`fn`, traced with `plan.CAP_SLOPE_AHEAD` on in both kernels."""
-  from pallas_kernels.mosaic import plan
-
-  def traced(*args):
-    with mock.patch.object(plan, "CAP_SLOPE_AHEAD", ("dkdv", "dq")):
-      return fn(*args)
-  return traced
 
 
 def calls():

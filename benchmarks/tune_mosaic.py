@@ -225,12 +225,9 @@ def masked_causal_backward_benchmark(cell: common.Cell, blocks: dict):
   """The masked backward alone on a causal mask with `blocks["term"]`
   (`causal_spec`: none, ALiBi, dropout 0.1, a soft cap of 30): its dQ
   grid's plan rows heaviest first or in tile order (`blocks["form"]`,
-  `masked_schedule`), `blocks["hash_early"]`, if given, as `plan.
-  DROPOUT_HASH_EARLY`, the other entries its options."""
-  from pallas_kernels.mosaic import plan
+  `masked_schedule`), the other entries its options."""
   blocks = dict(blocks)
   form = blocks.pop("form", "masked")
-  hash_early = blocks.pop("hash_early", plan.DROPOUT_HASH_EARLY)
   spec, operands = causal_spec(cell, blocks.pop("term", "none"))
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
@@ -241,8 +238,7 @@ def masked_causal_backward_benchmark(cell: common.Cell, blocks: dict):
   fn = jax.jit(lambda *a, operands: mosaic_backward_masked(
       *a, scale=scale, spec=spec, **operands, **blocks))
   args = (q, k, v, out, lse, d_out)
-  with masked_schedule(form), mock.patch.object(plan, "DROPOUT_HASH_EARLY",
-                                                hash_early):
+  with masked_schedule(form):
     return functools.partial(fn.lower(*args, operands=operands).compile(),
                              operands=operands), args
 
@@ -352,9 +348,7 @@ def route_benchmark(cell: common.Cell, blocks: dict):
   "softcap", its cap of 30) as `blocks["form"]` routes it: "causal"
   without the change, "masked" on the masked kernels, "plain" on the
   plain ones (`plan.PLAIN_ALIBI_HEAD_DIMS`; the cap's backward,
-  `plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: empty, or every head dim);
-  `blocks["slope_ahead"]`, if given, sets `plan.CAP_SLOPE_AHEAD` (the
-  kernels taking the slope ahead)."""
+  `plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: empty, or every head dim)."""
   import jax_flash
   from pallas_kernels.mosaic import plan
   form, mode, change = blocks["form"], blocks["mode"], blocks["change"]
@@ -375,9 +369,7 @@ def route_benchmark(cell: common.Cell, blocks: dict):
   switch = {"alibi": "PLAIN_ALIBI_HEAD_DIMS",
             "softcap": "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS"}[change]
   head_dims = () if form == "masked" else (64, 128, 256)
-  ahead = blocks.get("slope_ahead", plan.CAP_SLOPE_AHEAD)
-  with mock.patch.object(plan, switch, head_dims), mock.patch.object(
-      plan, "CAP_SLOPE_AHEAD", ahead):
+  with mock.patch.object(plan, switch, head_dims):
     return fn.lower(*args).compile(), args
 
 
@@ -471,20 +463,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                      dict(form=("causal", "masked", "plain"),
                                           mode=("fwd_bwd",),
                                           change=("softcap",)), 3.5, (True,)),
-           "softcap_slope_ahead": (
-               route_benchmark,
-               [dict(form="causal", mode="fwd_bwd", change="softcap")]
-               + [dict(form=form, mode="fwd_bwd", change="softcap",
-                       slope_ahead=ahead)
-                  for form in ("masked", "plain")
-                  for ahead in ((), ("dkdv",), ("dkdv", "dq"))],
-               3.5, (True,)),
-           "dropout_hash_early": (
-               masked_causal_backward_benchmark,
-               [dict(term="none")]
-               + [dict(term="dropout", hash_early=early)
-                  for early in (("dkdv", "dq"), ("dq",), ("dkdv",), ())],
-               2.5, (True,)),
            "max_free": (score_change_benchmark,
                         dict(form=("plain", "softcap_with_max", "softcap",
                                    "softcap_plain")),

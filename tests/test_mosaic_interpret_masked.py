@@ -447,11 +447,10 @@ def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
 
 
 def _check_masked_backward_without_scores(monkeypatch, case, variants, *,
-                                          seed, flag, why, q_factor=1.0,
-                                          value=True):
-  """`mosaic_backward_masked` under `variants` with `plan.<flag>` on
-  (`value`) and
-  `masking.modify_scores` patched to fail inside the kernels (raising
+                                          seed, why, flag=None,
+                                          q_factor=1.0):
+  """`mosaic_backward_masked` under `variants` with `plan.<flag>` (if
+  given) on and `masking.modify_scores` patched to fail inside the kernels (raising
   `why`), so that the form under test is the one taken: dq, dk, dv (and
   dbias with a bias) against the reference under random cotangents, on
   the reference's out and lse."""
@@ -467,7 +466,8 @@ def _check_masked_backward_without_scores(monkeypatch, case, variants, *,
 
   def refuse(*args, **kwargs):
     raise AssertionError(why)
-  monkeypatch.setattr(plan, flag, value)
+  if flag is not None:
+    monkeypatch.setattr(plan, flag, True)
   monkeypatch.setattr(kernel_masking, "modify_scores", refuse)
   stats = backward.row_statistics(*args)
   monkeypatch.setattr(backward, "row_statistics", lambda *given: stats)
@@ -510,29 +510,28 @@ def test_interpreted_folded_cap_backward(monkeypatch):
       why="the backward took the unfolded cap", q_factor=4.0)
 
 
-def test_interpreted_cap_slope_ahead_with_dropout(monkeypatch):
-  """The masked dK/dV and dQ kernels with the folded cap and dropout, P ∘
-  slope (and dK/dV's 16-bit P for dV) taken before dP's wait (`plan.
-  CAP_SLOPE_AHEAD`; dropout's sign code rides on P ∘ slope, the slope >=
-  0): dq, dk, dv against the reference's, GQA 2:1, causal with tails."""
+def test_interpreted_folded_cap_backward_with_dropout(monkeypatch):
+  """The masked dK/dV and dQ kernels with the folded cap and dropout, dK/dV
+  taking Pᵀ ∘ slope and dV's 16-bit Pᵀ before dPᵀ's wait
+  (`BackwardStatic.cap_slope_ahead`; dropout's sign code rides on P ∘
+  slope, the slope >= 0), both hashing the kept weights after S is read:
+  dq, dk, dv against the reference's, GQA 2:1, causal with tails."""
   _check_masked_backward_without_scores(
       monkeypatch, Case(1, 72, 130, 2, 1, 64),
       dict(is_causal=True, logits_soft_cap=5.0, dropout_rate=0.2,
            dropout_rng=jax.random.key(4)), seed=16,
-      flag="CAP_SLOPE_AHEAD", value=("dkdv", "dq"),
+      flag="MASKED_BACKWARD_SOFTCAP_FOLDED",
       why="the backward took the unfolded cap", q_factor=4.0)
 
 
-def test_interpreted_dropout_hashed_late(monkeypatch):
-  """`plan.DROPOUT_HASH_EARLY` empty: both masked backward kernels hash
-  dropout's kept weights after S (Sᵀ) is read instead of while its wgmma
-  runs; dq, dk, dv against the reference's (the same bits), GQA 2:1,
-  causal with tails."""
+def test_interpreted_dropout_backward(monkeypatch):
+  """Both masked backward kernels with dropout alone, the kept weights
+  hashed after S (Sᵀ) is read: dq, dk, dv against the reference's (the
+  same bits), GQA 2:1, causal with tails; no score change taken."""
   _check_masked_backward_without_scores(
       monkeypatch, Case(1, 72, 130, 2, 1, 64),
       dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(7)),
-      seed=17, flag="DROPOUT_HASH_EARLY", value=(),
-      why="dropout took the score path")
+      seed=17, why="dropout took the score path")
 
 
 # name: flash_attention mask arguments of the FP8 kernel

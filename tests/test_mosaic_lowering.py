@@ -840,20 +840,17 @@ def _check_plain_route_on_gpu(case, monkeypatch, switch: str, refused,
   check_against_reference(attend, case, jnp.bfloat16, **variants)
 
 
-@pytest.mark.parametrize("head_dim, is_causal, slope_ahead", [
-    (128, True, ()), (128, True, ("dkdv", "dq")), (256, True, ("dkdv", "dq")),
-    _slow(64, False, ())])
-def test_soft_cap_on_the_plain_backward(head_dim, is_causal, slope_ahead,
-                                        cuda_lowering, monkeypatch):
+@pytest.mark.parametrize("head_dim, is_causal", [
+    (128, True), (256, True), _slow(64, False)])
+def test_soft_cap_on_the_plain_backward(head_dim, is_causal, cuda_lowering,
+                                        monkeypatch):
   """`plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: a call whose only change is a
   soft cap takes the plain backward kernels (the masked backward and
   Triton's patched to fail) after either forward (the masked one at
   d=128, the plain one at d=256, `PLAIN_SOFTCAP_HEAD_DIMS`), and lowers;
-  off the list, the masked backward; both with `plan.CAP_SLOPE_AHEAD`
-  as `slope_ahead` says."""
+  off the list, the masked backward."""
   from pallas_kernels.config import BlockSizes
   from pallas_kernels.mosaic import attention, plan
-  monkeypatch.setattr(plan, "CAP_SLOPE_AHEAD", slope_ahead)
 
   q = jax.ShapeDtypeStruct((1, 1024, 4, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 1024, 2, head_dim), jnp.bfloat16)
@@ -887,16 +884,10 @@ def test_soft_cap_on_the_plain_backward(head_dim, is_causal, slope_ahead,
     (Case(1, 2048, 2048, 8, 4, 256), True),   # Gemma's d=256
     (Case(1, 1000, 1000, 4, 2, 64), False),   # a key tail
 ], ids=str)
-@pytest.mark.parametrize("slope_ahead", [(), ("dkdv", "dq")],
-                         ids=["behind", "ahead"])
-def test_soft_cap_on_the_plain_backward_on_gpu(case, is_causal, slope_ahead,
-                                               monkeypatch):
+def test_soft_cap_on_the_plain_backward_on_gpu(case, is_causal, monkeypatch):
   """`plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: the capped call's gradients by
   the plain backward kernels (the masked one patched to fail), against
-  the reference, with `plan.CAP_SLOPE_AHEAD` as `slope_ahead` says; the
-  scale 4 / sqrt(d) so that logits reach the cap."""
-  from pallas_kernels.mosaic import plan
-  monkeypatch.setattr(plan, "CAP_SLOPE_AHEAD", slope_ahead)
+  the reference; the scale 4 / sqrt(d) so that logits reach the cap."""
   _check_plain_route_on_gpu(
       case, monkeypatch, "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS",
       ("mosaic_backward_masked",), is_causal=is_causal, logits_soft_cap=30.0,

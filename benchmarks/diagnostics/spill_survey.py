@@ -5,7 +5,7 @@
 
 The capped backward's dK/dV step gained 8-22% fwd+bwd when P ∘ slope was
 taken before dPᵀ's wait (16 float32 registers a thread fewer live there,
-`plan.CAP_SLOPE_AHEAD`): where a consumer spills, its registers, not its
+`BackwardStatic.cap_slope_ahead`): where a consumer spills, its registers, not its
 arithmetic, can be the cost. ptxas says how much each kernel spills
 (`MOSAIC_GPU_DUMP_PTXAS=1`); this compiles each row's forward and
 gradients (`benchmarks.masks.build`, 16 heads, on the Mosaic kernels) in

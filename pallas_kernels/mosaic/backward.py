@@ -69,7 +69,6 @@ from pallas_kernels.mosaic.dq import launch_dq
 from pallas_kernels.mosaic.fused_dq import (DQ_PIECE, ZERO_CELL_BYTES,
                                             fused_smem_bytes, num_dq_pieces)
 from pallas_kernels.mosaic.pipeline import BackwardStatic
-from pallas_kernels.mosaic import plan
 from pallas_kernels.mosaic.plan import (BackwardConfig, backward_config,
                                        planned_kv_copies)
 from pallas_kernels.triton.delta import row_delta
@@ -379,15 +378,14 @@ def row_statistics(out, lse, d_out, d_lse, *, interpret: bool | None = None):
   return jnp.stack([lse_log2, delta], axis=2)
 
 
-def cap_slope_ahead(static: BackwardStatic, capped: bool,
-                    kernel: str = "dkdv") -> bool:
-  """`BackwardStatic.cap_slope_ahead` for a `kernel` ("dkdv" or "dq")
-  whose scores a cap alone changes (`capped`): where `plan.
-  CAP_SLOPE_AHEAD` names the kernel and its step computes P while dP's
+def cap_slope_ahead(static: BackwardStatic, capped: bool) -> bool:
+  """`BackwardStatic.cap_slope_ahead` for a dK/dV kernel whose scores a
+  cap alone changes (`capped`): where its step computes Pᵀ while dPᵀ's
   wgmma runs (`overlap_softmax`; the walks of shared rows and
-  `scores_ahead` take no slope)."""
-  return bool(kernel in plan.CAP_SLOPE_AHEAD and capped
-              and static.overlap_softmax
+  `scores_ahead` take no slope). The dQ kernel takes its slope after dP's
+  wait: ahead, it lost (benchmarks/NOTES.md, "The soft cap on the plain
+  backward")."""
+  return bool(capped and static.overlap_softmax
               and not (static.shared_rows or static.scores_ahead))
 
 
@@ -403,9 +401,7 @@ def statics(query, key, *, scale: float, is_causal: bool,
     dq_config, dkdv_configs = statics(query, key, scale=scale,
                                       is_causal=is_causal, config=config,
                                       alibi=alibi)
-    return (dataclasses.replace(dq_config, soft_cap=float(soft_cap),
-                                cap_slope_ahead=cap_slope_ahead(
-                                    dq_config, True, "dq")),
+    return (dataclasses.replace(dq_config, soft_cap=float(soft_cap)),
             [dataclasses.replace(static, soft_cap=float(soft_cap),
                                  cap_slope_ahead=cap_slope_ahead(static,
                                                                  True))

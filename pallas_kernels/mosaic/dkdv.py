@@ -531,9 +531,11 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
     column_stat = functools.partial(column_statistic, stats_ring, slot)
     lse_log2 = column_stat(0) if static.prefetch_lse else None
 
-    def probabilities(s_t, kept=None):
+    def probabilities(s_t):
       """(Pᵀ, its slope); with dropout Pᵀ's dropped weights negated
-      (`pipeline.dropped_in_sign`) where `kept` (or `kept_of`) says."""
+      (`pipeline.dropped_in_sign`) where `kept_of` says, hashed here,
+      after Sᵀ is read, while dPᵀ's wgmma runs (benchmarks/NOTES.md,
+      "Dropout's hash after S")."""
       lse = column_stat(0) if lse_log2 is None else lse_log2
       values = (walk.values if head_values is None
                 else head_values(group_index))
@@ -547,8 +549,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       if masked:
         p_t = jnp.where(tile_mask(q_block, slot, values, group_index), p_t,
                         0.0)
-      if kept is None and kept_of is not None:
-        kept = kept_of(q_block, group_index)
+      kept = None if kept_of is None else kept_of(q_block, group_index)
       return dropped_in_sign(p_t, kept), slope
 
     store_ds = None
@@ -565,12 +566,7 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
       first, dv_operand = probabilities, None
       if static.cap_slope_ahead:
         first = functools.partial(_weights_and_sloped, probabilities, static)
-      # Dropout's hash reads positions only: taken while Sᵀ's matmul runs
-      # (`dropout_hash_early`), else in `probabilities`, while dPᵀ's does.
-      first_value, *dp_t = wgmma_then(
-          shape, products, first,
-          None if kept_of is None or not static.dropout_hash_early
-          else functools.partial(kept_of, q_block, group_index))
+      first_value, *dp_t = wgmma_then(shape, products, first)
       if static.cap_slope_ahead:  # Pᵀ ∘ slope in dS, dV's Pᵀ ready
         (dv_operand, p_t), slope = first_value, None
       else:
@@ -618,12 +614,11 @@ def _dkdv_consume(k_smem, v_smem, q_ring, do_ring, stats_ring, arrived,
                for name, grad in zip(static.outputs, grads))
 
 
-def _weights_and_sloped(probabilities, static: BackwardStatic, s_t,
-                        kept=None):
+def _weights_and_sloped(probabilities, static: BackwardStatic, s_t):
   """`cap_slope_ahead`'s step: (dV's 16-bit Pᵀ, Pᵀ ∘ slope) of
-  `probabilities(s_t, kept)`, 48 float32 registers a thread across dPᵀ's
-  wait instead of Pᵀ's and the slope's 64."""
-  p_t, slope = probabilities(s_t, kept)
+  `probabilities(s_t)`, 48 float32 registers a thread across dPᵀ's wait
+  instead of Pᵀ's and the slope's 64."""
+  p_t, slope = probabilities(s_t)
   return (kept_weights(p_t, static.dropout).astype(static.dtype),
           p_t * slope)
 

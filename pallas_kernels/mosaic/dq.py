@@ -316,9 +316,11 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
     products = [(q_smem, k_tile.transpose((1, 0))),     # S = Q Kᵀ
                 (do_smem, v_tile.transpose((1, 0)))]    # dP = dO Vᵀ
 
-    def probabilities(s, kept=None):
+    def probabilities(s):
       """(P, its slope); with dropout P's dropped weights negated
-      (`pipeline.dropped_in_sign`) where `kept` (or `kept_of`) says."""
+      (`pipeline.dropped_in_sign`) where `kept_of` says, hashed here,
+      after S is read, while dP's wgmma runs (benchmarks/NOTES.md,
+      "Dropout's hash after S")."""
       values = walk.values
       if bias_of is not None:
         values = values._replace(bias=bias_of(step).astype(jnp.float32))
@@ -328,24 +330,12 @@ def _dq_consume(q_smem, do_smem, lse_log2, delta, k_ring, v_ring, arrived,
           alibi_terms=None if alibi_terms is None else alibi_terms(step))
       if masked:
         p = jnp.where(tile_mask(step, slot), p, 0.0)
-      if kept is None and kept_of is not None:
-        kept = kept_of(step)
+      kept = None if kept_of is None else kept_of(step)
       return dropped_in_sign(p, kept), slope
-
-    def sloped(s, kept=None):
-      # `cap_slope_ahead`: P ∘ slope, dS's one use of either.
-      p, slope = probabilities(s, kept)
-      return p * slope, None
 
     shape = (static.block_q, static.block_kv)
     if static.overlap_softmax:
-      first = sloped if static.cap_slope_ahead else probabilities
-      # Dropout's hash reads positions only: taken while S's matmul runs
-      # (`dropout_hash_early`), else in `probabilities`, while dP's does.
-      (p, slope), dp = wgmma_then(
-          shape, products, first,
-          None if kept_of is None or not static.dropout_hash_early
-          else functools.partial(kept_of, step))
+      (p, slope), dp = wgmma_then(shape, products, probabilities)
     else:
       s, dp = wgmma_fresh(shape, products)
       p, slope = probabilities(s)

@@ -183,18 +183,13 @@ def mosaic_backward_masked(query, key, value, out, lse, d_out, d_lse=None, *,
   dq_config, dbias_config = (
       None if static is None else dataclasses.replace(
           static, plan_heads=plan_heads, alibi_columns=columns,
-          fold_cap=fold_cap, cap_slope_ahead=backward.cap_slope_ahead(
-              static, fold_cap, "dq"),
-          dropout_hash_early="dq" in plan.DROPOUT_HASH_EARLY,
-          rows_in_place=in_place, bias_repeats=repeats)
+          fold_cap=fold_cap, rows_in_place=in_place, bias_repeats=repeats)
       for static in (dq_config, dbias_config))
   dkdv_configs = [dataclasses.replace(static, plan_heads=kv_plan_heads,
                                       alibi_columns=columns,
                                       fold_cap=fold_cap,
                                       cap_slope_ahead=backward.cap_slope_ahead(
                                           static, fold_cap),
-                                      dropout_hash_early=(
-                                          "dkdv" in plan.DROPOUT_HASH_EARLY),
                                       rows_in_place=in_place,
                                       bias_repeats=repeats[::-1])
                   for static in dkdv_configs]

@@ -161,16 +161,14 @@ class BackwardStatic:
   # `fold_cap`'s, of the cap alone; on the launch grid, never with shared
   # rows or `scores_ahead` (their walks take no slope) nor the fused dQ.
   soft_cap: float | None = None
-  # A kernel with a cap (`fold_cap` or `soft_cap`) and `overlap_softmax`:
-  # while dP's wgmma runs, P becomes P ∘ slope (the slope 1 - t² >= 0, so
-  # dropout's sign code holds) and, in dK/dV, dV's 16-bit operand, instead
-  # of P and the slope in float32 both live across the wait: 16 registers
-  # a thread fewer beside the dK, dV accumulators, 32 beside dQ's
-  # (`plan.CAP_SLOPE_AHEAD`).
+  # A dK/dV kernel with a cap (`fold_cap` or `soft_cap`) and
+  # `overlap_softmax`: while dPᵀ's wgmma runs, Pᵀ becomes dV's 16-bit
+  # operand and Pᵀ ∘ slope (the slope 1 - t² >= 0, so dropout's sign code
+  # holds), instead of Pᵀ and the slope in float32 both live across the
+  # wait: 16 registers a thread fewer beside the dK, dV accumulators
+  # (`backward.cap_slope_ahead`; benchmarks/NOTES.md, "The soft cap on the
+  # plain backward").
   cap_slope_ahead: bool = False
-  # Ranged with dropout: its kept weights hashed while S's wgmma runs
-  # (else after S is read, while dP's runs; `plan.DROPOUT_HASH_EARLY`).
-  dropout_hash_early: bool = True
   # Ranged, a bias broadcast along the queries or the keys: (own rows,
   # streamed) repeated to a tile's extent and read from its start
   # (`common.repeat_broadcast_axes`; the dK/dV kernel's own rows are keys).
@@ -739,13 +737,11 @@ def wgmma_fresh(shape, products):
                                 for _ in products])
 
 
-def wgmma_then(shape, products, first_fn, early_fn=None):
+def wgmma_then(shape, products, first_fn):
   """(first_fn(a0 @ b0), a1 @ b1, ...) into fresh f32 accumulators: all
   issued together, and `first_fn` run on the first product as soon as it is
   done, while the others are still on the tensor cores (wgmmas complete in
   issue order). A product may be a list of (a, b), their sum (`_terms`).
-  `early_fn()`, if given, runs once they are issued, before the first is
-  awaited, and its value is `first_fn`'s second argument.
   """
   def issue(first_ref, *acc_refs):
     for acc_ref, product in zip((first_ref, *acc_refs), products):
@@ -753,9 +749,7 @@ def wgmma_then(shape, products, first_fn, early_fn=None):
         wgmma(acc_ref, a, b)
     later = sum(wgmma_count(a, b) for product in products[1:]
                 for a, b in _terms(product))
-    early = () if early_fn is None else (early_fn(),)
-    first = first_fn(plgpu.wgmma_accumulator_load(first_ref, wait_n=later),
-                     *early)
+    first = first_fn(plgpu.wgmma_accumulator_load(first_ref, wait_n=later))
     return (first, *(acc_ref[...] for acc_ref in acc_refs))
 
   return pl.run_scoped(issue, *[plgpu.ACC(shape, jnp.float32)

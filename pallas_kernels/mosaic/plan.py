@@ -443,26 +443,6 @@ MASKED_SOFTCAP_FOLDED = True
 # backward_folded.md); Gemma's 8k cells fwd+bwd 301 -> 317 (global) and
 # 291 -> 312 (4k window; h100_models_softcap_backward_folded.md).
 MASKED_BACKWARD_SOFTCAP_FOLDED = True
-# The masked backward kernels whose step hashes dropout's kept weights
-# while S's (dK/dV: Sᵀ's) wgmma runs (`BackwardStatic.dropout_hash_early`);
-# the others hash after S is read, while dP's still runs. Early, the kept
-# tile's booleans are live beside the S and dP accumulators through S's
-# wait: the masked dK/dV kernel with dropout spilled 4.5e7 local-memory
-# sectors at 16k, d=128, causal, against 2.0e6 without dropout (an H100,
-# ncu). Both early until timed (`tune_mosaic --kernels dropout_hash_early`).
-DROPOUT_HASH_EARLY = ("dkdv", "dq")
-# The capped backward kernels (masked with the folded cap, plain with
-# `PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`) whose step takes P ∘ slope (and, in
-# "dkdv", dV's 16-bit P) before dP's wait (`BackwardStatic.
-# cap_slope_ahead`). In dK/dV, 64 float32 registers a thread live there
-# become 48, where the plain d=128 dK/dV
-# kernel already spills without the cap (9.9e6 local sectors at 16k,
-# h100_ncu_causal_masked.md). On an H100 at 16k, causal, cap 30, fwd+bwd
-# TFLOP/s without -> with, at d=64, 128, 256: masked backward 290 -> 314,
-# 381 -> 442, 334 -> 335; plain backward 267 -> 327, 412 -> 453, 339 ->
-# 339 (h100_mosaic_softcap_slope_ahead.md).
-# In dQ ("dq": P ∘ slope alone, 32 registers instead of 64), untimed.
-CAP_SLOPE_AHEAD = ("dkdv",)
 # The head dims at which a call whose only change beyond `is_causal` is a
 # soft cap takes the plain forward (`KernelStatic.soft_cap`, the cap folded
 # as above) instead of the masked one; its backward is as
@@ -485,9 +465,10 @@ PLAIN_ALIBI_HEAD_DIMS = (64, 128, 256)
 # masked ones, whichever forward ran (`attention._plain_cap_backward`).
 # On an H100, causal cap, fwd+bwd, masked -> plain TFLOP/s at 16k: 293 ->
 # 268, 388 -> 414, 324 -> 334 at d=64, 128, 256; at 4k 265 -> 231,
-# 327 -> 352, 290 -> 300 (h100_mosaic_softcap_plain_backward.md), with
-# `CAP_SLOPE_AHEAD` off. With it on, d=64's plain backward wins too: 314
-# -> 327 at 16k (h100_mosaic_softcap_slope_ahead.md).
+# 327 -> 352, 290 -> 300 (h100_mosaic_softcap_plain_backward.md), before
+# the slope ahead (`BackwardStatic.cap_slope_ahead`). With it, d=64's plain
+# backward wins too: 314 -> 327 at 16k, 268 -> 271 at 4k; d=128 442 -> 453
+# and 359 -> 376 (h100_mosaic_softcap_slope_ahead.md).
 PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS = (64, 128, 256)
 # The largest soft cap it takes, by P's dtype: e^cap below float16's
 # largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
