@@ -190,8 +190,9 @@ def kernels(head_dim: int):
     forms = BACKWARD_OPTIONS + ((dict(block_q=64),) * (head_dim == 64))
     if fused:  # dK and dV in one pass, whole dQ pieces
       forms += (dict(fused_dq=True, persistent=False),)
-    if narrow:  # the dQ kernel's own tiles fit
-      forms += (dict(dq_tiles=(64, 128), persistent=False),)
+    if narrow:  # the dQ kernel's own tiles fit, on either grid
+      forms += (dict(dq_tiles=(64, 128), persistent=False),
+                dict(dq_tiles=(64, 128), persistent=True, num_ctas=3))
     if shared:
       forms += (dict(shared_rows=True, persistent=False),
                 dict(shared_rows=True, persistent=True, num_ctas=3),

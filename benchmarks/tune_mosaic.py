@@ -68,12 +68,12 @@ LEAN_SPACE = dict(lean_producer=(False, True), fused_dq=(False,))
 AHEAD_SPACE = dict(scores_ahead=(False, True), fused_dq=(False,),
                    persistent=(False,))
 # The dQ kernel on tiles of its own, against the dK/dV kernel's (d=64's
-# 128 x 64), on the launch grid; first the plan's own row (at d=64 under
-# causal masking up to 8k the persistent grid, whose 128 x 64 dQ tiles
-# spill, h100_spill_survey.md).
+# 128 x 64), on the launch grid and on the persistent one; first the
+# plan's own row (at d=64 under causal masking up to 8k the persistent
+# grid, whose 128 x 64 dQ tiles spill, h100_spill_survey.md).
 DQ_TILES_CANDIDATES = [{}] + [
-    dict(fused_dq=False, persistent=False, dq_tiles=tiles)
-    for tiles in (None, (64, 128), (64, 64))]
+    dict(fused_dq=False, persistent=persistent, dq_tiles=tiles)
+    for persistent in (False, True) for tiles in (None, (64, 128), (64, 64))]
 BACKWARD_STAGES_SPACE = dict(max_concurrent_steps=(2, 3))
 # dK/dV on K/V copies, MQA (one K/V head for the cell's 2048 / head_dim
 # query heads: batch x K/V tiles CTAs, 128 at the standard grid's

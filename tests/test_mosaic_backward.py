@@ -373,6 +373,8 @@ def _assert_bitwise_either_way(option, head_dim, is_causal, seed, *,
     # barrier phase off by one across tiles would not).
     (64, "persistent", dict(num_ctas=3)), (64, "persistent", {}),
     (128, "persistent", dict(num_ctas=3)), (256, "persistent", {}),
+    # The dQ kernel's own tiles on either grid.
+    (64, "persistent", dict(dq_tiles=(64, 128), num_ctas=3)),
 ], ids=str)
 def test_schedule_choices_are_bitwise_on_gpu(head_dim, option, kwargs,
                                              is_causal):

@@ -214,6 +214,11 @@ BACKWARD_CASES = [
     # kernels' diagonals differ.
     (Case(1, 256, 256, 1, 1, 64), True,
      dict(block_q=128, persistent=False, dq_tiles=(64, 128))),
+    # The same on the persistent grid (both named: a planned persistent
+    # grid drops the plan's dQ tiles), GQA 2:1, two CTAs for the dQ
+    # kernel's eight tiles.
+    (Case(1, 256, 256, 2, 1, 64), True,
+     dict(block_q=128, persistent=True, num_ctas=3, dq_tiles=(64, 128))),
     # dK/dV on two copies of each K/V head of GQA 4:2, each walking one
     # query head (`kv_head_copies`), the copies summed after (copies in
     # another order would pair query heads with the wrong K/V head).
