@@ -450,10 +450,10 @@ def _check_masked_backward_without_scores(monkeypatch, case, variants, *,
                                           seed, why, flag=None,
                                           q_factor=1.0):
   """`mosaic_backward_masked` under `variants` with `plan.<flag>` (if
-  given) on and `masking.modify_scores` patched to fail inside the kernels (raising
-  `why`), so that the form under test is the one taken: dq, dk, dv (and
-  dbias with a bias) against the reference under random cotangents, on
-  the reference's out and lse."""
+  given) on and `masking.modify_scores` patched to fail inside the
+  kernels (raising `why`), so that the form under test is the one taken:
+  dq, dk, dv (and dbias with a bias) against the reference under random
+  cotangents, on the reference's out and lse."""
   from pallas_kernels import masking as kernel_masking
   from pallas_kernels.mosaic import backward, plan
   from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
