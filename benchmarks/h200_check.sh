@@ -305,8 +305,11 @@ PY
       IFS=: read -r mode seq d causal <<< "${NCU_CELL:-fwd_bwd:16384:128:causal}"
       name=ncu_${mode}_${seq}_${d}${causal:+_causal}
       # NCU_MASKS: rows of benchmarks.masks, several separated by ';'
+      # ("none": the implementations alone, say NCU_IMPLS="jax_flash_mosaic_fp8
+      # cudnn_fp8" with NCU_CELL=fwd:16384:128)
       IFS=';' read -ra mask_rows <<< "${NCU_MASKS:-causal as mask_fn}"
-      cell_args=(--seq "$seq" --head-dim "$d" ${causal:+--causal} --masks "${mask_rows[@]}")
+      cell_args=(--seq "$seq" --head-dim "$d" ${causal:+--causal})
+      [ "${NCU_MASKS:-}" = none ] || cell_args+=(--masks "${mask_rows[@]}")
       if [ -n "${NCU_MODEL_CELL:-}" ]; then
         name=ncu_${mode}_$NCU_MODEL_CELL; cell_args=(--model-cell "$NCU_MODEL_CELL")
       fi
