@@ -112,7 +112,8 @@ def test_backward_plan_follows_its_rows():
   assert config(64, True, 16384 + 8).dq_tiles == (64, 128)
   assert config(64, True, 1000).block_q == 128
   assert config(64, True, 1000 + 4).block_q == 64          # off 8-row TMA
-  assert config(64, True, 16384, persistent=True).dq_tiles is None
+  # The persistent grid keeps the plan's dQ tiles.
+  assert config(64, True, 16384, persistent=True).dq_tiles == (64, 128)
   assert config(128, False, 16384).fused_dq
   assert not config(128, False, 16384 + 64).fused_dq         # one consumer
   assert not config(128, False, 16384, persistent=True).fused_dq

@@ -27,7 +27,9 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                        q_descale_rows: int | None = None,
                        k_descale_rows: int | None = None,
                        max_concurrent_steps: int = 2,
-                       lazy_rescale: bool | None = None):
+                       lazy_rescale: bool | None = None,
+                       split_handover: bool | None = None,
+                       tile_fastest: bool | None = None):
   """FlashAttention-3 forward on float8_e4m3fn inputs (FA3 §3.3).
 
   Q·Kᵀ and P·V run as FP8 wgmma with float32 accumulation; P is rounded to
@@ -63,6 +65,9 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
       P V, then stays below 2**8 = 256, within e4m3's 448, and keeps
       e4m3's relative precision. None: at
       `plan.FP8_LAZY_RESCALE_HEAD_DIMS`.
+    split_handover, tile_fastest: the consumers' split rendezvous and the
+      launch order of a head's tiles together (`forward.KernelStatic`);
+      None: `plan.FP8_SPLIT_HANDOVER`, `plan.FP8_TILE_FASTEST`.
 
   Any q_len: Q is padded with zero rows to the kernel's tile (block_q
   times the consumers) and their outputs dropped; causal masks are top-left
@@ -123,8 +128,12 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
   key, value = (masked.pad_rows(x, block_kv) for x in (key, value))
   if lazy_rescale is None:
     lazy_rescale = query.shape[-1] in plan.FP8_LAZY_RESCALE_HEAD_DIMS
-  static = dataclasses.replace(static,
-                               **forward.rescale_fields(lazy_rescale))
+  static = dataclasses.replace(
+      static, **forward.rescale_fields(lazy_rescale),
+      split_handover=(plan.FP8_SPLIT_HANDOVER if split_handover is None
+                      else bool(split_handover)),
+      tile_fastest=(plan.FP8_TILE_FASTEST if tile_fastest is None
+                    else bool(tile_fastest)))
   descale = descale_rows(
       query.shape, key.shape,
       per_tile(q_descale, q_descale_rows, q_len, block_q,

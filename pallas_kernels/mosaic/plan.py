@@ -247,14 +247,18 @@ BACKWARD_PLAN: tuple[tuple[int, bool, Range, Range, BackwardConfig], ...] = (
     # 400 -> 421 at 16k, where it passed the fused dQ's 411
     # (h200_mosaic_scores_ahead.md); under causal masking the dQ kernel on
     # 64 x 128 tiles, 381 -> 391 at 16k, 331 -> 337 at 4k
-    # (h200_mosaic_dq_tiles.md).
+    # (h200_mosaic_dq_tiles.md), on either grid: against 128 x 64 (which
+    # spill 516 bytes) 335-342 -> 342-347 on the persistent grid at 4k,
+    # 359-361 -> 366-373 on the launch grid at 8k, where each grid beat
+    # the other by 1-2% (an H100, h100_mosaic_dq_tiles_persistent.md).
     (64, False, ANY, up_to(1024), BackwardConfig(block_q=128,
                                                  persistent=True)),
     (64, False, ANY, above(1024), BackwardConfig(block_q=128,
                                                  scores_ahead=True)),
-    (64, True, ANY, up_to(8192), BackwardConfig(block_q=128,
-                                                persistent=True)),
-    (64, True, ANY, above(8192), BackwardConfig(block_q=128,
+    (64, True, ANY, up_to(4096), BackwardConfig(block_q=128,
+                                                persistent=True,
+                                                dq_tiles=(64, 128))),
+    (64, True, ANY, above(4096), BackwardConfig(block_q=128,
                                                 dq_tiles=(64, 128))),
     # d=128: the persistent grid up to kv_len 1k (+8% / +11% at 1k, -3% /
     # -17% at 4k, h200_mosaic_persistent_backward.md). lse read before
@@ -304,8 +308,7 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
   the lengths (but ragged ones) to the dK/dV kernel's; Sᵀ ahead without a
   ring of two stages or `overlap_softmax` to off. A persistent grid or dQ tiles
   named in `options` ask for the two kernels, and the fused dQ for the
-  launch grid; a persistent grid drops the plan's Sᵀ ahead and dQ
-  tiles.
+  launch grid; a persistent grid drops the plan's Sᵀ ahead.
   """
   config = dataclasses.replace(
       _row(BACKWARD_PLAN, head_dim, is_causal, q_len, kv_len), **options)
@@ -333,9 +336,8 @@ def backward_config(*, head_dim: int, is_causal: bool, q_len: int,
     config = dataclasses.replace(config, shared_rows=False)
   if planned("persistent") and options.get("fused_dq"):
     config = dataclasses.replace(config, persistent=False)
-  if planned("dq_tiles") and config.dq_tiles and (
-      config.persistent or (not ragged and (q_len % config.dq_tiles[0]
-                                            or kv_len % config.dq_tiles[1]))):
+  if planned("dq_tiles") and config.dq_tiles and not ragged and (
+      q_len % config.dq_tiles[0] or kv_len % config.dq_tiles[1]):
     config = dataclasses.replace(config, dq_tiles=None)
   if planned("scores_ahead") and config.scores_ahead and (
       config.persistent or config.max_concurrent_steps < 2
@@ -411,6 +413,14 @@ FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
 # (h100_mosaic_fp8_tiles.md). A K factor of "block" scales
 # (`jax_flash.fp8.K_BLOCK_ROWS` rows) covers whole tiles of every head dim.
 FP8_BLOCK_KV = {64: 256, 128: 256, 256: 128}
+# The FP8 forward's schedule, two choices the plain 16-bit form takes
+# (`forward.KernelStatic`): the split rendezvous (+1.3% / +2.0% / +7.0% at
+# d=64 / 128 / 256 in 16 bits, h200_mosaic_schedule.md) and a head's tiles
+# launched together (+2.3% to +2.6% causal, h200_mosaic_forward_tile_
+# order.md). Not yet timed in FP8 (`tune_mosaic --kernels
+# forward_fp8_schedule`).
+FP8_SPLIT_HANDOVER = False
+FP8_TILE_FASTEST = False
 # The masked kernels add causal ALiBi as a term per key and one per query
 # (`common.alibi_columns`; `KernelStatic.alibi_columns` in the forward,
 # `BackwardStatic.alibi_columns` in dQ and dK/dV) instead of a slope times
