@@ -48,6 +48,7 @@ from pallas_kernels.mosaic.backward import mosaic_backward
 from pallas_kernels.mosaic.forward import mosaic_forward
 from pallas_kernels.mosaic.masked import mosaic_forward_masked
 from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
+from pallas_kernels.mosaic import plan
 
 # Each choice the plans make, turned the other way (or to another value),
 # beside the plan itself ({}), where the kernels take them (three
@@ -371,7 +372,9 @@ def calls():
         for per_block in (False, True):
           q_descale = f32(batch, heads, seq // 64) if per_block else f32(
               batch, heads)
-          k_descale = f32(batch, heads, seq // (64 if d > 128 else 128)) if (
+          # Per-block K factors of the planned tile's rows (the kernel's
+          # default k_descale_rows).
+          k_descale = f32(batch, heads, seq // plan.FP8_BLOCK_KV[d]) if (
               per_block) else f32(batch, heads)
           forward = lambda q, k, v, a, b, c, d=d, causal=causal: (
               mosaic_forward_fp8(q, k, v, q_descale=a, k_descale=b,

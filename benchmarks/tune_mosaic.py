@@ -150,11 +150,6 @@ BETWEEN_TILES_SPACE = dict(block_kv=(64, 128))
 # candidate that does not fit shared memory is recorded as refused.
 FP8_TILES_SPACE = dict(block_kv=(64, 128, 256),
                        max_concurrent_steps=(2, 3))
-# The plain 16-bit forward's schedule in FP8 (`plan.FP8_SPLIT_HANDOVER`,
-# `plan.FP8_TILE_FASTEST`): the plan's row first, then each alone and both.
-FP8_SCHEDULE_CANDIDATES = [{}, dict(split_handover=True),
-                           dict(tile_fastest=True),
-                           dict(split_handover=True, tile_fastest=True)]
 
 
 # The masked kernels on a causal sliding window of MASKED_WINDOW keys
@@ -450,9 +445,6 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                    FP8_RESCALE_SPACE, 1.0, (False, True)),
            "forward_fp8_tiles": (fp8_forward_benchmark, FP8_TILES_SPACE, 1.0,
                                  (False, True)),
-           "forward_fp8_schedule": (fp8_forward_benchmark,
-                                    FP8_SCHEDULE_CANDIDATES, 1.0,
-                                    (False, True)),
            "score_changes": (score_change_benchmark, SCORE_CHANGE_SPACE,
                              1.0, (True,)),
            "alibi_columns": (score_change_benchmark,

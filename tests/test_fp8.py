@@ -466,18 +466,6 @@ def test_mosaic_kernel_on_each_tile_on_gpu(head_dim, block_kv, is_causal):
                        granularity="tensor")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_mosaic_kernel_on_the_plain_schedule_on_gpu(head_dim, is_causal):
-  """As above with the plain 16-bit forward's schedule (the split
-  rendezvous, a head's tiles launched together; `plan.FP8_SPLIT_HANDOVER`,
-  `plan.FP8_TILE_FASTEST`), kv_len 2048."""
-  _check_kernel_on_gpu(head_dim, 2048, is_causal, False,
-                       granularity="tensor", split_handover=True,
-                       tile_fastest=True)
-
-
 def _check_kernel_on_gpu(head_dim, seq, is_causal, incoherent, *,
                          granularity="block", **options):
   """The rule of `test_mosaic_kernel_matches_dequantised_reference_on_gpu`

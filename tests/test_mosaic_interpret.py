@@ -685,15 +685,12 @@ def test_interpreted_alibi_route(monkeypatch):
                      alibi_slopes=slopes)
 
 
-_FP8_SCHEDULE = dict(split_handover=True, tile_fastest=True)
-
-
-@pytest.mark.parametrize("head_dim, block_kv, kv_len, options", [
-    (64, 64, 128, {}), (256, 128, 128, {}), (128, 256, 512, {}),
-    (64, 64, 197, {}), (128, 256, 200, {}), (64, 64, 256, _FP8_SCHEDULE)])
+@pytest.mark.parametrize("head_dim, block_kv, kv_len", [
+    (64, 64, 128), (256, 128, 128), (128, 256, 512), (64, 64, 197),
+    (128, 256, 200), (64, 64, 256)])
 @pytest.mark.parametrize("is_causal", [slow(False), slow(True)])
 def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
-                                                   block_kv, kv_len, options):
+                                                   block_kv, kv_len):
   """The FP8 forward (P as wgmma's register operand, V's keys permuted in
   its transpose, `mosaic_interpret` giving `fp8_operand`'s permutation of
   P) against float32 attention within twice the emulated FP8
@@ -705,9 +702,8 @@ def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
   on a 256-key tile). Fails if
   V's keys are left in order (error 0.64 against 0.014), if the second
   piece holds the first's columns (3.4-4.7 against 0.2), or if it is
-  stored over the first (NaN: the columns never written). The plain
-  16-bit form's schedule (`options`: the split rendezvous, a head's tiles
-  launched together) over four 64-key tiles."""
+  stored over the first (NaN: the columns never written). Four 64-key
+  tiles of two heads' query tiles, launched a head's tiles together."""
   from benchmarks.fp8_accuracy import emulated_fp8_attention
   from jax_flash import fp8 as public_fp8
   from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
@@ -719,7 +715,7 @@ def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
   out, _ = mosaic_interpret.run(
       mosaic_forward_fp8, q8.data, k8.data, v8.data, q_descale=q8.descale,
       k_descale=k8.descale, v_descale=v8.descale, scale=0.125,
-      is_causal=is_causal, block_kv=block_kv, **options)
+      is_causal=is_causal, block_kv=block_kv)
   exact = naive_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
                           is_causal=is_causal, scale=0.125)[0]
   emulated = emulated_fp8_attention(q8, k8, v8, is_causal=is_causal,

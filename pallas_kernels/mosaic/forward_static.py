@@ -48,8 +48,8 @@ class KernelStatic:
   # arrives at the hand-over barrier, then waits for V, then for the
   # other, instead of waiting for V after the whole rendezvous; 1.3%,
   # 2.0% and 7.0% faster at head_dim 64, 128, 256 (16k,
-  # h200_mosaic_schedule.md). The plain form's; the masked and FP8 forms
-  # keep the whole rendezvous (not measured with it).
+  # h200_mosaic_schedule.md). The plain and masked forms'; the FP8 form's
+  # where `plan.FP8_SPLIT_HANDOVER` says.
   split_handover: bool = False
   # Persistent grid (`persistent_kernel`): `num_ctas` CTAs (one per SM) walk
   # the tiles in turn, so that a tile's prologue (Q and the first K/V
@@ -64,10 +64,10 @@ class KernelStatic:
   # Shared memory of every buffer but O's staged apart (`check_supported`).
   smem_bytes: int = 0
   # Launch grid order: a head's query tiles launched together, so that the
-  # CTAs at work at once stream the same K/V through L2 (the plain form's:
-  # +2.3% at d=256 and +2.6% at d=128 causal at 16k,
-  # h200_mosaic_forward_tile_order.md), rather than the same tile of many
-  # heads (the masked and FP8 forms').
+  # CTAs at work at once stream the same K/V through L2 (every form sets
+  # it: the plain one +2.3% at d=256 and +2.6% at d=128 causal at 16k,
+  # h200_mosaic_forward_tile_order.md; FP8 +3.8-4.1% at 16k,
+  # h100_mosaic_fp8_schedule.md), rather than the same tile of many heads.
   tile_fastest: bool = False
   # Consumer warpgroups (plain form; 2 elsewhere). With three the last tile
   # of a (batch, head) may be short: a consumer whose rows start past q_len

@@ -413,14 +413,13 @@ FP8_LAZY_RESCALE_HEAD_DIMS = (256,)
 # (h100_mosaic_fp8_tiles.md). A K factor of "block" scales
 # (`jax_flash.fp8.K_BLOCK_ROWS` rows) covers whole tiles of every head dim.
 FP8_BLOCK_KV = {64: 256, 128: 256, 256: 128}
-# The FP8 forward's schedule, two choices the plain 16-bit form takes
-# (`forward.KernelStatic`): the split rendezvous (+1.3% / +2.0% / +7.0% at
-# d=64 / 128 / 256 in 16 bits, h200_mosaic_schedule.md) and a head's tiles
-# launched together (+2.3% to +2.6% causal, h200_mosaic_forward_tile_
-# order.md). Not yet timed in FP8 (`tune_mosaic --kernels
-# forward_fp8_schedule`).
-FP8_SPLIT_HANDOVER = False
-FP8_TILE_FASTEST = False
+# (head_dim, causal) where the FP8 forward's consumers split their
+# rendezvous as the 16-bit forwards' do (`KernelStatic.split_handover`).
+# On an H100 at 16k, with a head's tiles launched together, two rounds:
+# causal d=64 469 -> 513 TFLOP/s; causal d=128 813 -> 802, d=256 1,131 ->
+# 1,090; without a mask 570 -> 547, 929 -> 875, 1,202 -> 1,131
+# (h100_mosaic_fp8_schedule.md).
+FP8_SPLIT_HANDOVER = ((64, True),)
 # The masked kernels add causal ALiBi as a term per key and one per query
 # (`common.alibi_columns`; `KernelStatic.alibi_columns` in the forward,
 # `BackwardStatic.alibi_columns` in dQ and dK/dV) instead of a slope times
