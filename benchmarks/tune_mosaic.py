@@ -297,12 +297,14 @@ def masked_schedule(form: str):
   running max for "softcap_with_max" (`plan.MASKED_MAX_FREE_HEAD_DIMS`
   empty), its multiplies not folded into the scales for "softcap_unfolded"
   (`plan.MASKED_SOFTCAP_FOLDED` off), and in the backward for
-  "softcap_backward_folded" (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED` on);
-  as planned for any other."""
+  "softcap_backward_folded" (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED` on),
+  P rounded in pairs for "softcap_pairs" (`plan.MASKED_MAX_FREE_ROUNDED_
+  PAIRS` on); as planned for any other."""
   from pallas_kernels.mosaic import masked, plan
   choices = {"alibi_tiles": ("MASKED_ALIBI_COLUMNS", False),
              "softcap_with_max": ("MASKED_MAX_FREE_HEAD_DIMS", ()),
              "softcap_unfolded": ("MASKED_SOFTCAP_FOLDED", False),
+             "softcap_pairs": ("MASKED_MAX_FREE_ROUNDED_PAIRS", True),
              "softcap_backward_folded": ("MASKED_BACKWARD_SOFTCAP_FOLDED",
                                          True)}
   if form in choices:
@@ -468,7 +470,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                           change=("softcap",)), 3.5, (True,)),
            "max_free": (score_change_benchmark,
                         dict(form=("plain", "softcap_with_max", "softcap",
-                                   "softcap_plain")),
+                                   "softcap_pairs", "softcap_plain")),
                         1.0, (True,)),
            "softcap_folded": (score_change_benchmark,
                               dict(form=("plain", "softcap_unfolded",

@@ -124,6 +124,11 @@ class KernelStatic:
   # sum (benchmarks/diagnostics/max_free_rounding).
   # (Ranged only: never with the plain form's `sum_after_pv`.)
   max_free: bool = False
+  # With `max_free`, P rounded once for both P V and l_pv, two scores a PTX
+  # conversion (`softmax.rounded_pairs`), where `astype` twice lowered to
+  # one conversion a score and a byte permute a pair.
+  # `plan.MASKED_MAX_FREE_ROUNDED_PAIRS`.
+  rounded_pairs: bool = False
   # Ranged, a soft cap: its multiplies by 1 / cap and by cap folded into
   # the score's scale and exp2's (`masking.modify_scores_folded`), two
   # fewer a score where the cap is the only change. `plan.

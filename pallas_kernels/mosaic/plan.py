@@ -436,6 +436,15 @@ MASKED_ALIBI_COLUMNS = True
 # (tokamax's form) had won at both, +5% / +11%, but rounds each row's
 # dominant weight (benchmarks/NOTES.md, "Soft cap without a running max").
 MASKED_MAX_FREE_HEAD_DIMS = (256,)
+# There, P rounded to 16 bits two scores a conversion, once for P V and
+# the row sum P V takes (`KernelStatic.rounded_pairs`): Gemma's 4k window
+# forward (this kernel at d=256) spent ~65M of its 432M warp instructions
+# rounding P a score at a time, widening it back and packing the pairs
+# (F2F 25.6M on the MUFU's pipe, tokamax's 14M F2FP for two a
+# conversion; h100_ncu_gemma_softcap_vs_tokamax.md). Bitwise the same
+# rounding (`cvt.rn`); not yet timed (`tune_mosaic --kernels max_free`,
+# form "softcap_pairs").
+MASKED_MAX_FREE_ROUNDED_PAIRS = False
 # The cap's multiplies by 1 / cap (before the tanh) and by cap (after it)
 # folded into the score's scale and exp2's (`KernelStatic.fold_cap`,
 # `masking.modify_scores_folded`): two FMULs fewer a score for a cap
