@@ -228,12 +228,12 @@ def test_folded_cap_lowers_with_fewer_multiplies(cuda_lowering,
 def test_max_free_forward_rounds_p_in_pairs(cuda_lowering, monkeypatch,
                                             dtype):
   """Without a running max (`KernelStatic.max_free`: the cap at d=256) and
-  with `plan.MASKED_MAX_FREE_ROUNDED_PAIRS`, P is rounded once for both P V
+  with `plan.MAX_FREE_ROUNDED_PAIRS`, P is rounded once for both P V
   and the row sum P V takes, two scores a PTX conversion
   (`softmax.rounded_pairs`); the running max's kernel (d=128) rounds by
   `astype`. The cap of 5 is within float16's bound."""
   from pallas_kernels.mosaic import plan
-  monkeypatch.setattr(plan, "MASKED_MAX_FREE_ROUNDED_PAIRS", True)
+  monkeypatch.setattr(plan, "MAX_FREE_ROUNDED_PAIRS", True)
   name = "bf16" if dtype == jnp.bfloat16 else "f16"
 
   def lowered(head_dim):
@@ -545,7 +545,7 @@ def test_max_free_forward_matches_reference_on_gpu(head_dim, dtype, cap,
                                         (jnp.float16, 10.0)])
 def test_rounded_pairs_are_bitwise_astype_on_gpu(head_dim, dtype, cap,
                                                  monkeypatch):
-  """P rounded two scores a PTX conversion (`plan.MASKED_MAX_FREE_ROUNDED_
+  """P rounded two scores a PTX conversion (`plan.MAX_FREE_ROUNDED_
   PAIRS`) rounds as `astype` does, each score into its own half: the
   max-free forward's out and lse bitwise the same with it and without
   (a swap of the halves would move weights between keys)."""
@@ -560,7 +560,7 @@ def test_rounded_pairs_are_bitwise_astype_on_gpu(head_dim, dtype, cap,
   operands = masked_operand_kwargs(call.operands)
 
   def run(paired):
-    monkeypatch.setattr(plan, "MASKED_MAX_FREE_ROUNDED_PAIRS", paired)
+    monkeypatch.setattr(plan, "MAX_FREE_ROUNDED_PAIRS", paired)
     return jax.jit(lambda q, k, v: mosaic_forward_masked(
         q, k, v, scale=call.scale, spec=call.spec, **operands))(q * 4, k, v)
   for want, got in zip(run(False), run(True)):

@@ -444,7 +444,17 @@ MASKED_MAX_FREE_HEAD_DIMS = (256,)
 # conversion; h100_ncu_gemma_softcap_vs_tokamax.md). Bitwise the same
 # rounding (`cvt.rn`); not yet timed (`tune_mosaic --kernels max_free`,
 # form "softcap_pairs").
-MASKED_MAX_FREE_ROUNDED_PAIRS = False
+MAX_FREE_ROUNDED_PAIRS = False
+# The plain capped forward (`PLAIN_SOFTCAP_HEAD_DIMS`) without a running max
+# too, at these plan head dims (`max_free_cap(plain=True)`): it lost there
+# with two sums, 632 -> 587 at d=256 (above), where one unrounded sum had
+# won; with P rounded in pairs (`MAX_FREE_ROUNDED_PAIRS`) the second sum
+# costs a widening and an add a score. Gemma's global layer (the plain
+# capped d=256 forward) is 0.93x tokamax's forward, which drops its max
+# under a cap (h100_ncu_gemma_softcap_vs_tokamax.md). Not yet timed
+# (`tune_mosaic --kernels max_free`, forms "softcap_plain_max_free" and
+# "softcap_plain_pairs").
+PLAIN_MAX_FREE_HEAD_DIMS = ()
 # The cap's multiplies by 1 / cap (before the tanh) and by cap (after it)
 # folded into the score's scale and exp2's (`KernelStatic.fold_cap`,
 # `masking.modify_scores_folded`): two FMULs fewer a score for a cap
@@ -494,11 +504,14 @@ PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS = (64, 128, 256)
 MAX_FREE_SOFT_CAPS = {"bfloat16": 60.0, "float16": 10.0}
 
 
-def max_free_cap(cap: float | None, dtype, head_dim: int) -> bool:
-  """Whether the masked forward at `head_dim` skips its running max
-  (`KernelStatic.max_free`, at `MASKED_MAX_FREE_HEAD_DIMS`): a soft cap
+def max_free_cap(cap: float | None, dtype, head_dim: int, *,
+                 plain: bool = False) -> bool:
+  """Whether the masked forward at `head_dim` (the plain one with `plain`)
+  skips its running max (`KernelStatic.max_free`, at
+  `MASKED_MAX_FREE_HEAD_DIMS`, `PLAIN_MAX_FREE_HEAD_DIMS`): a soft cap
   bounds every logit, so P = e^s, |s| <= cap, stays in range for caps up
   to `MAX_FREE_SOFT_CAPS` of P's dtype."""
-  return (plan_head_dim(head_dim) in MASKED_MAX_FREE_HEAD_DIMS
+  head_dims = PLAIN_MAX_FREE_HEAD_DIMS if plain else MASKED_MAX_FREE_HEAD_DIMS
+  return (plan_head_dim(head_dim) in head_dims
           and cap is not None
           and cap <= MAX_FREE_SOFT_CAPS.get(np.dtype(dtype).name, 0.0))
