@@ -224,7 +224,8 @@ def test_folded_cap_lowers_with_fewer_multiplies(cuda_lowering,
   assert count("arith.mulf") < unfolded and count("tanh.approx") > 0
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [
+    jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
 def test_max_free_forward_rounds_p_in_pairs(cuda_lowering, monkeypatch,
                                             dtype):
   """Without a running max (`KernelStatic.max_free`: the cap at d=256) and
