@@ -395,6 +395,19 @@ def calls():
              f"causal{int(causal)}", forward,
              (x, x, x, f32(batch, heads), f32(batch, heads),
               f32(batch, heads)))
+  # The FP8 forward on the persistent grid (`plan.FP8_PERSISTENT`).
+  for seq in (4096, 16384):
+    for d in (64, 128, 256):
+      batch, heads = 16384 // seq, 2048 // d
+      x = fp8(batch, seq, heads, d)
+      for causal in (False, True):
+        forward = lambda q, k, v, a, b, c, d=d, causal=causal: (
+            mosaic_forward_fp8(q, k, v, q_descale=a, k_descale=b,
+                               v_descale=c, scale=d**-0.5, is_causal=causal,
+                               persistent=True))
+        yield (f"fp8 persistent seq{seq} d{d} causal{int(causal)}", forward,
+               (x, x, x, f32(batch, heads), f32(batch, heads),
+                f32(batch, heads)))
   # The plain FP8 forward on a key tail: kv_len 1001 (K/V padded to whole
   # blocks, the last one masked past kv_len without a causal mask).
   for d in (64, 128, 256):

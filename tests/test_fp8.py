@@ -466,6 +466,15 @@ def test_mosaic_kernel_on_each_tile_on_gpu(head_dim, block_kv, is_causal):
                        granularity="tensor")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_mosaic_kernel_on_the_persistent_grid_on_gpu(head_dim, is_causal):
+  """As above on the persistent grid (`plan.FP8_PERSISTENT`): each CTA's
+  tiles of several (batch, head)s, block scales, kv_len 2048."""
+  _check_kernel_on_gpu(head_dim, 2048, is_causal, False, persistent=True)
+
+
 def _check_kernel_on_gpu(head_dim, seq, is_causal, incoherent, *,
                          granularity="block", **options):
   """The rule of `test_mosaic_kernel_matches_dequantised_reference_on_gpu`

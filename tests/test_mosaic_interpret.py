@@ -699,12 +699,16 @@ def test_interpreted_alibi_route(monkeypatch):
                      alibi_slopes=slopes)
 
 
-@pytest.mark.parametrize("head_dim, block_kv, kv_len", [
-    (64, 64, 128), (256, 128, 128), (128, 256, 512), (64, 64, 197),
-    (128, 256, 200), (64, 64, 256)])
+_FP8_PERSISTENT = dict(persistent=True, num_ctas=3)
+
+
+@pytest.mark.parametrize("head_dim, block_kv, kv_len, options", [
+    (64, 64, 128, {}), (256, 128, 128, {}), (128, 256, 512, {}),
+    (64, 64, 197, {}), (128, 256, 200, {}), (64, 64, 256, {}),
+    (64, 64, 256, _FP8_PERSISTENT), (256, 128, 256, _FP8_PERSISTENT)])
 @pytest.mark.parametrize("is_causal", [slow(False), slow(True)])
 def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
-                                                   block_kv, kv_len):
+                                                   block_kv, kv_len, options):
   """The FP8 forward (P as wgmma's register operand, V's keys permuted in
   its transpose, `mosaic_interpret` giving `fp8_operand`'s permutation of
   P) against float32 attention within twice the emulated FP8
@@ -717,19 +721,26 @@ def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
   V's keys are left in order (error 0.64 against 0.014), if the second
   piece holds the first's columns (3.4-4.7 against 0.2), or if it is
   stored over the first (NaN: the columns never written). Four 64-key
-  tiles of two heads' query tiles, launched a head's tiles together."""
+  tiles of two heads' query tiles, launched a head's tiles together; and
+  on the persistent grid (`options`): 512 queries, three CTAs walking
+  the eight tiles of two heads, each tile's descale row copied in turn
+  (head 1's queries 4x head 0's, so a factor read for the wrong head is
+  4x off), O (two column pieces at d=256) through the FP8 O buffer."""
   from benchmarks.fp8_accuracy import emulated_fp8_attention
   from jax_flash import fp8 as public_fp8
   from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
   keys = jax.random.split(jax.random.key(21), 3)
+  q_len = 512 if options else 128
   q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key, shape in
-             zip(keys, ((1, 128, 2, head_dim), (1, kv_len, 1, head_dim),
+             zip(keys, ((1, q_len, 2, head_dim), (1, kv_len, 1, head_dim),
                         (1, kv_len, 1, head_dim))))
+  if options:
+    q = q * jnp.array([1.0, 4.0], jnp.bfloat16)[:, None]
   q8, k8, v8 = (public_fp8.quantize_fp8(x) for x in (q, k, v))
   out, _ = mosaic_interpret.run(
       mosaic_forward_fp8, q8.data, k8.data, v8.data, q_descale=q8.descale,
       k_descale=k8.descale, v_descale=v8.descale, scale=0.125,
-      is_causal=is_causal, block_kv=block_kv)
+      is_causal=is_causal, block_kv=block_kv, **options)
   exact = naive_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
                           is_causal=is_causal, scale=0.125)[0]
   emulated = emulated_fp8_attention(q8, k8, v8, is_causal=is_causal,

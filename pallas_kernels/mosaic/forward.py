@@ -222,17 +222,18 @@ def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
                       ) -> KernelStatic:
   """`static` for the persistent grid over query tiles of `q_shape`
   (`forward_persistent`)."""
-  if static.fp8 or static.ranged:
-    raise NotImplementedError("the FP8 and masked forwards have no "
-                              "persistent grid")
+  if static.ranged:
+    raise NotImplementedError("the masked forward has no persistent grid")
   batch, q_len, num_heads, head_dim = q_shape
   num_ctas = persistent_num_ctas(
       num_ctas, paired=static.is_causal,
       num_tiles=batch * num_heads * pl.cdiv(q_len, static.tile_rows))
   o_bytes = static.tile_rows * (head_dim * static.dtype.itemsize + 4)
+  # FP8's O has a buffer of its own already (never Q's).
   return dataclasses.replace(
       static, persistent=True, num_ctas=num_ctas,
-      stage_o_apart=static.smem_bytes + o_bytes <= _FORWARD_SMEM_LIMIT_BYTES)
+      stage_o_apart=not static.fp8 and (
+          static.smem_bytes + o_bytes <= _FORWARD_SMEM_LIMIT_BYTES))
 
 
 def launch(static: KernelStatic, query, key, value, descale=None, plan=None,

@@ -129,7 +129,7 @@ def _plain_mask(q_start, step, static: KernelStatic):
   return mask
 
 
-class _Fp8Refs(NamedTuple):
+class Fp8Refs(NamedTuple):
   """One consumer's extra refs in the FP8 kernel."""
   descale_gmem: Any    # float32 [n / 32, 32]: this (batch, head)'s factors
   descale_smem: Any    # float32 [n / 32, 32]
@@ -288,7 +288,7 @@ def forward_kernel(*refs, static: KernelStatic):
     plgpu.set_max_registers(consumer_registers, action="increase")
     turns.seed_turns(pingpong, wg, static)
     if static.fp8:
-      fp8 = _Fp8Refs(descale_ref.at[batch, head], descale_smem.at[wg],
+      fp8 = Fp8Refs(descale_ref.at[batch, head], descale_smem.at[wg],
                      descale_arrived.at[wg], o_smem.at[wg])
     else:
       fp8 = None
@@ -406,7 +406,7 @@ def _kv_rows(step, static: KernelStatic):
 def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
             q_arrived, k_arrived, v_arrived, k_consumed, v_consumed,
             pingpong, *, batch, head, wg, tile_start, static: KernelStatic,
-            fp8: _Fp8Refs | None, plan,
+            fp8: Fp8Refs | None, plan,
             segments: SegmentRefs | None = None, tile: Tile | None = None,
             slopes: SlopeRows | None = None, bias: ScoreTiles | None = None,
             dense_mask: ScoreTiles | None = None, sink_of=None):
@@ -817,7 +817,7 @@ def _with_sink(m, l, sink, l_pv=None):
   return alpha / l_o, add_unfused(m_total * _LN2, jnp.log(l_total))
 
 
-def _descale(fp8: _Fp8Refs, i):
+def _descale(fp8: Fp8Refs, i):
   """Factor i of the FP8 descale row, stored [n / 32, 32] (see
   `fp8.descale_rows`)."""
   return fp8.descale_smem[i // DESCALE_WIDTH, i % DESCALE_WIDTH]

@@ -27,7 +27,8 @@ from pallas_kernels.mosaic.common import (
     SlopeRows, copy_slopes, persistent_schedule, register_split,
     slope_reader)
 from pallas_kernels.mosaic.forward_kernel import (
-    Tile, consume, consumer_rows, kernel_refs, load_kv_block, num_kv_steps)
+    Fp8Refs, Tile, consume, consumer_rows, kernel_refs, load_kv_block,
+    num_kv_steps)
 from pallas_kernels.mosaic.forward_static import KernelStatic
 from pallas_kernels.mosaic.rows import RowViews, copy_rows_in
 
@@ -62,7 +63,9 @@ def persistent_tiles(q_shape, static: KernelStatic, cta) -> _PersistentTiles:
 
 def persistent_kernel(*refs, static: KernelStatic):
   """The plain kernel on a persistent grid of `num_ctas` CTAs; refs as
-  `forward_kernel.kernel_refs` names them (no FP8, no ALiBi).
+  `forward_kernel.kernel_refs` names them (no ALiBi). FP8: each tile copies
+  its (batch, head)'s descale row (`consume`), and O leaves through the FP8
+  kernel's own O buffer, never Q's (`stage_o_apart` off).
 
   A consumer issues the next tile's Q load as soon as its Q is dead, and
   leaves each O store in flight until its buffer is needed again. Under
@@ -113,11 +116,16 @@ def persistent_kernel(*refs, static: KernelStatic):
                   load_next_q=lambda: pl.when(n + 1 < count)(
                       lambda: load_q(n + 1)),
                   o_smem=o_smem.at[wg])
+      fp8 = None
+      if static.fp8:
+        fp8_o, descale_smem, descale_arrived = refs.fp8
+        fp8 = Fp8Refs(refs.descale.at[batch, head], descale_smem.at[wg],
+                      descale_arrived.at[wg], fp8_o.at[wg])
       consume(q_ref, refs.out, refs.lse, q_smem.at[wg], k_smem, v_smem,
               lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
               k_consumed, v_consumed, turns.turns_of(pingpong, static),
               batch=batch, head=head, wg=wg, tile_start=tile_start,
-              static=static, fp8=None, plan=None, tile=tile,
+              static=static, fp8=fp8, plan=None, tile=tile,
               sink_of=sink_of)
       return base + tiles.blocks(tile_start)
 

@@ -27,7 +27,9 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
                        q_descale_rows: int | None = None,
                        k_descale_rows: int | None = None,
                        max_concurrent_steps: int = 2,
-                       lazy_rescale: bool | None = None):
+                       lazy_rescale: bool | None = None,
+                       persistent: bool | None = None,
+                       num_ctas: int | None = None):
   """FlashAttention-3 forward on float8_e4m3fn inputs (FA3 §3.3).
 
   Q·Kᵀ and P·V run as FP8 wgmma with float32 accumulation; P is rounded to
@@ -63,6 +65,9 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
       P V, then stays below 2**8 = 256, within e4m3's 448, and keeps
       e4m3's relative precision. None: at
       `plan.FP8_LAZY_RESCALE_HEAD_DIMS`.
+    persistent: the persistent grid (`forward_persistent`, `num_ctas` CTAs,
+      None: one per SM) instead of a CTA a tile; without a spec only.
+      None: where `plan.FP8_PERSISTENT` says.
 
   Any q_len: Q is padded with zero rows to the kernel's tile (block_q
   times the consumers) and their outputs dropped; causal masks are top-left
@@ -132,6 +137,14 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
   static = dataclasses.replace(
       static, **forward.rescale_fields(lazy_rescale), tile_fastest=True,
       split_handover=split)
+  if persistent is None:
+    persistent = spec is None and (
+        (query.shape[-1], bool(is_causal)) in plan.FP8_PERSISTENT)
+  if persistent:
+    if spec is not None:
+      raise NotImplementedError("the masked FP8 forward has no persistent "
+                                "grid")
+    static = forward.persistent_static(static, query.shape, num_ctas)
   descale = descale_rows(
       query.shape, key.shape,
       per_tile(q_descale, q_descale_rows, q_len, block_q,

@@ -420,6 +420,11 @@ FP8_BLOCK_KV = {64: 256, 128: 256, 256: 128}
 # 1,090; without a mask 570 -> 547, 929 -> 875, 1,202 -> 1,131
 # (h100_mosaic_fp8_schedule.md).
 FP8_SPLIT_HANDOVER = ((64, True),)
+# (head_dim, causal) where the FP8 forward runs on the persistent grid
+# (`forward_persistent`; the 16-bit plain forward's there: causal d=128
+# 498 -> 541 at 4k, h200_mosaic_forward_order.md). Not yet timed in FP8
+# (`tune_mosaic --kernels forward_fp8_persistent`).
+FP8_PERSISTENT = ()
 # The masked kernels add causal ALiBi as a term per key and one per query
 # (`common.alibi_columns`; `KernelStatic.alibi_columns` in the forward,
 # `BackwardStatic.alibi_columns` in dQ and dK/dV) instead of a slope times
