@@ -630,8 +630,7 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
           query_hashes, dropout_key_hashes(step * block_kv, block_kv,
                                            plgpu.Layout.WGMMA.reduce(0)),
           p.shape, static.spec.dropout_rate), p, 0.0)
-    if p.dtype != static.dtype:
-      p = p.astype(static.dtype)
+    p = p.astype(static.dtype)  # already so where rounded in pairs
     if fp8 is not None:
       # P V's 8-bit operand in registers, its columns permuted within each
       # 16 as V's keys are (`common.fp8_operand`, `interleave_fp8_keys`).
