@@ -395,7 +395,7 @@ def calls():
              f"causal{int(causal)}", forward,
              (x, x, x, f32(batch, heads), f32(batch, heads),
               f32(batch, heads)))
-  # The FP8 forward on the persistent grid (`plan.FP8_PERSISTENT`).
+  # The FP8 forward on the persistent grid (`plan.FP8_PERSISTENT_UP_TO`).
   for seq in (4096, 16384):
     for d in (64, 128, 256):
       batch, heads = 16384 // seq, 2048 // d

@@ -297,28 +297,16 @@ def masked_schedule(form: str):
   running max for "softcap_with_max" (`plan.MASKED_MAX_FREE_HEAD_DIMS`
   empty), its multiplies not folded into the scales for "softcap_unfolded"
   (`plan.MASKED_SOFTCAP_FOLDED` off), and in the backward for
-  "softcap_backward_folded" (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED` on),
-  P rounded in pairs for "softcap_pairs" (`plan.MAX_FREE_ROUNDED_
-  PAIRS` on), the plain capped forward without a running max for
-  "softcap_plain_max_free" (`plan.PLAIN_MAX_FREE_HEAD_DIMS` every head
-  dim) and so with P in pairs for "softcap_plain_pairs"; as planned for
-  any other."""
+  "softcap_backward_folded" (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED` on);
+  as planned for any other."""
   from pallas_kernels.mosaic import masked, plan
-  every_dim = (64, 128, 256)
-  choices = {"alibi_tiles": [("MASKED_ALIBI_COLUMNS", False)],
-             "softcap_with_max": [("MASKED_MAX_FREE_HEAD_DIMS", ())],
-             "softcap_unfolded": [("MASKED_SOFTCAP_FOLDED", False)],
-             "softcap_pairs": [("MAX_FREE_ROUNDED_PAIRS", True)],
-             "softcap_plain_max_free": [("PLAIN_MAX_FREE_HEAD_DIMS",
-                                         every_dim)],
-             "softcap_plain_pairs": [("PLAIN_MAX_FREE_HEAD_DIMS", every_dim),
-                                     ("MAX_FREE_ROUNDED_PAIRS", True)],
-             "softcap_backward_folded": [("MASKED_BACKWARD_SOFTCAP_FOLDED",
-                                          True)]}
+  choices = {"alibi_tiles": ("MASKED_ALIBI_COLUMNS", False),
+             "softcap_with_max": ("MASKED_MAX_FREE_HEAD_DIMS", ()),
+             "softcap_unfolded": ("MASKED_SOFTCAP_FOLDED", False),
+             "softcap_backward_folded": ("MASKED_BACKWARD_SOFTCAP_FOLDED",
+                                         True)}
   if form in choices:
-    with contextlib.ExitStack() as stack:
-      for name, value in choices[form]:
-        stack.enter_context(mock.patch.object(plan, name, value))
+    with mock.patch.object(plan, *choices[form]):
       yield
     return
   if form != "masked_in_order":
@@ -338,19 +326,16 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
   dropout 0.1 or a soft cap of 30 (`SCORE_CHANGE_SPACE`), so that a score
   change's cost splits into the masked kernel's and the term's own;
   "softcap_plain": the plain kernel with that cap
-  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`; "softcap_plain_max_free" and
-  "softcap_plain_pairs" as `masked_schedule` says)."""
+  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`)."""
   from pallas_kernels.mosaic.forward import mosaic_forward
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
   scale, form = cell.head_dim**-0.5, blocks["form"]
-  if form == "plain" or form.startswith("softcap_plain"):
+  if form in ("plain", "softcap_plain"):
     cap = causal_spec(cell, "softcap")[0].logits_soft_cap
-    fn = jax.jit(lambda q, k, v: mosaic_forward(
+    return jax.jit(lambda q, k, v: mosaic_forward(
         q, k, v, scale=scale, is_causal=True,
-        soft_cap=None if form == "plain" else cap))
-    with masked_schedule(form):
-      return fn.lower(q, k, v).compile(), (q, k, v)
+        soft_cap=cap if form == "softcap_plain" else None)), (q, k, v)
   spec, operands = causal_spec(cell, "none" if form in MASKED_FORMS
                                else form.split("_")[0])
   fn = jax.jit(lambda q, k, v, operands: mosaic_forward_masked(
@@ -486,9 +471,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                           change=("softcap",)), 3.5, (True,)),
            "max_free": (score_change_benchmark,
                         dict(form=("plain", "softcap_with_max", "softcap",
-                                   "softcap_pairs", "softcap_plain",
-                                   "softcap_plain_max_free",
-                                   "softcap_plain_pairs")),
+                                   "softcap_plain")),
                         1.0, (True,)),
            "softcap_folded": (score_change_benchmark,
                               dict(form=("plain", "softcap_unfolded",

@@ -88,10 +88,7 @@ check the Mosaic kernels' numerics in CI, without a GPU):
     - `softmax.add_rounded_in_threads` (the LSE's add, unfused by PTX's
       `add.rn`): `a + b` behind an optimization barrier, so that XLA's
       algebraic simplifier folds it with nothing, as no compiler may fold
-      PTX's;
-    - `softmax.rounded_pairs_in_threads` (P rounded to 16 bits two scores
-      a PTX conversion): `astype`, which rounds to nearest even as
-      `cvt.rn` does.
+      PTX's.
 
 Each simulated warpgroup is a host thread whose kernel blocks inside XLA
 callbacks (barrier waits), and XLA's CPU client runs about one more of
@@ -289,7 +286,6 @@ def _patched_interpret(self, jaxpr, token, *args):
                               and (_named_barrier_of(e) is not None
                                    or _is_row_multiply(e)
                                    or _is_rounded_add(e)
-                                   or _is_rounded_pairs(e)
                                    or _is_fp8_operand(e)
                                    or _is_quad_dropout(e))))
   if not any(is_special(e) for e in jaxpr.eqns):
@@ -326,8 +322,6 @@ def _patched_interpret(self, jaxpr, token, *args):
           outs = [acc * alpha[:, None]]
         elif _is_rounded_add(eqn):  # opaque to XLA's simplifier, as PTX
           outs = [jax.lax.optimization_barrier(invals[0] + invals[1])]
-        elif _is_rounded_pairs(eqn):
-          outs = [invals[0].astype(eqn.params["mgpu_fn"].keywords["dtype"])]
         elif _is_fp8_operand(eqn):
           outs = [_fp8_operand_value(invals[0])]
         elif _is_quad_dropout(eqn):
@@ -566,14 +560,6 @@ def _is_rounded_add(eqn) -> bool:
   return (eqn.primitive is gpu_primitives.inline_mgpu_p
           and eqn.params.get("mgpu_fn")
           is mosaic_softmax.add_rounded_in_threads)
-
-
-def _is_rounded_pairs(eqn) -> bool:
-  """Whether `eqn` is `softmax.rounded_pairs_in_threads` (`astype`)."""
-  fn = eqn.params.get("mgpu_fn")
-  return (eqn.primitive is gpu_primitives.inline_mgpu_p
-          and getattr(fn, "func", None)
-          is mosaic_softmax.rounded_pairs_in_threads)
 
 
 def _is_quad_dropout(eqn) -> bool:

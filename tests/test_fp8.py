@@ -469,10 +469,11 @@ def test_mosaic_kernel_on_each_tile_on_gpu(head_dim, block_kv, is_causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_mosaic_kernel_on_the_persistent_grid_on_gpu(head_dim, is_causal):
-  """As above on the persistent grid (`plan.FP8_PERSISTENT`): each CTA's
-  tiles of several (batch, head)s, block scales, kv_len 2048."""
-  _check_kernel_on_gpu(head_dim, 2048, is_causal, False, persistent=True)
+def test_mosaic_kernel_on_the_launch_grid_on_gpu(head_dim, is_causal):
+  """As above on the launch grid, a CTA a tile (the plan's above
+  `plan.FP8_PERSISTENT_UP_TO`; at kv_len 2048 the persistent grid's, each
+  CTA's tiles of several (batch, head)s), block scales."""
+  _check_kernel_on_gpu(head_dim, 2048, is_causal, False, persistent=False)
 
 
 def _check_kernel_on_gpu(head_dim, seq, is_causal, incoherent, *,

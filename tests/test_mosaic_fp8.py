@@ -179,6 +179,25 @@ def test_fp8_lazy_rescale_lowers_and_changes_the_kernel(cuda_lowering):
     assert text() == text(lazy_rescale=head_dim == 256)
 
 
+def test_fp8_persistent_grid_is_planned_by_length(cuda_lowering):
+  """The persistent grid is another kernel, and the default exactly up to
+  `plan.FP8_PERSISTENT_UP_TO`'s kv_len (4k without a mask, 8k causal),
+  the launch grid one K/V tile past it."""
+  from pallas_kernels.mosaic import plan
+  q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  for is_causal, limit in sorted(plan.FP8_PERSISTENT_UP_TO.items()):
+    for kv_len in (limit, limit + 128):
+      kv = jax.ShapeDtypeStruct((1, kv_len, 2, 64), jnp.bfloat16)
+      text = lambda **kw: lower_mosaic.canonical(
+          lambda q, k, v: quantized_forward(
+              q, k, v, is_causal=is_causal, per_block=True, **kw),
+          (q, kv, kv))
+      persistent = text(persistent=True)
+      assert persistent != text(persistent=False)
+      assert text() == (persistent if kv_len <= limit
+                        else text(persistent=False))
+
+
 @pytest.mark.parametrize("block_kv", [64, 128])
 def test_fp8_operand_permutes_p_as_v_keys_are_permuted(block_kv):
   """`common.fp8_operand` regroups each thread's registers of P (WGMMA:

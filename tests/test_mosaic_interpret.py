@@ -426,31 +426,17 @@ def test_interpreted_forward_sinks(case, options):
   assert_forward_within_rule(q, k, v, out, lse, is_causal=True, sinks=SINKS)
 
 
-@pytest.mark.parametrize("case, is_causal, cap, sinks, max_free", [
+@pytest.mark.parametrize("case, is_causal, cap, sinks", [
     # Causal, GQA 2:1, the persistent grid.
-    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None, False),
-    # The same without a running max, P rounded in pairs.
-    slow(Case(1, 256, 256, 2, 1, 64), True, 20.0, None, True),
+    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None),
     # The running max at exp2's scale cap log2(e) past any bound on P;
     # not causal, a ragged key tail, sinks.
-    slow(Case(1, 128, 200, 2, 2, 64), False, 100.0, SINKS, False),
-    # Max-free with sinks and a key tail.
-    slow(Case(1, 128, 200, 2, 2, 64), False, 20.0, SINKS, True),
+    slow(Case(1, 128, 200, 2, 2, 64), False, 100.0, SINKS),
 ], ids=str)
-def test_interpreted_plain_forward_soft_cap(monkeypatch, case, is_causal,
-                                            cap, sinks, max_free):
+def test_interpreted_plain_forward_soft_cap(case, is_causal, cap, sinks):
   """`mosaic_forward(soft_cap=...)` (`plan.PLAIN_SOFTCAP_HEAD_DIMS`'s forward): out
   and lse as the reference's with `logits_soft_cap`, Q times 8 so that
-  logits reach the cap; with `max_free` without a running max
-  (`plan.PLAIN_MAX_FREE_HEAD_DIMS`, `exponentiate` patched to fail) and P
-  rounded in pairs (`plan.MAX_FREE_ROUNDED_PAIRS`)."""
-  from pallas_kernels.mosaic import forward_kernel, plan
-  if max_free:
-    def no_running_max(*args, **kwargs):
-      raise AssertionError("the max-free forward took a running max")
-    monkeypatch.setattr(plan, "PLAIN_MAX_FREE_HEAD_DIMS", (64,))
-    monkeypatch.setattr(plan, "MAX_FREE_ROUNDED_PAIRS", True)
-    monkeypatch.setattr(forward_kernel, "exponentiate", no_running_max)
+  logits reach the cap."""
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
   q = q * 8
   out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,

@@ -311,26 +311,19 @@ def test_interpreted_max_free_forward(monkeypatch, name, fold_cap):
   assert_forward_within_rule(q, k, v, out, lse, sinks=sinks, **variants)
 
 
-# CI's ten minutes: P in pairs is `astype` here; its lowering and GPU
-# bitwise tests are in tests/test_mosaic_masked.py.
-@pytest.mark.parametrize("rounded_pairs", [False, slow(True)])
-def test_interpreted_max_free_row_of_one_key_is_its_value(monkeypatch,
-                                                          rounded_pairs):
+def test_interpreted_max_free_row_of_one_key_is_its_value(monkeypatch):
   """Without a running max (`KernelStatic.max_free`) no weight is exactly 1,
   yet a causal row that sees one key gives exactly that key's value: O is
   normalised by the row sum of P as P V takes it, rounded
   (benchmarks/diagnostics/max_free_rounding: a sum of the unrounded P gave
   V (1 + δ), δ up to 2^-9); the LSE keeps the exact sum. (With a running
-  max the row's one weight is exactly 1: `exponentiate` fails the test.)
-  Also with P rounded in pairs (`plan.MAX_FREE_ROUNDED_PAIRS`),
-  once for P V and that sum."""
+  max the row's one weight is exactly 1: `exponentiate` fails the test.)"""
   from pallas_kernels.mosaic import forward_kernel, plan
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
 
   def no_running_max(*args, **kwargs):
     raise AssertionError("the max-free forward took a running max")
   monkeypatch.setattr(plan, "MASKED_MAX_FREE_HEAD_DIMS", (64,))
-  monkeypatch.setattr(plan, "MAX_FREE_ROUNDED_PAIRS", rounded_pairs)
   monkeypatch.setattr(forward_kernel, "exponentiate", no_running_max)
   case = Case(1, 64, 64, 2, 1, 64)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=12)

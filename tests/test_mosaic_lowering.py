@@ -805,19 +805,12 @@ def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
     (Case(1, 1000, 1000, 4, 2, 64), False, 20.0),   # a key tail
     (Case(1, 1024, 1024, 4, 4, 128), True, 100.0),  # not max-free
 ], ids=str)
-@pytest.mark.parametrize("max_free", [False, True])
 def test_soft_cap_on_the_plain_forward_on_gpu(case, is_causal, cap,
-                                              max_free, monkeypatch):
+                                              monkeypatch):
   """`plan.PLAIN_SOFTCAP_HEAD_DIMS`: the capped call's forward by the plain
   kernel (the masked one patched to fail), its gradients by the backward
   the plan picks, against the reference; the scale 4 / sqrt(d) so that
-  logits reach the cap. With `max_free`, without a running max where the
-  cap allows (`plan.PLAIN_MAX_FREE_HEAD_DIMS`), P rounded in pairs
-  (`plan.MAX_FREE_ROUNDED_PAIRS`)."""
-  from pallas_kernels.mosaic import plan
-  if max_free:
-    monkeypatch.setattr(plan, "PLAIN_MAX_FREE_HEAD_DIMS", (64, 128, 256))
-    monkeypatch.setattr(plan, "MAX_FREE_ROUNDED_PAIRS", True)
+  logits reach the cap."""
   _check_plain_route_on_gpu(
       case, monkeypatch, "PLAIN_SOFTCAP_HEAD_DIMS", ("mosaic_forward_masked",),
       is_causal=is_causal, logits_soft_cap=cap,

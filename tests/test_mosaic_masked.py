@@ -224,30 +224,6 @@ def test_folded_cap_lowers_with_fewer_multiplies(cuda_lowering,
   assert count("arith.mulf") < unfolded and count("tanh.approx") > 0
 
 
-@pytest.mark.parametrize("dtype", [
-    jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
-def test_max_free_forward_rounds_p_in_pairs(cuda_lowering, monkeypatch,
-                                            dtype):
-  """Without a running max (`KernelStatic.max_free`: the cap at d=256) and
-  with `plan.MAX_FREE_ROUNDED_PAIRS`, P is rounded once for both P V
-  and the row sum P V takes, two scores a PTX conversion
-  (`softmax.rounded_pairs`); the running max's kernel (d=128) rounds by
-  `astype`. The cap of 5 is within float16's bound."""
-  from pallas_kernels.mosaic import plan
-  monkeypatch.setattr(plan, "MAX_FREE_ROUNDED_PAIRS", True)
-  name = "bf16" if dtype == jnp.bfloat16 else "f16"
-
-  def lowered(head_dim):
-    spec = masking.MaskSpec(q_len=256, kv_len=256, is_causal=True,
-                            logits_soft_cap=5.0)
-    q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), dtype)
-    return lower_mosaic.canonical(
-        lambda q, k, v: mosaic_forward_masked(q, k, v, scale=0.1, spec=spec),
-        (q, q, q))
-  assert f"cvt.rn.{name}x2.f32" in lowered(256)
-  assert f"cvt.rn.{name}x2.f32" not in lowered(128)
-
-
 def test_masked_gradients_lower_with_padded_head_dim(cuda_lowering,
                                                      monkeypatch):
   """Head dim 96 (at its own width), ragged lengths, window and lengths,
@@ -538,34 +514,6 @@ def test_max_free_forward_matches_reference_on_gpu(head_dim, dtype, cap,
   out, lse = jax.jit(lambda q, k, v: mosaic_forward_masked(
       q, k, v, scale=call.scale, spec=call.spec, **operands))(q, k, v)
   assert_forward_within_rule(q, k, v, out, lse, **variants)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 256])
-@pytest.mark.parametrize("dtype, cap", [(jnp.bfloat16, 50.0),
-                                        (jnp.float16, 10.0)])
-def test_rounded_pairs_are_bitwise_astype_on_gpu(head_dim, dtype, cap,
-                                                 monkeypatch):
-  """P rounded two scores a PTX conversion (`plan.MAX_FREE_ROUNDED_
-  PAIRS`) rounds as `astype` does, each score into its own half: the
-  max-free forward's out and lse bitwise the same with it and without
-  (a swap of the halves would move weights between keys)."""
-  if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
-    pytest.skip("the Mosaic forward needs sm90")
-  from pallas_kernels.mosaic import plan
-  monkeypatch.setattr(plan, "MASKED_MAX_FREE_HEAD_DIMS", (head_dim,))
-  case = Case(2, 1000, 1000, 4, 2, head_dim)
-  variants = dict(is_causal=True, logits_soft_cap=cap)
-  q, k, v, _, _ = random_inputs(case, dtype, 45)
-  call = validation.normalise_call(q * 4, k, v, **variants)
-  operands = masked_operand_kwargs(call.operands)
-
-  def run(paired):
-    monkeypatch.setattr(plan, "MAX_FREE_ROUNDED_PAIRS", paired)
-    return jax.jit(lambda q, k, v: mosaic_forward_masked(
-        q, k, v, scale=call.scale, spec=call.spec, **operands))(q * 4, k, v)
-  for want, got in zip(run(False), run(True)):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.gpu

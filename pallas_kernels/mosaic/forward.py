@@ -56,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import compat as versions
-from pallas_kernels.mosaic import compat, lowered_cache, plan, turns
+from pallas_kernels.mosaic import compat, lowered_cache, turns
 from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, check_layout, check_slope_shape, check_shared_memory,
@@ -168,13 +168,7 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
   if soft_cap is not None:
     if not soft_cap > 0:
       raise ValueError(f"soft_cap must be positive, got {soft_cap}")
-    # No running max where the cap bounds P (`plan.PLAIN_MAX_FREE_HEAD_DIMS`;
-    # P V's row sum is taken with P, not after P V).
-    max_free = not static.sum_after_pv and plan.max_free_cap(
-        soft_cap, query.dtype, query.shape[-1], plain=True)
-    static = dataclasses.replace(
-        static, soft_cap=float(soft_cap), max_free=max_free,
-        rounded_pairs=max_free and plan.MAX_FREE_ROUNDED_PAIRS)
+    static = dataclasses.replace(static, soft_cap=float(soft_cap))
   if config.persistent:
     static = persistent_static(static, query.shape, config.num_ctas)
   return launch(static, query, key, value,

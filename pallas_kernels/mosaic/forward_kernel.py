@@ -50,8 +50,7 @@ from pallas_kernels.mosaic.common import (
 from pallas_kernels.mosaic.forward_static import NUM_CONSUMERS, KernelStatic
 from pallas_kernels.mosaic.rows import (
     RowViews, copy_rows_in, copy_rows_out, wgmma)
-from pallas_kernels.mosaic.softmax import (
-    add_unfused, exponentiate, rescale, rounded_pairs)
+from pallas_kernels.mosaic.softmax import add_unfused, exponentiate, rescale
 
 _LN2 = math.log(2.0)
 # The FP8 descale row is copied as [n / 32, 32] floats: a TMA copies at most
@@ -614,15 +613,10 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       acc = rescale(acc, alpha,
                     skip_ones=static.rescale_threshold is not None)
     p_f32 = p
-    if l_pv is not None:  # `max_free`: P's row sum as P V takes it
-      if static.rounded_pairs:  # P rounded once for both
-        p = rounded_pairs(p, static.dtype)
-        l_pv = _row_sum(l_pv, None, p.astype(jnp.float32))
-      else:
-        l_pv = _row_sum(l_pv, None,
-                        p.astype(static.dtype).astype(jnp.float32))
+    if l_pv is not None:  # `max_free`: P's row sum as P V takes it, rounded
+      l_pv = _row_sum(l_pv, None, p.astype(static.dtype).astype(jnp.float32))
     if not static.sum_after_pv:
-      l = _row_sum(l, alpha, p_f32)
+      l = _row_sum(l, alpha, p)
     if plan is not None and static.spec.dropout_rate:
       # The row sum (so the LSE) takes every weight; only P V sees dropout,
       # its 1 / (1 - rate) applied to O at the end.
@@ -630,7 +624,7 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
           query_hashes, dropout_key_hashes(step * block_kv, block_kv,
                                            plgpu.Layout.WGMMA.reduce(0)),
           p.shape, static.spec.dropout_rate), p, 0.0)
-    p = p.astype(static.dtype)  # already so where rounded in pairs
+    p = p.astype(static.dtype)
     if fp8 is not None:
       # P V's 8-bit operand in registers, its columns permuted within each
       # 16 as V's keys are (`common.fp8_operand`, `interleave_fp8_keys`).

@@ -114,8 +114,7 @@ class KernelStatic:
   # of an XLA pass over O after the kernel. Not with `alibi_columns` (its
   # rows' logits are shifted until the LSE) nor FP8.
   sinks: bool = False
-  # A soft cap that bounds every logit (`plan.max_free_cap`; ranged, or
-  # plain where `plan.PLAIN_MAX_FREE_HEAD_DIMS` says): P =
+  # Ranged, a soft cap that bounds every logit (`plan.max_free_cap`): P =
   # 2^(s log2 e) cannot overflow, so there is no running max (m stays 0)
   # and nothing to rescale: no row max per step, no alpha, O and l only
   # accumulate. `plan.MASKED_MAX_FREE_HEAD_DIMS`. No weight is then
@@ -123,13 +122,8 @@ class KernelStatic:
   # normalised by the row sum of P as P V takes it (in P's dtype, `l_pv`),
   # which keeps a row of one key at exactly V, and the LSE by the exact
   # sum (benchmarks/diagnostics/max_free_rounding).
-  # (Never with the plain form's `sum_after_pv`.)
+  # (Ranged only: never with the plain form's `sum_after_pv`.)
   max_free: bool = False
-  # With `max_free`, P rounded once for both P V and l_pv, two scores a PTX
-  # conversion (`softmax.rounded_pairs`), where `astype` twice lowered to
-  # one conversion a score and a byte permute a pair.
-  # `plan.MAX_FREE_ROUNDED_PAIRS`.
-  rounded_pairs: bool = False
   # Ranged, a soft cap: its multiplies by 1 / cap and by cap folded into
   # the score's scale and exp2's (`masking.modify_scores_folded`), two
   # fewer a score where the cap is the only change. `plan.

@@ -67,7 +67,7 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
       `plan.FP8_LAZY_RESCALE_HEAD_DIMS`.
     persistent: the persistent grid (`forward_persistent`, `num_ctas` CTAs,
       None: one per SM) instead of a CTA a tile; without a spec only.
-      None: where `plan.FP8_PERSISTENT` says.
+      None: where `plan.FP8_PERSISTENT_UP_TO` says.
 
   Any q_len: Q is padded with zero rows to the kernel's tile (block_q
   times the consumers) and their outputs dropped; causal masks are top-left
@@ -139,7 +139,7 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
       split_handover=split)
   if persistent is None:
     persistent = spec is None and (
-        (query.shape[-1], bool(is_causal)) in plan.FP8_PERSISTENT)
+        key.shape[1] <= plan.FP8_PERSISTENT_UP_TO[bool(is_causal)])
   if persistent:
     if spec is not None:
       raise NotImplementedError("the masked FP8 forward has no persistent "

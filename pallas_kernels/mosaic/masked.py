@@ -130,7 +130,6 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       alibi_columns=(plan.MASKED_ALIBI_COLUMNS and alibi_columns(spec)
                      and sinks is None),
       max_free=no_running_max,
-      rounded_pairs=no_running_max and plan.MAX_FREE_ROUNDED_PAIRS,
       fold_cap=(plan.MASKED_SOFTCAP_FOLDED
                 and spec.logits_soft_cap is not None),
       **forward.rescale_fields(lazy_rescale))

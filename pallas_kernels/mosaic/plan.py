@@ -420,11 +420,17 @@ FP8_BLOCK_KV = {64: 256, 128: 256, 256: 128}
 # 1,090; without a mask 570 -> 547, 929 -> 875, 1,202 -> 1,131
 # (h100_mosaic_fp8_schedule.md).
 FP8_SPLIT_HANDOVER = ((64, True),)
-# (head_dim, causal) where the FP8 forward runs on the persistent grid
-# (`forward_persistent`; the 16-bit plain forward's there: causal d=128
-# 498 -> 541 at 4k, h200_mosaic_forward_order.md). Not yet timed in FP8
-# (`tune_mosaic --kernels forward_fp8_persistent`).
-FP8_PERSISTENT = ()
+# The FP8 forward runs on the persistent grid (`forward_persistent`) up to
+# this kv_len, by causal: it wins on short walks (a CTA's next tile is
+# ready as the last one ends) and loses on long ones (the launch grid's
+# CTAs stream a head's K and V through L2 together). On an H100, two
+# rounds, batch x seq 16k, hidden 2048, launch -> persistent TFLOP/s at
+# d=64 / 128 / 256 (h100_mosaic_fp8_persistent.md):
+#   2k   full 465->488 722->749 907->929      causal 334->360 483->529 651->713
+#   4k   full 514->530 812->828 1041->1053    causal 413->436 607->656 815->885
+#   8k   full 546->554 871->841 1117->1110    causal 469->486 702->730 935->1001
+#   16k  full 565->549 917->863 1199->1104    causal 506->513 794->772 1102->1033
+FP8_PERSISTENT_UP_TO = {False: 4096, True: 8192}
 # The masked kernels add causal ALiBi as a term per key and one per query
 # (`common.alibi_columns`; `KernelStatic.alibi_columns` in the forward,
 # `BackwardStatic.alibi_columns` in dQ and dK/dV) instead of a slope times
@@ -441,25 +447,6 @@ MASKED_ALIBI_COLUMNS = True
 # (tokamax's form) had won at both, +5% / +11%, but rounds each row's
 # dominant weight (benchmarks/NOTES.md, "Soft cap without a running max").
 MASKED_MAX_FREE_HEAD_DIMS = (256,)
-# There, P rounded to 16 bits two scores a conversion, once for P V and
-# the row sum P V takes (`KernelStatic.rounded_pairs`): Gemma's 4k window
-# forward (this kernel at d=256) spent ~65M of its 432M warp instructions
-# rounding P a score at a time, widening it back and packing the pairs
-# (F2F 25.6M on the MUFU's pipe, tokamax's 14M F2FP for two a
-# conversion; h100_ncu_gemma_softcap_vs_tokamax.md). Bitwise the same
-# rounding (`cvt.rn`); not yet timed (`tune_mosaic --kernels max_free`,
-# form "softcap_pairs").
-MAX_FREE_ROUNDED_PAIRS = False
-# The plain capped forward (`PLAIN_SOFTCAP_HEAD_DIMS`) without a running max
-# too, at these plan head dims (`max_free_cap(plain=True)`): it lost there
-# with two sums, 632 -> 587 at d=256 (above), where one unrounded sum had
-# won; with P rounded in pairs (`MAX_FREE_ROUNDED_PAIRS`) the second sum
-# costs a widening and an add a score. Gemma's global layer (the plain
-# capped d=256 forward) is 0.93x tokamax's forward, which drops its max
-# under a cap (h100_ncu_gemma_softcap_vs_tokamax.md). Not yet timed
-# (`tune_mosaic --kernels max_free`, forms "softcap_plain_max_free" and
-# "softcap_plain_pairs").
-PLAIN_MAX_FREE_HEAD_DIMS = ()
 # The cap's multiplies by 1 / cap (before the tanh) and by cap (after it)
 # folded into the score's scale and exp2's (`KernelStatic.fold_cap`,
 # `masking.modify_scores_folded`): two FMULs fewer a score for a cap
@@ -509,14 +496,11 @@ PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS = (64, 128, 256)
 MAX_FREE_SOFT_CAPS = {"bfloat16": 60.0, "float16": 10.0}
 
 
-def max_free_cap(cap: float | None, dtype, head_dim: int, *,
-                 plain: bool = False) -> bool:
-  """Whether the masked forward at `head_dim` (the plain one with `plain`)
-  skips its running max (`KernelStatic.max_free`, at
-  `MASKED_MAX_FREE_HEAD_DIMS`, `PLAIN_MAX_FREE_HEAD_DIMS`): a soft cap
+def max_free_cap(cap: float | None, dtype, head_dim: int) -> bool:
+  """Whether the masked forward at `head_dim` skips its running max
+  (`KernelStatic.max_free`, at `MASKED_MAX_FREE_HEAD_DIMS`): a soft cap
   bounds every logit, so P = e^s, |s| <= cap, stays in range for caps up
   to `MAX_FREE_SOFT_CAPS` of P's dtype."""
-  head_dims = PLAIN_MAX_FREE_HEAD_DIMS if plain else MASKED_MAX_FREE_HEAD_DIMS
-  return (plan_head_dim(head_dim) in head_dims
+  return (plan_head_dim(head_dim) in MASKED_MAX_FREE_HEAD_DIMS
           and cap is not None
           and cap <= MAX_FREE_SOFT_CAPS.get(np.dtype(dtype).name, 0.0))

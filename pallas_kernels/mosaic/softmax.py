@@ -10,12 +10,9 @@ LSE's add is rounded as written, never fused (`add_unfused`).
 """
 from __future__ import annotations
 
-import functools
-
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, nvvm, scf, vector
 from jax.experimental.mosaic import gpu as mgpu
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
@@ -90,47 +87,6 @@ def add_rounded_in_threads(_, a, b):
   for index in np.ndindex(a.registers.shape):
     registers[index] = add_register(a.registers[index], b.registers[index])
   return mgpu.FragmentedArray(_registers=registers, _layout=a.layout,
-                              _is_signed=None)
-
-
-def rounded_pairs(p, dtype):
-  """P [block_q, block_kv] (float32, WGMMA layout) rounded to `dtype`
-  (bfloat16 or float16), two scores a conversion (`rounded_pairs_in_
-  threads`). Where P's 16-bit copy is also widened back for the row sum P V
-  takes (`KernelStatic.max_free`), the compiler rounded one score a
-  conversion and packed the pairs with a byte permute after: two
-  instructions a pair more, the conversions on the MUFU's pipe."""
-  dtype = jnp.dtype(dtype)
-  return plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA,),
-      return_type=plgpu.ShapeDtypeStruct(p.shape, dtype, plgpu.Layout.WGMMA),
-  )(functools.partial(rounded_pairs_in_threads, dtype=dtype.name))(p)
-
-
-def rounded_pairs_in_threads(_, p, *, dtype: str):
-  """`p.astype(dtype)` on a Mosaic GPU fragment of float32 2-vectors, each
-  by PTX `cvt.rn.bf16x2.f32` (`dtype` "bfloat16") or `cvt.rn.f16x2.f32`
-  ("float16"): round to nearest even, as `astype`, into one 32-bit
-  register (element 0 in its low half), viewed as the 16-bit 2-vector.
-  Interpreted on a CPU as `astype` (tests/mosaic_interpret.py knows this
-  function)."""
-  element, name = {"bfloat16": (ir.BF16Type.get(), "bf16"),
-                   "float16": (ir.F16Type.get(), "f16")}[dtype]
-  i32 = ir.IntegerType.get_signless(32)
-  pair = ir.VectorType.get((2,), element)
-
-  def convert(register):
-    low, high = (vector.extract(register, dynamic_position=[],
-                                static_position=ir.DenseI64ArrayAttr.get([i]))
-                 for i in (0, 1))
-    packed = llvm.inline_asm(i32, [high, low],
-                             f"cvt.rn.{name}x2.f32 $0, $1, $2;", "=r,f,f")
-    return mgpu_utils.bitcast(packed, pair)
-
-  registers = np.empty(p.registers.shape, dtype=object)
-  for index in np.ndindex(p.registers.shape):
-    registers[index] = convert(p.registers[index])
-  return mgpu.FragmentedArray(_registers=registers, _layout=p.layout,
                               _is_signed=None)
 
 
