@@ -298,15 +298,25 @@ def masked_schedule(form: str):
   empty), its multiplies not folded into the scales for "softcap_unfolded"
   (`plan.MASKED_SOFTCAP_FOLDED` off), and in the backward for
   "softcap_backward_folded" (`plan.MASKED_BACKWARD_SOFTCAP_FOLDED` on);
+  max-free with the row sum by the tensor cores at every head dim for
+  "softcap_mma_sum" (`plan.MAX_FREE_MMA_ROW_SUM`) and in the plain capped
+  forward for "softcap_plain_mma_sum" (`plan.PLAIN_MAX_FREE_HEAD_DIMS`);
   as planned for any other."""
   from pallas_kernels.mosaic import masked, plan
-  choices = {"alibi_tiles": ("MASKED_ALIBI_COLUMNS", False),
-             "softcap_with_max": ("MASKED_MAX_FREE_HEAD_DIMS", ()),
-             "softcap_unfolded": ("MASKED_SOFTCAP_FOLDED", False),
-             "softcap_backward_folded": ("MASKED_BACKWARD_SOFTCAP_FOLDED",
-                                         True)}
+  every_dim = (64, 128, 256)
+  choices = {"alibi_tiles": [("MASKED_ALIBI_COLUMNS", False)],
+             "softcap_with_max": [("MASKED_MAX_FREE_HEAD_DIMS", ())],
+             "softcap_mma_sum": [("MASKED_MAX_FREE_HEAD_DIMS", every_dim),
+                                 ("MAX_FREE_MMA_ROW_SUM", True)],
+             "softcap_plain_mma_sum": [("PLAIN_MAX_FREE_HEAD_DIMS",
+                                        every_dim)],
+             "softcap_unfolded": [("MASKED_SOFTCAP_FOLDED", False)],
+             "softcap_backward_folded": [("MASKED_BACKWARD_SOFTCAP_FOLDED",
+                                          True)]}
   if form in choices:
-    with mock.patch.object(plan, *choices[form]):
+    with contextlib.ExitStack() as patches:
+      for name, value in choices[form]:
+        patches.enter_context(mock.patch.object(plan, name, value))
       yield
     return
   if form != "masked_in_order":
@@ -326,16 +336,19 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
   dropout 0.1 or a soft cap of 30 (`SCORE_CHANGE_SPACE`), so that a score
   change's cost splits into the masked kernel's and the term's own;
   "softcap_plain": the plain kernel with that cap
-  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`)."""
+  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`), "softcap_plain_mma_sum" without its
+  running max."""
   from pallas_kernels.mosaic.forward import mosaic_forward
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
   scale, form = cell.head_dim**-0.5, blocks["form"]
-  if form in ("plain", "softcap_plain"):
+  if form in ("plain", "softcap_plain", "softcap_plain_mma_sum"):
     cap = causal_spec(cell, "softcap")[0].logits_soft_cap
-    return jax.jit(lambda q, k, v: mosaic_forward(
+    fn = jax.jit(lambda q, k, v: mosaic_forward(
         q, k, v, scale=scale, is_causal=True,
-        soft_cap=cap if form == "softcap_plain" else None)), (q, k, v)
+        soft_cap=None if form == "plain" else cap))
+    with masked_schedule(form):
+      return fn.lower(q, k, v).compile(), (q, k, v)
   spec, operands = causal_spec(cell, "none" if form in MASKED_FORMS
                                else form.split("_")[0])
   fn = jax.jit(lambda q, k, v, operands: mosaic_forward_masked(
@@ -471,7 +484,8 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                           change=("softcap",)), 3.5, (True,)),
            "max_free": (score_change_benchmark,
                         dict(form=("plain", "softcap_with_max", "softcap",
-                                   "softcap_plain")),
+                                   "softcap_mma_sum", "softcap_plain",
+                                   "softcap_plain_mma_sum")),
                         1.0, (True,)),
            "softcap_folded": (score_change_benchmark,
                               dict(form=("plain", "softcap_unfolded",

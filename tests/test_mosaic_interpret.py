@@ -426,17 +426,31 @@ def test_interpreted_forward_sinks(case, options):
   assert_forward_within_rule(q, k, v, out, lse, is_causal=True, sinks=SINKS)
 
 
-@pytest.mark.parametrize("case, is_causal, cap, sinks", [
+@pytest.mark.parametrize("case, is_causal, cap, sinks, max_free", [
     # Causal, GQA 2:1, the persistent grid.
-    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None),
+    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None, False),
+    # Without a running max, the row sum P V takes by the tensor cores.
+    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None, True),
     # The running max at exp2's scale cap log2(e) past any bound on P;
     # not causal, a ragged key tail, sinks.
-    slow(Case(1, 128, 200, 2, 2, 64), False, 100.0, SINKS),
+    slow(Case(1, 128, 200, 2, 2, 64), False, 100.0, SINKS, False),
+    # Max-free: a ragged key tail, sinks, the launch grid (sum after P V).
+    slow(Case(1, 128, 200, 2, 2, 64), False, 50.0, SINKS, True),
 ], ids=str)
-def test_interpreted_plain_forward_soft_cap(case, is_causal, cap, sinks):
+def test_interpreted_plain_forward_soft_cap(monkeypatch, case, is_causal, cap,
+                                            sinks, max_free):
   """`mosaic_forward(soft_cap=...)` (`plan.PLAIN_SOFTCAP_HEAD_DIMS`'s forward): out
   and lse as the reference's with `logits_soft_cap`, Q times 8 so that
-  logits reach the cap."""
+  logits reach the cap. With `max_free`, without a running max
+  (`plan.PLAIN_MAX_FREE_HEAD_DIMS`, `exponentiate` patched to fail), O's
+  row sum P times a tile of ones: a causal row of one key is exactly its
+  value."""
+  from pallas_kernels.mosaic import forward_kernel, plan
+  if max_free:
+    def no_running_max(*args, **kwargs):
+      raise AssertionError("the max-free forward took a running max")
+    monkeypatch.setattr(plan, "PLAIN_MAX_FREE_HEAD_DIMS", (64,))
+    monkeypatch.setattr(forward_kernel, "exponentiate", no_running_max)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
   q = q * 8
   out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
@@ -445,6 +459,9 @@ def test_interpreted_plain_forward_soft_cap(case, is_causal, cap, sinks):
                                   sinks=sinks)
   assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal,
                              logits_soft_cap=cap, sinks=sinks)
+  if max_free and is_causal:
+    np.testing.assert_array_equal(
+        out[:, 0], jnp.broadcast_to(v[:, 0], out[:, 0].shape))
 
 
 @pytest.mark.parametrize("case, options", [

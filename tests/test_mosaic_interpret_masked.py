@@ -311,20 +311,29 @@ def test_interpreted_max_free_forward(monkeypatch, name, fold_cap):
   assert_forward_within_rule(q, k, v, out, lse, sinks=sinks, **variants)
 
 
-def test_interpreted_max_free_row_of_one_key_is_its_value(monkeypatch):
+@pytest.mark.parametrize("mma_row_sum", [False, True])
+def test_interpreted_max_free_row_of_one_key_is_its_value(monkeypatch,
+                                                          mma_row_sum):
   """Without a running max (`KernelStatic.max_free`) no weight is exactly 1,
   yet a causal row that sees one key gives exactly that key's value: O is
   normalised by the row sum of P as P V takes it, rounded
   (benchmarks/diagnostics/max_free_rounding: a sum of the unrounded P gave
   V (1 + δ), δ up to 2^-9); the LSE keeps the exact sum. (With a running
-  max the row's one weight is exactly 1: `exponentiate` fails the test.)"""
-  from pallas_kernels.mosaic import forward_kernel, plan
+  max the row's one weight is exactly 1: `exponentiate` fails the test.)
+  Also with that sum taken by the tensor cores (`plan.MAX_FREE_MMA_ROW_SUM`:
+  P times a tile of ones)."""
+  from pallas_kernels.mosaic import forward, forward_kernel, plan
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
 
   def no_running_max(*args, **kwargs):
     raise AssertionError("the max-free forward took a running max")
   monkeypatch.setattr(plan, "MASKED_MAX_FREE_HEAD_DIMS", (64,))
+  monkeypatch.setattr(plan, "MAX_FREE_MMA_ROW_SUM", mma_row_sum)
   monkeypatch.setattr(forward_kernel, "exponentiate", no_running_max)
+  statics = []
+  with_mma_row_sum = forward.with_mma_row_sum
+  monkeypatch.setattr(forward, "with_mma_row_sum", lambda static: statics.append(
+      with_mma_row_sum(static)) or statics[-1])
   case = Case(1, 64, 64, 2, 1, 64)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=12)
   q = q * 8
@@ -335,6 +344,7 @@ def test_interpreted_max_free_row_of_one_key_is_its_value(monkeypatch):
   np.testing.assert_array_equal(out[:, 0], jnp.broadcast_to(v[:, 0],
                                                             out[:, 0].shape))
   assert_forward_within_rule(q, k, v, out, lse, **variants)
+  assert [s.mma_row_sum for s in statics] == [True] * mma_row_sum
 
 
 @pytest.mark.slow  # CI's ten minutes: the GPU sinks test's "masked" case

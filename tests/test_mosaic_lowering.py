@@ -799,6 +799,7 @@ def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_free", [False, True])
 @pytest.mark.parametrize("case, is_causal, cap", [
     (Case(2, 1024, 1024, 8, 4, 128), True, 30.0),
     (Case(1, 2048, 2048, 8, 4, 256), True, 50.0),   # Gemma's cap, d=256
@@ -806,11 +807,16 @@ def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
     (Case(1, 1024, 1024, 4, 4, 128), True, 100.0),  # not max-free
 ], ids=str)
 def test_soft_cap_on_the_plain_forward_on_gpu(case, is_causal, cap,
-                                              monkeypatch):
+                                              max_free, monkeypatch):
   """`plan.PLAIN_SOFTCAP_HEAD_DIMS`: the capped call's forward by the plain
   kernel (the masked one patched to fail), its gradients by the backward
   the plan picks, against the reference; the scale 4 / sqrt(d) so that
-  logits reach the cap."""
+  logits reach the cap. With `max_free`, without a running max where the
+  cap allows, the row sum P V takes by the tensor cores
+  (`plan.PLAIN_MAX_FREE_HEAD_DIMS`)."""
+  if max_free:
+    from pallas_kernels.mosaic import plan
+    monkeypatch.setattr(plan, "PLAIN_MAX_FREE_HEAD_DIMS", (64, 128, 256))
   _check_plain_route_on_gpu(
       case, monkeypatch, "PLAIN_SOFTCAP_HEAD_DIMS", ("mosaic_forward_masked",),
       is_causal=is_causal, logits_soft_cap=cap,

@@ -487,22 +487,27 @@ def test_alibi_columns_match_reference_on_gpu(head_dim, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fold_cap", [False, True])
+@pytest.mark.parametrize("fold_cap, mma_row_sum", [(False, False),
+                                                   (True, False),
+                                                   (True, True)])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype, cap", [(jnp.bfloat16, 50.0),
                                         (jnp.float16, 10.0)])
 def test_max_free_forward_matches_reference_on_gpu(head_dim, dtype, cap,
-                                                   fold_cap, monkeypatch):
+                                                   fold_cap, mma_row_sum,
+                                                   monkeypatch):
   """The masked forward without a running max (`plan.
   MASKED_MAX_FREE_HEAD_DIMS`, here at every head dim) under Gemma's soft
   cap (bfloat16) and float16's largest it takes, a causal window over
   ragged lengths, Q times 4 so that logits reach the cap; with the cap's
-  multiplies folded (`plan.MASKED_SOFTCAP_FOLDED`)."""
+  multiplies folded (`plan.MASKED_SOFTCAP_FOLDED`), and the row sum P V
+  takes by the tensor cores (`plan.MAX_FREE_MMA_ROW_SUM`)."""
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90")
   from pallas_kernels.mosaic import plan
   monkeypatch.setattr(plan, "MASKED_MAX_FREE_HEAD_DIMS", (head_dim,))
   monkeypatch.setattr(plan, "MASKED_SOFTCAP_FOLDED", fold_cap)
+  monkeypatch.setattr(plan, "MAX_FREE_MMA_ROW_SUM", mma_row_sum)
   case = Case(2, 1500, 1500, 8, 4, head_dim)
   variants = dict(is_causal=True, local_window_size=(700, 0),
                   logits_soft_cap=cap,
@@ -514,6 +519,10 @@ def test_max_free_forward_matches_reference_on_gpu(head_dim, dtype, cap,
   out, lse = jax.jit(lambda q, k, v: mosaic_forward_masked(
       q, k, v, scale=call.scale, spec=call.spec, **operands))(q, k, v)
   assert_forward_within_rule(q, k, v, out, lse, **variants)
+  # A causal row of one key is exactly its value (O normalised by the sum
+  # P V took).
+  np.testing.assert_array_equal(out[:, 0], jnp.repeat(
+      v[:, 0], case.num_heads // case.num_kv_heads, axis=1))
 
 
 @pytest.mark.gpu

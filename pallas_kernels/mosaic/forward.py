@@ -56,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import compat as versions
-from pallas_kernels.mosaic import compat, lowered_cache, turns
+from pallas_kernels.mosaic import compat, lowered_cache, plan, turns
 from pallas_kernels.mosaic.common import (
     HEAD_DIM_MULTIPLE, LOG2E, PLAN_WIDTH, SMEM_LIMIT_BYTES, SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS, check_layout, check_slope_shape, check_shared_memory,
@@ -66,6 +66,7 @@ from pallas_kernels.mosaic.common import (
 from pallas_kernels.mosaic.rows import row_buffer, row_copies, rows_in_place
 from pallas_kernels.mosaic.forward_kernel import (
     NUM_CONSUMERS, KernelStatic, forward_kernel, fp8_o_columns)
+from pallas_kernels.mosaic.forward_static import MMA_SUM_COLUMNS
 from pallas_kernels.mosaic.forward_persistent import persistent_kernel
 from pallas_kernels.mosaic.plan import ForwardConfig, forward_config
 
@@ -169,6 +170,12 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
     if not soft_cap > 0:
       raise ValueError(f"soft_cap must be positive, got {soft_cap}")
     static = dataclasses.replace(static, soft_cap=float(soft_cap))
+    if plan.max_free_cap(soft_cap, query.dtype, query.shape[-1], plain=True):
+      # No running max where the cap bounds P, O's row sum by the tensor
+      # cores (`plan.PLAIN_MAX_FREE_HEAD_DIMS`); with the running max where
+      # the ones tiles do not fit.
+      static = with_mma_row_sum(
+          dataclasses.replace(static, max_free=True)) or static
   if config.persistent:
     static = persistent_static(static, query.shape, config.num_ctas)
   return launch(static, query, key, value,
@@ -228,6 +235,17 @@ def persistent_static(static: KernelStatic, q_shape, num_ctas: int | None
       static, persistent=True, num_ctas=num_ctas,
       stage_o_apart=not static.fp8 and (
           static.smem_bytes + o_bytes <= _FORWARD_SMEM_LIMIT_BYTES))
+
+
+def with_mma_row_sum(static: KernelStatic) -> KernelStatic | None:
+  """`static` (`max_free`) taking l_pv by the tensor cores
+  (`KernelStatic.mma_row_sum`), its consumers' ones tiles counted in shared
+  memory; None where they do not fit."""
+  smem_bytes = static.smem_bytes + (static.num_consumers * static.block_kv
+                                    * MMA_SUM_COLUMNS * static.dtype.itemsize)
+  if smem_bytes > _FORWARD_SMEM_LIMIT_BYTES:
+    return None
+  return dataclasses.replace(static, mma_row_sum=True, smem_bytes=smem_bytes)
 
 
 def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
@@ -320,6 +338,11 @@ def launch(static: KernelStatic, query, key, value, descale=None, plan=None,
                              transforms=swizzled(block_kv, tiles.dtype)),
                   plgpu.Barrier(num_barriers=consumers))
       inputs += (tiles,)
+  if static.mma_row_sum:  # each consumer's ones tile
+    scratch += (plgpu.SMEM((consumers, block_kv, MMA_SUM_COLUMNS),
+                           static.dtype,
+                           transforms=swizzled(MMA_SUM_COLUMNS,
+                                               static.dtype)),)
   if static.sinks:  # last, for every form (the kernels count from the end)
     scratch += (plgpu.SMEM((consumers, *sinks.shape), jnp.float32),
                 plgpu.Barrier(num_barriers=consumers))  # sinks_arrived

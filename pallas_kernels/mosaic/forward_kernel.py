@@ -47,7 +47,8 @@ from pallas_kernels.mosaic.common import (
     dropout_query_hashes, fp8_operand, masked_steps, per_column, per_row,
     read_plan, register_split, slope_reader, tile_index, tile_indices,
     variant_mask)
-from pallas_kernels.mosaic.forward_static import NUM_CONSUMERS, KernelStatic
+from pallas_kernels.mosaic.forward_static import (
+    MMA_SUM_COLUMNS, NUM_CONSUMERS, KernelStatic)
 from pallas_kernels.mosaic.rows import (
     RowViews, copy_rows_in, copy_rows_out, wgmma)
 from pallas_kernels.mosaic.softmax import add_unfused, exponentiate, rescale
@@ -181,6 +182,7 @@ class KernelRefs(NamedTuple):
   bias_tiles: tuple | None
   dense_tiles: tuple | None
   sink_rows: tuple | None
+  ones: Any = None          # `mma_row_sum`: [consumers, block_kv, 16]
 
 
 def kernel_refs(refs, static: KernelStatic) -> KernelRefs:
@@ -188,7 +190,7 @@ def kernel_refs(refs, static: KernelStatic) -> KernelRefs:
   ids (segments)], [slopes (ALiBi)], [bias], [dense mask], [sinks], out,
   lse, the 10 common scratch refs, [FP8's 3], [ranged's 2], [O and LSE
   staged apart, 2], [segments' 4], [ALiBi's 2], [bias' 2], [dense mask's
-  2], [sinks' 2]."""
+  2], [the ones tiles (`mma_row_sum`)], [sinks' 2]."""
   ranged = static.ranged
   segmented = ranged and static.spec.has_segments
   has = dict(alibi=static.takes_slopes,
@@ -215,7 +217,7 @@ def kernel_refs(refs, static: KernelStatic) -> KernelRefs:
       plan_rows=take(2, ranged), o_apart=take(2, static.stage_o_apart),
       segments=take(4, segmented), slope_rows=take(2, has["alibi"]),
       bias_tiles=take(2, has["bias"]), dense_tiles=take(2, has["dense"]),
-      sink_rows=take(2, static.sinks))
+      ones=take(1, static.mma_row_sum), sink_rows=take(2, static.sinks))
   if next(refs, None) is not None:
     raise ValueError("more refs than the kernel's form takes")
   return named
@@ -304,7 +306,8 @@ def forward_kernel(*refs, static: KernelStatic):
             lse_smem.at[wg], q_arrived.at[wg], k_arrived, v_arrived,
             k_consumed, v_consumed, turns.turns_of(pingpong, static),
             batch=batch, head=head, wg=wg, tile_start=tile_start,
-            static=static, fp8=fp8, plan=read, sink_of=sink_of, **masks)
+            static=static, fp8=fp8, plan=read, sink_of=sink_of,
+            ones=None if refs.ones is None else refs.ones.at[wg], **masks)
 
   @pl.when(wg == static.producer)
   def _producer():
@@ -408,10 +411,12 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
             fp8: Fp8Refs | None, plan,
             segments: SegmentRefs | None = None, tile: Tile | None = None,
             slopes: SlopeRows | None = None, bias: ScoreTiles | None = None,
-            dense_mask: ScoreTiles | None = None, sink_of=None):
+            dense_mask: ScoreTiles | None = None, sink_of=None, ones=None):
   """Consumer warpgroup `wg`: rows [q_start, q_start + block_q) of the tile.
 
   `sink_of` (`static.sinks`): head -> its sink logit, read in the epilogue.
+  `ones` (`static.mma_row_sum`): this consumer's [block_kv, 16] tile of
+  ones in shared memory, which P V's P is multiplied by for l_pv.
   `plan` (ranged kernel): index -> that entry of the tile's plan row, read
   from shared memory (`read_plan`; the ALiBi slopes' copy already issued).
 
@@ -521,6 +526,15 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   acc = plgpu.layout_cast(jnp.zeros((block_q, static.head_dim), jnp.float32),
                           plgpu.Layout.WGMMA)
   l_pv = l if static.max_free else None  # `KernelStatic.max_free`
+  if static.mma_row_sum:
+    # Every column of P [1] is l_pv; written once a tile, fenced for the
+    # wgmmas that read it.
+    ones[...] = plgpu.layout_cast(
+        jnp.ones((block_kv, MMA_SUM_COLUMNS), static.dtype),
+        plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    l_pv = plgpu.layout_cast(
+        jnp.zeros((block_q, MMA_SUM_COLUMNS), jnp.float32), plgpu.Layout.WGMMA)
 
   # Every row tile sees block 0 (top-left causal), so num_steps >= 1. Later
   # K tiles are awaited under the previous P V (see `accumulate`).
@@ -613,7 +627,8 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       acc = rescale(acc, alpha,
                     skip_ones=static.rescale_threshold is not None)
     p_f32 = p
-    if l_pv is not None:  # `max_free`: P's row sum as P V takes it, rounded
+    if l_pv is not None and not static.mma_row_sum:
+      # `max_free`: P's row sum as P V takes it, rounded
       l_pv = _row_sum(l_pv, None, p.astype(static.dtype).astype(jnp.float32))
     if not static.sum_after_pv:
       l = _row_sum(l, alpha, p)
@@ -632,21 +647,30 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     turn.before_values(step, functools.partial(plgpu.barrier_wait,
                                                v_arrived.at[slot]))
 
-    def accumulate(o_ref, l_ref=None):
+    def accumulate(o_ref, l_ref=None, l_pv_ref=None):
       v_tile = v_smem.mma.at[slot]
       if fp8 is not None:  # stored [head_dim, block_kv]: K-major for wgmma
         v_tile = v_tile.transpose((1, 0))
       wgmma(o_ref, p, v_tile)
+      if l_pv_ref is not None:  # `mma_row_sum`: P [1], the same P
+        wgmma(l_pv_ref, p, ones)
       if l_ref is not None:  # `sum_after_pv`: while P V_j runs
         l_ref[...] = _row_sum(l_ref[...], alpha, p_f32)
       # Wait for K_{j+1} while P V_j runs on the tensor cores.
       wait_next_k(step)
 
-    if static.sum_after_pv:
-      acc, l = pl.run_state(lambda refs: accumulate(*refs))(
-          (plgpu.ACC.init(acc), l))
+    after_pv = l if static.sum_after_pv else None
+    if static.mma_row_sum:
+      acc, after_pv, l_pv = pl.run_state(
+          lambda refs: accumulate(refs[0], refs[1], refs[2]))(
+              (plgpu.ACC.init(acc), after_pv, plgpu.ACC.init(l_pv)))
+    elif static.sum_after_pv:
+      acc, after_pv = pl.run_state(lambda refs: accumulate(*refs))(
+          (plgpu.ACC.init(acc), after_pv))
     else:
       acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
+    if static.sum_after_pv:
+      l = after_pv
     plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
     return acc, m_new, l, l_pv
 
@@ -677,6 +701,8 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   def finish(acc, m, l, l_pv):
     """Ends the turns, normalises, writes O and the LSE."""
     turn.end()
+    if static.mma_row_sum:  # its columns are equal: any one is l_pv
+      l_pv = l_pv.max(axis=1)
 
     # Epilogue: normalise, and write O through the Q buffer (Q is dead now;
     # in FP8 through a buffer of its own, in the output dtype). O's

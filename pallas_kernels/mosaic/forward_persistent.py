@@ -126,7 +126,8 @@ def persistent_kernel(*refs, static: KernelStatic):
               k_consumed, v_consumed, turns.turns_of(pingpong, static),
               batch=batch, head=head, wg=wg, tile_start=tile_start,
               static=static, fp8=fp8, plan=None, tile=tile,
-              sink_of=sink_of)
+              sink_of=sink_of,
+              ones=None if refs.ones is None else refs.ones.at[wg])
       return base + tiles.blocks(tile_start)
 
     lax.fori_loop(0, count, tile_body, jnp.int32(0))

@@ -15,6 +15,11 @@ import jax.numpy as jnp
 # Consumer warpgroups of the masked and FP8 forms, and of the plain one but
 # where its plan takes three.
 NUM_CONSUMERS = 2
+# Columns of the ones tile `KernelStatic.mma_row_sum` multiplies P by: a
+# wgmma's N is a multiple of 8, and a 16-bit operand in N-major order is
+# swizzled in rows of 32 bytes at least (Mosaic GPU has no 16-byte
+# swizzle), so 16 is the narrowest.
+MMA_SUM_COLUMNS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,16 +119,23 @@ class KernelStatic:
   # of an XLA pass over O after the kernel. Not with `alibi_columns` (its
   # rows' logits are shifted until the LSE) nor FP8.
   sinks: bool = False
-  # Ranged, a soft cap that bounds every logit (`plan.max_free_cap`): P =
+  # A soft cap that bounds every logit (`plan.max_free_cap`): P =
   # 2^(s log2 e) cannot overflow, so there is no running max (m stays 0)
   # and nothing to rescale: no row max per step, no alpha, O and l only
-  # accumulate. `plan.MASKED_MAX_FREE_HEAD_DIMS`. No weight is then
-  # exactly 1, so the row's dominant one is rounded for P V too: O is
-  # normalised by the row sum of P as P V takes it (in P's dtype, `l_pv`),
-  # which keeps a row of one key at exactly V, and the LSE by the exact
-  # sum (benchmarks/diagnostics/max_free_rounding).
-  # (Ranged only: never with the plain form's `sum_after_pv`.)
+  # accumulate. `plan.MASKED_MAX_FREE_HEAD_DIMS` (ranged),
+  # `plan.PLAIN_MAX_FREE_HEAD_DIMS` (plain, with `mma_row_sum`). No weight
+  # is then exactly 1, so the row's dominant one is rounded for P V too: O
+  # is normalised by the row sum of P as P V takes it (in P's dtype,
+  # `l_pv`), which keeps a row of one key at exactly V, and the LSE by the
+  # exact sum (benchmarks/diagnostics/max_free_rounding).
   max_free: bool = False
+  # With `max_free`, l_pv taken by the tensor cores: P times a tile of ones
+  # [block_kv, MMA_SUM_COLUMNS] in shared memory, a wgmma beside P V's on
+  # the same 16-bit P, so every one of its columns is the row sum P V
+  # took; instead of widening the rounded P back and adding it, two ops a
+  # score beside the exact sum's add. Not with dropout (P V's P is then
+  # not the one the sum takes). `plan.MAX_FREE_MMA_ROW_SUM`.
+  mma_row_sum: bool = False
   # Ranged, a soft cap: its multiplies by 1 / cap and by cap folded into
   # the score's scale and exp2's (`masking.modify_scores_folded`), two
   # fewer a score where the cap is the only change. `plan.

@@ -447,6 +447,22 @@ MASKED_ALIBI_COLUMNS = True
 # (tokamax's form) had won at both, +5% / +11%, but rounds each row's
 # dominant weight (benchmarks/NOTES.md, "Soft cap without a running max").
 MASKED_MAX_FREE_HEAD_DIMS = (256,)
+# Without a running max, the row sum P V takes (`l_pv`) computed by the
+# tensor cores, P times a tile of ones beside P V (`KernelStatic.
+# mma_row_sum`), instead of P's 16-bit copy widened back and added a score
+# at a time: the two sums' extra cost was what made the max-free forms
+# lose (above; the plain d=256 capped forward 632 with the running max,
+# 587 max-free with two sums), where tokamax's one unrounded sum won +5% /
+# +11% but rounds each row's dominant weight. Not yet timed (`tune_mosaic
+# --kernels max_free`, forms "softcap_mma_sum" and "softcap_plain_mma_sum").
+MAX_FREE_MMA_ROW_SUM = False
+# The plain capped forward (`PLAIN_SOFTCAP_HEAD_DIMS`) without a running
+# max at these plan head dims, always with the tensor cores' row sum (its
+# two-sum form lost: 631 -> 576 at d=256, 16k, h100_mosaic_max_free_pairs.md).
+# Gemma's global layer (this kernel at d=256, cap 50) is 0.93x tokamax's
+# forward, which drops its max under a cap (h100_ncu_gemma_softcap_vs_
+# tokamax.md). Not yet timed.
+PLAIN_MAX_FREE_HEAD_DIMS = ()
 # The cap's multiplies by 1 / cap (before the tanh) and by cap (after it)
 # folded into the score's scale and exp2's (`KernelStatic.fold_cap`,
 # `masking.modify_scores_folded`): two FMULs fewer a score for a cap
@@ -496,11 +512,14 @@ PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS = (64, 128, 256)
 MAX_FREE_SOFT_CAPS = {"bfloat16": 60.0, "float16": 10.0}
 
 
-def max_free_cap(cap: float | None, dtype, head_dim: int) -> bool:
-  """Whether the masked forward at `head_dim` skips its running max
-  (`KernelStatic.max_free`, at `MASKED_MAX_FREE_HEAD_DIMS`): a soft cap
+def max_free_cap(cap: float | None, dtype, head_dim: int, *,
+                 plain: bool = False) -> bool:
+  """Whether the masked forward at `head_dim` (the plain one with `plain`)
+  skips its running max (`KernelStatic.max_free`, at
+  `MASKED_MAX_FREE_HEAD_DIMS`, `PLAIN_MAX_FREE_HEAD_DIMS`): a soft cap
   bounds every logit, so P = e^s, |s| <= cap, stays in range for caps up
   to `MAX_FREE_SOFT_CAPS` of P's dtype."""
-  return (plan_head_dim(head_dim) in MASKED_MAX_FREE_HEAD_DIMS
+  head_dims = PLAIN_MAX_FREE_HEAD_DIMS if plain else MASKED_MAX_FREE_HEAD_DIMS
+  return (plan_head_dim(head_dim) in head_dims
           and cap is not None
           and cap <= MAX_FREE_SOFT_CAPS.get(np.dtype(dtype).name, 0.0))
