@@ -426,19 +426,21 @@ def test_interpreted_forward_sinks(case, options):
   assert_forward_within_rule(q, k, v, out, lse, is_causal=True, sinks=SINKS)
 
 
-@pytest.mark.parametrize("case, is_causal, cap, sinks, max_free", [
+@pytest.mark.parametrize("case, is_causal, cap, sinks, max_free, options", [
     # Causal, GQA 2:1, the persistent grid.
-    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None, False),
+    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None, False, {}),
     # Without a running max, the row sum P V takes by the tensor cores.
-    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None, True),
+    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None, True, {}),
     # The running max at exp2's scale cap log2(e) past any bound on P;
     # not causal, a ragged key tail, sinks.
-    slow(Case(1, 128, 200, 2, 2, 64), False, 100.0, SINKS, False),
-    # Max-free: a ragged key tail, sinks, the launch grid (sum after P V).
-    slow(Case(1, 128, 200, 2, 2, 64), False, 50.0, SINKS, True),
+    slow(Case(1, 128, 200, 2, 2, 64), False, 100.0, SINKS, False, {}),
+    # Max-free: a ragged key tail, sinks, the exact sum taken while P V
+    # runs (d=128's plan without a mask).
+    slow(Case(1, 128, 200, 2, 2, 64), False, 50.0, SINKS, True,
+         dict(sum_after_pv=True, persistent=False)),
 ], ids=str)
 def test_interpreted_plain_forward_soft_cap(monkeypatch, case, is_causal, cap,
-                                            sinks, max_free):
+                                            sinks, max_free, options):
   """`mosaic_forward(soft_cap=...)` (`plan.PLAIN_SOFTCAP_HEAD_DIMS`'s forward): out
   and lse as the reference's with `logits_soft_cap`, Q times 8 so that
   logits reach the cap. With `max_free`, without a running max
@@ -456,7 +458,7 @@ def test_interpreted_plain_forward_soft_cap(monkeypatch, case, is_causal, cap,
   out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
                                   scale=case.head_dim**-0.5,
                                   is_causal=is_causal, soft_cap=cap,
-                                  sinks=sinks)
+                                  sinks=sinks, **options)
   assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal,
                              logits_soft_cap=cap, sinks=sinks)
   if max_free and is_causal:
