@@ -704,13 +704,16 @@ def test_interpreted_alibi_route(monkeypatch):
                      alibi_slopes=slopes)
 
 
+_FP8_LAUNCH = dict(persistent=False)
 _FP8_PERSISTENT = dict(persistent=True, num_ctas=3)
 
 
 @pytest.mark.parametrize("head_dim, block_kv, kv_len, options", [
-    (64, 64, 128, {}), (256, 128, 128, {}), (128, 256, 512, {}),
-    (64, 64, 197, {}), (128, 256, 200, {}), (64, 64, 256, {}),
-    (64, 64, 256, _FP8_PERSISTENT), (256, 128, 256, _FP8_PERSISTENT)])
+    (64, 64, 128, _FP8_LAUNCH), (256, 128, 128, _FP8_LAUNCH),
+    (128, 256, 512, _FP8_LAUNCH), (64, 64, 197, _FP8_LAUNCH),
+    (128, 256, 200, _FP8_LAUNCH), (64, 64, 256, _FP8_LAUNCH),
+    (64, 64, 256, _FP8_PERSISTENT), (256, 128, 256, _FP8_PERSISTENT),
+    (64, 64, 197, _FP8_PERSISTENT)])
 @pytest.mark.parametrize("is_causal", [slow(False), slow(True)])
 def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
                                                    block_kv, kv_len, options):
@@ -730,16 +733,18 @@ def test_interpreted_fp8_forward_matches_reference(is_causal, head_dim,
   on the persistent grid (`options`): 512 queries, three CTAs walking
   the eight tiles of two heads, each tile's descale row copied in turn
   (head 1's queries 4x head 0's, so a factor read for the wrong head is
-  4x off), O (two column pieces at d=256) through the FP8 O buffer."""
+  4x off), O (two column pieces at d=256) through the FP8 O buffer, and
+  a key tail there (the plan's grid at these lengths,
+  `plan.FP8_PERSISTENT_UP_TO`)."""
   from benchmarks.fp8_accuracy import emulated_fp8_attention
   from jax_flash import fp8 as public_fp8
   from pallas_kernels.mosaic.fp8 import mosaic_forward_fp8
   keys = jax.random.split(jax.random.key(21), 3)
-  q_len = 512 if options else 128
+  q_len = 512 if options["persistent"] else 128
   q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key, shape in
              zip(keys, ((1, q_len, 2, head_dim), (1, kv_len, 1, head_dim),
                         (1, kv_len, 1, head_dim))))
-  if options:
+  if options["persistent"]:
     q = q * jnp.array([1.0, 4.0], jnp.bfloat16)[:, None]
   q8, k8, v8 = (public_fp8.quantize_fp8(x) for x in (q, k, v))
   out, _ = mosaic_interpret.run(
