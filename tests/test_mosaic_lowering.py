@@ -767,7 +767,8 @@ def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
   the plain forward (the masked one patched to fail) and, off
   `PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`, the masked backward, and lowers;
   beside another change, or at a head dim off the list, the masked kernels
-  take it."""
+  take it. At d=128 the plan takes the plain forward under causal masking
+  only (`PLAIN_SOFTCAP_CAUSAL_HEAD_DIMS`)."""
   from pallas_kernels.config import BlockSizes
   from pallas_kernels.mosaic import attention, plan
 
@@ -777,6 +778,8 @@ def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
   kv = jax.ShapeDtypeStruct((1, q_len, 2, 128), jnp.bfloat16)
   capped = MaskSpec(q_len=q_len, kv_len=q_len, is_causal=is_causal,
                     logits_soft_cap=30.0)
+  assert attention._masked(q, kv, is_causal, capped) == (not is_causal)
+  monkeypatch.setattr(plan, "PLAIN_SOFTCAP_CAUSAL_HEAD_DIMS", ())
   assert attention._masked(q, kv, is_causal, capped)
   monkeypatch.setattr(plan, "PLAIN_SOFTCAP_HEAD_DIMS", (64, 128, 256))
   monkeypatch.setattr(plan, "PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS", ())
@@ -853,8 +856,8 @@ def test_soft_cap_on_the_plain_backward(head_dim, is_causal, cuda_lowering,
   """`plan.PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS`: a call whose only change is a
   soft cap takes the plain backward kernels (the masked backward and
   Triton's patched to fail) after either forward (the masked one at
-  d=128, the plain one at d=256, `PLAIN_SOFTCAP_HEAD_DIMS`), and lowers;
-  off the list, the masked backward."""
+  d=64, the plain one at d=128 and 256 causal, `PLAIN_SOFTCAP_HEAD_DIMS`),
+  and lowers; off the list, the masked backward."""
   from pallas_kernels.config import BlockSizes
   from pallas_kernels.mosaic import attention, plan
 

@@ -196,11 +196,13 @@ def _masked(query, key, is_causal: bool, spec: MaskSpec | None,
 
 def _plain_soft_cap(spec: MaskSpec | None, head_dim: int) -> float | None:
   """The soft cap of a call the plain forward takes with it
-  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`): one whose only change beyond
-  `is_causal` and its lengths is the cap, at those (padded) head dims;
-  else None."""
-  if (spec is None or spec.logits_soft_cap is None
-      or head_dim not in plan.PLAIN_SOFTCAP_HEAD_DIMS):
+  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`, and `PLAIN_SOFTCAP_CAUSAL_HEAD_DIMS`
+  under causal masking): one whose only change beyond `is_causal` and its
+  lengths is the cap, at those (padded) head dims; else None."""
+  if spec is None or spec.logits_soft_cap is None:
+    return None
+  if head_dim not in plan.PLAIN_SOFTCAP_HEAD_DIMS and not (
+      spec.is_causal and head_dim in plan.PLAIN_SOFTCAP_CAUSAL_HEAD_DIMS):
     return None
   uncapped = dataclasses.replace(spec, logits_soft_cap=None)
   return spec.logits_soft_cap if uncapped.is_plain else None

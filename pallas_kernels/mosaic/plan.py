@@ -450,19 +450,19 @@ MASKED_MAX_FREE_HEAD_DIMS = (256,)
 # Without a running max, the row sum P V takes (`l_pv`) computed by the
 # tensor cores, P times a tile of ones beside P V (`KernelStatic.
 # mma_row_sum`), instead of P's 16-bit copy widened back and added a score
-# at a time: the two sums' extra cost was what made the max-free forms
-# lose (above; the plain d=256 capped forward 632 with the running max,
-# 587 max-free with two sums), where tokamax's one unrounded sum won +5% /
-# +11% but rounds each row's dominant weight. Not yet timed (`tune_mosaic
-# --kernels max_free`, forms "softcap_mma_sum" and "softcap_plain_mma_sum").
-MAX_FREE_MMA_ROW_SUM = False
+# at a time (the second sum made the max-free forms lose, above). On an
+# H100, causal, cap 30, two rounds, the masked d=256 forward 583 -> 596
+# TFLOP/s at 16k and 472 -> 491 at 4k (with the running max: 575, 495);
+# at d=128 494 / 427 against the running max's 503 / 420
+# (h100_mosaic_max_free_mma_sum.md).
+MAX_FREE_MMA_ROW_SUM = True
 # The plain capped forward (`PLAIN_SOFTCAP_HEAD_DIMS`) without a running
 # max at these plan head dims, always with the tensor cores' row sum (its
 # two-sum form lost: 631 -> 576 at d=256, 16k, h100_mosaic_max_free_pairs.md).
-# Gemma's global layer (this kernel at d=256, cap 50) is 0.93x tokamax's
-# forward, which drops its max under a cap (h100_ncu_gemma_softcap_vs_
-# tokamax.md). Not yet timed.
-PLAIN_MAX_FREE_HEAD_DIMS = ()
+# On an H100, causal, cap 30, two rounds, running max -> max-free: d=128
+# 475 -> 504 TFLOP/s at 16k, 459 -> 466 at 4k; d=256 619 -> 606 and 548
+# -> 543 (h100_mosaic_max_free_mma_sum.md).
+PLAIN_MAX_FREE_HEAD_DIMS = (128,)
 # The cap's multiplies by 1 / cap (before the tanh) and by cap (after it)
 # folded into the score's scale and exp2's (`KernelStatic.fold_cap`,
 # `masking.modify_scores_folded`): two FMULs fewer a score for a cap
@@ -487,6 +487,12 @@ MASKED_BACKWARD_SOFTCAP_FOLDED = True
 # 614 TFLOP/s (the plain causal forward without a cap: 632), d=128 499
 # against 515 (h100_mosaic_softcap_folded.md); between them unmeasured.
 PLAIN_SOFTCAP_HEAD_DIMS = (256,)
+# And under causal masking at these head dims too: at d=128 without a
+# running max (`PLAIN_MAX_FREE_HEAD_DIMS`) 504 against the masked
+# forward's 503 at 16k and 466 against 420 at 4k
+# (h100_mosaic_max_free_mma_sum.md); without a mask (the row sum after P
+# V) not timed.
+PLAIN_SOFTCAP_CAUSAL_HEAD_DIMS = (128,)
 # The head dims (of `plan_head_dim`) at which a call whose only change
 # beyond a top-left `is_causal` is ALiBi takes the plain kernels, forward
 # and backward, with ALiBi as column terms (`common.alibi_columns`; the
