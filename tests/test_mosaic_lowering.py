@@ -816,10 +816,10 @@ def test_soft_cap_on_the_plain_forward_on_gpu(case, is_causal, cap,
   the plan picks, against the reference; the scale 4 / sqrt(d) so that
   logits reach the cap. With `max_free`, without a running max where the
   cap allows, the row sum P V takes by the tensor cores
-  (`plan.PLAIN_MAX_FREE_HEAD_DIMS`)."""
-  if max_free:
-    from pallas_kernels.mosaic import plan
-    monkeypatch.setattr(plan, "PLAIN_MAX_FREE_HEAD_DIMS", (64, 128, 256))
+  (`plan.PLAIN_MAX_FREE_HEAD_DIMS`); without, the running max."""
+  from pallas_kernels.mosaic import plan
+  monkeypatch.setattr(plan, "PLAIN_MAX_FREE_HEAD_DIMS",
+                      (64, 128, 256) if max_free else ())
   _check_plain_route_on_gpu(
       case, monkeypatch, "PLAIN_SOFTCAP_HEAD_DIMS", ("mosaic_forward_masked",),
       is_causal=is_causal, logits_soft_cap=cap,
