@@ -108,6 +108,10 @@ CELLS = (
       window=4096, soft_cap=50.0),
     C("softcap_d256_global_8k", "Gemma 2 9B, global", 2, 8192, 16, 8, 256,
       soft_cap=50.0),
+    # A cap at d=128 (Grok-1's 30): the plain forward without a running max
+    # under causal masking (`plan.PLAIN_SOFTCAP_CAUSAL_HEAD_DIMS`).
+    C("softcap_d128_causal_8k", "Grok-1", 2, 8192, 48, 8, 128,
+      soft_cap=30.0),
     C("packed_docs_causal_8k", "Llama 3 8B", 2, 8192, 32, 8, 128, documents=6),
     C("gqa32x8_causal_4k", "Llama 3 8B", 4, 4096, 32, 8, 128),
     C("gqa32x8_causal_32k", "Llama 3 8B", 1, 32768, 32, 8, 128),
