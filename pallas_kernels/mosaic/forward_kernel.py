@@ -659,18 +659,15 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       # Wait for K_{j+1} while P V_j runs on the tensor cores.
       wait_next_k(step)
 
-    after_pv = l if static.sum_after_pv else None
-    if static.mma_row_sum:
-      acc, after_pv, l_pv = pl.run_state(
-          lambda refs: accumulate(refs[0], refs[1], refs[2]))(
-              (plgpu.ACC.init(acc), after_pv, plgpu.ACC.init(l_pv)))
-    elif static.sum_after_pv:
-      acc, after_pv = pl.run_state(lambda refs: accumulate(*refs))(
-          (plgpu.ACC.init(acc), after_pv))
-    else:
-      acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
+    # None for a sum the form does not take there.
+    acc, l_after_pv, l_pv_mma = pl.run_state(
+        lambda refs: accumulate(*refs))(
+            (plgpu.ACC.init(acc), l if static.sum_after_pv else None,
+             plgpu.ACC.init(l_pv) if static.mma_row_sum else None))
     if static.sum_after_pv:
-      l = after_pv
+      l = l_after_pv
+    if static.mma_row_sum:
+      l_pv = l_pv_mma
     plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
     return acc, m_new, l, l_pv
 
