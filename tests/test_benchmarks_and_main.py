@@ -942,3 +942,18 @@ def test_determinism_counts_distinct_results(tmp_path, monkeypatch):
   records = json.loads(out.read_text())["records"]
   assert [r["distinct_results"] for r in records] == [1, 3]
   assert records[1]["largest_difference"] == pytest.approx(2 * 2.0**-20)
+
+
+def test_row_sum_rounding_emulates_the_kernels_within_the_rule():
+  """`diagnostics.row_sum_rounding`: its emulated forward and FlashAttention-2
+  backward (bf16 P, the exact row sum and the rounded one) are within the
+  tests' 2x rule of float64 against the plain bf16 computation, so its
+  table measures the sums and not a wrong emulation (a backward without
+  the scale, or P recomputed from the wrong LSE, is far outside)."""
+  from benchmarks.diagnostics import row_sum_rounding
+  errors = row_sum_rounding.errors(seed=1)
+  yardstick = errors.pop("plain bf16")
+  for form, row in errors.items():
+    for name, ours, bound in zip(("O", "LSE", "dQ", "dK", "dV"), row,
+                                 yardstick):
+      assert ours <= 2 * bound + 1e-3, (form, name, ours, bound)
