@@ -54,6 +54,7 @@ CONSUMER_STAGES_SPACE = dict(num_consumers=(3,),
 HW_TURNS_SPACE = dict(hw_turns=(False, True))
 SUM_AFTER_PV_SPACE = dict(sum_after_pv=(False, True))
 RESCALE_SPACE = dict(lazy_rescale=(False, True))
+MMA_ROW_SUM_SPACE = dict(mma_row_sum=(False, True))
 # The backward's (`plan.BackwardConfig`), one at a time; `block_q=128` is
 # d=64's plan (`--head-dims 64`).
 OVERLAP_SPACE = dict(overlap_softmax=(False, True))
@@ -436,6 +437,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
            "forward_hw_turns": _forward(HW_TURNS_SPACE),
            "forward_sum_after_pv": _forward(SUM_AFTER_PV_SPACE),
            "forward_rescale": _forward(RESCALE_SPACE),
+           "forward_mma_sum": _forward(MMA_ROW_SUM_SPACE),
            "backward_overlap": _backward(OVERLAP_SPACE),
            "backward_persistent": _backward(BACKWARD_PERSISTENT_SPACE),
            "backward_fused": _backward(FUSED_SPACE),

@@ -182,6 +182,35 @@ def test_interpreted_mosaic_forward_matches_reference(case, is_causal,
   assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal)
 
 
+@pytest.mark.parametrize("case, is_causal, options", [
+    # GQA 2:1, causal, kv_len > q_len, the launch grid.
+    (Case(1, 128, 256, 2, 1, 64), True, dict(persistent=False)),
+    # The persistent grid, O and l rescaled on any growth of the max.
+    slow(Case(1, 256, 256, 2, 2, 64), True,
+         dict(num_ctas=2, lazy_rescale=True, rescale_threshold=0.0)),
+    # d=128 without a mask: the plan's sum after P V and lazy rescale give
+    # way to the tensor cores' sum.
+    slow(Case(1, 128, 256, 1, 1, 128), False, dict(num_ctas=2)),
+], ids=str)
+def test_interpreted_forward_row_sum_by_mma(monkeypatch, case, is_causal,
+                                            options):
+  """`ForwardConfig.mma_row_sum`: O's and the LSE's row sum l is P (as P V
+  rounds it) times a tile of ones, its accumulator rescaled by alpha with
+  O (`forward_kernel._row_sum` patched to fail, so the float32 sum is not
+  taken); out and lse within the 2x rule."""
+  from pallas_kernels.mosaic import forward_kernel
+
+  def no_float32_sum(*args, **kwargs):
+    raise AssertionError("the forward summed P in float32")
+  monkeypatch.setattr(forward_kernel, "_row_sum", no_float32_sum)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=17)
+  out, lse = mosaic_interpret.run(mosaic_forward, q, k, v,
+                                  scale=case.head_dim**-0.5,
+                                  is_causal=is_causal, mma_row_sum=True,
+                                  **options)
+  assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal)
+
+
 @pytest.mark.parametrize("threshold", [slow(0.0), 8.0])
 def test_interpreted_lazy_rescale_with_wide_scores(threshold):
   """Scores 8x the usual spread, so that rows' maxima keep moving by more

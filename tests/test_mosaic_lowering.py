@@ -334,22 +334,24 @@ def test_schedule_choices_are_bitwise_on_gpu(head_dim, is_causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mma_row_sum", [False, True])
 @pytest.mark.parametrize("spread", [1, 8])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_lazy_rescale_forward_matches_reference_on_gpu(head_dim, is_causal,
-                                                       spread):
+                                                       spread, mma_row_sum):
   """Threshold 8 (P up to 2**8 between rescales) against the float32
   reference, within DESIGN's rule; at `spread` 8 the scores are 8x the
   usual, so that rows' maxima keep moving by more than 8 after the first
-  K/V tile (GQA 4:1, kv_len > q_len)."""
+  K/V tile (GQA 4:1, kv_len > q_len). Also with l by the tensor cores
+  (`ForwardConfig.mma_row_sum`, its accumulator rescaled with O)."""
   _require_sm90()
   q, k, v, _, _ = random_inputs(Case(2, 1024, 1536, 8, 2, head_dim),
                                 jnp.bfloat16, seed=79)
   scale = spread * head_dim**-0.5
   out, lse = jax.jit(lambda q, k, v: mosaic_forward(
       q, k, v, scale=scale, is_causal=is_causal, lazy_rescale=True,
-      rescale_threshold=8.0))(q, k, v)
+      rescale_threshold=8.0, mma_row_sum=mma_row_sum))(q, k, v)
   assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal,
                              scale=scale)
 

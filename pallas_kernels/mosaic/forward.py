@@ -176,6 +176,10 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       # the ones tiles do not fit.
       static = with_mma_row_sum(
           dataclasses.replace(static, max_free=True)) or static
+  if config.mma_row_sum and not static.max_free:
+    # l itself by the tensor cores (`ForwardConfig.mma_row_sum`).
+    static = with_mma_row_sum(
+        dataclasses.replace(static, sum_after_pv=False)) or static
   if config.persistent:
     static = persistent_static(static, query.shape, config.num_ctas)
   return launch(static, query, key, value,

@@ -526,6 +526,8 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   acc = plgpu.layout_cast(jnp.zeros((block_q, static.head_dim), jnp.float32),
                           plgpu.Layout.WGMMA)
   l_pv = l if static.max_free else None  # `KernelStatic.max_free`
+  # With a running max and `mma_row_sum`, l is the tensor cores' (`l_pv`).
+  sum_by_mma = static.mma_row_sum and not static.max_free
   if static.mma_row_sum:
     # Every column of P [1] is l_pv; written once a tile, fenced for the
     # wgmmas that read it.
@@ -626,11 +628,14 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
                                      threshold=static.rescale_threshold)
       acc = rescale(acc, alpha,
                     skip_ones=static.rescale_threshold is not None)
+      if sum_by_mma:
+        l_pv = rescale(l_pv, alpha,
+                       skip_ones=static.rescale_threshold is not None)
     p_f32 = p
     if l_pv is not None and not static.mma_row_sum:
       # `max_free`: P's row sum as P V takes it, rounded
       l_pv = _row_sum(l_pv, None, p.astype(static.dtype).astype(jnp.float32))
-    if not static.sum_after_pv:
+    if not static.sum_after_pv and not sum_by_mma:
       l = _row_sum(l, alpha, p)
     if plan is not None and static.spec.dropout_rate:
       # The row sum (so the LSE) takes every weight; only P V sees dropout,
@@ -700,6 +705,8 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     turn.end()
     if static.mma_row_sum:  # its columns are equal: any one is l_pv
       l_pv = l_pv.max(axis=1)
+    if sum_by_mma:
+      l, l_pv = l_pv, None
 
     # Epilogue: normalise, and write O through the Q buffer (Q is dead now;
     # in FP8 through a buffer of its own, in the output dtype). O's

@@ -134,7 +134,11 @@ class KernelStatic:
   # the same 16-bit P, so every one of its columns is the row sum P V
   # took; instead of widening the rounded P back and adding it, two ops a
   # score beside the exact sum's add. Not with dropout (P V's P is then
-  # not the one the sum takes). `plan.MAX_FREE_MMA_ROW_SUM`.
+  # not the one the sum takes). `plan.MAX_FREE_MMA_ROW_SUM`. With a
+  # running max (plain form, `ForwardConfig.mma_row_sum`), that sum is l
+  # itself, for O and the LSE: its accumulator rescaled by alpha as O is,
+  # no float32 adds (the row's largest weight is exactly 1, so the LSE
+  # stays within the 2x rule, benchmarks/diagnostics/row_sum_rounding).
   mma_row_sum: bool = False
   # Ranged, a soft cap: its multiplies by 1 / cap and by cap folded into
   # the score's scale and exp2's (`masking.modify_scores_folded`), two

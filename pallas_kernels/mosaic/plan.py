@@ -77,6 +77,12 @@ class ForwardConfig:
   lazy_rescale: O rescaled only where a row's running max grew by more
     than `rescale_threshold` (log2 units, 0 to 8; at 0 bitwise the eager
     rescale).
+  mma_row_sum: O's and the LSE's row sum l over P as P V rounds it, by
+    the tensor cores (`KernelStatic.mma_row_sum`; its accumulator rescaled
+    with O) instead of the float32 P's adds and shuffles; not with a soft
+    cap's max-free form (its own `mma_row_sum`). The same accuracy
+    (benchmarks/diagnostics/row_sum_rounding); not yet timed
+    (`tune_mosaic --kernels forward_mma_sum`).
   """
   block_q: int = 64
   block_kv: int | None = None
@@ -88,6 +94,7 @@ class ForwardConfig:
   sum_after_pv: bool = False
   lazy_rescale: bool = False
   rescale_threshold: float = 8.0
+  mma_row_sum: bool = False
 
 
 # (head_dim, causal, q_len range, kv_len range, plan), one row per call.
