@@ -357,6 +357,23 @@ def test_lazy_rescale_forward_matches_reference_on_gpu(head_dim, is_causal,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_row_sum_by_mma_matches_reference_on_gpu(head_dim, is_causal):
+  """`ForwardConfig.mma_row_sum` on the plan's grid with O rescaled at
+  every step (no lazy rescale): l by the tensor cores, its accumulator
+  rescaled with O, against the float32 reference within DESIGN's rule
+  (GQA 4:1, kv_len > q_len, a ragged q_len)."""
+  _require_sm90()
+  q, k, v, _, _ = random_inputs(Case(2, 1000, 1536, 8, 2, head_dim),
+                                jnp.bfloat16, seed=83)
+  out, lse = jax.jit(lambda q, k, v: mosaic_forward(
+      q, k, v, scale=head_dim**-0.5, is_causal=is_causal,
+      lazy_rescale=False, mma_row_sum=True))(q, k, v)
+  assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, kv_len", [(128, 16384), (256, 8192)])
 def test_causal_forward_default_at_long_kv_on_gpu(head_dim, kv_len):
   """The causal plan at long kv_len (the launch grid): `flash_attention`'s
