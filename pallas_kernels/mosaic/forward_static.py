@@ -68,12 +68,6 @@ class KernelStatic:
   stage_o_apart: bool = False
   # Shared memory of every buffer but O's staged apart (`check_supported`).
   smem_bytes: int = 0
-  # Launch grid order: a head's query tiles launched together, so that the
-  # CTAs at work at once stream the same K/V through L2 (every form sets
-  # it: the plain one +2.3% at d=256 and +2.6% at d=128 causal at 16k,
-  # h200_mosaic_forward_tile_order.md; FP8 +3.8-4.1% at 16k,
-  # h100_mosaic_fp8_schedule.md), rather than the same tile of many heads.
-  tile_fastest: bool = False
   # Consumer warpgroups (plain form; 2 elsewhere). With three the last tile
   # of a (batch, head) may be short: a consumer whose rows start past q_len
   # takes the last 64 rows and stores nothing (`consumer_rows`), so q_len

@@ -128,15 +128,12 @@ def mosaic_forward_fp8(query, key, value, *, q_descale, k_descale, v_descale,
   key, value = (masked.pad_rows(x, block_kv) for x in (key, value))
   if lazy_rescale is None:
     lazy_rescale = query.shape[-1] in plan.FP8_LAZY_RESCALE_HEAD_DIMS
-  # A head's tiles launched together, as in the 16-bit forwards: the
-  # CTAs at work stream one head's K and V through L2. Launched the other
-  # way (the same tile of every head at once) the FP8 forward at 16k, d=128
-  # read 1.11 GB from DRAM against 0.10 GB (h100_ncu_fp8_d128_vs_cudnn.md),
-  # and ran 3.8-4.1% slower (h100_mosaic_fp8_schedule.md).
+  # (A head's tiles launch together, as in every forward, `forward.launch`:
+  # launched the other way, the FP8 forward at 16k, d=128 read 1.11 GB from
+  # DRAM against 0.10 GB, h100_ncu_fp8_d128_vs_cudnn.md.)
   split = (query.shape[-1], bool(is_causal)) in plan.FP8_SPLIT_HANDOVER
   static = dataclasses.replace(
-      static, **forward.rescale_fields(lazy_rescale), tile_fastest=True,
-      split_handover=split)
+      static, **forward.rescale_fields(lazy_rescale), split_handover=split)
   if persistent is None:
     persistent = spec is None and (
         key.shape[1] <= plan.FP8_PERSISTENT_UP_TO[bool(is_causal)])

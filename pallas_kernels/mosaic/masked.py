@@ -126,7 +126,7 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
   # causal forward at 16k 531 -> 563 TFLOP/s at d=128 (the plain kernel
   # 593), 605 -> 621 at d=256 (638; h200_mosaic_masked_heaviest_first.md).
   static = dataclasses.replace(
-      static, split_handover=True, tile_fastest=True,
+      static, split_handover=True,
       alibi_columns=(plan.MASKED_ALIBI_COLUMNS and alibi_columns(spec)
                      and sinks is None),
       max_free=no_running_max,
