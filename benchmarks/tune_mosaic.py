@@ -302,15 +302,27 @@ def masked_schedule(form: str):
   max-free with the row sum by the tensor cores at every head dim for
   "softcap_mma_sum" (`plan.MAX_FREE_MMA_ROW_SUM`) and in the plain capped
   forward for "softcap_plain_mma_sum" (`plan.PLAIN_MAX_FREE_HEAD_DIMS`);
-  as planned for any other."""
+  max-free with each row's max from its first step for
+  "softcap_first_max" and "softcap_plain_first_max" (`plan.
+  MAX_FREE_FIRST_STEP_MAX`); the plain capped forward with its running
+  max at every head dim for "softcap_plain_with_max"; as planned for any
+  other."""
   from pallas_kernels.mosaic import masked, plan
   every_dim = (64, 128, 256)
   choices = {"alibi_tiles": [("MASKED_ALIBI_COLUMNS", False)],
              "softcap_with_max": [("MASKED_MAX_FREE_HEAD_DIMS", ())],
              "softcap_mma_sum": [("MASKED_MAX_FREE_HEAD_DIMS", every_dim),
-                                 ("MAX_FREE_MMA_ROW_SUM", True)],
+                                 ("MAX_FREE_MMA_ROW_SUM", True),
+                                 ("MAX_FREE_FIRST_STEP_MAX", False)],
+             "softcap_first_max": [("MASKED_MAX_FREE_HEAD_DIMS", every_dim),
+                                   ("MAX_FREE_FIRST_STEP_MAX", True)],
+             "softcap_plain_with_max": [("PLAIN_MAX_FREE_HEAD_DIMS", ())],
              "softcap_plain_mma_sum": [("PLAIN_MAX_FREE_HEAD_DIMS",
-                                        every_dim)],
+                                        every_dim),
+                                       ("MAX_FREE_FIRST_STEP_MAX", False)],
+             "softcap_plain_first_max": [("PLAIN_MAX_FREE_HEAD_DIMS",
+                                          every_dim),
+                                         ("MAX_FREE_FIRST_STEP_MAX", True)],
              "softcap_unfolded": [("MASKED_SOFTCAP_FOLDED", False)],
              "softcap_backward_folded": [("MASKED_BACKWARD_SOFTCAP_FOLDED",
                                           True)]}
@@ -337,13 +349,14 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
   dropout 0.1 or a soft cap of 30 (`SCORE_CHANGE_SPACE`), so that a score
   change's cost splits into the masked kernel's and the term's own;
   "softcap_plain": the plain kernel with that cap
-  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`), "softcap_plain_mma_sum" without its
-  running max."""
+  (`plan.PLAIN_SOFTCAP_HEAD_DIMS`), "softcap_plain_with_max",
+  "softcap_plain_mma_sum" and "softcap_plain_first_max" with or without
+  its running max (`masked_schedule`)."""
   from pallas_kernels.mosaic.forward import mosaic_forward
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   q, k, v, _ = common.attention_inputs(cell.shape, cell.dtype)
   scale, form = cell.head_dim**-0.5, blocks["form"]
-  if form in ("plain", "softcap_plain", "softcap_plain_mma_sum"):
+  if form == "plain" or form.startswith("softcap_plain"):
     cap = causal_spec(cell, "softcap")[0].logits_soft_cap
     fn = jax.jit(lambda q, k, v: mosaic_forward(
         q, k, v, scale=scale, is_causal=True,
@@ -485,9 +498,11 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                           mode=("fwd_bwd",),
                                           change=("softcap",)), 3.5, (True,)),
            "max_free": (score_change_benchmark,
-                        dict(form=("plain", "softcap_with_max", "softcap",
-                                   "softcap_mma_sum", "softcap_plain",
-                                   "softcap_plain_mma_sum")),
+                        dict(form=("plain", "softcap_with_max",
+                                   "softcap_mma_sum", "softcap_first_max",
+                                   "softcap_plain_with_max",
+                                   "softcap_plain_mma_sum",
+                                   "softcap_plain_first_max")),
                         1.0, (True,)),
            "softcap_folded": (score_change_benchmark,
                               dict(form=("plain", "softcap_unfolded",

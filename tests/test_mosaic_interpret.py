@@ -457,15 +457,20 @@ def test_interpreted_forward_sinks(case, options):
 
 @pytest.mark.parametrize("case, is_causal, cap, sinks, max_free, options", [
     # Causal, GQA 2:1, the persistent grid.
-    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None, False, {}),
+    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None, None, {}),
     # Without a running max, the row sum P V takes by the tensor cores.
-    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None, True, {}),
+    (Case(1, 256, 256, 2, 1, 64), True, 20.0, None, "mma sum", {}),
+    # Each row's max from its first step (`plan.MAX_FREE_FIRST_STEP_MAX`),
+    # one unrounded sum; GQA 2:1's two heads in a persistent CTA's walk.
+    (Case(1, 256, 256, 2, 1, 64), True, 40.0, None, "first step max", {}),
     # The running max at exp2's scale cap log2(e) past any bound on P;
     # not causal, a ragged key tail, sinks.
-    slow(Case(1, 128, 200, 2, 2, 64), False, 100.0, SINKS, False, {}),
+    slow(Case(1, 128, 200, 2, 2, 64), False, 100.0, SINKS, None, {}),
     # Max-free: a ragged key tail, sinks, the exact sum taken while P V
     # runs (d=128's plan without a mask).
-    slow(Case(1, 128, 200, 2, 2, 64), False, 50.0, SINKS, True,
+    slow(Case(1, 128, 200, 2, 2, 64), False, 50.0, SINKS, "mma sum",
+         dict(sum_after_pv=True, persistent=False)),
+    slow(Case(1, 128, 200, 2, 2, 64), False, 50.0, SINKS, "first step max",
          dict(sum_after_pv=True, persistent=False)),
 ], ids=str)
 def test_interpreted_plain_forward_soft_cap(monkeypatch, case, is_causal, cap,
@@ -474,13 +479,15 @@ def test_interpreted_plain_forward_soft_cap(monkeypatch, case, is_causal, cap,
   and lse as the reference's with `logits_soft_cap`, Q times 8 so that
   logits reach the cap. With `max_free`, without a running max
   (`plan.PLAIN_MAX_FREE_HEAD_DIMS`, `exponentiate` patched to fail), O's
-  row sum P times a tile of ones: a causal row of one key is exactly its
-  value."""
+  row sum P times a tile of ones or each row's max from its first step:
+  a causal row of one key is exactly its value."""
   from pallas_kernels.mosaic import forward_kernel, plan
   if max_free:
     def no_running_max(*args, **kwargs):
       raise AssertionError("the max-free forward took a running max")
     monkeypatch.setattr(plan, "PLAIN_MAX_FREE_HEAD_DIMS", (64,))
+    monkeypatch.setattr(plan, "MAX_FREE_FIRST_STEP_MAX",
+                        max_free == "first step max")
     monkeypatch.setattr(forward_kernel, "exponentiate", no_running_max)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=5)
   q = q * 8
@@ -490,7 +497,7 @@ def test_interpreted_plain_forward_soft_cap(monkeypatch, case, is_causal, cap,
                                   sinks=sinks, **options)
   assert_forward_within_rule(q, k, v, out, lse, is_causal=is_causal,
                              logits_soft_cap=cap, sinks=sinks)
-  if max_free and is_causal:
+  if max_free and is_causal and sinks is None:
     np.testing.assert_array_equal(
         out[:, 0], jnp.broadcast_to(v[:, 0], out[:, 0].shape))
 

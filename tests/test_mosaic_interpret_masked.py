@@ -311,9 +311,9 @@ def test_interpreted_max_free_forward(monkeypatch, name, fold_cap):
   assert_forward_within_rule(q, k, v, out, lse, sinks=sinks, **variants)
 
 
-@pytest.mark.parametrize("mma_row_sum", [False, True])
+@pytest.mark.parametrize("row_sums", ["rounded", "mma", "first step max"])
 def test_interpreted_max_free_row_of_one_key_is_its_value(monkeypatch,
-                                                          mma_row_sum):
+                                                          row_sums):
   """Without a running max (`KernelStatic.max_free`) no weight is exactly 1,
   yet a causal row that sees one key gives exactly that key's value: O is
   normalised by the row sum of P as P V takes it, rounded
@@ -321,19 +321,23 @@ def test_interpreted_max_free_row_of_one_key_is_its_value(monkeypatch,
   V (1 + δ), δ up to 2^-9); the LSE keeps the exact sum. (With a running
   max the row's one weight is exactly 1: `exponentiate` fails the test.)
   Also with that sum taken by the tensor cores (`plan.MAX_FREE_MMA_ROW_SUM`:
-  P times a tile of ones)."""
+  P times a tile of ones), and with each row's max taken on its first step
+  and one unrounded sum (`plan.MAX_FREE_FIRST_STEP_MAX`: the row's one
+  weight is exactly 1 again; with m = 0 instead the row fails)."""
   from pallas_kernels.mosaic import forward, forward_kernel, plan
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
 
   def no_running_max(*args, **kwargs):
     raise AssertionError("the max-free forward took a running max")
   monkeypatch.setattr(plan, "MASKED_MAX_FREE_HEAD_DIMS", (64,))
-  monkeypatch.setattr(plan, "MAX_FREE_MMA_ROW_SUM", mma_row_sum)
+  monkeypatch.setattr(plan, "MAX_FREE_MMA_ROW_SUM", row_sums == "mma")
+  monkeypatch.setattr(plan, "MAX_FREE_FIRST_STEP_MAX",
+                      row_sums == "first step max")
   monkeypatch.setattr(forward_kernel, "exponentiate", no_running_max)
   statics = []
-  with_mma_row_sum = forward.with_mma_row_sum
-  monkeypatch.setattr(forward, "with_mma_row_sum", lambda static: statics.append(
-      with_mma_row_sum(static)) or statics[-1])
+  launch = forward.launch
+  monkeypatch.setattr(forward, "launch", lambda static, *args, **kwargs: (
+      statics.append(static), launch(static, *args, **kwargs))[1])
   case = Case(1, 64, 64, 2, 1, 64)
   q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=12)
   q = q * 8
@@ -344,7 +348,41 @@ def test_interpreted_max_free_row_of_one_key_is_its_value(monkeypatch,
   np.testing.assert_array_equal(out[:, 0], jnp.broadcast_to(v[:, 0],
                                                             out[:, 0].shape))
   assert_forward_within_rule(q, k, v, out, lse, **variants)
-  assert [s.mma_row_sum for s in statics] == [True] * mma_row_sum
+  assert [(s.max_free, s.mma_row_sum, s.first_step_max is not None)
+          for s in statics] == [(True, row_sums == "mma",
+                                 row_sums == "first step max")]
+
+
+@pytest.mark.parametrize("floor", [True, slow(False)])
+def test_interpreted_first_step_max_needs_its_floor(monkeypatch, floor):
+  """Each row's max from its first computed step (`plan.
+  MAX_FREE_FIRST_STEP_MAX`) under a causal window of 11 keys and the
+  largest cap it takes: the consumers' ranges start at their top rows'
+  first block, so rows past key 138 keep no key in their first step (m
+  = -inf there) and the early rows' first steps hold logits down to -60.
+  With `plan.first_step_max_floor` out and lse are the reference's; with
+  no floor (slow, the check that the case needs one) they are not.
+  Sinks join the epilogue's denominator."""
+  from pallas_kernels.mosaic import plan
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  monkeypatch.setattr(plan, "MASKED_MAX_FREE_HEAD_DIMS", (64,))
+  monkeypatch.setattr(plan, "MAX_FREE_FIRST_STEP_MAX", True)
+  if not floor:
+    monkeypatch.setattr(plan, "first_step_max_floor",
+                        lambda cap, dtype: -float("inf"))
+  case = Case(1, 256, 256, 2, 1, 64)
+  q, k, v, _, _ = random_inputs(case, jnp.bfloat16, seed=13)
+  q = q * 8
+  variants = dict(is_causal=True, local_window_size=(10, 0),
+                  logits_soft_cap=60.0)
+  scale, spec, operands = _masked_call(q, k, v, variants)
+  out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
+                                  scale=scale, spec=spec, sinks=SINKS,
+                                  **operands)
+  if floor:
+    assert_forward_within_rule(q, k, v, out, lse, sinks=SINKS, **variants)
+  else:
+    assert not np.isfinite(np.asarray(out, np.float32)).all()
 
 
 @pytest.mark.slow  # CI's ten minutes: the GPU sinks test's "masked" case

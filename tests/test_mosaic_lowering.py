@@ -821,7 +821,7 @@ def test_soft_cap_on_the_plain_forward(q_len, is_causal, cuda_lowering,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("max_free", [False, True])
+@pytest.mark.parametrize("max_free", [None, "mma sum", "first step max"])
 @pytest.mark.parametrize("case, is_causal, cap", [
     (Case(2, 1024, 1024, 8, 4, 128), True, 30.0),
     (Case(1, 2048, 2048, 8, 4, 256), True, 50.0),   # Gemma's cap, d=256
@@ -834,11 +834,14 @@ def test_soft_cap_on_the_plain_forward_on_gpu(case, is_causal, cap,
   kernel (the masked one patched to fail), its gradients by the backward
   the plan picks, against the reference; the scale 4 / sqrt(d) so that
   logits reach the cap. With `max_free`, without a running max where the
-  cap allows, the row sum P V takes by the tensor cores
-  (`plan.PLAIN_MAX_FREE_HEAD_DIMS`); without, the running max."""
+  cap allows (`plan.PLAIN_MAX_FREE_HEAD_DIMS`), the row sum P V takes by
+  the tensor cores or each row's max from its first step (`plan.
+  MAX_FREE_FIRST_STEP_MAX`); without, the running max."""
   from pallas_kernels.mosaic import plan
   monkeypatch.setattr(plan, "PLAIN_MAX_FREE_HEAD_DIMS",
                       (64, 128, 256) if max_free else ())
+  monkeypatch.setattr(plan, "MAX_FREE_FIRST_STEP_MAX",
+                      max_free == "first step max")
   _check_plain_route_on_gpu(
       case, monkeypatch, "PLAIN_SOFTCAP_HEAD_DIMS", ("mosaic_forward_masked",),
       is_causal=is_causal, logits_soft_cap=cap,

@@ -188,6 +188,24 @@ def test_max_free_where_planned():
   assert not plan.max_free_cap(None, jnp.bfloat16, 256)
 
 
+@pytest.mark.parametrize("dtype, cap", [(jnp.bfloat16, 30.0),
+                                        (jnp.bfloat16, 60.0),
+                                        (jnp.float16, 10.0),
+                                        (jnp.float16, 4.0)])
+def test_first_step_max_floor_keeps_p_in_range(dtype, cap):
+  """`plan.first_step_max_floor`: a logit at the cap over a row max at the
+  floor gives P = e^bound, the m = 0 form's largest (`MAX_FREE_SOFT_CAPS`),
+  finite in P's dtype; the floor never asks more of a row than m = 0
+  does (it is at most 0)."""
+  from pallas_kernels.mosaic import plan
+  floor = plan.first_step_max_floor(cap, dtype)
+  bound = plan.MAX_FREE_SOFT_CAPS[np.dtype(dtype).name]
+  largest_p = np.exp2(cap * np.log2(np.e) - floor)
+  np.testing.assert_allclose(largest_p, np.exp(bound), rtol=1e-6)
+  assert np.isfinite(np.asarray(largest_p, dtype))
+  assert floor <= 0.0
+
+
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_max_free_forward_lowers(head_dim, cuda_lowering, monkeypatch):
   """The soft cap without a running max (`plan.MASKED_MAX_FREE_HEAD_DIMS`):
@@ -487,27 +505,31 @@ def test_alibi_columns_match_reference_on_gpu(head_dim, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fold_cap, mma_row_sum", [(False, False),
-                                                   (True, False),
-                                                   (True, True)])
+@pytest.mark.parametrize("fold_cap, row_sums", [(False, "rounded"),
+                                               (True, "rounded"),
+                                               (True, "mma"),
+                                               (True, "first step max")])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype, cap", [(jnp.bfloat16, 50.0),
                                         (jnp.float16, 10.0)])
 def test_max_free_forward_matches_reference_on_gpu(head_dim, dtype, cap,
-                                                   fold_cap, mma_row_sum,
+                                                   fold_cap, row_sums,
                                                    monkeypatch):
   """The masked forward without a running max (`plan.
   MASKED_MAX_FREE_HEAD_DIMS`, here at every head dim) under Gemma's soft
   cap (bfloat16) and float16's largest it takes, a causal window over
   ragged lengths, Q times 4 so that logits reach the cap; with the cap's
   multiplies folded (`plan.MASKED_SOFTCAP_FOLDED`), and the row sum P V
-  takes by the tensor cores (`plan.MAX_FREE_MMA_ROW_SUM`)."""
+  takes by the tensor cores (`plan.MAX_FREE_MMA_ROW_SUM`) or each row's
+  max from its first step and one sum (`plan.MAX_FREE_FIRST_STEP_MAX`)."""
   if (versions.gpu_compute_capability() or (0, 0)) < (9, 0):
     pytest.skip("the Mosaic forward needs sm90")
   from pallas_kernels.mosaic import plan
   monkeypatch.setattr(plan, "MASKED_MAX_FREE_HEAD_DIMS", (head_dim,))
   monkeypatch.setattr(plan, "MASKED_SOFTCAP_FOLDED", fold_cap)
-  monkeypatch.setattr(plan, "MAX_FREE_MMA_ROW_SUM", mma_row_sum)
+  monkeypatch.setattr(plan, "MAX_FREE_MMA_ROW_SUM", row_sums == "mma")
+  monkeypatch.setattr(plan, "MAX_FREE_FIRST_STEP_MAX",
+                      row_sums == "first step max")
   case = Case(2, 1500, 1500, 8, 4, head_dim)
   variants = dict(is_causal=True, local_window_size=(700, 0),
                   logits_soft_cap=cap,
@@ -520,9 +542,19 @@ def test_max_free_forward_matches_reference_on_gpu(head_dim, dtype, cap,
       q, k, v, scale=call.scale, spec=call.spec, **operands))(q, k, v)
   assert_forward_within_rule(q, k, v, out, lse, **variants)
   # A causal row of one key is exactly its value (O normalised by the sum
-  # P V took).
-  np.testing.assert_array_equal(out[:, 0], jnp.repeat(
-      v[:, 0], case.num_heads // case.num_kv_heads, axis=1))
+  # P V took; from the first step, where its logit is at least the floor
+  # on m, `plan.first_step_max_floor`, in natural-log units).
+  value = jnp.repeat(v[:, 0], case.num_heads // case.num_kv_heads, axis=1)
+  exact = np.ones(value.shape[:2], bool)
+  if row_sums == "first step max":
+    key = jnp.repeat(k[:, 0], case.num_heads // case.num_kv_heads, axis=1)
+    logit = cap * jnp.tanh(call.scale * jnp.einsum(
+        "bhd,bhd->bh", q[:, 0].astype(jnp.float32),
+        key.astype(jnp.float32)) / cap)
+    floor = plan.first_step_max_floor(cap, dtype) / np.log2(np.e)
+    exact = np.asarray(logit > floor + 1e-3)
+  np.testing.assert_array_equal(np.asarray(out[:, 0])[exact],
+                                np.asarray(value)[exact])
 
 
 @pytest.mark.gpu

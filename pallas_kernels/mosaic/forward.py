@@ -171,11 +171,17 @@ def mosaic_forward(query, key, value, *, scale: float, is_causal: bool,
       raise ValueError(f"soft_cap must be positive, got {soft_cap}")
     static = dataclasses.replace(static, soft_cap=float(soft_cap))
     if plan.max_free_cap(soft_cap, query.dtype, query.shape[-1], plain=True):
-      # No running max where the cap bounds P, O's row sum by the tensor
-      # cores (`plan.PLAIN_MAX_FREE_HEAD_DIMS`); with the running max where
-      # the ones tiles do not fit.
-      static = with_mma_row_sum(
-          dataclasses.replace(static, max_free=True)) or static
+      # No running max where the cap bounds P (`plan.
+      # PLAIN_MAX_FREE_HEAD_DIMS`): each row's max from its first step, or
+      # O's row sum by the tensor cores (with the running max where the
+      # ones tiles do not fit).
+      if plan.MAX_FREE_FIRST_STEP_MAX:
+        static = dataclasses.replace(
+            static, max_free=True, first_step_max=plan.first_step_max_floor(
+                soft_cap, query.dtype))
+      else:
+        static = with_mma_row_sum(
+            dataclasses.replace(static, max_free=True)) or static
   if config.mma_row_sum and not static.max_free:
     # l itself by the tensor cores (`ForwardConfig.mma_row_sum`).
     static = with_mma_row_sum(

@@ -438,7 +438,7 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   q_rows = pl.ds(q_start, block_q)
   alibi_slope = None  # `static.alibi_columns`: this head's
   if plan is None:
-    first = 0
+    first = first_computed = 0
     num_steps = num_kv_steps(q_start, static)
     num_unmasked = _num_unmasked_steps(q_start, num_steps, static)
     # Steps in which every consumer runs and so takes turns: all of
@@ -451,6 +451,7 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   else:
     lo, unmasked_lo, unmasked_hi, hi = (read(wg * 4 + i) for i in range(4))
     first, num_steps = read(PLAN_UNION), read(PLAN_UNION + 1)
+    first_computed = lo  # this consumer's range is [lo, hi) of the union
     values = masking.MaskValues(q_offset=read(PLAN_SCALARS),
                                 q_lengths=read(PLAN_SCALARS + 1),
                                 kv_lengths=read(PLAN_SCALARS + 2))
@@ -525,7 +526,9 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
   l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
   acc = plgpu.layout_cast(jnp.zeros((block_q, static.head_dim), jnp.float32),
                           plgpu.Layout.WGMMA)
-  l_pv = l if static.max_free else None  # `KernelStatic.max_free`
+  # `KernelStatic.max_free`: O's sum as P V takes P, but where the row's
+  # max comes from its first step (`first_step_max`).
+  l_pv = l if static.max_free and static.first_step_max is None else None
   # With a running max and `mma_row_sum`, l is the tensor cores' (`l_pv`).
   sum_by_mma = static.mma_row_sum and not static.max_free
   if static.mma_row_sum:
@@ -621,7 +624,14 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       # and K factors, folded into exp2's scale
       k_factor = _descale(fp8, static.num_q_blocks + step)
       scale_log2 = scale_log2 * (q_factor * k_factor)
-    if static.max_free:  # |s| <= the cap: no max to subtract
+    if static.max_free and static.first_step_max is not None:
+      # The row's max from the first step it computes, then kept.
+      m_new = lax.cond(step == first_computed,
+                       functools.partial(_first_step_max, scale_log2,
+                                         static.first_step_max),
+                       lambda s: m, s)
+      alpha, p = None, jnp.exp2(s * scale_log2 - per_row(m_new, s.shape))
+    elif static.max_free:  # |s| <= the cap: no max to subtract
       m_new, alpha, p = m, None, jnp.exp2(s * scale_log2)
     else:
       m_new, alpha, p = exponentiate(s, m, scale_log2,
@@ -815,6 +825,13 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
       plgpu.barrier_arrive(k_consumed.at[consumed_base + slot])
       plgpu.barrier_wait(v_arrived.at[slot])
       plgpu.barrier_arrive(v_consumed.at[consumed_base + slot])
+
+
+def _first_step_max(scale_log2, floor, s):
+  """`KernelStatic.first_step_max`'s m [block_q] (log2 units) from the
+  scores s [block_q, block_kv] (-inf where masked): each row's max, at
+  least `floor`."""
+  return jnp.maximum(s.max(axis=1) * scale_log2, floor)
 
 
 def _row_sum(l, alpha, p):

@@ -123,6 +123,19 @@ class KernelStatic:
   # `l_pv`), which keeps a row of one key at exactly V, and the LSE by the
   # exact sum (benchmarks/diagnostics/max_free_rounding).
   max_free: bool = False
+  # With `max_free`, each row's m taken on the first step the consumer
+  # computes and kept (no max on later steps, no alpha, nothing rescaled),
+  # but never below this floor (log2 units, `plan.first_step_max_floor`:
+  # e^cap over e^floor stays within `MAX_FREE_SOFT_CAPS`' bound on P, and
+  # a row with no key kept in its first step has a finite m); None: m
+  # stays 0. A row's largest weight in its first step is then exactly 1,
+  # as under a running max, so one sum of the unrounded P serves O and the
+  # LSE (no `l_pv`, no `mma_row_sum`): a row whose keys all fall in one
+  # step, the rows of few keys that the rounded sum kept exact, stays
+  # exact; a later key above the first step's max has its weight above 1,
+  # rounded for P V (relative 2^-9 in bfloat16, tokamax's m = 0 form's
+  # error). `plan.MAX_FREE_FIRST_STEP_MAX`.
+  first_step_max: float | None = None
   # With `max_free`, l_pv taken by the tensor cores: P times a tile of ones
   # [block_kv, MMA_SUM_COLUMNS] in shared memory, a wgmma beside P V's on
   # the same 16-bit P, so every one of its columns is the row sum P V

@@ -133,8 +133,11 @@ def mosaic_forward_masked(query, key, value, *, scale: float,
       fold_cap=(plan.MASKED_SOFTCAP_FOLDED
                 and spec.logits_soft_cap is not None),
       **forward.rescale_fields(lazy_rescale))
-  if (no_running_max and plan.MAX_FREE_MMA_ROW_SUM
-      and not spec.dropout_rate):  # P V's P is not the sum's under dropout
+  if no_running_max and plan.MAX_FREE_FIRST_STEP_MAX:
+    static = dataclasses.replace(static, first_step_max=(
+        plan.first_step_max_floor(spec.logits_soft_cap, query.dtype)))
+  elif (no_running_max and plan.MAX_FREE_MMA_ROW_SUM
+        and not spec.dropout_rate):  # P V's P is not the sum's under dropout
     static = forward.with_mma_row_sum(static) or static
   block_mask = block_mask_of(spec, block_mask, query.shape)
   rows, plan_heads = plan_rows(static, query.shape[0], q_offset=q_offset,

@@ -463,6 +463,14 @@ MASKED_MAX_FREE_HEAD_DIMS = (256,)
 # at d=128 494 / 427 against the running max's 503 / 420
 # (h100_mosaic_max_free_mma_sum.md).
 MAX_FREE_MMA_ROW_SUM = True
+# Instead, every max-free forward (masked and plain) takes each row's max
+# on its first computed step only and one sum of the unrounded P
+# (`KernelStatic.first_step_max`): no second sum and no ones tiles, and a
+# row whose keys all fall in one step keeps its largest weight at exactly
+# 1. Untimed (`tune_mosaic --kernels max_free`'s "first_max" forms): one
+# unrounded sum with m = 0 had won +5% / +11% at d=256 / 128 over the
+# running max in the masked forward (h100_mosaic_max_free_sums.md).
+MAX_FREE_FIRST_STEP_MAX = False
 # The plain capped forward (`PLAIN_SOFTCAP_HEAD_DIMS`) without a running
 # max at these plan head dims, always with the tensor cores' row sum (its
 # two-sum form lost: 631 -> 576 at d=256, 16k, h100_mosaic_max_free_pairs.md).
@@ -523,6 +531,15 @@ PLAIN_SOFTCAP_BACKWARD_HEAD_DIMS = (64, 128, 256)
 # largest (65504), and in bfloat16 a row sum of e^cap over 2^31 keys below
 # float32's (3.4e38 = e^88.7).
 MAX_FREE_SOFT_CAPS = {"bfloat16": 60.0, "float16": 10.0}
+
+
+def first_step_max_floor(cap: float, dtype) -> float:
+  """`KernelStatic.first_step_max`'s floor on a row's m (log2 units) under
+  soft cap `cap` for P in `dtype`: with m >= (cap - bound) log2(e), P =
+  2^(s log2 e - m) <= e^bound, the m = 0 form's bound at the largest cap
+  it takes (`MAX_FREE_SOFT_CAPS`)."""
+  bound = MAX_FREE_SOFT_CAPS[np.dtype(dtype).name]
+  return (min(float(cap), bound) - bound) * float(np.log2(np.e))
 
 
 def max_free_cap(cap: float | None, dtype, head_dim: int, *,
