@@ -263,8 +263,9 @@ DOCUMENT_STARTS = (0.0, 0.05, 0.15, 0.3, 0.5, 0.6, 0.8, 0.9)
 
 
 def causal_spec(cell: common.Cell, term: str):
-  """(a causal `MaskSpec` with `term`, the masked kernels' operands of
-  it): "none", "alibi" (slopes 2^-1 .. 2^-heads), "dropout" (0.1),
+  """(a `MaskSpec` with `term`, causal where the cell is (the sweeps that
+  call it are causal only, but for `max_free`), the masked kernels'
+  operands of it): "none", "alibi" (slopes 2^-1 .. 2^-heads), "dropout" (0.1),
   "softcap" (30), "window" (4,096 keys, Mistral's), "gemma_local" (that
   window and a cap of 50, Gemma's local layers) or "documents" (8 packed,
   `DOCUMENT_STARTS`)."""
@@ -286,7 +287,7 @@ def causal_spec(cell: common.Cell, term: str):
       "softcap": (dict(logits_soft_cap=30.0), {}),
   }[term]
   return masking.MaskSpec(q_len=cell.seq_len, kv_len=cell.seq_len,
-                          is_causal=True, **changes), operands
+                          is_causal=cell.causal, **changes), operands
 
 
 @contextlib.contextmanager
@@ -342,7 +343,8 @@ def masked_schedule(form: str):
 
 
 def score_change_benchmark(cell: common.Cell, blocks: dict):
-  """The causal forward as `blocks["form"]` computes it: the plain kernel,
+  """The forward (causal, or as the cell is for `max_free`) as
+  `blocks["form"]` computes it: the plain kernel,
   the masked kernel on the same causal mask (its plan rows, two
   consumers, tiles heaviest first; or in tile order: `masked_schedule`),
   and the masked kernel with ALiBi,
@@ -359,7 +361,7 @@ def score_change_benchmark(cell: common.Cell, blocks: dict):
   if form == "plain" or form.startswith("softcap_plain"):
     cap = causal_spec(cell, "softcap")[0].logits_soft_cap
     fn = jax.jit(lambda q, k, v: mosaic_forward(
-        q, k, v, scale=scale, is_causal=True,
+        q, k, v, scale=scale, is_causal=cell.causal,
         soft_cap=None if form == "plain" else cap))
     with masked_schedule(form):
       return fn.lower(q, k, v).compile(), (q, k, v)
@@ -503,7 +505,7 @@ KERNELS = {"forward": _forward(FORWARD_SPACE),
                                    "softcap_plain_with_max",
                                    "softcap_plain_mma_sum",
                                    "softcap_plain_first_max")),
-                        1.0, (True,)),
+                        1.0, (True, False)),
            "softcap_folded": (score_change_benchmark,
                               dict(form=("plain", "softcap_unfolded",
                                          "softcap", "softcap_plain")),
