@@ -108,6 +108,15 @@ class MaskSpec:
             or self.logits_soft_cap is not None)
 
   @property
+  def unbounded_scores(self) -> bool:
+    """Whether a bias or score_fn may take logits anywhere (a padding bias
+    of -1e10, not -inf), with no soft cap after them: the kernels then cap
+    the exponent of P at its bound, where float32's rounding at such
+    magnitudes would otherwise overshoot (`triton.common.weights`)."""
+    return ((self.has_bias or self.score_fn is not None)
+            and self.logits_soft_cap is None)
+
+  @property
   def scores_read_positions(self) -> bool:
     """Whether `modify_scores` reads the positions `q_idx` / `kv_idx`
     (ALiBi, `score_fn`), so that a kernel must pass its tile's."""

@@ -291,6 +291,44 @@ def test_padding_bias_at_the_lowest_float_on_gpu(implementation, bias_shape,
                              np.asarray(want[0], np.float32), atol=0.02)
 
 
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+def test_padding_bias_at_minus_1e10_on_gpu(implementation):
+  """A finite padding bias of -1e10 on padded keys and on every key of the
+  padded queries (batch 0: 700 queries and 600 keys of 1000 valid):
+  out and gradients finite (the padded queries' cotangents zero, as a
+  masked loss gives them), the valid rows as the reference's. At that
+  magnitude an ulp of a logit is 1024, and P's exponent could overshoot
+  the row max by half of it (`MaskSpec.unbounded_scores`)."""
+  q, k, v, d_out, _ = random_inputs(Case(2, 1000, 1000, 4, 2, 128),
+                                    jnp.bfloat16, 7)
+  q_valid = jnp.arange(1000) < jnp.array([[700], [1000]])
+  kv_valid = jnp.arange(1000) < jnp.array([[600], [1000]])
+  bias = jnp.where(q_valid[:, :, None] & kv_valid[:, None, :], 0.0,
+                   -1e10)[:, None].astype(jnp.bfloat16)
+  d_out = jnp.where(q_valid[:, :, None, None], d_out, 0).astype(d_out.dtype)
+
+  def attend(fn, q, k, v, **kw):
+    return fn(q, k, v, bias=bias, is_causal=True, **kw)
+
+  @jax.jit
+  def run(q, k, v):
+    out, vjp = jax.vjp(lambda *a: attend(
+        jax_flash.flash_attention, *a, implementation=implementation),
+                       q, k, v)
+    return out, vjp(d_out)
+  out, grads = run(q, k, v)
+  assert all(bool(jnp.isfinite(x).all()) for x in (out, *grads))
+  want, want_grads = jax.vjp(lambda *a: attend(
+      jax_flash.attention_reference, *a), q, k, v)
+  want_grads = want_grads(d_out)
+  rows = np.asarray(q_valid)
+  np.testing.assert_allclose(np.asarray(out, np.float32)[rows],
+                             np.asarray(want, np.float32)[rows], atol=0.02)
+  for ours, theirs in zip(grads, want_grads):
+    np.testing.assert_allclose(np.asarray(ours, np.float32),
+                               np.asarray(theirs, np.float32), atol=0.05)
+
+
 def test_bias_gradient_on_gpu():
   q, k, v, d_out, _ = random_inputs(Case(1, 1024, 1536, 8, 8, 64),
                                     jnp.bfloat16, 4)

@@ -186,6 +186,32 @@ def test_padding_bias_at_float32_lowest_empties_its_rows():
   assert float(jnp.abs(want["dq"][1]).max()) == 0.0
 
 
+@pytest.mark.parametrize("form", ["bias", "score_fn"])
+def test_padding_at_minus_1e10_stays_finite(form):
+  """Padding by a large finite logit, as many codebases write it: a bias of
+  -1e10 on the padded keys and queries (rows of nothing but padding), or a
+  `score_fn` setting them there. float32 keeps no part of q·k at that
+  magnitude (an ulp is 1024), and without the kernels' cap on P's exponent
+  (`triton.common.weights`) such rows gave NaN out and NaN dK everywhere.
+  Out, the LSE and the gradients (padded rows' cotangents zero, as a masked
+  loss gives them) are the reference's, causal, GQA, tails."""
+  q, k, v, d_out, d_lse = random_inputs(CASE, jnp.float32, 14)
+  q_valid = jnp.arange(70) < jnp.array([[50], [70]])
+  kv_valid = jnp.arange(90) < jnp.array([[60], [90]])
+  pair = q_valid[:, :, None] & kv_valid[:, None, :]
+  d_out = jnp.where(q_valid[:, :, None, None], d_out, 0.0)
+  d_lse = jnp.where(q_valid[:, :, None], d_lse, 0.0)
+  if form == "bias":
+    kwargs = dict(bias=jnp.where(pair, 0.0, -1e10)[:, None])
+  else:
+    kwargs = dict(score_fn=lambda s, b, h, i, j: jnp.where(
+        (i < jnp.where(b == 0, 50, 70)) & (j < jnp.where(b == 0, 60, 90)),
+        s, -1e10))
+  got, want = _causal_triton_and_reference(
+      (q, k, v, d_out, d_lse), kwargs, kwargs)
+  chex.assert_tree_all_finite(got)
+
+
 def test_sinks_and_their_gradient():
   q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 6)
   sinks = jnp.array([0.5, -1.0, 2.0, 0.0])

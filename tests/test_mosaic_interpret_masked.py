@@ -494,6 +494,43 @@ def test_interpreted_mosaic_backward_masked_matches_reference(name, copies,
     assert_within_rule(grad, ours, exact[grad], lowp[grad])
 
 
+def test_interpreted_padding_bias_at_minus_1e10(monkeypatch):
+  """A padding bias of -1e10 (finite, as many codebases write it) on the
+  padded keys and on the padded queries' every key: the masked forward
+  and backward stay finite and within the rule against the reference
+  (the padded queries' cotangents zero, as a masked loss gives them). At
+  that magnitude float32's ulp is 1024 and the exponent of P, one FMA,
+  overshot the row max taken of rounded products: without the cap on it
+  (`MaskSpec.unbounded_scores`) 56 rows of O were NaN."""
+  from pallas_kernels.mosaic import backward
+  from pallas_kernels.mosaic.masked import mosaic_forward_masked
+  from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked
+  case = Case(2, 128, 128, 2, 1, 64)
+  q, k, v, d_out, d_lse = random_inputs(case, jnp.bfloat16, seed=3)
+  q_valid = jnp.arange(128) < jnp.array([[100], [128]])
+  kv_valid = jnp.arange(128) < jnp.array([[90], [128]])
+  bias = jnp.where(q_valid[:, :, None] & kv_valid[:, None, :], 0.0,
+                   -1e10)[:, None].astype(jnp.bfloat16)
+  d_out = jnp.where(q_valid[:, :, None, None], d_out, 0).astype(d_out.dtype)
+  d_lse = jnp.where(q_valid[:, :, None], d_lse, 0.0)
+  variants = dict(bias=bias, is_causal=True)
+  scale, spec, operands = _masked_call(q, k, v, variants)
+  out, lse = mosaic_interpret.run(mosaic_forward_masked, q, k, v,
+                                  scale=scale, spec=spec, **operands)
+  assert bool(jnp.isfinite(out).all())
+  assert_forward_within_rule(q, k, v, out, lse, **variants)
+  exact, lowp = reference_gradients(q, k, v, d_out, d_lse, **variants)
+  args = (exact["out"].astype(q.dtype), jnp.swapaxes(exact["lse"], 1, 2),
+          d_out, jnp.swapaxes(d_lse, 1, 2))
+  stats = backward.row_statistics(*args)
+  monkeypatch.setattr(backward, "row_statistics", lambda *given: stats)
+  grads = mosaic_interpret.run(mosaic_backward_masked, q, k, v, *args,
+                               scale=scale, spec=spec, **operands)
+  for grad, ours in zip(("dq", "dk", "dv", "dbias"), grads):
+    assert bool(jnp.isfinite(ours).all()), grad
+    assert_within_rule(grad, ours, exact[grad], lowp[grad])
+
+
 def _check_masked_backward_without_scores(monkeypatch, case, variants, *,
                                           seed, why, flag=None,
                                           q_factor=1.0):

@@ -634,8 +634,9 @@ def consume(q_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
     elif static.max_free:  # |s| <= the cap: no max to subtract
       m_new, alpha, p = m, None, jnp.exp2(s * scale_log2)
     else:
-      m_new, alpha, p = exponentiate(s, m, scale_log2,
-                                     threshold=static.rescale_threshold)
+      m_new, alpha, p = exponentiate(
+          s, m, scale_log2, threshold=static.rescale_threshold,
+          unbounded=plan is not None and static.spec.unbounded_scores)
       acc = rescale(acc, alpha,
                     skip_ones=static.rescale_threshold is not None)
       if sum_by_mma:

@@ -426,8 +426,8 @@ def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
     logits_log2 = s * static.scale_log2 + across(keys * LOG2E, s.shape)
     if static.ranged and static.spec.has_bias:
       logits_log2 = logits_log2 + values.bias * LOG2E
-    return jnp.exp2(logits_log2 - broadcast(lse_log2 + queries * LOG2E,
-                                            s.shape)), None
+    return _weights(logits_log2 - broadcast(lse_log2 + queries * LOG2E,
+                                            s.shape), static), None
   if static.soft_cap is not None:  # the plain kernels' (never ranged)
     cap_only = masking.MaskSpec(q_len=static.num_q_blocks * static.block_q,
                                 kv_len=static.num_kv_blocks * static.block_kv,
@@ -446,7 +446,18 @@ def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
     logits, slope = modify(s * static.scale), None
   else:
     logits, slope = jax.jvp(modify, (s * static.scale,), (jnp.ones_like(s),))
-  return jnp.exp2(logits * LOG2E - broadcast(lse_log2, s.shape)), slope
+  return _weights(logits * LOG2E - broadcast(lse_log2, s.shape), static), slope
+
+
+def _weights(exponent, static: BackwardStatic):
+  """P = exp2(exponent) of logit - lse (log2 units); where a bias or
+  score_fn may take logits anywhere (`MaskSpec.unbounded_scores`) the
+  exponent is capped at 0, where it belongs: at |logit| near 1e10 an ulp
+  is 1024, and the LSE's rounding (and a product contracted into the
+  subtraction) could take it up to hundreds, P to inf."""
+  if static.ranged and static.spec.unbounded_scores:
+    exponent = jnp.minimum(exponent, 0.0)
+  return jnp.exp2(exponent)
 
 
 def _folded_cap_probabilities(s, lse_log2, broadcast, spec, values,

@@ -20,7 +20,8 @@ import numpy as np
 from pallas_kernels.mosaic.common import per_row
 
 
-def exponentiate(s, m, scale_log2, *, threshold: float | None = None):
+def exponentiate(s, m, scale_log2, *, threshold: float | None = None,
+                 unbounded: bool = False):
   """Online softmax on a [block_q, block_kv] tile of scores (-inf where
   masked) against the running max `m` (log2 units): (m_new, alpha = the
   factor for what was summed so far, p = the tile's exponentials, f32).
@@ -28,7 +29,14 @@ def exponentiate(s, m, scale_log2, *, threshold: float | None = None):
   With a `threshold` a row's max moves only when the tile's max exceeds it
   by more than that (`KernelStatic.rescale_threshold`), and its p stays
   below 2**threshold. A row whose max did not move has alpha exactly 1, or
-  0 while it has seen no key (its O and l are still 0)."""
+  0 while it has seen no key (its O and l are still 0).
+
+  `unbounded` (a bias or score_fn may take scores anywhere, say a padding
+  bias of -1e10): the exponent is capped where it belongs (at 0, or the
+  threshold). The max is taken of rounded products s * scale_log2 while
+  the exponent is one FMA of the unrounded product, so at |s| near 1e10
+  (an ulp of 1024) the exponent of a row's largest score could be up to
+  512: P = inf, and O NaN."""
   m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
   if threshold:  # 0.0 moves on any growth: m_new as it is
     m_new = jnp.where(m_new > m + threshold, m_new, m)
@@ -37,7 +45,10 @@ def exponentiate(s, m, scale_log2, *, threshold: float | None = None):
   m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_ref)
   # One FMA per score: s * (scale log2 e) - m (§3.1, exp2 on the MUFU).
-  p = jnp.exp2(s * scale_log2 - per_row(m_ref, s.shape))
+  exponent = s * scale_log2 - per_row(m_ref, s.shape)
+  if unbounded:
+    exponent = jnp.minimum(exponent, threshold or 0.0)
+  p = jnp.exp2(exponent)
   return m_new, alpha, p
 
 

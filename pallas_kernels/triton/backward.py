@@ -44,7 +44,7 @@ def _tile_gradients(q, k, v, do, lse2, delta, *, spec, scale, reader,
   values = reader.values(q_start, kv_start, group_index)
   qk = common.matmul(q, k, tiling.precision, transpose_b=True)
   s = common.logits_base2(spec, qk, scale, q_idx, kv_idx, values, masked)
-  p = jnp.exp2(s - lse2[:, None])
+  p = common.weights(s, lse2[:, None], spec.unbounded_scores)
   dp = common.matmul(do, v, tiling.precision, transpose_b=True)
   kept = common.dropout_keep(spec, reader, q_idx, kv_idx, batch, head)
   p_out = p

@@ -240,12 +240,14 @@ def softmax_init(rows: int, width: int):
           jnp.zeros((rows,), jnp.float32))
 
 
-def softmax_step(m, l, s, masked: bool):
+def softmax_step(m, l, s, masked: bool, unbounded: bool = False):
   """One K/V tile of the online softmax (FlashAttention-2 Alg. 1).
 
   Args:
     m, l: running max and sum [rows]; s: base-2 logits [rows, block_k].
     masked: the tile has masked (-inf) logits.
+    unbounded: a bias or score_fn may take logits anywhere (say a padding
+      bias of -1e10); see `weights`.
 
   Returns:
     (m_new, correction [rows] to scale acc by, p [rows, block_k] the
@@ -259,8 +261,21 @@ def softmax_step(m, l, s, masked: bool):
   else:
     m_new_safe = m_new
   correction = jnp.exp2(m - m_new_safe)
-  p = jnp.exp2(s - m_new_safe[:, None])
+  p = weights(s, m_new_safe[:, None], unbounded)
   return m_new, correction, p, l * correction + jnp.sum(p, axis=1)
+
+
+def weights(s, shift, unbounded: bool):
+  """exp2(s - shift) of base-2 logits s against a shift that is at least
+  their max (the running max, or the LSE in the backward). With
+  `unbounded` the exponent is capped at 0, where it belongs: at |s| near
+  1e10 an ulp of s is 1024, and a compiler that contracts the logit's
+  last multiply into the subtraction (an FMA) but rounds it where the max
+  or the LSE was taken leaves the exponent up to half of that off, so a
+  row of padding-biased logits got P = 2^512 = inf (NaN out, NaN dK)."""
+  if unbounded:
+    return jnp.exp2(jnp.minimum(s - shift, 0.0))
+  return jnp.exp2(s - shift)
 
 
 def softmax_finish(acc, m, l):

@@ -49,7 +49,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale: float, spec: MaskSpec,
     qk = common.matmul(q, k, tiling.precision, transpose_b=True)
     s = common.logits_base2(spec, qk, scale, q_idx, kv_idx, values, masked)
     m_new, correction, p, l = common.softmax_step(
-        m, l, s, masked or unbounded_scores)
+        m, l, s, masked or unbounded_scores, spec.unbounded_scores)
     kept = common.dropout_keep(spec, reader, q_idx, kv_idx, batch, head)
     if kept is not None:
       # The softmax sum uses every weight; only the output sees dropout.
