@@ -13,6 +13,7 @@ from jax_flash.reference import (AlibiSlopes, Bias, KeyValue, Lengths, Lse,
                                  SegmentIds, Sinks, Window)
 from jax_flash.validation import AttentionCall
 from pallas_kernels import compat
+from pallas_kernels import masking as kernel_masking
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.triton import flash_attention_triton
 
@@ -253,6 +254,7 @@ def triton_setup(call: AttentionCall, dtype, block_sizes, interpret):
   the kernels cannot run it."""
   head_dim = call.shape.head_dim
   check_triton_device(head_dim, interpret)
+  kernel_masking.check_no_captured_arrays(call.spec)
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(head_dim, dtype=dtype,
                                          kv_len=call.shape.kv_len)
@@ -329,6 +331,7 @@ def mosaic_setup(call: AttentionCall, block_sizes, interpret):
     from pallas_kernels import mosaic
   except ImportError as e:
     raise NotImplementedError(f"Mosaic GPU is not importable: {e}") from e
+  kernel_masking.check_no_captured_arrays(call.spec)
   return block_sizes, mosaic, with_block_mask(call)
 
 

@@ -555,6 +555,32 @@ _STRIP_EVALUATIONS = 1 << 24
 CONSTANT_BLOCK_MASK_STATES = 1 << 22
 
 
+def check_no_captured_arrays(spec: MaskSpec):
+  """NotImplementedError where `spec`'s mask_fn or score_fn closes over an
+  array (a document id per position, a slope per head): a Pallas kernel
+  cannot capture constants, so such a call is XLA's (where
+  `implementation=None` falls back). Read from one trace on scalars; a
+  function that does not trace there is left to the kernels."""
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  functions = (("mask_fn", spec.mask_fn, (i, i, i, i)),
+               ("score_fn", spec.score_fn,
+                (jax.ShapeDtypeStruct((), jnp.float32), i, i, i, i)))
+  for name, fn, args in functions:
+    if fn is None:
+      continue
+    try:
+      consts = jax.make_jaxpr(fn)(*args).consts
+    except Exception:  # noqa: BLE001  (the kernels' own trace will say)
+      continue
+    if consts:
+      shapes = ", ".join(str(getattr(c, "shape", ())) for c in consts)
+      raise NotImplementedError(
+          f"{name} closes over arrays (shapes {shapes}), which a Pallas "
+          f"kernel cannot capture: per-position ids go in segment_ids, "
+          f"per-head slopes in alibi_slopes, other terms in bias; "
+          f"implementation='xla' evaluates it as written")
+
+
 def arguments_used(mask_fn) -> tuple[bool, bool]:
   """Whether `mask_fn(b, h, q_idx, kv_idx)` reads `b` and `h`, from one
   trace of it on small int32 arguments. Conservative: an argument counts

@@ -96,3 +96,26 @@ def test_block_sizes_hashable_and_frozen():
   assert hash(a) == hash(b) and a == b
   with pytest.raises(Exception):
     a.block_q = 64  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["mask_fn", "score_fn"])
+def test_functions_closing_over_arrays_fall_back_to_xla(name):
+  """A mask_fn or score_fn that closes over an array (document ids per
+  position, slopes per head: Pallas kernels cannot capture constants):
+  a forced kernel refuses it with a NotImplementedError naming the
+  argument and what to pass instead; implementation=None takes XLA, whose
+  result it is."""
+  q, k, v = _qkv((1, 16, 2, 16), (1, 16, 2, 16))
+  q = q * jnp.arange(16.0)[None, :, None, None] / 16
+  doc = jnp.array([0] * 8 + [1] * 8)
+  slopes = jnp.array([0.1, 0.2])
+  kwargs = {"mask_fn": dict(mask_fn=lambda b, h, i, j: doc[i] == doc[j]),
+            "score_fn": dict(score_fn=lambda s, b, h, i, j:
+                             s - slopes[h] * jnp.abs(i - j))}[name]
+  with pytest.raises(NotImplementedError, match=f"{name} closes over arrays"
+                     r".*segment_ids.*alibi_slopes"):
+    jax_flash.flash_attention(q, k, v, implementation="triton",
+                              interpret=True, **kwargs)
+  fallback = jax_flash.flash_attention(q, k, v, interpret=True, **kwargs)
+  want = jax_flash.flash_attention(q, k, v, implementation="xla", **kwargs)
+  assert jnp.array_equal(fallback, want)
