@@ -138,7 +138,9 @@ def write_kv_cache(key_cache, value_cache, new_key, new_value, positions, *,
   Returns:
     (key_cache, value_cache) with the new rows written and nothing else
     changed. A scatter: under `jit` with the caches donated it updates them
-    in place. Positions past the capacity are dropped.
+    in place. Positions past the capacity are dropped; a negative one is
+    a ValueError where `positions` is concrete, and dropped where it is
+    traced (never wrapped round to the cache's end).
   """
   key_cache, value_cache = jnp.asarray(key_cache), jnp.asarray(value_cache)
   new_key, new_value = jnp.asarray(new_key), jnp.asarray(new_value)
@@ -158,21 +160,28 @@ def write_kv_cache(key_cache, value_cache, new_key, new_value, positions, *,
         "new_key must be [batch, t, num_kv_heads, head_dim] with the cache's "
         f"heads and head_dim {key_cache.shape[2:]}, got {new_key.shape}")
   positions = validation._check_int_array("positions", positions, (batch,))
+  values = validation._concrete_values(positions)
+  if values is not None and values.min() < 0:
+    raise ValueError(f"positions must be non-negative, got {values}")
   offsets = positions[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   if block_tables is None:
     if key_cache.shape[0] != batch:
       raise ValueError(f"new_key's batch ({batch}) must match the dense "
                        f"cache's ({key_cache.shape[0]})")
     # Positions past max_len are out of bounds: "drop" leaves the cache.
-    rows = (jnp.arange(batch, dtype=jnp.int32)[:, None], offsets)
+    # So are negative ones, which `.at[]` would count from the end.
+    rows = (jnp.arange(batch, dtype=jnp.int32)[:, None],
+            jnp.where(offsets < 0, key_cache.shape[1], offsets))
   else:
     tables = _block_tables(block_tables, batch)
     page_size = key_cache.shape[1]
     capacity = tables.shape[1] * page_size
     page = jnp.take_along_axis(
         tables, jnp.clip(offsets // page_size, 0, tables.shape[1] - 1), axis=1)
-    # Past the capacity: an out-of-range page index, which "drop" skips.
-    page = jnp.where(offsets < capacity, page, key_cache.shape[0])
+    # Past the capacity or before 0: an out-of-range page index, which
+    # "drop" skips.
+    page = jnp.where((offsets >= 0) & (offsets < capacity), page,
+                     key_cache.shape[0])
     rows = (page, offsets % page_size)
   write = lambda cache, new: cache.at[rows].set(new.astype(cache.dtype),
                                                 mode="drop")

@@ -236,13 +236,15 @@ def test_write_kv_cache_writes_only_the_new_rows(paged):
   cache_v = jax.random.normal(keys[1], (batch, capacity, kv_heads, dim))
   new_k = jax.random.normal(keys[2], (batch, t, kv_heads, dim))
   new_v = jax.random.normal(keys[3], (batch, t, kv_heads, dim))
-  # The last sequence's write runs past the capacity: those rows drop.
-  positions = jnp.asarray([0, 7, capacity - 1], jnp.int32)
+  # The last sequence's write runs past the capacity, the first's starts
+  # before 0 (positions traced): those rows drop, none wraps round.
+  positions = jnp.asarray([-2, 7, capacity - 1], jnp.int32)
   want_k, want_v = np.array(cache_k), np.array(cache_v)
   for b, p in enumerate(np.asarray(positions)):
-    n = min(t, capacity - p)
-    want_k[b, p:p + n] = new_k[b, :n]
-    want_v[b, p:p + n] = new_v[b, :n]
+    for i in range(t):
+      if 0 <= p + i < capacity:
+        want_k[b, p + i] = new_k[b, i]
+        want_v[b, p + i] = new_v[b, i]
   if not paged:
     got = jax.jit(jax_flash.write_kv_cache, donate_argnums=(0, 1))(
         cache_k, cache_v, new_k, new_v, positions)
@@ -257,6 +259,13 @@ def test_write_kv_cache_writes_only_the_new_rows(paged):
   # Spare pages (NaN) untouched too: compare with NaN equal to NaN.
   np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_pages_k))
   np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_pages_v))
+
+
+def test_write_kv_cache_refuses_concrete_negative_positions():
+  cache = jnp.zeros((2, 8, 1, 4))
+  new = jnp.ones((2, 3, 1, 4))
+  with pytest.raises(ValueError, match=r"positions must be non-negative"):
+    jax_flash.write_kv_cache(cache, cache, new, new, jnp.array([-1, 6]))
 
 
 def test_generation_loop_equals_full_attention():
