@@ -484,7 +484,8 @@ def classify_blocks(spec: MaskSpec, block_q: int, block_k: int, *,
     full = full & False
   states = _classify(empty, full)[:, None]                  # [B|1, 1, nq, nk]
   if fine_map is not None:
-    states = jnp.minimum(states, fine_map.coarsen(block_q, block_k))
+    states = jnp.minimum(states, fine_map.coarsen(block_q, block_k,
+                                                  states.shape[2:]))
   if spec.has_dense_mask and dense_mask is not None:
     states = jnp.minimum(states,
                          dense_block_states(dense_mask, block_q, block_k))
@@ -713,18 +714,35 @@ class BlockMask:
     return cls(lax.optimization_barrier(states), tile, mask_fn,
                built.lengths)
 
-  def coarsen(self, block_q: int, block_k: int):
-    """States for [block_q, block_k] tiles (multiples of `tile`)."""
-    if block_q % self.tile or block_k % self.tile:
-      raise ValueError(f"block sizes ({block_q}, {block_k}) must be multiples"
-                       f" of the BlockMask tile {self.tile}")
-    fq, fk = block_q // self.tile, block_k // self.tile
-    nb, nh, nq, nk = self.states.shape
-    cq, ck = -(-nq // fq), -(-nk // fk)
-    # Padding blocks are EMPTY for "any" and FULL for "all".
-    pad = ((0, 0), (0, 0), (0, cq * fq - nq), (0, ck * fk - nk))
-    lo = jnp.pad(self.states, pad, constant_values=FULL)
-    hi = jnp.pad(self.states, pad, constant_values=EMPTY)
-    lo = lo.reshape(nb, nh, cq, fq, ck, fk).min((3, 5))
-    hi = hi.reshape(nb, nh, cq, fq, ck, fk).max((3, 5))
-    return jnp.where(hi == EMPTY, EMPTY, jnp.where(lo == FULL, FULL, PARTIAL))
+  def coarsen(self, block_q: int, block_k: int,
+              counts: tuple[int, int] | None = None):
+    """States for [block_q, block_k] tiles. A block that is a multiple of
+    `tile` takes the states of the tiles it covers together; one that
+    divides it (a kernel's tile shrunk to a short sequence) takes its
+    tile's state. `counts`: the kernel's numbers of blocks (nq, nk), cut
+    to."""
+    lo = hi = self.states
+    for axis, block in ((2, block_q), (3, block_k)):
+      if block % self.tile == 0:
+        factor, n = block // self.tile, lo.shape[axis]
+        pad = [(0, 0)] * 4
+        pad[axis] = (0, -(-n // factor) * factor - n)
+        split = (*lo.shape[:axis], -(-n // factor), factor,
+                 *lo.shape[axis + 1:])
+        # Padding blocks are EMPTY for "any" and FULL for "all".
+        lo = jnp.pad(lo, pad, constant_values=FULL).reshape(split).min(
+            axis + 1)
+        hi = jnp.pad(hi, pad, constant_values=EMPTY).reshape(split).max(
+            axis + 1)
+      elif self.tile % block == 0:
+        lo = jnp.repeat(lo, self.tile // block, axis=axis)
+        hi = jnp.repeat(hi, self.tile // block, axis=axis)
+      else:
+        raise ValueError(
+            f"block sizes ({block_q}, {block_k}) must be multiples or "
+            f"divisors of the BlockMask tile {self.tile}")
+    states = jnp.where(hi == EMPTY, EMPTY,
+                       jnp.where(lo == FULL, FULL, PARTIAL))
+    if counts is not None:
+      states = states[:, :, :counts[0], :counts[1]]
+    return states

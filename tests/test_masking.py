@@ -157,6 +157,15 @@ def test_block_mask_coarsening():
       np.asarray(fine.states)[0, 0], 2 * (np.indices((4, 4)).sum(0) % 2 == 0))
   # 32 x 32 tiles mix kept and dropped 16 x 16 blocks: all partial.
   assert (np.asarray(fine.coarsen(32, 32)) == masking.PARTIAL).all()
+  # 8-row tiles (a kernel's tiles shrunk to a short sequence) take their
+  # 16 x 16 block's state; 16 x 64 strips mix them; cut to the counts.
+  finer = np.asarray(fine.coarsen(8, 16, (7, 4)))[0, 0]
+  np.testing.assert_array_equal(
+      finer, np.repeat(np.asarray(fine.states)[0, 0], 2, axis=0)[:7])
+  mixed = np.asarray(fine.coarsen(8, 64))[0, 0]
+  assert mixed.shape == (8, 1) and (mixed == masking.PARTIAL).all()
+  with pytest.raises(ValueError, match="multiples or divisors"):
+    fine.coarsen(24, 16)
 
 
 @pytest.mark.parametrize("mask_fn, used", [

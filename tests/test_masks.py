@@ -289,6 +289,20 @@ def test_block_mask_is_reusable_and_skips_empty_tiles():
   np.testing.assert_allclose(got, want, atol=2e-6)
 
 
+def test_block_mask_of_larger_tiles_than_a_short_call_takes():
+  """A BlockMask kept at 64 x 64 over a call of 20 x 30 tokens, whose
+  kernel tiles shrink below it: each kernel tile takes its BlockMask
+  tile's state (was a ValueError, with no fallback)."""
+  mask_fn = lambda b, h, i, j: (i + j) % 3 != 0
+  block_mask = BlockMask.from_mask_fn(mask_fn, batch=1, num_heads=1,
+                                      q_len=20, kv_len=30, tile=64)
+  q, k, v, _, _ = random_inputs(Case(1, 20, 30, 2, 1, 16), jnp.float32, 5)
+  got = jax_flash.flash_attention(q, k, v, mask_fn=block_mask,
+                                  implementation="triton", interpret=True)
+  want = jax_flash.attention_reference(q, k, v, mask_fn=mask_fn)
+  np.testing.assert_allclose(got, want, atol=2e-6)
+
+
 def test_variants_under_jit_and_vmap():
   q, k, v, _, _ = random_inputs(SELF, jnp.float32, 4)
   variants = dict(is_causal=True, segment_ids=SEG_SELF,
