@@ -353,16 +353,17 @@ def tile_states(spec: masking.MaskSpec, block_q: int, block_kv: int, *,
 
   Raises:
     ValueError: `spec.mask_fn` without its `block_mask` (`block_mask_of`).
-    NotImplementedError: a `block_mask` tile that does not divide the
-      kernel's tiles.
+    NotImplementedError: a `block_mask` tile that neither divides the
+      kernel's tiles nor is a multiple of them (`BlockMask.coarsen`).
   """
   if spec.mask_fn is not None:
     if block_mask is None:
       raise ValueError("mask_fn needs its BlockMask (block_mask=)")
-    if block_q % block_mask.tile or block_kv % block_mask.tile:
+    tile = block_mask.tile
+    if any(block % tile and tile % block for block in (block_q, block_kv)):
       raise NotImplementedError(
-          f"the BlockMask's tile {block_mask.tile} does not divide the "
-          f"kernel's tiles ({block_q}, {block_kv})")
+          f"the BlockMask's tile {tile} neither divides the kernel's tiles "
+          f"({block_q}, {block_kv}) nor is a multiple of them")
   states = masking.classify_blocks(
       spec, block_q, block_kv, q_offset=q_offset, q_lengths=q_lengths,
       kv_lengths=kv_lengths, q_segments=q_segments, kv_segments=kv_segments,
