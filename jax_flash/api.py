@@ -75,7 +75,8 @@ def flash_attention(
       (chunked prefill, decoding against a cache).
     logits_soft_cap: logits = cap * tanh(logits / cap) (Gemma 2).
     alibi_slopes: float32 [num_heads] or [batch, num_heads]; adds
-      -slope * |q_pos - kv_idx| to the logits. Not differentiated.
+      -slope * |q_pos - kv_idx| to the logits. Not differentiated: their
+      gradient is zero from every implementation.
     mask_fn: (b, h, q_idx, kv_idx) -> bool, jnp ops traced into the kernels.
       Its block sparsity is computed once, as the call is traced, and kept
       in the compiled program (for one batch or head where mask_fn ignores

@@ -268,7 +268,9 @@ def _check_alibi(alibi_slopes, shape: AttentionShape):
         f"alibi_slopes must have shape [num_heads] = ({shape.num_heads},) or"
         f" [batch, num_heads] = ({shape.batch}, {shape.num_heads}), got "
         f"{slopes.shape}")
-  return slopes.astype(jnp.float32)
+  # Not differentiated (the kernels take no gradient for them): the same
+  # zero gradient from every implementation and the reference.
+  return jax.lax.stop_gradient(slopes.astype(jnp.float32))
 
 
 def _dropout_seed(dropout_rate, dropout_rng):

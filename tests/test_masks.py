@@ -391,3 +391,24 @@ def test_random_variant_combinations(data):
   if data.draw(st.booleans(), "softcap"):
     variants["logits_soft_cap"] = data.draw(st.floats(0.5, 10.0))
   _check(case, **variants)
+
+
+def test_alibi_slopes_take_no_gradient_anywhere():
+  """`alibi_slopes` are not differentiated: every implementation and the
+  reference give them a zero gradient (the XLA path and the reference had
+  given a real one while the kernels gave zeros), and q's gradient is
+  unchanged."""
+  q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 15)
+  slopes = jnp.array([0.3, 0.1, 0.05, 0.2])
+
+  def loss(fn, q, slopes, **kw):
+    return jnp.sum(fn(q, k, v, alibi_slopes=slopes, is_causal=True, **kw)
+                   * d_out)
+  runs = [(jax_flash.attention_reference, {}),
+          (jax_flash.flash_attention, dict(implementation="xla")),
+          (jax_flash.flash_attention, dict(implementation="triton",
+                                           block_sizes=BLOCKS))]
+  grads = [jax.grad(loss, (1, 2))(fn, q, slopes, **kw) for fn, kw in runs]
+  for dq, d_slopes in grads:
+    np.testing.assert_array_equal(d_slopes, 0.0)
+    np.testing.assert_allclose(dq, grads[0][0], atol=2e-5)
