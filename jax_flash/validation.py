@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Any
 
 import jax
@@ -153,18 +154,26 @@ def _check_lengths(name: str, lengths, batch: int, limit: int):
 def _check_window(local_window_size):
   if local_window_size is None:
     return None
+  bad = TypeError("local_window_size must be an int or a (left, right) "
+                  f"pair of ints or None, got {local_window_size!r}")
   if isinstance(local_window_size, (int, np.integer)):
     window = (int(local_window_size), int(local_window_size))
   else:
     try:
       left, right = local_window_size
+      window = tuple(None if w is None else operator.index(w)
+                     for w in (left, right))
     except (TypeError, ValueError) as e:
-      raise TypeError("local_window_size must be an int or a (left, right) "
-                      f"pair, got {local_window_size!r}") from e
-    window = tuple(None if w is None else int(w) for w in (left, right))
+      raise bad from e
   if any(w is not None and w < 0 for w in window):
     raise ValueError(f"local_window_size must be >= 0, got {local_window_size}")
-  return window
+  # A side of 2^30 or more bounds nothing a sequence reaches, and q_pos +
+  # right would overflow int32 in the masks: unbounded.
+  return tuple(None if w is not None and w >= _UNBOUNDED_WINDOW else w
+               for w in window)
+
+
+_UNBOUNDED_WINDOW = 1 << 30
 
 
 def _broadcastable(name: str, x, shape: AttentionShape):
@@ -274,7 +283,12 @@ def _check_alibi(alibi_slopes, shape: AttentionShape):
 
 
 def _dropout_seed(dropout_rate, dropout_rng):
-  if not isinstance(dropout_rate, (int, float)) or not 0.0 <= dropout_rate < 1.0:
+  try:  # Python, NumPy or concrete JAX scalars; static in the kernels
+    dropout_rate = float(dropout_rate)
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
+    raise ValueError(f"dropout_rate must be a number in [0, 1) known when "
+                     f"the call is traced, got {dropout_rate!r}") from e
+  if not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f"dropout_rate must be a number in [0, 1), got "
                      f"{dropout_rate!r}")
   if not dropout_rate:
@@ -331,7 +345,11 @@ def normalise_call(query, key, value, *, bias=None, mask=None, scale=None,
     if segment_ids is None:
       segment_ids, mask = _vector_mask_as_segments(mask, shape)
   if logits_soft_cap is not None:
-    logits_soft_cap = float(logits_soft_cap)
+    try:
+      logits_soft_cap = float(logits_soft_cap)
+    except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
+      raise TypeError(f"logits_soft_cap must be a number known when the "
+                      f"call is traced, got {logits_soft_cap!r}") from e
     if not logits_soft_cap > 0:
       raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
   for name, fn in (("mask_fn", mask_fn), ("score_fn", score_fn)):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_flash
@@ -119,3 +120,31 @@ def test_functions_closing_over_arrays_fall_back_to_xla(name):
   fallback = jax_flash.flash_attention(q, k, v, interpret=True, **kwargs)
   want = jax_flash.flash_attention(q, k, v, implementation="xla", **kwargs)
   assert jnp.array_equal(fallback, want)
+
+
+def test_scalar_arguments_of_other_types():
+  """NumPy and concrete JAX scalars are numbers (dropout_rate); what is
+  not a number gets an error naming its argument; a window side past any
+  sequence (2^30 and more, where q_pos + right would overflow int32) is
+  unbounded, as None."""
+  key = jax.random.key(0)
+  q, k, v = (jax.random.normal(jax.random.key(i), shape) for i, shape in
+             enumerate(((2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16))))
+  for rate in (np.float32(0.25), jnp.float32(0.25)):
+    got = jax_flash.flash_attention(q, k, v, dropout_rate=rate,
+                                    dropout_rng=key, implementation="xla")
+    want = jax_flash.flash_attention(q, k, v, dropout_rate=0.25,
+                                     dropout_rng=key, implementation="xla")
+    assert jnp.array_equal(got, want)
+  with pytest.raises(TypeError, match="local_window_size must be an int"):
+    jax_flash.flash_attention(q, k, v, local_window_size=("a", 2))
+  with pytest.raises(TypeError, match="logits_soft_cap must be a number"):
+    jax_flash.flash_attention(q, k, v, logits_soft_cap="a")
+  with pytest.raises(ValueError, match="dropout_rate must be a number"):
+    jax_flash.flash_attention(q, k, v, dropout_rate="a", dropout_rng=key)
+  for side in (2**31 - 1, 2**31, 2**40):
+    got = jax_flash.flash_attention(q, k, v, local_window_size=(side, 0),
+                                    implementation="xla")
+    want = jax_flash.flash_attention(q, k, v, is_causal=True,
+                                     implementation="xla")
+    assert jnp.array_equal(got, want)
