@@ -36,7 +36,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale: float, spec: MaskSpec,
   # A bias or score_fn can take a whole row of an unmasked tile to -inf
   # (a padding bias at float32's lowest: `masking.LOWEST_LOGIT`): such
   # tiles keep the guard against exp2(-inf - -inf) too.
-  unbounded_scores = spec.has_bias or spec.score_fn is not None
+  rows_may_empty = spec.has_bias or spec.score_fn is not None
 
   def body(j, carry, masked: bool):
     acc, m, l = carry
@@ -49,7 +49,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale: float, spec: MaskSpec,
     qk = common.matmul(q, k, tiling.precision, transpose_b=True)
     s = common.logits_base2(spec, qk, scale, q_idx, kv_idx, values, masked)
     m_new, correction, p, l = common.softmax_step(
-        m, l, s, masked or unbounded_scores, spec.unbounded_scores)
+        m, l, s, masked or rows_may_empty, spec.unbounded_scores)
     kept = common.dropout_keep(spec, reader, q_idx, kv_idx, batch, head)
     if kept is not None:
       # The softmax sum uses every weight; only the output sees dropout.
