@@ -461,8 +461,10 @@ def test_interpreted_forward_sinks(case, options):
     # Without a running max, the row sum P V takes by the tensor cores.
     (Case(1, 256, 256, 2, 1, 64), True, 20.0, None, "mma sum", {}),
     # Each row's max from its first step (`plan.MAX_FREE_FIRST_STEP_MAX`),
-    # one unrounded sum; GQA 2:1's two heads in a persistent CTA's walk.
-    (Case(1, 256, 256, 2, 1, 64), True, 40.0, None, "first step max", {}),
+    # one unrounded sum; GQA 2:1's two heads in a persistent CTA's walk
+    # (CI's ten minutes: the masked row of one key's test takes the form).
+    slow(Case(1, 256, 256, 2, 1, 64), True, 40.0, None, "first step max",
+         {}),
     # The running max at exp2's scale cap log2(e) past any bound on P;
     # not causal, a ragged key tail, sinks.
     slow(Case(1, 128, 200, 2, 2, 64), False, 100.0, SINKS, None, {}),
