@@ -65,6 +65,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_flash import validation
 from jax_flash.api import flash_attention
 from jax_flash.residual_backward import flash_attention_backward
 
@@ -74,6 +75,9 @@ STRATEGIES = ("ring", "all_gather")
 _STATIC_KWARGS = ("local_window_size", "logits_soft_cap")
 # Arrays that depend on which shard a pair covers; adjusted per pair.
 _ARRAY_KWARGS = ("segment_ids", "query_seq_lengths", "key_value_seq_lengths")
+# What `sequence_parallel_attention` checks on the global arrays.
+_GLOBAL_CHECKS = _ARRAY_KWARGS + ("scale", "local_window_size",
+                                  "logits_soft_cap")
 # Need global positions inside the kernel (or are positions themselves).
 _REFUSED_KWARGS = ("bias", "mask", "q_offset", "alibi_slopes", "mask_fn",
                    "score_fn", "dropout_rng")
@@ -730,8 +734,16 @@ def sequence_parallel_attention(query, key, value, *, mesh, axis_name,
     out [batch, seq_len, num_heads, head_dim], or (out, lse) with
     `return_residual=True`.
   """
+  if axis_name not in mesh.shape:
+    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh "
+                     f"(its axes: {tuple(mesh.shape)})")
   num_shards = mesh.shape[axis_name]
   is_causal = attention_kwargs.pop("is_causal", False)
+  # The global call's checks, before shard_map: inside it the lengths are
+  # traced (no range check) and the shapes are the shards'.
+  validation.normalise_call(query, key, value, is_causal=is_causal, **{
+      name: attention_kwargs[name] for name in _GLOBAL_CHECKS
+      if attention_kwargs.get(name) is not None})
   zigzag = bool(load_balance and is_causal and num_shards > 1)
   parts = 2 * num_shards if zigzag else num_shards
   for name, x in (("query", query), ("key", key)):

@@ -8,6 +8,7 @@ single-device pieces (merge, layout, errors, a one-device mesh) run here.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -178,6 +179,26 @@ def test_sequence_not_divisible_by_the_mesh_axis():
                                 is_causal=True)
   with pytest.raises(ValueError, match=r"divisible by 4 .*\(1, 18, 2, 16\)"):
     sequence_parallel_attention(*_qkv(18), mesh=mesh, axis_name="sp")
+
+
+def test_global_arguments_are_checked_before_the_shards():
+  """Lengths out of range, a value of another shape and a mesh axis that
+  is not there: errors naming the argument and the global shapes (inside
+  shard_map the lengths are traced and the shapes are the shards')."""
+  mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
+  q, k, v = _qkv()
+  run = functools.partial(sequence_parallel_attention, mesh=mesh,
+                          implementation="xla")
+  with pytest.raises(ValueError, match=r"key_value_seq_lengths must lie in "
+                     r"\[0, 24\], got \[40\]"):
+    run(q, k, v, axis_name="sp", key_value_seq_lengths=jnp.array([40]))
+  with pytest.raises(ValueError, match=r"query_seq_lengths must lie"):
+    run(q, k, v, axis_name="sp", query_seq_lengths=jnp.array([-1]))
+  with pytest.raises(ValueError, match=r"value \(1, 12, 1, 16\)"):
+    run(q, k, v[:, :12], axis_name="sp")
+  with pytest.raises(ValueError, match=r"axis_name 'xx' is not an axis of "
+                     r"the mesh \(its axes: \('sp',\)\)"):
+    run(q, k, v, axis_name="xx")
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
