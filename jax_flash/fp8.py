@@ -127,8 +127,10 @@ def hadamard_rotation(head_dim: int, seed: int | jax.Array = 0
   Returns:
     float32 [head_dim, head_dim].
   """
-  if not isinstance(head_dim, (int, np.integer)) or head_dim < 1 or (
-      head_dim & (head_dim - 1)):
+  if not isinstance(head_dim, (int, np.integer)):
+    raise TypeError(f"head_dim must be a Python int (a static size), got "
+                    f"{head_dim!r}")
+  if head_dim < 1 or head_dim & (head_dim - 1):
     raise ValueError("head_dim must be a power of two for the Hadamard "
                      f"rotation, got {head_dim!r}")
   walsh = np.ones((1, 1), np.float32)
