@@ -191,8 +191,8 @@ def test_padding_at_minus_1e10_stays_finite(form):
   """Padding by a large finite logit, as many codebases write it: a bias of
   -1e10 on the padded keys and queries (rows of nothing but padding), or a
   `score_fn` setting them there. float32 keeps no part of q·k at that
-  magnitude (an ulp is 1024), and without the kernels' cap on P's exponent
-  (`triton.common.weights`) such rows gave NaN out and NaN dK everywhere.
+  magnitude (an ulp is 1024), and P's exponent there needs the kernels' cap
+  (`triton.common.weights`; without it such rows are NaN, and so is dK).
   Out, the LSE and the gradients (padded rows' cotangents zero, as a masked
   loss gives them) are the reference's, causal, GQA, tails."""
   q, k, v, d_out, d_lse = random_inputs(CASE, jnp.float32, 14)
@@ -292,7 +292,7 @@ def test_block_mask_is_reusable_and_skips_empty_tiles():
 def test_block_mask_of_larger_tiles_than_a_short_call_takes():
   """A BlockMask kept at 64 x 64 over a call of 20 x 30 tokens, whose
   kernel tiles shrink below it: each kernel tile takes its BlockMask
-  tile's state (was a ValueError, with no fallback)."""
+  tile's state (`BlockMask.coarsen`'s finer tiles)."""
   mask_fn = lambda b, h, i, j: (i + j) % 3 != 0
   block_mask = BlockMask.from_mask_fn(mask_fn, batch=1, num_heads=1,
                                       q_len=20, kv_len=30, tile=64)
@@ -395,9 +395,8 @@ def test_random_variant_combinations(data):
 
 def test_alibi_slopes_take_no_gradient_anywhere():
   """`alibi_slopes` are not differentiated: every implementation and the
-  reference give them a zero gradient (the XLA path and the reference had
-  given a real one while the kernels gave zeros), and q's gradient is
-  unchanged."""
+  reference give them a zero gradient (the kernels take none, so XLA and
+  the reference stop it too), and q's gradients agree."""
   q, k, v, d_out, _ = random_inputs(CASE, jnp.float32, 15)
   slopes = jnp.array([0.3, 0.1, 0.05, 0.2])
 

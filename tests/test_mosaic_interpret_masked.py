@@ -502,8 +502,8 @@ def test_interpreted_padding_bias_at_minus_1e10(monkeypatch):
   and backward stay finite and within the rule against the reference
   (the padded queries' cotangents zero, as a masked loss gives them). At
   that magnitude float32's ulp is 1024 and the exponent of P, one FMA,
-  overshot the row max taken of rounded products: without the cap on it
-  (`MaskSpec.unbounded_scores`) 56 rows of O were NaN."""
+  can overshoot the row max taken of rounded products: without its cap
+  (`softmax.capped_exp2`) 56 rows of O here are NaN."""
   from pallas_kernels.mosaic import backward
   from pallas_kernels.mosaic.masked import mosaic_forward_masked
   from pallas_kernels.mosaic.masked_backward import mosaic_backward_masked

@@ -41,6 +41,7 @@ from pallas_kernels.mosaic.common import (
     PlanRow, ScoreTiles, SlopeRows, launch_grid, per_column, per_row,
     persistent_schedule, read_plan, register_split, swizzled)
 from pallas_kernels.mosaic.rows import copy_rows_in, wgmma, wgmma_count
+from pallas_kernels.mosaic.softmax import capped_exp2
 
 
 # The fused dQ's fourth warpgroup (the dQ writer) takes its registers from
@@ -450,14 +451,10 @@ def tile_probabilities(s, lse_log2, broadcast, values, static: BackwardStatic,
 
 
 def _weights(exponent, static: BackwardStatic):
-  """P = exp2(exponent) of logit - lse (log2 units); where a bias or
-  score_fn may take logits anywhere (`MaskSpec.unbounded_scores`) the
-  exponent is capped at 0, where it belongs: at |logit| near 1e10 an ulp
-  is 1024, and the LSE's rounding (and a product contracted into the
-  subtraction) could take it up to hundreds, P to inf."""
-  if static.ranged and static.spec.unbounded_scores:
-    exponent = jnp.minimum(exponent, 0.0)
-  return jnp.exp2(exponent)
+  """P = exp2(exponent) of logit - lse (log2 units), capped at 0 where a
+  bias or score_fn may take logits anywhere (`softmax.capped_exp2`)."""
+  unbounded = static.ranged and static.spec.unbounded_scores
+  return capped_exp2(exponent, 0.0 if unbounded else None)
 
 
 def _folded_cap_probabilities(s, lse_log2, broadcast, spec, values,

@@ -32,11 +32,8 @@ def exponentiate(s, m, scale_log2, *, threshold: float | None = None,
   0 while it has seen no key (its O and l are still 0).
 
   `unbounded` (a bias or score_fn may take scores anywhere, say a padding
-  bias of -1e10): the exponent is capped where it belongs (at 0, or the
-  threshold). The max is taken of rounded products s * scale_log2 while
-  the exponent is one FMA of the unrounded product, so at |s| near 1e10
-  (an ulp of 1024) the exponent of a row's largest score could be up to
-  512: P = inf, and O NaN."""
+  bias of -1e10): the exponent is capped where it belongs
+  (`capped_exp2`)."""
   m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
   if threshold:  # 0.0 moves on any growth: m_new as it is
     m_new = jnp.where(m_new > m + threshold, m_new, m)
@@ -45,11 +42,22 @@ def exponentiate(s, m, scale_log2, *, threshold: float | None = None,
   m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_ref)
   # One FMA per score: s * (scale log2 e) - m (§3.1, exp2 on the MUFU).
-  exponent = s * scale_log2 - per_row(m_ref, s.shape)
-  if unbounded:
-    exponent = jnp.minimum(exponent, threshold or 0.0)
-  p = jnp.exp2(exponent)
+  p = capped_exp2(s * scale_log2 - per_row(m_ref, s.shape),
+                  (threshold or 0.0) if unbounded else None)
   return m_new, alpha, p
+
+
+def capped_exp2(exponent, bound: float | None):
+  """exp2 of an exponent that belongs at or below `bound` (None: taken as
+  it is). The forward's against its running max (bound 0, or the lazy
+  rescale's threshold) and the backward's against the LSE (0) where a
+  bias or score_fn may take logits anywhere (`MaskSpec.unbounded_scores`):
+  at |logit| near 1e10 an ulp is 1024, and the exponent, one FMA of the
+  unrounded product against a max or LSE of rounded ones, can exceed its
+  bound by hundreds (P = inf, O NaN)."""
+  if bound is not None:
+    exponent = jnp.minimum(exponent, bound)
+  return jnp.exp2(exponent)
 
 
 def add_rounded(a, b, layout):
