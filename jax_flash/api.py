@@ -7,7 +7,8 @@ from typing import Literal
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
-from jax_flash import builtin_forms, masking, reference, validation
+from jax_flash import (builtin_forms, higher_order, masking, reference,
+                       validation)
 from jax_flash.reference import (AlibiSlopes, Bias, KeyValue, Lengths, Lse,
                                  Mask, MaskFn, Out, QOffset, Query, ScoreFn,
                                  SegmentIds, Sinks, Window)
@@ -139,11 +140,16 @@ def flash_attention(
   # The kernels take a score_fn or mask_fn of a built-in form as the
   # built-ins; XLA evaluates it as written.
   kernel_call, lse_shift = builtin_forms.as_builtin(call)
-  out, lse = dispatch(implementation, interpret, lambda name, interpret_: (
-      _IMPLEMENTATIONS[name](call if name == "xla" else kernel_call, query,
-                             key, value, block_sizes=block_sizes,
-                             interpret=interpret_, lse_shift=lse_shift)),
-      triton_first=triton_first(kernel_call, query.dtype))
+
+  def run(name, interpret_):
+    if name == "xla":
+      return _IMPLEMENTATIONS[name](call, query, key, value)
+    return _on_kernels(_IMPLEMENTATIONS[name], kernel_call, lse_shift, query,
+                       key, value, block_sizes=block_sizes,
+                       interpret=interpret_)
+
+  out, lse = dispatch(implementation, interpret, run,
+                      triton_first=triton_first(kernel_call, query.dtype))
   out, lse = restore(out, lse)
   return (out, lse) if return_residual else out
 
@@ -233,6 +239,32 @@ def _candidates(implementation, *, on_gpu: bool, interpret: bool,
   if on_gpu or interpret:
     return ("triton", "mosaic", "xla") if triton_first else IMPLEMENTATIONS
   return ("xla",)
+
+
+def _on_kernels(run_kernels, call: AttentionCall, lse_shift, query, key,
+                value, **kernel_options):
+  """`run_kernels(call, ...)` ((out, lse) as the API returns them), its
+  gradients the kernels' and theirs XLA's (`higher_order`)."""
+  def kernels(diff, other):
+    (query, key, value, bias, sinks), (operands, lse_shift) = diff, other
+    return run_kernels(_with_arrays(call, operands, bias, sinks), query, key,
+                       value, lse_shift=lse_shift, **kernel_options)
+
+  def xla(diff, other):
+    (query, key, value, bias, sinks), (operands, lse_shift) = diff, other
+    out, lse = _run_xla(_with_arrays(call, operands, bias, sinks), query,
+                        key, value)
+    if lse_shift is not None:
+      lse = lse + jnp.swapaxes(lse_shift, 1, 2)
+    return out, lse
+
+  return higher_order.with_reference_derivatives(
+      kernels, xla, (query, key, value, call.bias, call.sinks),
+      (call.operands, lse_shift))
+
+
+def _with_arrays(call: AttentionCall, operands, bias, sinks) -> AttentionCall:
+  return dataclasses.replace(call, operands=operands, bias=bias, sinks=sinks)
 
 
 def _run_xla(call: AttentionCall, query, key, value, **_):

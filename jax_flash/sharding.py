@@ -65,7 +65,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_flash import validation
+from jax_flash import higher_order, validation
 from jax_flash.api import flash_attention
 from jax_flash.residual_backward import flash_attention_backward
 
@@ -561,7 +561,13 @@ def _local_attention(query, key, value, *, axis_name, strategy: str,
   if strategy == "all_gather" and not is_causal and not zigzag:
     out, lse = _gathered_full_attention(plan, query, key, value, extras)
   else:
-    out, lse = _sharded_attention(plan, query, key, value, extras)
+    # Second-order derivatives by autodiff of the same sweeps on XLA (the
+    # kernels' backward cannot be differentiated again; `higher_order`).
+    on_xla = dataclasses.replace(plan, implementation="xla")
+    out, lse = higher_order.with_reference_derivatives(
+        lambda qkv, extras: _sharded_attention(plan, *qkv, extras),
+        lambda qkv, extras: _forward(on_xla, *qkv, extras),
+        (query, key, value), extras)
   return (out, lse) if return_residual else out
 
 

@@ -3,7 +3,7 @@
 Both kernel families, the Triton kernels (sm80+) and the Mosaic kernels
 (sm90), in bfloat16 at small model sizes, under `jit` of `grad`, `vmap` and
 `vmap` of `grad`, `lax.scan` over layers with `jax.checkpoint` policies,
-`eval_shape`, Flax's drop-in modules in `nn.scan` of `nn.remat` and
+grad of grad and Hessian-vector products, `eval_shape`, Flax's drop-in modules in `nn.scan` of `nn.remat` and
 `nnx.scan`, `jax.shard_map` with `check_vma` True and False (data parallel;
 `ring_attention` on a data x sequence mesh), `sequence_parallel_attention`
 and `pmap`. Errors obey DESIGN's rule: at most twice those of the same
@@ -105,6 +105,23 @@ def test_scan_over_layers_with_checkpoint_on_gpu(implementation, policy):
               run(naive(jnp.float32), *upcast((h, ks, vs, d_h))),
               run(naive(DTYPE), h, ks, vs, d_h),
               ("h", "lse", "dh", "dk", "dv"))
+
+
+def test_grad_of_grad_and_hessian_vector_product_on_gpu(implementation):
+  """`matrix.second_order` (grad of a loss of the gradients, and a
+  Hessian-vector product) through the kernels, whose gradients' own
+  derivatives are XLA's (`jax_flash.higher_order`)."""
+  inputs = matrix.random_inputs(CASE, 4, dtype=DTYPE)
+  weights = matrix.random_inputs(CASE, 5, dtype=DTYPE)[:3]
+  tangents = matrix.random_inputs(CASE, 6, dtype=DTYPE)[:3]
+
+  def run(attend, args):
+    return jax.jit(lambda *a: matrix.second_order(attend, a[:5], a[5:8],
+                                                  a[8:]))(*args)
+  args = (*inputs, *weights, *tangents)
+  assert_rule(run(matrix.attention(implementation), args),
+              run(naive(jnp.float32), upcast(args)), run(naive(DTYPE), args),
+              ("dq", "dk", "dv") * 2)
 
 
 def test_eval_shape_on_gpu(implementation):

@@ -2,8 +2,9 @@
 
 Forward and gradients of causal `flash_attention`, the Triton kernels in
 interpret mode and XLA, under `jit` of `grad`, `vmap` and `vmap` of `grad`,
-`lax.scan` over layers with `vjp`, `jax.checkpoint` with two policies and
-`eval_shape`; and Flax's drop-in modules inside `nn.scan` of `nn.remat` and
+`lax.scan` over layers with `vjp`, `jax.checkpoint` with two policies,
+second order (grad of a loss of the gradients, and Hessian-vector products,
+with masks, a bias and sinks) and `eval_shape`; and Flax's drop-in modules inside `nn.scan` of `nn.remat` and
 `nnx.scan`. Inputs and cotangents are random; the oracle is
 `jax_flash.attention_reference` (Flax's own modules for the Flax rows).
 
@@ -11,7 +12,7 @@ The rows that need several devices are `CHECKS`, run by
 `tests/sharding_worker.py` in a child process with 8 CPU devices (as
 tests/test_sharding.py's): `jax.shard_map` with `check_vma` True and False,
 the gradient taken inside (data parallel over the batch; `ring_attention` on
-a data x sequence mesh), and `pmap`. Under `shard_map` the results with
+a data x sequence mesh, and its second order), and `pmap`. Under `shard_map` the results with
 `check_vma=True` must equal those with `check_vma=False` bitwise.
 `sequence_parallel_attention`, whose own `shard_map` checks types, is
 differentiated with the Triton kernels in tests/sharding_worker.py
@@ -161,6 +162,57 @@ def reference_results():
       *random_inputs(CASE))
 
 
+def first_order_loss(attend, d_out, d_lse, weights):
+  """(q, k, v, extras) -> the first-order gradients' inner product with
+  `weights` (a gradient penalty; MAML's inner step differentiated again):
+  `attend(q, k, v, extras)` -> (out, lse) at cotangents (d_out, d_lse)."""
+  def loss(*args):
+    out, lse = attend(*args)
+    return jnp.sum(out * d_out) + jnp.sum(lse * d_lse)
+
+  def penalty(*args):
+    grads = jax.grad(loss, argnums=tuple(range(len(args))))(*args)
+    return sum(jnp.sum(g * w) for g, w in zip(jax.tree.leaves(grads),
+                                              jax.tree.leaves(weights)))
+  return loss, penalty
+
+
+SEGMENTS = jnp.asarray(np.repeat([[0, 1, 2]], CASE.batch, 0).repeat(
+    [9, 12, 7], axis=1), jnp.int32)
+
+
+def masked_attention(implementation: str):
+  """`(q, k, v, (bias, sinks)) -> (out, lse)` under packed documents, a
+  window and a soft cap, with a differentiable bias and sinks."""
+  attend = (jax_flash.attention_reference if implementation == "reference"
+            else functools.partial(jax_flash.flash_attention,
+                                   implementation=implementation))
+
+  def run(q, k, v, extras):
+    bias, sinks = extras
+    return attend(q, k, v, bias, is_causal=True, segment_ids=SEGMENTS,
+                  local_window_size=(9, 0), logits_soft_cap=5.0, sinks=sinks,
+                  return_residual=True)
+  return run
+
+
+def second_order_inputs(seed: int):
+  """(args, d_out, d_lse, weights, tangents) of `first_order_loss` for
+  `masked_attention`: args (q, k, v, (bias, sinks)); weights and tangents
+  random, shaped as args."""
+  q, k, v, d_out, d_lse = random_inputs(CASE, seed)
+  keys = jax.random.split(jax.random.key(seed + 100), 4)
+  bias = jax.random.normal(keys[0], (1, CASE.num_heads, CASE.q_len,
+                                     CASE.kv_len))
+  sinks = jax.random.normal(keys[1], (CASE.num_heads,))
+  args = (q, k, v, (bias, sinks))
+  leaves, tree = jax.tree.flatten(args)
+  random_like = lambda key: jax.tree.unflatten(tree, [
+      jax.random.normal(sub, x.shape, x.dtype)
+      for sub, x in zip(jax.random.split(key, len(leaves)), leaves)])
+  return args, d_out, d_lse, random_like(keys[2]), random_like(keys[3])
+
+
 # ---------------------------------------------------------------------------
 # One device.
 
@@ -188,6 +240,25 @@ def test_scan_over_layers_with_checkpoint(implementation, policy):
   run = lambda impl: jax.jit(scanned_layers(attention(impl), policy, d_h,
                                             d_lse))(h, ks, vs)
   assert_close(run(implementation), run("reference"))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_grad_of_grad_and_hessian_vector_product(implementation):
+  """Second-order derivatives through the kernels (`jax_flash.
+  higher_order`: the kernels' gradients, their own derivatives XLA's) of
+  every differentiable input, masks on: `jax.grad` of a loss of the
+  gradients, and a Hessian-vector product (`jax.jvp` of `jax.grad`)."""
+  args, d_out, d_lse, weights, tangents = second_order_inputs(4)
+
+  def run(impl):
+    loss, penalty = first_order_loss(masked_attention(impl), d_out, d_lse,
+                                     weights)
+    grad_loss = jax.grad(loss, argnums=(0, 1, 2, 3))
+    hvp = jax.jvp(lambda *a: grad_loss(*a), args, tangents)[1]
+    return jax.grad(penalty, argnums=(0, 1, 2, 3))(*args), hvp
+
+  assert_close(jax.jit(lambda: run(implementation))(),
+               jax.jit(lambda: run("reference"))())
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -375,6 +446,45 @@ def _ring_check(implementation):
   return assert_close(checked, reference_results())
 
 
+def second_order(attend, inputs, weights, tangents):
+  """(grad of `first_order_loss`'s penalty, a Hessian-vector product) of
+  `attend(q, k, v) -> (out, lse)`: inputs (q, k, v, d_out, d_lse), weights
+  and tangents shaped as (q, k, v)."""
+  q, k, v, d_out, d_lse = inputs
+  loss, penalty = first_order_loss(attend, d_out, d_lse, weights)
+  grad_loss = jax.grad(loss, argnums=(0, 1, 2))
+  hvp = jax.jvp(grad_loss, (q, k, v), tangents)[1]
+  return (*jax.grad(penalty, argnums=(0, 1, 2))(q, k, v), *hvp)
+
+
+def _ring_second_order_check(implementation):
+  """`second_order` of load-balanced causal `ring_attention` inside
+  `shard_map` on a (data, sequence) mesh of 2 x 2 against the reference's
+  on one device (the kernels' gradients, their derivatives by the ring's
+  sweeps on XLA)."""
+  inputs = random_inputs(CASE, 7)
+  _, _, _, weights, tangents = second_order_inputs(8)
+  weights, tangents = weights[:3], tangents[:3]
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "sp"))
+  spec = PartitionSpec("dp", "sp")
+  order = zigzag_indices(CASE.q_len, mesh.shape["sp"])
+  attend = functools.partial(ring_attention, axis_name="sp", is_causal=True,
+                             load_balance=True, return_residual=True,
+                             implementation=implementation)
+
+  def body(q, k, v, d_out, d_lse, w_q, w_k, w_v, t_q, t_k, t_v):
+    return second_order(attend, (q, k, v, d_out, d_lse), (w_q, w_k, w_v),
+                        (t_q, t_k, t_v))
+
+  sharded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 11,
+                                  out_specs=(spec,) * 6))
+  got = sharded(*(x[:, order] for x in (*inputs, *weights, *tangents)))
+  got = tuple(x[:, jnp.argsort(order)] for x in got)
+  want = jax.jit(lambda: second_order(attention("reference"), inputs,
+                                      weights, tangents))()
+  return assert_close(got, want)
+
+
 def _builtin_forms_check(implementation):
   """A causal window as `mask_fn` and ALiBi as `score_fn`, which the
   kernels run as the built-ins (`jax_flash.builtin_forms`: slopes and the
@@ -404,6 +514,8 @@ CHECKS = {
     for implementation in IMPLEMENTATIONS
     for name, check in (("shard_map-data_parallel", _data_parallel_check),
                         ("shard_map-ring", _ring_check),
+                        ("shard_map-ring-second_order",
+                         _ring_second_order_check),
                         ("shard_map-builtin_forms", _builtin_forms_check),
                         ("pmap", _pmap_check))}
 
