@@ -166,9 +166,10 @@ def first_order_loss(attend, d_out, d_lse, weights):
   """(q, k, v, extras) -> the first-order gradients' inner product with
   `weights` (a gradient penalty; MAML's inner step differentiated again):
   `attend(q, k, v, extras)` -> (out, lse) at cotangents (d_out, d_lse)."""
-  def loss(*args):
+  def loss(*args):  # its cotangents depend on the output: a real Hessian
     out, lse = attend(*args)
-    return jnp.sum(out * d_out) + jnp.sum(lse * d_lse)
+    return (jnp.sum(out * d_out) + jnp.sum(lse * d_lse)
+            + 0.5 * jnp.sum(jnp.square(out.astype(jnp.float32))))
 
   def penalty(*args):
     grads = jax.grad(loss, argnums=tuple(range(len(args))))(*args)
@@ -259,6 +260,17 @@ def test_grad_of_grad_and_hessian_vector_product(implementation):
 
   assert_close(jax.jit(lambda: run(implementation))(),
                jax.jit(lambda: run("reference"))())
+
+
+def test_forward_mode_of_the_kernels_names_the_way_out():
+  """`jax.jvp` of the attention itself cannot run the kernels (a custom VJP
+  is reverse mode only): the error says so and names XLA, which runs it."""
+  q, k, v, _, _ = random_inputs(CASE)
+  jvp = lambda impl: jax.jvp(lambda q: attention(impl)(q, k, v)[0], (q,),
+                             (v[:, :, :1].repeat(CASE.num_heads, 2),))
+  with pytest.raises(TypeError, match="implementation='xla'"):
+    jvp("triton")
+  assert jvp("xla")[1].shape == q.shape
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
